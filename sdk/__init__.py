@@ -1,0 +1,1 @@
+"""kvplug: pluggable KV-cache storage tiers for vLLM."""

@@ -1,0 +1,188 @@
+"""One config schema, loaded from a YAML file, ``KVPLUG_*`` environment overrides and a dict.
+
+Precedence (later wins): built-in defaults < YAML file (``$KVPLUG_CONFIG``, or a ``config_file``
+key / path given by the caller) < the caller's dict (what vLLM passes as
+``kv_connector_extra_config``) < ``KVPLUG_*`` environment variables. Nested fields use ``__``:
+``KVPLUG_CHUNK_SIZE=512``, ``KVPLUG_SAVE_DECODE=true``, ``KVPLUG_TIERS='[{backend: local_cpu}]'``
+(values are parsed as YAML). Every unknown key or bad value is a :class:`ConfigError` that names
+it and what is accepted. Sizes accept ``8GiB``, ``512MB``, ``1e9``...
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, ValidationError
+
+from .errors import ConfigError
+
+ENV_PREFIX = "KVPLUG_"
+#: Environment variables with a meaning of their own (not config overrides).
+RESERVED_ENV = {"KVPLUG_CONFIG", "KVPLUG_CACHE_DIR", "KVPLUG_LOG_LEVEL", "KVPLUG_LOAD_BACKENDS"}
+
+
+def default_cache_dir() -> Path:
+    """``$KVPLUG_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvplug``, else ``~/.cache/kvplug``."""
+    if os.environ.get("KVPLUG_CACHE_DIR"):
+        return Path(os.environ["KVPLUG_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvplug"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TierConfig(_Strict):
+    """One storage tier: which backend, its name, its options."""
+
+    backend: str = Field(description="entry-point name (e.g. 'posix') or 'package.module:Class'")
+    name: str | None = Field(default=None, description="unique tier name; defaults to backend")
+    options: dict[str, Any] = Field(default_factory=dict, description="passed to the backend")
+    timeout_s: float = Field(
+        default=5.0, gt=0, description="bound on one get/contains of this tier; past it, a miss"
+    )
+
+    @property
+    def tier_name(self) -> str:
+        return self.name or self.backend
+
+
+def default_tiers() -> list[TierConfig]:
+    """The built-in tiers: 2 GiB of host RAM in front of a 20 GiB disk cache."""
+    return [
+        TierConfig(backend="local_cpu", options={"capacity": "2GiB"}),
+        TierConfig(
+            backend="posix",
+            options={"path": str(default_cache_dir() / "chunks"), "capacity": "20GiB"},
+        ),
+    ]
+
+
+class KVPlugConfig(_Strict):
+    """Everything kvplug reads. Connector-only settings are ignored by a bare StorageManager."""
+
+    chunk_size: PositiveInt = Field(default=256, description="tokens per chunk")
+    tiers: list[TierConfig] = Field(default_factory=default_tiers, min_length=1)
+    layerwise: bool = Field(default=False, description="move KV layer by layer (else in bulk)")
+    save_partial_chunk: bool = Field(
+        default=False, description="store the last, partial chunk of a prompt too"
+    )
+    save_decode: bool = Field(default=False, description="store KV produced while decoding")
+    lookup_timeout_s: float = Field(
+        default=2.0, gt=0, description="scheduler->worker lookup; past it, a miss"
+    )
+    model_name: str | None = Field(
+        default=None, description="the model name used in keys (default: vLLM's model)"
+    )
+    log_every_load: bool = Field(default=True, description="one INFO line per request that loads")
+
+    def tier_names(self) -> list[str]:
+        return [t.tier_name for t in self.tiers]
+
+
+def parse_size(value: str | int | float) -> int:
+    """``'8GiB'`` -> 8589934592; raises ConfigError naming the value."""
+    try:
+        return int(_SizeModel(size=value).size)
+    except ValidationError:
+        raise ConfigError(
+            f"size {value!r} is not understood; use bytes or a unit like '512MiB', '8GiB', '1GB'"
+        ) from None
+
+
+class _SizeModel(BaseModel):
+    size: ByteSize
+
+
+def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    fields = KVPlugConfig.model_fields
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV:
+            continue
+        path = name[len(ENV_PREFIX) :].lower().split("__")
+        if path[0] not in fields:
+            allowed = ", ".join(ENV_PREFIX + f.upper() for f in fields)
+            raise ConfigError(f"environment variable {name} is not a kvplug setting; allowed: "
+                              f"{allowed} (and {', '.join(sorted(RESERVED_ENV))})")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return out
+
+
+def _explain(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            model: type[BaseModel] = KVPlugConfig
+            if len(err["loc"]) > 1 and err["loc"][0] == "tiers":
+                model = TierConfig
+            allowed = ", ".join(model.model_fields)
+            lines.append(f"unknown config key {loc!r}; allowed keys here: {allowed}")
+        else:
+            lines.append(f"config value {loc!r}={err.get('input')!r}: {err['msg']}")
+    return "; ".join(lines)
+
+
+def load_config(
+    source: KVPlugConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> KVPlugConfig:
+    """Build a validated config from a dict, a YAML path, or nothing (defaults + environment).
+
+    A dict may name a YAML file under ``config_file``; its other keys override the file's.
+    """
+    if isinstance(source, KVPlugConfig):
+        return source
+    env = os.environ if env is None else env
+    data: dict[str, Any] = {}
+    if env.get("KVPLUG_CONFIG"):
+        data = _read_yaml(env["KVPLUG_CONFIG"])
+    if isinstance(source, (str, os.PathLike)):
+        data = _deep_merge(data, _read_yaml(source))
+    elif source is not None:
+        given = dict(source)
+        if "config_file" in given:
+            data = _deep_merge(data, _read_yaml(given.pop("config_file")))
+        data = _deep_merge(data, given)
+    data = _deep_merge(data, _env_overrides(env))
+    try:
+        return KVPlugConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc)) from None

@@ -1,0 +1,35 @@
+"""Typed errors. Every message names the bad value and what would be accepted."""
+
+from __future__ import annotations
+
+
+class KVPlugError(Exception):
+    """Base class of every error kvplug raises on purpose."""
+
+
+class ConfigError(KVPlugError, ValueError):
+    """A config key or value is wrong (unknown key, bad type, out-of-range size...)."""
+
+
+class BackendNotFoundError(KVPlugError, LookupError):
+    """A tier names a backend that no installed package declares."""
+
+
+class BackendConflictError(KVPlugError):
+    """Two installed packages declare the same backend name."""
+
+
+class BackendLoadError(KVPlugError, ImportError):
+    """A backend's entry point could not be imported or is not a class."""
+
+
+class BackendValidationError(KVPlugError, TypeError):
+    """A backend does not honour the hook contract (wrong argument names, missing hooks...)."""
+
+
+class MemoryObjFreedError(KVPlugError, RuntimeError):
+    """A memory object was used after its last reference was dropped."""
+
+
+class ChunkFormatError(KVPlugError, ValueError):
+    """Bytes claiming to be a kvplug chunk file are truncated, corrupt or of another version."""

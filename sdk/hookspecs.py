@@ -1,0 +1,183 @@
+"""The backend contract: pluggy hook specifications every kvplug storage tier implements.
+
+A *backend* is a class. kvplug finds it through the ``kvplug.backends`` entry-point group (or a
+``"module:Class"`` path in the config), constructs **one instance per configured tier** as
+``Backend(ctx)`` with a :class:`TierContext`, and registers the instance in the
+:class:`~kvplug.storage_manager.StorageManager`'s ``pluggy.PluginManager``. Registration validates
+every ``@hookimpl`` against the specs below, so a wrong argument name fails at startup with the
+backend's name in the error. A minimal backend::
+
+    from kvplug.hookspecs import hookimpl, TierContext
+
+    class DictBackend:
+        def __init__(self, ctx: TierContext):
+            self.entries = {}
+
+        @hookimpl
+        def batched_submit_put(self, keys, objs):
+            for key, obj in zip(keys, objs):
+                self.entries[key] = bytes(obj.byte_view.numpy())   # copy: do not keep obj
+
+        @hookimpl
+        def get(self, key):
+            data = self.entries.get(key)
+            ...  # allocate with ctx.allocate(...) and fill it, or return None
+
+        @hookimpl
+        def contains(self, keys, pin):
+            return [k in self.entries for k in keys]
+
+        @hookimpl
+        def evict(self, keys, nbytes):
+            ...
+
+Rules that hold for every hook:
+
+* **Keyword calls, subset of arguments.** kvplug calls hooks with keyword arguments only. An
+  implementation may declare any *subset* of a spec's arguments (e.g. ``contains(self, keys)``);
+  it may not declare an argument the spec does not have.
+* **Per tier.** Fan-out hooks are called on one tier at a time by the StorageManager (it needs to
+  know which tier answered); ``firstresult`` hooks stop at the first non-``None`` answer.
+* **Misses are not errors.** A missing, evicted, truncated or corrupt entry is a miss: return
+  ``None`` / ``False``, log it once, drop or quarantine the bad entry. Never return wrong bytes.
+  An exception escaping a hook is treated as a *tier fault*: the StorageManager logs it once,
+  counts it in ``stats`` and treats the call as a miss (or a dropped store); serving goes on.
+* **Threads.** Hooks may be called from several threads at once; guard your own state.
+* **References** (see :mod:`kvplug.memory`): an object handed *to* a hook is borrowed — call
+  ``obj.ref_up()`` to keep it past the call and ``obj.ref_down()`` when done. An object returned
+  *from* ``allocate``/``get``/``get_layers`` carries one reference owned by the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .keys import CacheKey
+    from .memory import MemoryFormat, MemoryObj
+
+PROJECT = "kvplug"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+#: Hooks every backend must implement; the rest are optional.
+REQUIRED_HOOKS = ("batched_submit_put", "get", "contains", "evict")
+
+
+@dataclass
+class TierContext:
+    """What a backend's constructor receives.
+
+    Attributes:
+        name: the tier's name in the config (unique; e.g. ``"l1"`` or ``"disk"``).
+        options: the tier's ``options`` mapping. If the backend class has an ``Options``
+            attribute (a pydantic model), it is an instance of that model, validated with unknown
+            keys rejected; otherwise the raw dict.
+        allocate: ``allocate(shape, dtype, fmt, num_tokens) -> MemoryObj | None`` — memory for a
+            chunk being read, from the fastest tier that owns a pool (so a later promotion into
+            L1 is zero-copy), or from the heap when none does. ``None`` when memory is full: treat
+            the read as a miss.
+        chunk_size: tokens per chunk (for sizing; chunk objects carry their own token count).
+        extra: anything else the host passes (the connector puts ``role``, ``rank``...).
+    """
+
+    name: str
+    options: Any
+    allocate: Callable[..., MemoryObj | None]
+    chunk_size: int = 256
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class BackendSpec:
+    """The hook specifications. Every hook is documented where it is declared."""
+
+    @hookspec(firstresult=True)
+    def allocate(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        fmt: MemoryFormat,
+        num_tokens: int,
+    ) -> MemoryObj | None:
+        """Memory for one chunk, from a tier that owns a memory pool (first answer wins).
+
+        Only tiers that own memory implement this (``local_cpu`` owns the host pool; a GDS tier
+        may own device memory). Return a fresh :class:`~kvplug.memory.MemoryObj` of ``shape`` and
+        ``dtype`` whose single reference belongs to the caller, or ``None`` when the pool is full
+        even after evicting what may be evicted. Must not block waiting for memory to free up.
+        """
+
+    @hookspec
+    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        """Store ``objs[i]`` under ``keys[i]`` (called on every tier: write-through).
+
+        ``objs`` are borrowed: ``ref_up()`` each one you keep past this call (an in-memory tier
+        keeps it; a disk or remote tier keeps it until its write is done, then ``ref_down()``).
+        **Must not block on I/O**: queue slow writes on your own threads and return. A key already
+        stored may be skipped. A store that cannot be done (full, read-only, remote down) is
+        dropped, counted in ``stats`` and logged once — never raised into the engine. An entry must
+        not become visible to ``contains``/``get`` (here or in another process) before all of its
+        bytes are durable enough to be read back whole.
+        """
+
+    @hookspec(firstresult=True)
+    def get(self, key: CacheKey) -> MemoryObj | None:
+        """The whole chunk stored under ``key``, or ``None`` on a miss.
+
+        The returned object carries one reference owned by the caller (an in-memory tier returns
+        its own object after ``ref_up()``: zero-copy; a disk tier reads into memory from
+        ``ctx.allocate``). May block on I/O — the StorageManager bounds it with the tier's
+        timeout. Verify sizes and checksums before returning: a bad entry is a miss, never bytes.
+        """
+
+    @hookspec(firstresult=True)
+    def get_layers(self, key: CacheKey, first_layer: int, num_layers: int) -> MemoryObj | None:
+        """Optional: layers ``[first_layer, first_layer + num_layers)`` of a ``KV_PAGES`` chunk.
+
+        The object's shape is ``[num_layers, blocks, page_bytes]``. Tiers that can read a range
+        cheaply (files with aligned layers, ranged object reads) implement it for layer-wise
+        loading; others are served by :meth:`get`.
+        """
+
+    @hookspec
+    def contains(self, keys: Sequence[CacheKey], pin: bool) -> list[bool]:
+        """For each key, whether this tier holds it now (one ``bool`` per key, same order).
+
+        Must be cheap and side-effect free except for ``pin``: with ``pin=True`` every entry
+        answered ``True`` is protected from eviction until :meth:`unpin` is called with its key
+        (pins count: pinning twice needs two unpins). Never block on slow I/O longer than the
+        tier's timeout; on doubt, answer ``False``.
+        """
+
+    @hookspec
+    def unpin(self, keys: Sequence[CacheKey]) -> None:
+        """Optional: release one pin (from ``contains(pin=True)``) on each key. Unknown keys are
+        ignored."""
+
+    @hookspec
+    def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
+        """Drop entries; return the number of bytes freed.
+
+        With ``keys``: drop those entries (pinned entries and objects a reader still holds are
+        skipped). With ``keys=None``: free at least ``nbytes`` under the tier's own policy (e.g.
+        LRU), as far as unpinned entries allow. Never raises for unknown keys.
+        """
+
+    @hookspec
+    def flush(self, timeout: float) -> bool:
+        """Optional: wait up to ``timeout`` seconds for queued writes; True if none is left."""
+
+    @hookspec
+    def close(self) -> None:
+        """Optional: drain queued writes, release every reference and resource. Called once."""
+
+    @hookspec
+    def stats(self) -> dict[str, float]:
+        """Optional: counters for logs and metrics (``entries``, ``bytes``, ``dropped_puts``,
+        ``corrupt``...). Cheap; called from any thread."""

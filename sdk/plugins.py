@@ -1,0 +1,124 @@
+"""Backend discovery: entry points in the ``kvplug.backends`` group, validated against the specs.
+
+Backends load lazily — only the ones a config names (and all of them for ``kvplug backends``).
+``KVPLUG_LOAD_BACKENDS=name1,name2`` restricts discovery to those names (like pytest's
+``PYTEST_DISABLE_PLUGIN_AUTOLOAD``), so a stray installed package cannot break a deployment.
+An unknown name, two packages declaring one name, an import failure or a hook that fails
+validation is an error naming the backend and its package; nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+
+import pluggy
+
+from .errors import (
+    BackendConflictError,
+    BackendLoadError,
+    BackendNotFoundError,
+    BackendValidationError,
+)
+from .hookspecs import PROJECT, REQUIRED_HOOKS, BackendSpec
+
+ENTRY_POINT_GROUP = "kvplug.backends"
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """One declared backend: its name, ``module:attr`` target and the distribution declaring it."""
+
+    name: str
+    target: str
+    package: str
+    version: str
+
+    def load(self) -> type:
+        return _import_target(self.target, self.name, self.package)
+
+
+def _dist_of(ep: EntryPoint) -> tuple[str, str]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "<unknown package>", "?"
+    return dist.metadata["Name"], dist.version
+
+
+def discover_backends() -> dict[str, BackendInfo]:
+    """Every backend declared by an installed package (without importing any of them)."""
+    allow = {n.strip() for n in os.environ.get("KVPLUG_LOAD_BACKENDS", "").split(",") if n.strip()}
+    found: dict[str, BackendInfo] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if allow and ep.name not in allow:
+            continue
+        package, version = _dist_of(ep)
+        info = BackendInfo(ep.name, ep.value, package, version)
+        prior = found.get(ep.name)
+        if prior is not None and (prior.package, prior.target) != (package, ep.value):
+            raise BackendConflictError(
+                f"backend name {ep.name!r} is declared by two packages: {prior.package} "
+                f"({prior.target}) and {package} ({ep.value}); uninstall one, or select one "
+                "explicitly with backend: 'module:Class' in the tier config"
+            )
+        found[ep.name] = info
+    return found
+
+
+def _import_target(target: str, name: str, package: str) -> type:
+    module_name, _, attr = target.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in attr.split(".") if attr else []:
+            obj = getattr(obj, part)
+    except Exception as exc:  # noqa: BLE001 - any import failure is reported with its cause
+        raise BackendLoadError(
+            f"backend {name!r} from package {package} could not be loaded from {target!r}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(obj, type):
+        raise BackendLoadError(
+            f"backend {name!r} from package {package}: {target!r} is a "
+            f"{type(obj).__name__}, not a class; point the entry point at the backend class"
+        )
+    return obj
+
+
+def load_backend_class(name: str) -> tuple[type, BackendInfo]:
+    """The validated class for a configured backend name or ``"module:Class"`` path."""
+    if ":" in name:
+        info = BackendInfo(name, name, name.partition(":")[0], "?")
+    else:
+        backends = discover_backends()
+        if name not in backends:
+            known = ", ".join(sorted(backends)) or "none"
+            raise BackendNotFoundError(
+                f"backend {name!r} is not installed; installed backends: {known}. Install the "
+                f"package that declares it under [project.entry-points.\"{ENTRY_POINT_GROUP}\"], "
+                "or name a class directly as 'package.module:Class'"
+            )
+        info = backends[name]
+    cls = info.load()
+    validate_backend_class(cls, info.name, info.package)
+    return cls, info
+
+
+def validate_backend_class(cls: type, name: str, package: str = "?") -> None:
+    """Check a backend class against the hook specs; raise ``BackendValidationError`` if it fails."""
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(BackendSpec)
+    try:
+        pm.register(cls, name=f"validate:{name}")
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise BackendValidationError(
+            f"backend {name!r} from package {package} does not honour the kvplug contract: {exc}"
+        ) from exc
+    missing = [h for h in REQUIRED_HOOKS if not getattr(pm.hook, h).get_hookimpls()]
+    if missing:
+        raise BackendValidationError(
+            f"backend {name!r} from package {package} implements no @hookimpl for required "
+            f"hook(s) {', '.join(missing)}; see kvplug.hookspecs for their signatures"
+        )

@@ -1,0 +1,364 @@
+"""The StorageManager: one pluggy PluginManager, one backend instance per tier, in tier order.
+
+It is the only thing the cache engine talks to. It decides *which tier* answers; backends decide
+*how* bytes are kept. Every hook call goes through :meth:`_call`, which turns an exception from a
+backend into a counted, once-logged miss, and bounds calls on slow tiers (all but the first) with
+the tier's ``timeout_s`` so a stalled tier degrades to a miss instead of hanging the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+import torch
+from pydantic import BaseModel, ValidationError
+
+from .config import KVPlugConfig, TierConfig, load_config
+from .errors import BackendLoadError, ConfigError, KVPlugError
+from .hookspecs import PROJECT, BackendSpec, TierContext
+from .keys import CacheKey
+from .memory import MemoryFormat, MemoryObj, heap_memory_obj
+from .metrics import TierMetrics
+from .plugins import load_backend_class
+
+logger = logging.getLogger("kvplug.storage")
+
+_HOOKS = (
+    "allocate", "batched_submit_put", "get", "get_layers", "contains", "unpin", "evict",
+    "flush", "close", "stats",
+)
+
+
+@dataclass
+class PrefixLookup:
+    """Result of :meth:`StorageManager.lookup_prefix`."""
+
+    num_chunks: int
+    tiers: list[str] = field(default_factory=list)  # tier that holds each hit chunk
+    pinned: bool = False
+
+
+class _Tier:
+    """One configured tier: its backend instance, metrics wrapper and per-tier hook callers."""
+
+    def __init__(self, index: int, config: TierConfig, backend: object, package: str) -> None:
+        self.index = index
+        self.name = config.tier_name
+        self.config = config
+        self.backend = backend
+        self.package = package
+        self.metrics = TierMetrics(self.name)
+        self.hooks: dict[str, Any] = {}
+        self.faults = 0
+        self.timeouts = 0
+
+    def implements(self, hook: str) -> bool:
+        return any(impl.plugin is self.backend for impl in self.hooks[hook].get_hookimpls())
+
+
+class StorageManager:
+    """Tiers of storage behind one API: allocate, put, get, prefix lookup, evict, close."""
+
+    def __init__(self, config: KVPlugConfig | dict | str | None = None, **extra: Any) -> None:
+        self.config = load_config(config)
+        self.chunk_size = self.config.chunk_size
+        self.pm = pluggy.PluginManager(PROJECT)
+        self.pm.add_hookspecs(BackendSpec)
+        self._tiers: list[_Tier] = []
+        self._scope: dict[int, set[str] | None] = {}  # id(plugin) -> tiers it applies to
+        self._plugins: dict[int, object] = {}
+        self._logged: set[tuple[str, str]] = set()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvplug-tier")
+        names = self.config.tier_names()
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(
+                f"tier name(s) {dupes} appear more than once; give each tier a unique 'name'"
+            )
+        try:
+            for index, tier_cfg in enumerate(self.config.tiers):
+                self._add_tier(index, tier_cfg, extra)
+        except BaseException:
+            self.close()
+            raise
+        logger.info(
+            "kvplug storage ready: %s",
+            " -> ".join(f"{t.name} ({t.config.backend})" for t in self._tiers),
+        )
+
+    # -- construction ---------------------------------------------------------------------------
+    def _add_tier(self, index: int, cfg: TierConfig, extra: dict[str, Any]) -> None:
+        cls, info = load_backend_class(cfg.backend)
+        options: Any = dict(cfg.options)
+        model = getattr(cls, "Options", None)
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            try:
+                options = model.model_validate(cfg.options)
+            except ValidationError as exc:
+                problems = "; ".join(
+                    f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})"
+                    for e in exc.errors()
+                )
+                raise ConfigError(
+                    f"tier {cfg.tier_name!r} (backend {cfg.backend!r}): bad options: {problems}. "
+                    f"Allowed options: {', '.join(model.model_fields)}"
+                ) from None
+        ctx = TierContext(
+            name=cfg.tier_name,
+            options=options,
+            allocate=self._allocate_for_reads,
+            chunk_size=self.chunk_size,
+            extra=dict(extra),
+        )
+        try:
+            backend = cls(ctx)
+        except KVPlugError:
+            raise
+        except Exception as exc:
+            raise BackendLoadError(
+                f"tier {cfg.tier_name!r}: backend {cfg.backend!r} from package {info.package} "
+                f"failed to start: {type(exc).__name__}: {exc}"
+            ) from exc
+        tier = _Tier(index, cfg, backend, info.package)
+        self._register(backend, f"tier:{tier.name}", {tier.name})
+        self._register(tier.metrics, f"metrics:{tier.name}", {tier.name})
+        self._tiers.append(tier)
+        self._rebuild_callers()
+
+    def _register(self, plugin: object, name: str, tiers: set[str] | None) -> None:
+        self.pm.register(plugin, name=name)
+        self._scope[id(plugin)] = tiers
+        self._plugins[id(plugin)] = plugin
+
+    def _rebuild_callers(self) -> None:
+        for tier in self._tiers:
+            foreign = [
+                p for pid, p in self._plugins.items()
+                if self._scope[pid] is not None and tier.name not in self._scope[pid]
+            ]
+            tier.hooks = {h: self.pm.subset_hook_caller(h, foreign) for h in _HOOKS}
+
+    def add_wrapper(self, plugin: object, tiers: Sequence[str] | None = None) -> None:
+        """Register a ``@hookimpl(wrapper=True)`` plugin on some tiers (all if ``None``)."""
+        unknown = set(tiers or ()) - set(self.tier_names)
+        if unknown:
+            raise ConfigError(f"unknown tier(s) {sorted(unknown)}; tiers are {self.tier_names}")
+        self._register(plugin, f"wrapper:{id(plugin)}", None if tiers is None else set(tiers))
+        self._rebuild_callers()
+
+    # -- plumbing -------------------------------------------------------------------------------
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self._tiers]
+
+    def _fault(self, tier: _Tier, hook: str, exc: BaseException) -> None:
+        tier.faults += 1
+        if (tier.name, hook) not in self._logged:
+            self._logged.add((tier.name, hook))
+            logger.warning(
+                "tier %r (%s) failed in %s: %s: %s — treated as a miss; further failures of "
+                "this kind are counted in stats, not logged",
+                tier.name, tier.config.backend, hook, type(exc).__name__, exc,
+            )
+
+    def _call(self, tier: _Tier, hook: str, bounded: bool = False, **kwargs: Any) -> Any:
+        """Call one tier's hook; exceptions (and, if ``bounded``, timeouts) become ``None``."""
+        caller = tier.hooks[hook]
+        if not bounded or tier.index == 0:
+            try:
+                return caller(**kwargs)
+            except Exception as exc:  # noqa: BLE001 - a tier fault is a miss
+                self._fault(tier, hook, exc)
+                return None
+        return self._wait(tier, hook, self._executor.submit(caller, **kwargs))
+
+    def _wait(self, tier: _Tier, hook: str, fut: Future) -> Any:
+        try:
+            return fut.result(timeout=tier.config.timeout_s)
+        except FutureTimeout:
+            tier.timeouts += 1
+            fut.add_done_callback(_drop_late_result)
+            self._fault(tier, hook, TimeoutError(f"no answer within {tier.config.timeout_s}s"))
+            return None
+        except Exception as exc:  # noqa: BLE001
+            self._fault(tier, hook, exc)
+            return None
+
+    # -- allocation -----------------------------------------------------------------------------
+    def allocate(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype = torch.uint8,
+        fmt: MemoryFormat = MemoryFormat.KV_PAGES,
+        num_tokens: int = 0,
+    ) -> MemoryObj | None:
+        """Memory for a chunk from the first tier owning a pool; heap if none does; None if full."""
+        owners = 0
+        for tier in self._tiers:
+            if not tier.implements("allocate"):
+                continue
+            owners += 1
+            obj = self._call(tier, "allocate", shape=tuple(shape), dtype=dtype, fmt=fmt,
+                             num_tokens=num_tokens)
+            if obj is not None:
+                return obj
+        if owners:
+            return None
+        return heap_memory_obj(tuple(shape), dtype, fmt, num_tokens)
+
+    _allocate_for_reads = allocate
+
+    def batched_allocate(self, count: int, shape: tuple[int, ...], **kwargs: Any) -> list[MemoryObj]:
+        """Up to ``count`` objects (fewer when memory runs out)."""
+        out: list[MemoryObj] = []
+        for _ in range(count):
+            obj = self.allocate(shape, **kwargs)
+            if obj is None:
+                break
+            out.append(obj)
+        return out
+
+    # -- store ----------------------------------------------------------------------------------
+    def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        """Write-through to every tier. The caller keeps (and later drops) its own references."""
+        if len(keys) != len(objs):
+            raise ValueError(f"batched_put got {len(keys)} keys but {len(objs)} objects")
+        if not keys:
+            return
+        for tier in self._tiers:
+            self._call(tier, "batched_submit_put", keys=list(keys), objs=list(objs))
+
+    # -- retrieve -------------------------------------------------------------------------------
+    def get(self, key: CacheKey, *, promote: bool = True) -> MemoryObj | None:
+        """The chunk from the fastest tier holding it; a lower-tier hit is promoted into L1."""
+        for tier in self._tiers:
+            obj = self._call(tier, "get", bounded=True, key=key)
+            if obj is not None:
+                if promote and tier.index > 0:
+                    self._call(self._tiers[0], "batched_submit_put", keys=[key], objs=[obj])
+                return obj
+        return None
+
+    def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        """:meth:`get` for many keys; slow tiers are read concurrently."""
+        if len(keys) <= 1:
+            return [self.get(k) for k in keys]
+        return list(self._executor.map(self.get, keys)) if len(self._tiers) > 1 else [
+            self.get(k) for k in keys
+        ]
+
+    def get_layers(self, key: CacheKey, first_layer: int, num_layers: int) -> MemoryObj | None:
+        """Part of a chunk from a tier that reads layer ranges; ``None`` if none has it."""
+        for tier in self._tiers:
+            if not tier.implements("get_layers"):
+                continue
+            obj = self._call(tier, "get_layers", bounded=True, key=key,
+                             first_layer=first_layer, num_layers=num_layers)
+            if obj is not None:
+                return obj
+        return None
+
+    def lookup_prefix(self, keys: Sequence[CacheKey], pin: bool = False) -> PrefixLookup:
+        """How many leading ``keys`` some tier holds; optionally pin them where they are."""
+        n = len(keys)
+        where: list[str | None] = [None] * n
+        for tier in self._tiers:
+            todo = [i for i in range(n) if where[i] is None]
+            if not todo:
+                break
+            answer = self._call(tier, "contains", bounded=True, keys=[keys[i] for i in todo],
+                                pin=pin)
+            if not answer:
+                continue
+            found = answer[0] if isinstance(answer, list) and answer else []
+            for i, hit in zip(todo, found):
+                if hit:
+                    where[i] = tier.name
+        prefix = next((i for i, w in enumerate(where) if w is None), n)
+        if pin:
+            beyond = [(keys[i], where[i]) for i in range(prefix, n) if where[i] is not None]
+            if beyond:
+                self.unpin([k for k, _ in beyond], [t for _, t in beyond])
+        return PrefixLookup(prefix, [w for w in where[:prefix] if w is not None], pin)
+
+    def unpin(self, keys: Sequence[CacheKey], tiers: Sequence[str]) -> None:
+        """Release pins taken by ``lookup_prefix(pin=True)``; ``tiers[i]`` is where key i is."""
+        by_tier: dict[str, list[CacheKey]] = {}
+        for key, name in zip(keys, tiers):
+            by_tier.setdefault(name, []).append(key)
+        for tier in self._tiers:
+            if tier.name in by_tier and tier.implements("unpin"):
+                self._call(tier, "unpin", keys=by_tier[tier.name])
+
+    def contains(self, key: CacheKey) -> str | None:
+        """The name of the first tier holding ``key``, or ``None``."""
+        hit = self.lookup_prefix([key])
+        return hit.tiers[0] if hit.num_chunks else None
+
+    # -- housekeeping ---------------------------------------------------------------------------
+    def evict(self, keys: Sequence[CacheKey] | None = None, nbytes: int = 0) -> int:
+        """Drop ``keys`` from every tier (or free ``nbytes`` in each); bytes freed in total."""
+        total = 0
+        for tier in self._tiers:
+            freed = self._call(tier, "evict", keys=None if keys is None else list(keys),
+                               nbytes=nbytes)
+            total += sum(freed or [])
+        return total
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait for queued writes on every tier; True if all drained."""
+        ok = True
+        for tier in self._tiers:
+            if tier.implements("flush"):
+                res = self._call(tier, "flush", timeout=timeout)
+                ok = ok and bool(res and all(res))
+        return ok
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per tier: the metrics wrapper's counters, faults, timeouts and the backend's stats."""
+        out: dict[str, dict[str, float]] = {}
+        for tier in self._tiers:
+            entry = tier.metrics.snapshot()
+            entry["faults"] = tier.faults
+            entry["timeouts"] = tier.timeouts
+            if tier.implements("stats"):
+                for part in self._call(tier, "stats") or []:
+                    entry.update(part or {})
+            out[tier.name] = entry
+        return out
+
+    def close(self) -> None:
+        """Drain writes and release every tier; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for tier in reversed(self._tiers):
+            if "close" in tier.hooks and tier.implements("close"):
+                self._call(tier, "close")
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> StorageManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _drop_late_result(fut: Future) -> None:
+    """A read that finished after its timeout: release the object nobody will use."""
+    try:
+        res = fut.result()
+    except Exception:  # noqa: BLE001
+        return
+    if isinstance(res, MemoryObj):
+        res.ref_down()
