@@ -14,12 +14,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
-
 from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.pool import HostMemoryPool
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
 logger = logging.getLogger("kvplug.backends.local_cpu")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from functools import cached_property
+from functools import lru_cache
 
 from .errors import ConfigError
 
@@ -22,6 +22,7 @@ _KEY_RE = re.compile(
 _FIELD_RE = re.compile(r"^[A-Za-z0-9-]+$")
 
 
+@lru_cache(maxsize=256)
 def model_slug(model: str) -> str:
     """A safe, collision-free token for a model name: readable prefix + 8 hex of its sha256."""
     readable = _UNSAFE.sub("-", model).strip("-")[:48] or "model"
@@ -60,7 +61,7 @@ class CacheKey:
         if not isinstance(self.chunk_hash, bytes) or not self.chunk_hash:
             raise ConfigError(f"CacheKey.chunk_hash must be non-empty bytes, got {self.chunk_hash!r}")
 
-    @cached_property
+    @property
     def namespace(self) -> str:
         """Everything but the hash: entries of one engine configuration share this prefix."""
         return (

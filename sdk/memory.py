@@ -10,6 +10,7 @@ any later access raises :class:`~kvplug.errors.MemoryObjFreedError` instead of r
 from __future__ import annotations
 
 import enum
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,10 +41,7 @@ class MemoryObjMeta:
 
     @property
     def nbytes(self) -> int:
-        n = torch.empty((), dtype=self.dtype).element_size()
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class MemoryObj:

@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.storage_manager import StorageManager

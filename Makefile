@@ -1,0 +1,17 @@
+# `make demo` and `make test` are the two commands README.md starts with.
+.PHONY: setup demo test lint bench
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/python -m kvplug.connector.demo
+
+test: setup
+	.venv/bin/python -m pytest -q -ra
+
+lint: setup
+	.venv/bin/ruff check sdk backends gpu connector tests benchmarks
+
+bench: setup
+	for b in benchmarks/bench_*.py; do echo "== $$b"; .venv/bin/python $$b || exit 1; done

@@ -1,0 +1,406 @@
+"""The chunk file format shared by the posix, gds and fsspec tiers: one safetensors file per chunk.
+
+Layout (all offsets absolute from the start of the file)::
+
+    [0, 8)             u64 little-endian N: length of the JSON header (safetensors)
+    [8, 8 + N)         JSON header, space padded so that ``8 + N`` is a multiple of ``ALIGN``
+    header_bytes + i * layer_stride      "layer.i"  U8 [num_blocks, page_bytes]
+    ... + layer_nbytes                   "_pad.i"   U8 [layer_stride - layer_nbytes] (if needed)
+
+``layer_stride = align_up(layer_nbytes, ALIGN)``, so every layer starts 4 KiB-aligned (one aligned
+read per layer, as GPUDirect Storage and O_DIRECT need) and the file size is a multiple of
+``ALIGN``. Any safetensors reader opens the file (``safetensors.safe_open``): tensor data is
+contiguous, padding lives in tiny ``_pad.i`` tensors.
+
+``__metadata__`` (all strings) names the key fields, the object's shape/dtype/format, the token
+count, the format version, one xxh3_64 checksum per layer (a layer-wise read verifies what it
+read) and an xxh3_64 checksum of the padded header itself (computed with ``header_xxh3`` set to
+sixteen zeros), so a flipped byte anywhere in the header or in any layer is detected. Nothing is
+unpickled; every size is checked against the file size before it is used.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+
+from .errors import ChunkFormatError, ConfigError
+from .keys import CacheKey
+from .memory import MemoryFormat, MemoryObj, MemoryObjMeta
+
+FORMAT_NAME = "kvplug-chunk"
+FORMAT_VERSION = "1"
+ALIGN = 4096
+#: Reading this many leading bytes gives :func:`header_size`; headers of up to ~60 layers fit in
+#: it entirely (check ``header_size(prefix) <= len(prefix)`` and read the rest otherwise).
+HEADER_PROBE = 4096
+#: Upper bound accepted for the JSON header (a corrupt length is rejected before any read).
+MAX_HEADER = 16 << 20
+CHECKSUM_ALGO = "xxh3_64"
+FILE_SUFFIX = ".safetensors"
+_HDR_CK_FIELD = "header_xxh3"
+_ZERO_CK = "0" * 16
+_ZEROS = memoryview(bytes(ALIGN))
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "bool",
+        "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def checksum(data) -> str:  # noqa: ANN001 - any buffer
+    """xxh3_64 of a buffer as 16 lowercase hex digits (releases the GIL on large buffers)."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def chunk_layout(meta: MemoryObjMeta) -> tuple[int, int, int]:
+    """``(num_layers, num_blocks, page_bytes)`` of an object: a ``KV_PAGES`` object of 2+ dims is
+    ``[layers, blocks, ...]``; anything else is one layer of one block."""
+    if meta.fmt is MemoryFormat.KV_PAGES and len(meta.shape) >= 2:
+        layers, blocks = meta.shape[0], meta.shape[1]
+    else:
+        layers, blocks = 1, 1
+    pages = layers * blocks
+    page_bytes = meta.nbytes // pages if pages else 0
+    return layers, blocks, page_bytes
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """Everything :func:`decode_header` learned (and checked) about one chunk file."""
+
+    key: CacheKey
+    num_layers: int
+    num_blocks: int
+    page_bytes: int
+    num_tokens: int
+    kv_layout: str
+    kv_dtype: str
+    data_offsets: list[int]  # absolute file offset of each layer
+    layer_nbytes: int
+    checksums: list[str]
+    file_size: int
+    header_bytes: int  # where layer 0 starts (a multiple of ALIGN)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fmt: MemoryFormat
+    version: str = FORMAT_VERSION
+
+    @property
+    def layer_stride(self) -> int:
+        return align_up(self.layer_nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes (what the memory object holds)."""
+        return self.num_layers * self.layer_nbytes
+
+    @property
+    def meta(self) -> MemoryObjMeta:
+        return MemoryObjMeta(self.shape, self.dtype, self.fmt, self.num_tokens)
+
+    def layers_meta(self, first_layer: int, num_layers: int) -> MemoryObjMeta:
+        """Meta of an object holding layers ``[first_layer, first_layer + num_layers)``."""
+        if self.fmt is not MemoryFormat.KV_PAGES or len(self.shape) < 2:
+            raise ChunkFormatError(f"layer ranges need a KV_PAGES chunk of 2+ dims ({self.shape})")
+        check_layer_range(self, first_layer, num_layers)
+        return MemoryObjMeta((num_layers, *self.shape[1:]), self.dtype, self.fmt, self.num_tokens)
+
+
+def check_layer_range(header: ChunkHeader, first_layer: int, num_layers: int) -> None:
+    if first_layer < 0 or num_layers < 1 or first_layer + num_layers > header.num_layers:
+        raise ChunkFormatError(
+            f"layers [{first_layer}, {first_layer + num_layers}) out of range for a chunk of "
+            f"{header.num_layers} layers"
+        )
+
+
+def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str]) -> bytes:
+    """The padded header (length prefix + JSON) of a chunk holding ``meta``'s bytes."""
+    if meta.dtype not in _DTYPE_NAMES:
+        raise ConfigError(f"dtype {meta.dtype} cannot be stored in a chunk file")
+    layers, blocks, page_bytes = chunk_layout(meta)
+    if len(checksums) != layers:
+        raise ValueError(f"{len(checksums)} checksums for {layers} layers")
+    layer_nbytes = blocks * page_bytes
+    stride = align_up(layer_nbytes)
+    metadata = {
+        _HDR_CK_FIELD: _ZERO_CK,
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        **key.fields(),
+        "num_layers": str(layers),
+        "num_blocks": str(blocks),
+        "page_bytes": str(page_bytes),
+        "num_tokens": str(meta.num_tokens),
+        "shape": json.dumps(list(meta.shape)),
+        "dtype": _DTYPE_NAMES[meta.dtype],
+        "fmt": meta.fmt.value,
+        "checksum_algo": CHECKSUM_ALGO,
+        "checksums": json.dumps(list(checksums)),
+    }
+    tensors: dict[str, object] = {"__metadata__": metadata}
+    for i in range(layers):
+        base = i * stride
+        tensors[f"layer.{i}"] = {
+            "dtype": "U8", "shape": [blocks, page_bytes],
+            "data_offsets": [base, base + layer_nbytes],
+        }
+        if stride != layer_nbytes:
+            tensors[f"_pad.{i}"] = {
+                "dtype": "U8", "shape": [stride - layer_nbytes],
+                "data_offsets": [base + layer_nbytes, base + stride],
+            }
+    body = json.dumps(tensors, separators=(",", ":")).encode()
+    total = align_up(8 + len(body))
+    raw = bytearray(struct.pack("<Q", total - 8) + body + b" " * (total - 8 - len(body)))
+    digest = checksum(raw).encode()
+    at = raw.index(f'"{_HDR_CK_FIELD}":"{_ZERO_CK}"'.encode()) + len(_HDR_CK_FIELD) + 4
+    raw[at : at + 16] = digest
+    return bytes(raw)
+
+
+def layer_checksums(obj: MemoryObj) -> list[str]:
+    """One checksum per layer of ``obj`` (a CPU object)."""
+    layers, _, _ = chunk_layout(obj.meta)
+    view = memoryview(obj.byte_view.numpy())
+    n = len(view) // layers if layers else 0
+    return [checksum(view[i * n : (i + 1) * n]) for i in range(layers)]
+
+
+def encode_chunk(key: CacheKey, obj: MemoryObj) -> tuple[bytes, list[memoryview]]:
+    """Header bytes and the buffers to write after it, in order (layers and padding).
+
+    The layer buffers are zero-copy views of ``obj`` (a CPU object): keep ``obj`` referenced until
+    they are written. ``header + b"".join(buffers)`` is the whole file.
+    """
+    layers, _, _ = chunk_layout(obj.meta)
+    view = memoryview(obj.byte_view.numpy())
+    n = len(view) // layers if layers else 0
+    sums = [checksum(view[i * n : (i + 1) * n]) for i in range(layers)]
+    header = encode_header(key, obj.meta, sums)
+    pad = align_up(n) - n
+    bufs: list[memoryview] = []
+    for i in range(layers):
+        bufs.append(view[i * n : (i + 1) * n])
+        if pad:
+            bufs.append(_ZEROS[:pad])
+    return header, bufs
+
+
+def header_size(prefix8: bytes | memoryview) -> int:
+    """Bytes of header (length prefix + JSON + padding) announced by a file's first 8 bytes."""
+    if len(prefix8) < 8:
+        raise ChunkFormatError(f"chunk file shorter than 8 bytes ({len(prefix8)})")
+    (n,) = struct.unpack_from("<Q", prefix8, 0)
+    total = 8 + n
+    if n < 2 or n > MAX_HEADER or total % ALIGN:
+        raise ChunkFormatError(f"header length {n} is not a valid kvplug chunk header length")
+    return total
+
+
+def _int(meta: dict[str, str], name: str, minimum: int = 0) -> int:
+    value = meta.get(name)
+    if not isinstance(value, str) or not value.isdigit() or len(value) > 18:
+        raise ChunkFormatError(f"metadata {name}={value!r} is not a non-negative integer")
+    out = int(value)
+    if out < minimum:
+        raise ChunkFormatError(f"metadata {name}={out} is below {minimum}")
+    return out
+
+
+def _json_list(meta: dict[str, str], name: str) -> list:
+    try:
+        value = json.loads(meta.get(name, ""))
+    except (ValueError, TypeError):
+        raise ChunkFormatError(f"metadata {name} is not JSON") from None
+    if not isinstance(value, list):
+        raise ChunkFormatError(f"metadata {name} is not a list")
+    return value
+
+
+def decode_header(prefix: bytes | memoryview, file_size: int | None = None) -> ChunkHeader:
+    """Parse and check a chunk header from the file's leading bytes (at least
+    :func:`header_size` of them). Raises :class:`ChunkFormatError` on anything wrong: length,
+    JSON, header checksum, format version, key fields, layout, or a ``file_size`` that differs
+    from what the header implies."""
+    total = header_size(prefix)
+    if len(prefix) < total:
+        raise ChunkFormatError(f"need {total} header bytes, got {len(prefix)}")
+    if file_size is not None and file_size < total:
+        raise ChunkFormatError(f"file of {file_size} bytes is shorter than its header ({total})")
+    raw = bytes(prefix[:total])
+    try:
+        doc = json.loads(raw[8:])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ChunkFormatError(f"header is not valid JSON: {exc}") from None
+    meta = doc.get("__metadata__") if isinstance(doc, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ChunkFormatError("header has no string-valued __metadata__")
+    if meta.get("format") != FORMAT_NAME:
+        raise ChunkFormatError(f"format {meta.get('format')!r} is not {FORMAT_NAME!r}")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ChunkFormatError(
+            f"format version {meta.get('format_version')!r} is not {FORMAT_VERSION!r}"
+        )
+    stored = meta.get(_HDR_CK_FIELD, "")
+    marker = f'"{_HDR_CK_FIELD}":"{stored}"'.encode()
+    at = raw.find(marker)
+    if len(stored) != 16 or at < 0:
+        raise ChunkFormatError("header checksum field is missing or malformed")
+    at += len(_HDR_CK_FIELD) + 4
+    if checksum(raw[:at] + _ZERO_CK.encode() + raw[at + 16 :]) != stored:
+        raise ChunkFormatError("header checksum mismatch")
+    try:
+        key = CacheKey.from_fields(meta)
+    except ConfigError as exc:
+        raise ChunkFormatError(f"bad key fields: {exc}") from None
+    layers = _int(meta, "num_layers")
+    blocks = _int(meta, "num_blocks")
+    page_bytes = _int(meta, "page_bytes")
+    num_tokens = _int(meta, "num_tokens")
+    shape = _json_list(meta, "shape")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ChunkFormatError(f"shape {shape!r} is not a list of sizes")
+    dtype = _DTYPES.get(meta.get("dtype", ""))
+    if dtype is None:
+        raise ChunkFormatError(f"dtype {meta.get('dtype')!r} is not supported")
+    try:
+        fmt = MemoryFormat(meta.get("fmt"))
+    except ValueError:
+        raise ChunkFormatError(f"memory format {meta.get('fmt')!r} is unknown") from None
+    obj_meta = MemoryObjMeta(tuple(shape), dtype, fmt, num_tokens)
+    if chunk_layout(obj_meta) != (layers, blocks, page_bytes) or obj_meta.nbytes != (
+        layers * blocks * page_bytes
+    ):
+        raise ChunkFormatError("shape/dtype disagree with num_layers/num_blocks/page_bytes")
+    sums = _json_list(meta, "checksums")
+    if meta.get("checksum_algo") != CHECKSUM_ALGO or len(sums) != layers or not all(
+        isinstance(s, str) and len(s) == 16 for s in sums
+    ):
+        raise ChunkFormatError("layer checksums are missing or malformed")
+    layer_nbytes = blocks * page_bytes
+    stride = align_up(layer_nbytes)
+    expected = 1 + layers * (2 if stride != layer_nbytes else 1)
+    if len(doc) != expected:
+        raise ChunkFormatError(f"header lists {len(doc) - 1} tensors, expected {expected - 1}")
+    for i in range(layers):
+        base = i * stride
+        entry = doc.get(f"layer.{i}")
+        if entry != {"dtype": "U8", "shape": [blocks, page_bytes],
+                     "data_offsets": [base, base + layer_nbytes]}:
+            raise ChunkFormatError(f"tensor layer.{i} is missing or misplaced")
+        if stride != layer_nbytes and doc.get(f"_pad.{i}") != {
+            "dtype": "U8", "shape": [stride - layer_nbytes],
+            "data_offsets": [base + layer_nbytes, base + stride],
+        }:
+            raise ChunkFormatError(f"padding tensor _pad.{i} is missing or misplaced")
+    size = total + layers * stride
+    if file_size is not None and file_size != size:
+        raise ChunkFormatError(f"file is {file_size} bytes, its header describes {size}")
+    return ChunkHeader(
+        key=key, num_layers=layers, num_blocks=blocks, page_bytes=page_bytes,
+        num_tokens=num_tokens, kv_layout=key.kv_layout, kv_dtype=key.kv_dtype,
+        data_offsets=[total + i * stride for i in range(layers)], layer_nbytes=layer_nbytes,
+        checksums=[str(s) for s in sums], file_size=size, header_bytes=total,
+        shape=tuple(shape), dtype=dtype, fmt=fmt,
+    )
+
+
+def verify_layer(header: ChunkHeader, index: int, data) -> bool:  # noqa: ANN001 - any buffer
+    """Whether ``data`` (one layer's bytes) matches the header's checksum for layer ``index``."""
+    if not 0 <= index < header.num_layers:
+        return False
+    view = memoryview(data).cast("B")
+    return len(view) == header.layer_nbytes and checksum(view) == header.checksums[index]
+
+
+def verify_layers(header: ChunkHeader, first_layer: int, data) -> bool:  # noqa: ANN001
+    """Verify consecutive layers starting at ``first_layer`` held contiguously in ``data``."""
+    view = memoryview(data).cast("B")
+    n = header.layer_nbytes
+    if n == 0:
+        return len(view) == 0
+    if len(view) % n:
+        return False
+    return all(
+        verify_layer(header, first_layer + i, view[i * n : (i + 1) * n])
+        for i in range(len(view) // n)
+    )
+
+
+def read_buffers(
+    header: ChunkHeader, dest, first_layer: int, num_layers: int, scratch: memoryview
+) -> tuple[int, list[memoryview]]:  # noqa: ANN001
+    """``(file_offset, buffers)`` for one vectored read (``os.preadv``) of layers
+    ``[first_layer, first_layer + num_layers)`` straight into ``dest`` (their bytes, contiguous);
+    the padding between layers goes into ``scratch`` (at least ``ALIGN`` bytes, contents junk)."""
+    check_layer_range(header, first_layer, num_layers)
+    view = memoryview(dest).cast("B")
+    n = header.layer_nbytes
+    if len(view) != n * num_layers:
+        raise ValueError(f"destination holds {len(view)} bytes, layers need {n * num_layers}")
+    pad = header.layer_stride - n
+    if not pad:
+        return header.data_offsets[first_layer], [view]
+    bufs: list[memoryview] = []
+    for i in range(num_layers):
+        bufs.append(view[i * n : (i + 1) * n])
+        if i + 1 < num_layers:
+            bufs.append(scratch[:pad])
+    return header.data_offsets[first_layer], bufs
+
+
+_MAX_HEX = 128
+_MAX_NAME = 200
+
+
+def chunk_name(key: CacheKey) -> str:
+    """The file name of a chunk: the key's safe string form (``[A-Za-z0-9._-]`` only), with long
+    parts replaced by digests so the name stays below file-system limits."""
+    hexpart = key.hex if len(key.hex) <= _MAX_HEX else xxhash.xxh3_128_hexdigest(key.chunk_hash)
+    name = f"{key.namespace}.{hexpart}"
+    if len(name) > _MAX_NAME:
+        name = f"{xxhash.xxh3_128_hexdigest(key.namespace.encode())}.{hexpart}"
+    return name + FILE_SUFFIX
+
+
+def shard_of(key: CacheKey) -> str:
+    """Two hex digits from the chunk hash (uniform for sha256 hashes): 256 shard directories."""
+    return key.hex[:2] if len(key.hex) >= 2 else "00"
+
+
+def chunk_path(root: Path | str, key: CacheKey) -> Path:
+    """``root/<2 hex of the hash>/<safe key name>.safetensors``; built only from hex and the key's
+    safe string form, so no input can escape ``root``."""
+    return Path(root) / shard_of(key) / chunk_name(key)
+
+
+def relative_chunk_path(key: CacheKey) -> str:
+    """``chunk_path`` relative to the root, with ``/`` separators (object-store keys)."""
+    return f"{shard_of(key)}/{chunk_name(key)}"
+
+
+__all__ = [
+    "ALIGN", "CHECKSUM_ALGO", "FILE_SUFFIX", "FORMAT_NAME", "FORMAT_VERSION", "HEADER_PROBE",
+    "ChunkHeader", "align_up", "check_layer_range", "checksum", "chunk_layout", "chunk_name",
+    "chunk_path", "decode_header", "encode_chunk", "encode_header", "header_size",
+    "layer_checksums", "read_buffers", "relative_chunk_path", "shard_of",
+    "verify_layer", "verify_layers",
+]

@@ -1,0 +1,57 @@
+"""Shared pieces of the ``kvplug`` command: consoles, error exits, human sizes and ages."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import NoReturn
+
+import click
+from rich.console import Console
+
+#: Width of tables when stdout is not a terminal and ``COLUMNS`` is unset (rich would use 80, which
+#: folds package names and paths in logs).
+PIPE_WIDTH = 160
+
+
+def _console(stderr: bool = False) -> Console:
+    con = Console(stderr=stderr)
+    if not con.is_terminal and not os.environ.get("COLUMNS"):
+        con = Console(stderr=stderr, width=PIPE_WIDTH)
+    return con
+
+
+#: Normal output (stdout) and diagnostics (stderr).
+console = _console()
+err_console = _console(stderr=True)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print ``Error: message`` to stderr and exit with ``code`` (no traceback)."""
+    err_console.print(f"[bold red]Error:[/] {message}", markup=True, highlight=False)
+    raise click.exceptions.Exit(code)
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def human_age(seconds: float) -> str:
+    """``90`` -> ``'1m 30s'``; ``None``-safe callers pass ``time.time() - mtime``."""
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m {int(seconds % 60)}s"
+    if seconds < 86400:
+        return f"{int(seconds // 3600)}h {int(seconds % 3600 // 60)}m"
+    return f"{int(seconds // 86400)}d {int(seconds % 86400 // 3600)}h"
+
+
+def age_of(mtime: float, now: float | None = None) -> str:
+    return human_age((now or time.time()) - mtime)

@@ -1,0 +1,106 @@
+"""``kvplug config check FILE``: validate a config and print the tiers it resolves to."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+from pydantic import BaseModel, ByteSize, ValidationError
+from rich.table import Table
+
+from .cli_common import console, fail
+from .config import ENV_PREFIX, RESERVED_ENV, KVPlugConfig, TierConfig, load_config
+from .errors import KVPlugError
+from .plugins import load_backend_class
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, ByteSize):
+        return value.human_readable(decimal=False)
+    if isinstance(value, Path):
+        return str(value)
+    return json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value)
+
+
+def resolve_tier(tier: TierConfig) -> dict[str, Any]:
+    """Load and validate one tier's backend and options, like the StorageManager does at start."""
+    cls, info = load_backend_class(tier.backend)
+    model = getattr(cls, "Options", None)
+    options: dict[str, Any] = dict(tier.options)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        try:
+            parsed = model.model_validate(tier.options)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})"
+                for e in exc.errors()
+            )
+            raise KVPlugError(
+                f"tier {tier.tier_name!r} (backend {tier.backend!r}): bad options: {problems}. "
+                f"Allowed options: {', '.join(model.model_fields)}"
+            ) from None
+        options = {name: getattr(parsed, name) for name in type(parsed).model_fields}
+    return {"name": tier.tier_name, "backend": tier.backend, "package": info.package,
+            "version": info.version, "class": f"{cls.__module__}:{cls.__qualname__}",
+            "options": options, "timeout_s": tier.timeout_s}
+
+
+def check_config(path: Path) -> tuple[KVPlugConfig, list[dict[str, Any]], list[str]]:
+    """The validated config, its resolved tiers, and every problem found (empty when valid)."""
+    try:
+        cfg = load_config(path)
+    except KVPlugError as exc:
+        fail(f"{path}: {exc}")
+    problems: list[str] = []
+    names = cfg.tier_names()
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        problems.append(f"tier name(s) {dupes} appear more than once; give each a unique 'name'")
+    tiers = []
+    for tier in cfg.tiers:
+        try:
+            tiers.append(resolve_tier(tier))
+        except Exception as exc:  # noqa: BLE001 - every tier's problem is reported, then exit 1
+            problems.append(str(exc))
+    return cfg, tiers, problems
+
+
+@click.group("config")
+def config_group() -> None:
+    """Work with kvplug config files."""
+
+
+@config_group.command("check")
+@click.argument("file", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the resolved config as JSON.")
+def check_cmd(file: Path, as_json: bool) -> None:
+    """Validate FILE (YAML) and print the resolved tiers, fastest first."""
+    cfg, tiers, problems = check_config(file)
+    overrides = sorted(k for k in os.environ if k.startswith(ENV_PREFIX) and k not in RESERVED_ENV)
+    if as_json:
+        settings = cfg.model_dump(exclude={"tiers"})
+        click.echo(json.dumps({"valid": not problems, "settings": settings, "tiers": tiers,
+                               "problems": problems, "env_overrides": overrides},
+                              indent=2, default=_show))
+    else:
+        table = Table(title=f"kvplug tiers from {file}")
+        for col in ("#", "Tier", "Backend", "Package", "Options", "Timeout"):
+            table.add_column(col, overflow="fold")
+        for i, t in enumerate(tiers, 1):
+            opts = ", ".join(f"{k}={_show(v)}" for k, v in t["options"].items())
+            table.add_row(str(i), t["name"], t["backend"], f"{t['package']} {t['version']}",
+                          opts, f"{t['timeout_s']:g}s")
+        console.print(table)
+        settings = ", ".join(f"{k}={v}" for k, v in cfg.model_dump(exclude={"tiers"}).items())
+        console.print(f"settings: {settings}", highlight=False)
+        if overrides:
+            console.print(f"environment overrides applied: {', '.join(overrides)}")
+        for p in problems:
+            console.print(f"[red]problem:[/] {p}", highlight=False)
+    if problems:
+        fail(f"{file}: {len(problems)} problem(s) found", code=1)
+    if not as_json:
+        console.print(f"[green]OK[/]: {file} is valid ({len(tiers)} tiers)", highlight=False)

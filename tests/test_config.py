@@ -1,0 +1,72 @@
+"""Config: YAML file, dict, environment overrides, sizes, and errors that name the bad key."""
+
+from __future__ import annotations
+
+import pytest
+from kvplug.config import load_config, parse_size
+from kvplug.errors import ConfigError
+
+
+def test_defaults_are_local_cpu_then_posix(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPLUG_CACHE_DIR", str(tmp_path))
+    cfg = load_config()
+    assert [t.backend for t in cfg.tiers] == ["local_cpu", "posix"]
+    assert cfg.tiers[1].options["path"].startswith(str(tmp_path))
+    assert cfg.chunk_size == 256 and not cfg.layerwise and not cfg.save_decode
+
+
+def test_precedence_file_then_dict_then_env(tmp_path, monkeypatch):
+    f = tmp_path / "kv.yaml"
+    f.write_text("chunk_size: 64\nlayerwise: true\nsave_decode: true\n")
+    monkeypatch.setenv("KVPLUG_CONFIG", str(f))
+    cfg = load_config({"chunk_size": 128})
+    assert (cfg.chunk_size, cfg.layerwise, cfg.save_decode) == (128, True, True)
+    monkeypatch.setenv("KVPLUG_CHUNK_SIZE", "512")
+    monkeypatch.setenv("KVPLUG_TIERS", "[{backend: local_cpu, options: {capacity: 1GiB}}]")
+    cfg = load_config({"chunk_size": 128})
+    assert cfg.chunk_size == 512 and [t.backend for t in cfg.tiers] == ["local_cpu"]
+
+
+def test_config_file_key_in_dict(tmp_path):
+    f = tmp_path / "kv.yaml"
+    f.write_text("tiers:\n  - backend: local_cpu\n    options: {capacity: 8GiB}\n")
+    cfg = load_config({"config_file": str(f), "chunk_size": 32})
+    assert cfg.chunk_size == 32 and cfg.tiers[0].options["capacity"] == "8GiB"
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ({"chunksize": 3}, "unknown config key 'chunksize'; allowed keys here: chunk_size"),
+        ({"tiers": [{"backend": "x", "optons": {}}]}, "'tiers.0.optons'; allowed keys here: backend"),
+        ({"chunk_size": -1}, "'chunk_size'=-1"),
+        ({"tiers": []}, "'tiers'"),
+        ({"layerwise": "sometimes"}, "'layerwise'='sometimes'"),
+    ],
+)
+def test_bad_values_name_the_key(given, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        load_config(given)
+
+
+def test_bad_env_and_files(tmp_path):
+    with pytest.raises(ConfigError, match="KVPLUG_CHUNK_SIZ is not a kvplug setting.*KVPLUG_CHUNK_SIZE"):
+        load_config(env={"KVPLUG_CHUNK_SIZ": "1"})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("chunk_size: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(listy)
+
+
+def test_sizes():
+    assert parse_size("8GiB") == 8 << 30
+    assert parse_size("512MB") == 512_000_000
+    assert parse_size(4096) == 4096
+    with pytest.raises(ConfigError, match="'eight gigs'"):
+        parse_size("eight gigs")

@@ -1,0 +1,127 @@
+"""StorageManager across tiers: write-through, promotion, prefix lookup, faults, wrappers."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+from kvplug.errors import ConfigError
+from kvplug.hookspecs import hookimpl
+from kvplug.storage_manager import StorageManager
+from kvplug.testing import fill_random, make_key
+
+L1 = {"backend": "local_cpu", "name": "l1", "options": {"capacity": "4MiB"}}
+
+
+def two_tiers(lower: str = "DictTier", **opts):
+    tier = {"backend": f"tiers_for_tests:{lower}", "name": "lower", "options": opts}
+    if "timeout_s" in opts:
+        tier["timeout_s"] = opts.pop("timeout_s")
+    return StorageManager({"tiers": [L1, tier]})
+
+
+def test_write_through_and_promotion_into_l1():
+    with two_tiers() as mgr:
+        obj = fill_random(mgr, seed=1)
+        expect = obj.byte_view.clone()
+        mgr.batched_put([make_key(1)], [obj])
+        obj.ref_down()
+        assert mgr.stats()["lower"]["entries"] == 1, "write-through did not reach the lower tier"
+        mgr.evict([make_key(1)])  # gone from L1 (and from the dict tier too)...
+        assert mgr.get(make_key(1)) is None
+        obj = fill_random(mgr, seed=1)
+        mgr.batched_put([make_key(1)], [obj])
+        obj.ref_down()
+        mgr._tiers[0].hooks["evict"](keys=[make_key(1)], nbytes=0)  # ...now only from L1
+        assert mgr.lookup_prefix([make_key(1)]).tiers == ["lower"]
+        got = mgr.get(make_key(1))
+        assert got is not None and torch.equal(got.byte_view, expect)
+        got.ref_down()
+        assert mgr.lookup_prefix([make_key(1)]).tiers == ["l1"], "lower-tier hit not promoted"
+        assert mgr.stats()["lower"]["hits"] == 1
+
+
+def test_prefix_spans_tiers_and_stops_at_first_gap():
+    with two_tiers() as mgr:
+        keys = [make_key(i) for i in range(4)]
+        for i in (0, 1, 3):
+            obj = fill_random(mgr, seed=i)
+            mgr.batched_put([keys[i]], [obj])
+            obj.ref_down()
+        mgr._tiers[0].hooks["evict"](keys=[keys[1]], nbytes=0)
+        look = mgr.lookup_prefix(keys, pin=True)
+        assert look.num_chunks == 2 and look.tiers == ["l1", "lower"]
+        # the pin on key 3 (beyond the gap) was released at once; keys 0 stays pinned in L1
+        assert mgr.stats()["l1"]["pinned"] == 1
+        mgr.unpin(keys[:2], look.tiers)
+        assert mgr.stats()["l1"]["pinned"] == 0
+
+
+def test_raising_tier_is_a_counted_miss_logged_once(caplog):
+    with two_tiers("RaisingTier") as mgr, caplog.at_level(logging.WARNING, "kvplug.storage"):
+        for i in range(3):
+            obj = fill_random(mgr, seed=i)
+            mgr.batched_put([make_key(i)], [obj])
+            obj.ref_down()
+        hit = mgr.get(make_key(0))  # L1 still serves
+        assert hit is not None
+        hit.ref_down()
+        assert mgr.get(make_key(99)) is None
+        assert mgr.lookup_prefix([make_key(0), make_key(50)]).num_chunks == 1
+        assert mgr.stats()["lower"]["faults"] >= 5
+        msgs = [r.message for r in caplog.records if "batched_submit_put" in r.message]
+        assert len(msgs) == 1 and "disk went away" in msgs[0]
+
+
+def test_stalling_tier_times_out_instead_of_hanging():
+    with two_tiers("StallingTier", stall_s=3, timeout_s=0.2) as mgr:
+        t0 = time.monotonic()
+        assert mgr.get(make_key(7)) is None
+        assert mgr.lookup_prefix([make_key(7)]).num_chunks == 0
+        assert time.monotonic() - t0 < 2.0, "a stalled tier blocked the caller"
+        assert mgr.stats()["lower"]["timeouts"] == 2
+
+
+def test_allocation_falls_back_to_heap_without_a_pool_owner():
+    with StorageManager({"tiers": [{"backend": "tiers_for_tests:DictTier"}]}) as mgr:
+        obj = mgr.allocate((2, 3, 4096))
+        assert obj is not None and obj.address == -1
+        obj.ref_down()
+
+
+def test_wrapper_applies_to_chosen_tier_only():
+    seen: list[str] = []
+
+    class Spy:
+        @hookimpl(wrapper=True)
+        def get(self, key):
+            seen.append("get")
+            return (yield)
+
+    with two_tiers() as mgr:
+        mgr.add_wrapper(Spy(), tiers=["lower"])
+        mgr.get(make_key(3))  # misses both tiers: the spy sees only the lower tier's call
+        assert seen == ["get"]
+        with pytest.raises(ConfigError, match="unknown tier"):
+            mgr.add_wrapper(Spy(), tiers=["nope"])
+
+
+def test_duplicate_tier_names_and_bad_options():
+    with pytest.raises(ConfigError, match="appear more than once"):
+        StorageManager({"tiers": [L1, L1]})
+    with pytest.raises(ConfigError, match="tier 'l1'.*capacty.*Allowed options: capacity"):
+        StorageManager({"tiers": [{**L1, "options": {"capacty": "1GiB"}}]})
+    with pytest.raises(ConfigError, match="capacity"):
+        StorageManager({"tiers": [{**L1, "options": {"capacity": "lots"}}]})
+
+
+def test_close_is_idempotent_and_releases_l1():
+    mgr = two_tiers()
+    obj = fill_random(mgr)
+    mgr.batched_put([make_key(0)], [obj])
+    mgr.close()
+    mgr.close()
+    assert obj.ref_count == 1
+    obj.ref_down()

@@ -1,0 +1,91 @@
+"""Small real backends used as extra tiers in tests (loaded by 'tiers_for_tests:Class' paths)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from kvplug.hookspecs import TierContext, hookimpl
+
+
+class DictTier:
+    """A lower tier that keeps a private copy of the bytes and reads into ctx.allocate memory."""
+
+    def __init__(self, ctx: TierContext) -> None:
+        self.ctx = ctx
+        self.data: dict = {}
+        self.lock = threading.Lock()
+
+    @hookimpl
+    def batched_submit_put(self, keys, objs):
+        with self.lock:
+            for k, o in zip(keys, objs):
+                self.data[k] = (o.byte_view.clone(), o.meta)
+
+    @hookimpl
+    def get(self, key):
+        with self.lock:
+            item = self.data.get(key)
+        if item is None:
+            return None
+        raw, meta = item
+        obj = self.ctx.allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
+        if obj is None:
+            return None
+        obj.byte_view.copy_(raw)
+        return obj
+
+    @hookimpl
+    def contains(self, keys):
+        with self.lock:
+            return [k in self.data for k in keys]
+
+    @hookimpl
+    def evict(self, keys, nbytes):
+        freed = 0
+        with self.lock:
+            for k in list(self.data if keys is None else keys):
+                item = self.data.pop(k, None)
+                if item is not None:
+                    freed += item[0].numel()
+        return freed
+
+    @hookimpl
+    def stats(self):
+        with self.lock:
+            return {"entries": len(self.data), "bytes": sum(v[0].numel() for v in self.data.values())}
+
+
+class RaisingTier(DictTier):
+    """Every call fails, as a tier whose device vanished would."""
+
+    @hookimpl
+    def batched_submit_put(self, keys, objs):
+        raise OSError("disk went away")
+
+    @hookimpl
+    def get(self, key):
+        raise OSError("disk went away")
+
+    @hookimpl
+    def contains(self, keys):
+        raise OSError("disk went away")
+
+
+class StallingTier(DictTier):
+    """Reads and lookups hang for `stall_s` seconds (an NFS mount that stopped answering)."""
+
+    @hookimpl
+    def get(self, key):
+        time.sleep(self.ctx.options.get("stall_s", 30))
+        return super().get(key)
+
+    @hookimpl
+    def contains(self, keys):
+        time.sleep(self.ctx.options.get("stall_s", 30))
+        return super().contains(keys)
+
+
+def random_bytes(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
