@@ -82,12 +82,38 @@ def page_view(name: str, t: torch.Tensor) -> torch.Tensor:
     return view
 
 
+def _stack(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """One ``(layers, blocks, page_bytes)`` view when the layers are evenly spaced in one storage.
+
+    vLLM lays layers out this way (one buffer, layer major), so a run of blocks of *all* layers
+    moves with one strided ``copy_``; None when the layers are not evenly spaced.
+    """
+    first = views[0]
+    storage = first.untyped_storage()
+    starts = [v.storage_offset() for v in views]
+    step = starts[1] - starts[0] if len(views) > 1 else first.size(0) * first.stride(0)
+    if step <= 0:
+        return None
+    for i, v in enumerate(views):
+        if (
+            v.untyped_storage().data_ptr() != storage.data_ptr()
+            or v.stride(0) != first.stride(0)
+            or starts[i] != starts[0] + i * step
+        ):
+            return None
+    stacked = torch.empty(0, dtype=torch.uint8, device=first.device)
+    shape = (len(views), first.size(0), first.size(1))
+    return stacked.set_(storage, starts[0], shape, (step, first.stride(0), 1))
+
+
 class PagedKV:
     """The engine's KV cache seen as ``num_layers`` arrays of ``num_blocks`` byte pages.
 
     Built once at registration with :meth:`from_kv_caches`. ``views[i]`` is the distinct layer
     ``i``'s ``(num_blocks, page_bytes)`` uint8 view; layer names that alias one tensor (vLLM's
-    KV sharing) map to one distinct layer, so its pages are moved once.
+    KV sharing) map to one distinct layer, so its pages are moved once. ``stacked`` is the
+    ``(num_layers, num_blocks, page_bytes)`` view over all of them when they are evenly spaced in
+    one buffer (as vLLM allocates them), else None.
     """
 
     def __init__(
@@ -109,6 +135,7 @@ class PagedKV:
         self.num_blocks = views[0].size(0)
         self.page_bytes = views[0].size(1)
         self.device = views[0].device
+        self.stacked = _stack(views)
         self._streams: dict[str, object] = {}
 
     @classmethod

@@ -5,12 +5,14 @@ one layer of one chunk is one contiguous slice). ``gather`` copies the pages of 
 every layer into it; ``scatter`` copies it back into ``block_ids``.
 
 How pages move (chosen per job from the block ids, measured on CPU, see
-benchmarks/bench_gpu_transfer.py): runs of consecutive block ids are coalesced into slices and
-each run moves with one ``copy_`` per layer (one memcpy when blocks are adjacent). On CPU a
-gather made mostly of single blocks uses one ``index_select`` per layer; a scatter never uses
-``index_copy_`` (about 1 GB/s on CPU) but one ``copy_`` per run. On CUDA, jobs whose runs are
-short are staged: ``index_select`` into a device buffer and one copy to the host (and the
-reverse for scatter), so the PCIe copy is one large transfer.
+benchmarks/bench_gpu_transfer.py): runs of consecutive block ids are coalesced into slices. When
+the layers are evenly spaced in one buffer (``PagedKV.stacked``, as vLLM allocates them), a run
+of all layers moves with one strided ``copy_`` (CPU), so a random 32-block request costs 32 calls,
+not 32 per layer. Otherwise each run moves with one ``copy_`` per layer; on CPU a gather made
+mostly of single blocks then uses one ``index_select`` per layer. A CPU scatter never uses
+``index_copy_`` (about 1 GB/s on CPU). On CUDA, jobs whose runs are short are staged:
+``index_select`` into a device buffer and one large copy to the host (and the reverse for
+scatter), so the PCIe transfer is one large memcpy; long runs are copied directly.
 
 On CUDA the bulk calls run on the PagedKV's dedicated stream, which first waits for the engine's
 current stream (so the KV written by earlier kernels is what is copied), and return only once
@@ -126,31 +128,64 @@ def scatter_layer(kv: PagedKV, layer: int, plan: Plan, src: torch.Tensor) -> Non
         view[first : first + length].copy_(s[pos : pos + length], non_blocking=nb)
 
 
+def _gather_all(kv: PagedKV, plan: Plan, out: torch.Tensor) -> None:
+    """All layers of one job; through ``kv.stacked`` (all layers per call) where possible."""
+    st = kv.stacked
+    if st is not None and plan.ids:
+        if kv.device.type == "cpu":
+            for pos, first, length in plan.runs:
+                out[:, pos : pos + length].copy_(st[:, first : first + length])
+            return
+        if plan.use_index:  # CUDA: one gather kernel, then one large copy
+            idx = plan.index(kv.device)
+            if out.device == kv.device and out.is_contiguous():
+                torch.index_select(st, 1, idx, out=out)
+            else:
+                out.copy_(torch.index_select(st, 1, idx), non_blocking=out.device.type == "cpu")
+            return
+    for layer in range(kv.num_layers):
+        gather_layer(kv, layer, plan, out)
+
+
+def _scatter_all(kv: PagedKV, plan: Plan, src: torch.Tensor) -> None:
+    """All layers of one job; through ``kv.stacked`` (all layers per call) where possible."""
+    st = kv.stacked
+    if st is not None and plan.ids:
+        if kv.device.type == "cpu":
+            for pos, first, length in plan.runs:
+                st[:, first : first + length].copy_(src[:, pos : pos + length])
+            return
+        if plan.use_index:  # CUDA: one large copy, then one scatter kernel
+            staged = src.to(kv.device, non_blocking=src.device.type == "cpu")
+            st.index_copy_(1, plan.index(kv.device), staged)
+            return
+    for layer in range(kv.num_layers):
+        scatter_layer(kv, layer, plan, src)
+
+
 def _run(kv: PagedKV, role: str, fn, pairs: list[tuple[Plan, torch.Tensor]]) -> None:
     if kv.device.type != "cuda":
-        for layer in range(kv.num_layers):
-            for plan, obj in pairs:
-                fn(kv, layer, plan, obj)
+        for plan, obj in pairs:
+            fn(kv, plan, obj)
         return
     stream = kv.stream(role)
     stream.wait_stream(torch.cuda.current_stream(kv.device))
     with torch.cuda.stream(stream):
-        for layer in range(kv.num_layers):
-            for plan, obj in pairs:
-                fn(kv, layer, plan, obj)
+        for plan, obj in pairs:
+            fn(kv, plan, obj)
     stream.synchronize()
 
 
 def gather_many(kv: PagedKV, jobs: Sequence[tuple[BlockIds, torch.Tensor]]) -> None:
     """``gather`` for several ``(block_ids, out)`` jobs in one call (one synchronisation)."""
     pairs = [(make_plan(kv, ids, out, True), out) for ids, out in jobs]
-    _run(kv, "store", gather_layer, pairs)
+    _run(kv, "store", _gather_all, pairs)
 
 
 def scatter_many(kv: PagedKV, jobs: Sequence[tuple[torch.Tensor, BlockIds]]) -> None:
     """``scatter`` for several ``(src, block_ids)`` jobs in one call, applied in order."""
     pairs = [(make_plan(kv, ids, src, False), src) for src, ids in jobs]
-    _run(kv, "load", scatter_layer, pairs)
+    _run(kv, "load", _scatter_all, pairs)
 
 
 def gather(kv: PagedKV, block_ids: BlockIds, out: torch.Tensor) -> None:

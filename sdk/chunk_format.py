@@ -190,6 +190,14 @@ def encode_chunk(key: CacheKey, obj: MemoryObj) -> tuple[bytes, list[memoryview]
     The layer buffers are zero-copy views of ``obj`` (a CPU object): keep ``obj`` referenced until
     they are written. ``header + b"".join(buffers)`` is the whole file.
     """
+    header, bufs, _ = encode_chunk_with_header(key, obj)
+    return header, bufs
+
+
+def encode_chunk_with_header(
+    key: CacheKey, obj: MemoryObj
+) -> tuple[bytes, list[memoryview], ChunkHeader]:
+    """:func:`encode_chunk` plus the :class:`ChunkHeader` describing the file (no parsing)."""
     layers, _, _ = chunk_layout(obj.meta)
     view = memoryview(obj.byte_view.numpy())
     n = len(view) // layers if layers else 0
@@ -201,7 +209,7 @@ def encode_chunk(key: CacheKey, obj: MemoryObj) -> tuple[bytes, list[memoryview]
         bufs.append(view[i * n : (i + 1) * n])
         if pad:
             bufs.append(_ZEROS[:pad])
-    return header, bufs
+    return header, bufs, make_header(key, obj.meta, sums, len(header))
 
 
 def header_size(prefix8: bytes | memoryview) -> int:
@@ -259,14 +267,6 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None) -> C
         raise ChunkFormatError(
             f"format version {meta.get('format_version')!r} is not {FORMAT_VERSION!r}"
         )
-    stored = meta.get(_HDR_CK_FIELD, "")
-    marker = f'"{_HDR_CK_FIELD}":"{stored}"'.encode()
-    at = raw.find(marker)
-    if len(stored) != 16 or at < 0:
-        raise ChunkFormatError("header checksum field is missing or malformed")
-    at += len(_HDR_CK_FIELD) + 4
-    if checksum(raw[:at] + _ZERO_CK.encode() + raw[at + 16 :]) != stored:
-        raise ChunkFormatError("header checksum mismatch")
     try:
         key = CacheKey.from_fields(meta)
     except ConfigError as exc:
@@ -295,31 +295,38 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None) -> C
         isinstance(s, str) and len(s) == 16 for s in sums
     ):
         raise ChunkFormatError("layer checksums are missing or malformed")
+    # The header must be byte for byte what this module writes for these values: that checks
+    # every tensor entry, the padding and the header checksum (an xxh3 of the canonical bytes)
+    # in one comparison.
+    if encode_header(key, obj_meta, sums) != raw:
+        stored = meta.get(_HDR_CK_FIELD, "")
+        at = raw.find(f'"{_HDR_CK_FIELD}":"{stored}"'.encode()) + len(_HDR_CK_FIELD) + 4
+        if len(stored) != 16 or at < len(_HDR_CK_FIELD) + 4 or checksum(
+            raw[:at] + _ZERO_CK.encode() + raw[at + 16 :]
+        ) != stored:
+            raise ChunkFormatError("header checksum mismatch")
+        raise ChunkFormatError("header does not match its own metadata (tensor table)")
+    head = make_header(key, obj_meta, sums, total)
+    if file_size is not None and file_size != head.file_size:
+        raise ChunkFormatError(f"file is {file_size} bytes, its header describes {head.file_size}")
+    return head
+
+
+def make_header(
+    key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str], header_bytes: int
+) -> ChunkHeader:
+    """The :class:`ChunkHeader` of a chunk whose encoded header (:func:`encode_header`) is
+    ``header_bytes`` long, without parsing it (writers use it to remember what they wrote)."""
+    layers, blocks, page_bytes = chunk_layout(meta)
     layer_nbytes = blocks * page_bytes
     stride = align_up(layer_nbytes)
-    expected = 1 + layers * (2 if stride != layer_nbytes else 1)
-    if len(doc) != expected:
-        raise ChunkFormatError(f"header lists {len(doc) - 1} tensors, expected {expected - 1}")
-    for i in range(layers):
-        base = i * stride
-        entry = doc.get(f"layer.{i}")
-        if entry != {"dtype": "U8", "shape": [blocks, page_bytes],
-                     "data_offsets": [base, base + layer_nbytes]}:
-            raise ChunkFormatError(f"tensor layer.{i} is missing or misplaced")
-        if stride != layer_nbytes and doc.get(f"_pad.{i}") != {
-            "dtype": "U8", "shape": [stride - layer_nbytes],
-            "data_offsets": [base + layer_nbytes, base + stride],
-        }:
-            raise ChunkFormatError(f"padding tensor _pad.{i} is missing or misplaced")
-    size = total + layers * stride
-    if file_size is not None and file_size != size:
-        raise ChunkFormatError(f"file is {file_size} bytes, its header describes {size}")
     return ChunkHeader(
         key=key, num_layers=layers, num_blocks=blocks, page_bytes=page_bytes,
-        num_tokens=num_tokens, kv_layout=key.kv_layout, kv_dtype=key.kv_dtype,
-        data_offsets=[total + i * stride for i in range(layers)], layer_nbytes=layer_nbytes,
-        checksums=[str(s) for s in sums], file_size=size, header_bytes=total,
-        shape=tuple(shape), dtype=dtype, fmt=fmt,
+        num_tokens=meta.num_tokens, kv_layout=key.kv_layout, kv_dtype=key.kv_dtype,
+        data_offsets=[header_bytes + i * stride for i in range(layers)],
+        layer_nbytes=layer_nbytes, checksums=[str(s) for s in checksums],
+        file_size=header_bytes + layers * stride, header_bytes=header_bytes,
+        shape=tuple(meta.shape), dtype=meta.dtype, fmt=meta.fmt,
     )
 
 
@@ -400,7 +407,7 @@ def relative_chunk_path(key: CacheKey) -> str:
 __all__ = [
     "ALIGN", "CHECKSUM_ALGO", "FILE_SUFFIX", "FORMAT_NAME", "FORMAT_VERSION", "HEADER_PROBE",
     "ChunkHeader", "align_up", "check_layer_range", "checksum", "chunk_layout", "chunk_name",
-    "chunk_path", "decode_header", "encode_chunk", "encode_header", "header_size",
-    "layer_checksums", "read_buffers", "relative_chunk_path", "shard_of",
+    "chunk_path", "decode_header", "encode_chunk", "encode_chunk_with_header", "encode_header", "header_size",
+    "layer_checksums", "make_header", "read_buffers", "relative_chunk_path", "shard_of",
     "verify_layer", "verify_layers",
 ]

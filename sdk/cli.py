@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import subprocess
 import sys
 from importlib.resources import files
@@ -16,7 +17,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from .cli_common import console, err_console, fail
+from .cli_common import console, err_console, escape, fail
 from .cli_config import config_group
 from .cli_inspect import inspect_cmd
 from .plugins import discover_backends, validate_backend_class
@@ -72,11 +73,11 @@ def backends_cmd(as_json: bool, check: bool) -> None:
             table.add_column(col, no_wrap=col != "Class", overflow="fold")
         for r in rows:
             status = "[green]valid[/]" if r["error"] is None else "[red]invalid[/] (see below)"
-            table.add_row(r["name"], r["package"], r["version"], r["target"], status)
+            table.add_row(*(escape(r[k]) for k in ("name", "package", "version", "target")), status)
         console.print(table)
         for r in rows:
             if r["error"]:
-                console.print(f"[red]{r['name']}[/]: {r['error']}", highlight=False)
+                console.print(f"[red]{r['name']}[/]: {escape(r['error'])}", highlight=False, soft_wrap=True)
     if check and any(r["error"] for r in rows):
         raise click.exceptions.Exit(1)
 
@@ -114,6 +115,9 @@ def new_backend_cmd(name: str, output_dir: Path, project_slug: str | None, autho
     if owns_allocator is not None:
         context["owns_allocator"] = "yes" if owns_allocator else "no"
     output_dir.mkdir(parents=True, exist_ok=True)
+    quiet = logging.getLogger("cookiecutter")  # it logs a traceback for a rejected name
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
     try:
         path = Path(cookiecutter(str(template_dir()), no_input=not prompt, extra_context=context,
                                  output_dir=str(output_dir), overwrite_if_exists=force,
@@ -123,11 +127,11 @@ def new_backend_cmd(name: str, output_dir: Path, project_slug: str | None, autho
     except CookiecutterException as exc:
         hint = "; pass --force to overwrite it" if "already exists" in str(exc) else ""
         fail(f"could not generate the package: {exc}{hint}")
-    console.print(f"[green]Created[/] {path} — backend [bold]{name}[/]", highlight=False)
-    console.print(
-        "Next steps (see its README.md for the config and vLLM flags):\n"
-        f"  cd {path}\n  pip install -e '.[test]'\n  pytest\n  kvplug backends",
-        highlight=False,
+    console.print(f"[green]Created[/] {escape(str(path))} — backend [bold]{escape(name)}[/]",
+                  highlight=False)
+    click.echo(
+        "Next steps (its README.md shows the tier config and the vLLM flags):\n"
+        f"  cd {path}\n  pip install -e '.[test]'\n  pytest\n  kvplug backends"
     )
 
 
@@ -145,7 +149,7 @@ def demo_cmd(args: tuple[str, ...]) -> None:
         fail(f"vLLM is installed but failed to import: {type(exc).__name__}: {exc}")
     if importlib.util.find_spec("kvplug.connector.demo") is None:
         fail("this kvplug install has no kvplug.connector.demo module")
-    err_console.print("[dim]running: python -m kvplug.connector.demo " + " ".join(args) + "[/]")
+    err_console.print("running: python -m kvplug.connector.demo " + " ".join(args), markup=False)
     raise click.exceptions.Exit(
         subprocess.call([sys.executable, "-m", "kvplug.connector.demo", *args])
     )

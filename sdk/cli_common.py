@@ -8,6 +8,7 @@ from typing import NoReturn
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 #: Width of tables when stdout is not a terminal and ``COLUMNS`` is unset (rich would use 80, which
 #: folds package names and paths in logs).
@@ -28,7 +29,7 @@ err_console = _console(stderr=True)
 
 def fail(message: str, code: int = 1) -> NoReturn:
     """Print ``Error: message`` to stderr and exit with ``code`` (no traceback)."""
-    err_console.print(f"[bold red]Error:[/] {message}", markup=True, highlight=False)
+    err_console.print(f"[bold red]Error:[/] {escape(message)}", highlight=False)
     raise click.exceptions.Exit(code)
 
 

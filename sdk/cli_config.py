@@ -11,7 +11,7 @@ import click
 from pydantic import BaseModel, ByteSize, ValidationError
 from rich.table import Table
 
-from .cli_common import console, fail
+from .cli_common import console, escape, fail
 from .config import ENV_PREFIX, RESERVED_ENV, KVPlugConfig, TierConfig, load_config
 from .errors import KVPlugError
 from .plugins import load_backend_class
@@ -91,16 +91,17 @@ def check_cmd(file: Path, as_json: bool) -> None:
             table.add_column(col, overflow="fold")
         for i, t in enumerate(tiers, 1):
             opts = ", ".join(f"{k}={_show(v)}" for k, v in t["options"].items())
-            table.add_row(str(i), t["name"], t["backend"], f"{t['package']} {t['version']}",
-                          opts, f"{t['timeout_s']:g}s")
+            cells = (str(i), t["name"], t["backend"], f"{t['package']} {t['version']}", opts,
+                     f"{t['timeout_s']:g}s")
+            table.add_row(*(escape(c) for c in cells))
         console.print(table)
         settings = ", ".join(f"{k}={v}" for k, v in cfg.model_dump(exclude={"tiers"}).items())
-        console.print(f"settings: {settings}", highlight=False)
+        console.print(f"settings: {settings}", markup=False, highlight=False)
         if overrides:
             console.print(f"environment overrides applied: {', '.join(overrides)}")
         for p in problems:
-            console.print(f"[red]problem:[/] {p}", highlight=False)
+            console.print(f"[red]problem:[/] {escape(p)}", highlight=False, soft_wrap=True)
     if problems:
         fail(f"{file}: {len(problems)} problem(s) found", code=1)
     if not as_json:
-        console.print(f"[green]OK[/]: {file} is valid ({len(tiers)} tiers)", highlight=False)
+        console.print(f"[green]OK[/]: {escape(str(file))} is valid ({len(tiers)} tiers)", highlight=False)

@@ -77,7 +77,10 @@ class StorageManager:
         self._logged: set[tuple[str, str]] = set()
         self._closed = False
         self._lock = threading.Lock()
+        # Bounded tier calls run here; batched_get fans out over its own pool so the two never
+        # wait on each other's threads.
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvplug-tier")
+        self._readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvplug-read")
         names = self.config.tier_names()
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -104,10 +107,7 @@ class StorageManager:
             try:
                 options = model.model_validate(cfg.options)
             except ValidationError as exc:
-                problems = "; ".join(
-                    f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})"
-                    for e in exc.errors()
-                )
+                problems = "; ".join(_describe_option_error(e) for e in exc.errors())
                 raise ConfigError(
                     f"tier {cfg.tier_name!r} (backend {cfg.backend!r}): bad options: {problems}. "
                     f"Allowed options: {', '.join(model.model_fields)}"
@@ -159,6 +159,13 @@ class StorageManager:
     @property
     def tier_names(self) -> list[str]:
         return [t.name for t in self._tiers]
+
+    def backend(self, tier: str | int) -> object:
+        """The backend instance of a tier, by name or position (for tools and tests)."""
+        for t in self._tiers:
+            if t.name == tier or t.index == tier:
+                return t.backend
+        raise ConfigError(f"unknown tier {tier!r}; tiers are {self.tier_names}")
 
     def _fault(self, tier: _Tier, hook: str, exc: BaseException) -> None:
         tier.faults += 1
@@ -252,9 +259,9 @@ class StorageManager:
         """:meth:`get` for many keys; slow tiers are read concurrently."""
         if len(keys) <= 1:
             return [self.get(k) for k in keys]
-        return list(self._executor.map(self.get, keys)) if len(self._tiers) > 1 else [
-            self.get(k) for k in keys
-        ]
+        if len(self._tiers) == 1:
+            return [self.get(k) for k in keys]
+        return list(self._readers.map(self.get, keys))
 
     def get_layers(self, key: CacheKey, first_layer: int, num_layers: int) -> MemoryObj | None:
         """Part of a chunk from a tier that reads layer ranges; ``None`` if none has it."""
@@ -305,10 +312,20 @@ class StorageManager:
         return hit.tiers[0] if hit.num_chunks else None
 
     # -- housekeeping ---------------------------------------------------------------------------
-    def evict(self, keys: Sequence[CacheKey] | None = None, nbytes: int = 0) -> int:
-        """Drop ``keys`` from every tier (or free ``nbytes`` in each); bytes freed in total."""
+    def evict(
+        self,
+        keys: Sequence[CacheKey] | None = None,
+        nbytes: int = 0,
+        tiers: Sequence[str] | None = None,
+    ) -> int:
+        """Drop ``keys`` (or free ``nbytes``) in every tier, or only in ``tiers``; bytes freed."""
+        unknown = set(tiers or ()) - set(self.tier_names)
+        if unknown:
+            raise ConfigError(f"unknown tier(s) {sorted(unknown)}; tiers are {self.tier_names}")
         total = 0
         for tier in self._tiers:
+            if tiers is not None and tier.name not in tiers:
+                continue
             freed = self._call(tier, "evict", keys=None if keys is None else list(keys),
                                nbytes=nbytes)
             total += sum(freed or [])
@@ -346,12 +363,24 @@ class StorageManager:
             if "close" in tier.hooks and tier.implements("close"):
                 self._call(tier, "close")
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._readers.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> StorageManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _describe_option_error(err: dict) -> str:
+    """One option error; echoes the input only when it is a plain scalar (never a mapping that
+    could hold credentials)."""
+    where = ".".join(map(str, err["loc"])) or "options"
+    value = err.get("input")
+    shown = f" (got {value!r})" if isinstance(value, (int, float, bool)) or (
+        isinstance(value, str) and len(value) < 80 and err["type"] != "missing"
+    ) else ""
+    return f"{where}: {err['msg']}{shown}"
 
 
 def _drop_late_result(fut: Future) -> None:

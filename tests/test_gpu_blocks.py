@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvplug.gpu import blocks_for_tokens, coalesce_runs, num_pages, pages_for_tokens
 
 TABLE = [11, 4, 7, 30, 2, 9]  # a request's block table, block_size 4 -> 24 token slots

@@ -34,7 +34,7 @@ def test_write_through_and_promotion_into_l1():
         obj = fill_random(mgr, seed=1)
         mgr.batched_put([make_key(1)], [obj])
         obj.ref_down()
-        mgr._tiers[0].hooks["evict"](keys=[make_key(1)], nbytes=0)  # ...now only from L1
+        mgr.evict([make_key(1)], tiers=["l1"])  # ...now only from L1
         assert mgr.lookup_prefix([make_key(1)]).tiers == ["lower"]
         got = mgr.get(make_key(1))
         assert got is not None and torch.equal(got.byte_view, expect)
@@ -50,7 +50,7 @@ def test_prefix_spans_tiers_and_stops_at_first_gap():
             obj = fill_random(mgr, seed=i)
             mgr.batched_put([keys[i]], [obj])
             obj.ref_down()
-        mgr._tiers[0].hooks["evict"](keys=[keys[1]], nbytes=0)
+        mgr.evict([keys[1]], tiers=["l1"])
         look = mgr.lookup_prefix(keys, pin=True)
         assert look.num_chunks == 2 and look.tiers == ["l1", "lower"]
         # the pin on key 3 (beyond the gap) was released at once; keys 0 stays pinned in L1
@@ -125,3 +125,25 @@ def test_close_is_idempotent_and_releases_l1():
     mgr.close()
     assert obj.ref_count == 1
     obj.ref_down()
+
+
+def test_batched_get_over_many_keys_with_a_slow_tier_does_not_starve():
+    with two_tiers(timeout_s=2.0) as mgr:
+        keys = [make_key(i) for i in range(24)]
+        for k in keys:
+            obj = fill_random(mgr, seed=k.chunk_hash[3])
+            mgr.batched_put([k], [obj])
+            obj.ref_down()
+        mgr.evict(keys, tiers=["l1"])
+        got = mgr.batched_get(keys)
+        assert all(g is not None for g in got), "some reads timed out waiting for a thread"
+        for g in got:
+            g.ref_down()
+        assert mgr.stats()["lower"]["timeouts"] == 0
+
+
+def test_option_errors_never_echo_mappings():
+    tier = {"backend": "local_cpu", "options": {"capacity": {"secret": "hunter2"}}}
+    with pytest.raises(ConfigError) as err:
+        StorageManager({"tiers": [tier]})
+    assert "hunter2" not in str(err.value) and "capacity" in str(err.value)

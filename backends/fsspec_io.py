@@ -1,0 +1,232 @@
+"""Remote I/O for the fsspec tier: every call bounded by a hard timeout, batches run concurrently.
+
+All operations are coroutines run on one event loop: the filesystem's own loop for async
+filesystems (s3fs, gcsfs, ...), where ``fs._cat_file`` and friends are awaited directly, or
+fsspec's IO loop for synchronous ones (``memory``, ``file``), whose blocking calls go to a small
+thread pool. ``asyncio.wait_for`` cancels a call that runs past its timeout inside the loop, and
+the calling thread waits on the future with a slightly longer bound, so a dead store never hangs a
+caller. Credentials are scrubbed from every message this module produces (:class:`Redactor`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
+
+import fsspec
+from fsspec.asyn import AsyncFileSystem, get_loop
+from kvplug.errors import ConfigError
+
+T = TypeVar("T")
+_SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "auth", "session")
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
+
+
+class Redactor:
+    """Removes credential values (from ``storage_options`` and URL user-info) from text."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any]) -> None:
+        self._secrets: list[str] = []
+        self._collect(storage_options, sensitive=False)
+        m = re.match(r"[A-Za-z][A-Za-z0-9+.-]*://([^/@\s]*)@", url)
+        if m:
+            self._secrets.extend(p for p in re.split(r"[:]", m.group(1)) if len(p) >= 3)
+        self._secrets.sort(key=len, reverse=True)
+
+    def _collect(self, value: Any, sensitive: bool) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                word = str(k).lower()
+                self._collect(v, sensitive or any(s in word for s in _SECRET_WORDS))
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                self._collect(v, sensitive)
+        elif sensitive and isinstance(value, str) and len(value) >= 3:
+            self._secrets.append(value)
+
+    def __call__(self, text: str) -> str:
+        text = _USERINFO.sub(r"\g<scheme>***@", text)
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def error(self, exc: BaseException) -> str:
+        """``Type: message`` of an exception, credentials removed, bounded length."""
+        msg = self(f"{type(exc).__name__}: {exc}")
+        return msg if len(msg) <= 300 else msg[:297] + "..."
+
+
+def _s3_defaults(options: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Defaults for s3fs that the user did not set: short client timeouts, few retries, no
+    listings cache and no shared instance (several hosts and tests must see fresh state)."""
+    out = dict(options)
+    out.setdefault("use_listings_cache", False)
+    config = dict(out.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", max(0.5, min(timeout_s, 5.0)))
+    config.setdefault("read_timeout", timeout_s)
+    config.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
+    out["config_kwargs"] = config
+    return out
+
+
+def open_filesystem(
+    url: str, storage_options: Mapping[str, Any], timeout_s: float, redact: Redactor
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    """``fsspec.url_to_fs`` with kvplug's defaults; errors name the URL without credentials."""
+    options = dict(storage_options)
+    options.setdefault("skip_instance_cache", True)
+    protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
+    if protocol in ("s3", "s3a"):
+        options = _s3_defaults(options, timeout_s)
+    try:
+        fs, root = fsspec.url_to_fs(url, **options)
+    except ImportError as exc:
+        raise ConfigError(
+            f"fsspec tier: the filesystem for {redact(url)!r} is not installed "
+            f"({redact.error(exc)}); for S3 install kvplug[remote]"
+        ) from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"fsspec tier: cannot open {redact(url)!r}: {redact.error(exc)}"
+        ) from None
+    if protocol in ("s3", "s3a") and isinstance(getattr(fs, "retries", None), int):
+        fs.retries = min(fs.retries, 2)  # s3fs's own retry loop (a class attribute)
+    return fs, root.rstrip("/")
+
+
+class RemoteIO:
+    """Bounded, concurrent primitives over one fsspec filesystem."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, timeout_s: float, io_threads: int) -> None:
+        self.fs = fs
+        self.timeout_s = timeout_s
+        self.concurrency = io_threads
+        self.is_async = isinstance(fs, AsyncFileSystem) and bool(getattr(fs, "async_impl", False))
+        self.loop = fs.loop if self.is_async else get_loop()
+        self._pool = None if self.is_async else ThreadPoolExecutor(
+            max_workers=io_threads, thread_name_prefix="kvplug-fsspec-io"
+        )
+        self.is_local = "file" in _protocols(fs) or "local" in _protocols(fs)
+        cat = getattr(fs, "_cat_file", None)
+        # s3fs issues a HEAD before every whole-object read unless told to read in one request.
+        self._cat_kwargs = (
+            {"max_concurrency": 1}
+            if self.is_async and cat is not None
+            and "max_concurrency" in inspect.signature(cat).parameters
+            else {}
+        )
+
+    # -- running ------------------------------------------------------------------------------
+    def run(self, make: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
+        """Run one coroutine on the loop; ``TimeoutError`` past ``timeout`` (never hangs)."""
+        limit = self.timeout_s if timeout is None else timeout
+
+        async def bounded() -> T:
+            return await asyncio.wait_for(make(), limit)
+
+        fut = asyncio.run_coroutine_threadsafe(bounded(), self.loop)
+        try:
+            return fut.result(limit + 1.0)
+        except (FutureTimeout, asyncio.TimeoutError, TimeoutError):
+            fut.cancel()
+            raise TimeoutError(f"remote call took longer than {limit:.1f}s") from None
+
+    async def _blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    async def gather(self, makers: Sequence[Callable[[], Awaitable[T]]]) -> list[T | BaseException]:
+        """Run coroutines at most ``concurrency`` at a time, each under the call timeout."""
+        sem = asyncio.Semaphore(self.concurrency)
+
+        async def one(make: Callable[[], Awaitable[T]]) -> T:
+            async with sem:
+                return await asyncio.wait_for(make(), self.timeout_s)
+
+        return await asyncio.gather(*(one(m) for m in makers), return_exceptions=True)
+
+    def run_many(self, makers: Sequence[Callable[[], Awaitable[T]]]) -> list[T | BaseException]:
+        """:meth:`gather` from a plain thread, bounded as a whole."""
+        waves = -(-len(makers) // self.concurrency) if makers else 1
+        return self.run(lambda: self.gather(makers), timeout=self.timeout_s * waves)
+
+    # -- primitives (coroutines) --------------------------------------------------------------
+    async def cat(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        if self.is_async:
+            if start is None and end is None:
+                return await self.fs._cat_file(path, **self._cat_kwargs)
+            return await self.fs._cat_file(path, start=start, end=end)
+        return await self._blocking(self.fs.cat_file, path, start=start, end=end)
+
+    async def put(self, path: str, data: bytes) -> None:
+        """Write a whole object so that readers see all of it or nothing."""
+        if self.is_async:
+            await self.fs._pipe_file(path, data)
+        elif self.is_local:
+            await self._blocking(_local_atomic_write, self.fs, path, data)
+        else:
+            await self._blocking(self.fs.pipe_file, path, data)
+
+    async def size(self, path: str) -> int | None:
+        """Object size, or ``None`` when it does not exist."""
+        try:
+            if self.is_async:
+                info = await self.fs._info(path)
+            else:
+                info = await self._blocking(self.fs.info, path)
+        except FileNotFoundError:
+            return None
+        if info.get("type") == "directory":
+            return None
+        return int(info.get("size") or 0)
+
+    async def rm(self, path: str) -> None:
+        try:
+            if self.is_async:
+                await self.fs._rm_file(path)
+            else:
+                await self._blocking(self.fs.rm_file, path)
+        except FileNotFoundError:
+            pass
+
+    async def find(self, root: str) -> dict[str, dict[str, Any]]:
+        try:
+            if self.is_async:
+                return await self.fs._find(root, detail=True)
+            return await self._blocking(self.fs.find, root, detail=True)
+        except FileNotFoundError:
+            return {}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    proto = fs.protocol
+    return (proto,) if isinstance(proto, str) else tuple(proto)
+
+
+def _local_atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write to a temporary name in the same directory, then rename over the final name."""
+    import os
+    import uuid
+
+    parent = fs._parent(path)
+    fs.makedirs(parent, exist_ok=True)
+    tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,433 @@
+"""The ``posix`` tier: one safetensors chunk file per key in a local (or shared) directory.
+
+* Layout: ``<path>/<2 hex of the hash>/<safe key name>.safetensors`` (:mod:`kvplug.chunk_format`),
+  names built only from the key's safe string form, so no input can escape ``path``.
+* Writes run on ``io_threads`` threads, never on the caller's; each goes to a hidden temporary
+  name and is renamed into place (readers never see a partial file); ``fsync`` is optional.
+* Reads go with ``os.preadv`` straight into memory from ``ctx.allocate`` (L1's pool, so a
+  promotion is zero-copy), whole chunks or a range of layers, every layer checksum verified.
+* The index is rebuilt from the directory at startup; a lookup that misses it falls back to a
+  ``stat``, so files another process wrote are found. Several processes may share a directory.
+* Capacity: LRU by file mtime (bumped on every read and pin, shared by all processes); when over,
+  the oldest files not pinned by this process are deleted. Files vanishing under us are misses.
+* A file with a wrong size, header, version, key or checksum is a miss: logged with its path,
+  deleted, counted. A full disk or read-only directory makes stores fail soft; loads go on.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvplug import chunk_format as cf
+from kvplug.hookspecs import TierContext, hookimpl
+from kvplug.keys import CacheKey
+from kvplug.memory import MemoryObj
+from pydantic import BaseModel, ByteSize, ConfigDict, Field
+
+from .posix_index import Entry, PosixIndex, scan
+from .posix_io import CorruptChunk, header_digest, probe_o_direct, read_chunk, write_chunk
+
+logger = logging.getLogger("kvplug.backends.posix")
+_MAX_CORRUPT_LOGS = 20
+_HEADER_CACHE = 4096  # parsed headers kept (a few KiB each)
+_TOUCH_EVERY_S = 1.0  # an LRU stamp younger than this is not bumped again (saves a syscall)
+
+
+class PosixBackend:
+    """A directory of chunk files with an LRU byte capacity."""
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        path: str = Field(description="cache directory (created if missing)")
+        capacity: ByteSize = Field(default=ByteSize(20 << 30), description="bytes on disk")
+        fsync: bool = Field(default=False, description="fsync each file (and its directory)")
+        io_threads: int = Field(default=4, ge=1, le=64, description="writer threads")
+        o_direct: bool = Field(
+            default=False, description="bypass the page cache where the file system allows it"
+        )
+        max_pending_writes: int = Field(
+            default=256, ge=1, description="queued writes beyond this are dropped (counted)"
+        )
+        rescan_interval_s: float = Field(
+            default=10.0, ge=0, description="re-read the directory at most this often when "
+            "evicting (to see other processes' files)",
+        )
+
+    def __init__(self, ctx: TierContext) -> None:
+        opts: PosixBackend.Options = ctx.options
+        self.name = ctx.name
+        self.opts = opts
+        self._allocate = ctx.allocate
+        self.root = Path(opts.path).expanduser().resolve()
+        self._root_s = str(self.root) + os.sep
+        self.capacity = int(opts.capacity)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._index = PosixIndex()
+        self._pending: dict[str, MemoryObj] = {}
+        self._headers: OrderedDict[str, tuple[str, cf.ChunkHeader]] = OrderedDict()
+        self._cancelled: set[str] = set()
+        self._reserved = 0
+        self._logged: set[str] = set()
+        self._closed = False
+        self._counters = dict.fromkeys(
+            ("writes", "disk_bytes_written", "reads", "disk_bytes_read", "dropped_puts",
+             "failed_puts", "skipped_puts", "corrupt", "read_errors", "alloc_failures",
+             "evictions", "vanished", "rescans"), 0)
+        self._writable = True
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self._writable = False
+            self._log_once("mkdir", "cannot create %s (%s): stores are disabled", self.root, exc)
+        if self._writable and not os.access(self.root, os.W_OK):
+            self._writable = False
+            self._log_once("ro", "directory %s is not writable: stores are dropped, loads go on",
+                           self.root)
+        self.o_direct = False
+        if opts.o_direct and self._writable:
+            why = probe_o_direct(self.root)
+            self.o_direct = why is None
+            if why:
+                logger.warning("tier %r: O_DIRECT is not supported in %s (%s); using buffered "
+                               "I/O through the page cache", self.name, self.root, why)
+        self._last_scan = 0.0
+        self._rescan()
+        with self._lock:
+            victims = self._index.take_victims(self._index.bytes - self.capacity)
+        self._unlink_victims(victims)
+        self._pool = ThreadPoolExecutor(opts.io_threads, thread_name_prefix=f"kvplug-{self.name}")
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _log_once(self, what: str, msg: str, *args: object) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            logger.warning("tier %r: " + msg + " (further occurrences are counted in stats)",
+                           self.name, *args)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def _path(self, rel: str) -> str:
+        return self._root_s + rel
+
+    def _remember(self, rel: str, known: tuple[str, cf.ChunkHeader] | None) -> None:
+        """Cache a parsed header (keyed by path, checked by a digest of its bytes on use)."""
+        with self._lock:
+            if known is None:
+                self._headers.pop(rel, None)
+                return
+            self._headers[rel] = known
+            self._headers.move_to_end(rel)
+            if len(self._headers) > _HEADER_CACHE:
+                self._headers.popitem(last=False)
+
+    def _rescan(self) -> None:
+        result = scan(self.root)
+        for tmp in result.stale_tmp:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+        with self._lock:
+            self._index.merge(result)
+            self._last_scan = time.monotonic()
+            self._counters["rescans"] += 1
+
+    def _unlink_victims(self, victims: list[tuple[str, object]]) -> int:
+        freed = 0
+        for rel, entry in victims:
+            try:
+                os.unlink(self._path(rel))
+                freed += entry.size
+            except FileNotFoundError:
+                pass  # another process evicted it already
+            except OSError as exc:
+                self._log_once("unlink", "cannot delete %s: %s", self._path(rel), exc)
+        if victims:
+            self._count("evictions", len(victims))
+        return freed
+
+    def _quarantine(self, rel: str, err: CorruptChunk) -> None:
+        """Delete a damaged file (only if it is still the file that was read)."""
+        path = self._path(rel)
+        with self._lock:
+            self._index.remove(rel)
+            self._counters["corrupt"] += 1
+            n = self._counters["corrupt"]
+        if n <= _MAX_CORRUPT_LOGS:
+            logger.warning("tier %r: chunk file %s is unusable (%s); deleted, treated as a miss",
+                           self.name, path, err)
+        try:
+            if os.stat(path).st_ino == err.ino:
+                os.unlink(path)
+        except OSError:
+            pass
+
+    def _touch(self, rel: str, size: int) -> None:
+        now = time.time()
+        with self._lock:
+            entry = self._index.get(rel)
+            if entry is None:
+                self._index.add(rel, size, now)
+            else:
+                recent = now - entry.stamp < _TOUCH_EVERY_S
+                self._index.touch(rel, now)
+                if recent:
+                    return
+        try:
+            os.utime(self._path(rel), (now, now))
+        except OSError:
+            pass  # read-only or vanished: the LRU stamp is advisory
+
+    # -- writes ---------------------------------------------------------------------------------
+    @hookimpl
+    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        for key, obj in zip(keys, objs, strict=False):
+            rel = cf.relative_chunk_path(key)
+            with self._lock:
+                if self._closed or not self._writable:
+                    self._counters["dropped_puts"] += 1
+                    continue
+                if rel in self._index or rel in self._pending:
+                    self._counters["skipped_puts"] += 1
+                    continue
+                if len(self._pending) >= self.opts.max_pending_writes:
+                    self._counters["dropped_puts"] += 1
+                    full = True
+                else:
+                    full = False
+                    self._pending[rel] = obj.ref_up()
+                    self._cancelled.discard(rel)
+            if full:
+                self._log_once("queue", "write queue full (%d); stores dropped",
+                               self.opts.max_pending_writes)
+                continue
+            self._pool.submit(self._write, key, rel, obj)
+
+    def _make_room(self, size: int) -> bool:
+        """Reserve ``size`` bytes, evicting LRU files; False if pinned files leave no room."""
+        with self._lock:
+            over = self._index.bytes + self._reserved + size - self.capacity
+            stale = time.monotonic() - self._last_scan >= self.opts.rescan_interval_s
+        if over > 0 and stale:
+            self._rescan()
+        with self._lock:
+            over = self._index.bytes + self._reserved + size - self.capacity
+            victims = self._index.take_victims(over) if over > 0 else []
+            if over - sum(e.size for _, e in victims) > 0:
+                for rel, entry in victims:  # not enough: keep what we took
+                    self._index.add(rel, entry.size, entry.stamp)
+                return False
+            self._reserved += size
+        self._unlink_victims(victims)
+        return True
+
+    def _write(self, key: CacheKey, rel: str, obj: MemoryObj) -> None:
+        path = self._path(rel)
+        reserved = 0
+        try:
+            if self._cancelled and rel in self._cancelled:
+                return
+            try:
+                st = os.stat(path)  # another process (or an earlier run) stored it already
+                with self._lock:
+                    self._index.add(rel, st.st_size, st.st_mtime)
+                return
+            except FileNotFoundError:
+                pass
+            header, bufs, head = cf.encode_chunk_with_header(key, obj)
+            size = len(header) + sum(len(b) for b in bufs)
+            if not self._make_room(size):
+                self._count("skipped_puts")
+                self._log_once("full", "capacity %d bytes is full of pinned files; stores "
+                               "skipped", self.capacity)
+                return
+            reserved = size
+            written = write_chunk(path, obj, header, bufs, fsync=self.opts.fsync,
+                                  direct=self.o_direct)
+            self._remember(rel, (header_digest(header), head))
+            with self._lock:
+                self._index.add(rel, written, time.time())
+                self._counters["writes"] += 1
+                self._counters["disk_bytes_written"] += written
+        except OSError as exc:
+            self._count("failed_puts")
+            kind = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+            self._log_once(f"write:{kind}", "store into %s failed: %s", self.root, exc)
+        except Exception as exc:  # noqa: BLE001 - a store never raises into the engine
+            self._count("failed_puts")
+            self._log_once(f"write:{type(exc).__name__}", "store failed: %r", exc)
+        finally:
+            with self._lock:
+                self._reserved -= reserved
+                self._pending.pop(rel, None)
+                self._cancelled.discard(rel)
+                if not self._pending:
+                    self._idle.notify_all()
+            obj.ref_down()
+
+    # -- reads ----------------------------------------------------------------------------------
+    def _read(self, key: CacheKey, layers: tuple[int, int] | None) -> MemoryObj | None:
+        rel = cf.relative_chunk_path(key)
+        with self._lock:
+            known = self._headers.get(rel)
+        try:
+            obj, size, known = read_chunk(self._path(rel), key, self._allocate, layers,
+                                          direct=self.o_direct, known=known)
+        except FileNotFoundError:
+            self._remember(rel, None)
+            with self._lock:
+                if self._index.remove(rel) is not None:
+                    self._counters["vanished"] += 1
+            return None
+        except CorruptChunk as exc:
+            self._remember(rel, None)
+            self._quarantine(rel, exc)
+            return None
+        except ValueError as exc:  # a layer range the chunk does not have: the caller's mistake
+            self._log_once("range", "bad layer range for %s: %s", key, exc)
+            return None
+        except OSError as exc:
+            self._count("read_errors")
+            self._log_once("read", "read of %s failed: %s", self._path(rel), exc)
+            return None
+        self._remember(rel, known)
+        if obj is None:
+            self._count("alloc_failures")
+            self._log_once("alloc", "no memory to read chunks into; treated as misses")
+            return None
+        self._touch(rel, size)
+        with self._lock:
+            self._counters["reads"] += 1
+            self._counters["disk_bytes_read"] += obj.nbytes
+        return obj
+
+    @hookimpl
+    def get(self, key: CacheKey) -> MemoryObj | None:
+        return self._read(key, None)
+
+    @hookimpl
+    def get_layers(self, key: CacheKey, first_layer: int, num_layers: int) -> MemoryObj | None:
+        return self._read(key, (first_layer, num_layers))
+
+    # -- lookup and pins ------------------------------------------------------------------------
+    @hookimpl
+    def contains(self, keys: Sequence[CacheKey], pin: bool) -> list[bool]:
+        rels = [cf.relative_chunk_path(k) for k in keys]
+        with self._lock:
+            found = [rel in self._index for rel in rels]
+        for i, rel in enumerate(rels):
+            if found[i]:
+                continue
+            try:  # another process may have written it
+                st = os.stat(self._path(rel))
+            except OSError:
+                # Lookups are prefix lookups: past the first real miss only the index answers
+                # (no stat per key for a long run of misses; "on doubt, answer False").
+                break
+            found[i] = True
+            with self._lock:
+                if rel not in self._index:
+                    self._index.add(rel, st.st_size, st.st_mtime)
+        if pin:
+            now = time.time()
+            for i, rel in enumerate(rels):
+                if not found[i]:
+                    continue
+                with self._lock:
+                    self._index.pin(rel)
+                    entry = self._index.get(rel)
+                    if entry is None or now - entry.stamp < _TOUCH_EVERY_S:
+                        continue
+                    self._index.touch(rel, now)
+                try:  # newest in the shared LRU, so other processes evict it last
+                    os.utime(self._path(rel), (now, now))
+                except FileNotFoundError:
+                    with self._lock:
+                        self._index.unpin(rel)
+                        self._index.remove(rel)
+                    found[i] = False
+                except OSError:
+                    pass
+        return found
+
+    @hookimpl
+    def unpin(self, keys: Sequence[CacheKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._index.unpin(cf.relative_chunk_path(key))
+
+    @hookimpl
+    def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
+        with self._lock:
+            if keys is None:
+                victims = self._index.take_victims(nbytes) if nbytes > 0 else []
+            else:
+                victims = []
+                for key in keys:
+                    rel = cf.relative_chunk_path(key)
+                    if self._index.pinned(rel):
+                        continue
+                    if rel in self._pending:
+                        self._cancelled.add(rel)
+                    entry = self._index.remove(rel)
+                    if entry is None and os.path.exists(self._path(rel)):
+                        entry = _stat_entry(self._path(rel))
+                    if entry is not None:
+                        victims.append((rel, entry))
+        return self._unlink_victims(victims)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    @hookimpl
+    def flush(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    @hookimpl
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True)
+        if self._writable:  # other processes may have written meanwhile: leave the bound kept
+            try:
+                self._rescan()
+                with self._lock:
+                    victims = self._index.take_victims(self._index.bytes - self.capacity)
+                self._unlink_victims(victims)
+            except OSError as exc:
+                self._log_once("close", "final capacity check of %s failed: %s", self.root, exc)
+
+    @hookimpl
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            out: dict[str, float] = dict(self._counters)
+            out.update(entries=len(self._index), bytes=self._index.bytes, capacity=self.capacity,
+                       pinned=self._index.num_pinned, pending_writes=len(self._pending),
+                       o_direct=int(self.o_direct), writable=int(self._writable))
+        return out
+
+
+def _stat_entry(path: str) -> Entry | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return Entry(st.st_size, st.st_mtime)

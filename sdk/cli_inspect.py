@@ -1,0 +1,217 @@
+"""``kvplug inspect PATH_OR_URL``: what a posix/gds directory or an fsspec store holds.
+
+Chunk files are found anywhere below the root (the tiers write ``root/<2 hex>/<key>.safetensors``);
+each header is decoded with :mod:`kvplug.chunk_format` (which checks its own checksum and every
+size). ``--verify`` also reads every layer and checks its xxh3 checksum.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+import yaml
+from rich.progress import Progress
+from rich.table import Table
+
+from . import chunk_format as cf
+from .cli_common import age_of, console, err_console, escape, fail, human_bytes
+
+
+@dataclass
+class FileInfo:
+    path: str
+    size: int
+    mtime: float
+
+
+class Store:
+    """A read-only view of a chunk store: a local directory, or a root on an fsspec filesystem."""
+
+    def __init__(self, target: str, storage_options: dict[str, Any]) -> None:
+        self.target = target
+        if "://" in target and not target.startswith("file://"):
+            try:
+                import fsspec
+            except ImportError:
+                fail("reading a remote store needs fsspec: pip install 'kvplug[remote]'")
+            try:
+                self.fs, self.root = fsspec.core.url_to_fs(target, **storage_options)
+            except (ImportError, ValueError) as exc:
+                fail(f"cannot open {target}: {exc}")
+        else:  # a local directory: plain os calls, so inspecting needs no fsspec
+            self.fs = None
+            self.root = os.path.abspath(target.removeprefix("file://"))
+            if not os.path.isdir(self.root):
+                fail(f"{target} is not a directory")
+
+    def _listing(self) -> dict[str, dict[str, Any]]:
+        if self.fs is not None:
+            return self.fs.find(self.root, detail=True)
+        out: dict[str, dict[str, Any]] = {}
+        for base, _dirs, names in os.walk(self.root):
+            for name in names:
+                path = os.path.join(base, name)
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:  # evicted meanwhile
+                    continue
+                out[path] = {"size": st.st_size, "mtime": st.st_mtime}
+        return out
+
+    def files(self) -> tuple[list[FileInfo], list[FileInfo]]:
+        """(chunk files, temporary files) below the root."""
+        try:
+            listing = self._listing()
+        except FileNotFoundError:
+            fail(f"{self.target} does not exist")
+        except Exception as exc:  # noqa: BLE001 - remote errors: one clear line
+            fail(f"cannot list {self.target}: {type(exc).__name__}: {exc}")
+        chunks, temps = [], []
+        for path, info in sorted(listing.items()):
+            name = path.rsplit("/", 1)[-1]
+            entry = FileInfo(path, int(info.get("size") or 0), _mtime(info))
+            if name.endswith(cf.FILE_SUFFIX) and not name.startswith("."):
+                chunks.append(entry)
+            elif name.startswith(".") or name.endswith(".tmp"):
+                temps.append(entry)
+        return chunks, temps
+
+    def read(self, path: str, start: int, end: int) -> bytes:
+        if self.fs is not None:
+            return self.fs.cat_file(path, start=start, end=end)
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+
+
+def _mtime(info: dict[str, Any]) -> float:
+    value = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
+    if hasattr(value, "timestamp"):
+        return float(value.timestamp())
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def read_header(store: Store, f: FileInfo) -> cf.ChunkHeader:
+    """Decode (and so check) one chunk file's header; raises ChunkFormatError/OSError."""
+    prefix = store.read(f.path, 0, min(cf.HEADER_PROBE, f.size))
+    total = cf.header_size(prefix[:8])
+    if total > len(prefix):
+        prefix = store.read(f.path, 0, total)
+    return cf.decode_header(prefix, f.size)
+
+
+def verify_file(store: Store, f: FileInfo, header: cf.ChunkHeader) -> str | None:
+    """None if every layer matches its checksum, else what is wrong."""
+    bad = [i for i in range(header.num_layers)
+           if not cf.verify_layer(header, i, store.read(
+               f.path, header.data_offsets[i], header.data_offsets[i] + header.layer_nbytes))]
+    return None if not bad else f"layer(s) {bad} fail their {cf.CHECKSUM_ALGO} checksum"
+
+
+@dataclass
+class Group:
+    """Chunks of one namespace: model, dtype, layout, world size/rank."""
+
+    model: str
+    kv_dtype: str
+    kv_layout: str
+    tp: str
+    chunks: int = 0
+    tokens: int = 0
+    nbytes: int = 0
+    oldest: float = field(default=float("inf"))
+    newest: float = 0.0
+
+
+def scan(store: Store, verify: bool) -> dict[str, Any]:
+    """Everything ``inspect`` reports, as a dict."""
+    chunks, temps = store.files()
+    groups: dict[str, Group] = {}
+    corrupt: list[dict[str, str]] = []
+    with Progress(console=err_console, transient=True,
+                  disable=not err_console.is_terminal) as progress:
+        task = progress.add_task("verifying" if verify else "reading headers", total=len(chunks))
+        for f in chunks:
+            progress.advance(task)
+            try:
+                header = read_header(store, f)
+                problem = verify_file(store, f, header) if verify else None
+            except (cf.ChunkFormatError, OSError, ValueError) as exc:
+                header, problem = None, f"unreadable header: {exc}"
+            if problem:
+                corrupt.append({"path": f.path, "problem": problem})
+                continue
+            assert header is not None
+            key = header.key
+            g = groups.setdefault(key.namespace, Group(
+                key.model, key.kv_dtype, key.kv_layout, f"{key.rank}/{key.world_size}"))
+            g.chunks += 1
+            g.tokens += header.num_tokens
+            g.nbytes += f.size
+            g.oldest, g.newest = min(g.oldest, f.mtime), max(g.newest, f.mtime)
+    return {
+        "root": store.target, "verified": verify,
+        "chunks": sum(g.chunks for g in groups.values()),
+        "bytes": sum(g.nbytes for g in groups.values()),
+        "models": sorted({g.model for g in groups.values()}),
+        "groups": [vars(g) for g in groups.values()],
+        "corrupt": corrupt, "temporary_files": [t.path for t in temps],
+    }
+
+
+def _parse_options(pairs: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            fail(f"--storage-option {pair!r} is not KEY=VALUE")
+        yield key, yaml.safe_load(value)
+
+
+def _print(report: dict[str, Any]) -> None:
+    now = time.time()
+    table = Table(title=f"kvplug store {escape(report['root'])}")
+    for col in ("Model", "KV dtype", "Layout", "Rank/TP", "Chunks", "Tokens", "Bytes", "Oldest",
+                "Newest"):
+        table.add_column(col, overflow="fold")
+    for g in report["groups"]:
+        table.add_row(escape(g["model"]), g["kv_dtype"], g["kv_layout"], g["tp"], str(g["chunks"]),
+                      str(g["tokens"]), human_bytes(g["nbytes"]), age_of(g["oldest"], now),
+                      age_of(g["newest"], now))
+    console.print(table)
+    console.print(f"{report['chunks']} chunks, {human_bytes(report['bytes'])} "
+                  f"({report['bytes']} bytes), {len(report['models'])} model(s)", highlight=False)
+    if report["temporary_files"]:
+        console.print(f"{len(report['temporary_files'])} temporary file(s) (writes in progress, "
+                      "or left by a crashed writer)", highlight=False)
+    for c in report["corrupt"]:
+        console.print(f"[red]corrupt:[/] {escape(c['path'])}: {escape(c['problem'])}", highlight=False,
+                      soft_wrap=True)
+    if report["verified"] and not report["corrupt"]:
+        console.print(f"[green]verified[/]: every checksum of {report['chunks']} chunks matches")
+
+
+@click.command("inspect")
+@click.argument("target", metavar="PATH_OR_URL")
+@click.option("--verify", is_flag=True, help="Read every chunk and check every checksum.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@click.option("-s", "--storage-option", "options", multiple=True, metavar="KEY=VALUE",
+              help="fsspec storage option (value parsed as YAML), e.g. "
+                   "-s 'client_kwargs={endpoint_url: http://127.0.0.1:9000}'.")
+def inspect_cmd(target: str, verify: bool, as_json: bool, options: tuple[str, ...]) -> None:
+    """Show what a posix/gds directory or an fsspec URL holds: chunks, models, bytes, age."""
+    report = scan(Store(target, dict(_parse_options(options))), verify)
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
+    else:
+        _print(report)
+    if verify and report["corrupt"]:
+        fail(f"{len(report['corrupt'])} corrupt chunk file(s) in {target}")

@@ -1,0 +1,201 @@
+"""fsspec tier behaviour on memory:// and file://: lookup caching, back-pressure, slow stores,
+credentials and object names."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import fsspec
+import pytest
+import torch
+from kvplug.errors import ConfigError
+from kvplug.keys import CacheKey
+from kvplug.storage_manager import StorageManager
+from kvplug.testing.conformance import fill_random, make_key
+
+pytestmark = pytest.mark.timeout(60)
+SECRET = "SuperSecretValue-123"
+
+
+@pytest.fixture(autouse=True)
+def _clean_memory_fs():
+    fs = fsspec.filesystem("memory")
+    fs.store.clear()
+    fs.pseudo_dirs[:] = [""]
+    yield
+    fs.store.clear()
+    fs.pseudo_dirs[:] = [""]
+
+
+def _mgr(url: str = "memory://kv", **opts) -> StorageManager:
+    return StorageManager({"tiers": [{"backend": "fsspec", "options": {"url": url, **opts}}],
+                           "chunk_size": 16})
+
+
+def _backend(mgr: StorageManager):
+    return mgr.backend(0)
+
+
+def _put(mgr: StorageManager, ids) -> None:
+    for i in ids:
+        obj = fill_random(mgr, seed=i)
+        mgr.batched_put([make_key(i)], [obj])
+        obj.ref_down()
+    assert mgr.flush(timeout=10)
+
+
+def test_contains_is_batched_and_misses_are_cached():
+    """One lookup of many keys; repeated misses within negative_cache_s cost no remote call;
+    a chunk another host stores becomes visible once the negative entry expires."""
+    with _mgr(negative_cache_s=0.4) as a, _mgr(negative_cache_s=0.0) as b:
+        keys = [make_key(i) for i in range(32)]
+        assert a.lookup_prefix(keys).num_chunks == 0
+        assert a.stats()["fsspec"]["remote_lookups"] == 32
+        for _ in range(5):
+            assert a.lookup_prefix(keys[:1]).num_chunks == 0
+        st = a.stats()["fsspec"]
+        assert st["remote_lookups"] == 32 and st["negative_hits"] >= 5
+        _put(b, range(1))
+        time.sleep(0.5)
+        assert a.lookup_prefix(keys).num_chunks == 1
+
+
+def test_full_write_queue_drops_without_blocking():
+    """With a stalled store, a full queue drops stores at once and counts them; refs released."""
+    with _mgr(max_pending_writes=2, io_threads=1, timeout_s=1.0) as mgr:
+        io = _backend(mgr).io
+        real_put = io.put
+
+        async def slow_put(path, data):
+            await asyncio.sleep(0.3)
+            await real_put(path, data)
+
+        io.put = slow_put
+        objs = [fill_random(mgr, seed=i) for i in range(10)]
+        t0 = time.monotonic()
+        mgr.batched_put([make_key(i) for i in range(10)], objs)
+        assert time.monotonic() - t0 < 0.2
+        assert mgr.stats()["fsspec"]["dropped_queue_full"] >= 7
+        assert mgr.flush(timeout=10)
+        for o in objs:
+            assert o.ref_count == 1
+            o.ref_down()
+
+
+def test_slow_store_times_out_and_opens_the_breaker():
+    """A read that stalls past timeout_s is a miss within the bound; the breaker then refuses
+    calls without waiting, and lets a probe through after the back-off."""
+    with _mgr(timeout_s=0.3, breaker_threshold=1, breaker_backoff_s=0.5) as mgr:
+        _put(mgr, range(1))
+        io = _backend(mgr).io
+        real_cat = io.cat
+
+        async def stalled(*a, **k):
+            await asyncio.sleep(30)
+
+        io.cat = stalled
+        t0 = time.monotonic()
+        assert mgr.get(make_key(0)) is None
+        assert time.monotonic() - t0 < 2.0
+        t1 = time.monotonic()
+        assert mgr.get(make_key(0)) is None
+        assert time.monotonic() - t1 < 0.1, "an open breaker must not wait"
+        st = mgr.stats()["fsspec"]
+        assert st["timeouts"] == 1 and st["breaker_open"] == 1
+        io.cat = real_cat
+        time.sleep(0.6)
+        got = mgr.get(make_key(0))
+        assert got is not None
+        got.ref_down()
+        assert mgr.stats()["fsspec"]["breaker_open"] == 0
+
+
+def test_credentials_never_logged(caplog, unused_port):
+    """A failing S3 endpoint: logs and stats carry no secret, nor does the options repr."""
+    pytest.importorskip("s3fs")
+    caplog.set_level(logging.DEBUG, logger="kvplug")
+    opts = {"endpoint_url": f"http://127.0.0.1:{unused_port}", "key": "AKIDEXAMPLE",
+            "secret": SECRET, "client_kwargs": {"aws_session_token": SECRET + "tok"}}
+    with _mgr("s3://bucket-x/kv", storage_options=opts, timeout_s=1.0,
+              breaker_threshold=1) as mgr:
+        obj = fill_random(mgr)
+        mgr.batched_put([make_key(1)], [obj])
+        obj.ref_down()
+        mgr.flush(timeout=10)
+        assert mgr.get(make_key(1)) is None
+        assert mgr.lookup_prefix([make_key(1)]).num_chunks == 0
+        text = caplog.text + repr(mgr.stats()) + repr(_backend(mgr).opts)
+    assert "remote store failing" in caplog.text
+    assert SECRET not in text
+
+
+def test_redactor_scrubs_url_userinfo_and_secrets():
+    from kvplug.backends.fsspec_io import Redactor
+
+    r = Redactor("ftp://alice:pw-1234@host/x", {"password": "hunter22", "nested": {"token": "t0k3n"}})
+    out = r("ftp://alice:pw-1234@host/x failed with hunter22 and t0k3n")
+    assert "pw-1234" not in out and "hunter22" not in out and "t0k3n" not in out
+    assert "host/x" in out
+
+
+def test_bad_options_are_config_errors_without_secrets():
+    with pytest.raises(ConfigError) as err:
+        _mgr("", storage_options={"secret": SECRET})
+    assert "url" in str(err.value) and SECRET not in str(err.value)
+    with pytest.raises(ConfigError, match="bogus"):
+        _mgr(bogus=1)
+
+
+@pytest.mark.parametrize("model", ["../../etc/passwd", "a/b\\c", "..", "/abs", "x" * 500])
+def test_object_names_cannot_escape_the_prefix(model):
+    with _mgr("memory://kv/root") as mgr:
+        key = CacheKey(model, "bfloat16", "LBHNC-bs16", 2, 1, b"\x01" * 32)
+        path = _backend(mgr).path_of(key)
+        assert path.startswith("/kv/root/")
+        rest = path[len("/kv/root/"):].split("/")
+        assert len(rest) == 3 and ".." not in rest and all(rest)
+        obj = fill_random(mgr)
+        mgr.batched_put([key], [obj])
+        obj.ref_down()
+        assert mgr.flush(timeout=10)
+        assert all(p.startswith("/kv/root/") for p in fsspec.filesystem("memory").store)
+
+
+def test_file_url_shares_the_posix_layout(tmp_path):
+    """namespace_dirs=False writes <root>/<2 hex>/<key>.safetensors atomically (no temp left)."""
+    with _mgr(f"file://{tmp_path}", namespace_dirs=False) as mgr:
+        _put(mgr, range(3))
+        got = mgr.get(make_key(2))
+        assert got is not None
+        got.ref_down()
+    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert len(files) == 3 and all(f.count("/") == 1 for f in files), files
+    assert all(f.endswith(".safetensors") for f in files)
+
+
+def test_layer_reads_are_ranged_and_verified():
+    with _mgr() as mgr:
+        obj = fill_random(mgr, (6, 2, 4096))
+        data = obj.byte_view.clone().view(6, -1)
+        mgr.batched_put([make_key(0)], [obj])
+        obj.ref_down()
+        assert mgr.flush(timeout=10)
+        for first, n in [(0, 1), (2, 3), (5, 1), (0, 6)]:
+            part = mgr.get_layers(make_key(0), first, n)
+            assert part is not None and torch.equal(part.byte_view, data[first:first + n].reshape(-1))
+            part.ref_down()
+        assert mgr.get_layers(make_key(0), 5, 2) is None
+        many = _backend(mgr).get_many([make_key(0), make_key(1)])
+        assert many[1] is None and torch.equal(many[0].byte_view, data.reshape(-1))
+        many[0].ref_down()
+
+
+@pytest.fixture
+def unused_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,319 @@
+"""The posix tier: integrity (every damaged file is a miss), restart, capacity, failure modes."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+
+import pytest
+import torch
+from kvplug import chunk_format as cf
+from kvplug.backends import posix as posix_mod
+from kvplug.backends import posix_io
+from kvplug.backends.posix import PosixBackend
+from kvplug.hookspecs import TierContext
+from kvplug.keys import CacheKey
+from kvplug.memory import MemoryFormat, heap_memory_obj
+from kvplug.storage_manager import StorageManager
+from safetensors import safe_open
+
+
+def key(i: int, model: str = "org/m") -> CacheKey:
+    return CacheKey(model, "bfloat16", "LBHNC-bs16", 1, 0, i.to_bytes(4, "big") * 8)
+
+
+def obj_for(i: int, shape=(3, 2, 2500), dtype=torch.uint8, num_tokens=32):
+    obj = heap_memory_obj(shape, dtype, MemoryFormat.KV_PAGES, num_tokens)
+    gen = torch.Generator().manual_seed(i)
+    obj.byte_view.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=gen))
+    return obj
+
+
+def backend(path, **opts) -> PosixBackend:
+    options = PosixBackend.Options(path=str(path), **opts)
+    return PosixBackend(TierContext("disk", options, heap_memory_obj))
+
+
+def put(be: PosixBackend, i: int, **kw):
+    obj = obj_for(i, **kw)
+    be.batched_submit_put(keys=[key(i)], objs=[obj])
+    assert be.flush(timeout=30)
+    assert obj.ref_count == 1, "the writer must drop its reference when done"
+    return obj
+
+
+def dir_bytes(root) -> int:
+    return sum(
+        os.path.getsize(os.path.join(d, f))
+        for d, _, files in os.walk(root) for f in files if f.endswith(cf.FILE_SUFFIX)
+    )
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [((4, 2, 4096), torch.uint8), ((3, 2, 1000), torch.bfloat16), ((2, 5, 3), torch.float32),
+     ((6, 1, 8192), torch.int8)],
+)
+def test_round_trip_whole_and_layers(tmp_path, shape, dtype, o_direct):
+    tiers = [
+        {"backend": "local_cpu", "options": {"capacity": "4MiB"}},
+        {"backend": "posix", "options": {"path": str(tmp_path), "o_direct": o_direct}},
+    ]
+    with StorageManager({"tiers": tiers, "chunk_size": 16}) as mgr:
+        src = obj_for(7, shape, dtype, num_tokens=11)
+        expect = src.byte_view.clone()
+        layers_expect = src.tensor.clone()
+        mgr.batched_put([key(7)], [src])
+        assert mgr.flush(30)
+        src.ref_down()
+        disk = mgr.backend(1)
+        mgr.evict([key(7)], tiers=[mgr.tier_names[0]])  # ...now only on disk
+        assert mgr.lookup_prefix([key(7)]).tiers == ["posix"]
+        got = mgr.get(key(7))
+        assert got is not None and torch.equal(got.byte_view, expect)
+        assert got.tensor.shape == shape and got.tensor.dtype == dtype and got.num_tokens == 11
+        assert mgr.lookup_prefix([key(7)]).tiers == ["local_cpu"], "disk hit not promoted to L1"
+        got.ref_down()
+        for first, count in [(0, 1), (1, shape[0] - 1), (shape[0] - 1, 1)]:
+            part = mgr.get_layers(key(7), first, count)
+            assert part is not None and part.tensor.shape == (count, *shape[1:])
+            want = layers_expect[first : first + count].reshape(-1).view(torch.uint8)
+            assert torch.equal(part.byte_view, want)
+            part.ref_down()
+        assert disk.get_layers(key=key(7), first_layer=shape[0], num_layers=1) is None
+        assert cf.chunk_path(tmp_path, key(7)).exists(), "a bad range must not delete the file"
+        assert disk.stats()["corrupt"] == 0 and disk.stats()["o_direct"] == int(o_direct)
+
+
+def test_o_direct_is_used_when_aligned_and_falls_back(tmp_path, monkeypatch, caplog):
+    seen: list[int] = []
+    real_open = os.open
+
+    def spy(path, flags, *a, **kw):
+        if str(path).startswith(str(tmp_path)):
+            seen.append(flags)
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(posix_io.os, "open", spy)
+    be = backend(tmp_path / "d", o_direct=True)
+    pool_obj = put(be, 1, shape=(2, 2, 4096))  # heap memory: maybe unaligned -> buffered write
+    got = be.get(key=key(1))
+    assert got is not None and torch.equal(got.byte_view, pool_obj.byte_view)
+    assert any(f & posix_io.O_DIRECT for f in seen), "O_DIRECT was never used"
+    be.close()
+    # A file system that refuses O_DIRECT: logged once, buffered I/O, still correct.
+    monkeypatch.setattr(posix_mod, "probe_o_direct", lambda root: "EINVAL: not supported")
+    seen.clear()
+    with caplog.at_level(logging.WARNING, "kvplug.backends.posix"):
+        be = backend(tmp_path / "e", o_direct=True)
+    assert "O_DIRECT is not supported" in caplog.text and be.stats()["o_direct"] == 0
+    put(be, 2)
+    got = be.get(key=key(2))
+    assert got is not None and not any(f & posix_io.O_DIRECT for f in seen)
+    be.close()
+
+
+def test_written_file_opens_with_safetensors(tmp_path):
+    be = backend(tmp_path)
+    src = put(be, 3, shape=(4, 2, 1000), dtype=torch.float16)
+    path = cf.chunk_path(tmp_path, key(3))
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata()["model"] == "org/m" and f.metadata()["num_tokens"] == "32"
+        layers = torch.stack([f.get_tensor(f"layer.{i}") for i in range(4)])
+    assert torch.equal(layers.reshape(-1), src.byte_view)
+    assert torch.equal(layers.view(-1).view(torch.float16).view(4, 2, 1000).view(torch.int16),
+                       src.tensor.view(torch.int16))
+    be.close()
+
+
+def _damage_cases(data: bytes, head: cf.ChunkHeader):
+    cuts = {0, 7, 8, 100, head.header_bytes - 1, head.header_bytes, len(data) - 1}
+    for off in head.data_offsets:
+        cuts |= {off + 1, off + head.layer_nbytes - 1, off + head.layer_nbytes}
+    for cut in sorted(c for c in cuts if c < len(data)):
+        yield f"truncated at {cut}", data[:cut]
+    for pos in (0, 5, 9, 40, head.header_bytes // 2, head.header_bytes - 2):
+        bad = bytearray(data)
+        bad[pos] ^= 0x04
+        yield f"header byte {pos} flipped", bytes(bad)
+    for i, off in enumerate(head.data_offsets):
+        for pos in (off, off + head.layer_nbytes - 1):
+            bad = bytearray(data)
+            bad[pos] ^= 0x01
+            yield f"layer {i} byte {pos} flipped", bytes(bad)
+    yield "appended junk", data + bytes(cf.ALIGN)
+
+
+def test_every_damaged_file_is_a_counted_miss(tmp_path, caplog):
+    be = backend(tmp_path)
+    src = put(be, 5)
+    path = cf.chunk_path(tmp_path, key(5))
+    good = path.read_bytes()
+    head = cf.decode_header(good, len(good))
+    n = 0
+    with caplog.at_level(logging.WARNING, "kvplug.backends.posix"):
+        for what, data in _damage_cases(good, head):
+            path.write_bytes(data)
+            assert be.get(key=key(5)) is None, what
+            assert not path.exists(), f"{what}: damaged file kept"
+            n += 1
+            assert be.stats()["corrupt"] == n
+            assert be.contains(keys=[key(5)], pin=False) == [False]
+            path.write_bytes(good)  # negative control: the intact file hits
+            got = be.get(key=key(5))
+            assert got is not None and torch.equal(got.byte_view, src.byte_view), what
+            got.ref_down()
+    assert str(path) in caplog.text
+    assert be.get_layers(key=key(5), first_layer=1, num_layers=1) is not None
+    be.close()
+
+
+def test_wrong_version_and_wrong_key_are_misses(tmp_path, monkeypatch):
+    be = backend(tmp_path)
+    put(be, 1)
+    put(be, 2)
+    p1, p2 = cf.chunk_path(tmp_path, key(1)), cf.chunk_path(tmp_path, key(2))
+    p2.write_bytes(p1.read_bytes())  # key 1's file under key 2's name
+    assert be.get(key=key(2)) is None and not p2.exists()
+    monkeypatch.setattr(cf, "FORMAT_VERSION", "2")
+    header, bufs = cf.encode_chunk(key(1), obj_for(1))
+    monkeypatch.undo()
+    p1.write_bytes(header + b"".join(bytes(b) for b in bufs))
+    assert be.get(key=key(1)) is None and not p1.exists()
+    assert be.stats()["corrupt"] == 2
+    be.close()
+
+
+def test_restart_hits_and_other_managers_are_seen(tmp_path):
+    cfg = {"tiers": [{"backend": "posix", "options": {"path": str(tmp_path)}}], "chunk_size": 16}
+    srcs = [obj_for(i) for i in range(5)]
+    with StorageManager(cfg) as a:
+        a.batched_put([key(i) for i in range(5)], srcs)
+    with StorageManager(cfg) as b, StorageManager(cfg) as c:
+        assert b.stats()["posix"]["entries"] == 5, "index not rebuilt from the directory"
+        assert b.lookup_prefix([key(i) for i in range(5)]).num_chunks == 5
+        for i in range(5):
+            got = b.get(key(i))
+            assert got is not None and torch.equal(got.byte_view, srcs[i].byte_view)
+            got.ref_down()
+        c.batched_put([key(9)], [obj_for(9)])  # written by a live neighbour after b started
+        c.flush()
+        assert b.lookup_prefix([key(9)]).num_chunks == 1, "stat fallback missed a new file"
+        c.evict([key(9)])  # evicted by the neighbour: b's stale index entry is a plain miss
+        assert b.get(key(9)) is None and b.stats()["posix"]["corrupt"] == 0
+
+
+def test_capacity_keeps_directory_bounded_and_pins_hold(tmp_path):
+    file_size = cf.ALIGN + 3 * cf.align_up(2 * 2500)
+    capacity = 10 * file_size + 100
+    be = backend(tmp_path, capacity=capacity)
+    put(be, 0)
+    assert be.contains(keys=[key(0)], pin=True) == [True]
+    for i in range(1, 40):
+        put(be, i)
+        assert dir_bytes(tmp_path) <= capacity
+    assert be.contains(keys=[key(0), key(39), key(1)], pin=False) == [True, True, False]
+    be.unpin(keys=[key(0)])
+    put(be, 40)
+    assert be.contains(keys=[key(0)], pin=False) == [False], "oldest unpinned file stayed"
+    assert be.stats()["evictions"] >= 30 and be.stats()["bytes"] <= capacity
+    be.close()
+    small = backend(tmp_path, capacity=3 * file_size)  # a smaller bound applies at startup
+    assert dir_bytes(tmp_path) <= 3 * file_size
+    assert small.contains(keys=[key(40)], pin=False) == [True], "newest file evicted first"
+    small.close()
+
+
+def test_reads_bump_the_shared_lru(tmp_path, monkeypatch):
+    monkeypatch.setattr(posix_mod, "_TOUCH_EVERY_S", 0.0)  # stamps are bumped at most 1/s
+    file_size = cf.ALIGN + 3 * cf.align_up(2 * 2500)
+    be = backend(tmp_path, capacity=3 * file_size)
+    for i in range(3):
+        put(be, i)
+        time.sleep(0.01)
+    be.get(key=key(0)).ref_down()  # 0 becomes the most recent, 1 the oldest
+    other = backend(tmp_path, capacity=3 * file_size)  # another process's view: file mtimes
+    put(other, 3)
+    assert other.contains(keys=[key(0), key(1)], pin=False) == [True, False]
+    be.close()
+    other.close()
+
+
+def test_full_disk_and_read_only_fail_soft(tmp_path, monkeypatch, caplog):
+    be = backend(tmp_path)
+    put(be, 1)
+
+    def enospc(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(posix_io.os, "pwritev", enospc)
+    with caplog.at_level(logging.WARNING, "kvplug.backends.posix"):
+        for i in (2, 3):
+            put(be, i)
+    monkeypatch.undo()
+    assert be.stats()["failed_puts"] == 2 and caplog.text.count("No space left") == 1
+    assert not list(tmp_path.rglob("*.tmp")), "temporary file left behind"
+    assert be.contains(keys=[key(2)], pin=False) == [False]
+    got = be.get(key=key(1))  # loads go on
+    assert got is not None
+    be.close()
+    # A directory that cannot be created (a file is in the way): starts, drops stores, misses.
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    ro = backend(blocker / "cache")
+    obj = obj_for(4)
+    ro.batched_submit_put(keys=[key(4)], objs=[obj])
+    assert ro.flush(5) and obj.ref_count == 1
+    assert ro.get(key=key(4)) is None and ro.stats()["dropped_puts"] == 1
+    ro.close()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_read_only_directory(tmp_path):
+    be = backend(tmp_path)
+    put(be, 1)
+    be.close()
+    tmp_path.chmod(0o555)
+    for shard in tmp_path.iterdir():
+        shard.chmod(0o555)
+    try:
+        ro = backend(tmp_path)
+        put(ro, 2)
+        assert ro.get(key=key(1)) is not None and ro.get(key=key(2)) is None
+        ro.close()
+    finally:
+        for shard in tmp_path.iterdir():
+            shard.chmod(0o755)
+        tmp_path.chmod(0o755)
+
+
+def test_stale_temporary_files_are_cleaned(tmp_path):
+    shard = tmp_path / "ab"
+    shard.mkdir()
+    old, fresh = shard / ".x.safetensors.1.aa.tmp", shard / ".y.safetensors.2.bb.tmp"
+    old.write_bytes(b"partial")
+    fresh.write_bytes(b"being written")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    be = backend(tmp_path)
+    assert not old.exists() and fresh.exists() and be.stats()["entries"] == 0
+    be.close()
+
+
+def test_queue_bound_drops_instead_of_blocking(tmp_path, monkeypatch):
+    be = backend(tmp_path, io_threads=1, max_pending_writes=2)
+    gate = __import__("threading").Event()
+    real = posix_mod.write_chunk
+    monkeypatch.setattr(posix_mod, "write_chunk", lambda *a, **k: (gate.wait(10), real(*a, **k))[1])
+    objs = [obj_for(i) for i in range(5)]
+    t0 = time.perf_counter()
+    be.batched_submit_put(keys=[key(i) for i in range(5)], objs=objs)
+    assert time.perf_counter() - t0 < 1.0, "submit blocked on I/O"
+    assert be.stats()["dropped_puts"] == 3 and be.stats()["pending_writes"] == 2
+    assert not be.flush(0.05)
+    gate.set()
+    assert be.flush(10) and all(o.ref_count == 1 for o in objs)
+    assert be.contains(keys=[key(0), key(1), key(2)], pin=False) == [True, True, False]
+    be.close()
