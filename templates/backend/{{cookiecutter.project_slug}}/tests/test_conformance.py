@@ -1,0 +1,73 @@
+"""kvplug's conformance suite, run against the ``{{ cookiecutter.backend_name }}`` tier.
+
+Every test comes from ``kvplug.testing.BackendConformance``; see kvplug's docs/conformance.md for
+what each one checks. Run: ``pytest``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvplug.plugins import discover_backends, load_backend_class
+from kvplug.storage_manager import StorageManager
+from kvplug.testing import BackendConformance, fill_random, make_key
+
+BACKEND = "{{ cookiecutter.backend_name }}"
+
+
+def _corrupt(manager: StorageManager, key, tier: str = BACKEND) -> None:
+    """Flip one stored byte of ``key`` in this tier (the backend must then miss it)."""
+    backend = manager.backend(tier)
+    backend._entries[key].data[0] ^= 0xFF
+
+
+class Test{{ cookiecutter.__class_name }}(BackendConformance):
+    """The tier on its own (reads land in heap memory)."""
+
+    persistent = False  # memory only: nothing survives close()
+
+    @pytest.fixture
+    def make_tiers(self):
+        return lambda capacity: [{"backend": BACKEND, "options": {"capacity": capacity}}]
+
+    @pytest.fixture
+    def corrupt_entry(self):
+        return _corrupt
+
+
+class Test{{ cookiecutter.__class_name }}BehindLocalCPU(BackendConformance):
+    """The usual deployment: kvplug's local_cpu in front, this tier second."""
+
+    @pytest.fixture
+    def make_tiers(self):
+        return lambda capacity: [
+            {"backend": "local_cpu", "options": {"capacity": capacity}},
+            {"backend": BACKEND, "options": {"capacity": capacity}},
+        ]
+
+
+def test_declared_and_valid():
+    """The entry point is installed and the class passes kvplug's validation."""
+    info = discover_backends()[BACKEND]
+    assert info.package == "{{ cookiecutter.project_slug }}"
+    cls, _ = load_backend_class(BACKEND)
+    assert cls.__name__ == "{{ cookiecutter.__class_name }}"
+
+
+def test_promotes_into_local_cpu():
+    """A hit in this tier is copied into L1, so the next read is served from memory."""
+    tiers = [
+        {"backend": "local_cpu", "options": {"capacity": 1 << 20}},
+        {"backend": BACKEND, "options": {"capacity": 1 << 20}},
+    ]
+    with StorageManager({"tiers": tiers}) as mgr:
+        obj = fill_random(mgr, seed=1)
+        expect = obj.byte_view.clone()
+        mgr.batched_put([make_key(1)], [obj])
+        obj.ref_down()
+        mgr.evict([make_key(1)], tiers=["local_cpu"])
+        assert mgr.contains(make_key(1)) == BACKEND
+        got = mgr.get(make_key(1))
+        assert got is not None and torch.equal(got.byte_view, expect)
+        got.ref_down()
+        assert mgr.contains(make_key(1)) == "local_cpu"
