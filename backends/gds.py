@@ -30,7 +30,7 @@ directory with ``fallback: posix`` (see :mod:`kvplug.backends.gds_probe`).
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -104,76 +104,20 @@ class GDSBackend(PosixBackend):
         super().__init__(ctx)
 
     # -- byte moving (the posix tier's, through kvikio) -------------------------------------------
-    def _write(self, key: CacheKey, rel: str, obj: MemoryObj) -> None:
+    def _prepare_write(self, key: CacheKey, rel: str, obj: MemoryObj) -> tuple[int, Callable[[str], int]]:
         if self.mode is Mode.POSIX:
-            super()._write(key, rel, obj)
-            return
-        path = self._path(rel)
-        reserved = 0
-        try:
-            if self._cancelled and rel in self._cancelled:
-                return
-            if path.exists():  # another process (or an earlier run) stored it already
-                st = path.stat()
-                with self._lock:
-                    self._index.add(rel, st.st_size, st.st_mtime)
-                return
-            size = _file_size(key, obj)
-            if not self._make_room(size):
-                self._count("skipped_puts")
-                self._log_once("full", "capacity %d bytes is full of pinned files; stores "
-                               "skipped", self.capacity)
-                return
-            reserved = size
-            written = gds_io.write_chunk(path, key, obj, fsync=self.opts.fsync)
-            with self._lock:
-                self._index.add(rel, written, time.time())
-                self._counters["writes"] += 1
-                self._counters["disk_bytes_written"] += written
-        except Exception as exc:  # noqa: BLE001 - a store never raises into the engine
-            self._count("failed_puts")
-            self._log_once(f"write:{type(exc).__name__}", "store into %s failed: %r",
-                           self.root, exc)
-        finally:
-            with self._lock:
-                self._reserved -= reserved
-                self._pending.pop(rel, None)
-                self._cancelled.discard(rel)
-                if not self._pending:
-                    self._idle.notify_all()
-            obj.ref_down()
+            return super()._prepare_write(key, rel, obj)
+        return _file_size(key, obj), lambda path: gds_io.write_chunk(
+            path, key, obj, fsync=self.opts.fsync
+        )
 
-    def _read(self, key: CacheKey, layers: tuple[int, int] | None) -> MemoryObj | None:
+    def _read_file(self, path: str, key: CacheKey, layers: tuple[int, int] | None,
+                   known: object) -> tuple[MemoryObj | None, int, object]:
         if self.mode is Mode.POSIX:
-            return super()._read(key, layers)
-        rel = cf.relative_chunk_path(key)
-        try:
-            obj, size = gds_io.read_chunk(self._path(rel), key, self._allocate, layers,
-                                          verify_device=self.opts.verify_device)
-        except FileNotFoundError:
-            with self._lock:
-                if self._index.remove(rel) is not None:
-                    self._counters["vanished"] += 1
-            return None
-        except CorruptChunk as exc:
-            self._quarantine(rel, exc)
-            return None
-        except ValueError as exc:
-            self._log_once("range", "bad layer range for %s: %s", key, exc)
-            return None
-        except Exception as exc:  # noqa: BLE001 - OSError, or kvikio's RuntimeError
-            self._count("read_errors")
-            self._log_once("read", "read of %s failed: %r", self._path(rel), exc)
-            return None
-        if obj is None:
-            self._count("alloc_failures")
-            self._log_once("alloc", "no memory to read chunks into; treated as misses")
-            return None
-        self._touch(rel, size)
-        with self._lock:
-            self._counters["reads"] += 1
-            self._counters["disk_bytes_read"] += obj.nbytes
-        return obj
+            return super()._read_file(path, key, layers, known)
+        obj, size = gds_io.read_chunk(path, key, self._allocate, layers,
+                                      verify_device=self.opts.verify_device)
+        return obj, size, None
 
     # -- the device path --------------------------------------------------------------------------
     def load_into(self, key: CacheKey, dest: torch.Tensor, first_layer: int = 0,

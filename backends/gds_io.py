@@ -85,9 +85,10 @@ def _wait(futures: list[tuple[Any, int]], what: str) -> None:
         raise problem
 
 
-def write_chunk(path: Path, key: CacheKey, obj: MemoryObj, *, fsync: bool = False) -> int:
+def write_chunk(path: str | Path, key: CacheKey, obj: MemoryObj, *, fsync: bool = False) -> int:
     """Write ``obj`` (host or device) as ``key``'s chunk file at ``path`` atomically (temporary
     name + rename, as the posix tier does); returns the file size. Raises ``OSError``."""
+    path = Path(path)
     flat = obj.byte_view
     layers = cf.chunk_layout(obj.meta)[0]
     header = cf.encode_header(key, obj.meta, layer_sums(flat, layers))
@@ -133,9 +134,10 @@ def _fsync(p: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
-def read_header(path: Path, key: CacheKey) -> tuple[cf.ChunkHeader, int]:
+def read_header(path: str | Path, key: CacheKey) -> tuple[cf.ChunkHeader, int]:
     """The checked header of ``key``'s file and its inode. ``FileNotFoundError`` if absent,
     :class:`CorruptChunk` if it is damaged or holds another key."""
+    path = Path(path)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
@@ -154,11 +156,12 @@ def read_header(path: Path, key: CacheKey) -> tuple[cf.ChunkHeader, int]:
         os.close(fd)
 
 
-def read_layers_into(path: Path, header: cf.ChunkHeader, ino: int, dest: torch.Tensor,
+def read_layers_into(path: str | Path, header: cf.ChunkHeader, ino: int, dest: torch.Tensor,
                      first: int, count: int, *, verify: bool = True) -> None:
     """Read layers ``[first, first + count)`` into ``dest`` (host or device, their bytes back to
     back), one ``pread`` per layer (one in all when layers are unpadded), then verify checksums.
     Raises :class:`CorruptChunk` on a short read or a checksum mismatch."""
+    path = Path(path)
     flat = dest.reshape(-1).view(torch.uint8)
     n = header.layer_nbytes
     if flat.numel() != n * count:
@@ -181,10 +184,11 @@ def read_layers_into(path: Path, header: cf.ChunkHeader, ino: int, dest: torch.T
         raise CorruptChunk("layer checksum mismatch", ino)
 
 
-def read_chunk(path: Path, key: CacheKey, allocate: Callable[..., MemoryObj | None],
+def read_chunk(path: str | Path, key: CacheKey, allocate: Callable[..., MemoryObj | None],
                layers: tuple[int, int] | None = None, *, verify_device: bool = True,
                ) -> tuple[MemoryObj | None, int]:
     """Same contract as ``posix_io.read_chunk``, through kvikio: ``(obj, file_size)``."""
+    path = Path(path)
     header, ino = read_header(path, key)
     if layers is None:
         first, count, meta = 0, header.num_layers, header.meta

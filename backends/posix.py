@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -232,6 +232,24 @@ class PosixBackend:
         self._unlink_victims(victims)
         return True
 
+    # -- the byte-moving steps (the gds tier overrides these two) ---------------------------------
+    def _prepare_write(self, key: CacheKey, rel: str, obj: MemoryObj) -> tuple[int, Callable[[str], int]]:
+        """The file's size and a function that writes it at a path (returns bytes written)."""
+        header, bufs, head = cf.encode_chunk_with_header(key, obj)
+
+        def write_file(path: str) -> int:
+            written = write_chunk(path, obj, header, bufs, fsync=self.opts.fsync,
+                                  direct=self.o_direct)
+            self._remember(rel, (header_digest(header), head))
+            return written
+
+        return len(header) + sum(len(b) for b in bufs), write_file
+
+    def _read_file(self, path: str, key: CacheKey, layers: tuple[int, int] | None,
+                   known: object) -> tuple[MemoryObj | None, int, object]:
+        """Read (a layer range of) one chunk file into ``ctx.allocate`` memory, verified."""
+        return read_chunk(path, key, self._allocate, layers, direct=self.o_direct, known=known)
+
     def _write(self, key: CacheKey, rel: str, obj: MemoryObj) -> None:
         path = self._path(rel)
         reserved = 0
@@ -245,17 +263,14 @@ class PosixBackend:
                 return
             except FileNotFoundError:
                 pass
-            header, bufs, head = cf.encode_chunk_with_header(key, obj)
-            size = len(header) + sum(len(b) for b in bufs)
+            size, write_file = self._prepare_write(key, rel, obj)
             if not self._make_room(size):
                 self._count("skipped_puts")
                 self._log_once("full", "capacity %d bytes is full of pinned files; stores "
                                "skipped", self.capacity)
                 return
             reserved = size
-            written = write_chunk(path, obj, header, bufs, fsync=self.opts.fsync,
-                                  direct=self.o_direct)
-            self._remember(rel, (header_digest(header), head))
+            written = write_file(path)
             with self._lock:
                 self._index.add(rel, written, time.time())
                 self._counters["writes"] += 1
@@ -266,7 +281,8 @@ class PosixBackend:
             self._log_once(f"write:{kind}", "store into %s failed: %s", self.root, exc)
         except Exception as exc:  # noqa: BLE001 - a store never raises into the engine
             self._count("failed_puts")
-            self._log_once(f"write:{type(exc).__name__}", "store failed: %r", exc)
+            self._log_once(f"write:{type(exc).__name__}", "store into %s failed: %r",
+                           self.root, exc)
         finally:
             with self._lock:
                 self._reserved -= reserved
@@ -282,8 +298,7 @@ class PosixBackend:
         with self._lock:
             known = self._headers.get(rel)
         try:
-            obj, size, known = read_chunk(self._path(rel), key, self._allocate, layers,
-                                          direct=self.o_direct, known=known)
+            obj, size, known = self._read_file(self._path(rel), key, layers, known)
         except FileNotFoundError:
             self._remember(rel, None)
             with self._lock:
@@ -297,9 +312,9 @@ class PosixBackend:
         except ValueError as exc:  # a layer range the chunk does not have: the caller's mistake
             self._log_once("range", "bad layer range for %s: %s", key, exc)
             return None
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - OSError, or an I/O library's error: a miss
             self._count("read_errors")
-            self._log_once("read", "read of %s failed: %s", self._path(rel), exc)
+            self._log_once("read", "read of %s failed: %r", self._path(rel), exc)
             return None
         self._remember(rel, known)
         if obj is None:

@@ -132,9 +132,9 @@ def test_file_size_and_alignment_match_the_format(shape):
 
 
 def test_posix_internals_the_gds_tier_builds_on():
-    """GDSBackend subclasses PosixBackend and replaces its ``_write``/``_read``; fail loudly if
+    """GDSBackend subclasses PosixBackend and replaces its ``_prepare_write``/``_read_file``; fail loudly if
     the posix tier's seams change."""
-    for name in ("_write", "_read", "_make_room", "_quarantine", "_touch", "_path", "_count",
+    for name in ("_prepare_write", "_read_file", "_write", "_read", "_path", "_count",
                  "_log_once"):
         assert callable(getattr(PosixBackend, name, None)), name
     assert issubclass(gds.GDSBackend, PosixBackend)
