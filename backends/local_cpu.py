@@ -26,6 +26,9 @@ logger = logging.getLogger("kvplug.backends.local_cpu")
 class LocalCPUBackend:
     """L1: an LRU of memory objects over one preallocated host buffer."""
 
+    #: Every hook is a few dict operations under a lock: called inline, never through a thread.
+    never_blocks = True
+
     class Options(BaseModel):
         model_config = ConfigDict(extra="forbid")
         capacity: ByteSize = Field(default=ByteSize(2 << 30), description="pool size, e.g. 2GiB")

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 
 @dataclass
@@ -19,14 +22,13 @@ class LoadSpec:
 
     ``start`` is what vLLM already holds (its own prefix-cache hit, block aligned); ``end`` is the
     external hit. The chunks covering ``[first_chunk * chunk_size, end)`` are fetched whole and only
-    the blocks at or past ``start`` are written. ``tiers`` names where lookup found each chunk.
+    the blocks at or past ``start`` are written.
     """
 
     start: int
     end: int
     first_chunk: int
     hashes: list[bytes]
-    tiers: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -65,3 +67,27 @@ class KVPlugMetadata(KVConnectorMetadata):
         """Token range ``[s, e)`` of the ``index``-th chunk of a spec (clipped to ``spec.end``)."""
         s = (spec.first_chunk + index) * self.chunk_size
         return s, min(s + self.chunk_size, spec.end)
+
+
+@dataclass
+class KVPlugWorkerMeta(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler after a step: per request, tokens loaded per tier,
+    load time and blocks that failed (so the scheduler can report it in ``kv_transfer_params``).
+    Merged across TP ranks: rank loads agree, failures take the maximum."""
+
+    loaded: dict[str, dict[str, int]] = field(default_factory=dict)
+    load_ms: dict[str, float] = field(default_factory=dict)
+    failed_blocks: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPlugWorkerMeta:
+        if isinstance(other, KVPlugWorkerMeta):
+            for req_id, tiers in other.loaded.items():
+                self.loaded.setdefault(req_id, tiers)
+            for req_id, ms in other.load_ms.items():
+                self.load_ms[req_id] = max(ms, self.load_ms.get(req_id, 0.0))
+            for req_id, n in other.failed_blocks.items():
+                self.failed_blocks[req_id] = max(n, self.failed_blocks.get(req_id, 0))
+        return self
+
+    def __bool__(self) -> bool:
+        return bool(self.loaded or self.failed_blocks)

@@ -42,7 +42,10 @@ Rules that hold for every hook:
   ``None`` / ``False``, log it once, drop or quarantine the bad entry. Never return wrong bytes.
   An exception escaping a hook is treated as a *tier fault*: the StorageManager logs it once,
   counts it in ``stats`` and treats the call as a miss (or a dropped store); serving goes on.
-* **Threads.** Hooks may be called from several threads at once; guard your own state.
+* **Threads and time.** Hooks may be called from several threads at once; guard your own state.
+  ``get``, ``get_layers`` and ``contains`` run on a StorageManager thread bounded by the tier's
+  ``timeout_s`` (a late answer is a miss and its object is released), unless the backend class
+  sets ``never_blocks = True`` — a promise that no hook ever waits on I/O (``local_cpu``).
 * **References** (see :mod:`kvplug.memory`): an object handed *to* a hook is borrowed — call
   ``obj.ref_up()`` to keep it past the call and ``obj.ref_down()`` when done. An object returned
   *from* ``allocate``/``get``/``get_layers`` carries one reference owned by the caller.

@@ -3,7 +3,8 @@
 It is the only thing the cache engine talks to. It decides *which tier* answers; backends decide
 *how* bytes are kept. Every hook call goes through :meth:`_call`, which turns an exception from a
 backend into a counted, once-logged miss, and bounds calls on slow tiers (all but the first) with
-the tier's ``timeout_s`` so a stalled tier degrades to a miss instead of hanging the engine.
+the tier's ``timeout_s`` so a stalled tier degrades to a miss instead of hanging the engine (only
+tiers whose class sets ``never_blocks = True``, like ``local_cpu``, are called inline).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class _Tier:
         self.hooks: dict[str, Any] = {}
         self.faults = 0
         self.timeouts = 0
+        #: Pure in-memory tiers declare ``never_blocks = True`` and are called inline; every other
+        #: tier's get/contains is bounded by its ``timeout_s``.
+        self.inline = bool(getattr(backend, "never_blocks", False))
 
     def implements(self, hook: str) -> bool:
         return any(impl.plugin is self.backend for impl in self.hooks[hook].get_hookimpls())
@@ -180,7 +184,7 @@ class StorageManager:
     def _call(self, tier: _Tier, hook: str, bounded: bool = False, **kwargs: Any) -> Any:
         """Call one tier's hook; exceptions (and, if ``bounded``, timeouts) become ``None``."""
         caller = tier.hooks[hook]
-        if not bounded or tier.index == 0:
+        if not bounded or tier.inline:
             try:
                 return caller(**kwargs)
             except Exception as exc:  # noqa: BLE001 - a tier fault is a miss

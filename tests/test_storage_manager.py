@@ -147,3 +147,13 @@ def test_option_errors_never_echo_mappings():
     with pytest.raises(ConfigError) as err:
         StorageManager({"tiers": [tier]})
     assert "hunter2" not in str(err.value) and "capacity" in str(err.value)
+
+
+def test_a_lone_stalling_tier_is_bounded_too():
+    """Even as the first (only) tier, a backend that may block is called under its timeout."""
+    tier = {"backend": "tiers_for_tests:StallingTier", "options": {"stall_s": 3}, "timeout_s": 0.2}
+    with StorageManager({"tiers": [tier]}) as mgr:
+        t0 = time.monotonic()
+        assert mgr.get(make_key(1)) is None
+        assert time.monotonic() - t0 < 2.0
+        assert mgr.stats()["tiers_for_tests:StallingTier"]["timeouts"] == 1

@@ -1,0 +1,198 @@
+"""``KVPlugConnector``: the vLLM ``KVConnectorBase_V1`` entry point (thin; the work is elsewhere).
+
+vLLM builds one instance per process: role SCHEDULER in the engine core (delegates to
+:mod:`.scheduler`) and role WORKER in every worker (delegates to :mod:`.worker`). Configure it with
+``kv_connector_extra_config``: a kvplug config dict (``chunk_size``, ``tiers``, ``layerwise``...)
+or ``{"config_file": "kvplug.yaml"}``; see :func:`kvplug.config.load_config`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from kvplug.config import KVPlugConfig, load_config
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from .lookup import LookupClient, socket_path
+from .metadata import KVPlugMetadata, KVPlugWorkerMeta
+from .scheduler import SchedulerSide
+from .stats import KVPlugStats
+from .worker import WorkerSide, _Identity
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvplug.connector")
+
+#: Keys of ``kv_connector_extra_config`` read by the connector itself, not by KVPlugConfig.
+#: ``_test_load_hook`` ("module:function", applied to pages before they reach blocks) exists only
+#: so tests can prove a corrupted load path is detected; never set it in production.
+CONNECTOR_ONLY_KEYS = ("_test_load_hook",)
+
+
+def split_extra_config(extra: dict[str, Any]) -> tuple[KVPlugConfig, dict[str, Any]]:
+    """kvplug's config from ``kv_connector_extra_config``, and the connector-only keys."""
+    extra = dict(extra or {})
+    own = {k: extra.pop(k) for k in CONNECTOR_ONLY_KEYS if k in extra}
+    return load_config(extra), own
+
+
+def _setup_logging() -> None:
+    """Route kvplug's log lines through vLLM's handlers (same format, every process)."""
+    root = logging.getLogger("kvplug")
+    if root.handlers:
+        return
+    handlers = logging.getLogger("vllm").handlers
+    if handlers:
+        for h in handlers:
+            root.addHandler(h)
+        root.propagate = False
+    if root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+
+
+def _import(path: str) -> Any:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class KVPlugConnector(KVConnectorBase_V1):
+    """Tiered KV-cache storage for vLLM: local RAM, disk, GDS, remote, any plugin tier."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _setup_logging()
+        xfer = vllm_config.kv_transfer_config
+        assert xfer is not None
+        self.config, own = split_extra_config(xfer.kv_connector_extra_config)
+        self.kv_role = xfer.kv_role or "kv_both"
+        block_size = vllm_config.cache_config.block_size
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        engine_id = xfer.engine_id or "default"
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            client = LookupClient([socket_path(engine_id, r) for r in range(tp)],
+                                  self.config.lookup_timeout_s)
+            self._sched = SchedulerSide(self.config, block_size, self.kv_role, client)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            layout = (getattr(kv_cache_config, "kv_cache_layout", None)
+                      or vllm_config.cache_config.kv_cache_layout or "unknown")
+            model = self.config.model_name or vllm_config.model_config.model
+            ident = _Identity(model=model, layout=f"{layout}-bs{block_size}", world_size=tp,
+                              rank=get_tensor_model_parallel_rank(), engine_id=engine_id)
+            hook = _import(own["_test_load_hook"]) if "_test_load_hook" in own else None
+            self._worker = WorkerSide(self.config, ident, load_hook=hook)
+        logger.info("kvplug connector (%s, %s): chunk_size=%d, tiers=%s, %s",
+                    role.name.lower(), self.kv_role, self.config.chunk_size,
+                    ",".join(self.config.tier_names()),
+                    "layer-wise" if self.config.layerwise else "bulk")
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a producer's requests never wait on a consumer
+
+    # -- worker side ---------------------------------------------------------------------------
+    def _meta(self) -> KVPlugMetadata | None:
+        md = self._connector_metadata
+        return md if isinstance(md, KVPlugMetadata) else None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name, self._meta())
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Loads are synchronous and saves complete in wait_for_save: nothing to report, only
+        # the pins of finished requests to drop.
+        if self._worker is not None and finished_req_ids:
+            self._worker.release(finished_req_ids)
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVPlugWorkerMeta | None:
+        return self._worker.take_report() if self._worker is not None else None
+
+    def get_kv_connector_stats(self) -> KVPlugStats | None:
+        side = self._worker or self._sched
+        return side.stats.take() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPlugStats | None:
+        return KVPlugStats(data=dict(data)) if data is not None else KVPlugStats()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._sched is not None:
+            self._sched.lookup.close()
+
+    # vLLM 0.33 sleep mode: the KV tensors go away and come back; nothing is held across.
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        pass
+
+    def restore_kv_caches(self) -> None:
+        pass
+
+    # -- scheduler side ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._sched is not None:
+            self._sched.update_connector_output(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        # Saves finish inside wait_for_save, so the blocks can be freed right away.
+        report = self._sched.request_finished(request) if self._sched is not None else None
+        return False, report

@@ -1,0 +1,74 @@
+"""Tiny local models for tests, the demo and benchmarks: a config plus random weights, no download.
+
+Weights come from transformers' own initialisation with a fixed seed and ``initializer_range``
+0.08, so outputs depend on the context (vLLM's ``load_format="dummy"`` makes every logit equal,
+which would let any output comparison pass). Presets with ``weights=False`` write only the config
+(for timing with ``load_format="dummy"``). A model is written once per cache directory and reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvplug.config import default_cache_dir
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # tests: 4 layers, ~3M parameters; one engine starts in ~15 s on 2 cores
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, intermediate_size=768, vocab_size=4096),
+    # the demo: prefill of a few thousand tokens takes a visible fraction of a second
+    "small": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=128, intermediate_size=1536, vocab_size=6000),
+    # benchmarks: ~100M parameters (timing only: use load_format="dummy")
+    "bench100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                      num_key_value_heads=4, head_dim=64, intermediate_size=2560,
+                      vocab_size=32000),
+}
+
+
+def model_dir(preset: str = "tiny", seed: int = 1234, weights: bool = True,
+              root: str | os.PathLike[str] | None = None) -> Path:
+    """Where a preset lives: ``<root or kvplug cache>/models/<preset>-seed<seed>[-config]``."""
+    base = Path(root) if root is not None else default_cache_dir() / "models"
+    return base / (f"{preset}-seed{seed}" + ("" if weights else "-config"))
+
+
+def make_model(preset: str = "tiny", seed: int = 1234, weights: bool = True,
+               root: str | os.PathLike[str] | None = None, max_len: int = 8192) -> Path:
+    """Write (once) and return a local Qwen3-style model directory vLLM can load."""
+    out = model_dir(preset, seed, weights, root)
+    if (out / "config.json").is_file():
+        return out
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(**PRESETS[preset], max_position_embeddings=max_len,
+                      initializer_range=0.08, tie_word_embeddings=False, rope_theta=10000.0,
+                      bos_token_id=1, eos_token_id=2)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        if weights:
+            import torch
+            from transformers import Qwen3ForCausalLM
+
+            torch.manual_seed(seed)
+            model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+            model.save_pretrained(tmp)
+        else:
+            cfg.save_pretrained(tmp)
+        data = json.loads((tmp / "config.json").read_text())
+        data["torch_dtype"] = data["dtype"] = "bfloat16"
+        (tmp / "config.json").write_text(json.dumps(data, indent=2))
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process wrote it first
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,154 @@
+"""Scheduler-side decisions, driving vLLM's own Scheduler with kvplug's connector (no engine)."""
+
+from __future__ import annotations
+
+import pytest
+from vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_output, prompt
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from kvplug.connector.model import make_model
+
+    return make_model("tiny", weights=False, root=tmp_path_factory.getbasetemp() / "models")
+
+
+def build(model_dir, **kw):
+    s = make_scheduler(model_dir, **kw)
+    fake = FakeLookup()
+    side = s.connector._sched
+    side.lookup = fake
+    return s, side, fake
+
+
+def store_all(side, fake, req_id):
+    """Mark every full chunk of a tracked request as stored."""
+    t = side.trackers[req_id]
+    fake.stored.update(side._full_hashes(t, t.request.num_tokens // 256))
+
+
+def step(s):
+    so = s.schedule()
+    md = so.kv_connector_metadata
+    s.update_from_output(so, model_runner_output(so))
+    return so, md
+
+
+def test_miss_then_store_plan(model_dir):
+    s, side, fake = build(model_dir)
+    s.add_request(make_request("a", prompt(1100, 1)))
+    so, md = step(s)
+    (rm,) = md.requests
+    assert rm.load is None
+    assert (rm.save.start, rm.save.end, len(rm.save.hashes)) == (0, 1024, 4)  # partial dropped
+    assert rm.block_ids == so.scheduled_new_reqs[0].block_ids[0]
+    _, md = step(s)  # decode: nothing more to store by default
+    assert not md.requests
+
+
+def test_hit_is_chunk_aligned_capped_and_side_effect_free(model_dir):
+    s, side, fake = build(model_dir)
+    tokens = prompt(1024, 2)  # exactly 4 chunks: at most 3 may load (one token must be computed)
+    r = make_request("b", tokens)
+    side._track(r)
+    store_all(side, fake, "b")
+    first = side.get_num_new_matched_tokens(r, 0)
+    again = side.get_num_new_matched_tokens(r, 0)
+    assert first == again == (768, False)
+    assert side.get_num_new_matched_tokens(r, 512) == (256, False)  # beyond vLLM's own hit
+    assert side.get_num_new_matched_tokens(r, 896) == (0, False)
+
+
+def test_load_spec_and_skip_of_stored_chunks(model_dir):
+    s, side, fake = build(model_dir)
+    tokens = prompt(1300, 3)
+    r = make_request("c", tokens)
+    side._track(r)
+    fake.stored.update(side._full_hashes(side.trackers["c"], 3))  # 3 of 5 chunks stored
+    s.add_request(r)
+    so, md = step(s)
+    (rm,) = md.requests
+    assert (rm.load.start, rm.load.end, rm.load.first_chunk, len(rm.load.hashes)) == (0, 768, 0, 3)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 768
+    assert (rm.save.start, rm.save.end) == (768, 1280)  # what lookup found is not stored again
+
+
+def test_short_prompt_asks_nothing(model_dir):
+    s, side, fake = build(model_dir)
+    s.add_request(make_request("d", prompt(200, 4)))
+    _, md = step(s)
+    assert fake.calls == [("d", 0)] or fake.calls == []
+    assert not md.requests
+
+
+def test_partial_chunk_and_decode_saving_by_config(model_dir):
+    s, side, fake = build(model_dir, extra={"save_partial_chunk": True, "save_decode": True})
+    s.add_request(make_request("e", prompt(1200, 5), max_tokens=200))
+    _, md = step(s)
+    (rm,) = md.requests
+    # 4 full chunks + the block-aligned partial chunk [1024, 1152)
+    assert (rm.save.start, rm.save.end, len(rm.save.hashes)) == (0, 1152, 5)
+    saved = []
+    for _ in range(200):
+        _, md = step(s)
+        for m in md.requests:
+            saved.append((m.save.start, m.save.end))
+        if not s.requests:
+            break
+    assert (1024, 1280) in saved  # the chunk completed while decoding
+
+
+def test_opt_out_and_roles(model_dir):
+    s, side, fake = build(model_dir)
+    r = make_request("f", prompt(1100, 6), kv_transfer_params={"kvplug_save": False,
+                                                               "kvplug_load": False})
+    s.add_request(r)
+    _, md = step(s)
+    assert not md.requests and fake.calls == []
+    s, side, fake = build(model_dir, role="kv_consumer")
+    s.add_request(make_request("g", prompt(1100, 7)))
+    _, md = step(s)
+    assert not md.requests  # a consumer never stores
+    s, side, fake = build(model_dir, role="kv_producer")
+    s.add_request(make_request("h", prompt(1100, 8)))
+    _, md = step(s)
+    assert fake.calls == []  # a producer never loads
+    assert md.requests[0].save.end == 1024
+
+
+def test_multimodal_inputs_change_the_keys(model_dir):
+    from types import SimpleNamespace
+
+    from kvplug.connector.scheduler import chunk_extra_keys
+
+    tokens = prompt(600, 9)
+    img = lambda h: SimpleNamespace(identifier=h, mm_position=SimpleNamespace(offset=300, length=100))  # noqa: E731,E501
+    r1 = SimpleNamespace(mm_features=[img("imgA")], lora_request=None, cache_salt=None)
+    r2 = SimpleNamespace(mm_features=[img("imgB")], lora_request=None, cache_salt=None)
+    assert chunk_extra_keys(r1, 0, 256) is None  # the image is not in chunk 0
+    assert chunk_extra_keys(r1, 256, 512) != chunk_extra_keys(r2, 256, 512)
+    s, side, fake = build(model_dir)
+    a, b = make_request("i", tokens), make_request("j", tokens)
+    a.mm_features, b.mm_features = r1.mm_features, r2.mm_features
+    ha = side._full_hashes(side._track(a), 2)
+    hb = side._full_hashes(side._track(b), 2)
+    assert ha[0] == hb[0] and ha[1] != hb[1]
+
+
+def test_stats_aggregate_and_reduce():
+    from kvplug.connector import KVPlugConnector
+    from kvplug.connector.stats import KVPlugStats
+
+    a, b = KVPlugStats(), KVPlugStats()
+    a.add("load_bytes", 2e9)
+    a.add("load_seconds", 1.0)
+    a.add("tier_hit_tokens.posix", 256)
+    b.add("load_bytes", 2e9)
+    b.add("load_seconds", 1.0)
+    b.add("lookup_query_tokens", 1000)
+    b.add("lookup_hit_tokens", 250)
+    merged = KVPlugConnector.build_kv_connector_stats(a.aggregate(b).to_dict())
+    red = merged.reduce()
+    assert red["load_GBps"] == 2.0 and red["hit_rate"] == 0.25
+    assert red["hit_tokens_posix"] == 256
+    assert KVPlugStats().is_empty() and not merged.is_empty()

@@ -1,0 +1,309 @@
+"""Helpers for tests that run a real vLLM engine on CPU (tiny local model, token-id prompts).
+
+Everything is importable from spawned processes (vLLM on CPU forces ``spawn``), and nothing here
+copies vLLM's own test code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvplug.hookspecs import hookimpl
+
+REPO = Path(__file__).resolve().parent.parent
+RESULT = "KVPLUG-TEST-RESULT "
+Output = tuple[list[int], list[float]]  # generated token ids and their logprobs
+
+
+def engine_env() -> None:
+    """Environment every engine in the tests uses (set before vLLM is imported)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for need in (str(REPO / "tests"), str(REPO)):  # test-only tiers/hooks in every process
+        if need not in parts:
+            parts.insert(0, need)
+    os.environ["PYTHONPATH"] = os.pathsep.join(parts)
+
+
+def kvplug_config(cache_dir: str | os.PathLike[str], *, local_cpu: bool = True,
+                  posix: bool = True, **extra: Any) -> dict[str, Any]:
+    """A kvplug config dict with explicit tiers under ``cache_dir``."""
+    tiers: list[dict[str, Any]] = []
+    if local_cpu:
+        tiers.append({"backend": "local_cpu", "options": {"capacity": "256MiB"}})
+    if posix:
+        tiers.append({"backend": "posix",
+                      "options": {"path": str(Path(cache_dir) / "chunks"), "capacity": "2GiB"}})
+    return {"tiers": tiers, **extra}
+
+
+def transfer_config(kind: str, extra: dict[str, Any] | None = None, role: str = "kv_both"
+                    ) -> dict[str, Any] | None:
+    """``kv_transfer_config`` for "kvplug", "example" (vLLM's ExampleConnector) or "none"."""
+    if kind == "none":
+        return None
+    if kind == "example":
+        return {"kv_connector": "ExampleConnector", "kv_role": role,
+                "kv_connector_extra_config": extra or {}}
+    return {"kv_connector": "KVPlugConnector", "kv_connector_module_path": "kvplug.connector",
+            "kv_role": role, "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra or {}}
+
+
+def make_llm(model: str | os.PathLike[str], kv: dict[str, Any] | None = None, **kw: Any):
+    """A small CPU engine: eager, no tokenizer, vLLM's own prefix cache off unless asked."""
+    engine_env()
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    args: dict[str, Any] = dict(model=str(model), skip_tokenizer_init=True, enforce_eager=True,
+                                enable_prefix_caching=False, max_model_len=4096,
+                                max_num_batched_tokens=4096, max_num_seqs=8, dtype="bfloat16",
+                                seed=0)
+    args.update(kw)
+    if kv is not None:
+        args["kv_transfer_config"] = KVTransferConfig(**kv)
+    return LLM(**args)
+
+
+def prompt(n: int, seed: int, vocab: int = 4096) -> list[int]:
+    """``n`` random token ids (ids 3.. so no special token), reproducible from ``seed``."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 8,
+             params: list[dict[str, Any] | None] | None = None) -> list[Output]:
+    """Greedy generation; returns (token ids, logprobs of those tokens) per prompt."""
+    return [(o["tokens"], o["logprobs"]) for o in generate_full(llm, prompts, max_tokens, params)]
+
+
+def generate_full(llm: Any, prompts: list[list[int]], max_tokens: int = 8,
+                  params: list[dict[str, Any] | None] | None = None) -> list[dict[str, Any]]:
+    """Greedy generation with everything a test checks: tokens, logprobs, kvplug's report."""
+    from vllm import SamplingParams, TokensPrompt
+
+    sps = []
+    for extra in params or [None] * len(prompts):
+        sps.append(SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0,
+                                  ignore_eos=True,
+                                  extra_args={"kv_transfer_params": extra} if extra else None))
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
+        result.append({"tokens": list(c.token_ids), "logprobs": lps,
+                       "cached": o.num_cached_tokens,
+                       "kvplug": (o.kv_transfer_params or {}).get("kvplug")})
+    return result
+
+
+def run_script(code: str, timeout: float = 600) -> Any:
+    """Run ``code`` in a fresh Python process (a fresh engine); it prints ``RESULT`` + JSON."""
+    engine_env()
+    env = dict(os.environ)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=str(REPO))
+    if proc.returncode != 0:
+        raise RuntimeError(f"subprocess failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    at = proc.stdout.rfind(RESULT)
+    if at >= 0:  # other processes' log lines may follow on the same line: decode one value
+        return json.JSONDecoder().raw_decode(proc.stdout[at + len(RESULT):])[0]
+    raise RuntimeError(f"no result line in the subprocess output:\n{proc.stdout[-3000:]}")
+
+
+def run_scenario(model: str | os.PathLike[str], kv: dict[str, Any] | None,
+                 steps: list[tuple], engine: dict[str, Any] | None = None,
+                 timeout: float = 900) -> list[Any]:
+    """Start one engine in a fresh process and run ``steps`` in order; returns one result per
+    step. Steps: ``("gen", prompt, params|None)`` -> generate_full's dict;
+    ``("write", path, text)``; ``("corrupt", dir)`` flips bytes in the middle of every file
+    under ``dir`` (returns how many)."""
+    spec = json.dumps({"model": str(model), "kv": kv, "steps": steps, "engine": engine or {}})
+    code = (f"import json, sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
+            "import vllm_helpers as h; "
+            f"print(h.RESULT + json.dumps(h._scenario(json.loads({spec!r}))), flush=True)")
+    return run_script(code, timeout=timeout)
+
+
+def _scenario(spec: dict[str, Any]) -> list[Any]:
+    llm = make_llm(spec["model"], spec["kv"], **spec["engine"])
+    out: list[Any] = []
+    for step in spec["steps"]:
+        if step[0] == "gen":
+            out.append(generate_full(llm, [step[1]], params=[step[2]])[0])
+        elif step[0] == "write":
+            Path(step[1]).write_text(step[2])
+            out.append(None)
+        elif step[0] == "corrupt":
+            n = 0
+            for f in sorted(Path(step[1]).rglob("*")):
+                if f.is_file() and f.stat().st_size > 8192:
+                    with open(f, "r+b") as fh:
+                        fh.seek(f.stat().st_size // 2)
+                        b = fh.read(64)
+                        fh.seek(f.stat().st_size // 2)
+                        fh.write(bytes(x ^ 0xFF for x in b))
+                    n += 1
+            out.append(n)
+    return out
+
+
+# -- test-only pieces loaded by the engines' worker processes -----------------------------------
+
+def permute_pages(src: Any) -> Any:
+    """A deliberately corrupted load path: swap the blocks of every chunk (reversed order)."""
+    return src.flip(1) if src.shape[1] > 1 else src.flip(2)
+
+
+class FaultTier:
+    """A test-only tier (kept in memory) whose ``get``/``contains`` misbehave on demand.
+
+    The mode is read from the file ``options["control"]`` at every call: ``ok``; ``vanish`` (the
+    chunk disappears between lookup and load); ``raise``; ``stall`` (``get`` sleeps past the tier
+    timeout); ``stall_lookup`` (``contains`` sleeps past the lookup timeout); ``truncate`` (a chunk
+    covering fewer tokens than promised).
+    """
+
+    def __init__(self, ctx: Any) -> None:
+        import threading
+
+        self.ctx = ctx
+        self.control = Path(ctx.options["control"])
+        self.data: dict[Any, Any] = {}
+        self.lock = threading.Lock()
+
+    def _mode(self) -> str:
+        try:
+            return self.control.read_text().strip() or "ok"
+        except OSError:
+            return "ok"
+
+    @hookimpl
+    def batched_submit_put(self, keys: Any, objs: Any) -> None:
+        with self.lock:
+            for k, o in zip(keys, objs, strict=True):
+                self.data[k] = (o.tensor.clone(), o.meta)
+
+    @hookimpl
+    def contains(self, keys: Any) -> list[bool]:
+        import time
+
+        if self._mode() == "stall_lookup":
+            time.sleep(20)
+        with self.lock:
+            return [k in self.data for k in keys]
+
+    @hookimpl
+    def evict(self, keys: Any, nbytes: int) -> int:
+        with self.lock:
+            gone = [self.data.pop(k, None) for k in (list(self.data) if keys is None else keys)]
+        return sum(g[0].numel() for g in gone if g is not None)
+
+    @hookimpl
+    def get(self, key: Any) -> Any:
+        import time
+
+        mode = self._mode()
+        if mode == "raise":
+            raise RuntimeError("FaultTier: injected failure")
+        if mode == "stall":
+            time.sleep(20)
+        with self.lock:
+            item = self.data.pop(key, None) if mode == "vanish" else self.data.get(key)
+        if item is None or mode == "vanish":
+            return None
+        t, meta = item
+        tokens = meta.num_tokens // 2 if mode == "truncate" else meta.num_tokens
+        obj = self.ctx.allocate(meta.shape, meta.dtype, meta.fmt, tokens)
+        if obj is None:
+            return None
+        obj.tensor.copy_(t)
+        return obj
+
+
+# -- driving vLLM's Scheduler directly (no engine, no workers) ----------------------------------
+
+def make_scheduler(model_dir: str | os.PathLike[str], extra: dict[str, Any] | None = None,
+                   role: str = "kv_both", block_size: int = 128, num_blocks: int = 200,
+                   max_num_batched_tokens: int = 4096) -> Any:
+    """A real vLLM ``Scheduler`` whose SCHEDULER-role connector is kvplug's."""
+    engine_env()
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
+                        max_model_len=4096)
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=False)
+    cache.num_gpu_blocks = num_blocks
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
+                            max_model_len=4096, enable_chunked_prefill=True,
+                            is_encoder_decoder=False)
+    vc = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched,
+                    device_config=DeviceConfig("cpu"),
+                    kv_transfer_config=KVTransferConfig(**transfer_config("kvplug", extra, role)))
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
+                             dtype=torch.float32)
+    kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    return Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=True, block_size=block_size,
+                     structured_output_manager=StructuredOutputManager(vc))
+
+
+def make_request(req_id: str, tokens: list[int], max_tokens: int = 4,
+                 kv_transfer_params: dict[str, Any] | None = None, **kw: Any) -> Any:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                        extra_args={"kv_transfer_params": kv_transfer_params}
+                        if kv_transfer_params else None)
+    return Request(req_id, list(tokens), sp, None, **kw)
+
+
+class FakeLookup:
+    """Stands in for the worker lookup: a set of stored chunk hashes, with a call log."""
+
+    def __init__(self) -> None:
+        self.stored: set[bytes] = set()
+        self.calls: list[tuple[str, int]] = []
+
+    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]]) -> int:
+        self.calls.append((req_id, len(hashes)))
+        n = next((i for i, h in enumerate(hashes) if h not in self.stored), len(hashes))
+        if n == len(hashes):
+            for end, h in tails:
+                if h in self.stored:
+                    return end
+        return n * 256
+
+    def close(self) -> None:
+        pass
+
+
+def model_runner_output(so: Any, token: int = 5) -> Any:
+    """A ModelRunnerOutput sampling ``token`` for every request that finished its prefill."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(so.num_scheduled_tokens)
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                             sampled_token_ids=[[token] for _ in ids])
