@@ -27,7 +27,7 @@ def s3_tiers(s3env, local_cpu: bool = True) -> dict:
     return {"tiers": tiers}
 
 
-def test_second_engine_process_loads_from_s3(s3, tmp_path):
+def test_second_engine_process_loads_from_s3(s3, tmp_path):  # noqa: F811 - pytest fixture
     from kvplug.connector.model import make_model
 
     model = make_model("tiny", root=tmp_path / "models")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import BackendConformance, fill_random, make_key
 
@@ -57,7 +56,7 @@ def test_full_of_pinned_entries_skips_store_without_blocking():
             obj.ref_down()
         mgr.lookup_prefix([make_key(0), make_key(1)], pin=True)
         outsider = torch.zeros(chunk, dtype=torch.uint8)
-        from kvplug.memory import MemoryObj, MemoryObjMeta, MemoryFormat
+        from kvplug.memory import MemoryFormat, MemoryObj, MemoryObjMeta
 
         foreign = MemoryObj(outsider, MemoryObjMeta((chunk,), torch.uint8, MemoryFormat.BINARY, 0))
         mgr.batched_put([make_key(9)], [foreign])
