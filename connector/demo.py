@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(Console().width, 120))  # keep the table readable in logs
     cfg = load_config(None)
     console.print(f"[bold]kvplug demo[/]: tiers {' -> '.join(cfg.tier_names())} "
                   f"(cache dir {default_cache_dir()})")
