@@ -190,14 +190,7 @@ def read_chunk(path: str | Path, key: CacheKey, allocate: Callable[..., MemoryOb
     """Same contract as ``posix_io.read_chunk``, through kvikio: ``(obj, file_size)``."""
     path = Path(path)
     header, ino = read_header(path, key)
-    if layers is None:
-        first, count, meta = 0, header.num_layers, header.meta
-    else:
-        first, count = layers
-        try:
-            meta = header.layers_meta(first, count)
-        except ChunkFormatError as exc:
-            raise ValueError(str(exc)) from None
+    first, count, meta = header.select(layers)
     obj = allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
     if obj is None:
         return None, header.file_size

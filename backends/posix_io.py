@@ -183,14 +183,7 @@ def read_chunk(
             header, digest = _parse_header(fd, st)
         if header.key != key:
             raise CorruptChunk(f"file holds key {header.key}, not {key}", st.st_ino)
-        if layers is None:
-            first, count, meta = 0, header.num_layers, header.meta
-        else:
-            first, count = layers
-            try:
-                meta = header.layers_meta(first, count)
-            except ChunkFormatError as exc:
-                raise ValueError(str(exc)) from None
+        first, count, meta = header.select(layers)
         obj = allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
         if obj is None:
             return None, st.st_size, (digest, header)

@@ -122,6 +122,17 @@ class ChunkHeader:
         check_layer_range(self, first_layer, num_layers)
         return MemoryObjMeta((num_layers, *self.shape[1:]), self.dtype, self.fmt, self.num_tokens)
 
+    def select(self, layers: tuple[int, int] | None) -> tuple[int, int, MemoryObjMeta]:
+        """``(first, count, meta)`` of a read of ``layers`` (``None``: the whole chunk). A range
+        the chunk does not have is the caller's mistake: ``ValueError``."""
+        if layers is None:
+            return 0, self.num_layers, self.meta
+        first, count = layers
+        try:
+            return first, count, self.layers_meta(first, count)
+        except ChunkFormatError as exc:
+            raise ValueError(str(exc)) from None
+
 
 def check_layer_range(header: ChunkHeader, first_layer: int, num_layers: int) -> None:
     if first_layer < 0 or num_layers < 1 or first_layer + num_layers > header.num_layers:
