@@ -1,0 +1,131 @@
+"""The KV caches gpu/ tests run on, built as vLLM 0.32 builds them, and their byte-level
+reference (computed from the layout's known offsets, never through kvplug's views)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+LAYOUTS = ["LBHNC", "LBNHC", "MLA"]
+DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn]
+POISON = 0xA5
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class KVFixture:
+    """A vLLM-like KV cache: ``L`` layers over one int8 buffer in a given physical layout."""
+
+    def __init__(
+        self,
+        layout: str,
+        dtype: torch.dtype,
+        *,
+        L: int = 3,
+        B: int = 16,
+        H: int = 2,
+        N: int = 4,
+        C: int = 8,
+        device: str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        if layout == "MLA":
+            H = 1
+        self.layout, self.dtype, self.L, self.B = layout, dtype, L, B
+        esize = torch.empty(0, dtype=dtype).element_size()
+        self.page = H * N * C * esize
+        g = torch.Generator().manual_seed(seed)
+        self.buf = torch.randint(-128, 128, (L * B * self.page,), dtype=torch.int8, generator=g)
+        self.buf = self.buf.to(device)
+        self.caches: dict[str, torch.Tensor] = {}
+        if layout == "BLHNC":  # block-major: a layer's pages are not adjacent (block stride L*P)
+            five = self.buf.view(dtype).view(B, L, H, N, C)
+        for layer in range(L):
+            if layout == "BLHNC":
+                t = five[:, layer]
+            else:
+                raw = self.buf[layer * B * self.page : (layer + 1) * B * self.page].view(dtype)
+                if layout == "LBNHC":  # FlashAttention: logical [B,H,N,C], physical [B,N,H,C]
+                    t = raw.view(B, N, H, C).permute(0, 2, 1, 3)
+                else:  # LBHNC (CPU) and MLA ([B,1,N,C])
+                    t = raw.view(B, H, N, C)
+            self.caches[f"model.layers.{layer}.self_attn.attn"] = t
+        self.tensors = list(self.caches.values())
+
+    def offset(self, layer: int, block: int) -> int:
+        """Byte offset of page (layer, block) in the buffer, from the layout alone."""
+        if self.layout == "BLHNC":
+            return (block * self.L + layer) * self.page
+        return (layer * self.B + block) * self.page
+
+    def ref_page(self, layer: int, block: int) -> torch.Tensor:
+        o = self.offset(layer, block)
+        return self.buf[o : o + self.page].view(torch.uint8).cpu().clone()
+
+    def ref_obj(self, ids: list[int]) -> torch.Tensor:
+        return torch.stack(
+            [torch.stack([self.ref_page(lay, b) for b in ids]) for lay in range(self.L)]
+        )
+
+    def logical(self, layer: int, block: int) -> torch.Tensor:
+        """Block ``block`` of layer ``layer`` read through the 4-D tensor, as bytes."""
+        return self.tensors[layer][block].contiguous().view(torch.uint8).flatten().cpu()
+
+    def poison(self, ids: list[int]) -> None:
+        for layer in range(self.L):
+            for b in ids:
+                o = self.offset(layer, b)
+                self.buf[o : o + self.page].view(torch.uint8).fill_(POISON)
+
+
+def poisoned(shape: tuple[int, ...], device: str = "cpu", pin: bool = False) -> torch.Tensor:
+    t = torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
+    return t.fill_(POISON) if device == "cpu" else t.fill_(POISON).to(device)
+
+
+def assert_obj_matches(obj: torch.Tensor, ref: torch.Tensor) -> None:
+    if not torch.equal(obj.cpu(), ref):
+        bad = (obj.cpu() != ref).any(dim=2).nonzero().tolist()
+        raise AssertionError(f"memory object differs from the reference at [layer, page] {bad[:8]}")
+
+
+def assert_loaded(
+    fx: KVFixture, snapshot: KVFixture, src_ids: list[int], dst_ids: list[int]
+) -> None:
+    """dst pages hold src's old bytes (physically and logically); every other page unchanged."""
+    named = set(dst_ids)
+    for layer in range(fx.L):
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            if not torch.equal(fx.ref_page(layer, d), snapshot.ref_page(layer, s)):
+                raise AssertionError(f"layer {layer} block {d}: bytes of block {s} not in place")
+            if not torch.equal(fx.logical(layer, d), snapshot.logical(layer, s)):
+                raise AssertionError(f"layer {layer} block {d}: logical values differ")
+        for b in range(fx.B):
+            unchanged = torch.equal(fx.ref_page(layer, b), snapshot.ref_page(layer, b))
+            if b not in named and not unchanged:
+                raise AssertionError(f"layer {layer} block {b} was not named but changed")
+
+
+def snapshot_of(fx: KVFixture) -> KVFixture:
+    snap = object.__new__(KVFixture)
+    snap.__dict__.update(fx.__dict__)
+    snap.buf = fx.buf.clone()
+    snap.tensors = [
+        torch.as_strided(
+            snap.buf.view(fx.dtype), t.shape, t.stride(), t.storage_offset()
+        )
+        for t in fx.tensors
+    ]
+    return snap
+
+
+def id_patterns(rng: random.Random, B: int) -> dict[str, tuple[list[int], list[int]]]:
+    """(source ids, destination ids) pairs: out of order, repeated sources, runs, singletons."""
+    rand_src = [rng.randrange(1, B) for _ in range(6)]  # may repeat
+    rand_dst = rng.sample(range(1, B), 6)
+    return {
+        "random": (rand_src, rand_dst),
+        "runs": ([3, 4, 5, 9, 10, 1], [12, 13, 14, 15, 6, 7]),
+        "reversed": ([8, 7, 6, 5], [2, 1, 15, 14]),
+    }
