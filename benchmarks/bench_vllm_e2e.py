@@ -62,8 +62,10 @@ def _engine(name: str, model: str, work: Path, blocks: int):
 
 
 def _run_one(name: str, model: str, args: argparse.Namespace) -> dict:
+    from kvplug.connector.model import PRESETS
     from vllm import SamplingParams, TokensPrompt
 
+    vocab = PRESETS[args.model]["vocab_size"]
     work = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
     llm = _engine(name, model, work, args.blocks)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -75,10 +77,10 @@ def _run_one(name: str, model: str, args: argparse.Namespace) -> dict:
 
     gen([[7] * 64])  # warm-up
     out: dict = {"config": name, "cold": [], "warm": []}
-    for p in _prompts(args.round_a, args.prompt_len, 1):
+    for p in _prompts(args.round_a, args.prompt_len, 1, vocab):
         out["cold"].append(gen([p]))
         out["warm"].append(gen([p]))
-    docs = _prompts(args.docs, args.prompt_len, 2)
+    docs = _prompts(args.docs, args.prompt_len, 2, vocab)
     t1 = gen(docs)
     t2 = gen(docs)
     ntok = args.docs * args.prompt_len
@@ -93,12 +95,14 @@ def main() -> int:
     ap.add_argument("--docs", type=int, default=12, help="documents in round B")
     ap.add_argument("--blocks", type=int, default=200, help="vLLM KV blocks (128 tokens each)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--model", default="bench100m",
+                    help="model preset (kvplug.connector.model.PRESETS); 'small' for a 2-core CPU")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from kvplug.connector.model import make_model
 
-    model = str(make_model("bench100m", weights=False))
+    model = str(make_model(args.model, weights=False))
     if args.one:
         print(RESULT + json.dumps(_run_one(args.one, model, args)), flush=True)
         return 0
@@ -106,7 +110,7 @@ def main() -> int:
     for name in args.configs.split(","):
         cmd = [sys.executable, __file__, "--one", name, "--prompt-len", str(args.prompt_len),
                "--round-a", str(args.round_a), "--docs", str(args.docs),
-               "--blocks", str(args.blocks)]
+               "--blocks", str(args.blocks), "--model", args.model]
         print(f"running {name} ...", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT)), None)

@@ -63,6 +63,8 @@ def make_model(preset: str = "tiny", seed: int = 1234, weights: bool = True,
             cfg.save_pretrained(tmp)
         data = json.loads((tmp / "config.json").read_text())
         data["torch_dtype"] = data["dtype"] = "bfloat16"
+        # a config saved alone has no architectures: vLLM would then guess a pooling model
+        data["architectures"] = ["Qwen3ForCausalLM"]
         (tmp / "config.json").write_text(json.dumps(data, indent=2))
         try:
             os.rename(tmp, out)
