@@ -79,7 +79,7 @@ class PosixBackend:
         self._logged: set[str] = set()
         self._closed = False
         self._counters = dict.fromkeys(
-            ("writes", "disk_bytes_written", "reads", "disk_bytes_read", "dropped_puts",
+            ("writes", "disk_bytes_written", "reads", "disk_bytes_read", "pending_hits", "dropped_puts",
              "failed_puts", "skipped_puts", "corrupt", "read_errors", "alloc_failures",
              "evictions", "vanished", "rescans"), 0)
         self._writable = True
@@ -296,6 +296,10 @@ class PosixBackend:
     def _read(self, key: CacheKey, layers: tuple[int, int] | None) -> MemoryObj | None:
         rel = cf.relative_chunk_path(key)
         with self._lock:
+            queued = self._pending.get(rel) if layers is None else None
+            if queued is not None:  # not on disk yet: the very bytes being written, no copy
+                self._counters["pending_hits"] += 1
+                return queued.ref_up()
             known = self._headers.get(rel)
         try:
             obj, size, known = self._read_file(self._path(rel), key, layers, known)
@@ -340,7 +344,8 @@ class PosixBackend:
     def contains(self, keys: Sequence[CacheKey], pin: bool) -> list[bool]:
         rels = [cf.relative_chunk_path(k) for k in keys]
         with self._lock:
-            found = [rel in self._index for rel in rels]
+            # a chunk still being written is a hit too: get() serves it from the queued object
+            found = [rel in self._index or rel in self._pending for rel in rels]
         for i, rel in enumerate(rels):
             if found[i]:
                 continue
