@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem, get_loop
+from kvplug import chunk_format as cf
 from kvplug.errors import ConfigError
 
 T = TypeVar("T")
@@ -220,13 +221,7 @@ def _local_atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -
     parent = fs._parent(path)
     fs.makedirs(parent, exist_ok=True)
     tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
-    try:
+    with cf.discard_on_failure(tmp):
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

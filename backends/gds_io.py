@@ -98,7 +98,7 @@ def write_chunk(path: str | Path, key: CacheKey, obj: MemoryObj, *, fsync: bool 
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
     path.parent.mkdir(parents=True, exist_ok=True)
     kvikio = _kvikio()
-    try:
+    with cf.discard_on_failure(tmp):
         with kvikio.CuFile(tmp, "w") as f:
             jobs = [(f.pwrite(as_buffer(head), file_offset=0), len(header))]
             n = flat.numel() // layers if layers else 0
@@ -115,12 +115,6 @@ def write_chunk(path: str | Path, key: CacheKey, obj: MemoryObj, *, fsync: bool 
         if fsync:
             _fsync(tmp)
         os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     if fsync:
         _fsync(path.parent, directory=True)
     return size

@@ -32,7 +32,7 @@ from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
-from .posix_index import Entry, PosixIndex, scan
+from .posix_index import PosixIndex, scan, stat_entry
 from .posix_io import CorruptChunk, header_digest, probe_o_direct, read_chunk, write_chunk
 
 logger = logging.getLogger("kvplug.backends.posix")
@@ -402,7 +402,7 @@ class PosixBackend:
                         self._cancelled.add(rel)
                     entry = self._index.remove(rel)
                     if entry is None and os.path.exists(self._path(rel)):
-                        entry = _stat_entry(self._path(rel))
+                        entry = stat_entry(self._path(rel))
                     if entry is not None:
                         victims.append((rel, entry))
         return self._unlink_victims(victims)
@@ -443,11 +443,3 @@ class PosixBackend:
                        pinned=self._index.num_pinned, pending_writes=len(self._pending),
                        o_direct=int(self.o_direct), writable=int(self._writable))
         return out
-
-
-def _stat_entry(path: str) -> Entry | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return Entry(st.st_size, st.st_mtime)

@@ -151,3 +151,12 @@ class PosixIndex:
             merged.setdefault(rel, found)
         self._lru = OrderedDict(sorted(merged.items(), key=lambda kv: kv[1].stamp))
         self.bytes = sum(e.size for e in self._lru.values())
+
+
+def stat_entry(path: str) -> Entry | None:
+    """An index entry (size, mtime stamp) for a file, or None if it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return Entry(st.st_size, st.st_mtime)

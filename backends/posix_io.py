@@ -129,7 +129,7 @@ def write_chunk(
     except FileNotFoundError:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(tmp, flags, 0o644)
-    try:
+    with cf.discard_on_failure(tmp):
         try:
             _io_all(os.pwritev, fd, [memoryview(header), *bufs], 0)
             if fsync:
@@ -137,12 +137,6 @@ def write_chunk(
         finally:
             os.close(fd)
         os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     if fsync:
         dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:

@@ -21,9 +21,11 @@ unpickled; every size is checked against the file size before it is used.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -422,3 +424,15 @@ __all__ = [
     "layer_checksums", "make_header", "read_buffers", "relative_chunk_path", "shard_of",
     "verify_layer", "verify_layers",
 ]
+
+
+@contextlib.contextmanager
+def discard_on_failure(tmp: str | os.PathLike[str]) -> Iterator[None]:
+    """Remove the temporary file ``tmp`` if the block writing and renaming it fails, so a failed
+    store never leaves a partial file behind (readers only ever see renamed, whole files)."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
