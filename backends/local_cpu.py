@@ -16,7 +16,9 @@ from collections.abc import Sequence
 import torch
 from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.keys import CacheKey
+from kvplug.logs import LogOnce
 from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.pins import PinCounts
 from kvplug.pool import HostMemoryPool
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
@@ -42,21 +44,21 @@ class LocalCPUBackend:
         self.pool = HostMemoryPool(int(opts.capacity), pin_memory=opts.pin_memory)
         self.capacity = self.pool.capacity
         self._entries: OrderedDict[CacheKey, MemoryObj] = OrderedDict()
-        self._pins: dict[CacheKey, int] = {}
+        self._pins: PinCounts[CacheKey] = PinCounts()
         self._bytes = 0
         self._lock = threading.RLock()
         self._skipped_puts = 0
         self._alloc_failures = 0
         self._evictions = 0
-        self._warned_full = False
+        self._log_once = LogOnce(logger)
 
     # -- eviction -------------------------------------------------------------------------------
     def _evictable(self, key: CacheKey, obj: MemoryObj) -> bool:
-        return self._pins.get(key, 0) == 0 and obj.ref_count == 1
+        return key not in self._pins and obj.ref_count == 1
 
     def _drop(self, key: CacheKey) -> int:
         obj = self._entries.pop(key)
-        self._pins.pop(key, None)
+        self._pins.discard(key)
         self._bytes -= obj.nbytes
         self._evictions += 1
         obj.ref_down()
@@ -70,12 +72,8 @@ class LocalCPUBackend:
         return 0
 
     def _warn_full(self, what: str) -> None:
-        if not self._warned_full:
-            self._warned_full = True
-            logger.warning(
-                "tier %r is full of pinned or in-use chunks (%d bytes); %s skipped — further "
-                "skips are counted in stats", self.name, self._bytes, what,
-            )
+        self._log_once("full", "tier %r is full of pinned or in-use chunks (%d bytes); %s "
+                       "skipped — further skips are counted in stats", self.name, self._bytes, what)
 
     # -- hooks ----------------------------------------------------------------------------------
     @hookimpl
@@ -123,20 +121,13 @@ class LocalCPUBackend:
         with self._lock:
             found = [k in self._entries for k in keys]
             if pin:
-                for key, hit in zip(keys, found):
-                    if hit:
-                        self._pins[key] = self._pins.get(key, 0) + 1
+                self._pins.pin_all(key for key, hit in zip(keys, found) if hit)
             return found
 
     @hookimpl
     def unpin(self, keys: Sequence[CacheKey]) -> None:
         with self._lock:
-            for key in keys:
-                count = self._pins.get(key, 0)
-                if count > 1:
-                    self._pins[key] = count - 1
-                elif count == 1:
-                    del self._pins[key]
+            self._pins.unpin_all(keys)
 
     @hookimpl
     def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:

@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--page-bytes", type=int, default=32768)
     args = ap.parse_args()
 
-    from kvplug.backends.gds_probe import probe
+    from kvplug.backends.gds.probe import probe
 
     found = probe()
     if not found.driver or not torch.cuda.is_available():
@@ -85,7 +85,7 @@ def main() -> int:
     print(f"raw kvikio   store {_gbps(total, timed(raw_store))}   load "
           f"{_gbps(total, timed(raw_load))}")
 
-    # gds tier: store from device objects, load_into a device staging tensor
+    # gds tier: store from device objects, load (get) into device memory
     with StorageManager({"tiers": [{"backend": "gds", "options": {"path": str(root / "gds")}}]}
                         ) as m:
         backend = m._tiers[0].backend
@@ -100,10 +100,14 @@ def main() -> int:
             m.batched_put(keys, objs)
             m.flush(600)
 
+        # reads land where ctx.allocate puts them: device memory here (file -> GPU)
+        backend._allocate = lambda shp, dtype, fmt, n: heap_memory_obj(shp, dtype, fmt, n, device="cuda")
+
         def gds_load() -> None:
-            out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
             for k in keys:
-                assert backend.load_into(k, out)
+                o = backend.get(k)
+                assert o is not None
+                o.ref_down()
 
         print(f"gds tier     store {_gbps(total, timed(gds_store))}   load "
               f"{_gbps(total, timed(gds_load))}   (checksums on: one D2H per layer)")

@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 import torch
-from kvplug import chunk_format as cf
+from kvplug import chunkfile as cf
 from kvplug.backends.posix import PosixBackend
-from kvplug.backends.posix_io import O_DIRECT
+from kvplug.backends.posix.io import O_DIRECT
 from kvplug.hookspecs import TierContext
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
@@ -67,12 +68,35 @@ def discover_backends() -> dict[str, BackendInfo]:
     return found
 
 
-def _import_target(target: str, name: str, package: str) -> type:
+#: Module paths of kvplug's own classes that moved; a config naming an old path keeps working
+#: with a :class:`DeprecationWarning` that names the new one.
+MOVED_PATHS = {
+    "kvplug.backends.fsspec_remote:FsspecBackend": "kvplug.backends.fsspec:FsspecBackend",
+}
+
+
+def import_object(target: str) -> object:
+    """The object a ``"package.module:attr.sub"`` path names (a moved kvplug path is followed,
+    with a :class:`DeprecationWarning`). Import errors propagate to the caller, which names what
+    it was loading."""
+    if target in MOVED_PATHS:
+        warnings.warn(
+            f"{target!r} moved to {MOVED_PATHS[target]!r}; update the config (the old path will "
+            "be removed in a later release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        target = MOVED_PATHS[target]
     module_name, _, attr = target.partition(":")
+    obj: object = importlib.import_module(module_name)
+    for part in attr.split(".") if attr else []:
+        obj = getattr(obj, part)
+    return obj
+
+
+def _import_target(target: str, name: str, package: str) -> type:
     try:
-        obj = importlib.import_module(module_name)
-        for part in attr.split(".") if attr else []:
-            obj = getattr(obj, part)
+        obj = import_object(target)
     except Exception as exc:  # noqa: BLE001 - any import failure is reported with its cause
         raise BackendLoadError(
             f"backend {name!r} from package {package} could not be loaded from {target!r}: "

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 import torch
-from kvplug import chunk_format as cf
+from kvplug import chunkfile as cf
 from kvplug.errors import ChunkFormatError
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, heap_memory_obj
@@ -138,7 +138,7 @@ def test_flipped_byte_in_each_layer_fails_its_checksum():
 
 def test_wrong_format_version_and_foreign_files(monkeypatch):
     key, obj = _key(), _obj((2, 2, 4096), torch.uint8)
-    monkeypatch.setattr(cf, "FORMAT_VERSION", "999")
+    monkeypatch.setattr(cf.format, "FORMAT_VERSION", "999")
     future = _file(key, obj)
     monkeypatch.undo()
     with pytest.raises(ChunkFormatError, match="version"):

@@ -132,7 +132,7 @@ def test_credentials_never_logged(caplog, unused_port):
 
 
 def test_redactor_scrubs_url_userinfo_and_secrets():
-    from kvplug.backends.fsspec_io import Redactor
+    from kvplug.backends.fsspec.io import Redactor
 
     r = Redactor("ftp://alice:pw-1234@host/x", {"password": "hunter22", "nested": {"token": "t0k3n"}})
     out = r("ftp://alice:pw-1234@host/x failed with hunter22 and t0k3n")
@@ -175,6 +175,25 @@ def test_file_url_shares_the_posix_layout(tmp_path):
     assert all(f.endswith(".safetensors") for f in files)
 
 
+def test_file_url_writes_through_the_shared_temp_name_rule(tmp_path, monkeypatch):
+    """file:// stores are renamed into place from a temporary name that every tier's scan
+    recognises (kvplug.chunkfile.is_temp), not from a rule of fsspec's own."""
+    import os
+
+    from kvplug import chunkfile as cf
+
+    renamed: list[str] = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        renamed.append(os.path.basename(src))
+        real_replace(src, dst)
+
+    monkeypatch.setattr("kvplug.chunkfile.atomic.os.replace", replace)
+    with _mgr(f"file://{tmp_path}", namespace_dirs=False) as mgr:
+        _put(mgr, range(2))
+    assert len(renamed) == 2 and all(cf.is_temp(name) for name in renamed), renamed
+
 def test_layer_reads_are_ranged_and_verified():
     with _mgr() as mgr:
         obj = fill_random(mgr, (6, 2, 4096))
@@ -187,9 +206,27 @@ def test_layer_reads_are_ranged_and_verified():
             assert part is not None and torch.equal(part.byte_view, data[first:first + n].reshape(-1))
             part.ref_down()
         assert mgr.get_layers(make_key(0), 5, 2) is None
-        many = _backend(mgr).get_many([make_key(0), make_key(1)])
+        # Formerly through the deleted get_many (only tests called it); now the live get path.
+        many = [_backend(mgr).get(make_key(0)), _backend(mgr).get(make_key(1))]
         assert many[1] is None and torch.equal(many[0].byte_view, data.reshape(-1))
         many[0].ref_down()
+
+
+def test_old_module_path_still_loads_with_a_deprecation_warning():
+    """A config written before the move to the fsspec package keeps working, and says where the
+    class lives now."""
+    with pytest.warns(DeprecationWarning, match="kvplug.backends.fsspec:FsspecBackend"):
+        mgr = StorageManager({"tiers": [{
+            "backend": "kvplug.backends.fsspec_remote:FsspecBackend",
+            "options": {"url": "memory://kv"}}], "chunk_size": 16})
+    with mgr:
+        from kvplug.backends.fsspec import FsspecBackend
+
+        assert isinstance(_backend(mgr), FsspecBackend)
+        _put(mgr, range(1))
+        got = mgr.get(make_key(0))
+        assert got is not None
+        got.ref_down()
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import os
 
 import pytest
 import torch
-from kvplug import chunk_format as cf
-from kvplug.backends.gds_probe import Mode, probe
+from kvplug import chunkfile as cf
+from kvplug.backends.gds.probe import Mode, probe
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import BackendConformance, fill_random, make_key
 
@@ -119,8 +119,8 @@ def test_directory_is_shared_with_posix(tmp_path, first):
         part.ref_down()
 
 
-def test_load_into_layer_by_layer_host(tmp_path):
-    """``load_into`` one layer per call into a caller's tensor (host here)."""
+def test_layer_by_layer_host_load(tmp_path):
+    """``get_layers`` one layer per call (layer-wise loading), into host memory here."""
     with StorageManager({"tiers": [_tier(tmp_path)]}) as m:
         obj = fill_random(m, shape=(4, 2, 3000), seed=9)
         want = obj.byte_view.clone().view(4, -1)
@@ -128,17 +128,19 @@ def test_load_into_layer_by_layer_host(tmp_path):
         assert m.flush(10)
         obj.ref_down()
         backend = m.backend(0)
-        dest = torch.empty(6000, dtype=torch.uint8)
         for layer in range(4):
-            assert backend.load_into(make_key(1), dest, layer, 1)
-            assert torch.equal(dest, want[layer])
-        assert not backend.load_into(make_key(1), dest, 4, 1), "out-of-range layer must miss"
-        assert not backend.load_into(make_key(2), dest, 0, 1)
+            part = backend.get_layers(make_key(1), layer, 1)
+            assert part is not None
+            assert torch.equal(part.byte_view, want[layer])
+            part.ref_down()
+        assert backend.get_layers(make_key(1), 4, 1) is None, "out-of-range layer must miss"
+        assert backend.get_layers(make_key(2), 0, 1) is None
 
 
 @needs_cuda
-def test_device_store_and_layerwise_device_load(tmp_path):
-    """A device object is written from the GPU; layers are read straight into a CUDA tensor."""
+def test_device_store_and_layerwise_device_load(tmp_path, monkeypatch):
+    """A device object is written from the GPU; layers are read straight into CUDA memory (a
+    tier whose ``ctx.allocate`` hands out device memory, as a device-pool L1 would)."""
     from kvplug.memory import heap_memory_obj
 
     with StorageManager({"tiers": [_tier(tmp_path)]}) as m:
@@ -150,10 +152,14 @@ def test_device_store_and_layerwise_device_load(tmp_path):
         assert m.flush(30)
         obj.ref_down()
         backend = m.backend(0)
-        dest = torch.empty(8192, dtype=torch.uint8, device="cuda")
+        monkeypatch.setattr(backend, "_allocate", lambda shape, dtype, fmt, num_tokens:
+                            heap_memory_obj(shape, dtype, fmt, num_tokens, device="cuda"))
         for layer in range(3):
-            assert backend.load_into(make_key(1), dest, layer, 1)
-            assert torch.equal(dest, want[layer])
+            part = backend.get_layers(make_key(1), layer, 1)
+            assert part is not None and part.byte_view.is_cuda
+            assert torch.equal(part.byte_view, want[layer])
+            part.ref_down()
+        monkeypatch.undo()
         host = m.get(make_key(1))
         assert host is not None and torch.equal(host.byte_view, want.reshape(-1).cpu())
         host.ref_down()

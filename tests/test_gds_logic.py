@@ -1,6 +1,6 @@
 """gds tier: decision, options, format and fallback logic — runs everywhere (no kvikio needed).
 
-Only the decision tests replace the probe (``gds._probe``): a missing driver or kvikio cannot be
+Only the decision tests replace the probe (``gds.probe``): a missing driver or kvikio cannot be
 caused for real on a machine that has them. Everything else here uses the machine as it is.
 """
 
@@ -11,11 +11,13 @@ import os
 
 import pytest
 import torch
-from kvplug import chunk_format as cf
-from kvplug.backends import gds, gds_probe
-from kvplug.backends.gds_probe import GDSUnavailableError, Mode, Probe, decide, kvikio_settings
+from kvplug import chunkfile as cf
+from kvplug.backends.gds import backend as gds
+from kvplug.backends.gds import probe as gds_probe
+from kvplug.backends.gds.probe import GDSUnavailableError, Mode, Probe, decide, kvikio_settings
 from kvplug.backends.posix import PosixBackend
 from kvplug.errors import ConfigError
+from kvplug.logs import LogOnce
 from kvplug.memory import heap_memory_obj
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import BackendConformance, fill_random, make_key
@@ -59,7 +61,7 @@ def test_compat_and_gds_modes():
 
 
 def test_log_once(caplog, monkeypatch):
-    monkeypatch.setattr(gds_probe, "_logged", set())
+    monkeypatch.setattr(gds_probe, "log_once", LogOnce(gds_probe.logger))
     with caplog.at_level(logging.WARNING, "kvplug.backends.gds"):
         for _ in range(3):
             gds_probe.log_once("compat", "compat mode %s", "on")
@@ -97,25 +99,27 @@ def test_unknown_or_bad_option_is_a_config_error(tmp_path):
 
 # -- the backend's decision, through a StorageManager -----------------------------------------------
 def test_backend_refuses_without_driver(tmp_path, monkeypatch):
-    monkeypatch.setattr(gds, "_probe", lambda: NO_DRIVER)
+    monkeypatch.setattr(gds, "probe", lambda: NO_DRIVER)
     with pytest.raises(GDSUnavailableError, match="fallback: posix"):
         StorageManager({"tiers": [_tier(tmp_path / "c")]})
     assert not (tmp_path / "c").exists(), "a refused tier must not touch its directory"
 
 
 def test_backend_falls_back_to_posix(tmp_path, monkeypatch):
-    monkeypatch.setattr(gds, "_probe", lambda: NO_KVIKIO)
+    monkeypatch.setattr(gds, "probe", lambda: NO_KVIKIO)
     with StorageManager({"tiers": [_tier(tmp_path, fallback="posix")]}) as mgr:
         obj = fill_random(mgr)
+        want = obj.byte_view.clone()
         mgr.batched_put([make_key(1)], [obj])
         assert mgr.flush(10)
         obj.ref_down()
         st = mgr.stats()["gds"]
         assert st["posix_fallback"] == 1 and st["gds_active"] == 0 and st["writes"] == 1
         backend = mgr.backend(0)
-        dest = torch.empty(obj.nbytes, dtype=torch.uint8)
-        assert backend.load_into(make_key(1), dest)
-        assert not backend.load_into(make_key(2), dest)
+        got = backend.get(make_key(1))
+        assert got is not None and torch.equal(got.byte_view, want)
+        got.ref_down()
+        assert backend.get(make_key(2)) is None
 
 
 # -- format and alignment (what the gds tier writes is what posix writes) ----------------------------

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvplug.backends.gds_probe import probe
+from kvplug.backends.gds.probe import probe
 
 _ZERO = """cuInit cuMemHostRegister cuMemHostRegister_v2 cuMemHostUnregister cuMemcpyHtoDAsync
 cuMemcpyHtoDAsync_v2 cuMemcpyDtoHAsync cuMemcpyDtoHAsync_v2 cuMemcpyAsync cuPointerGetAttribute

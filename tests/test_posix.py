@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
-from kvplug import chunk_format as cf
-from kvplug.backends import posix as posix_mod
-from kvplug.backends import posix_io
+from kvplug import chunkfile as cf
 from kvplug.backends.posix import PosixBackend
+from kvplug.backends.posix import backend as posix_mod
+from kvplug.backends.posix import io as posix_io
 from kvplug.hookspecs import TierContext
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, heap_memory_obj
@@ -178,7 +178,7 @@ def test_wrong_version_and_wrong_key_are_misses(tmp_path, monkeypatch):
     p1, p2 = cf.chunk_path(tmp_path, key(1)), cf.chunk_path(tmp_path, key(2))
     p2.write_bytes(p1.read_bytes())  # key 1's file under key 2's name
     assert be.get(key=key(2)) is None and not p2.exists()
-    monkeypatch.setattr(cf, "FORMAT_VERSION", "2")
+    monkeypatch.setattr(cf.format, "FORMAT_VERSION", "2")
     header, bufs = cf.encode_chunk(key(1), obj_for(1))
     monkeypatch.undo()
     p1.write_bytes(header + b"".join(bytes(b) for b in bufs))

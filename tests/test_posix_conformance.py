@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from kvplug import chunk_format as cf
+from kvplug import chunkfile as cf
 from kvplug.testing import BackendConformance
 
 

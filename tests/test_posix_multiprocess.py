@@ -7,7 +7,7 @@ import os
 import time
 
 import torch
-from kvplug import chunk_format as cf
+from kvplug import chunkfile as cf
 from kvplug.keys import CacheKey
 
 SHAPE = (3, 2, 2500)  # padded layers

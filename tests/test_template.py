@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from cookiecutter.main import cookiecutter
-from kvplug.cli import template_dir
+from kvplug.cli.main import template_dir
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import fill_random, make_key
 

@@ -1,8 +1,10 @@
 """``kvplug inspect PATH_OR_URL``: what a posix/gds directory or an fsspec store holds.
 
-Chunk files are found anywhere below the root (the tiers write ``root/<2 hex>/<key>.safetensors``);
-each header is decoded with :mod:`kvplug.chunk_format` (which checks its own checksum and every
-size). ``--verify`` also reads every layer and checks its xxh3 checksum.
+Chunk files are found anywhere below the root (the tiers write ``root/<2 hex>/<key>.safetensors``)
+and told from temporary files by :mod:`kvplug.chunkfile`'s one naming rule; each header is read and
+checked by :func:`kvplug.chunkfile.read_header` (local files through ``os.pread``, fsspec URLs
+through ranged reads). ``--verify`` also reads every layer and checks it with
+:func:`kvplug.chunkfile.verify_layer`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,12 +22,15 @@ import yaml
 from rich.progress import Progress
 from rich.table import Table
 
-from . import chunk_format as cf
-from .cli_common import age_of, console, err_console, escape, fail, human_bytes
+from .. import chunkfile as cf
+from ..errors import ChunkFormatError
+from .common import age_of, console, err_console, escape, fail, human_bytes
 
 
 @dataclass
 class FileInfo:
+    """One entry of a store's listing."""
+
     path: str
     size: int
     mtime: float
@@ -76,18 +82,30 @@ class Store:
         for path, info in sorted(listing.items()):
             name = path.rsplit("/", 1)[-1]
             entry = FileInfo(path, int(info.get("size") or 0), _mtime(info))
-            if name.endswith(cf.FILE_SUFFIX) and not name.startswith("."):
+            if cf.is_chunk_file(name):
                 chunks.append(entry)
-            elif name.startswith(".") or name.endswith(".tmp"):
+            elif cf.is_temp(name):
                 temps.append(entry)
         return chunks, temps
 
-    def read(self, path: str, start: int, end: int) -> bytes:
-        if self.fs is not None:
-            return self.fs.cat_file(path, start=start, end=end)
-        with open(path, "rb") as f:
-            f.seek(start)
-            return f.read(end - start)
+    @contextmanager
+    def opened(self, f: FileInfo) -> Iterator[cf.ReadAt]:
+        """``read(offset, length)`` over one file: ``os.pread`` on an open descriptor locally,
+        ranged reads (clamped to the listed size) on an fsspec filesystem."""
+        if self.fs is None:
+            fd = os.open(f.path, os.O_RDONLY)
+            try:
+                yield lambda offset, length: os.pread(fd, length, offset)
+            finally:
+                os.close(fd)
+            return
+        fs = self.fs
+
+        def read(offset: int, length: int) -> bytes:
+            end = min(offset + length, f.size)
+            return fs.cat_file(f.path, start=offset, end=end) if offset < end else b""
+
+        yield read
 
 
 def _mtime(info: dict[str, Any]) -> float:
@@ -100,21 +118,16 @@ def _mtime(info: dict[str, Any]) -> float:
         return 0.0
 
 
-def read_header(store: Store, f: FileInfo) -> cf.ChunkHeader:
-    """Decode (and so check) one chunk file's header; raises ChunkFormatError/OSError."""
-    prefix = store.read(f.path, 0, min(cf.HEADER_PROBE, f.size))
-    total = cf.header_size(prefix[:8])
-    if total > len(prefix):
-        prefix = store.read(f.path, 0, total)
-    return cf.decode_header(prefix, f.size)
-
-
-def verify_file(store: Store, f: FileInfo, header: cf.ChunkHeader) -> str | None:
-    """None if every layer matches its checksum, else what is wrong."""
-    bad = [i for i in range(header.num_layers)
-           if not cf.verify_layer(header, i, store.read(
-               f.path, header.data_offsets[i], header.data_offsets[i] + header.layer_nbytes))]
-    return None if not bad else f"layer(s) {bad} fail their {cf.CHECKSUM_ALGO} checksum"
+def check_file(store: Store, f: FileInfo, verify: bool) -> tuple[cf.ChunkHeader, str | None]:
+    """The file's checked header, and (with ``verify``) which layers fail their checksum, or None.
+    Raises ChunkFormatError/OSError/ValueError for a file whose header cannot be read."""
+    with store.opened(f) as read:
+        header, _ = cf.read_header(read, f.size)
+        if not verify:
+            return header, None
+        bad = [i for i in range(header.num_layers)
+               if not cf.verify_layer(header, i, read(header.data_offsets[i], header.layer_nbytes))]
+    return header, None if not bad else f"layer(s) {bad} fail their {cf.CHECKSUM_ALGO} checksum"
 
 
 @dataclass
@@ -143,9 +156,8 @@ def scan(store: Store, verify: bool) -> dict[str, Any]:
         for f in chunks:
             progress.advance(task)
             try:
-                header = read_header(store, f)
-                problem = verify_file(store, f, header) if verify else None
-            except (cf.ChunkFormatError, OSError, ValueError) as exc:
+                header, problem = check_file(store, f, verify)
+            except (ChunkFormatError, OSError, ValueError) as exc:
                 header, problem = None, f"unreadable header: {exc}"
             if problem:
                 corrupt.append({"path": f.path, "problem": problem})

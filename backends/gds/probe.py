@@ -25,8 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvplug.errors import KVPlugError
+from kvplug.logs import LogOnce
 
 logger = logging.getLogger("kvplug.backends.gds")
+#: Mode decisions are logged once per process (many tiers and ranks start the same way).
+log_once = LogOnce(logger)
 
 DRIVER_LIB = "libcuda.so.1"
 INSTALL_HINT = "pip install 'kvplug[gds]'  (CUDA 13 builds: 'kvplug[gds-cu13]'; see docs/gds.md)"
@@ -130,12 +133,3 @@ def kvikio_settings(opts: Any, mode: Mode) -> dict[str, Any]:
         out["compat_mode"] = {"on": 1, "off": 0}[opts.compat_mode]
     return out
 
-
-_logged: set[str] = set()
-
-
-def log_once(key: str, msg: str, *args: object) -> None:
-    """Log a mode decision once per process (many tiers and ranks start the same way)."""
-    if key not in _logged:
-        _logged.add(key)
-        logger.warning(msg, *args)

@@ -1,10 +1,11 @@
 """File I/O of the posix tier: atomic chunk writes and vectored reads straight into memory objects.
 
-Writes go to a hidden temporary name in the chunk's shard directory and are renamed into place,
-so a reader (in this or another process) sees a whole file or none. Reads use ``os.preadv`` into
+Writes go through :func:`kvplug.chunkfile.atomic_file` (temporary name, rename, optional fsync),
+so a reader in this or another process sees a whole file or none. Reads use ``os.preadv`` into
 the destination object's memory (no intermediate ``bytes``), then verify every layer checksum.
 O_DIRECT is used where it was asked for, the file system accepts it and the buffers are aligned;
-otherwise the same call goes through the page cache.
+otherwise the same call goes through the page cache. Headers are decoded by the chunk-file
+library; this module only feeds it page-aligned buffers (what O_DIRECT needs).
 """
 
 from __future__ import annotations
@@ -12,21 +13,25 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import secrets
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import xxhash
-from kvplug import chunk_format as cf
+from kvplug import chunkfile as cf
 from kvplug.errors import ChunkFormatError
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 IOV_MAX = 1024
-TMP_SUFFIX = ".tmp"
+#: Parsed headers a tier remembers (a few KiB each), least recently used dropped first.
+MAX_KNOWN_HEADERS = 4096
 _local = threading.local()
+
+#: ``(digest of the header's bytes, the parsed header)`` of one chunk file.
+Known = tuple[str, cf.ChunkHeader]
 
 
 class CorruptChunk(Exception):
@@ -35,6 +40,32 @@ class CorruptChunk(Exception):
     def __init__(self, reason: str, ino: int) -> None:
         super().__init__(reason)
         self.ino = ino
+
+
+class KnownHeaders:
+    """Headers this process wrote or parsed, by chunk path, bounded (LRU). A read whose file still
+    starts with the same bytes (same digest) skips decoding. The owner's lock guards it."""
+
+    def __init__(self, limit: int = MAX_KNOWN_HEADERS) -> None:
+        self._items: OrderedDict[str, Known] = OrderedDict()
+        self._limit = limit
+
+    def get(self, rel: str) -> Known | None:
+        return self._items.get(rel)
+
+    def put(self, rel: str, known: Known | None) -> None:
+        """Remember ``known`` for ``rel`` (``None``: forget it, the file is gone or damaged)."""
+        if known is None:
+            self._items.pop(rel, None)
+            return
+        self._items[rel] = known
+        self._items.move_to_end(rel)
+        if len(self._items) > self._limit:
+            self._items.popitem(last=False)
+
+
+def header_digest(data) -> str:  # noqa: ANN001 - any buffer
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 def _aligned_buffer(name: str, size: int) -> memoryview:
@@ -79,7 +110,7 @@ def probe_o_direct(root: Path) -> str | None:
     """``None`` if O_DIRECT writes and reads work in ``root``, else why they do not."""
     if not O_DIRECT:
         return "this platform has no O_DIRECT"
-    path = root / f".odirect-probe.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+    path = root / cf.temp_name("odirect-probe")
     buf = _aligned_buffer("probe", cf.ALIGN)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_DIRECT | os.O_CLOEXEC, 0o600)
@@ -107,11 +138,10 @@ def write_chunk(
     fsync: bool = False,
     direct: bool = False,
 ) -> int:
-    """Write a chunk (``header, bufs = chunk_format.encode_chunk(key, obj)``) at ``path``
+    """Write a chunk (``header, bufs = chunkfile.encode_chunk(key, obj)``) at ``path``
     atomically; returns the file size. ``obj`` must stay referenced until this returns.
 
     Raises ``OSError`` (full disk, read-only directory...) after removing the temporary file."""
-    path = Path(path)
     size = len(header) + sum(len(b) for b in bufs)
     layers = cf.chunk_layout(obj.meta)[0]
     whole = memoryview(obj.byte_view.numpy()) if obj.nbytes else None
@@ -123,27 +153,45 @@ def write_chunk(
         head = _aligned_buffer("header", len(header))[: len(header)]
         head[:] = header
         header = head
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
-    try:
+    with cf.atomic_file(path, fsync=fsync) as tmp:
         fd = os.open(tmp, flags, 0o644)
-    except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, flags, 0o644)
-    with cf.discard_on_failure(tmp):
         try:
             _io_all(os.pwritev, fd, [memoryview(header), *bufs], 0)
-            if fsync:
-                os.fsync(fd)
         finally:
             os.close(fd)
-        os.rename(tmp, path)
-    if fsync:
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
     return size
+
+
+def _aligned_reader(fd: int) -> Callable[[int, int], memoryview]:
+    """``read(offset, length)`` of ``fd`` into this thread's page-aligned buffer (O_DIRECT-safe
+    for the aligned offsets and lengths a header read asks for)."""
+
+    def read(offset: int, length: int) -> memoryview:
+        buf = _aligned_buffer("header", offset + length)
+        return buf[offset : offset + _io_all(os.preadv, fd, [buf[offset : offset + length]], offset)]
+
+    return read
+
+
+def read_checked_header(fd: int, st: os.stat_result, key: CacheKey,
+                        known: Known | None = None) -> Known:
+    """``(digest, header)`` of the open chunk file ``fd``, checked to hold ``key``. ``known``
+    from an earlier read or write of the same path is reused when the file's header bytes still
+    hash to its digest. Raises :class:`CorruptChunk` for a damaged or foreign file."""
+    header = None
+    if known is not None and known[1].file_size == st.st_size:
+        need = known[1].header_bytes
+        if header_digest(_aligned_reader(fd)(0, need)) == known[0]:
+            digest, header = known
+    if header is None:
+        try:
+            header, raw = cf.read_header(_aligned_reader(fd), st.st_size)
+        except ChunkFormatError as exc:
+            raise CorruptChunk(str(exc), st.st_ino) from None
+        digest = header_digest(raw)
+    if header.key != key:
+        raise CorruptChunk(f"file holds key {header.key}, not {key}", st.st_ino)
+    return digest, header
 
 
 def read_chunk(
@@ -153,34 +201,24 @@ def read_chunk(
     layers: tuple[int, int] | None = None,
     *,
     direct: bool = False,
-    known: tuple[str, cf.ChunkHeader] | None = None,
-) -> tuple[MemoryObj | None, int, tuple[str, cf.ChunkHeader]]:
+    known: Known | None = None,
+) -> tuple[MemoryObj | None, int, Known]:
     """Read the chunk of ``key`` (or ``layers=(first, count)`` of it) into memory from ``allocate``.
 
-    ``known`` is ``(digest, header)`` from an earlier read or write of this path: when the file's
-    header bytes still hash to ``digest`` the header is not parsed again. Returns
-    ``(obj, file_size, (digest, header))``; ``obj`` is ``None`` when ``allocate`` had no memory.
-    Raises
-    ``FileNotFoundError`` if there is no file, :class:`CorruptChunk` if the file is damaged,
-    of another format version or holds another key, ``ValueError`` for a bad layer range."""
+    ``known`` is ``(digest, header)`` from an earlier read or write of this path (see
+    :func:`read_checked_header`). Returns ``(obj, file_size, (digest, header))``; ``obj`` is
+    ``None`` when ``allocate`` had no memory. Raises ``FileNotFoundError`` if there is no file,
+    :class:`CorruptChunk` if the file is damaged, of another format version or holds another
+    key, ``ValueError`` for a bad layer range."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
     try:
         st = os.fstat(fd)
-        header = None
-        if known is not None and known[1].file_size == st.st_size:
-            need = known[1].header_bytes
-            probe = _aligned_buffer("header", need)
-            got = _io_all(os.preadv, fd, [probe[:need]], 0)
-            if got == need and header_digest(probe[:need]) == known[0]:
-                header, digest = known[1], known[0]
-        if header is None:
-            header, digest = _parse_header(fd, st)
-        if header.key != key:
-            raise CorruptChunk(f"file holds key {header.key}, not {key}", st.st_ino)
+        known = read_checked_header(fd, st, key, known)
+        header = known[1]
         first, count, meta = header.select(layers)
         obj = allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
         if obj is None:
-            return None, st.st_size, (digest, header)
+            return None, st.st_size, known
         try:
             if count and header.layer_nbytes:
                 dest = memoryview(obj.byte_view.numpy())
@@ -196,31 +234,19 @@ def read_chunk(
         except BaseException:
             obj.ref_down()
             raise
-        return obj, st.st_size, (digest, header)
+        return obj, st.st_size, known
     finally:
         os.close(fd)
 
 
-def header_digest(data) -> str:  # noqa: ANN001 - any buffer
-    return xxhash.xxh3_128_hexdigest(data)
-
-
-def _parse_header(fd: int, st: os.stat_result) -> tuple[cf.ChunkHeader, str]:
+def remove_if_same(path: str, ino: int) -> None:
+    """Delete ``path`` if it is still the file (inode ``ino``) that was read; a file written
+    there since, or none, is left alone."""
     try:
-        probe = _aligned_buffer("probe", cf.HEADER_PROBE)
-        got = _io_all(os.preadv, fd, [probe[: cf.HEADER_PROBE]], 0)
-        need = cf.header_size(probe[: min(got, 8)])
-        if need > got:
-            big = _aligned_buffer("header", need)
-            got = cf.HEADER_PROBE + _io_all(
-                os.preadv, fd, [big[cf.HEADER_PROBE : need]], cf.HEADER_PROBE
-            )
-            big[: cf.HEADER_PROBE] = probe[: cf.HEADER_PROBE]
-            probe = big
-        header = cf.decode_header(probe[: min(got, need)], st.st_size)
-    except ChunkFormatError as exc:
-        raise CorruptChunk(str(exc), st.st_ino) from None
-    return header, header_digest(probe[: header.header_bytes])
+        if os.stat(path).st_ino == ino:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def _clear_direct(fd: int) -> None:

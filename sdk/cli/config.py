@@ -11,10 +11,10 @@ import click
 from pydantic import BaseModel, ByteSize, ValidationError
 from rich.table import Table
 
-from .cli_common import console, escape, fail
-from .config import ENV_PREFIX, RESERVED_ENV, KVPlugConfig, TierConfig, load_config
-from .errors import KVPlugError
-from .plugins import load_backend_class
+from ..config import ENV_PREFIX, RESERVED_ENV, KVPlugConfig, TierConfig, load_config
+from ..errors import KVPlugError
+from ..plugins import load_backend_class
+from .common import console, escape, fail
 
 
 def _show(value: Any) -> str:

@@ -16,6 +16,7 @@ PIPE_WIDTH = 160
 
 
 def _console(stderr: bool = False) -> Console:
+    """A rich console that keeps :data:`PIPE_WIDTH` columns when its output is piped."""
     con = Console(stderr=stderr)
     if not con.is_terminal and not os.environ.get("COLUMNS"):
         con = Console(stderr=stderr, width=PIPE_WIDTH)
@@ -55,4 +56,5 @@ def human_age(seconds: float) -> str:
 
 
 def age_of(mtime: float, now: float | None = None) -> str:
+    """How long ago ``mtime`` was (``now`` defaults to the current time), as :func:`human_age`."""
     return human_age((now or time.time()) - mtime)

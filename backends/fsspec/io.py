@@ -6,6 +6,7 @@ fsspec's IO loop for synchronous ones (``memory``, ``file``), whose blocking cal
 thread pool. ``asyncio.wait_for`` cancels a call that runs past its timeout inside the loop, and
 the calling thread waits on the future with a slightly longer bound, so a dead store never hangs a
 caller. Credentials are scrubbed from every message this module produces (:class:`Redactor`).
+:class:`GuardedIO` puts the tier's circuit breaker in front of these calls.
 """
 
 from __future__ import annotations
@@ -13,15 +14,21 @@ from __future__ import annotations
 import asyncio
 import inspect
 import re
+import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem, get_loop
-from kvplug import chunk_format as cf
+from kvplug import chunkfile as cf
 from kvplug.errors import ConfigError
+from kvplug.logs import LogOnce
+
+from .breaker import CircuitBreaker
+from .index import CapacityIndex
 
 T = TypeVar("T")
 _SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "auth", "session")
@@ -169,7 +176,7 @@ class RemoteIO:
         if self.is_async:
             await self.fs._pipe_file(path, data)
         elif self.is_local:
-            await self._blocking(_local_atomic_write, self.fs, path, data)
+            await self._blocking(_local_atomic_write, path, data)
         else:
             await self._blocking(self.fs.pipe_file, path, data)
 
@@ -213,15 +220,104 @@ def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     return (proto,) if isinstance(proto, str) else tuple(proto)
 
 
-def _local_atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    """Write to a temporary name in the same directory, then rename over the final name."""
-    import os
-    import uuid
+def _local_atomic_write(path: str, data: bytes) -> None:
+    """A ``file://`` object written whole: temporary name, then rename (the chunk-file rule)."""
+    with cf.atomic_file(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
 
-    parent = fs._parent(path)
-    fs.makedirs(parent, exist_ok=True)
-    tmp = f"{parent}/.tmp-{uuid.uuid4().hex}"
-    with cf.discard_on_failure(tmp):
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+
+class GuardedIO:
+    """The tier's remote calls behind its circuit breaker. A call that is refused, fails or times
+    out is a miss (``None``, ``-1``, ``False``), never an exception; failures are counted and fed
+    to the breaker with credentials scrubbed from their message."""
+
+    def __init__(self, io: RemoteIO, breaker: CircuitBreaker, redact: Redactor) -> None:
+        self.io = io
+        self.breaker = breaker
+        self.redact = redact
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(("remote_errors", "timeouts", "remote_lookups", "evicted"), 0)
+
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[what] += n
+
+    def failed(self, exc: BaseException) -> None:
+        """Record a failed call (an error or a timeout)."""
+        self._count("timeouts" if isinstance(exc, TimeoutError) else "remote_errors")
+        self.breaker.failure(self.redact.error(exc))
+
+    def allow(self) -> bool:
+        """Whether the store may be called now (see :meth:`CircuitBreaker.allow`)."""
+        return self.breaker.allow()
+
+    def fetch(self, path: str, start: int | None = None, end: int | None = None) -> bytes | None:
+        """Bytes of an object (or of ``[start, end)``); ``None`` when missing or unavailable."""
+        if not self.breaker.allow():
+            return None
+        try:
+            data = self.io.run(lambda: self.io.cat(path, start, end))
+        except FileNotFoundError:
+            data = None
+        except Exception as exc:  # noqa: BLE001
+            self.failed(exc)
+            return None
+        self.breaker.success()
+        return data
+
+    def sizes(self, paths: Sequence[str]) -> list[int | None]:
+        """Sizes of many objects with a bounded set of concurrent calls (``None``: missing,
+        ``-1``: unknown because the store was refused or failed)."""
+        if not self.breaker.allow():
+            return [-1] * len(paths)
+        self._count("remote_lookups", len(paths))
+        results = self._many([lambda p=p: self.io.size(p) for p in paths])
+        if results is None:
+            return [-1] * len(paths)
+        if not any(isinstance(r, BaseException) for r in results):
+            self.breaker.success()
+        return [-1 if isinstance(r, BaseException) else r for r in results]
+
+    def put(self, path: str, data: bytes) -> bool:
+        """Upload a whole object; ``False`` when that failed. Callers ask :meth:`allow` first."""
+        try:
+            self.io.run(lambda: self.io.put(path, data))
+        except Exception as exc:  # noqa: BLE001
+            self.failed(exc)
+            return False
+        self.breaker.success()
+        return True
+
+    def delete(self, paths: Sequence[str]) -> None:
+        """Delete objects concurrently (missing ones are fine); counted as ``evicted``."""
+        if paths:
+            self._count("evicted", len(paths))
+            self._many([lambda p=p: self.io.rm(p) for p in paths])
+
+    def _many(self, makers: Sequence[Callable[[], Awaitable[T]]]) -> list[T | BaseException] | None:
+        """:meth:`RemoteIO.run_many`; the first failure, if any, is recorded (``None``: the batch
+        as a whole failed)."""
+        try:
+            results = self.io.run_many(makers)
+        except Exception as exc:  # noqa: BLE001
+            self.failed(exc)
+            return None
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            self.failed(error)
+        return results
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {k: float(v) for k, v in self._counts.items()}
+
+
+@dataclass(frozen=True)
+class TierParts:
+    """What a tier shares with its reader and writer: its name (for messages), its guarded remote
+    calls, its capacity index and its log-once."""
+
+    name: str
+    remote: GuardedIO
+    index: CapacityIndex
+    log_once: LogOnce

@@ -1,6 +1,6 @@
 """The ``posix`` tier: one safetensors chunk file per key in a local (or shared) directory.
 
-* Layout: ``<path>/<2 hex of the hash>/<safe key name>.safetensors`` (:mod:`kvplug.chunk_format`),
+* Layout: ``<path>/<2 hex of the hash>/<safe key name>.safetensors`` (:mod:`kvplug.chunkfile`),
   names built only from the key's safe string form, so no input can escape ``path``.
 * Writes run on ``io_threads`` threads, never on the caller's; each goes to a hidden temporary
   name and is renamed into place (readers never see a partial file); ``fsync`` is optional.
@@ -21,23 +21,31 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvplug import chunk_format as cf
+from kvplug import chunkfile as cf
 from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.keys import CacheKey
+from kvplug.logs import LogOnce
 from kvplug.memory import MemoryObj
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
-from .posix_index import PosixIndex, scan, stat_entry
-from .posix_io import CorruptChunk, header_digest, probe_o_direct, read_chunk, write_chunk
+from .index import Entry, PosixIndex, scan, stat_entry, unlink_entries
+from .io import (
+    CorruptChunk,
+    Known,
+    KnownHeaders,
+    header_digest,
+    probe_o_direct,
+    read_chunk,
+    remove_if_same,
+    write_chunk,
+)
 
 logger = logging.getLogger("kvplug.backends.posix")
 _MAX_CORRUPT_LOGS = 20
-_HEADER_CACHE = 4096  # parsed headers kept (a few KiB each)
 _TOUCH_EVERY_S = 1.0  # an LRU stamp younger than this is not bumped again (saves a syscall)
 
 
@@ -73,10 +81,9 @@ class PosixBackend:
         self._idle = threading.Condition(self._lock)
         self._index = PosixIndex()
         self._pending: dict[str, MemoryObj] = {}
-        self._headers: OrderedDict[str, tuple[str, cf.ChunkHeader]] = OrderedDict()
+        self._headers = KnownHeaders()
         self._cancelled: set[str] = set()
-        self._reserved = 0
-        self._logged: set[str] = set()
+        self._warnings = LogOnce(logger)
         self._closed = False
         self._counters = dict.fromkeys(
             ("writes", "disk_bytes_written", "reads", "disk_bytes_read", "pending_hits", "dropped_puts",
@@ -100,18 +107,14 @@ class PosixBackend:
                 logger.warning("tier %r: O_DIRECT is not supported in %s (%s); using buffered "
                                "I/O through the page cache", self.name, self.root, why)
         self._last_scan = 0.0
-        self._rescan()
-        with self._lock:
-            victims = self._index.take_victims(self._index.bytes - self.capacity)
-        self._unlink_victims(victims)
+        self._trim_to_capacity()
         self._pool = ThreadPoolExecutor(opts.io_threads, thread_name_prefix=f"kvplug-{self.name}")
 
     # -- helpers --------------------------------------------------------------------------------
     def _log_once(self, what: str, msg: str, *args: object) -> None:
-        if what not in self._logged:
-            self._logged.add(what)
-            logger.warning("tier %r: " + msg + " (further occurrences are counted in stats)",
-                           self.name, *args)
+        """Warn about one kind of problem once per tier (later ones are counted in stats)."""
+        self._warnings(what, "tier %r: " + msg + " (further occurrences are counted in stats)",
+                       self.name, *args)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -120,39 +123,29 @@ class PosixBackend:
     def _path(self, rel: str) -> str:
         return self._root_s + rel
 
-    def _remember(self, rel: str, known: tuple[str, cf.ChunkHeader] | None) -> None:
-        """Cache a parsed header (keyed by path, checked by a digest of its bytes on use)."""
+    def _remember(self, rel: str, known: Known | None) -> None:
+        """Remember (or with ``None`` forget) the parsed header of a file (see KnownHeaders)."""
         with self._lock:
-            if known is None:
-                self._headers.pop(rel, None)
-                return
-            self._headers[rel] = known
-            self._headers.move_to_end(rel)
-            if len(self._headers) > _HEADER_CACHE:
-                self._headers.popitem(last=False)
+            self._headers.put(rel, known)
 
     def _rescan(self) -> None:
         result = scan(self.root)
-        for tmp in result.stale_tmp:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
         with self._lock:
             self._index.merge(result)
             self._last_scan = time.monotonic()
             self._counters["rescans"] += 1
 
-    def _unlink_victims(self, victims: list[tuple[str, object]]) -> int:
-        freed = 0
-        for rel, entry in victims:
-            try:
-                os.unlink(self._path(rel))
-                freed += entry.size
-            except FileNotFoundError:
-                pass  # another process evicted it already
-            except OSError as exc:
-                self._log_once("unlink", "cannot delete %s: %s", self._path(rel), exc)
+    def _trim_to_capacity(self) -> None:
+        """Rescan the directory and delete LRU files until it is within capacity."""
+        self._rescan()
+        with self._lock:
+            victims = self._index.take_victims(self._index.bytes - self.capacity)
+        self._unlink_victims(victims)
+
+    def _unlink_victims(self, victims: list[tuple[str, Entry]]) -> int:
+        freed, failed = unlink_entries(self._root_s, victims)
+        for path, exc in failed:
+            self._log_once("unlink", "cannot delete %s: %s", path, exc)
         if victims:
             self._count("evictions", len(victims))
         return freed
@@ -167,27 +160,23 @@ class PosixBackend:
         if n <= _MAX_CORRUPT_LOGS:
             logger.warning("tier %r: chunk file %s is unusable (%s); deleted, treated as a miss",
                            self.name, path, err)
-        try:
-            if os.stat(path).st_ino == err.ino:
-                os.unlink(path)
-        except OSError:
-            pass
+        remove_if_same(path, err.ino)
 
-    def _touch(self, rel: str, size: int) -> None:
+    def _touch(self, rel: str, size: int | None = None) -> bool:
+        """Make ``rel`` the most recently used entry here and in the LRU shared with other
+        processes (its mtime, bumped at most every ``_TOUCH_EVERY_S``); an entry not in the
+        index is added with ``size`` (skipped if ``size`` is None). False if the file is gone."""
         now = time.time()
         with self._lock:
-            entry = self._index.get(rel)
-            if entry is None:
-                self._index.add(rel, size, now)
-            else:
-                recent = now - entry.stamp < _TOUCH_EVERY_S
-                self._index.touch(rel, now)
-                if recent:
-                    return
+            due = self._index.touch(rel, now, size, _TOUCH_EVERY_S)
         try:
-            os.utime(self._path(rel), (now, now))
+            if due:
+                os.utime(self._path(rel), (now, now))
+        except FileNotFoundError:
+            return False
         except OSError:
-            pass  # read-only or vanished: the LRU stamp is advisory
+            pass  # read-only: the LRU stamp is advisory
+        return True
 
     # -- writes ---------------------------------------------------------------------------------
     @hookimpl
@@ -201,11 +190,10 @@ class PosixBackend:
                 if rel in self._index or rel in self._pending:
                     self._counters["skipped_puts"] += 1
                     continue
-                if len(self._pending) >= self.opts.max_pending_writes:
+                full = len(self._pending) >= self.opts.max_pending_writes
+                if full:
                     self._counters["dropped_puts"] += 1
-                    full = True
                 else:
-                    full = False
                     self._pending[rel] = obj.ref_up()
                     self._cancelled.discard(rel)
             if full:
@@ -217,18 +205,14 @@ class PosixBackend:
     def _make_room(self, size: int) -> bool:
         """Reserve ``size`` bytes, evicting LRU files; False if pinned files leave no room."""
         with self._lock:
-            over = self._index.bytes + self._reserved + size - self.capacity
+            over = self._index.bytes + self._index.reserved + size > self.capacity
             stale = time.monotonic() - self._last_scan >= self.opts.rescan_interval_s
-        if over > 0 and stale:
+        if over and stale:
             self._rescan()
         with self._lock:
-            over = self._index.bytes + self._reserved + size - self.capacity
-            victims = self._index.take_victims(over) if over > 0 else []
-            if over - sum(e.size for _, e in victims) > 0:
-                for rel, entry in victims:  # not enough: keep what we took
-                    self._index.add(rel, entry.size, entry.stamp)
-                return False
-            self._reserved += size
+            victims = self._index.reserve(size, self.capacity)
+        if victims is None:
+            return False
         self._unlink_victims(victims)
         return True
 
@@ -246,7 +230,7 @@ class PosixBackend:
         return len(header) + sum(len(b) for b in bufs), write_file
 
     def _read_file(self, path: str, key: CacheKey, layers: tuple[int, int] | None,
-                   known: object) -> tuple[MemoryObj | None, int, object]:
+                   known: Known | None) -> tuple[MemoryObj | None, int, Known | None]:
         """Read (a layer range of) one chunk file into ``ctx.allocate`` memory, verified."""
         return read_chunk(path, key, self._allocate, layers, direct=self.o_direct, known=known)
 
@@ -256,13 +240,11 @@ class PosixBackend:
         try:
             if self._cancelled and rel in self._cancelled:
                 return
-            try:
-                st = os.stat(path)  # another process (or an earlier run) stored it already
+            entry = stat_entry(path)  # another process (or an earlier run) stored it already
+            if entry is not None:
                 with self._lock:
-                    self._index.add(rel, st.st_size, st.st_mtime)
+                    self._index.add(rel, entry.size, entry.stamp)
                 return
-            except FileNotFoundError:
-                pass
             size, write_file = self._prepare_write(key, rel, obj)
             if not self._make_room(size):
                 self._count("skipped_puts")
@@ -275,17 +257,13 @@ class PosixBackend:
                 self._index.add(rel, written, time.time())
                 self._counters["writes"] += 1
                 self._counters["disk_bytes_written"] += written
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - OSError (full disk...) or not: never raised
             self._count("failed_puts")
-            kind = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+            kind = errno.errorcode.get(getattr(exc, "errno", None) or 0, type(exc).__name__)
             self._log_once(f"write:{kind}", "store into %s failed: %s", self.root, exc)
-        except Exception as exc:  # noqa: BLE001 - a store never raises into the engine
-            self._count("failed_puts")
-            self._log_once(f"write:{type(exc).__name__}", "store into %s failed: %r",
-                           self.root, exc)
         finally:
             with self._lock:
-                self._reserved -= reserved
+                self._index.reserved -= reserved
                 self._pending.pop(rel, None)
                 self._cancelled.discard(rel)
                 if not self._pending:
@@ -349,43 +327,31 @@ class PosixBackend:
         for i, rel in enumerate(rels):
             if found[i]:
                 continue
-            try:  # another process may have written it
-                st = os.stat(self._path(rel))
-            except OSError:
+            entry = stat_entry(self._path(rel))  # another process may have written it
+            if entry is None:
                 # Lookups are prefix lookups: past the first real miss only the index answers
                 # (no stat per key for a long run of misses; "on doubt, answer False").
                 break
             found[i] = True
             with self._lock:
                 if rel not in self._index:
-                    self._index.add(rel, st.st_size, st.st_mtime)
-        if pin:
-            now = time.time()
-            for i, rel in enumerate(rels):
-                if not found[i]:
-                    continue
+                    self._index.add(rel, entry.size, entry.stamp)
+        for i, rel in enumerate(rels):
+            if not (pin and found[i]):
+                continue
+            with self._lock:
+                self._index.pins.pin(rel)
+            if not self._touch(rel):  # newest in the shared LRU: other processes evict it last
                 with self._lock:
-                    self._index.pin(rel)
-                    entry = self._index.get(rel)
-                    if entry is None or now - entry.stamp < _TOUCH_EVERY_S:
-                        continue
-                    self._index.touch(rel, now)
-                try:  # newest in the shared LRU, so other processes evict it last
-                    os.utime(self._path(rel), (now, now))
-                except FileNotFoundError:
-                    with self._lock:
-                        self._index.unpin(rel)
-                        self._index.remove(rel)
-                    found[i] = False
-                except OSError:
-                    pass
+                    self._index.pins.unpin(rel)
+                    self._index.remove(rel)
+                found[i] = False
         return found
 
     @hookimpl
     def unpin(self, keys: Sequence[CacheKey]) -> None:
         with self._lock:
-            for key in keys:
-                self._index.unpin(cf.relative_chunk_path(key))
+            self._index.pins.unpin_all(cf.relative_chunk_path(key) for key in keys)
 
     @hookimpl
     def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
@@ -396,13 +362,11 @@ class PosixBackend:
                 victims = []
                 for key in keys:
                     rel = cf.relative_chunk_path(key)
-                    if self._index.pinned(rel):
+                    if rel in self._index.pins:
                         continue
                     if rel in self._pending:
                         self._cancelled.add(rel)
-                    entry = self._index.remove(rel)
-                    if entry is None and os.path.exists(self._path(rel)):
-                        entry = stat_entry(self._path(rel))
+                    entry = self._index.remove(rel) or stat_entry(self._path(rel))
                     if entry is not None:
                         victims.append((rel, entry))
         return self._unlink_victims(victims)
@@ -410,28 +374,19 @@ class PosixBackend:
     # -- lifecycle ------------------------------------------------------------------------------
     @hookimpl
     def flush(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
         with self._idle:
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+            return self._idle.wait_for(lambda: not self._pending, timeout)
 
     @hookimpl
     def close(self) -> None:
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+            already_closed, self._closed = self._closed, True
+        if already_closed:
+            return
         self._pool.shutdown(wait=True)
         if self._writable:  # other processes may have written meanwhile: leave the bound kept
             try:
-                self._rescan()
-                with self._lock:
-                    victims = self._index.take_victims(self._index.bytes - self.capacity)
-                self._unlink_victims(victims)
+                self._trim_to_capacity()
             except OSError as exc:
                 self._log_once("close", "final capacity check of %s failed: %s", self.root, exc)
 
@@ -440,6 +395,6 @@ class PosixBackend:
         with self._lock:
             out: dict[str, float] = dict(self._counters)
             out.update(entries=len(self._index), bytes=self._index.bytes, capacity=self.capacity,
-                       pinned=self._index.num_pinned, pending_writes=len(self._pending),
+                       pinned=len(self._index.pins), pending_writes=len(self._pending),
                        o_direct=int(self.o_direct), writable=int(self._writable))
         return out

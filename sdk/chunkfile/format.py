@@ -21,20 +21,17 @@ unpickled; every size is checked against the file size before it is used.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-import xxhash
 
-from .errors import ChunkFormatError, ConfigError
-from .keys import CacheKey
-from .memory import MemoryFormat, MemoryObj, MemoryObjMeta
+from ..errors import ChunkFormatError, ConfigError
+from ..keys import CacheKey
+from ..memory import MemoryFormat, MemoryObj, MemoryObjMeta
+from .checksums import CHECKSUM_ALGO, checksum, split_layers
 
 FORMAT_NAME = "kvplug-chunk"
 FORMAT_VERSION = "1"
@@ -44,8 +41,6 @@ ALIGN = 4096
 HEADER_PROBE = 4096
 #: Upper bound accepted for the JSON header (a corrupt length is rejected before any read).
 MAX_HEADER = 16 << 20
-CHECKSUM_ALGO = "xxh3_64"
-FILE_SUFFIX = ".safetensors"
 _HDR_CK_FIELD = "header_xxh3"
 _ZERO_CK = "0" * 16
 _ZEROS = memoryview(bytes(ALIGN))
@@ -64,11 +59,6 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
-
-
-def checksum(data) -> str:  # noqa: ANN001 - any buffer
-    """xxh3_64 of a buffer as 16 lowercase hex digits (releases the GIL on large buffers)."""
-    return xxhash.xxh3_64_hexdigest(data)
 
 
 def chunk_layout(meta: MemoryObjMeta) -> tuple[int, int, int]:
@@ -189,14 +179,6 @@ def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str]) 
     return bytes(raw)
 
 
-def layer_checksums(obj: MemoryObj) -> list[str]:
-    """One checksum per layer of ``obj`` (a CPU object)."""
-    layers, _, _ = chunk_layout(obj.meta)
-    view = memoryview(obj.byte_view.numpy())
-    n = len(view) // layers if layers else 0
-    return [checksum(view[i * n : (i + 1) * n]) for i in range(layers)]
-
-
 def encode_chunk(key: CacheKey, obj: MemoryObj) -> tuple[bytes, list[memoryview]]:
     """Header bytes and the buffers to write after it, in order (layers and padding).
 
@@ -211,15 +193,13 @@ def encode_chunk_with_header(
     key: CacheKey, obj: MemoryObj
 ) -> tuple[bytes, list[memoryview], ChunkHeader]:
     """:func:`encode_chunk` plus the :class:`ChunkHeader` describing the file (no parsing)."""
-    layers, _, _ = chunk_layout(obj.meta)
-    view = memoryview(obj.byte_view.numpy())
-    n = len(view) // layers if layers else 0
-    sums = [checksum(view[i * n : (i + 1) * n]) for i in range(layers)]
+    layer_views = split_layers(obj.byte_view.numpy(), chunk_layout(obj.meta)[0])
+    sums = [checksum(v) for v in layer_views]
     header = encode_header(key, obj.meta, sums)
-    pad = align_up(n) - n
+    pad = align_up(len(layer_views[0])) - len(layer_views[0]) if layer_views else 0
     bufs: list[memoryview] = []
-    for i in range(layers):
-        bufs.append(view[i * n : (i + 1) * n])
+    for v in layer_views:
+        bufs.append(v)
         if pad:
             bufs.append(_ZEROS[:pad])
     return header, bufs, make_header(key, obj.meta, sums, len(header))
@@ -343,28 +323,6 @@ def make_header(
     )
 
 
-def verify_layer(header: ChunkHeader, index: int, data) -> bool:  # noqa: ANN001 - any buffer
-    """Whether ``data`` (one layer's bytes) matches the header's checksum for layer ``index``."""
-    if not 0 <= index < header.num_layers:
-        return False
-    view = memoryview(data).cast("B")
-    return len(view) == header.layer_nbytes and checksum(view) == header.checksums[index]
-
-
-def verify_layers(header: ChunkHeader, first_layer: int, data) -> bool:  # noqa: ANN001
-    """Verify consecutive layers starting at ``first_layer`` held contiguously in ``data``."""
-    view = memoryview(data).cast("B")
-    n = header.layer_nbytes
-    if n == 0:
-        return len(view) == 0
-    if len(view) % n:
-        return False
-    return all(
-        verify_layer(header, first_layer + i, view[i * n : (i + 1) * n])
-        for i in range(len(view) // n)
-    )
-
-
 def read_buffers(
     header: ChunkHeader, dest, first_layer: int, num_layers: int, scratch: memoryview
 ) -> tuple[int, list[memoryview]]:  # noqa: ANN001
@@ -385,54 +343,3 @@ def read_buffers(
         if i + 1 < num_layers:
             bufs.append(scratch[:pad])
     return header.data_offsets[first_layer], bufs
-
-
-_MAX_HEX = 128
-_MAX_NAME = 200
-
-
-def chunk_name(key: CacheKey) -> str:
-    """The file name of a chunk: the key's safe string form (``[A-Za-z0-9._-]`` only), with long
-    parts replaced by digests so the name stays below file-system limits."""
-    hexpart = key.hex if len(key.hex) <= _MAX_HEX else xxhash.xxh3_128_hexdigest(key.chunk_hash)
-    name = f"{key.namespace}.{hexpart}"
-    if len(name) > _MAX_NAME:
-        name = f"{xxhash.xxh3_128_hexdigest(key.namespace.encode())}.{hexpart}"
-    return name + FILE_SUFFIX
-
-
-def shard_of(key: CacheKey) -> str:
-    """Two hex digits from the chunk hash (uniform for sha256 hashes): 256 shard directories."""
-    return key.hex[:2] if len(key.hex) >= 2 else "00"
-
-
-def chunk_path(root: Path | str, key: CacheKey) -> Path:
-    """``root/<2 hex of the hash>/<safe key name>.safetensors``; built only from hex and the key's
-    safe string form, so no input can escape ``root``."""
-    return Path(root) / shard_of(key) / chunk_name(key)
-
-
-def relative_chunk_path(key: CacheKey) -> str:
-    """``chunk_path`` relative to the root, with ``/`` separators (object-store keys)."""
-    return f"{shard_of(key)}/{chunk_name(key)}"
-
-
-__all__ = [
-    "ALIGN", "CHECKSUM_ALGO", "FILE_SUFFIX", "FORMAT_NAME", "FORMAT_VERSION", "HEADER_PROBE",
-    "ChunkHeader", "align_up", "check_layer_range", "checksum", "chunk_layout", "chunk_name",
-    "chunk_path", "decode_header", "encode_chunk", "encode_chunk_with_header", "encode_header", "header_size",
-    "layer_checksums", "make_header", "read_buffers", "relative_chunk_path", "shard_of",
-    "verify_layer", "verify_layers",
-]
-
-
-@contextlib.contextmanager
-def discard_on_failure(tmp: str | os.PathLike[str]) -> Iterator[None]:
-    """Remove the temporary file ``tmp`` if the block writing and renaming it fails, so a failed
-    store never leaves a partial file behind (readers only ever see renamed, whole files)."""
-    try:
-        yield
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

@@ -1,0 +1,13 @@
+"""The ``fsspec`` tier (entry point ``kvplug.backends.fsspec:FsspecBackend``): chunk files on any
+fsspec filesystem — S3/MinIO/Ceph, GCS, ``memory://``, ``file://`` — shared by many hosts.
+
+* :mod:`.backend` — :class:`FsspecBackend`, the hooks, naming, pins and eviction;
+* :mod:`.reader`  — :class:`~.reader.ChunkReader`: verified loads, header and negative caches;
+* :mod:`.writer`  — :class:`~.writer.ChunkWriter`: the bounded write queue and its threads;
+* :mod:`.io`      — bounded remote calls, the breaker in front of them, credential scrubbing;
+* :mod:`.breaker` — the circuit breaker; :mod:`.index` — lookup caches and the capacity index.
+"""
+
+from .backend import FsspecBackend
+
+__all__ = ["FsspecBackend"]

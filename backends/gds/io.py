@@ -1,0 +1,161 @@
+"""kvikio I/O of the gds tier: chunk files (:mod:`kvplug.chunkfile`) through ``kvikio.CuFile``.
+
+Buffers go to kvikio as they are: a CUDA tensor (``__cuda_array_interface__``: with GDS the
+bytes move by DMA between the file and device memory) or a host tensor's numpy view (kvikio's
+POSIX path, no intermediate copy). The 4 KiB header is host metadata, read by the posix tier's
+header reader; writes are atomic through :func:`kvplug.chunkfile.atomic_file`.
+
+The format's per-layer checksum is xxh3_64, which has no GPU implementation here: for a *device*
+buffer each layer is copied once into a small reusable pinned host scratch only to be hashed (on
+store before the header is written, on load after the DMA). That copy is for verification; the
+payload itself never goes through host memory on its way between file and GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from kvplug import chunkfile as cf
+from kvplug.keys import CacheKey
+from kvplug.memory import MemoryObj
+
+from ..posix.io import CorruptChunk, read_checked_header
+
+_local = threading.local()
+
+
+def _kvikio() -> Any:
+    import kvikio
+
+    return kvikio
+
+
+def as_buffer(t: torch.Tensor) -> Any:
+    """What kvikio accepts: a CUDA tensor itself, a host tensor's numpy view (zero-copy)."""
+    flat = t.reshape(-1).view(torch.uint8)
+    return flat if flat.is_cuda else flat.numpy()
+
+
+def _scratch(nbytes: int) -> torch.Tensor:
+    """Per-thread pinned host buffer for hashing device layers (grown on demand)."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(cf.align_up(max(nbytes, 1)), dtype=torch.uint8,
+                          pin_memory=torch.cuda.is_available())
+        _local.scratch = buf
+    return buf[:nbytes]
+
+
+def layer_sums(flat: torch.Tensor, num_layers: int) -> list[str]:
+    """The format's per-layer checksums of a flat uint8 tensor (all layers back to back): a host
+    tensor through :func:`kvplug.chunkfile.split_layers`, a device tensor layer by layer from a
+    pinned host copy (the only host copy on the device path)."""
+    if not flat.is_cuda:
+        return [cf.checksum(v) for v in cf.split_layers(flat.numpy(), num_layers)]
+    out: list[str] = []
+    for layer in flat.view(num_layers, flat.numel() // num_layers) if num_layers else ():
+        host = _scratch(layer.numel())
+        host.copy_(layer)  # synchronous D2H
+        out.append(cf.checksum(memoryview(host.numpy())))
+    return out
+
+
+class ShortIO(OSError):
+    """kvikio moved fewer bytes than asked (end of file on a read)."""
+
+
+def _layer_jobs(op: Callable[..., Any], flat: torch.Tensor, header: cf.ChunkHeader, first: int,
+                count: int) -> list[tuple[Any, int]]:
+    """Start kvikio ``op`` (``CuFile.pread``/``pwrite``) for layers ``[first, first + count)``
+    held back to back in ``flat``: one call when layers are unpadded, else one per layer.
+    Returns ``(future, bytes)`` pairs for :func:`_wait`."""
+    n = header.layer_nbytes
+    if not n or not count:
+        return []
+    if header.layer_stride == n:
+        return [(op(as_buffer(flat), file_offset=header.data_offsets[first]), flat.numel())]
+    return [(op(as_buffer(flat[i * n : (i + 1) * n]), file_offset=header.data_offsets[first + i]), n)
+            for i in range(count)]
+
+
+def _wait(futures: list[tuple[Any, int]], what: str) -> None:
+    """Wait for every future (all of them, even after a failure); raise the first problem."""
+    problem: OSError | None = None
+    for fut, want in futures:
+        try:
+            got = fut.get()
+        except RuntimeError as exc:  # kvikio reports I/O errors as RuntimeError
+            problem = problem or OSError(f"kvikio {what} failed: {exc}")
+            continue
+        if got != want:
+            problem = problem or ShortIO(f"kvikio {what} moved {got} of {want} bytes")
+    if problem is not None:
+        raise problem
+
+
+def write_chunk(path: str | Path, key: CacheKey, obj: MemoryObj, *, fsync: bool = False) -> int:
+    """Write ``obj`` (host or device) as ``key``'s chunk file at ``path`` atomically (temporary
+    name + rename, as the posix tier does); returns the file size. Raises ``OSError``."""
+    flat = obj.byte_view
+    sums = layer_sums(flat, cf.chunk_layout(obj.meta)[0])
+    header = cf.encode_header(key, obj.meta, sums)
+    head = cf.make_header(key, obj.meta, sums, len(header))
+    header_buf = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    with cf.atomic_file(path, fsync=fsync) as tmp:
+        with _kvikio().CuFile(tmp, "w") as f:
+            jobs = [(f.pwrite(as_buffer(header_buf), file_offset=0), len(header))]
+            _wait(jobs + _layer_jobs(f.pwrite, flat, head, 0, head.num_layers), "write")
+        os.truncate(tmp, head.file_size)  # the last layer's padding (zeros) makes the file whole
+    return head.file_size
+
+
+def _read_header(path: str | Path, key: CacheKey) -> tuple[cf.ChunkHeader, int]:
+    """The checked header of ``key``'s file and its inode. ``FileNotFoundError`` if absent,
+    :class:`CorruptChunk` if it is damaged or holds another key."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        return read_checked_header(fd, st, key)[1], st.st_ino
+    finally:
+        os.close(fd)
+
+
+def _read_layers(path: str | Path, header: cf.ChunkHeader, ino: int, dest: torch.Tensor,
+                 first: int, count: int, *, verify: bool = True) -> None:
+    """Read layers ``[first, first + count)`` into ``dest`` (host or device, their bytes back to
+    back), then verify their checksums. Raises :class:`CorruptChunk` on a short read or a
+    checksum mismatch."""
+    flat = dest.reshape(-1).view(torch.uint8)
+    if flat.numel() != header.layer_nbytes * count:
+        raise ValueError(f"destination holds {flat.numel()} bytes, layers need "
+                         f"{header.layer_nbytes * count}")
+    with _kvikio().CuFile(path, "r") as f:
+        try:
+            _wait(_layer_jobs(f.pread, flat, header, first, count), "read")
+        except ShortIO:
+            raise CorruptChunk("file ended early (truncated while reading)", ino) from None
+    if verify and layer_sums(flat, count) != header.checksums[first : first + count]:
+        raise CorruptChunk("layer checksum mismatch", ino)
+
+
+def read_chunk(path: str | Path, key: CacheKey, allocate: Callable[..., MemoryObj | None],
+               layers: tuple[int, int] | None = None, *, verify_device: bool = True,
+               ) -> tuple[MemoryObj | None, int]:
+    """Same contract as the posix tier's ``read_chunk``, through kvikio: ``(obj, file_size)``."""
+    header, ino = _read_header(path, key)
+    first, count, meta = header.select(layers)
+    obj = allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
+    if obj is None:
+        return None, header.file_size
+    try:
+        dest = obj.byte_view
+        _read_layers(path, header, ino, dest, first, count, verify=verify_device or not dest.is_cuda)
+    except BaseException:
+        obj.ref_down()
+        raise
+    return obj, header.file_size

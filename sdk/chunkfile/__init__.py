@@ -1,0 +1,54 @@
+"""The chunk-file library: one format, one naming rule, one atomic write, for every file tier.
+
+posix, gds, fsspec and ``kvplug inspect`` all read and write chunks through this package, so a
+directory or bucket written by one is read by the others:
+
+* :mod:`.format`    — the safetensors-compatible layout: header encoding and checking, layer ranges;
+* :mod:`.checksums` — xxh3_64 per layer, verification of what was read;
+* :mod:`.names`     — chunk paths from keys, temporary names and :func:`is_temp`;
+* :mod:`.atomic`    — temporary file + rename + fsync of file and directory;
+* :mod:`.reader`    — the header of a file through any ``read(offset, length)``.
+"""
+
+from .atomic import atomic_file, discard_on_failure, fsync_path
+from .checksums import CHECKSUM_ALGO, checksum, layer_checksums, split_layers, verify_layer, verify_layers
+from .format import (
+    ALIGN,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    HEADER_PROBE,
+    MAX_HEADER,
+    ChunkHeader,
+    align_up,
+    check_layer_range,
+    chunk_layout,
+    decode_header,
+    encode_chunk,
+    encode_chunk_with_header,
+    encode_header,
+    header_size,
+    make_header,
+    read_buffers,
+)
+from .names import (
+    FILE_SUFFIX,
+    TEMP_SUFFIX,
+    chunk_name,
+    chunk_path,
+    is_chunk_file,
+    is_temp,
+    relative_chunk_path,
+    shard_of,
+    temp_name,
+)
+from .reader import ReadAt, read_header, read_header_fd
+
+__all__ = [
+    "ALIGN", "CHECKSUM_ALGO", "FILE_SUFFIX", "FORMAT_NAME", "FORMAT_VERSION", "HEADER_PROBE",
+    "MAX_HEADER", "TEMP_SUFFIX", "ChunkHeader", "ReadAt", "align_up", "atomic_file",
+    "check_layer_range", "checksum", "chunk_layout", "chunk_name", "chunk_path", "decode_header",
+    "discard_on_failure", "encode_chunk", "encode_chunk_with_header", "encode_header", "fsync_path",
+    "header_size", "is_chunk_file", "is_temp", "layer_checksums", "make_header", "read_buffers",
+    "read_header", "read_header_fd", "relative_chunk_path", "shard_of", "split_layers",
+    "temp_name", "verify_layer", "verify_layers",
+]

@@ -1,0 +1,63 @@
+"""Where chunk files live and what their names are: the one naming rule, temporary names included.
+
+A chunk of key ``k`` is ``<root>/<2 hex of the hash>/<k's safe name>.safetensors``. A file being
+written is ``.<final name>.<pid>.<8 hex>.tmp`` in the same directory and becomes visible only by
+rename (:mod:`kvplug.chunkfile.atomic`); :func:`is_temp` recognises such a name for every tier, so
+any process can tell a write in progress (or one a crash left behind) from a chunk.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import xxhash
+
+from ..keys import CacheKey
+
+FILE_SUFFIX = ".safetensors"
+TEMP_SUFFIX = ".tmp"
+_MAX_HEX = 128
+_MAX_NAME = 200
+
+
+def chunk_name(key: CacheKey) -> str:
+    """The file name of a chunk: the key's safe string form (``[A-Za-z0-9._-]`` only), with long
+    parts replaced by digests so the name stays below file-system limits."""
+    hexpart = key.hex if len(key.hex) <= _MAX_HEX else xxhash.xxh3_128_hexdigest(key.chunk_hash)
+    name = f"{key.namespace}.{hexpart}"
+    if len(name) > _MAX_NAME:
+        name = f"{xxhash.xxh3_128_hexdigest(key.namespace.encode())}.{hexpart}"
+    return name + FILE_SUFFIX
+
+
+def shard_of(key: CacheKey) -> str:
+    """Two hex digits from the chunk hash (uniform for sha256 hashes): 256 shard directories."""
+    return key.hex[:2] if len(key.hex) >= 2 else "00"
+
+
+def chunk_path(root: Path | str, key: CacheKey) -> Path:
+    """``root/<2 hex of the hash>/<safe key name>.safetensors``; built only from hex and the key's
+    safe string form, so no input can escape ``root``."""
+    return Path(root) / shard_of(key) / chunk_name(key)
+
+
+def relative_chunk_path(key: CacheKey) -> str:
+    """``chunk_path`` relative to the root, with ``/`` separators (object-store keys)."""
+    return f"{shard_of(key)}/{chunk_name(key)}"
+
+
+def is_chunk_file(name: str) -> bool:
+    """Whether a directory entry's name is a (finished) chunk file."""
+    return name.endswith(FILE_SUFFIX) and not name.startswith(".")
+
+
+def temp_name(final_name: str) -> str:
+    """A fresh temporary name for a file that will be renamed to ``final_name`` (same directory)."""
+    return f".{final_name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+
+
+def is_temp(name: str) -> bool:
+    """Whether a directory entry's name is a write in progress, or one a crashed writer left."""
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)

@@ -1,0 +1,35 @@
+"""Reading a chunk file's header through any byte source (a file descriptor, an object store).
+
+Every reader (posix, gds, fsspec, ``kvplug inspect``) finds out what a file holds the same way:
+read :data:`~.format.HEADER_PROBE` bytes, learn the header's length from the first eight, read the
+rest if the header is longer, then :func:`~.format.decode_header` checks everything against the
+file's size. Sizes come from the header only after they are bounded (``MAX_HEADER``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from .format import HEADER_PROBE, ChunkHeader, decode_header, header_size
+
+#: ``read(offset, length) -> bytes``: at most ``length`` bytes at ``offset`` (fewer at the end).
+ReadAt = Callable[[int, int], bytes]
+
+
+def read_header(read: ReadAt, file_size: int | None) -> tuple[ChunkHeader, bytes]:
+    """The checked header of a chunk file and its raw bytes. Raises
+    :class:`~kvplug.errors.ChunkFormatError` for a damaged, foreign or truncated file."""
+    probe = read(0, HEADER_PROBE)
+    need = header_size(probe[:8])
+    if need > len(probe) and len(probe) == HEADER_PROBE:
+        probe = bytes(probe) + read(HEADER_PROBE, need - HEADER_PROBE)
+    header = decode_header(probe[:need] if len(probe) >= need else probe, file_size)
+    return header, bytes(probe[: header.header_bytes])
+
+
+def read_header_fd(fd: int, file_size: int | None = None) -> tuple[ChunkHeader, bytes]:
+    """:func:`read_header` of an open file (its size from ``fstat`` unless given)."""
+    if file_size is None:
+        file_size = os.fstat(fd).st_size
+    return read_header(lambda offset, length: os.pread(fd, length, offset), file_size)
