@@ -162,7 +162,7 @@ def bench_cuda(tokens: int, num_blocks: int, repeats: int) -> None:
             compute_layer()
 
     def with_load() -> None:
-        for _ in layerwise_load(kv, [(out, ids)]):
+        for _ in layerwise_load(kv, [(ids, out)]):
             compute_layer()
 
     c = timed(compute_only, repeats, sync)

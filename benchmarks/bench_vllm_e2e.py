@@ -62,7 +62,7 @@ def _engine(name: str, model: str, work: Path, blocks: int):
 
 
 def _run_one(name: str, model: str, args: argparse.Namespace) -> dict:
-    from kvplug.connector.model import PRESETS
+    from kvplug.connector.demo.model import PRESETS
     from vllm import SamplingParams, TokensPrompt
 
     vocab = PRESETS[args.model]["vocab_size"]
@@ -96,11 +96,11 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=200, help="vLLM KV blocks (128 tokens each)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--model", default="bench100m",
-                    help="model preset (kvplug.connector.model.PRESETS); 'small' for a 2-core CPU")
+                    help="model preset (kvplug.connector.demo.model.PRESETS); 'small' for a 2-core CPU")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from kvplug.connector.model import make_model
+    from kvplug.connector.demo.model import make_model
 
     model = str(make_model(args.model, weights=False))
     if args.one:

@@ -3,23 +3,22 @@
 vLLM builds one instance per process: role SCHEDULER in the engine core (delegates to
 :mod:`.scheduler`) and role WORKER in every worker (delegates to :mod:`.worker`). Configure it with
 ``kv_connector_extra_config``: a kvplug config dict (``chunk_size``, ``tiers``, ``layerwise``...)
-or ``{"config_file": "kvplug.yaml"}``; see :func:`kvplug.config.load_config`.
+or ``{"config_file": "kvplug.yaml"}``; see :class:`kvplug.connector.config.ConnectorConfig`.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kvplug.config import KVPlugConfig, load_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 
+from .config import load_connector_config
 from .lookup import LookupClient, socket_path
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta
 from .scheduler import SchedulerSide
@@ -38,18 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvplug.connector")
 
-#: Keys of ``kv_connector_extra_config`` read by the connector itself, not by KVPlugConfig.
-#: ``_test_load_hook`` ("module:function", applied to pages before they reach blocks) exists only
-#: so tests can prove a corrupted load path is detected; never set it in production.
-CONNECTOR_ONLY_KEYS = ("_test_load_hook",)
-
-
-def split_extra_config(extra: dict[str, Any]) -> tuple[KVPlugConfig, dict[str, Any]]:
-    """kvplug's config from ``kv_connector_extra_config``, and the connector-only keys."""
-    extra = dict(extra or {})
-    own = {k: extra.pop(k) for k in CONNECTOR_ONLY_KEYS if k in extra}
-    return load_config(extra), own
-
 
 def _setup_logging() -> None:
     """Route kvplug's log lines through vLLM's handlers (same format, every process)."""
@@ -65,11 +52,6 @@ def _setup_logging() -> None:
         root.setLevel(logging.INFO)
 
 
-def _import(path: str) -> Any:
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 class KVPlugConnector(KVConnectorBase_V1):
     """Tiered KV-cache storage for vLLM: local RAM, disk, GDS, remote, any plugin tier."""
 
@@ -79,7 +61,7 @@ class KVPlugConnector(KVConnectorBase_V1):
         _setup_logging()
         xfer = vllm_config.kv_transfer_config
         assert xfer is not None
-        self.config, own = split_extra_config(xfer.kv_connector_extra_config)
+        self.config = load_connector_config(dict(xfer.kv_connector_extra_config or {}))
         self.kv_role = xfer.kv_role or "kv_both"
         block_size = vllm_config.cache_config.block_size
         tp = vllm_config.parallel_config.tensor_parallel_size
@@ -97,8 +79,7 @@ class KVPlugConnector(KVConnectorBase_V1):
             model = self.config.model_name or vllm_config.model_config.model
             ident = _Identity(model=model, layout=f"{layout}-bs{block_size}", world_size=tp,
                               rank=get_tensor_model_parallel_rank(), engine_id=engine_id)
-            hook = _import(own["_test_load_hook"]) if "_test_load_hook" in own else None
-            self._worker = WorkerSide(self.config, ident, load_hook=hook)
+            self._worker = WorkerSide(self.config, ident)
         logger.info("kvplug connector (%s, %s): chunk_size=%d, tiers=%s, %s",
                     role.name.lower(), self.kv_role, self.config.chunk_size,
                     ",".join(self.config.tier_names()),

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvplug.config import KVPlugConfig
-from kvplug.tokens import hash_chunk
+from kvplug.tokens import TokenDatabase
 
+from .config import ConnectorConfig
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta, LoadSpec, ReqMeta, SaveSpec
 from .stats import StatsRecorder
 
@@ -74,37 +75,30 @@ class SchedulerSide:
     """The scheduler half of :class:`~kvplug.connector.KVPlugConnector`."""
 
     def __init__(
-        self, config: KVPlugConfig, block_size: int, role: str, lookup: LookupFn
+        self, config: ConnectorConfig, block_size: int, role: str, lookup: LookupFn
     ) -> None:
         if config.chunk_size % block_size:
             raise ValueError(f"kvplug chunk_size={config.chunk_size} must be a multiple of vLLM's "
                              f"block_size={block_size}")
         self.cfg = config
         self.cs = config.chunk_size
+        self.db = TokenDatabase(config.chunk_size)
         self.bs = block_size
         self.role = role
         self.lookup = lookup
         self.stats = StatsRecorder()
         self.trackers: dict[str, RequestTracker] = {}
 
-    # -- hashing -------------------------------------------------------------------------------
+    # -- hashing (kvplug.tokens.TokenDatabase: vLLM's sha256_cbor block hash over chunks) --------
     def _full_hashes(self, t: RequestTracker, num_chunks: int) -> list[bytes]:
         """The chained hashes of the first ``num_chunks`` full chunks (cached per request)."""
-        tokens = t.request.all_token_ids
-        while len(t.hashes) < num_chunks:
-            i = len(t.hashes)
-            s, e = i * self.cs, (i + 1) * self.cs
-            parent = t.hashes[-1] if t.hashes else None
-            t.hashes.append(hash_chunk(parent, tokens[s:e], chunk_extra_keys(t.request, s, e)))
-        return t.hashes[:num_chunks]
+        return self.db.extend_hashes(t.request.all_token_ids, t.hashes, num_chunks,
+                                     extra_keys=partial(chunk_extra_keys, t.request))
 
     def _partial_hash(self, t: RequestTracker, end: int) -> bytes:
         """The hash of the partial chunk ending at ``end`` (not chunk aligned)."""
-        k = end // self.cs
-        parent = self._full_hashes(t, k)[-1] if k else None
-        s = k * self.cs
-        return hash_chunk(parent, t.request.all_token_ids[s:end],
-                          chunk_extra_keys(t.request, s, end))
+        return self.db.partial_hash(t.request.all_token_ids, end, t.hashes,
+                                    extra_keys=partial(chunk_extra_keys, t.request))
 
     def _hashes_for(self, t: RequestTracker, start: int, end: int) -> list[bytes]:
         """Hashes of the chunks covering ``[start, end)``; a last chunk ending early is partial."""

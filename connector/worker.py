@@ -6,11 +6,14 @@ to the KV cache), the lookup service the scheduler asks, and the pins lookup tak
 * bulk: ``start_load_kv`` writes every loaded chunk before the forward pass; ``wait_for_save``
   copies every chunk to store after it;
 * layer-wise (``layerwise: true``): loads are released layer by layer in ``wait_for_layer_load``
-  and stores copied layer by layer in ``save_kv_layer`` (kvplug.gpu's generators).
+  (a chunk that lookup found in a tier implementing ``get_layers`` is read one layer at a time,
+  just before that layer is needed) and stores copied layer by layer in ``save_kv_layer``
+  (kvplug.gpu's generators).
 
-Every chunk is verified (present, shape, token count) *before* any of its bytes reach a block; a
-chunk that fails makes it and everything after it in that request a load error, reported through
-``get_block_ids_with_load_errors`` so vLLM recomputes those blocks.
+Every chunk (every layer, when read by layer) is verified (present, shape, token count) *before*
+its bytes reach a block; a chunk that fails makes it and everything after it in that request a
+load error, reported through ``get_block_ids_with_load_errors`` so vLLM recomputes those blocks.
+The load's steps are in :mod:`.load`.
 """
 
 from __future__ import annotations
@@ -18,26 +21,31 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
 
 import torch
-from kvplug.config import KVPlugConfig
-from kvplug.gpu import PagedKV, layerwise_load, layerwise_store, scatter_many
-from kvplug.gpu import gather_many as gpu_gather_many
+from kvplug.gpu import (
+    PagedKV,
+    PageJob,
+    blocks_for_tokens,
+    gather_many,
+    layerwise_load,
+    layerwise_store,
+    num_pages,
+    scatter_many,
+)
 from kvplug.keys import CacheKey
-from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.memory import MemoryObj
 from kvplug.storage_manager import StorageManager
 
+from .config import ConnectorConfig
+from .load import LayerReads, RequestLoad, plan_load, valid_pages
 from .lookup import Lookup, LookupService, socket_path
-from .metadata import KVPlugMetadata, KVPlugWorkerMeta, ReqMeta
+from .metadata import KVPlugMetadata, KVPlugWorkerMeta
 from .stats import TIER_PREFIX, StatsRecorder
 
 logger = logging.getLogger("kvplug.connector")
-
-#: Test-only: ``fn(src) -> src`` applied to every chunk's pages right before they are written to
-#: blocks (used to prove the exactness tests can fail). Never set in production.
-LoadHook = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -55,18 +63,16 @@ class _Identity:
 class _StoreBatch:
     keys: list[CacheKey] = field(default_factory=list)
     objs: list[MemoryObj] = field(default_factory=list)
-    jobs: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
+    jobs: list[PageJob] = field(default_factory=list)
     tokens: int = 0
 
 
 class WorkerSide:
     """The worker half of :class:`~kvplug.connector.KVPlugConnector`."""
 
-    def __init__(self, config: KVPlugConfig, ident: _Identity, load_hook: LoadHook | None = None
-                 ) -> None:
+    def __init__(self, config: ConnectorConfig, ident: _Identity) -> None:
         self.cfg = config
         self.ident = ident
-        self.load_hook = load_hook
         self.stats = StatsRecorder()
         self.kv: PagedKV | None = None
         self.storage: StorageManager | None = None
@@ -75,10 +81,11 @@ class WorkerSide:
         self._pins: dict[str, tuple[list[CacheKey], list[str]]] = {}
         self._lock = threading.Lock()
         self._errors: set[int] = set()
-        self._report = KVPlugWorkerMeta()
-        self._load_steps = None  # layer-wise load generator of this step
+        self._report_meta = KVPlugWorkerMeta()
+        self._loads: list[RequestLoad] = []  # this step's loads, reported once they are done
+        self._load_steps: Generator[int, None, None] | None = None  # layer-wise load steps
         self._load_next = 0
-        self._load_objs: list[MemoryObj] = []
+        self._load_objs: list[MemoryObj] = []  # what this step's load reads from
         self._store: _StoreBatch | None = None  # layer-wise store of this step
         self._store_steps = None
         self._store_next = 0
@@ -145,99 +152,97 @@ class WorkerSide:
             keys, tiers = self._pins.get(req_id, ([], []))
         return dict(zip(keys, tiers, strict=False))
 
-    # -- load ----------------------------------------------------------------------------------
+    # -- load: plan, fetch and validate, scatter, report (see .load) ----------------------------
     def start_load_kv(self, md: KVPlugMetadata | None) -> None:
         self._finish_load()
         if md is None or self.kv is None:
             return
-        jobs: list[tuple[torch.Tensor, list[int]]] = []
-        objs: list[MemoryObj] = []
+        jobs: list[PageJob] = []
+        reads = LayerReads(self.storage, self.kv.num_layers) if self.cfg.layerwise else None
         for r in md.requests:
             if r.load is not None:
-                self._load_request(md, r, jobs, objs)
-        if not jobs:
-            for o in objs:
-                o.ref_down()
+                t0 = time.perf_counter()
+                ld = plan_load(md, r, self.key, self._tier_of(r.req_id))
+                self._fetch(ld, jobs, reads)
+                ld.seconds += time.perf_counter() - t0
+                self._loads.append(ld)
+        if reads is not None and jobs:
+            self._load_steps = layerwise_load(self.kv, jobs, reads.before)
+            self._load_next = 0
             return
-        if self.cfg.layerwise:
-            self._load_steps = layerwise_load(self.kv, jobs)
-            self._load_next, self._load_objs = 0, objs
-        else:
-            try:
-                scatter_many(self.kv, jobs)
-            finally:
-                for o in objs:
-                    o.ref_down()
-
-    def _load_request(self, md: KVPlugMetadata, r: ReqMeta, jobs: list, objs: list) -> None:
-        assert self.storage is not None and self.kv is not None and r.load is not None
-        spec, bs = r.load, md.block_size
-        t0 = time.perf_counter()
-        tier_of = self._tier_of(r.req_id)
-        keys = [self.key(h) for h in spec.hashes]
         try:
-            got = self.storage.batched_get(keys)
+            if jobs:
+                scatter_many(self.kv, jobs)
+        finally:
+            self._finish_load()
+
+    def _fetch(self, ld: RequestLoad, jobs: list[PageJob], reads: LayerReads | None) -> None:
+        """Step 2: fetch the chunks (whole, or staged for layer reads) and validate them; a
+        valid chunk gets a transfer job, an invalid one fails with the rest of its request."""
+        assert self.storage is not None and self.kv is not None
+        for c in ld.chunks:
+            c.by_layer = (reads is not None and bool(c.block_ids)
+                          and self.storage.reads_layers(c.tier))
+        whole = [c for c in ld.chunks if not c.by_layer]
+        try:
+            got = dict(zip(map(id, whole), self.storage.batched_get([c.key for c in whole]),
+                           strict=True))
         except Exception:
-            logger.exception("kvplug load of %s failed", r.req_id)
-            got = [None] * len(keys)
-        loaded, nbytes, fail_at = 0, 0, None
-        per_tier: dict[str, int] = {}
-        for i, (key, obj) in enumerate(zip(keys, got, strict=True)):
-            s, e = md.chunk_range(spec, i)
-            nb = -(-(e - s) // bs)
-            first = s // bs
-            skip = max(0, spec.start // bs - first)  # blocks vLLM already holds
-            if fail_at is not None or not self._valid(obj, nb, e - s) \
-                    or len(r.block_ids) < first + nb:
-                fail_at = s if fail_at is None else fail_at
+            logger.exception("kvplug load of %s failed", ld.req.req_id)
+            got = {}
+        L, page = self.kv.num_layers, self.kv.page_bytes
+        for c in ld.chunks:
+            obj = got.get(id(c))
+            if c.by_layer and ld.ok(c):
+                obj = self.storage.allocate((L, c.num_pages, page), num_tokens=c.end - c.start)
+            elif not ld.ok(c) or not valid_pages(obj, (L, c.num_pages, page), c.end - c.start):
+                ld.fail(c.start)
                 if obj is not None:
                     obj.ref_down()
                 continue
-            objs.append(obj)
-            if skip >= nb:
+            if obj is None:  # no memory to stage a layer-wise read in
+                ld.fail(c.start)
                 continue
-            src = obj.tensor[:, skip:nb]
-            if self.load_hook is not None:
-                src = self.load_hook(src)
-            jobs.append((src, r.block_ids[first + skip: first + nb]))
-            n = e - max(s, spec.start)
-            loaded += n
-            nbytes += src.numel()
-            tier = tier_of.get(key, "unknown")
-            per_tier[tier] = per_tier.get(tier, 0) + n
+            self._load_objs.append(obj)
+            if c.by_layer:
+                reads.add(ld, c, obj)  # type: ignore[union-attr]
+            if c.block_ids:
+                c.job = len(jobs)
+                jobs.append(PageJob(c.block_ids, obj.tensor[:, c.pages]))
+
+    def _report(self, ld: RequestLoad) -> None:
+        """Step 4: the load is over: drop its pins, report failed blocks, stats and a log line."""
+        assert self.kv is not None
+        r = ld.req
         self.release([r.req_id])  # loaded (or failed): the pins have done their job
-        if fail_at is not None:
-            bad = set(r.block_ids[max(fail_at, spec.start) // bs: -(-spec.end // bs)])
-            self._errors |= bad
+        if ld.fail_at is not None:
+            bad = ld.error_blocks()
+            self._errors.update(bad)
+            self._report_meta.failed_blocks[r.req_id] = len(bad)
             self.stats.add("load_failures")
             self.stats.add("failed_blocks", len(bad))
             logger.warning("kvplug: request %s: chunk at token %d is missing or invalid; %d "
-                           "blocks (tokens %d-%d) will be recomputed", r.req_id, fail_at,
-                           len(bad), max(fail_at, spec.start), spec.end)
-        dt = time.perf_counter() - t0
-        if fail_at is not None:
-            self._report.failed_blocks[r.req_id] = len(bad)
-        self._report.loaded[r.req_id] = per_tier
-        self._report.load_ms[r.req_id] = dt * 1e3
-        self.stats.add("loads")
-        self.stats.add("load_tokens", loaded)
-        self.stats.add("load_bytes", nbytes)
-        self.stats.add("load_seconds", dt)
+                           "blocks (tokens %d-%d) will be recomputed", r.req_id, ld.fail_at,
+                           len(bad), max(ld.fail_at, ld.spec.start), ld.spec.end)
+        per_tier: dict[str, int] = {}
+        loaded = nbytes = 0
+        for c in ld.loaded():
+            n = c.end - max(c.start, ld.spec.start)
+            per_tier[c.tier] = per_tier.get(c.tier, 0) + n
+            loaded += n
+            nbytes += len(c.block_ids) * self.kv.num_layers * self.kv.page_bytes
+        dt = ld.seconds
+        self._report_meta.loaded[r.req_id] = per_tier
+        self._report_meta.load_ms[r.req_id] = dt * 1e3
+        for name, value in (("loads", 1), ("load_tokens", loaded), ("load_bytes", nbytes),
+                            ("load_seconds", dt)):
+            self.stats.add(name, value)
         for tier, n in per_tier.items():
             self.stats.add(TIER_PREFIX + tier, n)
         if self.cfg.log_every_load and loaded and self.ident.rank == 0:
             logger.info("kvplug: request %s loaded %d tokens (%s) in %.1f ms (%.2f GB/s)",
                         r.req_id, loaded, ", ".join(f"{n} from {t}" for t, n in per_tier.items()),
                         dt * 1e3, nbytes / dt / 1e9 if dt > 0 else 0.0)
-
-    def _valid(self, obj: MemoryObj | None, num_blocks: int, num_tokens: int) -> bool:
-        """A chunk may reach blocks only if it is exactly what this engine would have stored."""
-        if obj is None or self.kv is None:
-            return False
-        t = obj.tensor
-        return (obj.meta.fmt == MemoryFormat.KV_PAGES and t.dtype == torch.uint8
-                and tuple(t.shape) == (self.kv.num_layers, num_blocks, self.kv.page_bytes)
-                and obj.num_tokens == num_tokens)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._load_steps is None or self.kv is None:
@@ -248,19 +253,25 @@ class WorkerSide:
             self._load_next += 1
 
     def _finish_load(self) -> None:
-        if self._load_steps is not None:
-            for _ in self._load_steps:  # exhausting waits for every copy
-                pass
+        """Wait for this step's load (layer-wise: every layer), free its memory, report it."""
+        try:
+            if self._load_steps is not None:
+                for _ in self._load_steps:  # exhausting waits for every copy
+                    pass
+        finally:
             self._load_steps = None
-        for o in self._load_objs:
-            o.ref_down()
-        self._load_objs = []
+            for o in self._load_objs:
+                o.ref_down()
+            self._load_objs = []
+            loads, self._loads = self._loads, []
+            for ld in loads:
+                self._report(ld)
 
     def take_report(self) -> KVPlugWorkerMeta | None:
         """Per-request load results since the last call (for the scheduler)."""
-        if not self._report:
+        if not self._report_meta:
             return None
-        out, self._report = self._report, KVPlugWorkerMeta()
+        out, self._report_meta = self._report_meta, KVPlugWorkerMeta()
         return out
 
     def take_load_errors(self) -> set[int]:
@@ -278,18 +289,18 @@ class WorkerSide:
                 continue
             for i, h in enumerate(spec.hashes):
                 s, e = md.chunk_range(spec, i)
-                nb = -(-(e - s) // bs)
-                ids = r.block_ids[s // bs: s // bs + nb]
-                if len(ids) < nb:
+                try:
+                    ids = blocks_for_tokens(r.block_ids, s, e, bs)
+                except ValueError:  # the block table does not reach this chunk yet
                     break
-                obj = self.storage.allocate((self.kv.num_layers, nb, self.kv.page_bytes),
-                                            num_tokens=e - s)
+                obj = self.storage.allocate((self.kv.num_layers, num_pages(e - s, bs),
+                                             self.kv.page_bytes), num_tokens=e - s)
                 if obj is None:  # every tier with memory is full: store what we have
                     self.stats.add("store_failures")
                     break
                 batch.keys.append(self.key(h))
                 batch.objs.append(obj)
-                batch.jobs.append((ids, obj.tensor))
+                batch.jobs.append(PageJob(ids, obj.tensor))
                 batch.tokens += e - s
         return batch
 
@@ -320,7 +331,7 @@ class WorkerSide:
             if batch is None:  # bulk mode (or a step whose layers never ran)
                 batch = self._prepare_store(md)
                 if batch.jobs:
-                    gpu_gather_many(self.kv, batch.jobs)
+                    gather_many(self.kv, batch.jobs)
             elif steps is not None:
                 for _ in steps:
                     pass

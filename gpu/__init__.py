@@ -1,19 +1,21 @@
 """kvplug.gpu: move KV pages between an engine's paged KV tensors and chunk memory objects.
 
 Takes plain tensors and block ids (no vLLM import). ``PagedKV.from_kv_caches`` builds zero-copy
-``(num_blocks, page_bytes)`` byte views per layer once; ``gather``/``scatter`` (and ``*_many``)
-move whole chunks, ``layerwise_store``/``layerwise_load`` move one layer per step (CUDA: a
-dedicated stream and per-layer events; CPU: plain copies). ``blocks`` maps tokens to pages.
+``(num_blocks, page_bytes)`` byte views per layer once; ``gather``/``scatter`` (and ``*_many``,
+whose jobs are ``PageJob(block_ids, pages)`` in both directions) move whole chunks,
+``layerwise_store``/``layerwise_load`` move one layer per step (CUDA: a dedicated stream and
+per-layer events; CPU: plain copies). ``blocks`` maps tokens to pages.
 """
 
 from .blocks import blocks_for_tokens, coalesce_runs, num_pages, pages_for_tokens
 from .layerwise import LayerSteps, layerwise_load, layerwise_store
 from .page_views import KVLayoutError, PagedKV, page_view
-from .transfer import alloc_host, gather, gather_many, scatter, scatter_many
+from .transfer import PageJob, alloc_host, gather, gather_many, scatter, scatter_many
 
 __all__ = [
     "KVLayoutError",
     "LayerSteps",
+    "PageJob",
     "PagedKV",
     "alloc_host",
     "blocks_for_tokens",

@@ -1,8 +1,11 @@
 """Layer-wise page transfer: one layer per step, overlapping the engine's forward pass.
 
 Both functions validate every job when called and return a generator that yields exactly
-``kv.num_layers`` times (the layer index). The jobs are the same as for ``gather_many`` /
-``scatter_many``, and the memory objects they fill or read are byte-identical to the bulk ones.
+``kv.num_layers`` times (the layer index). The jobs are the same :class:`PageJob` s as for
+``gather_many`` / ``scatter_many``, and the memory objects they fill or read are byte-identical to
+the bulk ones. A load may fill its sources just in time: ``before(i)`` runs right before layer
+``i``'s copies are queued (e.g. to read that layer from a tier) and names the jobs to leave out
+from layer ``i`` on (their source failed).
 
 Synchronisation contract on CUDA (on CPU every step is a plain synchronous copy, so each point
 below holds trivially):
@@ -37,12 +40,12 @@ Load (``layerwise_load``; the engine calls ``next()`` before layer ``i`` reads i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 
 import torch
 
 from .page_views import PagedKV
-from .transfer import BlockIds, Plan, gather_layer, make_plan, scatter_layer
+from .transfer import BlockIds, PageJob, Plan, copy_layer, plan_jobs
 
 __all__ = ["LayerSteps", "layerwise_load", "layerwise_store"]
 
@@ -105,44 +108,34 @@ class LayerSteps(Generator[int, None, None]):
             pass
 
 
-def _plans(
-    kv: PagedKV, jobs: Sequence[tuple[object, object]], gather_dir: bool
-) -> list[tuple[Plan, torch.Tensor]]:
-    pairs = []
-    for a, b in jobs:
-        ids, obj = (a, b) if gather_dir else (b, a)
-        pairs.append((make_plan(kv, ids, obj, gather_dir), obj))  # type: ignore[arg-type]
-    return pairs
+Jobs = Sequence[PageJob | tuple[BlockIds, torch.Tensor]]
+#: ``before(layer)`` of a load: fill layer ``layer`` of the sources; returns the indices of jobs
+#: to leave out from this layer on (empty or ``None`` when all is well).
+BeforeLayer = Callable[[int], Collection[int] | None]
 
 
-def layerwise_store(
-    kv: PagedKV, jobs: Sequence[tuple[BlockIds, torch.Tensor]]
-) -> Generator[int, None, None]:
+def _copy_layer(kv: PagedKV, pairs: list[tuple[Plan, torch.Tensor]], layer: int,
+                to_engine: bool) -> None:
+    for plan, pages in pairs:
+        copy_layer(kv, layer, plan, pages, to_engine)
+
+
+def layerwise_store(kv: PagedKV, jobs: Jobs) -> Generator[int, None, None]:
     """Steps that copy layer ``i`` of every ``(block_ids, out)`` job into ``out[i]``.
 
     Yields ``kv.num_layers`` times; the last ``next()`` returns once every copy is complete.
     """
-    pairs = _plans(kv, jobs, True)
-    last = kv.num_layers - 1
+    pairs = plan_jobs(kv, jobs, to_engine=False)
     if kv.device.type != "cuda":
-
-        def cpu_step(layer: int) -> None:
-            for plan, out in pairs:
-                gather_layer(kv, layer, plan, out)
-
-        return LayerSteps(kv.num_layers, cpu_step, lambda: None)
-
+        return LayerSteps(kv.num_layers, lambda layer: _copy_layer(kv, pairs, layer, False),
+                          lambda: None)
     stream = kv.stream("store")
-    events: list[torch.cuda.Event] = []
+    last = kv.num_layers - 1
 
     def step(layer: int) -> None:
         stream.wait_stream(torch.cuda.current_stream(kv.device))
         with torch.cuda.stream(stream):
-            for plan, out in pairs:
-                gather_layer(kv, layer, plan, out)
-            ev = torch.cuda.Event()
-            ev.record(stream)
-            events.append(ev)
+            _copy_layer(kv, pairs, layer, False)
         if layer == last:
             stream.synchronize()
 
@@ -150,29 +143,31 @@ def layerwise_store(
 
 
 def layerwise_load(
-    kv: PagedKV, jobs: Sequence[tuple[torch.Tensor, BlockIds]]
+    kv: PagedKV, jobs: Jobs, before: BeforeLayer | None = None
 ) -> Generator[int, None, None]:
-    """Steps after whose ``i``-th ``next()`` layer ``i`` of every ``(src, block_ids)`` job is in
+    """Steps after whose ``i``-th ``next()`` layer ``i`` of every ``(block_ids, src)`` job is in
     place (on CUDA: for work the engine queues on its current stream afterwards).
 
     Yields ``kv.num_layers`` times. On CUDA, copies are queued from the call on, two layers ahead.
     """
-    pairs = _plans(kv, jobs, False)
+    pairs = plan_jobs(kv, jobs, to_engine=True)
+    dropped: set[int] = set()
+
+    def copy(layer: int) -> None:
+        if before is not None:
+            dropped.update(before(layer) or ())
+        live = [p for i, p in enumerate(pairs) if i not in dropped] if dropped else pairs
+        _copy_layer(kv, live, layer, True)
+
     if kv.device.type != "cuda":
-
-        def cpu_step(layer: int) -> None:
-            for plan, src in pairs:
-                scatter_layer(kv, layer, plan, src)
-
-        return LayerSteps(kv.num_layers, cpu_step, lambda: None)
+        return LayerSteps(kv.num_layers, copy, lambda: None)
 
     stream = kv.stream("load")
     events: list[torch.cuda.Event] = []
 
     def submit(layer: int) -> None:
         with torch.cuda.stream(stream):
-            for plan, src in pairs:
-                scatter_layer(kv, layer, plan, src)
+            copy(layer)
             ev = torch.cuda.Event()
             ev.record(stream)
             events.append(ev)

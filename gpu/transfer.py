@@ -1,8 +1,10 @@
 """Bulk page transfer between a :class:`PagedKV` and chunk memory objects.
 
 A memory object is a uint8 tensor ``[num_layers, len(block_ids), page_bytes]`` (layer major, so
-one layer of one chunk is one contiguous slice). ``gather`` copies the pages of ``block_ids`` for
-every layer into it; ``scatter`` copies it back into ``block_ids``.
+one layer of one chunk is one contiguous slice). One job type serves both directions: a
+:class:`PageJob` pairs the engine's ``block_ids`` with such ``pages``; ``gather`` copies the pages
+of ``block_ids`` for every layer into ``pages``, ``scatter`` copies ``pages`` back into
+``block_ids``.
 
 How pages move (chosen per job from the block ids, measured on CPU, see
 benchmarks/bench_gpu_transfer.py): runs of consecutive block ids are coalesced into slices. When
@@ -25,18 +27,27 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from .blocks import coalesce_runs
 from .page_views import PagedKV
 
-__all__ = ["alloc_host", "gather", "gather_many", "scatter", "scatter_many"]
+__all__ = ["PageJob", "alloc_host", "gather", "gather_many", "scatter", "scatter_many"]
 
 BlockIds = Sequence[int] | torch.Tensor
 
 #: CUDA: stage through a device buffer when a job's runs average fewer bytes than this.
 CUDA_STAGE_BELOW_BYTES = 1 << 20
+
+
+class PageJob(NamedTuple):
+    """One transfer in either direction: page ``j`` of every layer of ``pages``
+    ``[layers, len(block_ids), page_bytes]`` pairs with engine block ``block_ids[j]``."""
+
+    block_ids: BlockIds
+    pages: torch.Tensor
 
 
 @dataclass
@@ -83,109 +94,93 @@ def _check_obj(kv: PagedKV, obj: torch.Tensor, n: int, what: str) -> None:
         raise ValueError(f"{what} is on {obj.device}, the KV cache on {kv.device}")
 
 
-def make_plan(
-    kv: PagedKV, block_ids: BlockIds, obj: torch.Tensor, gather_dir: bool
-) -> Plan:
-    """Validate one job and choose how its pages move."""
-    ids = _ids(kv, block_ids, unique=not gather_dir)
-    _check_obj(kv, obj, len(ids), "out" if gather_dir else "src")
+def make_plan(kv: PagedKV, job: PageJob, to_engine: bool) -> Plan:
+    """Validate one job and choose how its pages move (``to_engine``: a scatter)."""
+    ids = _ids(kv, job.block_ids, unique=to_engine)
+    _check_obj(kv, job.pages, len(ids), "src" if to_engine else "out")
     runs = coalesce_runs(ids)
     if kv.device.type == "cuda":
         use_index = bool(ids) and len(ids) * kv.page_bytes < CUDA_STAGE_BELOW_BYTES * len(runs)
     else:
-        use_index = gather_dir and 2 * len(runs) > len(ids)
+        use_index = not to_engine and 2 * len(runs) > len(ids)
     return Plan(ids, runs, use_index)
 
 
-def gather_layer(kv: PagedKV, layer: int, plan: Plan, out: torch.Tensor) -> None:
-    """Copy layer ``layer``'s pages of ``plan`` into ``out[layer]`` (on the current stream)."""
-    view, dst = kv.views[layer], out[layer]
-    if not plan.ids:
-        return
-    nb = dst.device.type == "cpu" and view.device.type == "cuda"
+def plan_jobs(
+    kv: PagedKV, jobs: Sequence[PageJob | tuple[BlockIds, torch.Tensor]], to_engine: bool
+) -> list[tuple[Plan, torch.Tensor]]:
+    """Validate every job (before any byte moves) and pair its plan with its pages."""
+    out = []
+    for job in jobs:
+        job = PageJob(*job)
+        out.append((make_plan(kv, job, to_engine), job.pages))
+    return out
+
+
+def _copy(engine: torch.Tensor, dim: int, plan: Plan, pages: torch.Tensor, to_engine: bool,
+          nb: bool) -> None:
+    """Move ``plan``'s pages between ``engine`` (blocks along ``dim``) and ``pages``."""
     if plan.use_index:
-        idx = plan.index(view.device)
-        if dst.device == view.device and dst.is_contiguous():
-            torch.index_select(view, 0, idx, out=dst)
+        idx = plan.index(engine.device)
+        if to_engine:
+            engine.index_copy_(dim, idx, pages.to(engine.device, non_blocking=nb))
+        elif pages.device == engine.device and pages.is_contiguous():
+            torch.index_select(engine, dim, idx, out=pages)
         else:
-            dst.copy_(torch.index_select(view, 0, idx), non_blocking=nb)
+            pages.copy_(torch.index_select(engine, dim, idx), non_blocking=nb)
         return
     for pos, first, length in plan.runs:
-        dst[pos : pos + length].copy_(view[first : first + length], non_blocking=nb)
+        blocks, mine = engine.narrow(dim, first, length), pages.narrow(dim, pos, length)
+        if to_engine:
+            blocks.copy_(mine, non_blocking=nb)
+        else:
+            mine.copy_(blocks, non_blocking=nb)
 
 
-def scatter_layer(kv: PagedKV, layer: int, plan: Plan, src: torch.Tensor) -> None:
-    """Copy ``src[layer]`` into layer ``layer``'s pages of ``plan`` (on the current stream)."""
-    view, s = kv.views[layer], src[layer]
-    if not plan.ids:
-        return
-    nb = s.device.type == "cpu" and view.device.type == "cuda"
-    if plan.use_index:
-        staged = s.to(view.device, non_blocking=nb)
-        view.index_copy_(0, plan.index(view.device), staged)
-        return
-    for pos, first, length in plan.runs:
-        view[first : first + length].copy_(s[pos : pos + length], non_blocking=nb)
+def copy_layer(kv: PagedKV, layer: int, plan: Plan, pages: torch.Tensor, to_engine: bool) -> None:
+    """Move layer ``layer``'s pages of ``plan`` (on the current stream)."""
+    view, mine = kv.views[layer], pages[layer]
+    if plan.ids:
+        nb = mine.device.type == "cpu" and view.device.type == "cuda"
+        _copy(view, 0, plan, mine, to_engine, nb)
 
 
-def _gather_all(kv: PagedKV, plan: Plan, out: torch.Tensor) -> None:
-    """All layers of one job; through ``kv.stacked`` (all layers per call) where possible."""
+def _copy_all(kv: PagedKV, plan: Plan, pages: torch.Tensor, to_engine: bool) -> None:
+    """All layers of one job; through ``kv.stacked`` (all layers per call) where possible: runs
+    on CPU, one index kernel and one large copy on CUDA."""
     st = kv.stacked
     if st is not None and plan.ids:
         if kv.device.type == "cpu":
-            for pos, first, length in plan.runs:
-                out[:, pos : pos + length].copy_(st[:, first : first + length])
+            _copy(st, 1, Plan(plan.ids, plan.runs, False), pages, to_engine, False)
             return
-        if plan.use_index:  # CUDA: one gather kernel, then one large copy
-            idx = plan.index(kv.device)
-            if out.device == kv.device and out.is_contiguous():
-                torch.index_select(st, 1, idx, out=out)
-            else:
-                out.copy_(torch.index_select(st, 1, idx), non_blocking=out.device.type == "cpu")
+        if plan.use_index:
+            _copy(st, 1, plan, pages, to_engine, pages.device.type == "cpu")
             return
     for layer in range(kv.num_layers):
-        gather_layer(kv, layer, plan, out)
+        copy_layer(kv, layer, plan, pages, to_engine)
 
 
-def _scatter_all(kv: PagedKV, plan: Plan, src: torch.Tensor) -> None:
-    """All layers of one job; through ``kv.stacked`` (all layers per call) where possible."""
-    st = kv.stacked
-    if st is not None and plan.ids:
-        if kv.device.type == "cpu":
-            for pos, first, length in plan.runs:
-                st[:, first : first + length].copy_(src[:, pos : pos + length])
-            return
-        if plan.use_index:  # CUDA: one large copy, then one scatter kernel
-            staged = src.to(kv.device, non_blocking=src.device.type == "cpu")
-            st.index_copy_(1, plan.index(kv.device), staged)
-            return
-    for layer in range(kv.num_layers):
-        scatter_layer(kv, layer, plan, src)
-
-
-def _run(kv: PagedKV, role: str, fn, pairs: list[tuple[Plan, torch.Tensor]]) -> None:
+def _run(kv: PagedKV, pairs: list[tuple[Plan, torch.Tensor]], to_engine: bool) -> None:
     if kv.device.type != "cuda":
-        for plan, obj in pairs:
-            fn(kv, plan, obj)
+        for plan, pages in pairs:
+            _copy_all(kv, plan, pages, to_engine)
         return
-    stream = kv.stream(role)
+    stream = kv.stream("load" if to_engine else "store")
     stream.wait_stream(torch.cuda.current_stream(kv.device))
     with torch.cuda.stream(stream):
-        for plan, obj in pairs:
-            fn(kv, plan, obj)
+        for plan, pages in pairs:
+            _copy_all(kv, plan, pages, to_engine)
     stream.synchronize()
 
 
-def gather_many(kv: PagedKV, jobs: Sequence[tuple[BlockIds, torch.Tensor]]) -> None:
+def gather_many(kv: PagedKV, jobs: Sequence[PageJob | tuple[BlockIds, torch.Tensor]]) -> None:
     """``gather`` for several ``(block_ids, out)`` jobs in one call (one synchronisation)."""
-    pairs = [(make_plan(kv, ids, out, True), out) for ids, out in jobs]
-    _run(kv, "store", _gather_all, pairs)
+    _run(kv, plan_jobs(kv, jobs, False), False)
 
 
-def scatter_many(kv: PagedKV, jobs: Sequence[tuple[torch.Tensor, BlockIds]]) -> None:
-    """``scatter`` for several ``(src, block_ids)`` jobs in one call, applied in order."""
-    pairs = [(make_plan(kv, ids, src, False), src) for src, ids in jobs]
-    _run(kv, "load", _scatter_all, pairs)
+def scatter_many(kv: PagedKV, jobs: Sequence[PageJob | tuple[BlockIds, torch.Tensor]]) -> None:
+    """``scatter`` for several ``(block_ids, src)`` jobs in one call, applied in order."""
+    _run(kv, plan_jobs(kv, jobs, True), True)
 
 
 def gather(kv: PagedKV, block_ids: BlockIds, out: torch.Tensor) -> None:
@@ -194,7 +189,7 @@ def gather(kv: PagedKV, block_ids: BlockIds, out: torch.Tensor) -> None:
     Block ids may repeat and come in any order; ``out[l, j]`` is layer ``l``'s page of
     ``block_ids[j]``. Returns when ``out`` holds the bytes.
     """
-    gather_many(kv, [(block_ids, out)])
+    gather_many(kv, [PageJob(block_ids, out)])
 
 
 def scatter(kv: PagedKV, src: torch.Tensor, block_ids: BlockIds) -> None:
@@ -203,7 +198,7 @@ def scatter(kv: PagedKV, src: torch.Tensor, block_ids: BlockIds) -> None:
     Block ids must not repeat within one call (``ValueError``). Pages not named are untouched.
     Returns when the pages are in place.
     """
-    scatter_many(kv, [(src, block_ids)])
+    scatter_many(kv, [PageJob(block_ids, src)])
 
 
 def alloc_host(kv: PagedKV, num_blocks: int, pin: bool | None = None) -> torch.Tensor:

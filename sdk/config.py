@@ -1,4 +1,8 @@
-"""One config schema, loaded from a YAML file, ``KVPLUG_*`` environment overrides and a dict.
+"""The config: one YAML file, ``KVPLUG_*`` environment overrides and a dict, for every room.
+
+:class:`KVPlugConfig` holds what the core reads (``chunk_size``, ``tiers``); a room above the core
+extends it (``kvplug.connector.config.ConnectorConfig`` adds ``layerwise``, ``save_decode``...),
+and :func:`load_config` validates against the schema the caller names.
 
 Precedence (later wins): built-in defaults < YAML file (``$KVPLUG_CONFIG``, or a ``config_file``
 key / path given by the caller) < the caller's dict (what vLLM passes as
@@ -10,10 +14,12 @@ it and what is accepted. Sizes accept ``8GiB``, ``512MB``, ``1e9``...
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
+from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, ValidationError
@@ -64,25 +70,59 @@ def default_tiers() -> list[TierConfig]:
 
 
 class KVPlugConfig(_Strict):
-    """Everything kvplug reads. Connector-only settings are ignored by a bare StorageManager."""
+    """What the core reads: chunking and tiers.
+
+    A room above the core adds its own settings by subclassing (the connector's
+    ``kvplug.connector.config.ConnectorConfig``); one YAML file configures both. A core load
+    accepts and ignores the keys such an extension declares, and rejects every other unknown key.
+    Extensions are the subclasses imported so far plus those declared under the entry-point group
+    ``kvplug.config`` (so a process that never imported the connector still knows its keys).
+    """
 
     chunk_size: PositiveInt = Field(default=256, description="tokens per chunk")
     tiers: list[TierConfig] = Field(default_factory=default_tiers, min_length=1)
-    layerwise: bool = Field(default=False, description="move KV layer by layer (else in bulk)")
-    save_partial_chunk: bool = Field(
-        default=False, description="store the last, partial chunk of a prompt too"
-    )
-    save_decode: bool = Field(default=False, description="store KV produced while decoding")
-    lookup_timeout_s: float = Field(
-        default=2.0, gt=0, description="scheduler->worker lookup; past it, a miss"
-    )
-    model_name: str | None = Field(
-        default=None, description="the model name used in keys (default: vLLM's model)"
-    )
-    log_every_load: bool = Field(default=True, description="one INFO line per request that loads")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _EXTENSIONS.append(cls)
 
     def tier_names(self) -> list[str]:
         return [t.tier_name for t in self.tiers]
+
+
+_EXTENSIONS: list[type[KVPlugConfig]] = []
+EXTENSION_GROUP = "kvplug.config"
+C = TypeVar("C", bound=KVPlugConfig)
+
+
+@functools.cache
+def declared_extensions() -> tuple[type[KVPlugConfig], ...]:
+    """Extension schemas declared by installed packages (loaded once per process)."""
+    found = []
+    for ep in entry_points(group=EXTENSION_GROUP):
+        try:
+            cls = ep.load()
+        except Exception as exc:  # noqa: BLE001 - a broken extension is named, not fatal here
+            raise ConfigError(f"config extension {ep.name!r} ({ep.value}) failed to load: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        if isinstance(cls, type) and issubclass(cls, KVPlugConfig):
+            found.append(cls)
+    return tuple(found)
+
+
+def widest_schema() -> type[KVPlugConfig]:
+    """The declared extension with the most settings (the connector's, where installed), else
+    :class:`KVPlugConfig`: what ``kvplug config check`` validates a file against."""
+    return max(declared_extensions(), key=lambda c: len(c.model_fields), default=KVPlugConfig)
+
+
+def _foreign_keys(schema: type[KVPlugConfig]) -> list[str]:
+    """Top-level keys some other extension declares, which ``schema`` itself does not."""
+    own = schema.model_fields
+    out: list[str] = []
+    for ext in (*_EXTENSIONS, *declared_extensions()):
+        out += [k for k in ext.model_fields if k not in own and k not in out]
+    return out
 
 
 def parse_size(value: str | int | float) -> int:
@@ -122,9 +162,8 @@ def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+def _env_overrides(env: Mapping[str, str], fields: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    fields = KVPlugConfig.model_fields
     for name, raw in env.items():
         if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV:
             continue
@@ -144,15 +183,15 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def _explain(exc: ValidationError) -> str:
+def _explain(exc: ValidationError, top_level: list[str]) -> str:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
-            model: type[BaseModel] = KVPlugConfig
+            keys = top_level
             if len(err["loc"]) > 1 and err["loc"][0] == "tiers":
-                model = TierConfig
-            allowed = ", ".join(model.model_fields)
+                keys = list(TierConfig.model_fields)
+            allowed = ", ".join(keys)
             lines.append(f"unknown config key {loc!r}; allowed keys here: {allowed}")
         else:
             lines.append(f"config value {loc!r}={err.get('input')!r}: {err['msg']}")
@@ -163,14 +202,20 @@ def load_config(
     source: KVPlugConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
     *,
     env: Mapping[str, str] | None = None,
-) -> KVPlugConfig:
-    """Build a validated config from a dict, a YAML path, or nothing (defaults + environment).
+    schema: type[C] = KVPlugConfig,  # type: ignore[assignment]
+) -> C:
+    """Build a validated ``schema`` from a dict, a YAML path, or nothing (defaults + environment).
 
-    A dict may name a YAML file under ``config_file``; its other keys override the file's.
+    A dict may name a YAML file under ``config_file``; its other keys override the file's. Keys
+    that belong to another extension of :class:`KVPlugConfig` are dropped; any other unknown key
+    is a :class:`ConfigError` naming it.
     """
-    if isinstance(source, KVPlugConfig):
+    if isinstance(source, schema):
         return source
+    if isinstance(source, KVPlugConfig):
+        source = source.model_dump()
     env = os.environ if env is None else env
+    foreign = _foreign_keys(schema)
     data: dict[str, Any] = {}
     if env.get("KVPLUG_CONFIG"):
         data = _read_yaml(env["KVPLUG_CONFIG"])
@@ -181,8 +226,9 @@ def load_config(
         if "config_file" in given:
             data = _deep_merge(data, _read_yaml(given.pop("config_file")))
         data = _deep_merge(data, given)
-    data = _deep_merge(data, _env_overrides(env))
+    data = _deep_merge(data, _env_overrides(env, [*schema.model_fields, *foreign]))
+    data = {k: v for k, v in data.items() if k not in foreign}
     try:
-        return KVPlugConfig.model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_explain(exc)) from None
+        raise ConfigError(_explain(exc, [*schema.model_fields, *foreign])) from None

@@ -33,3 +33,7 @@ class MemoryObjFreedError(KVPlugError, RuntimeError):
 
 class ChunkFormatError(KVPlugError, ValueError):
     """Bytes claiming to be a kvplug chunk file are truncated, corrupt or of another version."""
+
+
+class ChunkVersionError(ChunkFormatError):
+    """A kvplug chunk file of another format version: a miss, never deleted (rolling upgrades)."""

@@ -143,9 +143,13 @@ class BackendSpec:
     def get_layers(self, key: CacheKey, first_layer: int, num_layers: int) -> MemoryObj | None:
         """Optional: layers ``[first_layer, first_layer + num_layers)`` of a ``KV_PAGES`` chunk.
 
-        The object's shape is ``[num_layers, blocks, page_bytes]``. Tiers that can read a range
-        cheaply (files with aligned layers, ranged object reads) implement it for layer-wise
-        loading; others are served by :meth:`get`.
+        The object's shape is ``[num_layers, blocks, page_bytes]`` and its ``num_tokens`` the
+        whole chunk's. Tiers that can read a range cheaply (files with aligned layers, ranged
+        object reads) implement it: in layer-wise mode the connector reads a chunk that lookup
+        found in such a tier one layer at a time (``num_layers=1``), each just before the engine
+        needs that layer; chunks in other tiers are served whole by :meth:`get`. Same rules as
+        :meth:`get`: a bad or missing entry is ``None`` (the load fails from that chunk on and
+        vLLM recomputes it), never wrong bytes.
         """
 
     @hookspec

@@ -1,10 +1,10 @@
-"""Memory objects: a tensor plus what it holds, with reference and pin counts.
+"""Memory objects: a tensor plus what it holds, with a reference count.
 
 Ownership rule used everywhere in kvplug: whoever receives a ``MemoryObj`` from ``allocate`` or
 ``get`` owns exactly one reference and must call :meth:`MemoryObj.ref_down` when done. Anyone that
 keeps an object beyond a call (a tier caching it, a writer queueing it) calls :meth:`ref_up` first.
-The backing memory returns to its allocator when the last reference *and* the last pin are gone;
-any later access raises :class:`~kvplug.errors.MemoryObjFreedError` instead of reading freed bytes.
+The backing memory returns to its allocator when the last reference is gone; any later access
+raises :class:`~kvplug.errors.MemoryObjFreedError` instead of reading freed bytes.
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ class MemoryObjMeta:
 
 
 class MemoryObj:
-    """A view of allocator memory with reference and pin counts (thread-safe)."""
+    """A view of allocator memory with a reference count (thread-safe). Tiers protect entries
+    from eviction with their own pin counts (:class:`kvplug.pins.PinCounts`), not here."""
 
-    __slots__ = ("_tensor", "meta", "_refs", "_pins", "_release", "_lock", "address")
+    __slots__ = ("_tensor", "meta", "_refs", "_release", "_lock", "address")
 
     def __init__(
         self,
@@ -59,7 +60,6 @@ class MemoryObj:
         self._tensor: torch.Tensor | None = tensor
         self.meta = meta
         self._refs = 1
-        self._pins = 0
         self._release = release
         self._lock = threading.Lock()
         #: Offset in the allocator's buffer (-1 for heap objects); for diagnostics and tests.
@@ -88,10 +88,6 @@ class MemoryObj:
         """The same memory as a flat uint8 tensor (no copy)."""
         return self.tensor.view(-1).view(torch.uint8)
 
-    def layer(self, index: int) -> torch.Tensor:
-        """One layer of a ``KV_PAGES`` object (a contiguous view)."""
-        return self.tensor[index]
-
     @property
     def is_freed(self) -> bool:
         return self._tensor is None
@@ -100,10 +96,6 @@ class MemoryObj:
     @property
     def ref_count(self) -> int:
         return self._refs
-
-    @property
-    def pin_count(self) -> int:
-        return self._pins
 
     def ref_up(self) -> MemoryObj:
         with self._lock:
@@ -117,22 +109,7 @@ class MemoryObj:
             if self._refs <= 0:
                 raise MemoryObjFreedError(f"ref_down on memory object {self!r} with no reference")
             self._refs -= 1
-            free = self._refs == 0 and self._pins == 0
-        if free:
-            self._free()
-
-    def pin(self) -> None:
-        with self._lock:
-            if self._tensor is None:
-                raise MemoryObjFreedError(f"pin on freed memory object {self!r}")
-            self._pins += 1
-
-    def unpin(self) -> None:
-        with self._lock:
-            if self._pins <= 0:
-                raise MemoryObjFreedError(f"unpin on memory object {self!r} that is not pinned")
-            self._pins -= 1
-            free = self._refs == 0 and self._pins == 0
+            free = self._refs == 0
         if free:
             self._free()
 
@@ -142,7 +119,7 @@ class MemoryObj:
             self._release(self)
 
     def __repr__(self) -> str:
-        state = "freed" if self._tensor is None else f"refs={self._refs} pins={self._pins}"
+        state = "freed" if self._tensor is None else f"refs={self._refs}"
         return (
             f"MemoryObj(shape={self.meta.shape}, fmt={self.meta.fmt.value}, "
             f"tokens={self.meta.num_tokens}, {state})"

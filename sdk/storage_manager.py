@@ -25,6 +25,7 @@ from .config import KVPlugConfig, TierConfig, load_config
 from .errors import BackendLoadError, ConfigError, KVPlugError
 from .hookspecs import PROJECT, BackendSpec, TierContext
 from .keys import CacheKey
+from .logs import LogOnce
 from .memory import MemoryFormat, MemoryObj, heap_memory_obj
 from .metrics import TierMetrics
 from .plugins import load_backend_class
@@ -78,7 +79,7 @@ class StorageManager:
         self._tiers: list[_Tier] = []
         self._scope: dict[int, set[str] | None] = {}  # id(plugin) -> tiers it applies to
         self._plugins: dict[int, object] = {}
-        self._logged: set[tuple[str, str]] = set()
+        self._log_once = LogOnce(logger)
         self._closed = False
         self._lock = threading.Lock()
         # Bounded tier calls run here; batched_get fans out over its own pool so the two never
@@ -173,13 +174,12 @@ class StorageManager:
 
     def _fault(self, tier: _Tier, hook: str, exc: BaseException) -> None:
         tier.faults += 1
-        if (tier.name, hook) not in self._logged:
-            self._logged.add((tier.name, hook))
-            logger.warning(
-                "tier %r (%s) failed in %s: %s: %s — treated as a miss; further failures of "
-                "this kind are counted in stats, not logged",
-                tier.name, tier.config.backend, hook, type(exc).__name__, exc,
-            )
+        self._log_once(
+            (tier.name, hook),
+            "tier %r (%s) failed in %s: %s: %s — treated as a miss; further failures of "
+            "this kind are counted in stats, not logged",
+            tier.name, tier.config.backend, hook, type(exc).__name__, exc,
+        )
 
     def _call(self, tier: _Tier, hook: str, bounded: bool = False, **kwargs: Any) -> Any:
         """Call one tier's hook; exceptions (and, if ``bounded``, timeouts) become ``None``."""
@@ -228,16 +228,6 @@ class StorageManager:
 
     _allocate_for_reads = allocate
 
-    def batched_allocate(self, count: int, shape: tuple[int, ...], **kwargs: Any) -> list[MemoryObj]:
-        """Up to ``count`` objects (fewer when memory runs out)."""
-        out: list[MemoryObj] = []
-        for _ in range(count):
-            obj = self.allocate(shape, **kwargs)
-            if obj is None:
-                break
-            out.append(obj)
-        return out
-
     # -- store ----------------------------------------------------------------------------------
     def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         """Write-through to every tier. The caller keeps (and later drops) its own references."""
@@ -255,9 +245,14 @@ class StorageManager:
             obj = self._call(tier, "get", bounded=True, key=key)
             if obj is not None:
                 if promote and tier.index > 0:
-                    self._call(self._tiers[0], "batched_submit_put", keys=[key], objs=[obj])
+                    self.promote(key, obj)
                 return obj
         return None
+
+    def promote(self, key: CacheKey, obj: MemoryObj) -> None:
+        """Put a chunk read from a lower tier into L1 (the caller keeps its reference)."""
+        if len(self._tiers) > 1:
+            self._call(self._tiers[0], "batched_submit_put", keys=[key], objs=[obj])
 
     def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
         """:meth:`get` for many keys; slow tiers are read concurrently."""
@@ -267,12 +262,19 @@ class StorageManager:
             return [self.get(k) for k in keys]
         return list(self._readers.map(self.get, keys))
 
-    def get_layers(self, key: CacheKey, first_layer: int, num_layers: int) -> MemoryObj | None:
-        """Part of a chunk from a tier that reads layer ranges; ``None`` if none has it."""
-        for tier in self._tiers:
-            if not tier.implements("get_layers"):
+    def reads_layers(self, tier: str) -> bool:
+        """Whether tier ``tier`` implements ``get_layers`` (reads a layer range of a chunk)."""
+        return any(t.name == tier and t.implements("get_layers") for t in self._tiers)
+
+    def get_layers(self, key: CacheKey, first_layer: int, num_layers: int,
+                   tier: str | None = None) -> MemoryObj | None:
+        """Layers ``[first_layer, first_layer + num_layers)`` of a chunk from the first tier that
+        reads layer ranges and has it (only from ``tier`` when given); ``None`` if none has it.
+        Layer-wise loads use it for chunks that lookup found in such a tier."""
+        for t in self._tiers:
+            if not t.implements("get_layers") or tier not in (None, t.name):
                 continue
-            obj = self._call(tier, "get_layers", bounded=True, key=key,
+            obj = self._call(t, "get_layers", bounded=True, key=key,
                              first_layer=first_layer, num_layers=num_layers)
             if obj is not None:
                 return obj

@@ -10,7 +10,7 @@ machines. Nothing here imports vLLM; a test checks equality with vLLM's own func
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,16 @@ NONE_HASH: bytes = sha256_cbor(NONE_HASH_SEED)
 def hash_chunk(parent: bytes | None, tokens: Sequence[int], extra_keys: tuple | None = None) -> bytes:
     """The hash of one chunk given its parent's hash (``None`` for the first chunk)."""
     return sha256_cbor((parent or NONE_HASH, tuple(tokens), extra_keys))
+
+
+#: ``extra_keys(start, end)``: what besides the tokens identifies tokens ``[start, end)``.
+ExtraKeys = Callable[[int, int], Any]
+
+
+def _hash_span(parent: bytes | None, token_ids: Sequence[int], start: int, end: int,
+               extra_keys: ExtraKeys | None) -> bytes:
+    extra = extra_keys(start, end) if extra_keys is not None else None
+    return hash_chunk(parent, token_ids[start:end], extra)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +76,7 @@ class TokenDatabase:
         token_ids: Sequence[int],
         *,
         include_partial: bool = False,
-        extra_keys: Any = None,
+        extra_keys: ExtraKeys | None = None,
     ) -> list[ChunkSpan]:
         """Every chunk of ``token_ids`` with its chained hash.
 
@@ -80,10 +90,37 @@ class TokenDatabase:
         parent: bytes | None = None
         for start in range(0, stop, self.chunk_size):
             end = min(start + self.chunk_size, stop)
-            extra = extra_keys(start, end) if extra_keys is not None else None
-            parent = hash_chunk(parent, token_ids[start:end], extra)
+            parent = _hash_span(parent, token_ids, start, end, extra_keys)
             out.append(ChunkSpan(start, end, parent))
         return out
+
+    def extend_hashes(
+        self, token_ids: Sequence[int], hashes: list[bytes], num_chunks: int, *,
+        extra_keys: ExtraKeys | None = None,
+    ) -> list[bytes]:
+        """The hashes of the first ``num_chunks`` full chunks of ``token_ids``.
+
+        ``hashes`` holds those already computed for this sequence (a prefix of the result) and is
+        extended in place, so a sequence that grows (a request that decodes, a lookup asked again)
+        hashes each chunk once. Equal to ``chunk_hashes(token_ids)[:num_chunks]``.
+        """
+        cs = self.chunk_size
+        while len(hashes) < num_chunks:
+            start = len(hashes) * cs
+            parent = hashes[-1] if hashes else None
+            hashes.append(_hash_span(parent, token_ids, start, start + cs, extra_keys))
+        return hashes[:num_chunks]
+
+    def partial_hash(
+        self, token_ids: Sequence[int], end: int, hashes: list[bytes], *,
+        extra_keys: ExtraKeys | None = None,
+    ) -> bytes:
+        """The hash of the partial chunk ending at ``end`` (not a chunk boundary), chained on the
+        full chunks before it (``hashes`` as for :meth:`extend_hashes`). Equal to the last hash
+        of ``chunk_hashes(token_ids[:end], include_partial=True)``."""
+        k = end // self.chunk_size
+        parent = self.extend_hashes(token_ids, hashes, k, extra_keys=extra_keys)[-1] if k else None
+        return _hash_span(parent, token_ids, k * self.chunk_size, end, extra_keys)
 
     def chunk_hashes(self, token_ids: Sequence[int], **kwargs: Any) -> list[bytes]:
         """Just the hashes of :meth:`spans`."""

@@ -205,7 +205,7 @@ def test_demo_runs_the_connector_demo():
 def test_config_check_prints_resolved_tiers(tmp_path):
     cfg = tmp_path / "kvplug.yaml"
     cfg.write_text(
-        "chunk_size: 128\ntiers:\n"
+        "chunk_size: 128\nsave_decode: true\ntiers:\n"
         "  - backend: local_cpu\n    options: {capacity: 1GiB}\n"
         f"  - backend: posix\n    name: disk\n    options: {{path: {tmp_path}/c, capacity: 2GiB}}\n"
     )
@@ -215,6 +215,7 @@ def test_config_check_prints_resolved_tiers(tmp_path):
     assert "local_cpu" in rows[0] and "capacity=1.0GiB" in rows[0]
     assert "disk" in rows[1] and "posix" in rows[1] and "capacity=2.0GiB" in rows[1]
     assert "chunk_size=128" in out.stdout and "is valid (2 tiers)" in out.stdout
+    assert "save_decode=True" in out.stdout, "the connector's settings are checked and shown too"
     data = json.loads(kvplug("config", "check", str(cfg), "--json").stdout)
     assert data["valid"] and [t["name"] for t in data["tiers"]] == ["local_cpu", "disk"]
     assert data["tiers"][0]["options"]["capacity"] == 1 << 30

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from kvplug.config import load_config, parse_size
+from kvplug.config import KVPlugConfig, load_config, parse_size
+from kvplug.connector.config import ConnectorConfig, load_connector_config
 from kvplug.errors import ConfigError
 
 
 def test_defaults_are_local_cpu_then_posix(tmp_path, monkeypatch):
     monkeypatch.setenv("KVPLUG_CACHE_DIR", str(tmp_path))
-    cfg = load_config()
+    cfg = load_connector_config()
     assert [t.backend for t in cfg.tiers] == ["local_cpu", "posix"]
     assert cfg.tiers[1].options["path"].startswith(str(tmp_path))
     assert cfg.chunk_size == 256 and not cfg.layerwise and not cfg.save_decode
@@ -19,7 +20,7 @@ def test_precedence_file_then_dict_then_env(tmp_path, monkeypatch):
     f = tmp_path / "kv.yaml"
     f.write_text("chunk_size: 64\nlayerwise: true\nsave_decode: true\n")
     monkeypatch.setenv("KVPLUG_CONFIG", str(f))
-    cfg = load_config({"chunk_size": 128})
+    cfg = load_connector_config({"chunk_size": 128})
     assert (cfg.chunk_size, cfg.layerwise, cfg.save_decode) == (128, True, True)
     monkeypatch.setenv("KVPLUG_CHUNK_SIZE", "512")
     monkeypatch.setenv("KVPLUG_TIERS", "[{backend: local_cpu, options: {capacity: 1GiB}}]")
@@ -46,7 +47,7 @@ def test_config_file_key_in_dict(tmp_path):
 )
 def test_bad_values_name_the_key(given, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
-        load_config(given)
+        load_connector_config(given)
 
 
 def test_bad_env_and_files(tmp_path):
@@ -62,6 +63,23 @@ def test_bad_env_and_files(tmp_path):
     listy.write_text("- 1\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config(listy)
+
+
+def test_one_file_configures_core_and_connector(tmp_path):
+    f = tmp_path / "kv.yaml"
+    f.write_text("chunk_size: 64\nsave_decode: true\nlookup_timeout_s: 0.5\n")
+    core = load_config(f, env={"KVPLUG_LAYERWISE": "true"})
+    assert type(core) is KVPlugConfig and core.chunk_size == 64
+    assert not hasattr(core, "save_decode")  # the connector's keys are not the core's business
+    conn = load_connector_config(f, env={"KVPLUG_LAYERWISE": "true"})
+    assert isinstance(conn, ConnectorConfig) and conn.chunk_size == 64
+    assert (conn.save_decode, conn.lookup_timeout_s, conn.layerwise) == (True, 0.5, True)
+    assert load_config(conn) is conn  # the StorageManager takes the connector's config as is
+    for load in (load_config, load_connector_config):
+        with pytest.raises(ConfigError, match="unknown config key 'save_decod'.*save_decode"):
+            load({"save_decod": True})
+        with pytest.raises(ConfigError, match="KVPLUG_SAVE_DECOD is not a kvplug setting"):
+            load(env={"KVPLUG_SAVE_DECOD": "1"})
 
 
 def test_sizes():

@@ -27,7 +27,7 @@ CHUNKED = {"max_num_batched_tokens": CHUNK}
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from kvplug.connector.model import make_model
+    from kvplug.connector.demo.model import make_model
 
     return make_model("tiny", root=tmp_path_factory.getbasetemp() / "models")
 
@@ -90,10 +90,11 @@ def test_fresh_process_hits_posix_and_detects_corruption(model, store_dir, bulk)
 
 
 def test_corrupted_load_path_is_detected(model, store_dir, bulk):
-    """Control: pages permuted before they reach the blocks change the output."""
-    extra = kvplug_config(store_dir, posix=False, _test_load_hook="vllm_helpers:permute_pages")
-    cold, warm = run_scenario(model, transfer_config("kvplug", extra),
-                              [("gen", P, None), ("gen", P, None)], CHUNKED)
+    """Control: pages permuted before they reach the blocks change the output (the connector
+    module tests/permuted_load.py monkeypatches the worker's scatter in the engine's processes)."""
+    kv = {**transfer_config("kvplug", kvplug_config(store_dir, posix=False)),
+          "kv_connector_module_path": "permuted_load"}
+    cold, warm = run_scenario(model, kv, [("gen", P, None), ("gen", P, None)], CHUNKED)
     assert warm["kvplug"]["loaded_tokens"] == 1536
     assert same(cold, bulk["cold"])
     assert not same(warm, bulk["cold"])

@@ -14,7 +14,7 @@ MODES = ["vanish", "raise", "stall", "truncate", "stall_lookup"]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from kvplug.connector.model import make_model
+    from kvplug.connector.demo.model import make_model
 
     model = make_model("tiny", root=tmp_path_factory.getbasetemp() / "models")
     control = tmp_path_factory.mktemp("fault") / "mode"

@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
 def test_producer_then_consumer(tmp_path):
-    from kvplug.connector.model import make_model
+    from kvplug.connector.demo.model import make_model
 
     model = make_model("tiny", root=tmp_path / "models")
     shared = tmp_path / "shared"

@@ -8,7 +8,7 @@ from vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from kvplug.connector.model import make_model
+    from kvplug.connector.demo.model import make_model
 
     return make_model("tiny", weights=False, root=tmp_path_factory.getbasetemp() / "models")
 
@@ -71,6 +71,31 @@ def test_load_spec_and_skip_of_stored_chunks(model_dir):
     assert (rm.load.start, rm.load.end, rm.load.first_chunk, len(rm.load.hashes)) == (0, 768, 0, 3)
     assert so.scheduled_new_reqs[0].num_computed_tokens == 768
     assert (rm.save.start, rm.save.end) == (768, 1280)  # what lookup found is not stored again
+
+
+def test_chunk_hashes_are_vllms_block_hashes(model_dir):
+    """The hashes the scheduler looks up and stores under are what vLLM's own block hasher gives
+    (chunk = block = 256 tokens), for the prompt and for a chunk completed while decoding."""
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256_cbor)
+    s, side, fake = build(model_dir, block_size=256, extra={"save_decode": True})
+    r = make_request("v", prompt(1100, 10), max_tokens=300,
+                     block_hasher=get_request_block_hasher(256, sha256_cbor))
+    vllm_hashes = [bytes(h) for h in r.block_hashes]
+    assert len(vllm_hashes) == 4
+    fake.stored.update(vllm_hashes[:3])
+    s.add_request(r)
+    _, md = step(s)
+    (rm,) = md.requests
+    assert rm.load.hashes == vllm_hashes[:3]  # lookup found exactly what vLLM's hashes name
+    assert rm.save.hashes == vllm_hashes[3:]
+    saved = []
+    while s.requests:
+        _, md = step(s)
+        saved += [h for m in md.requests for h in m.save.hashes]
+    assert saved and saved[0] == bytes(r.block_hashes[4])  # [1024, 1280) completed in decode
 
 
 def test_short_prompt_asks_nothing(model_dir):

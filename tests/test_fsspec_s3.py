@@ -126,3 +126,83 @@ def test_server_down_mid_workload_then_recovers(monkeypatch):
             assert mgr.stats()["fsspec"]["breaker_open"] == 0
     finally:
         srv.stop()
+
+
+def _other_version_file(monkeypatch, key) -> bytes:  # noqa: ANN001
+    """A chunk file of ``key`` as a node of another format version writes it."""
+    from kvplug import chunkfile as cf
+    from kvplug.memory import MemoryFormat, heap_memory_obj
+
+    obj = heap_memory_obj(SHAPE, torch.uint8, MemoryFormat.KV_PAGES, 16)
+    obj.byte_view.fill_(7)
+    with monkeypatch.context() as m:
+        m.setattr(cf.format, "FORMAT_VERSION", "2")
+        header, bufs = cf.encode_chunk(key, obj)
+    return header + b"".join(bytes(b) for b in bufs)
+
+
+@pytest.mark.parametrize("where", ["s3", "file"])
+def test_other_format_version_is_a_miss_left_in_place(where, request, tmp_path, monkeypatch):
+    """Rolling upgrade: an object of another format version is a miss (get, get_layers, and
+    lookups after the first read) and stays in the store; our own damaged object is still
+    deleted (control)."""
+    import fsspec
+
+    if where == "s3":
+        env = request.getfixturevalue("s3")
+        cfg = _tiers(env, l1=False)
+        fs = env.filesystem()
+    else:
+        cfg = {"tiers": [{"backend": "fsspec", "options": {
+            "url": f"file://{tmp_path}", "negative_cache_s": 0.0}}], "chunk_size": 16}
+        fs = fsspec.filesystem("file")
+    with StorageManager(cfg) as mgr:
+        _store(mgr, range(1, 2))
+        backend = mgr.backend(0)
+        path = backend.path_of(make_key(0))
+        fs.pipe_file(path, _other_version_file(monkeypatch, make_key(0)))
+        assert mgr.get(make_key(0)) is None
+        assert mgr.get_layers(make_key(0), 1, 2) is None
+        assert mgr.lookup_prefix([make_key(0)]).num_chunks == 0, "an unreadable object promised"
+        assert fs.exists(path), "another version's object was deleted by a reader"
+        st = mgr.stats()["fsspec"]
+        assert st["corrupt"] == 0 and st["other_version"] >= 1
+        good = backend.path_of(make_key(1))
+        raw = bytearray(fs.cat_file(good))
+        raw[4096 + 10] ^= 1
+        fs.pipe_file(good, bytes(raw))
+        assert mgr.get(make_key(1)) is None and not fs.exists(good)
+        assert mgr.stats()["fsspec"]["corrupt"] == 1
+
+
+@pytest.mark.parametrize("change", ["oversized", "undersized"])
+def test_wrong_size_object_is_a_miss_without_downloading_it(s3, change):  # noqa: F811
+    """An object whose size is not what its header describes (8 MiB of junk appended, or cut
+    short) is a miss found from a ranged header read: the bytes fetched stay within the header
+    probe, far below the object's size. Control: a good object's get fetches all of it."""
+    from kvplug import chunkfile as cf
+
+    with StorageManager(_tiers(s3, l1=False)) as mgr:
+        data = _store(mgr, range(2))
+        backend = mgr.backend(0)
+        fs = s3.filesystem()
+        path = backend.path_of(make_key(0))
+        raw = fs.cat_file(path)
+        fs.pipe_file(path, raw + bytes(8 << 20) if change == "oversized" else raw[:-4096])
+        fetched: list[int] = []
+        real_cat = backend.io.fs._cat_file
+
+        async def counting_cat(*args, **kwargs):
+            out = await real_cat(*args, **kwargs)
+            fetched.append(len(out))
+            return out
+
+        backend.io.fs._cat_file = counting_cat
+        assert mgr.get(make_key(0)) is None
+        assert sum(fetched) <= cf.HEADER_PROBE, f"fetched {sum(fetched)} bytes of a bad object"
+        assert mgr.stats()["fsspec"]["corrupt"] == 1 and not fs.exists(path)
+        fetched.clear()
+        got = mgr.get(make_key(1))
+        assert got is not None and torch.equal(got.byte_view, data[1])
+        got.ref_down()
+        assert sum(fetched) >= len(raw) - cf.HEADER_PROBE, "control: the body was not counted"

@@ -60,7 +60,7 @@ def test_cuda_bulk_and_layerwise_round_trip(
     scatter(kv, bulk, dst_ids)
     assert_loaded(fx, snap, src_ids, dst_ids)
     fx.poison(dst_ids)
-    for _ in layerwise_load(kv, [(lw, dst_ids)]):
+    for _ in layerwise_load(kv, [(dst_ids, lw)]):
         pass
     assert_loaded(fx, snap, src_ids, dst_ids)
 
@@ -81,7 +81,7 @@ def test_cuda_layerwise_load_orders_the_engine_stream() -> None:
     engine = torch.cuda.Stream()
     seen = []
     with torch.cuda.stream(engine):
-        steps = layerwise_load(kv, [(obj, dst_ids)])
+        steps = layerwise_load(kv, [(dst_ids, obj)])
         for layer in steps:
             torch.cuda._sleep(1_000_000)  # stand-in compute
             seen.append(fx.tensors[layer][dst_ids].clone())  # queued on `engine`

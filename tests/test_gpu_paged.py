@@ -16,6 +16,7 @@ import torch
 from gpu_kv_fixture import (
     DTYPES,
     LAYOUTS,
+    POISON,
     KVFixture,
     assert_loaded,
     assert_obj_matches,
@@ -179,7 +180,7 @@ def test_many_jobs_with_block_ids_shared_across_requests() -> None:
     assert_obj_matches(outs[1], snap.ref_obj(req_b))
     dst_a, dst_b = [15, 14, 7, 8], [0, 6, 10, 11, 13, 1]
     fx.poison(dst_a + dst_b)
-    scatter_many(kv, [(outs[0], dst_a), (outs[1], dst_b)])
+    scatter_many(kv, [(dst_a, outs[0]), (dst_b, outs[1])])
     assert_loaded(fx, snap, req_a + req_b, dst_a + dst_b)
 
 
@@ -188,7 +189,7 @@ def test_scatter_many_applies_jobs_in_order() -> None:
     kv = PagedKV.from_kv_caches(fx.caches)
     first = torch.full((fx.L, 1, fx.page), 1, dtype=torch.uint8)
     second = torch.full((fx.L, 1, fx.page), 2, dtype=torch.uint8)
-    scatter_many(kv, [(first, [4]), (second, [4])])
+    scatter_many(kv, [([4], first), ([4], second)])
     assert torch.equal(fx.ref_page(2, 4), second[2, 0])
 
 
@@ -259,7 +260,7 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match=r"block ids \[2\] repeat"):
         scatter(kv, torch.empty(3, 3, fx.page, dtype=torch.uint8), [2, 5, 2])
     with pytest.raises(ValueError, match="repeat"):
-        layerwise_load(kv, [(torch.empty(3, 2, fx.page, dtype=torch.uint8), [2, 2])])
+        layerwise_load(kv, [([2, 2], torch.empty(3, 2, fx.page, dtype=torch.uint8))])
     gather(kv, [], torch.empty(3, 0, fx.page, dtype=torch.uint8))  # nothing to do is fine
 
 
@@ -290,12 +291,39 @@ def test_layerwise_matches_bulk(layout: str, dtype: torch.dtype) -> None:
     dst = [[0, 1, 6, 7, 8], [9, 10, 12]]
     fx.poison(dst[0] + dst[1])
     seen = []
-    for layer in layerwise_load(kv, [(lw[0], dst[0]), (lw[1], dst[1])]):
+    for layer in layerwise_load(kv, [(dst[0], lw[0]), (dst[1], lw[1])]):
         seen.append(layer)
         for d, s in zip(dst[0] + dst[1], jobs_ids[0] + jobs_ids[1], strict=True):
             assert torch.equal(fx.ref_page(layer, d), snap.ref_page(layer, s))
     assert seen == list(range(fx.L))
     assert_loaded(fx, snap, jobs_ids[0] + jobs_ids[1], dst[0] + dst[1])
+
+
+def test_layerwise_load_fills_sources_just_in_time_and_drops_failed_jobs() -> None:
+    fx = KVFixture("LBHNC", torch.float16, L=4)
+    kv = PagedKV.from_kv_caches(fx.caches)
+    snap = snapshot_of(fx)
+    src_ids, dst = [[1, 2], [3, 4]], [[8, 9], [10, 11]]
+    full = [snap.ref_obj(i) for i in src_ids]
+    staged = [poisoned((fx.L, 2, fx.page)) for _ in src_ids]
+    fx.poison(dst[0] + dst[1])
+
+    def before(layer: int) -> list[int]:
+        for s, f in zip(staged, full, strict=True):
+            s[layer].copy_(f[layer])
+        return [1] if layer == 2 else []  # job 1's source fails at layer 2
+
+    assert list(layerwise_load(kv, [(dst[0], staged[0]), (dst[1], staged[1])], before)) == list(
+        range(fx.L))
+    for layer in range(fx.L):
+        for d, s in zip(dst[0], src_ids[0], strict=True):
+            assert torch.equal(fx.ref_page(layer, d), snap.ref_page(layer, s))
+        for d, s in zip(dst[1], src_ids[1], strict=True):
+            got = fx.ref_page(layer, d)
+            if layer < 2:
+                assert torch.equal(got, snap.ref_page(layer, s))
+            else:
+                assert bool((got == POISON).all()), "a dropped job still wrote its pages"
 
 
 def test_layerwise_generators_validate_eagerly_and_close() -> None:

@@ -1,4 +1,4 @@
-"""MemoryObj reference/pin counting and the host pool under concurrent use."""
+"""MemoryObj reference counting and the host pool under concurrent use."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from kvplug.memory import MemoryFormat
 from kvplug.pool import ALIGN, HostMemoryPool
 
 
-def test_refs_and_pins_free_on_last_release():
+def test_refs_free_on_last_release():
     pool = HostMemoryPool(1 << 20)
     obj = pool.allocate((4, 1024), torch.uint8, MemoryFormat.KV_PAGES, 64)
     obj.ref_up()
-    obj.pin()
+    obj.ref_up()
     obj.ref_down()
     obj.ref_down()
-    assert not obj.is_freed and pool.stats().used > 0, "freed while still pinned"
-    obj.unpin()
+    assert not obj.is_freed and pool.stats().used > 0, "freed while still referenced"
+    obj.ref_down()
     assert obj.is_freed and pool.stats().used == 0
     with pytest.raises(MemoryObjFreedError):
         obj.tensor  # noqa: B018 - use after free must raise

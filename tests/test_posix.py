@@ -171,20 +171,49 @@ def test_every_damaged_file_is_a_counted_miss(tmp_path, caplog):
     be.close()
 
 
-def test_wrong_version_and_wrong_key_are_misses(tmp_path, monkeypatch):
+def test_wrong_key_is_a_deleted_miss(tmp_path):
     be = backend(tmp_path)
     put(be, 1)
     put(be, 2)
     p1, p2 = cf.chunk_path(tmp_path, key(1)), cf.chunk_path(tmp_path, key(2))
     p2.write_bytes(p1.read_bytes())  # key 1's file under key 2's name
     assert be.get(key=key(2)) is None and not p2.exists()
-    monkeypatch.setattr(cf.format, "FORMAT_VERSION", "2")
-    header, bufs = cf.encode_chunk(key(1), obj_for(1))
-    monkeypatch.undo()
-    p1.write_bytes(header + b"".join(bytes(b) for b in bufs))
-    assert be.get(key=key(1)) is None and not p1.exists()
-    assert be.stats()["corrupt"] == 2
+    assert be.stats()["corrupt"] == 1
     be.close()
+
+
+def other_version_file(monkeypatch, k: CacheKey, i: int) -> bytes:
+    """The bytes of a chunk file of ``k`` written by a node of another format version."""
+    with monkeypatch.context() as m:
+        m.setattr(cf.format, "FORMAT_VERSION", "2")
+        header, bufs = cf.encode_chunk(k, obj_for(i))
+    return header + b"".join(bytes(b) for b in bufs)
+
+
+def test_other_format_version_is_a_miss_never_deleted(tmp_path, monkeypatch):
+    """Rolling upgrade: a file of another format version is a miss for get, get_layers and
+    contains (after the first read), and stays on disk: not quarantined, not removed by the
+    startup scan; a file of our version that is damaged is still deleted (control)."""
+    be = backend(tmp_path)
+    put(be, 2)
+    p1, p2 = cf.chunk_path(tmp_path, key(1)), cf.chunk_path(tmp_path, key(2))
+    p1.parent.mkdir(parents=True, exist_ok=True)
+    p1.write_bytes(other_version_file(monkeypatch, key(1), 1))
+    assert be.get(key=key(1)) is None
+    assert be.get_layers(key=key(1), first_layer=0, num_layers=1) is None
+    assert be.contains(keys=[key(1)], pin=True) == [False], "an unreadable file was promised"
+    assert p1.exists(), "another version's file was deleted by a reader"
+    st = be.stats()
+    assert st["corrupt"] == 0 and st["other_version"] >= 1 and st["pinned"] == 0
+    be.close()
+    again = backend(tmp_path, capacity=1 << 30)  # startup scan and trim leave it alone
+    assert p1.exists() and again.get(key=key(1)) is None and p1.exists()
+    data = bytearray(p2.read_bytes())
+    data[cf.ALIGN + 10] ^= 1  # control: our own version, damaged (layer 0), is quarantined
+    p2.write_bytes(bytes(data))
+    assert again.get(key=key(2)) is None and not p2.exists()
+    assert again.stats()["corrupt"] == 1
+    again.close()
 
 
 def test_restart_hits_and_other_managers_are_seen(tmp_path):
@@ -346,3 +375,33 @@ def test_a_chunk_still_being_written_is_served_from_memory(tmp_path):
     assert len(list(tmp_path.rglob("*.safetensors"))) == 1
     assert mgr.stats()["posix"]["pending_hits"] == 1
     mgr.close()
+
+
+def test_pinned_files_held_open_are_bounded(tmp_path, monkeypatch):
+    """At most max_pinned_fds pinned files are held open; further pins are taken in this process
+    only (counted); a chunk pinned while still queued is held once it lands; unpin closes all."""
+    be = backend(tmp_path, max_pinned_fds=2)
+    for i in range(3):
+        put(be, i)
+    assert be.contains(keys=[key(i) for i in range(3)], pin=True) == [True] * 3
+    st = be.stats()
+    assert (st["pinned"], st["pinned_fds"], st["pins_without_fd"]) == (3, 2, 1)
+    be.unpin(keys=[key(i) for i in range(3)])
+    assert be.stats()["pinned_fds"] == 0 and be.stats()["pinned"] == 0
+    gate = __import__("threading").Event()
+    real = posix_mod.PosixBackend._prepare_write
+
+    def held_back(self, k, rel, obj):
+        gate.wait(30)
+        return real(self, k, rel, obj)
+
+    monkeypatch.setattr(posix_mod.PosixBackend, "_prepare_write", held_back)
+    be.batched_submit_put(keys=[key(7)], objs=[obj_for(7)])
+    assert be.contains(keys=[key(7)], pin=True) == [True]  # queued, not on disk yet
+    assert be.stats()["pinned_fds"] == 0
+    gate.set()
+    assert be.flush(timeout=30)
+    assert be.stats()["pinned_fds"] == 1, "a file pinned while queued was not held once written"
+    be.unpin(keys=[key(7)])
+    assert be.stats()["pinned_fds"] == 0
+    be.close()

@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import time
 
+import pytest
 import torch
 from kvplug import chunkfile as cf
 from kvplug.keys import CacheKey
@@ -122,3 +123,59 @@ def test_two_processes_keep_the_capacity(tmp_path):
     # While both run, each sees the other's files by rescanning before it evicts; writes in
     # flight in the other process (2 threads each) are the only slack.
     assert peak[0] <= capacity + 4 * FILE_SIZE, f"peak {peak[0]} > {capacity}"
+
+
+def _evictor(root: str, how: str, keys: list[int]) -> None:
+    """Another process on the same directory: evicts ``keys`` by name, or by capacity pressure
+    (a bound of one file, then one store of its own)."""
+    from kvplug.storage_manager import StorageManager
+
+    cap = FILE_SIZE if how == "capacity" else "1GiB"
+    opts = {"path": root, "capacity": cap, "io_threads": 1, "rescan_interval_s": 0}
+    with StorageManager({"tiers": [{"backend": "posix", "options": opts}], "chunk_size": 16}) as mgr:
+        if how == "evict":
+            mgr.evict([_key(i) for i in keys])
+        else:
+            obj = mgr.allocate(SHAPE, num_tokens=16)
+            obj.byte_view.copy_(_expect(500))
+            mgr.batched_put([_key(500)], [obj])
+            obj.ref_down()
+            assert mgr.flush(60)
+
+
+@pytest.mark.parametrize("how", ["evict", "capacity"])
+def test_a_pin_holds_against_another_process(tmp_path, how):
+    """Process A pins key 1 (contains(pin=True)); process B deletes A's files (evict(keys), or
+    its own capacity bound). A's get of the pinned key still returns the exact bytes; key 2,
+    not pinned, is a miss (control: B really deleted the files). After unpin the fd is gone."""
+    from kvplug.backends.posix import PosixBackend
+    from kvplug.hookspecs import TierContext
+    from kvplug.memory import heap_memory_obj
+
+    be = PosixBackend(TierContext("posix", PosixBackend.Options(path=str(tmp_path)), heap_memory_obj))
+    for i in (1, 2):
+        obj = heap_memory_obj(SHAPE, torch.uint8, num_tokens=16)
+        obj.byte_view.copy_(_expect(i))
+        be.batched_submit_put(keys=[_key(i)], objs=[obj])
+    assert be.flush(timeout=30)
+    assert be.contains(keys=[_key(1)], pin=True) == [True]
+    assert be.contains(keys=[_key(2)], pin=False) == [True]
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_evictor, args=(str(tmp_path), how, [1, 2]))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 0, f"evicting process exited with {proc.exitcode}"
+    for i in (1, 2):
+        assert not cf.chunk_path(tmp_path, _key(i)).exists(), f"process B did not delete {i}"
+    assert be.get(key=_key(2)) is None, "control: an unpinned evicted file must miss"
+    got = be.get(key=_key(1))
+    assert got is not None, "a pinned chunk was lost to another process's eviction"
+    assert torch.equal(got.byte_view, _expect(1))
+    got.ref_down()
+    part = be.get_layers(key=_key(1), first_layer=1, num_layers=2)
+    assert part is not None and torch.equal(part.byte_view, _expect(1).view(3, -1)[1:].reshape(-1))
+    part.ref_down()
+    assert be.stats()["pinned_fds"] == 1
+    be.unpin(keys=[_key(1)])
+    assert be.stats()["pinned_fds"] == 0 and be.get(key=_key(1)) is None
+    be.close()

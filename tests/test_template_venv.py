@@ -127,7 +127,7 @@ ENGINE = """
 import json, sys
 sys.path.insert(0, TESTS)
 from vllm_helpers import generate, make_llm, prompt, transfer_config
-from kvplug.connector.model import make_model
+from kvplug.connector.demo.model import make_model
 
 model = make_model("tiny")
 config = {"chunk_size": 256, "tiers": [

@@ -43,6 +43,23 @@ def test_matches_vllm_block_hasher_on_random_tokens():
         assert TokenDatabase(block).chunk_hashes(tokens) == expect
 
 
+def test_incremental_hashes_equal_whole_sequence_hashes():
+    """extend_hashes/partial_hash (the scheduler's path, one chunk at a time as a request grows)
+    give exactly chunk_hashes' values."""
+    db = TokenDatabase(4)
+    tokens = list(range(3, 22))
+    extra = lambda s, e: ("salt",) if s == 0 else None  # noqa: E731
+    cache: list[bytes] = []
+    assert db.extend_hashes(tokens, cache, 2, extra_keys=extra) == db.chunk_hashes(
+        tokens[:8], extra_keys=extra)
+    assert db.extend_hashes(tokens, cache, 4, extra_keys=extra) == db.chunk_hashes(
+        tokens, extra_keys=extra)
+    assert len(cache) == 4
+    for end in (3, 10, 19):
+        whole = db.chunk_hashes(tokens[:end], include_partial=True, extra_keys=extra)
+        assert db.partial_hash(tokens, end, cache, extra_keys=extra) == whole[-1]
+
+
 def test_hash_chains_over_every_earlier_token():
     db = TokenDatabase(8)
     a = list(range(32))

@@ -160,11 +160,6 @@ def _scenario(spec: dict[str, Any]) -> list[Any]:
 
 # -- test-only pieces loaded by the engines' worker processes -----------------------------------
 
-def permute_pages(src: Any) -> Any:
-    """A deliberately corrupted load path: swap the blocks of every chunk (reversed order)."""
-    return src.flip(1) if src.shape[1] > 1 else src.flip(2)
-
-
 class FaultTier:
     """A test-only tier (kept in memory) whose ``get``/``contains`` misbehave on demand.
 

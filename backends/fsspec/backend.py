@@ -110,7 +110,9 @@ class FsspecBackend:
     @hookimpl
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         for key, obj in zip(keys, objs):
-            self._writer.submit(self.path_of(key), key, obj)
+            path = self.path_of(key)
+            if not self._reader.other_version(path):  # another version's object: left alone
+                self._writer.submit(path, key, obj)
 
     @hookimpl
     def flush(self, timeout: float) -> bool:

@@ -265,6 +265,25 @@ class GuardedIO:
         self.breaker.success()
         return data
 
+    def head(self, path: str, length: int) -> tuple[bytes, int] | None:
+        """The first ``length`` bytes of an object and its size, asked for concurrently (one
+        round trip, nothing past ``length`` downloaded); ``None`` when missing or unavailable."""
+        if not self.breaker.allow():
+            return None
+
+        async def prefix() -> bytes | None:
+            try:
+                return await self.io.cat(path, 0, length)
+            except FileNotFoundError:
+                return None
+
+        results = self._many([prefix, lambda: self.io.size(path)])
+        if results is None or any(isinstance(r, BaseException) for r in results):
+            return None
+        self.breaker.success()
+        data, size = results
+        return None if data is None or size is None else (data, size)
+
     def sizes(self, paths: Sequence[str]) -> list[int | None]:
         """Sizes of many objects with a bounded set of concurrent calls (``None``: missing,
         ``-1``: unknown because the store was refused or failed)."""

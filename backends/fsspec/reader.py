@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 from kvplug import chunkfile as cf
-from kvplug.errors import ChunkFormatError
+from kvplug.errors import ChunkFormatError, ChunkVersionError
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj, MemoryObjMeta
 
@@ -25,6 +25,8 @@ from .io import TierParts
 
 logger = logging.getLogger("kvplug.backends.fsspec")
 _HEADER_CACHE = 4096  # parsed headers kept (a few KiB each)
+#: How long an object of another format version is known to be one (lookups miss it meanwhile).
+OTHER_VERSION_TTL_S = 60.0
 
 #: ``ctx.allocate``: ``(shape, dtype, fmt, num_tokens) -> MemoryObj | None``.
 Allocate = Callable[..., MemoryObj | None]
@@ -47,7 +49,8 @@ class ChunkReader:
         self._lock = threading.Lock()
         self._headers: OrderedDict[str, cf.ChunkHeader] = OrderedDict()
         self._absent = TTLSet(negative_cache_s)
-        self._counts = dict.fromkeys(("corrupt", "negative_hits"), 0)
+        self._other = TTLSet(OTHER_VERSION_TTL_S)  # objects of another format version
+        self._counts = dict.fromkeys(("corrupt", "negative_hits", "other_version"), 0)
 
     # -- lookups --------------------------------------------------------------------------------
     def resolve(self, paths: Sequence[str], found: Sequence[bool | None]) -> list[bool]:
@@ -56,7 +59,7 @@ class ChunkReader:
         answer = list(found)
         with self._lock:
             for i, path in enumerate(paths):
-                if answer[i] is None and path in self._absent:
+                if answer[i] is None and (path in self._absent or path in self._other):
                     answer[i] = False
                     self._counts["negative_hits"] += 1
         todo = [i for i, f in enumerate(answer) if f is None]
@@ -77,25 +80,40 @@ class ChunkReader:
         with self._lock:
             self._headers.pop(path, None)
             self._absent.discard(path)
+            self._other.discard(path)
+
+    def other_version(self, path: str) -> bool:
+        """Whether ``path`` was recently found to be another format version's object (left
+        alone: neither read, nor overwritten, nor deleted by this version)."""
+        with self._lock:
+            return path in self._other
 
     # -- loads ----------------------------------------------------------------------------------
     def get(self, path: str, key: CacheKey) -> MemoryObj | None:
-        """The whole chunk of ``key`` stored at ``path``, verified; ``None`` on any miss."""
-        data = self._tier.remote.fetch(path)
-        if data is None:
+        """The whole chunk of ``key`` stored at ``path``, verified; ``None`` on any miss. The
+        header comes first (a ranged read, with the object's size alongside), so an object whose
+        size is not what its header describes is a miss before any of its body is downloaded."""
+        head = self._tier.remote.head(path, cf.HEADER_PROBE)
+        if head is None:
             return None
-        view = memoryview(data)
-        header = self._parse(path, lambda offset, length: view[offset : offset + length],
-                             len(data))
+        prefix, size = head
+        header = self._parse(path, self._reader(path, prefix), size)
         if header is None:
             return None
         if header.key != key:
             self._corrupt(path, "the file holds another key", delete=True)
             return None
-        offsets = self._verified(path, header, view, 0, header.num_layers, base=0, delete=True)
+        body = b""
+        if header.file_size > header.header_bytes:
+            body = self._tier.remote.fetch(path, header.header_bytes, header.file_size)
+            if body is None or len(body) != header.file_size - header.header_bytes:
+                return None  # gone or replaced since the header was read: a plain miss
+        view = memoryview(body)
+        offsets = self._verified(path, header, view, 0, header.num_layers,
+                                 base=header.header_bytes, delete=True)
         if offsets is None:
             return None
-        self._remember(path, header, len(data))
+        self._remember(path, header, size)
         return self._copy(header.meta, view, offsets, header.layer_nbytes)
 
     def get_layers(self, path: str, first_layer: int, num_layers: int) -> MemoryObj | None:
@@ -124,22 +142,39 @@ class ChunkReader:
         if cached is not None:
             return cached
 
+        header = self._parse(path, self._reader(path, b""), None)
+        if header is not None:
+            self._remember(path, header, header.file_size)
+        return header
+
+    def _reader(self, path: str, prefix: bytes) -> cf.ReadAt:
+        """``read(offset, length)`` of ``path``: from ``prefix`` (its first bytes) when they
+        cover the range, else with a ranged read (raises ``_Unavailable`` when that fails)."""
+
         def read(offset: int, length: int) -> bytes:
+            if offset + length <= len(prefix):
+                return prefix[offset : offset + length]
             data = self._tier.remote.fetch(path, offset, offset + length)
             if data is None:
                 raise _Unavailable
             return data
 
-        header = self._parse(path, read, None)
-        if header is not None:
-            self._remember(path, header, header.file_size)
-        return header
+        return read
 
     def _parse(self, path: str, read: cf.ReadAt, size: int | None) -> cf.ChunkHeader | None:
         """The checked header through ``read``; ``None`` when unavailable or corrupt."""
         try:
             return cf.read_header(read, size)[0]
         except _Unavailable:
+            return None
+        except ChunkVersionError as exc:  # a node of another version wrote it: not ours to judge
+            with self._lock:
+                self._counts["other_version"] += 1
+                self._other.add(path)
+                self._headers.pop(path, None)
+            self._tier.log_once(
+                "other_version", "tier %r: chunk %s is of another format version (%s); treated "
+                "as a miss and left in place", self._tier.name, path.rsplit("/", 1)[-1], exc)
             return None
         except ChunkFormatError as exc:
             self._corrupt(path, str(exc), delete=True)

@@ -10,8 +10,12 @@
   ``stat``, so files another process wrote are found. Several processes may share a directory.
 * Capacity: LRU by file mtime (bumped on every read and pin, shared by all processes); when over,
   the oldest files not pinned by this process are deleted. Files vanishing under us are misses.
-* A file with a wrong size, header, version, key or checksum is a miss: logged with its path,
-  deleted, counted. A full disk or read-only directory makes stores fail soft; loads go on.
+* Pins hold across processes: a pinned file is kept open (:mod:`.held`) and read through that
+  descriptor, so another process's eviction cannot take a promised hit away.
+* A file with a wrong size, header, key or checksum is a miss: logged with its path, deleted,
+  counted. A file of another format version is a miss left in place (rolling upgrades share a
+  directory), counted as ``other_version``. A full disk or read-only directory makes stores fail
+  soft; loads go on.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ from kvplug.logs import LogOnce
 from kvplug.memory import MemoryObj
 from pydantic import BaseModel, ByteSize, ConfigDict, Field
 
+from .held import HeldFiles, fd_limit, fd_path
 from .index import Entry, PosixIndex, scan, stat_entry, unlink_entries
 from .io import (
     CorruptChunk,
+    ForeignChunk,
     Known,
     KnownHeaders,
     header_digest,
@@ -43,13 +49,14 @@ from .io import (
     remove_if_same,
     write_chunk,
 )
+from .lookup import LookupAndPins
 
 logger = logging.getLogger("kvplug.backends.posix")
 _MAX_CORRUPT_LOGS = 20
 _TOUCH_EVERY_S = 1.0  # an LRU stamp younger than this is not bumped again (saves a syscall)
 
 
-class PosixBackend:
+class PosixBackend(LookupAndPins):
     """A directory of chunk files with an LRU byte capacity."""
 
     class Options(BaseModel):
@@ -68,6 +75,10 @@ class PosixBackend:
             default=10.0, ge=0, description="re-read the directory at most this often when "
             "evicting (to see other processes' files)",
         )
+        max_pinned_fds: int = Field(
+            default=1024, ge=0, description="pinned files held open (at most 1/4 of the fd "
+            "limit); pins past it protect against this process's eviction only",
+        )
 
     def __init__(self, ctx: TierContext) -> None:
         opts: PosixBackend.Options = ctx.options
@@ -80,6 +91,7 @@ class PosixBackend:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._index = PosixIndex()
+        self._held = HeldFiles(fd_limit(opts.max_pinned_fds))
         self._pending: dict[str, MemoryObj] = {}
         self._headers = KnownHeaders()
         self._cancelled: set[str] = set()
@@ -88,7 +100,7 @@ class PosixBackend:
         self._counters = dict.fromkeys(
             ("writes", "disk_bytes_written", "reads", "disk_bytes_read", "pending_hits", "dropped_puts",
              "failed_puts", "skipped_puts", "corrupt", "read_errors", "alloc_failures",
-             "evictions", "vanished", "rescans"), 0)
+             "evictions", "vanished", "rescans", "other_version"), 0)
         self._writable = True
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -161,6 +173,14 @@ class PosixBackend:
             logger.warning("tier %r: chunk file %s is unusable (%s); deleted, treated as a miss",
                            self.name, path, err)
         remove_if_same(path, err.ino)
+
+    def _other_version(self, rel: str, err: ForeignChunk) -> None:
+        """A file of another format version: a miss for reads and lookups, left on disk."""
+        with self._lock:
+            self._index.mark_foreign(rel, err.ino)
+            self._counters["other_version"] += 1
+        self._log_once("version", "chunk file %s is of another format version (%s); treated as a "
+                       "miss and left in place", self._path(rel), err)
 
     def _touch(self, rel: str, size: int | None = None) -> bool:
         """Make ``rel`` the most recently used entry here and in the LRU shared with other
@@ -262,6 +282,7 @@ class PosixBackend:
             kind = errno.errorcode.get(getattr(exc, "errno", None) or 0, type(exc).__name__)
             self._log_once(f"write:{kind}", "store into %s failed: %s", self.root, exc)
         finally:
+            self._held.attach(rel, path)  # pinned while it was queued: hold the file now
             with self._lock:
                 self._index.reserved -= reserved
                 self._pending.pop(rel, None)
@@ -279,16 +300,22 @@ class PosixBackend:
                 self._counters["pending_hits"] += 1
                 return queued.ref_up()
             known = self._headers.get(rel)
+        held = self._held.dup(rel)  # pinned: read the file we hold, even if it was unlinked
         try:
-            obj, size, known = self._read_file(self._path(rel), key, layers, known)
+            path = self._path(rel) if held is None else fd_path(held)
+            obj, size, known = self._read_file(path, key, layers, known)
         except FileNotFoundError:
             self._remember(rel, None)
             with self._lock:
                 if self._index.remove(rel) is not None:
                     self._counters["vanished"] += 1
             return None
+        except ForeignChunk as exc:  # another version's file: not ours to judge or delete
+            self._other_version(rel, exc)
+            return None
         except CorruptChunk as exc:
             self._remember(rel, None)
+            self._held.drop(rel)
             self._quarantine(rel, exc)
             return None
         except ValueError as exc:  # a layer range the chunk does not have: the caller's mistake
@@ -298,6 +325,9 @@ class PosixBackend:
             self._count("read_errors")
             self._log_once("read", "read of %s failed: %r", self._path(rel), exc)
             return None
+        finally:
+            if held is not None:
+                os.close(held)
         self._remember(rel, known)
         if obj is None:
             self._count("alloc_failures")
@@ -317,60 +347,6 @@ class PosixBackend:
     def get_layers(self, key: CacheKey, first_layer: int, num_layers: int) -> MemoryObj | None:
         return self._read(key, (first_layer, num_layers))
 
-    # -- lookup and pins ------------------------------------------------------------------------
-    @hookimpl
-    def contains(self, keys: Sequence[CacheKey], pin: bool) -> list[bool]:
-        rels = [cf.relative_chunk_path(k) for k in keys]
-        with self._lock:
-            # a chunk still being written is a hit too: get() serves it from the queued object
-            found = [rel in self._index or rel in self._pending for rel in rels]
-        for i, rel in enumerate(rels):
-            if found[i]:
-                continue
-            entry = stat_entry(self._path(rel))  # another process may have written it
-            if entry is None:
-                # Lookups are prefix lookups: past the first real miss only the index answers
-                # (no stat per key for a long run of misses; "on doubt, answer False").
-                break
-            found[i] = True
-            with self._lock:
-                if rel not in self._index:
-                    self._index.add(rel, entry.size, entry.stamp)
-        for i, rel in enumerate(rels):
-            if not (pin and found[i]):
-                continue
-            with self._lock:
-                self._index.pins.pin(rel)
-            if not self._touch(rel):  # newest in the shared LRU: other processes evict it last
-                with self._lock:
-                    self._index.pins.unpin(rel)
-                    self._index.remove(rel)
-                found[i] = False
-        return found
-
-    @hookimpl
-    def unpin(self, keys: Sequence[CacheKey]) -> None:
-        with self._lock:
-            self._index.pins.unpin_all(cf.relative_chunk_path(key) for key in keys)
-
-    @hookimpl
-    def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
-        with self._lock:
-            if keys is None:
-                victims = self._index.take_victims(nbytes) if nbytes > 0 else []
-            else:
-                victims = []
-                for key in keys:
-                    rel = cf.relative_chunk_path(key)
-                    if rel in self._index.pins:
-                        continue
-                    if rel in self._pending:
-                        self._cancelled.add(rel)
-                    entry = self._index.remove(rel) or stat_entry(self._path(rel))
-                    if entry is not None:
-                        victims.append((rel, entry))
-        return self._unlink_victims(victims)
-
     # -- lifecycle ------------------------------------------------------------------------------
     @hookimpl
     def flush(self, timeout: float) -> bool:
@@ -384,6 +360,7 @@ class PosixBackend:
         if already_closed:
             return
         self._pool.shutdown(wait=True)
+        self._held.close()
         if self._writable:  # other processes may have written meanwhile: leave the bound kept
             try:
                 self._trim_to_capacity()
@@ -397,4 +374,5 @@ class PosixBackend:
             out.update(entries=len(self._index), bytes=self._index.bytes, capacity=self.capacity,
                        pinned=len(self._index.pins), pending_writes=len(self._pending),
                        o_direct=int(self.o_direct), writable=int(self._writable))
+        out.update(self._held.stats())
         return out

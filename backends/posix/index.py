@@ -70,6 +70,15 @@ class PosixIndex:
         self.pins: PinCounts[str] = PinCounts()
         self.bytes = 0
         self.reserved = 0  # bytes of writes in progress (not indexed until they finish)
+        #: files of another format version (rolling upgrades): path -> inode; misses, kept on disk
+        self.foreign: OrderedDict[str, int] = OrderedDict()
+
+    def mark_foreign(self, rel: str, ino: int, limit: int = 4096) -> None:
+        """Remember that ``rel`` (inode ``ino``) is another version's file: lookups miss it."""
+        self.foreign[rel] = ino
+        self.foreign.move_to_end(rel)
+        if len(self.foreign) > limit:
+            self.foreign.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._lru)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import xxhash
 from kvplug import chunkfile as cf
-from kvplug.errors import ChunkFormatError
+from kvplug.errors import ChunkFormatError, ChunkVersionError
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
 
@@ -40,6 +40,11 @@ class CorruptChunk(Exception):
     def __init__(self, reason: str, ino: int) -> None:
         super().__init__(reason)
         self.ino = ino
+
+
+class ForeignChunk(CorruptChunk):
+    """A chunk file of another format version (a node before or after an upgrade wrote it):
+    a miss, but never deleted by this version."""
 
 
 class KnownHeaders:
@@ -177,7 +182,8 @@ def read_checked_header(fd: int, st: os.stat_result, key: CacheKey,
                         known: Known | None = None) -> Known:
     """``(digest, header)`` of the open chunk file ``fd``, checked to hold ``key``. ``known``
     from an earlier read or write of the same path is reused when the file's header bytes still
-    hash to its digest. Raises :class:`CorruptChunk` for a damaged or foreign file."""
+    hash to its digest. Raises :class:`CorruptChunk` for a damaged file or one of another key,
+    :class:`ForeignChunk` for one of another format version."""
     header = None
     if known is not None and known[1].file_size == st.st_size:
         need = known[1].header_bytes
@@ -186,6 +192,8 @@ def read_checked_header(fd: int, st: os.stat_result, key: CacheKey,
     if header is None:
         try:
             header, raw = cf.read_header(_aligned_reader(fd), st.st_size)
+        except ChunkVersionError as exc:
+            raise ForeignChunk(str(exc), st.st_ino) from None
         except ChunkFormatError as exc:
             raise CorruptChunk(str(exc), st.st_ino) from None
         digest = header_digest(raw)
@@ -208,8 +216,8 @@ def read_chunk(
     ``known`` is ``(digest, header)`` from an earlier read or write of this path (see
     :func:`read_checked_header`). Returns ``(obj, file_size, (digest, header))``; ``obj`` is
     ``None`` when ``allocate`` had no memory. Raises ``FileNotFoundError`` if there is no file,
-    :class:`CorruptChunk` if the file is damaged, of another format version or holds another
-    key, ``ValueError`` for a bad layer range."""
+    :class:`CorruptChunk` if the file is damaged or holds another key (:class:`ForeignChunk`:
+    of another format version), ``ValueError`` for a bad layer range."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
     try:
         st = os.fstat(fd)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ChunkFormatError, ConfigError
+from ..errors import ChunkFormatError, ChunkVersionError, ConfigError
 from ..keys import CacheKey
 from ..memory import MemoryFormat, MemoryObj, MemoryObjMeta
 from .checksums import CHECKSUM_ALGO, checksum, split_layers
@@ -257,7 +257,7 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None) -> C
     if meta.get("format") != FORMAT_NAME:
         raise ChunkFormatError(f"format {meta.get('format')!r} is not {FORMAT_NAME!r}")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ChunkFormatError(
+        raise ChunkVersionError(
             f"format version {meta.get('format_version')!r} is not {FORMAT_VERSION!r}"
         )
     try:

@@ -11,7 +11,7 @@ import click
 from pydantic import BaseModel, ByteSize, ValidationError
 from rich.table import Table
 
-from ..config import ENV_PREFIX, RESERVED_ENV, KVPlugConfig, TierConfig, load_config
+from ..config import ENV_PREFIX, RESERVED_ENV, KVPlugConfig, TierConfig, load_config, widest_schema
 from ..errors import KVPlugError
 from ..plugins import load_backend_class
 from .common import console, escape, fail
@@ -51,7 +51,7 @@ def resolve_tier(tier: TierConfig) -> dict[str, Any]:
 def check_config(path: Path) -> tuple[KVPlugConfig, list[dict[str, Any]], list[str]]:
     """The validated config, its resolved tiers, and every problem found (empty when valid)."""
     try:
-        cfg = load_config(path)
+        cfg = load_config(path, schema=widest_schema())
     except KVPlugError as exc:
         fail(f"{path}: {exc}")
     problems: list[str] = []

@@ -1,0 +1,42 @@
+"""``ConnectorConfig``: the core config plus what only the vLLM connector reads.
+
+The same YAML file (or ``kv_connector_extra_config`` dict, or ``KVPLUG_*`` variable) sets both:
+``chunk_size`` and ``tiers`` go to the core, the keys below to the connector. A bare
+:class:`~kvplug.storage_manager.StorageManager` given this file ignores these keys; a typo in any
+key is still an error that names it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from kvplug.config import KVPlugConfig, load_config
+from pydantic import Field
+
+
+class ConnectorConfig(KVPlugConfig):
+    """Everything kvplug reads inside vLLM: the core settings and the connector's own."""
+
+    layerwise: bool = Field(default=False, description="move KV layer by layer (else in bulk)")
+    save_partial_chunk: bool = Field(
+        default=False, description="store the last, partial chunk of a prompt too"
+    )
+    save_decode: bool = Field(default=False, description="store KV produced while decoding")
+    lookup_timeout_s: float = Field(
+        default=2.0, gt=0, description="scheduler->worker lookup; past it, a miss"
+    )
+    model_name: str | None = Field(
+        default=None, description="the model name used in keys (default: vLLM's model)"
+    )
+    log_every_load: bool = Field(default=True, description="one INFO line per request that loads")
+
+
+def load_connector_config(
+    source: KVPlugConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> ConnectorConfig:
+    """:func:`kvplug.config.load_config` with the connector's schema (same sources, same errors)."""
+    return load_config(source, env=env, schema=ConnectorConfig)
