@@ -236,3 +236,27 @@ def unused_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_store_dropped_for_capacity_does_not_keep_the_breakers_trial_call():
+    """With the breaker open, the first call after the back-off is its one trial. A store that is
+    then dropped because pinned objects fill the capacity must not take that trial with it:
+    once the pin is gone, the next store reaches the (healthy) store and closes the breaker."""
+    with _mgr(breaker_threshold=1, breaker_backoff_s=0.05) as probe_mgr:
+        _put(probe_mgr, [0])
+        chunk_bytes = int(probe_mgr.stats()["fsspec"]["bytes_put"])
+    fsspec.filesystem("memory").store.clear()
+    with _mgr(capacity=chunk_bytes, breaker_threshold=1, breaker_backoff_s=0.05) as mgr:
+        backend = _backend(mgr)
+        _put(mgr, [0])
+        assert mgr.lookup_prefix([make_key(0)], pin=True).num_chunks == 1
+        backend.breaker.failure("injected: the store looked down")
+        assert backend.breaker.is_open
+        time.sleep(0.1)  # past the back-off: the next call is the trial
+        _put(mgr, [1])  # no room: the pinned chunk 0 fills the capacity
+        assert mgr.stats()["fsspec"]["written"] == 1
+        mgr.unpin([make_key(0)], ["fsspec"])
+        _put(mgr, [2])
+        st = mgr.stats()["fsspec"]
+        assert st["written"] == 2, f"the trial call was lost; the breaker never closes: {st}"
+        assert not backend.breaker.is_open

@@ -60,6 +60,13 @@ class CircuitBreaker:
             self.refused += 1
             return False
 
+    def forgo(self) -> None:
+        """Give back a trial call that :meth:`allow` granted but the caller did not make (a store
+        dropped for another reason), so the next caller makes it; without this the breaker would
+        wait forever for a report that never comes."""
+        with self._lock:
+            self._probe = False
+
     def success(self) -> None:
         """Record a call that reached the store (a missing object counts as success)."""
         with self._lock:

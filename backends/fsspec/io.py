@@ -251,6 +251,10 @@ class GuardedIO:
         """Whether the store may be called now (see :meth:`CircuitBreaker.allow`)."""
         return self.breaker.allow()
 
+    def forgo(self) -> None:
+        """A call :meth:`allow` granted will not be made (see :meth:`CircuitBreaker.forgo`)."""
+        self.breaker.forgo()
+
     def fetch(self, path: str, start: int | None = None, end: int | None = None) -> bytes | None:
         """Bytes of an object (or of ``[start, end)``); ``None`` when missing or unavailable."""
         if not self.breaker.allow():

@@ -167,6 +167,7 @@ class ChunkWriter:
             return
         victims = self._tier.index.reserve(len(data), self.protected)
         if victims is None:
+            self._tier.remote.forgo()
             self._count("dropped_puts")
             return
         self._delete([p for p, _ in victims])
