@@ -14,6 +14,32 @@ POISON = 0xA5
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+#: block-major ("cross-layer") orders: one block's pages of every layer are adjacent
+CROSS_LAYER = ("BLHNC", "BLNHC")
+
+
+def vllm_kv_views(
+    buf: torch.Tensor, layout: str, dtype: torch.dtype, *, L: int, B: int, H: int, N: int, C: int
+) -> dict[str, torch.Tensor]:
+    """vLLM 0.32's per-layer ``[B, H, N, C]`` views (MLA: H = 1) in ``dtype`` over the int8
+    ``buf`` of ``L * B * H * N * C`` elements, laid out physically in ``layout``: LBHNC (CPU,
+    FlashInfer), LBNHC (FlashAttention: physical ``[B, N, H, C]``), MLA, or a cross-layer order
+    (BLHNC, BLNHC: block outermost, so a layer's block stride is ``L`` pages)."""
+    if layout not in (*LAYOUTS, *CROSS_LAYER):
+        raise ValueError(f"unknown layout {layout!r}")
+    nh = layout.endswith("NHC")  # physically [.., N, H, C]: the logical view permutes H and N
+    inner = (N, H, C) if nh else (H, N, C)
+    typed = buf.view(dtype)
+    if layout in CROSS_LAYER:
+        per_layer = [typed.view(B, L, *inner)[:, layer] for layer in range(L)]
+    else:
+        per_layer = list(typed.view(L, B, *inner).unbind(0))
+    return {
+        f"model.layers.{layer}.self_attn.attn": t.permute(0, 2, 1, 3) if nh else t
+        for layer, t in enumerate(per_layer)
+    }
+
+
 class KVFixture:
     """A vLLM-like KV cache: ``L`` layers over one int8 buffer in a given physical layout."""
 
@@ -38,24 +64,12 @@ class KVFixture:
         g = torch.Generator().manual_seed(seed)
         self.buf = torch.randint(-128, 128, (L * B * self.page,), dtype=torch.int8, generator=g)
         self.buf = self.buf.to(device)
-        self.caches: dict[str, torch.Tensor] = {}
-        if layout == "BLHNC":  # block-major: a layer's pages are not adjacent (block stride L*P)
-            five = self.buf.view(dtype).view(B, L, H, N, C)
-        for layer in range(L):
-            if layout == "BLHNC":
-                t = five[:, layer]
-            else:
-                raw = self.buf[layer * B * self.page : (layer + 1) * B * self.page].view(dtype)
-                if layout == "LBNHC":  # FlashAttention: logical [B,H,N,C], physical [B,N,H,C]
-                    t = raw.view(B, N, H, C).permute(0, 2, 1, 3)
-                else:  # LBHNC (CPU) and MLA ([B,1,N,C])
-                    t = raw.view(B, H, N, C)
-            self.caches[f"model.layers.{layer}.self_attn.attn"] = t
+        self.caches = vllm_kv_views(self.buf, layout, dtype, L=L, B=B, H=H, N=N, C=C)
         self.tensors = list(self.caches.values())
 
     def offset(self, layer: int, block: int) -> int:
         """Byte offset of page (layer, block) in the buffer, from the layout alone."""
-        if self.layout == "BLHNC":
+        if self.layout in CROSS_LAYER:
             return (block * self.L + layer) * self.page
         return (layer * self.B + block) * self.page
 
