@@ -31,6 +31,11 @@ class ConnectorConfig(KVPlugConfig):
         default=None, description="the model name used in keys (default: vLLM's model)"
     )
     log_every_load: bool = Field(default=True, description="one INFO line per request that loads")
+    report_to_client: bool = Field(
+        default=False,
+        description="return the per-request report (hit tokens, tiers) in kv_transfer_params; "
+        "off because every API client would see what others cached",
+    )
 
 
 def load_connector_config(

@@ -19,11 +19,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .config import load_connector_config
+from .identity import build_identity
 from .lookup import LookupClient, socket_path
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta
 from .scheduler import SchedulerSide
 from .stats import KVPlugStats
-from .worker import WorkerSide, _Identity
+from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -52,6 +53,15 @@ def _setup_logging() -> None:
         root.setLevel(logging.INFO)
 
 
+def _warn_fail_policy(policy: str) -> None:
+    """vLLM's default ``kv_load_failure_policy`` is ``fail``: one chunk lost between lookup and load
+    (evicted, corrupt, a tier down) would fail the whole request instead of recomputing it."""
+    if policy == "fail":
+        logger.warning("kv_load_failure_policy is 'fail' (vLLM's default): a kvplug load error "
+                       "fails the request. Set \"kv_load_failure_policy\": \"recompute\" in "
+                       "--kv-transfer-config so vLLM recomputes the blocks instead.")
+
+
 class KVPlugConnector(KVConnectorBase_V1):
     """Tiered KV-cache storage for vLLM: local RAM, disk, GDS, remote, any plugin tier."""
 
@@ -65,25 +75,40 @@ class KVPlugConnector(KVConnectorBase_V1):
         self.kv_role = xfer.kv_role or "kv_both"
         block_size = vllm_config.cache_config.block_size
         tp = vllm_config.parallel_config.tensor_parallel_size
+        pp = vllm_config.parallel_config.pipeline_parallel_size
         engine_id = xfer.engine_id or "default"
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            client = LookupClient([socket_path(engine_id, r) for r in range(tp)],
-                                  self.config.lookup_timeout_s)
+            _warn_fail_policy(xfer.kv_load_failure_policy)
+            # every worker (TP rank x PP stage) answers; the hit is the minimum over them
+            client = LookupClient([socket_path(engine_id, r, p) for p in range(pp)
+                                   for r in range(tp)], self.config.lookup_timeout_s)
             self._sched = SchedulerSide(self.config, block_size, self.kv_role, client)
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-            layout = (getattr(kv_cache_config, "kv_cache_layout", None)
-                      or vllm_config.cache_config.kv_cache_layout or "unknown")
-            model = self.config.model_name or vllm_config.model_config.model
-            ident = _Identity(model=model, layout=f"{layout}-bs{block_size}", world_size=tp,
-                              rank=get_tensor_model_parallel_rank(), engine_id=engine_id)
+            from vllm.distributed.parallel_state import (
+                get_pp_group,
+                get_tensor_model_parallel_rank,
+            )
+            ident = build_identity(vllm_config, self.config,
+                                   tp_rank=get_tensor_model_parallel_rank(),
+                                   pp_rank=get_pp_group().rank_in_group,
+                                   kv_cache_config=kv_cache_config)
             self._worker = WorkerSide(self.config, ident)
         logger.info("kvplug connector (%s, %s): chunk_size=%d, tiers=%s, %s",
                     role.name.lower(), self.kv_role, self.config.chunk_size,
                     ",".join(self.config.tier_names()),
                     "layer-wise" if self.config.layerwise else "bulk")
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise mode needs PIECEWISE CUDA graphs: under full graphs the per-layer hooks
+        (``wait_for_layer_load``/``save_kv_layer``) never run and attention reads unloaded blocks.
+        vLLM passes ``kv_connector_extra_config`` (a dict, maybe naming a file; env applies)."""
+        try:
+            return load_connector_config(dict(extra_config or {})).layerwise
+        except Exception:  # noqa: BLE001 - the connector reports a bad config; be safe here
+            return bool((extra_config or {}).get("layerwise", True))
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -2,37 +2,51 @@
 
 vLLM runs the scheduler and every worker in separate processes; the tiers (and their pins) live in
 the workers. Each worker runs a :class:`LookupService` thread on an ``ipc://`` socket in a private
-directory (mode 0700, owned by the user); the scheduler's :class:`LookupClient` asks every TP rank
-and takes the minimum. A rank that does not answer within the timeout makes the lookup a miss:
-serving never waits on a slow tier. Messages are msgspec/msgpack structs; nothing is pickled.
+directory (mode 0700, owned by the user), named by a hash of (engine id, DP, PP, TP rank); the
+scheduler's :class:`LookupClient` asks every rank and takes the minimum. Lookups are asynchronous:
+the client answers ``None`` ("ask again") until every rank replied, and a miss once the lookup's
+deadline passed, so the scheduler never blocks on a slow tier. Each lookup carries its deadline;
+a worker skips lookups whose caller already gave up. Messages are msgspec/msgpack structs; nothing
+is pickled, and a malformed message is dropped and counted, never fatal to the service.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import logging
 import os
+import socket
 import stat
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 import zmq
+from kvplug.logs import LogOnce
 
 logger = logging.getLogger("kvplug.connector")
+
+#: zmq's ipc:// limit (sockaddr_un.sun_path minus the NUL).
+MAX_IPC_PATH = 107
 
 
 class Lookup(msgspec.Struct, tag=True):
     """Find the leading run of ``hashes`` (full chunks) that is stored; if all are, try the
-    ``tails`` (``(tokens_after, hash)`` partial chunks, longest first). Pin what is found."""
+    ``tails`` (``(tokens_after, hash)`` partial chunks, longest first). Pin what is found.
+    ``deadline`` is the caller's ``time.monotonic()`` (system-wide on Linux) past which it no
+    longer waits for the answer."""
 
     id: int
     req_id: str
     hashes: list[bytes]
     tails: list[tuple[int, bytes]] = []
     pin: bool = True
+    deadline: float = float("inf")
 
 
 class Release(msgspec.Struct, tag=True):
@@ -51,10 +65,8 @@ _decode_msg = msgspec.msgpack.Decoder(Lookup | Release).decode
 _decode_reply = msgspec.msgpack.Decoder(Reply).decode
 
 
-def private_dir() -> Path:
-    """``$TMPDIR/kvplug-<uid>``: created 0700; refused if another user owns it or others can
-    enter it (a socket there must not be reachable by other users)."""
-    d = Path(tempfile.gettempdir()) / f"kvplug-{os.getuid()}"
+def _checked_dir(d: Path) -> Path:
+    """Create ``d`` 0700; refuse it if another user owns it or it is not a directory."""
     d.mkdir(mode=0o700, exist_ok=True)
     st = d.lstat()
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
@@ -64,14 +76,40 @@ def private_dir() -> Path:
     return d
 
 
-def socket_path(engine_id: str, rank: int) -> Path:
-    """The lookup socket of one TP rank of one engine (``engine_id`` is shared by its ranks)."""
-    safe = "".join(c for c in engine_id if c.isalnum() or c in "-_")[:40] or "engine"
-    return private_dir() / f"lookup-{safe}-r{rank}.sock"
+def private_dir() -> Path:
+    """``$TMPDIR/kvplug-<uid>`` (0700, ours). When ``$TMPDIR`` is too long for an ipc socket path
+    (zmq's 107 characters), ``/tmp/kvplug-<uid>`` (same checks) instead of failing to bind."""
+    name = f"kvplug-{os.getuid()}"
+    d = Path(tempfile.gettempdir()) / name
+    if len(str(d)) + len("/lookup-0123456789abcdef0123.sock") > MAX_IPC_PATH:
+        d = Path("/tmp") / name
+    return _checked_dir(d)
+
+
+def socket_path(engine_id: str, rank: int, pp_rank: int = 0, dp_rank: int = 0) -> Path:
+    """The lookup socket of one worker: TP ``rank`` of PP stage ``pp_rank`` of DP replica
+    ``dp_rank`` of engine ``engine_id``. A hash, so long ids never collide by truncation."""
+    ident = f"{engine_id}\0dp{dp_rank}\0pp{pp_rank}\0tp{rank}".encode()
+    return private_dir() / f"lookup-{hashlib.sha256(ident).hexdigest()[:20]}.sock"
+
+
+def _is_live(path: Path) -> bool:
+    """Whether something accepts connections on the unix socket ``path``."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(str(path))
+        return True
+    except OSError as exc:
+        return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT)
+    finally:
+        s.close()
 
 
 class LookupService:
-    """A worker-side thread answering :class:`Lookup` and :class:`Release` messages."""
+    """A worker-side thread answering :class:`Lookup` and :class:`Release` messages.
+
+    ``dropped`` counts malformed messages, ``expired`` lookups skipped (or answered too late)
+    because their caller had given up."""
 
     def __init__(
         self,
@@ -82,12 +120,18 @@ class LookupService:
         self.path = path
         self._on_lookup = on_lookup
         self._on_release = on_release
+        self.dropped = 0
+        self.expired = 0
+        self._log_once = LogOnce(logger)
         self._stop = threading.Event()
+        if path.exists() or path.is_symlink():
+            if _is_live(path):
+                raise RuntimeError(f"kvplug lookup socket {path} is in use by another live "
+                                   "worker with the same engine id and ranks")
+            path.unlink()  # a stale socket of a crashed run
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        if path.exists():
-            path.unlink()  # a stale socket of a crashed run with the same engine id
         self._sock.bind(f"ipc://{path}")
         os.chmod(path, 0o600)
         self._thread = threading.Thread(target=self._run, name="kvplug-lookup", daemon=True)
@@ -97,24 +141,47 @@ class LookupService:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            ident, payload = self._sock.recv_multipart()
             try:
-                msg = _decode_msg(payload)
-            except msgspec.DecodeError:
-                logger.warning("kvplug lookup service dropped a malformed message")
-                continue
-            if isinstance(msg, Release):
-                self._on_release(msg.req_ids)
-                continue
-            try:
-                tokens = self._on_lookup(msg)
-            except Exception:  # a failing tier: answer a miss, keep serving
-                logger.exception("kvplug lookup of %s failed; answering a miss", msg.req_id)
-                tokens = 0
-            self._sock.send_multipart([ident, _encode(Reply(msg.id, tokens))])
+                if poller.poll(100):
+                    self._serve(self._sock.recv_multipart())
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    break
+                logger.exception("kvplug lookup service: socket error")
+            except Exception:  # noqa: BLE001 - the service must outlive any one message
+                logger.exception("kvplug lookup service: unexpected error; message dropped")
         self._sock.close(0)
+
+    def _drop(self, why: str) -> None:
+        self.dropped += 1
+        self._log_once(why, "kvplug lookup service dropped a malformed message (%s); further "
+                       "ones are counted, not logged", why)
+
+    def _serve(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            return self._drop(f"{len(frames)} frames")
+        ident, payload = frames
+        try:
+            msg = _decode_msg(payload)
+        except msgspec.DecodeError as exc:
+            return self._drop(type(exc).__name__)
+        if isinstance(msg, Release):
+            self._on_release(msg.req_ids)
+            return None
+        if time.monotonic() >= msg.deadline:  # the caller gave up: do not spend a tier on it
+            self.expired += 1
+            return None
+        try:
+            tokens = self._on_lookup(msg)
+        except Exception:  # a failing tier: answer a miss, keep serving
+            logger.exception("kvplug lookup of %s failed; answering a miss", msg.req_id)
+            tokens = 0
+        if time.monotonic() >= msg.deadline:  # too late: nobody will use these pins
+            self.expired += 1
+            self._on_release([msg.req_id])
+            return None
+        self._sock.send_multipart([ident, _encode(Reply(msg.id, tokens))])
+        return None
 
     def close(self) -> None:
         self._stop.set()
@@ -126,11 +193,27 @@ class LookupService:
             pass
 
 
-class LookupClient:
-    """The scheduler's side: ask every rank, answer the minimum, or 0 past ``timeout_s``."""
+@dataclass
+class _Pending:
+    """One lookup in flight: its query, deadline, and the ranks' answers so far."""
 
-    def __init__(self, paths: list[Path], timeout_s: float) -> None:
+    id: int
+    query: tuple
+    deadline: float
+    answers: dict[int, int] = field(default_factory=dict)
+    expired: bool = False
+
+
+class LookupClient:
+    """The scheduler's side: ask every rank; the minimum once all answered, ``None`` before
+    (ask again), 0 once the lookup is past ``timeout_s`` (counted in ``timeouts``).
+
+    A new lookup waits up to ``wait_s`` for its answers (the usual, fast case answers at once);
+    it never waits longer, and later calls only pick up answers that already arrived."""
+
+    def __init__(self, paths: list[Path], timeout_s: float, wait_s: float = 0.02) -> None:
         self.timeout_s = timeout_s
+        self.wait_s = min(wait_s, timeout_s)
         self._ctx = zmq.Context()
         self._paths = paths
         self._socks: list[zmq.Socket] = []
@@ -139,48 +222,89 @@ class LookupClient:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(f"ipc://{p}")
             self._socks.append(s)
+        self._poller = zmq.Poller()
+        for s in self._socks:
+            self._poller.register(s, zmq.POLLIN)
         self._next_id = 0
+        self._pending: dict[str, _Pending] = {}  # by request id
+        self._log_once = LogOnce(logger)
         self.timeouts = 0
 
-    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]]) -> int:
-        """Leading stored tokens (minimum over ranks); 0 when any rank is late or absent."""
+    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]]
+               ) -> int | None:
+        """Leading stored tokens (minimum over ranks); ``None`` while a rank has not answered;
+        0 when a rank is late past the deadline or absent."""
         if not hashes and not tails:
             return 0
+        query = (tuple(hashes), tuple(tails))
+        p = self._pending.get(req_id)
+        if p is None or p.query != query:
+            if p is not None:
+                self.release([req_id])  # the request changed: drop the old lookup and pins
+            p = self._send(req_id, query)
+            if p is None:
+                return 0
+            self._receive(min(self.wait_s, max(0.0, p.deadline - time.monotonic())), p)
+        else:
+            self._receive(0.0, None)
+        if len(p.answers) == len(self._socks):
+            del self._pending[req_id]
+            return min(p.answers.values())
+        if time.monotonic() < p.deadline:
+            return None
+        del self._pending[req_id]
+        self._timed_out(req_id, p)
+        return 0
+
+    def _send(self, req_id: str, query: tuple) -> _Pending | None:
         self._next_id += 1
-        mid = self._next_id
-        payload = _encode(Lookup(mid, req_id, hashes, tails))
+        p = _Pending(self._next_id, query, time.monotonic() + self.timeout_s)
+        payload = _encode(Lookup(p.id, req_id, list(query[0]), list(query[1]),
+                                 deadline=p.deadline))
         try:
             for s in self._socks:
                 s.send(payload, zmq.NOBLOCK)
         except zmq.Again:  # a rank's queue is full: it is not reading, so it is a miss
-            self.timeouts += 1
-            return 0
-        answers: dict[int, int] = {}
-        deadline = time.monotonic() + self.timeout_s
-        poller = zmq.Poller()
-        for s in self._socks:
-            poller.register(s, zmq.POLLIN)
-        while len(answers) < len(self._socks):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            for s, _ in poller.poll(left * 1000):
-                reply = _decode_reply(s.recv())
-                if reply.id == mid:  # older, late replies are dropped here
-                    answers[self._socks.index(s)] = reply.tokens
-        if len(answers) < len(self._socks):
-            self.timeouts += 1
-            missing = [str(self._paths[i]) for i in range(len(self._socks)) if i not in answers]
-            logger.warning("kvplug lookup of %s timed out after %.2fs (no answer from %s); "
-                           "treating it as a miss", req_id, self.timeout_s, ", ".join(missing))
-            self.release([req_id])
-            return 0
-        return min(answers.values())
+            self._timed_out(req_id, p)
+            return None
+        self._pending[req_id] = p
+        return p
+
+    def _receive(self, wait_s: float, until: _Pending | None) -> None:
+        """Take every reply that arrived; wait up to ``wait_s`` for ``until`` to complete."""
+        by_id = {p.id: p for p in self._pending.values()}
+        end = time.monotonic() + wait_s
+        while True:
+            for s, _ in self._poller.poll(0):
+                while True:
+                    try:
+                        reply = _decode_reply(s.recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    except msgspec.DecodeError:
+                        continue
+                    if (p := by_id.get(reply.id)) is not None:  # late, dropped ids are ignored
+                        p.answers[self._socks.index(s)] = reply.tokens
+            left = end - time.monotonic()
+            if until is None or len(until.answers) == len(self._socks) or left <= 0:
+                return
+            self._poller.poll(left * 1000)
+
+    def _timed_out(self, req_id: str, p: _Pending) -> None:
+        self.timeouts += 1
+        missing = [str(self._paths[i]) for i in range(len(self._socks)) if i not in p.answers]
+        self._log_once("timeout", "kvplug lookup of %s timed out after %.2fs (no answer from %s);"
+                       " treated as a miss (further timeouts are counted in stats, not logged)",
+                       req_id, self.timeout_s, ", ".join(missing))
+        self.release([req_id])
 
     def release(self, req_ids: list[str]) -> None:
-        """Tell every rank to drop the pins of these requests (fire and forget)."""
+        """Forget these requests' lookups in flight and tell every rank to drop their pins (fire
+        and forget; a rank handles it after any lookup of theirs sent before)."""
         if not req_ids:
             return
+        for r in req_ids:
+            self._pending.pop(r, None)
         payload = _encode(Release(list(req_ids)))
         for s in self._socks:
             try:

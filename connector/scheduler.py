@@ -13,11 +13,13 @@ False}`` (and ``"kvplug_load": False`` skips the lookup). Roles: ``kv_consumer``
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from kvplug.tokens import TokenDatabase
 
 from .config import ConnectorConfig
@@ -33,17 +35,33 @@ logger = logging.getLogger("kvplug.connector")
 
 
 class LookupFn(Protocol):
-    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]]) -> int: ...
+    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]]
+               ) -> int | None: ...  # None: not answered yet, ask again
+
+    def release(self, req_ids: list[str]) -> None: ...
+
+
+def _embeds_digest(request: Request, start: int, end: int) -> bytes | None:
+    """sha256 of the prompt embeddings of tokens ``[start, end)`` (None past them or without)."""
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is None or start >= len(embeds):
+        return None
+    part = embeds[start:end].detach().contiguous().cpu()
+    head = f"{part.dtype}{tuple(part.shape)}".encode()
+    return hashlib.sha256(head + part.view(-1).view(torch.uint8).numpy().tobytes()).digest()
 
 
 def chunk_extra_keys(request: Request, start: int, end: int) -> tuple | None:
     """What besides the tokens identifies tokens ``[start, end)``: the multimodal inputs
     overlapping them (so two images behind the same placeholder tokens never share an entry), the
-    LoRA adapter, and the cache salt (first chunk only)."""
+    LoRA adapter (name and path, as vLLM's own block hash), the prompt embeddings (their
+    positions hold placeholder ids), and the cache salt (first chunk only)."""
     keys: list[tuple] = []
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        keys.append(("lora", lora.lora_name))
+        keys.append(("lora", lora.lora_name, lora.lora_path))
+    if (embeds := _embeds_digest(request, start, end)) is not None:
+        keys.append(("prompt_embeds", embeds))
     for f in getattr(request, "mm_features", None) or ():
         pos = f.mm_position
         if pos.offset < end and pos.offset + pos.length > start:
@@ -67,6 +85,7 @@ class RequestTracker:
     stored_tokens: int = 0  # [0, stored_tokens) is in storage or being stored (chunk aligned)
     partial_saved: bool = False
     pending_load: LoadSpec | None = None
+    asking: bool = False  # a lookup is in flight (answered None)
     block_ids: list[int] = field(default_factory=list)  # fallback when vLLM gives no block state
     report: dict[str, Any] = field(default_factory=dict)  # returned in kv_transfer_params
 
@@ -125,8 +144,10 @@ class SchedulerSide:
         return t
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int, bool]:
+                                   ) -> tuple[int | None, bool]:
         """Stored leading tokens beyond ``num_computed_tokens``; loads are synchronous.
+        ``(None, False)`` while the workers have not answered: vLLM skips the request this step
+        and asks again, and the lookup goes on meanwhile (the scheduler never waits on a tier).
 
         The hit is capped so at least one token is left to compute (vLLM needs a token to run)
         and stays chunk aligned (block aligned for a stored partial chunk). Repeated calls repeat
@@ -138,18 +159,31 @@ class SchedulerSide:
         if not t.can_load:
             return 0, False
         cap = (request.num_tokens - 1) // self.bs * self.bs
-        if cap <= num_computed_tokens:
-            return 0, False
+        if cap <= num_computed_tokens and not t.can_save:
+            return 0, False  # vLLM holds it all; a lookup would only say what not to store again
         full = cap // self.cs
         hashes = self._full_hashes(t, full)
         tails = [(full * self.cs + m * self.bs, b"")
                  for m in range((cap - full * self.cs) // self.bs, 0, -1)]
         tails = [(end, self._partial_hash(t, end)) for end, _ in tails]
-        hit = min(self.lookup.lookup(request.request_id, hashes, tails), cap)
+        timeouts = getattr(self.lookup, "timeouts", 0)
+        found = self.lookup.lookup(request.request_id, hashes, tails)
+        if (late := getattr(self.lookup, "timeouts", 0) - timeouts) > 0:
+            self.stats.add("lookup_timeouts", late)
+        if found is None and cap <= num_computed_tokens:
+            # vLLM's own cache holds the prompt: this lookup only spares a second copy, and never
+            # holds the request back (its pins are dropped; the chunks may be stored again).
+            self.lookup.release([request.request_id])
+            return 0, False
+        t.asking = found is None
+        if found is None:
+            return None, False
+        hit = min(found, cap)
         t.lookup_tokens = hit
-        self.stats.add("lookups")
-        self.stats.add("lookup_query_tokens", cap)
-        self.stats.add("lookup_hit_tokens", hit)
+        if cap > num_computed_tokens:  # a lookup that cannot load is no query for the hit rate
+            self.stats.add("lookups")
+            self.stats.add("lookup_query_tokens", cap)
+            self.stats.add("lookup_hit_tokens", hit)
         if hit <= num_computed_tokens:
             return 0, False
         return hit - num_computed_tokens, False
@@ -171,6 +205,8 @@ class SchedulerSide:
             first = start // self.cs
             t.pending_load = LoadSpec(start, hit, first, self._hashes_for(t, first * self.cs, hit))
             t.report["promised_tokens"] = num_external_tokens
+        elif hit:  # a hit vLLM did not take (e.g. prompt logprobs): drop its pins now
+            self.lookup.release([request.request_id])
 
     def _save_spec(self, t: RequestTracker, num_scheduled: int) -> SaveSpec | None:
         r = t.request
@@ -243,9 +279,12 @@ class SchedulerSide:
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         """Forget the request (the workers drop its pins); return what kvplug did for it, which
-        vLLM hands back to the caller as ``kv_transfer_params["kvplug"]``."""
+        vLLM hands back to the caller as ``kv_transfer_params["kvplug"]`` when
+        ``report_to_client`` is on (off: every API client would learn what others cached)."""
         t = self.trackers.pop(request.request_id, None)
-        if t is None:
+        if t is not None and t.asking:  # finished (aborted) while its lookup was in flight
+            self.lookup.release([request.request_id])
+        if t is None or not self.cfg.report_to_client:
             return None
         rep = {"lookup_hit_tokens": t.lookup_tokens, "loaded_tokens": 0, "tiers": {},
                "load_ms": 0.0, "failed_blocks": 0, "stored_tokens": t.stored_tokens, **t.report}

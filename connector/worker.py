@@ -40,6 +40,7 @@ from kvplug.memory import MemoryObj
 from kvplug.storage_manager import StorageManager
 
 from .config import ConnectorConfig
+from .identity import Identity
 from .load import LayerReads, RequestLoad, plan_load, valid_pages
 from .lookup import Lookup, LookupService, socket_path
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta
@@ -48,15 +49,7 @@ from .stats import TIER_PREFIX, StatsRecorder
 logger = logging.getLogger("kvplug.connector")
 
 
-@dataclass
-class _Identity:
-    """The key fields every chunk of this worker carries (except the hash)."""
-
-    model: str
-    layout: str  # e.g. "LBHNC-bs128"
-    world_size: int
-    rank: int
-    engine_id: str
+_Identity = Identity  # the key fields of this worker (built by .identity.build_identity)
 
 
 @dataclass
@@ -70,7 +63,7 @@ class _StoreBatch:
 class WorkerSide:
     """The worker half of :class:`~kvplug.connector.KVPlugConnector`."""
 
-    def __init__(self, config: ConnectorConfig, ident: _Identity) -> None:
+    def __init__(self, config: ConnectorConfig, ident: Identity) -> None:
         self.cfg = config
         self.ident = ident
         self.stats = StatsRecorder()
@@ -95,7 +88,7 @@ class WorkerSide:
         self.kv = PagedKV.from_kv_caches(kv_caches)
         self.kv_dtype = str(self.kv.kv_dtype).removeprefix("torch.")
         self.storage = StorageManager(self.cfg)
-        path = socket_path(self.ident.engine_id, self.ident.rank)
+        path = socket_path(self.ident.engine_id, self.ident.rank, self.ident.pp_rank)
         self.service = LookupService(path, self._on_lookup, self.release)
         logger.info("kvplug worker rank %d: %d layers x %d blocks x %d B pages (%s, %s), "
                     "mode %s, lookup at %s", self.ident.rank, self.kv.num_layers,
@@ -103,8 +96,7 @@ class WorkerSide:
                     "layer-wise" if self.cfg.layerwise else "bulk", path)
 
     def key(self, chunk_hash: bytes) -> CacheKey:
-        i = self.ident
-        return CacheKey(i.model, self.kv_dtype, i.layout, i.world_size, i.rank, chunk_hash)
+        return self.ident.key(self.kv_dtype, chunk_hash)
 
     def close(self) -> None:
         self._finish_load()

@@ -9,12 +9,15 @@ key / path given by the caller) < the caller's dict (what vLLM passes as
 ``kv_connector_extra_config``) < ``KVPLUG_*`` environment variables. Nested fields use ``__``:
 ``KVPLUG_CHUNK_SIZE=512``, ``KVPLUG_SAVE_DECODE=true``, ``KVPLUG_TIERS='[{backend: local_cpu}]'``
 (values are parsed as YAML). Every unknown key or bad value is a :class:`ConfigError` that names
-it and what is accepted. Sizes accept ``8GiB``, ``512MB``, ``1e9``...
+it and what is accepted; an unknown ``KVPLUG_*`` variable is only a warning naming the closest
+one. Sizes accept ``8GiB``, ``512MB``, ``1e9``...
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
+import logging
 import os
 from collections.abc import Mapping
 from importlib.metadata import entry_points
@@ -26,6 +29,7 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, Valida
 
 from .errors import ConfigError
 
+logger = logging.getLogger("kvplug.config")
 ENV_PREFIX = "KVPLUG_"
 #: Environment variables with a meaning of their own (not config overrides).
 RESERVED_ENV = {"KVPLUG_CONFIG", "KVPLUG_CACHE_DIR", "KVPLUG_LOG_LEVEL", "KVPLUG_LOAD_BACKENDS"}
@@ -162,6 +166,16 @@ def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+def _warn_unknown_env(name: str, fields: list[str]) -> None:
+    """An unrelated ``KVPLUG_*`` variable (a user's own ``KVPLUG_HOME``) is ignored with a warning
+    naming the closest valid one, as vLLM does for ``VLLM_*``; only dict and file keys are strict."""
+    valid = [ENV_PREFIX + f.upper() for f in fields] + sorted(RESERVED_ENV)
+    n = len(ENV_PREFIX)  # compare what follows the shared prefix
+    close = [ENV_PREFIX + m for m in difflib.get_close_matches(name[n:], [v[n:] for v in valid], 1)]
+    hint = f"; did you mean {close[0]}?" if close else f"; valid: {', '.join(valid)}"
+    logger.warning("environment variable %s is not a kvplug setting and is ignored%s", name, hint)
+
+
 def _env_overrides(env: Mapping[str, str], fields: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, raw in env.items():
@@ -169,9 +183,8 @@ def _env_overrides(env: Mapping[str, str], fields: list[str]) -> dict[str, Any]:
             continue
         path = name[len(ENV_PREFIX) :].lower().split("__")
         if path[0] not in fields:
-            allowed = ", ".join(ENV_PREFIX + f.upper() for f in fields)
-            raise ConfigError(f"environment variable {name} is not a kvplug setting; allowed: "
-                              f"{allowed} (and {', '.join(sorted(RESERVED_ENV))})")
+            _warn_unknown_env(name, fields)
+            continue
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError:

@@ -4,7 +4,9 @@ It is the only thing the cache engine talks to. It decides *which tier* answers;
 *how* bytes are kept. Every hook call goes through :meth:`_call`, which turns an exception from a
 backend into a counted, once-logged miss, and bounds calls on slow tiers (all but the first) with
 the tier's ``timeout_s`` so a stalled tier degrades to a miss instead of hanging the engine (only
-tiers whose class sets ``never_blocks = True``, like ``local_cpu``, are called inline).
+tiers whose class sets ``never_blocks = True``, like ``local_cpu``, are called inline). Each tier
+that may block has its own bounded pool (:mod:`.tier_calls`): a stalled tier starves no other, and
+late results release what they hold (objects, pins).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,8 +29,8 @@ from .hookspecs import PROJECT, BackendSpec, TierContext
 from .keys import CacheKey
 from .logs import LogOnce
 from .memory import MemoryFormat, MemoryObj, heap_memory_obj
-from .metrics import TierMetrics
 from .plugins import load_backend_class
+from .tier_calls import Tier
 
 logger = logging.getLogger("kvplug.storage")
 
@@ -47,27 +49,6 @@ class PrefixLookup:
     pinned: bool = False
 
 
-class _Tier:
-    """One configured tier: its backend instance, metrics wrapper and per-tier hook callers."""
-
-    def __init__(self, index: int, config: TierConfig, backend: object, package: str) -> None:
-        self.index = index
-        self.name = config.tier_name
-        self.config = config
-        self.backend = backend
-        self.package = package
-        self.metrics = TierMetrics(self.name)
-        self.hooks: dict[str, Any] = {}
-        self.faults = 0
-        self.timeouts = 0
-        #: Pure in-memory tiers declare ``never_blocks = True`` and are called inline; every other
-        #: tier's get/contains is bounded by its ``timeout_s``.
-        self.inline = bool(getattr(backend, "never_blocks", False))
-
-    def implements(self, hook: str) -> bool:
-        return any(impl.plugin is self.backend for impl in self.hooks[hook].get_hookimpls())
-
-
 class StorageManager:
     """Tiers of storage behind one API: allocate, put, get, prefix lookup, evict, close."""
 
@@ -76,15 +57,13 @@ class StorageManager:
         self.chunk_size = self.config.chunk_size
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(BackendSpec)
-        self._tiers: list[_Tier] = []
+        self._tiers: list[Tier] = []
         self._scope: dict[int, set[str] | None] = {}  # id(plugin) -> tiers it applies to
         self._plugins: dict[int, object] = {}
         self._log_once = LogOnce(logger)
         self._closed = False
         self._lock = threading.Lock()
-        # Bounded tier calls run here; batched_get fans out over its own pool so the two never
-        # wait on each other's threads.
-        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvplug-tier")
+        # Bounded tier calls run on each tier's own pool; batched_get fans out over this one.
         self._readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvplug-read")
         names = self.config.tier_names()
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -133,7 +112,7 @@ class StorageManager:
                 f"tier {cfg.tier_name!r}: backend {cfg.backend!r} from package {info.package} "
                 f"failed to start: {type(exc).__name__}: {exc}"
             ) from exc
-        tier = _Tier(index, cfg, backend, info.package)
+        tier = Tier(index, cfg, backend, info.package)
         self._register(backend, f"tier:{tier.name}", {tier.name})
         self._register(tier.metrics, f"metrics:{tier.name}", {tier.name})
         self._tiers.append(tier)
@@ -172,7 +151,7 @@ class StorageManager:
                 return t.backend
         raise ConfigError(f"unknown tier {tier!r}; tiers are {self.tier_names}")
 
-    def _fault(self, tier: _Tier, hook: str, exc: BaseException) -> None:
+    def _fault(self, tier: Tier, hook: str, exc: BaseException) -> None:
         tier.faults += 1
         self._log_once(
             (tier.name, hook),
@@ -181,7 +160,7 @@ class StorageManager:
             tier.name, tier.config.backend, hook, type(exc).__name__, exc,
         )
 
-    def _call(self, tier: _Tier, hook: str, bounded: bool = False, **kwargs: Any) -> Any:
+    def _call(self, tier: Tier, hook: str, bounded: bool = False, **kwargs: Any) -> Any:
         """Call one tier's hook; exceptions (and, if ``bounded``, timeouts) become ``None``."""
         caller = tier.hooks[hook]
         if not bounded or tier.inline:
@@ -190,14 +169,12 @@ class StorageManager:
             except Exception as exc:  # noqa: BLE001 - a tier fault is a miss
                 self._fault(tier, hook, exc)
                 return None
-        return self._wait(tier, hook, self._executor.submit(caller, **kwargs))
-
-    def _wait(self, tier: _Tier, hook: str, fut: Future) -> Any:
+        fut = tier.submit(hook, kwargs)
         try:
             return fut.result(timeout=tier.config.timeout_s)
         except FutureTimeout:
             tier.timeouts += 1
-            fut.add_done_callback(_drop_late_result)
+            tier.abandon(hook, fut, kwargs)
             self._fault(tier, hook, TimeoutError(f"no answer within {tier.config.timeout_s}s"))
             return None
         except Exception as exc:  # noqa: BLE001
@@ -368,7 +345,8 @@ class StorageManager:
         for tier in reversed(self._tiers):
             if "close" in tier.hooks and tier.implements("close"):
                 self._call(tier, "close")
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for tier in self._tiers:
+            tier.shutdown()
         self._readers.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> StorageManager:
@@ -388,12 +366,3 @@ def _describe_option_error(err: dict) -> str:
     ) else ""
     return f"{where}: {err['msg']}{shown}"
 
-
-def _drop_late_result(fut: Future) -> None:
-    """A read that finished after its timeout: release the object nobody will use."""
-    try:
-        res = fut.result()
-    except Exception:  # noqa: BLE001
-        return
-    if isinstance(res, MemoryObj):
-        res.ref_down()

@@ -177,3 +177,19 @@ def test_stats_aggregate_and_reduce():
     assert red["load_GBps"] == 2.0 and red["hit_rate"] == 0.25
     assert red["hit_tokens_posix"] == 256
     assert KVPlugStats().is_empty() and not merged.is_empty()
+
+
+def test_a_prompt_vllm_holds_is_never_held_back_by_an_unanswered_lookup(model_dir):
+    """vLLM's own prefix cache covers the prompt; the tiers' lookup (which only spares a second
+    copy) has not answered: the request is scheduled now (0, not "ask again") and its lookup
+    is released. Control: the same unanswered lookup for a prompt vLLM does not hold asks again."""
+    s, side, fake = build(model_dir)
+    fake.lookup = lambda req_id, hashes, tails: None  # the workers have not answered yet
+    r = make_request("held", prompt(1100, 7))
+    side._track(r)
+    assert side.get_num_new_matched_tokens(r, 1088) == (0, False)
+    assert fake.released == ["held"]
+    other = make_request("cold", prompt(1100, 8))
+    side._track(other)
+    assert side.get_num_new_matched_tokens(other, 0) == (None, False)
+    assert fake.released == ["held"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from kvplug.errors import ConfigError
 from kvplug.hookspecs import hookimpl
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import fill_random, make_key
+from tiers_for_tests import DictTier
 
 L1 = {"backend": "local_cpu", "name": "l1", "options": {"capacity": "4MiB"}}
 
@@ -157,3 +159,79 @@ def test_a_lone_stalling_tier_is_bounded_too():
         assert mgr.get(make_key(1)) is None
         assert time.monotonic() - t0 < 2.0
         assert mgr.stats()["tiers_for_tests:StallingTier"]["timeouts"] == 1
+
+
+# -- pins that are always released; a stalled tier that starves no other ------------------------
+
+HANG_S = 30  # only turns a hang into a failure
+STALL = threading.Event()  # BlockingTier's reads wait on it (set: they return)
+
+
+class BlockingTier(DictTier):
+    """A tier whose get/contains block until ``STALL`` is set (a hung NFS mount)."""
+
+    @hookimpl
+    def get(self, key):
+        STALL.wait(HANG_S)
+        return super().get(key)
+
+    @hookimpl
+    def contains(self, keys):
+        STALL.wait(HANG_S)
+        return super().contains(keys)
+
+
+def test_a_late_pinned_contains_releases_its_pins(tmp_path):
+    """posix tier, a contains(pin=True) that answers after its timeout: its pin goes when it
+    finishes (a late get's object is dropped the same way)."""
+    gate = threading.Event()
+
+    class SlowContains:
+        @hookimpl(wrapper=True)
+        def contains(self, keys, pin):
+            res = yield  # the backend pinned what it found...
+            gate.wait(HANG_S)  # ...and answers after the caller gave up
+            return res
+
+    tier = {"backend": "posix", "name": "disk", "options": {"path": str(tmp_path)},
+            "timeout_s": 0.2}
+    with StorageManager({"tiers": [tier]}) as mgr:
+        obj = fill_random(mgr, seed=3)
+        mgr.batched_put([make_key(3)], [obj])
+        obj.ref_down()
+        assert mgr.flush()
+        mgr.add_wrapper(SlowContains(), tiers=["disk"])
+        assert mgr.lookup_prefix([make_key(3)], pin=True).num_chunks == 0  # timed out: a miss
+        assert mgr.stats()["disk"]["pinned"] == 1  # control: the late call did pin
+        gate.set()
+        end = time.monotonic() + HANG_S
+        while mgr.stats()["disk"]["pinned"] and time.monotonic() < end:
+            time.sleep(0.01)
+        assert mgr.stats()["disk"]["pinned"] == 0, "the pin of a late contains was never released"
+        assert mgr.stats()["disk"]["timeouts"] == 1
+
+
+def test_a_stalled_tier_does_not_starve_the_others():
+    """Many lookups through a tier that never answers: threads stay bounded, and the next tier
+    answers every one of them."""
+    STALL.clear()
+    stalled = {"backend": "test_storage_manager:BlockingTier", "name": "stalled",
+               "timeout_s": 0.05}
+    lower = {"backend": "tiers_for_tests:DictTier", "name": "lower", "timeout_s": 10}
+    before = threading.active_count()
+    try:
+        with StorageManager({"tiers": [stalled, lower]}) as mgr:
+            obj = fill_random(mgr, seed=5)
+            mgr.batched_put([make_key(5)], [obj])
+            obj.ref_down()
+            for i in range(40):
+                look = mgr.lookup_prefix([make_key(5)])
+                assert (look.num_chunks, look.tiers) == (1, ["lower"]), f"lookup {i} starved"
+                got = mgr.get(make_key(5), promote=False)
+                assert got is not None, f"read {i} starved"
+                got.ref_down()
+                assert threading.active_count() <= before + 16, "tier threads pile up"
+            assert mgr.stats()["stalled"]["timeouts"] == 80
+            assert mgr.stats()["lower"]["timeouts"] == 0
+    finally:
+        STALL.set()

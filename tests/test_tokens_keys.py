@@ -110,12 +110,18 @@ def test_key_string_is_safe_and_stable():
     assert s == _key(model="../../etc/passwd\x00 ; rm -rf /").to_string()
     ns, hx = parse_key_string(s)
     assert hx == bytes(range(32)).hex() and s.startswith(ns)
+    staged = _key(model_digest="0123456789abcdef", pp_size=2, pp_rank=1, layers="14-28")
+    assert parse_key_string(staged.to_string()) == (staged.namespace, staged.hex)
+    assert ".pp2-1-L14-28." in staged.to_string()
 
 
 def test_keys_of_different_configurations_differ():
     base = _key()
     variants = [_key(model="Qwen/Qwen3-1.7B"), _key(kv_dtype="float16"),
-                _key(kv_layout="LBNHC-bs16"), _key(world_size=4), _key(rank=0)]
+                _key(kv_layout="LBNHC-bs16"), _key(world_size=4), _key(rank=0),
+                _key(model_digest="00ff"), _key(model_digest="01ff"), _key(pp_size=2),
+                _key(pp_size=2, pp_rank=1), _key(pp_size=2, layers="0-2"),
+                _key(pp_size=2, layers="0-3")]
     strings = {v.to_string() for v in variants} | {base.to_string()}
     assert len(strings) == len(variants) + 1
     # models whose readable slugs coincide still differ
@@ -125,6 +131,15 @@ def test_keys_of_different_configurations_differ():
 def test_key_fields_round_trip_and_errors():
     k = _key()
     assert CacheKey.from_fields(k.fields()) == k
+    # the identity fields round-trip; a key made by hand writes exactly the fields it always did
+    full = _key(model_digest="0123456789abcdef", pp_size=2, pp_rank=1, layers="14-28")
+    assert CacheKey.from_fields(full.fields()) == full
+    assert set(k.fields()) == {"model", "kv_dtype", "kv_layout", "world_size", "rank",
+                               "chunk_hash"}
+    with pytest.raises(ConfigError, match="pp_rank=2"):
+        _key(pp_size=2, pp_rank=2)
+    with pytest.raises(ConfigError, match="layers='0-x'"):
+        _key(layers="0-x")
     with pytest.raises(ConfigError, match="'rank' is missing"):
         CacheKey.from_fields({kk: v for kk, v in k.fields().items() if kk != "rank"})
     with pytest.raises(ConfigError, match="kv_layout='LBHNC/x'"):

@@ -45,17 +45,18 @@ def kvplug_config(cache_dir: str | os.PathLike[str], *, local_cpu: bool = True,
     return {"tiers": tiers, **extra}
 
 
-def transfer_config(kind: str, extra: dict[str, Any] | None = None, role: str = "kv_both"
-                    ) -> dict[str, Any] | None:
-    """``kv_transfer_config`` for "kvplug", "example" (vLLM's ExampleConnector) or "none"."""
+def transfer_config(kind: str, extra: dict[str, Any] | None = None, role: str = "kv_both",
+                    policy: str = "recompute") -> dict[str, Any] | None:
+    """``kv_transfer_config`` for "kvplug", "example" (vLLM's ExampleConnector) or "none".
+    kvplug's per-request report is on (``report_to_client``) unless ``extra`` says otherwise."""
     if kind == "none":
         return None
     if kind == "example":
         return {"kv_connector": "ExampleConnector", "kv_role": role,
                 "kv_connector_extra_config": extra or {}}
     return {"kv_connector": "KVPlugConnector", "kv_connector_module_path": "kvplug.connector",
-            "kv_role": role, "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra or {}}
+            "kv_role": role, "kv_load_failure_policy": policy,
+            "kv_connector_extra_config": {"report_to_client": True, **(extra or {})}}
 
 
 def make_llm(model: str | os.PathLike[str], kv: dict[str, Any] | None = None, **kw: Any):
@@ -230,7 +231,8 @@ class FaultTier:
 
 def make_scheduler(model_dir: str | os.PathLike[str], extra: dict[str, Any] | None = None,
                    role: str = "kv_both", block_size: int = 128, num_blocks: int = 200,
-                   max_num_batched_tokens: int = 4096) -> Any:
+                   max_num_batched_tokens: int = 4096, prefix_caching: bool = False,
+                   policy: str = "recompute") -> Any:
     """A real vLLM ``Scheduler`` whose SCHEDULER-role connector is kvplug's."""
     engine_env()
     import torch
@@ -248,14 +250,15 @@ def make_scheduler(model_dir: str | os.PathLike[str], extra: dict[str, Any] | No
 
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
                         max_model_len=4096)
-    cache = CacheConfig(block_size=block_size, enable_prefix_caching=False)
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
     cache.num_gpu_blocks = num_blocks
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=4096, enable_chunked_prefill=True,
                             is_encoder_decoder=False)
     vc = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched,
                     device_config=DeviceConfig("cpu"),
-                    kv_transfer_config=KVTransferConfig(**transfer_config("kvplug", extra, role)))
+                    kv_transfer_config=KVTransferConfig(**transfer_config("kvplug", extra, role,
+                                                                         policy)))
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
                              dtype=torch.float32)
     kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
@@ -281,6 +284,7 @@ class FakeLookup:
     def __init__(self) -> None:
         self.stored: set[bytes] = set()
         self.calls: list[tuple[str, int]] = []
+        self.released: list[str] = []
 
     def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]]) -> int:
         self.calls.append((req_id, len(hashes)))
@@ -290,6 +294,9 @@ class FakeLookup:
                 if h in self.stored:
                     return end
         return n * 256
+
+    def release(self, req_ids: list[str]) -> None:
+        self.released.extend(req_ids)
 
     def close(self) -> None:
         pass

@@ -6,5 +6,6 @@ Both drive or feed a real vLLM engine, and only ``connector/`` may import vLLM, 
 
 * :mod:`.run`   — ``python -m kvplug.connector.demo`` (``make demo``, ``kvplug demo``);
 * :mod:`.model` — tiny local models (config + random weights, no download) for the demo, the
-  tests and the benchmarks.
+  tests and the benchmarks, each with a BPE tokenizer trained locally (:mod:`.tokenizer`);
+* :mod:`.quiet` — keeps vLLM's logs in a file while the demo draws on the terminal.
 """

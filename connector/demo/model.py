@@ -3,7 +3,9 @@
 Weights come from transformers' own initialisation with a fixed seed and ``initializer_range``
 0.08, so outputs depend on the context (vLLM's ``load_format="dummy"`` makes every logit equal,
 which would let any output comparison pass). Presets with ``weights=False`` write only the config
-(for timing with ``load_format="dummy"``). A model is written once per cache directory and reused.
+(for timing with ``load_format="dummy"``). Every model gets a small BPE tokenizer trained locally
+(:mod:`.tokenizer`), so vLLM can take text. A model is written once per cache directory and reused
+(one written before models had a tokenizer gets it added).
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from kvplug.config import default_cache_dir
+
+from . import tokenizer
+
+#: Seed of the tokenizer's training corpus (the same tokenizer for every model of one vocab size).
+TOKENIZER_SEED = 1234
 
 PRESETS: dict[str, dict[str, Any]] = {
     # tests: 4 layers, ~3M parameters; one engine starts in ~15 s on 2 cores
@@ -43,6 +50,7 @@ def make_model(preset: str = "tiny", seed: int = 1234, weights: bool = True,
     """Write (once) and return a local Qwen3-style model directory vLLM can load."""
     out = model_dir(preset, seed, weights, root)
     if (out / "config.json").is_file():
+        _add_tokenizer(out, PRESETS[preset]["vocab_size"], max_len)
         return out
     from transformers import Qwen3Config
 
@@ -66,6 +74,7 @@ def make_model(preset: str = "tiny", seed: int = 1234, weights: bool = True,
         # a config saved alone has no architectures: vLLM would then guess a pooling model
         data["architectures"] = ["Qwen3ForCausalLM"]
         (tmp / "config.json").write_text(json.dumps(data, indent=2))
+        tokenizer.save(tmp, PRESETS[preset]["vocab_size"], max_len, TOKENIZER_SEED)
         try:
             os.rename(tmp, out)
         except OSError:  # another process wrote it first
@@ -74,3 +83,16 @@ def make_model(preset: str = "tiny", seed: int = 1234, weights: bool = True,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _add_tokenizer(out: Path, vocab_size: int, max_len: int) -> None:
+    """Give a model directory written before models had a tokenizer one (written aside, renamed)."""
+    if (out / "tokenizer_config.json").is_file():
+        return
+    tmp = Path(tempfile.mkdtemp(prefix=".tokenizer.", dir=out))
+    try:
+        tokenizer.save(tmp, vocab_size, max_len, TOKENIZER_SEED)
+        for name in ("tokenizer.json", "tokenizer_config.json"):  # the config last: it marks done
+            os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -132,12 +132,14 @@ def check_file(store: Store, f: FileInfo, verify: bool) -> tuple[cf.ChunkHeader,
 
 @dataclass
 class Group:
-    """Chunks of one namespace: model, dtype, layout, world size/rank."""
+    """Chunks of one namespace: model (name and namespace digest), dtype, layout, TP and PP."""
 
     model: str
+    model_digest: str
     kv_dtype: str
     kv_layout: str
     tp: str
+    pp: str
     chunks: int = 0
     tokens: int = 0
     nbytes: int = 0
@@ -164,8 +166,10 @@ def scan(store: Store, verify: bool) -> dict[str, Any]:
                 continue
             assert header is not None
             key = header.key
+            pp = f"{key.pp_rank}/{key.pp_size}" + (f" L{key.layers}" if key.layers else "")
             g = groups.setdefault(key.namespace, Group(
-                key.model, key.kv_dtype, key.kv_layout, f"{key.rank}/{key.world_size}"))
+                key.model, key.model_digest or "-", key.kv_dtype, key.kv_layout,
+                f"{key.rank}/{key.world_size}", pp))
             g.chunks += 1
             g.tokens += header.num_tokens
             g.nbytes += f.size
@@ -191,12 +195,13 @@ def _parse_options(pairs: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
 def _print(report: dict[str, Any]) -> None:
     now = time.time()
     table = Table(title=f"kvplug store {escape(report['root'])}")
-    for col in ("Model", "KV dtype", "Layout", "Rank/TP", "Chunks", "Tokens", "Bytes", "Oldest",
-                "Newest"):
+    for col in ("Model", "Model digest", "KV dtype", "Layout", "Rank/TP", "Stage/PP", "Chunks",
+                "Tokens", "Bytes", "Oldest", "Newest"):
         table.add_column(col, overflow="fold")
     for g in report["groups"]:
-        table.add_row(escape(g["model"]), g["kv_dtype"], g["kv_layout"], g["tp"], str(g["chunks"]),
-                      str(g["tokens"]), human_bytes(g["nbytes"]), age_of(g["oldest"], now),
+        table.add_row(escape(g["model"]), g["model_digest"], g["kv_dtype"], g["kv_layout"],
+                      g["tp"], g["pp"], str(g["chunks"]), str(g["tokens"]),
+                      human_bytes(g["nbytes"]), age_of(g["oldest"], now),
                       age_of(g["newest"], now))
     console.print(table)
     console.print(f"{report['chunks']} chunks, {human_bytes(report['bytes'])} "

