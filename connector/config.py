@@ -21,9 +21,14 @@ class ConnectorConfig(KVPlugConfig):
 
     layerwise: bool = Field(default=False, description="move KV layer by layer (else in bulk)")
     save_partial_chunk: bool = Field(
-        default=False, description="store the last, partial chunk of a prompt too"
+        default=True,
+        description="store block-aligned partial chunks (a prompt's end, a request's last full "
+        "block), so hits are block granular as vLLM's own prefix cache; off: chunk granular",
     )
-    save_decode: bool = Field(default=False, description="store KV produced while decoding")
+    save_decode: bool = Field(
+        default=True,
+        description="store KV produced while decoding (the answer: a chat's next turn reuses it)",
+    )
     lookup_timeout_s: float = Field(
         default=2.0, gt=0, description="scheduler->worker lookup; past it, a miss"
     )

@@ -22,6 +22,7 @@ from .config import load_connector_config
 from .identity import build_identity
 from .lookup import LookupClient, socket_path
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta
+from .prom import KVPlugPromMetrics, hit_sources
 from .scheduler import SchedulerSide
 from .stats import KVPlugStats
 from .worker import WorkerSide
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -141,11 +143,12 @@ class KVPlugConnector(KVConnectorBase_V1):
             self._worker.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # Loads are synchronous and saves complete in wait_for_save: nothing to report, only
-        # the pins of finished requests to drop.
-        if self._worker is not None and finished_req_ids:
-            self._worker.release(finished_req_ids)
-        return None, None
+        # Saves complete in wait_for_save (a finished request's last save: sent); background
+        # loads that are over (or whose request vLLM finished) are reported as received. Every
+        # rank reports its own: the default get_finished_count (the world size) is right.
+        if self._worker is None:
+            return None, None
+        return self._worker.take_sent() or None, self._worker.get_finished(finished_req_ids) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -154,12 +157,19 @@ class KVPlugConnector(KVConnectorBase_V1):
         return self._worker.take_report() if self._worker is not None else None
 
     def get_kv_connector_stats(self) -> KVPlugStats | None:
-        side = self._worker or self._sched
-        return side.stats.take() if side is not None else None
+        if self._worker is not None:
+            return self._worker.take_stats()
+        return self._sched.stats.take() if self._sched is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPlugStats | None:
         return KVPlugStats(data=dict(data)) if data is not None else KVPlugStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVPlugPromMetrics:
+        return KVPlugPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -184,6 +194,13 @@ class KVPlugConnector(KVConnectorBase_V1):
         assert self._sched is not None
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int
+                                       ) -> dict[CacheHitSource, int]:
+        if self._sched is None or not num_external_tokens:
+            return {}
+        fast, slow = self._sched.hit_split(request.request_id, num_external_tokens)
+        return hit_sources(fast, slow, [t.backend for t in self.config.tiers])
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         assert self._sched is not None
@@ -199,6 +216,7 @@ class KVPlugConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        # Saves finish inside wait_for_save, so the blocks can be freed right away.
+        # A last save (the answer's blocks) runs next step: vLLM keeps the blocks until then.
+        delay = self._sched is not None and self._sched.finish_save(request, block_ids)
         report = self._sched.request_finished(request) if self._sched is not None else None
-        return False, report
+        return delay, report

@@ -6,12 +6,18 @@ which chunk go to which blocks, by :mod:`kvplug.gpu.blocks`' arithmetic), **fetc
 layer; a chunk that lookup found in a tier that reads layer ranges is then read layer by layer,
 :class:`LayerReads`), **report** (load errors, stats, the per-request result). A chunk that fails
 makes it and everything after it in its request a load error, so vLLM recomputes those blocks.
+
+A load that needs a tier that may block runs in the background (:class:`BackgroundLoads`, vLLM's
+asynchronous protocol): only its fetch moves off the engine step; its validation and scatter run
+on the worker's thread when the fetch is over, so no block is written once vLLM may free it.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -136,3 +142,75 @@ class LayerReads:
                 self.storage.promote(c.key, staging)
             ld.seconds += time.perf_counter() - t0
         return drop
+
+
+Fetch = Callable[[Sequence[CacheKey]], list[MemoryObj | None]]
+
+
+def _drop(fut: Future) -> None:
+    """Release what a fetch nobody will use brought (a cancelled load's, when it arrives)."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    for obj in fut.result():
+        if obj is not None:
+            obj.ref_down()
+
+
+class BackgroundLoads:
+    """Loads vLLM waits for in ``WAITING_FOR_REMOTE_KVS``: each request's chunks are fetched on a
+    worker-owned pool (``fetch``: :meth:`StorageManager.batched_get`, which bounds every tier call
+    by the tier's ``timeout_s`` and promotes into L1). The caller takes finished fetches on its own
+    thread (:meth:`take_done`) and writes the blocks there; a cancelled load's objects are dropped
+    when its fetch ends, never written."""
+
+    def __init__(self, fetch: Fetch, threads: int = 4) -> None:
+        self._fetch = fetch
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvplug-load")
+        self._lock = threading.Lock()
+        self._inflight: dict[str, tuple[RequestLoad, Future]] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    def submit(self, ld: RequestLoad) -> None:
+        """Start fetching every chunk of ``ld`` (in chunk order)."""
+        def run() -> list[MemoryObj | None]:
+            t0 = time.perf_counter()
+            try:
+                return self._fetch([c.key for c in ld.chunks])
+            finally:
+                ld.seconds += time.perf_counter() - t0
+
+        with self._lock:
+            self._inflight[ld.req.req_id] = (ld, self._pool.submit(run))
+
+    def cancel(self, req_ids: set[str]) -> set[str]:
+        """vLLM finished these requests (aborted while loading): their loads are over now; what
+        their fetches still bring is dropped on arrival. Returns the ids that had a load."""
+        with self._lock:
+            gone = [self._inflight.pop(r) for r in req_ids if r in self._inflight]
+        for _, fut in gone:
+            fut.add_done_callback(_drop)  # runs at once if the fetch is over
+        return {ld.req.req_id for ld, _ in gone}
+
+    def take_done(self) -> list[tuple[RequestLoad, list[MemoryObj | None]]]:
+        """The loads whose fetch is over, with the objects (``None``: missing or failed); the
+        caller owns one reference to each object."""
+        with self._lock:
+            done = [(r, v) for r, v in self._inflight.items() if v[1].done()]
+            for r, _ in done:
+                del self._inflight[r]
+        out = []
+        for _, (ld, fut) in done:
+            try:
+                objs = fut.result()
+            except Exception:  # noqa: BLE001 - a fetch that raised is a load error
+                objs = []
+            out.append((ld, list(objs) + [None] * (len(ld.chunks) - len(objs))))
+        return out
+
+    def close(self) -> None:
+        """Drop every load (their objects on arrival) and stop the pool without waiting."""
+        self.cancel(set(self._inflight))
+        self._pool.shutdown(wait=False, cancel_futures=True)

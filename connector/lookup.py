@@ -56,8 +56,12 @@ class Release(msgspec.Struct, tag=True):
 
 
 class Reply(msgspec.Struct):
+    """``tokens`` stored; ``slow``: indices of the hit's chunks (a tail is the last) found only in
+    a tier that may block, whose loads the scheduler makes asynchronous."""
+
     id: int
     tokens: int
+    slow: list[int] = []
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -114,7 +118,7 @@ class LookupService:
     def __init__(
         self,
         path: Path,
-        on_lookup: Callable[[Lookup], int],
+        on_lookup: Callable[[Lookup], int | tuple[int, list[int]]],
         on_release: Callable[[list[str]], None],
     ) -> None:
         self.path = path
@@ -172,15 +176,16 @@ class LookupService:
             self.expired += 1
             return None
         try:
-            tokens = self._on_lookup(msg)
+            res = self._on_lookup(msg)  # tokens, or (tokens, slow chunks)
+            tokens, slow = res if isinstance(res, tuple) else (res, [])
         except Exception:  # a failing tier: answer a miss, keep serving
             logger.exception("kvplug lookup of %s failed; answering a miss", msg.req_id)
-            tokens = 0
+            tokens, slow = 0, []
         if time.monotonic() >= msg.deadline:  # too late: nobody will use these pins
             self.expired += 1
             self._on_release([msg.req_id])
             return None
-        self._sock.send_multipart([ident, _encode(Reply(msg.id, tokens))])
+        self._sock.send_multipart([ident, _encode(Reply(msg.id, tokens, slow))])
         return None
 
     def close(self) -> None:
@@ -201,6 +206,7 @@ class _Pending:
     query: tuple
     deadline: float
     answers: dict[int, int] = field(default_factory=dict)
+    slow: set[int] = field(default_factory=set)  # union over ranks
     expired: bool = False
 
 
@@ -229,6 +235,7 @@ class LookupClient:
         self._pending: dict[str, _Pending] = {}  # by request id
         self._log_once = LogOnce(logger)
         self.timeouts = 0
+        self._slow: dict[str, frozenset[int]] = {}  # by request id, from its last answer
 
     def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]]
                ) -> int | None:
@@ -249,6 +256,7 @@ class LookupClient:
             self._receive(0.0, None)
         if len(p.answers) == len(self._socks):
             del self._pending[req_id]
+            self._slow[req_id] = frozenset(p.slow)
             return min(p.answers.values())
         if time.monotonic() < p.deadline:
             return None
@@ -285,10 +293,16 @@ class LookupClient:
                         continue
                     if (p := by_id.get(reply.id)) is not None:  # late, dropped ids are ignored
                         p.answers[self._socks.index(s)] = reply.tokens
+                        p.slow.update(reply.slow)
             left = end - time.monotonic()
             if until is None or len(until.answers) == len(self._socks) or left <= 0:
                 return
             self._poller.poll(left * 1000)
+
+    def take_slow(self, req_id: str) -> frozenset[int]:
+        """The chunks of ``req_id``'s last answered lookup that only a tier that may block holds
+        (on any rank): their load runs asynchronously."""
+        return self._slow.pop(req_id, frozenset())
 
     def _timed_out(self, req_id: str, p: _Pending) -> None:
         self.timeouts += 1
@@ -305,6 +319,7 @@ class LookupClient:
             return
         for r in req_ids:
             self._pending.pop(r, None)
+            self._slow.pop(r, None)
         payload = _encode(Release(list(req_ids)))
         for s in self._socks:
             try:

@@ -22,13 +22,15 @@ class LoadSpec:
 
     ``start`` is what vLLM already holds (its own prefix-cache hit, block aligned); ``end`` is the
     external hit. The chunks covering ``[first_chunk * chunk_size, end)`` are fetched whole and only
-    the blocks at or past ``start`` are written.
+    the blocks at or past ``start`` are written. ``background``: vLLM loads it asynchronously (a
+    chunk is in a tier that may block); the workers report it in ``finished_recving``.
     """
 
     start: int
     end: int
     first_chunk: int
     hashes: list[bytes]
+    background: bool = False
 
 
 @dataclass
@@ -36,7 +38,7 @@ class SaveSpec:
     """Store the chunks covering tokens ``[start, end)``; ``start`` is chunk aligned.
 
     Every chunk is ``chunk_size`` tokens except possibly the last, a block-aligned partial chunk
-    (only with ``save_partial_chunk`` or the producer role).
+    (with ``save_partial_chunk``, the default, or the producer role).
     """
 
     start: int
@@ -47,12 +49,15 @@ class SaveSpec:
 
 @dataclass
 class ReqMeta:
-    """One request's work for this step: its current block table and what to load/store."""
+    """One request's work for this step: its current block table and what to load/store.
+    ``finished``: vLLM finished the request and frees its blocks once the workers report this
+    save done (``finished_sending``)."""
 
     req_id: str
     block_ids: list[int]
     load: LoadSpec | None = None
     save: SaveSpec | None = None
+    finished: bool = False
 
 
 @dataclass

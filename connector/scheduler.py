@@ -4,11 +4,18 @@ Runs in vLLM's engine-core process. It never touches KV bytes: it hashes token c
 workers' lookup services how many leading tokens are stored, and turns vLLM's scheduling decisions
 into per-step :class:`~kvplug.connector.metadata.ReqMeta` (load and save specs) for the workers.
 
-Save policy: chunks known to be stored (the lookup hit) are skipped; a prompt's last, partial chunk
-is stored only with ``save_partial_chunk`` (or the producer role), block aligned; KV produced while
-decoding only with ``save_decode``; a request opts out with ``kv_transfer_params={"kvplug_save":
-False}`` (and ``"kvplug_load": False`` skips the lookup). Roles: ``kv_consumer`` never stores,
+Save policy: chunks known to be stored (the lookup hit) are skipped. Hits are block granular: with
+``save_partial_chunk`` (default) a block-aligned partial chunk is stored where vLLM's own prefix
+cache would stop reusing the prompt (``(len - 1) // block * block``), and, at request end, one at
+the last full block of prompt+answer (the next turn of a chat starts with it; vLLM frees the
+blocks once the workers report that save done). KV produced while decoding is stored with
+``save_decode`` (default). A request opts out with ``kv_transfer_params={"kvplug_save": False}``
+(and ``"kvplug_load": False`` skips the lookup). Roles: ``kv_consumer`` never stores,
 ``kv_producer`` never loads and stores everything it computes.
+
+Lookup: the full chunks, then the block ends inside the chunk after the last full one; when a
+full chunk is missing (turn N+1 of a chat has a full chunk where turn N stored a partial one), a
+second lookup tries the block ends inside that chunk.
 """
 
 from __future__ import annotations
@@ -83,8 +90,11 @@ class RequestTracker:
     hashes: list[bytes] = field(default_factory=list)  # full-chunk hashes computed so far
     lookup_tokens: int = 0  # last lookup's hit (tokens stored, counted from 0)
     stored_tokens: int = 0  # [0, stored_tokens) is in storage or being stored (chunk aligned)
-    partial_saved: bool = False
+    saved_end: int = 0  # [0, saved_end) is stored or being stored (block aligned)
+    refine: tuple[int, int] | None = None  # (num_tokens, chunk) of a second lookup not answered
     pending_load: LoadSpec | None = None
+    load_background: bool = False  # the last lookup's hit needs a tier that may block
+    slow_chunks: frozenset[int] = frozenset()  # the last hit's chunks only a blocking tier holds
     asking: bool = False  # a lookup is in flight (answered None)
     block_ids: list[int] = field(default_factory=list)  # fallback when vLLM gives no block state
     report: dict[str, Any] = field(default_factory=dict)  # returned in kv_transfer_params
@@ -107,6 +117,8 @@ class SchedulerSide:
         self.lookup = lookup
         self.stats = StatsRecorder()
         self.trackers: dict[str, RequestTracker] = {}
+        self._background: list[str] = []  # requests whose background load starts this step
+        self._finishing: list[ReqMeta] = []  # saves of finished requests (see finish_save)
 
     # -- hashing (kvplug.tokens.TokenDatabase: vLLM's sha256_cbor block hash over chunks) --------
     def _full_hashes(self, t: RequestTracker, num_chunks: int) -> list[bytes]:
@@ -145,9 +157,10 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        """Stored leading tokens beyond ``num_computed_tokens``; loads are synchronous.
-        ``(None, False)`` while the workers have not answered: vLLM skips the request this step
-        and asks again, and the lookup goes on meanwhile (the scheduler never waits on a tier).
+        """Stored leading tokens beyond ``num_computed_tokens``, and whether vLLM loads them
+        asynchronously (some chunk to load is only in a tier that may block). ``(None, False)``
+        while the workers have not answered: vLLM skips the request this step and asks again,
+        and the lookup goes on meanwhile (the scheduler never waits on a tier).
 
         The hit is capped so at least one token is left to compute (vLLM needs a token to run)
         and stays chunk aligned (block aligned for a stored partial chunk). Repeated calls repeat
@@ -156,6 +169,7 @@ class SchedulerSide:
         t = self._track(request)
         t.lookup_tokens = 0
         t.pending_load = None
+        t.load_background = False
         if not t.can_load:
             return 0, False
         cap = (request.num_tokens - 1) // self.bs * self.bs
@@ -163,13 +177,13 @@ class SchedulerSide:
             return 0, False  # vLLM holds it all; a lookup would only say what not to store again
         full = cap // self.cs
         hashes = self._full_hashes(t, full)
-        tails = [(full * self.cs + m * self.bs, b"")
-                 for m in range((cap - full * self.cs) // self.bs, 0, -1)]
-        tails = [(end, self._partial_hash(t, end)) for end, _ in tails]
-        timeouts = getattr(self.lookup, "timeouts", 0)
-        found = self.lookup.lookup(request.request_id, hashes, tails)
-        if (late := getattr(self.lookup, "timeouts", 0) - timeouts) > 0:
-            self.stats.add("lookup_timeouts", late)
+        n = t.refine[1] if t.refine is not None and t.refine[0] == request.num_tokens else full
+        found = self._ask(t, hashes[:n], cap)
+        if found is not None and n == full and found < full * self.cs \
+                and cap > num_computed_tokens:
+            n = found // self.cs  # the first missing full chunk: try the partial ones in it
+            found = self._ask(t, hashes[:n], cap)
+        t.refine = (request.num_tokens, n) if found is None and n < full else None
         if found is None and cap <= num_computed_tokens:
             # vLLM's own cache holds the prompt: this lookup only spares a second copy, and never
             # holds the request back (its pins are dropped; the chunks may be stored again).
@@ -186,7 +200,34 @@ class SchedulerSide:
             self.stats.add("lookup_hit_tokens", hit)
         if hit <= num_computed_tokens:
             return 0, False
-        return hit - num_computed_tokens, False
+        slow = getattr(self.lookup, "take_slow", lambda _: ())(request.request_id)
+        t.slow_chunks = frozenset(slow)
+        t.load_background = any(num_computed_tokens // self.cs <= i < -(-hit // self.cs)
+                                for i in slow)
+        return hit - num_computed_tokens, t.load_background
+
+    def hit_split(self, req_id: str, num_external_tokens: int) -> tuple[int, int]:
+        """The last hit's external tokens (its last ``num_external_tokens``) as (held by a tier
+        that never blocks, only by a tier that may block): vLLM's cache-hit-by-source metric."""
+        t = self.trackers.get(req_id)
+        if t is None:
+            return num_external_tokens, 0
+        start, end = t.lookup_tokens - num_external_tokens, t.lookup_tokens
+        slow = sum(max(0, min(end, (i + 1) * self.cs) - max(start, i * self.cs))
+                   for i in t.slow_chunks)
+        return num_external_tokens - slow, slow
+
+    def _ask(self, t: RequestTracker, hashes: list[bytes], cap: int) -> int | None:
+        """Look up ``hashes`` (full chunks), then the partial chunks ending at each block end
+        inside the next chunk (below ``cap``), longest first."""
+        n = len(hashes)
+        top = min(cap, (n + 1) * self.cs - self.bs)
+        tails = [(e, self._partial_hash(t, e)) for e in range(top, n * self.cs, -self.bs)]
+        timeouts = getattr(self.lookup, "timeouts", 0)
+        found = self.lookup.lookup(t.request.request_id, hashes, tails)
+        if (late := getattr(self.lookup, "timeouts", 0) - timeouts) > 0:
+            self.stats.add("lookup_timeouts", late)
+        return found
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -198,47 +239,73 @@ class SchedulerSide:
         hit = t.lookup_tokens
         # What lookup found is in storage: never store it again.
         t.stored_tokens = max(t.stored_tokens, hit // self.cs * self.cs)
-        if hit % self.cs and hit >= t.prompt_len // self.bs * self.bs:
-            t.partial_saved = True
+        t.saved_end = max(t.saved_end, hit)
         if num_external_tokens > 0:
             start = hit - num_external_tokens
             first = start // self.cs
-            t.pending_load = LoadSpec(start, hit, first, self._hashes_for(t, first * self.cs, hit))
+            t.pending_load = LoadSpec(start, hit, first, self._hashes_for(t, first * self.cs, hit),
+                                      background=t.load_background)
+            if t.load_background:  # not scheduled while it loads: sent on its own
+                self._background.append(request.request_id)
             t.report["promised_tokens"] = num_external_tokens
+            t.report["async_load"] = t.load_background
         elif hit:  # a hit vLLM did not take (e.g. prompt logprobs): drop its pins now
             self.lookup.release([request.request_id])
 
-    def _save_spec(self, t: RequestTracker, num_scheduled: int) -> SaveSpec | None:
+    def _save_spec(self, t: RequestTracker, computed: int, final: bool = False
+                   ) -> SaveSpec | None:
+        """What to store once ``computed`` tokens have KV: the full chunks not stored yet and,
+        with partial chunks on, a block-aligned partial chunk ending where a later request can
+        reuse: once the prompt is computed, ``(prompt_len - 1) // block * block`` (an identical
+        prompt); at request end (``final``), the last full block (the next turn of a chat). For
+        a chunk-aligned prompt that partial lies in the last full chunk, which is stored the
+        next time instead."""
         r = t.request
-        computed_after = r.num_computed_tokens + num_scheduled
-        limit = r.num_tokens if self.cfg.save_decode else t.prompt_len
-        full_end = min(computed_after, limit) // self.cs * self.cs
-        start, end = t.stored_tokens, t.stored_tokens
-        if full_end > start:
-            end = full_end
-        partial = (self.cfg.save_partial_chunk or self.role == "kv_producer")
-        if partial and not t.partial_saved and computed_after >= t.prompt_len \
-                and end == t.prompt_len // self.cs * self.cs:
-            t.partial_saved = True
-            pend = t.prompt_len // self.bs * self.bs
-            if pend > end:
+        top = min(computed, r.num_tokens if self.cfg.save_decode else t.prompt_len)
+        start, end = t.stored_tokens, top // self.cs * self.cs
+        if (self.cfg.save_partial_chunk or self.role == "kv_producer") \
+                and computed >= t.prompt_len:
+            pend = (top if final else t.prompt_len - 1) // self.bs * self.bs
+            if pend % self.cs and pend > t.saved_end:
                 end = pend
-        if end <= start:
+        if end <= start or end <= t.saved_end:
             return None
-        t.stored_tokens = end // self.cs * self.cs
+        t.stored_tokens, t.saved_end = end // self.cs * self.cs, end
         return SaveSpec(start, end, start // self.cs, self._hashes_for(t, start, end))
+
+    def finish_save(self, request: Request, block_ids: list[int]) -> bool:
+        """At request end, queue the store of what is computed and not stored yet, block
+        aligned (the answer's blocks: turn N+1 of a chat starts with turn N's prompt+answer).
+        True when there is one: vLLM then keeps the blocks until the workers report it done
+        (``finished_sending``), next step."""
+        t = self.trackers.get(request.request_id)
+        if t is None or not t.can_save:
+            return False
+        done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        if done < t.prompt_len:  # aborted before its prompt was computed: nothing new
+            return False
+        spec = self._save_spec(t, min(done, request.num_tokens), final=True)
+        if spec is None:
+            return False
+        self._finishing.append(ReqMeta(request.request_id, list(block_ids), save=spec,
+                                       finished=True))
+        return True
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVPlugMetadata:
         """One ReqMeta per scheduled request that loads or stores something this step."""
         meta = KVPlugMetadata(chunk_size=self.cs, block_size=self.bs)
+        meta.requests, self._finishing = self._finishing, []
         self._follow_blocks(so)
         state = getattr(so, "kv_connector_block_state", None)
-        for req_id, n in so.num_scheduled_tokens.items():
+        work = [(req_id, 0) for req_id in self._background]
+        self._background = []
+        for req_id, n in [*work, *so.num_scheduled_tokens.items()]:
             t = self.trackers.get(req_id)
             if t is None:
                 continue
             load, t.pending_load = t.pending_load, None
-            save = self._save_spec(t, n) if t.can_save else None
+            save = (self._save_spec(t, t.request.num_computed_tokens + n)
+                    if t.can_save and n else None)
             if load is None and save is None:
                 continue
             groups = state.get_block_ids(req_id) if state is not None else None
@@ -276,6 +343,9 @@ class SchedulerSide:
         for req_id, n in meta.failed_blocks.items():
             if (t := self.trackers.get(req_id)) is not None:
                 t.report["failed_blocks"] = t.report.get("failed_blocks", 0) + n
+                # vLLM recomputes; a background load that failed whole sends the request back
+                # to a lookup that would find the same chunks and fail again, forever
+                t.can_load = False
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         """Forget the request (the workers drop its pins); return what kvplug did for it, which

@@ -2,8 +2,10 @@
 
 Workers and the scheduler each fill a :class:`KVPlugStats` with plain counters; vLLM sums them
 across workers (``aggregate``), ships ``to_dict()`` to the front end, rebuilds the object through
-``KVPlugConnector.build_kv_connector_stats`` and logs ``reduce()``. Per-tier hit counters are keys
-``tier_hit_tokens.<tier>``.
+``KVPlugConnector.build_kv_connector_stats`` and logs ``reduce()``; :mod:`.prom` turns the same
+dict into Prometheus metrics. Per-tier counters are keys ``<counter>.<tier>`` (``TIER_PREFIX`` for
+hit tokens, ``TIER_COUNTERS`` for the rest); a key holding a list (``load_latency.<tier>``) holds
+samples for a histogram and is concatenated, not summed.
 """
 
 from __future__ import annotations
@@ -32,6 +34,21 @@ COUNTERS = (
     "store_failures",
 )
 TIER_PREFIX = "tier_hit_tokens."
+LOAD_BYTES_PREFIX = "tier_load_bytes."
+LATENCY_PREFIX = "load_latency."  # per-request load seconds, by the farthest tier it read from
+#: Per-tier counters sampled from ``StorageManager.stats()``: stats key -> the tier counters summed
+#: into it (the metrics wrapper's, the StorageManager's ``faults``, the backends' own).
+TIER_COUNTERS: dict[str, tuple[str, ...]] = {
+    "tier_stored_bytes": ("bytes_written",),
+    "tier_puts": ("puts",),
+    "tier_put_seconds": ("put_seconds",),
+    "tier_gets": ("gets",),
+    "tier_get_seconds": ("get_seconds",),
+    "tier_dropped_stores": ("dropped_puts", "skipped_puts", "failed_puts"),
+    "tier_corrupt": ("corrupt",),
+    "tier_faults": ("faults",),
+    "tier_evictions": ("evictions", "evicted"),
+}
 
 
 class KVPlugStats(KVConnectorStats):
@@ -47,9 +64,15 @@ class KVPlugStats(KVConnectorStats):
     def add(self, key: str, value: float = 1) -> None:
         self.data[key] = self.data.get(key, 0) + value
 
+    def observe(self, key: str, value: float) -> None:
+        """Add one histogram sample."""
+        self.data.setdefault(key, []).append(value)
+
     def aggregate(self, other: KVConnectorStats) -> KVPlugStats:
         for k, v in other.data.items():
-            if isinstance(v, (int, float)):
+            if isinstance(v, list):
+                self.data[k] = [*self.data.get(k, []), *v]
+            elif isinstance(v, (int, float)):
                 self.data[k] = self.data.get(k, 0) + v
         return self
 
@@ -90,11 +113,29 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._stats = KVPlugStats()
         self._total = KVPlugStats()
+        self._seen: dict[str, float] = {}  # last sampled tier counters
 
     def add(self, key: str, value: float = 1) -> None:
         with self._lock:
             self._stats.add(key, value)
             self._total.add(key, value)
+
+    def observe(self, key: str, value: float) -> None:
+        with self._lock:
+            self._stats.observe(key, value)
+
+    def sample_tiers(self, tier_stats: dict[str, dict[str, float]]) -> None:
+        """Add what each tier's counters (``StorageManager.stats()``) grew by since the last call."""
+        with self._lock:
+            for tier, counters in tier_stats.items():
+                for key, names in TIER_COUNTERS.items():
+                    now = sum(counters.get(n, 0) for n in names)
+                    full = f"{key}.{tier}"
+                    grew = now - self._seen.get(full, 0)
+                    self._seen[full] = now
+                    if grew > 0:
+                        self._stats.add(full, grew)
+                        self._total.add(full, grew)
 
     def take(self) -> KVPlugStats | None:
         """The counters since the last call, or None when nothing happened."""

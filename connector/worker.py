@@ -41,10 +41,10 @@ from kvplug.storage_manager import StorageManager
 
 from .config import ConnectorConfig
 from .identity import Identity
-from .load import LayerReads, RequestLoad, plan_load, valid_pages
+from .load import BackgroundLoads, LayerReads, RequestLoad, plan_load, valid_pages
 from .lookup import Lookup, LookupService, socket_path
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta
-from .stats import TIER_PREFIX, StatsRecorder
+from .stats import LATENCY_PREFIX, LOAD_BYTES_PREFIX, TIER_PREFIX, KVPlugStats, StatsRecorder
 
 logger = logging.getLogger("kvplug.connector")
 
@@ -82,12 +82,15 @@ class WorkerSide:
         self._store: _StoreBatch | None = None  # layer-wise store of this step
         self._store_steps = None
         self._store_next = 0
+        self._background: BackgroundLoads | None = None  # loads vLLM waits for asynchronously
+        self._sent: set[str] = set()  # finished requests whose last save read their blocks
 
     # -- setup ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.kv = PagedKV.from_kv_caches(kv_caches)
         self.kv_dtype = str(self.kv.kv_dtype).removeprefix("torch.")
         self.storage = StorageManager(self.cfg)
+        self._background = BackgroundLoads(self.storage.batched_get)
         path = socket_path(self.ident.engine_id, self.ident.rank, self.ident.pp_rank)
         self.service = LookupService(path, self._on_lookup, self.release)
         logger.info("kvplug worker rank %d: %d layers x %d blocks x %d B pages (%s, %s), "
@@ -100,6 +103,8 @@ class WorkerSide:
 
     def close(self) -> None:
         self._finish_load()
+        if self._background is not None:
+            self._background.close()
         if self.service is not None:
             self.service.close()
             self.service = None
@@ -108,7 +113,9 @@ class WorkerSide:
             self.storage = None
 
     # -- lookup (service thread) ---------------------------------------------------------------
-    def _on_lookup(self, msg: Lookup) -> int:
+    def _on_lookup(self, msg: Lookup) -> tuple[int, list[int]]:
+        """The stored leading tokens and which of the hit's chunks only a tier that may block
+        holds (the scheduler loads those asynchronously)."""
         assert self.storage is not None
         self.release([msg.req_id])  # a repeated lookup replaces the earlier pins
         keys = [self.key(h) for h in msg.hashes]
@@ -127,7 +134,7 @@ class WorkerSide:
         if msg.pin and pinned:
             with self._lock:
                 self._pins[msg.req_id] = (pinned, tiers)
-        return tokens
+        return tokens, [i for i, t in enumerate(tiers) if self.storage.may_block(t)]
 
     def release(self, req_ids: list[str] | set[str]) -> None:
         """Drop the pins lookup took for these requests."""
@@ -155,6 +162,9 @@ class WorkerSide:
             if r.load is not None:
                 t0 = time.perf_counter()
                 ld = plan_load(md, r, self.key, self._tier_of(r.req_id))
+                if r.load.background:
+                    self._background.submit(ld)  # type: ignore[union-attr]
+                    continue
                 self._fetch(ld, jobs, reads)
                 ld.seconds += time.perf_counter() - t0
                 self._loads.append(ld)
@@ -182,6 +192,13 @@ class WorkerSide:
         except Exception:
             logger.exception("kvplug load of %s failed", ld.req.req_id)
             got = {}
+        self._admit(ld, got, jobs, reads)
+
+    def _admit(self, ld: RequestLoad, got: dict[int, MemoryObj | None], jobs: list[PageJob],
+               reads: LayerReads | None) -> None:
+        """Validate the fetched chunks (``got``: by ``id`` of the chunk; this takes their
+        references); a valid chunk gets a transfer job, an invalid one fails with the rest."""
+        assert self.storage is not None and self.kv is not None
         L, page = self.kv.num_layers, self.kv.page_bytes
         for c in ld.chunks:
             obj = got.get(id(c))
@@ -202,6 +219,29 @@ class WorkerSide:
                 c.job = len(jobs)
                 jobs.append(PageJob(c.block_ids, obj.tensor[:, c.pages]))
 
+    def get_finished(self, finished: set[str]) -> set[str]:
+        """Background loads that are over: written (or failed, reported as load errors) now, on
+        vLLM's thread between forward passes, or cancelled because vLLM finished the request
+        (never written: vLLM frees its blocks once it is reported). Drops finished requests'
+        pins."""
+        if self._background is None:
+            return set()
+        over = self._background.cancel(finished) if finished else set()
+        if over:
+            self.stats.add("load_cancelled", len(over))
+        jobs: list[PageJob] = []
+        for ld, objs in self._background.take_done():
+            self._admit(ld, dict(zip(map(id, ld.chunks), objs, strict=True)), jobs, None)
+            self._loads.append(ld)
+            over.add(ld.req.req_id)
+        try:
+            if jobs:
+                scatter_many(self.kv, jobs)  # type: ignore[arg-type]
+        finally:
+            self._finish_load()
+            self.release(finished)
+        return over
+
     def _report(self, ld: RequestLoad) -> None:
         """Step 4: the load is over: drop its pins, report failed blocks, stats and a log line."""
         assert self.kv is not None
@@ -217,12 +257,15 @@ class WorkerSide:
                            "blocks (tokens %d-%d) will be recomputed", r.req_id, ld.fail_at,
                            len(bad), max(ld.fail_at, ld.spec.start), ld.spec.end)
         per_tier: dict[str, int] = {}
+        tier_bytes: dict[str, int] = {}
         loaded = nbytes = 0
         for c in ld.loaded():
             n = c.end - max(c.start, ld.spec.start)
             per_tier[c.tier] = per_tier.get(c.tier, 0) + n
             loaded += n
-            nbytes += len(c.block_ids) * self.kv.num_layers * self.kv.page_bytes
+            b = len(c.block_ids) * self.kv.num_layers * self.kv.page_bytes
+            tier_bytes[c.tier] = tier_bytes.get(c.tier, 0) + b
+            nbytes += b
         dt = ld.seconds
         self._report_meta.loaded[r.req_id] = per_tier
         self._report_meta.load_ms[r.req_id] = dt * 1e3
@@ -231,6 +274,10 @@ class WorkerSide:
             self.stats.add(name, value)
         for tier, n in per_tier.items():
             self.stats.add(TIER_PREFIX + tier, n)
+            self.stats.add(LOAD_BYTES_PREFIX + tier, tier_bytes[tier])
+        if per_tier and self.storage is not None:  # latency by the farthest tier it read from
+            order = self.storage.tier_names
+            self.stats.observe(LATENCY_PREFIX + max(per_tier, key=order.index), dt)
         if self.cfg.log_every_load and loaded and self.ident.rank == 0:
             logger.info("kvplug: request %s loaded %d tokens (%s) in %.1f ms (%.2f GB/s)",
                         r.req_id, loaded, ", ".join(f"{n} from {t}" for t, n in per_tier.items()),
@@ -264,6 +311,17 @@ class WorkerSide:
         if not self._report_meta:
             return None
         out, self._report_meta = self._report_meta, KVPlugWorkerMeta()
+        return out
+
+    def take_stats(self) -> KVPlugStats | None:
+        """This step's counters, with what the tiers' own counters grew by since the last step."""
+        if self.storage is not None:
+            self.stats.sample_tiers(self.storage.stats())
+        return self.stats.take()
+
+    def take_sent(self) -> set[str]:
+        """Finished requests whose last save is over (vLLM's ``finished_sending``)."""
+        out, self._sent = self._sent, set()
         return out
 
     def take_load_errors(self) -> set[int]:
@@ -313,6 +371,8 @@ class WorkerSide:
             self._store_next += 1
 
     def wait_for_save(self, md: KVPlugMetadata | None) -> None:
+        # A finished request's blocks are read below (or never, on failure): then they may go.
+        self._sent.update(r.req_id for r in (md.requests if md else ()) if r.finished)
         self._finish_load()
         if md is None or self.kv is None:
             return

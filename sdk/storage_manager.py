@@ -239,6 +239,11 @@ class StorageManager:
             return [self.get(k) for k in keys]
         return list(self._readers.map(self.get, keys))
 
+    def may_block(self, tier: str) -> bool:
+        """Whether tier ``tier`` may wait on I/O (its class does not set ``never_blocks``): a load
+        from it runs off the engine step."""
+        return any(t.name == tier and not t.inline for t in self._tiers)
+
     def reads_layers(self, tier: str) -> bool:
         """Whether tier ``tier`` implements ``get_layers`` (reads a layer range of a chunk)."""
         return any(t.name == tier and t.implements("get_layers") for t in self._tiers)

@@ -15,7 +15,8 @@ def test_defaults_are_local_cpu_then_posix(tmp_path, monkeypatch):
     cfg = load_connector_config()
     assert [t.backend for t in cfg.tiers] == ["local_cpu", "posix"]
     assert cfg.tiers[1].options["path"].startswith(str(tmp_path))
-    assert cfg.chunk_size == 256 and not cfg.layerwise and not cfg.save_decode
+    assert cfg.chunk_size == 256 and not cfg.layerwise
+    assert cfg.save_decode and cfg.save_partial_chunk  # block-granular hits, answers stored
 
 
 def test_precedence_file_then_dict_then_env(tmp_path, monkeypatch):

@@ -61,9 +61,11 @@ def test_hit_accounting(bulk):
     assert bulk["cold"]["kvplug"]["loaded_tokens"] == 0
     assert bulk["cold"]["kvplug"]["stored_tokens"] == 1536
     assert bulk["warm"]["kvplug"]["tiers"] == {"local_cpu": 1536}
+    assert bulk["warm"]["kvplug"]["async_load"] is False  # wholly in L1: loaded inline
     assert bulk["short1"]["kvplug"]["loaded_tokens"] == 0
-    assert bulk["short2"]["kvplug"]["loaded_tokens"] == 0
-    assert bulk["short2"]["cached"] == 0
+    # block granular (save_partial_chunk, default): the first block of a prompt under a chunk
+    assert bulk["short2"]["kvplug"]["loaded_tokens"] == 128
+    assert bulk["short2"]["cached"] == 128
 
 
 def test_control_changed_token_changes_output(bulk):
@@ -83,6 +85,7 @@ def test_fresh_process_hits_posix_and_detects_corruption(model, store_dir, bulk)
     warm, n, q = run_scenario(model, kv, [("gen", P, None), ("corrupt", str(store_dir)),
                                           ("gen", Q, None)], CHUNKED)
     assert warm["kvplug"]["tiers"] == {"posix": 1536}
+    assert warm["kvplug"]["async_load"] is True  # posix may block: loaded in the background
     assert same(warm, bulk["cold"])
     assert n > 0
     assert q["kvplug"]["failed_blocks"] > 0 and q["kvplug"]["loaded_tokens"] == 0

@@ -37,6 +37,7 @@ def test_fault_recomputes_exactly(results, mode):
     _, cold, warm, _, faulty = results[mode]
     same = lambda a, b: a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]  # noqa: E731
     assert warm["kvplug"]["loaded_tokens"] == 1024  # the tier works before the fault
+    assert warm["kvplug"]["async_load"] is True  # a tier that may block: a background load
     assert same(warm, cold)
     assert same(faulty, cold)
     assert faulty["kvplug"]["loaded_tokens"] == 0

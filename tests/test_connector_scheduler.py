@@ -99,7 +99,7 @@ def test_chunk_hashes_are_vllms_block_hashes(model_dir):
 
 
 def test_short_prompt_asks_nothing(model_dir):
-    s, side, fake = build(model_dir)
+    s, side, fake = build(model_dir, extra={"save_partial_chunk": False})  # chunk granular
     s.add_request(make_request("d", prompt(200, 4)))
     _, md = step(s)
     assert fake.calls == [("d", 0)] or fake.calls == []

@@ -98,13 +98,13 @@ def test_local_prefix_hit_does_not_store_again(model_dir):
     s, fake = build(model_dir, prefix_caching=True)
     tokens = prompt(1000, 21)
     local, saves, _ = run_request(s, fake, make_request("first", tokens, block_hasher=hasher))
-    assert (local, saves) == (0, [(0, 768, 3)])  # 3 full chunks stored once
+    assert (local, saves) == (0, [(0, 896, 4)])  # 3 full chunks + [768, 896) stored once
     local, saves, _ = run_request(s, fake, make_request("again", tokens, block_hasher=hasher))
     assert local == 896  # vLLM's own prefix cache covers everything loadable
-    assert saves == []  # ... and the tiers already hold the 3 chunks
+    assert saves == []  # ... and the tiers already hold the 4 chunks
     fake.stored.clear()  # control: the tiers lost them, so they are stored again
     local, saves, _ = run_request(s, fake, make_request("lost", tokens, block_hasher=hasher))
-    assert (local, saves) == (896, [(0, 768, 3)])
+    assert (local, saves) == (896, [(0, 896, 4)])
 
 
 # -- 3. the per-request report reaches the client only when asked for ---------------------------

@@ -9,24 +9,14 @@ the connector is found through kvplug's ``vllm.general_plugins`` entry point.
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
+from server_helpers import TINY_SERVER_ARGS, free_port, kvplug_cli, running_server
 
 CHUNK = 256
-STARTUP_DEADLINE_S = 600
-
-
-def kvplug_cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvplug.cli", *args]
 
 
 def test_print_command_configures_the_connector_by_name(tmp_path):
@@ -71,30 +61,9 @@ def test_plugin_registers_the_connector_once():
     assert f"{cls.__module__}.{cls.__name__}" == "kvplug.connector.connector.KVPlugConnector"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_DEADLINE_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvplug serve exited ({proc.returncode}):\n{log.read_text()[-6000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"no healthy server after {STARTUP_DEADLINE_S} s:\n{log.read_text()[-6000:]}")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """``kvplug serve`` on the tiny model; yields (base URL, served model name, store dir)."""
+    """``kvplug serve`` on the tiny model; yields (base URL, served model name, store dir, log)."""
     from kvplug.connector.demo.model import make_model
 
     base = tmp_path_factory.mktemp("serve")
@@ -103,43 +72,11 @@ def server(tmp_path_factory):
     cfg = base / "kvplug.yaml"
     cfg.write_text("tiers:\n  - backend: local_cpu\n    options: {capacity: 256MiB}\n"
                    f"  - backend: posix\n    options: {{path: {store}, capacity: 1GiB}}\n")
-    port = _free_port()
-    log = base / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLUG_")}  # (module scope:
-    env.update(KVPLUG_CACHE_DIR=str(base / "cache"), VLLM_CPU_KVCACHE_SPACE="1",  # before conftest's)
-               TOKENIZERS_PARALLELISM="false")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            kvplug_cli("serve", str(model), "--kvplug-config", str(cfg), "--host", "127.0.0.1",
-                       "--port", str(port), "--no-enable-prefix-caching",
-                       "--enable-prompt-tokens-details", "--enforce-eager", "--dtype", "bfloat16",
-                       "--max-model-len", "4096", "--max-num-seqs", "4"),
-            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, url, log)
+    port = free_port()
+    argv = kvplug_cli("serve", str(model), "--kvplug-config", str(cfg), "--port", str(port),
+                      *TINY_SERVER_ARGS)
+    with running_server(argv, base, port) as (url, log):
         yield url, str(model), store, log
-    finally:
-        _stop(proc)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (the server and its engine processes), then SIGKILL."""
-    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
-        if proc.poll() is not None:
-            break
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-    try:  # engine processes left behind in the group
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 @pytest.mark.vllm

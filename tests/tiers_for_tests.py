@@ -87,5 +87,24 @@ class StallingTier(DictTier):
         return super().contains(keys)
 
 
+class GatedTier(DictTier):
+    """A slow (may-block) tier whose ``get`` waits for a gate, controlled from any process through
+    files in ``options["gate"]``: each ``get`` creates ``entered-<n>`` and waits until ``open``
+    exists (at most ``max_wait_s``, so a broken test cannot hang forever)."""
+
+    @hookimpl
+    def get(self, key):
+        from pathlib import Path
+
+        gate = Path(self.ctx.options["gate"])
+        with self.lock:
+            n = len(list(gate.glob("entered-*")))
+            (gate / f"entered-{n}").touch()
+        end = time.monotonic() + self.ctx.options.get("max_wait_s", 120)
+        while not (gate / "open").exists() and time.monotonic() < end:
+            time.sleep(0.005)
+        return super().get(key)
+
+
 def random_bytes(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))

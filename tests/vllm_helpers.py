@@ -108,10 +108,11 @@ def generate_full(llm: Any, prompts: list[list[int]], max_tokens: int = 8,
     return result
 
 
-def run_script(code: str, timeout: float = 600) -> Any:
-    """Run ``code`` in a fresh Python process (a fresh engine); it prints ``RESULT`` + JSON."""
+def run_script(code: str, timeout: float = 600, env: dict[str, str] | None = None) -> Any:
+    """Run ``code`` in a fresh Python process (a fresh engine); it prints ``RESULT`` + JSON.
+    ``env``: extra environment variables for that process only."""
     engine_env()
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=str(REPO))
     if proc.returncode != 0:
@@ -124,7 +125,7 @@ def run_script(code: str, timeout: float = 600) -> Any:
 
 def run_scenario(model: str | os.PathLike[str], kv: dict[str, Any] | None,
                  steps: list[tuple], engine: dict[str, Any] | None = None,
-                 timeout: float = 900) -> list[Any]:
+                 timeout: float = 900, env: dict[str, str] | None = None) -> list[Any]:
     """Start one engine in a fresh process and run ``steps`` in order; returns one result per
     step. Steps: ``("gen", prompt, params|None)`` -> generate_full's dict;
     ``("write", path, text)``; ``("corrupt", dir)`` flips bytes in the middle of every file
@@ -133,7 +134,7 @@ def run_scenario(model: str | os.PathLike[str], kv: dict[str, Any] | None,
     code = (f"import json, sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
             "import vllm_helpers as h; "
             f"print(h.RESULT + json.dumps(h._scenario(json.loads({spec!r}))), flush=True)")
-    return run_script(code, timeout=timeout)
+    return run_script(code, timeout=timeout, env=env)
 
 
 def _scenario(spec: dict[str, Any]) -> list[Any]:
@@ -156,6 +157,31 @@ def _scenario(spec: dict[str, Any]) -> list[Any]:
                         fh.write(bytes(x ^ 0xFF for x in b))
                     n += 1
             out.append(n)
+    return out
+
+
+def stored_chunks(root: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every chunk file under ``root``, read from its header: the parallel key fields
+    (``world_size``/``rank``, ``pp_size``/``pp_rank``/``layers``, ``chunk_hash`` in hex),
+    ``num_layers``, ``num_tokens``, ``path`` and a sha256 of the payload (what each TP rank or
+    PP stage stored)."""
+    import hashlib
+
+    from kvplug.chunkfile import is_chunk_file, read_header_fd
+
+    out = []
+    for f in sorted(Path(root).rglob("*")):
+        if not (f.is_file() and is_chunk_file(f.name)):
+            continue
+        with open(f, "rb") as fh:
+            header, _ = read_header_fd(fh.fileno())
+            fh.seek(header.header_bytes)
+            payload = hashlib.sha256(fh.read()).hexdigest()
+        k = header.key
+        out.append({"chunk_hash": k.hex, "world_size": k.world_size, "rank": k.rank,
+                    "pp_size": k.pp_size, "pp_rank": k.pp_rank, "layers": k.layers,
+                    "num_layers": header.num_layers, "num_tokens": header.num_tokens,
+                    "path": str(f), "payload": payload})
     return out
 
 
