@@ -178,8 +178,10 @@ class SchedulerSide:
         full = cap // self.cs
         hashes = self._full_hashes(t, full)
         n = t.refine[1] if t.refine is not None and t.refine[0] == request.num_tokens else full
+        timeouts = getattr(self.lookup, "timeouts", 0)
         found = self._ask(t, hashes[:n], cap)
-        if found is not None and n == full and found < full * self.cs \
+        timed_out = getattr(self.lookup, "timeouts", 0) > timeouts  # a late rank: no second ask
+        if found is not None and not timed_out and n == full and found < full * self.cs \
                 and cap > num_computed_tokens:
             n = found // self.cs  # the first missing full chunk: try the partial ones in it
             found = self._ask(t, hashes[:n], cap)
@@ -330,19 +332,23 @@ class SchedulerSide:
                 t.block_ids.extend(new[0])
 
     def update_connector_output(self, meta: KVPlugWorkerMeta | None) -> None:
-        """Fold the workers' per-request load results into the trackers."""
+        """Fold the workers' per-request load results into the trackers. Every worker (TP rank,
+        PP stage) reports the same load, merged in one step or (background loads) each in the
+        step its own fetch ended: fold with the maximum, never the sum."""
         if not isinstance(meta, KVPlugWorkerMeta):
             return
         for req_id, tiers in meta.loaded.items():
             if (t := self.trackers.get(req_id)) is not None:
                 rep = t.report
-                rep["loaded_tokens"] = rep.get("loaded_tokens", 0) + sum(tiers.values())
+                rep["loaded_tokens"] = max(rep.get("loaded_tokens", 0), sum(tiers.values()))
+                per_tier = rep.setdefault("tiers", {})
                 for tier, n in tiers.items():
-                    rep.setdefault("tiers", {})[tier] = rep.get("tiers", {}).get(tier, 0) + n
-                rep["load_ms"] = round(rep.get("load_ms", 0.0) + meta.load_ms.get(req_id, 0), 3)
+                    per_tier[tier] = max(per_tier.get(tier, 0), n)
+                rep["load_ms"] = round(max(rep.get("load_ms", 0.0), meta.load_ms.get(req_id, 0)),
+                                       3)
         for req_id, n in meta.failed_blocks.items():
             if (t := self.trackers.get(req_id)) is not None:
-                t.report["failed_blocks"] = t.report.get("failed_blocks", 0) + n
+                t.report["failed_blocks"] = max(t.report.get("failed_blocks", 0), n)
                 # vLLM recomputes; a background load that failed whole sends the request back
                 # to a lookup that would find the same chunks and fail again, forever
                 t.can_load = False

@@ -22,6 +22,7 @@ STARTUP_DEADLINE_S = 600
 #: every cached token a request reports was loaded by kvplug).
 TINY_SERVER_ARGS = ("--host", "127.0.0.1", "--no-enable-prefix-caching",
                     "--enable-prompt-tokens-details", "--enforce-eager", "--dtype", "bfloat16",
+                    "--block-size", "128",
                     "--max-model-len", "4096", "--max-num-seqs", "4")
 
 

@@ -17,6 +17,7 @@ import pytest
 from server_helpers import TINY_SERVER_ARGS, free_port, kvplug_cli, running_server
 
 CHUNK = 256
+BLOCK = 128  # TINY_SERVER_ARGS' --block-size
 
 
 def test_print_command_configures_the_connector_by_name(tmp_path):
@@ -94,8 +95,9 @@ def test_serve_warm_request_reports_cached_tokens_from_kvplug(server):
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     warm = client.completions.create(model=model, prompt=text, max_tokens=4, temperature=0)
     cached = warm.usage.prompt_tokens_details.cached_tokens
-    # vLLM's prefix cache is off: these came from kvplug, every full chunk but the last token's
-    assert cached == (n - 1) // CHUNK * CHUNK
+    # vLLM's prefix cache is off: these came from kvplug, at vLLM's block granularity (every
+    # block but the one holding the last token, which vLLM always computes)
+    assert cached == (n - 1) // BLOCK * BLOCK
     assert warm.usage.prompt_tokens == n
     # the chat endpoint works too (the model ships a tokenizer with a chat template)
     chat = client.chat.completions.create(model=model, max_tokens=3, temperature=0,
@@ -104,6 +106,7 @@ def test_serve_warm_request_reports_cached_tokens_from_kvplug(server):
     deadline = time.monotonic() + 120  # the posix tier writes on its own threads
     while len(list(store.rglob("*.safetensors"))) < n // CHUNK and time.monotonic() < deadline:
         time.sleep(1)
-    assert len(list(store.rglob("*.safetensors"))) == n // CHUNK
+    # every full chunk, plus the block-aligned partial chunks that make hits block-granular
+    assert len(list(store.rglob("*.safetensors"))) >= n // CHUNK
     text_log = log.read_text()
     assert "kv_connector_module_path=None" in text_log and "Traceback" not in text_log

@@ -116,7 +116,8 @@ def run_script(code: str, timeout: float = 600, env: dict[str, str] | None = Non
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=str(REPO))
     if proc.returncode != 0:
-        raise RuntimeError(f"subprocess failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        raise RuntimeError(f"subprocess failed ({proc.returncode}):\n{proc.stderr[-6000:]}\n"
+                           f"-- stdout (vLLM's log) --\n{proc.stdout[-6000:]}")
     at = proc.stdout.rfind(RESULT)
     if at >= 0:  # other processes' log lines may follow on the same line: decode one value
         return json.JSONDecoder().raw_decode(proc.stdout[at + len(RESULT):])[0]
