@@ -40,22 +40,24 @@ def output(so, recving=(), bad=(), failed=None):
     return out
 
 
-def test_l1_hit_loads_inline(model_dir):
-    fake = FakeLookup()
+def stored_request(model_dir, fake):
+    """A scheduler over ``fake`` and a 1100-token request whose 4 full chunks are stored."""
     s, side = build(model_dir, fake)
     r = make_request("a", prompt(1100, 1))
     side._track(r)
     fake.stored.update(side._full_hashes(side.trackers["a"], 4))
+    return s, side, r
+
+
+def test_l1_hit_loads_inline(model_dir):
+    s, side, r = stored_request(model_dir, FakeLookup())
     assert side.get_num_new_matched_tokens(r, 0) == (1024, False)
 
 
 @pytest.mark.parametrize("fails", [False, True])
 def test_slow_hit_loads_in_the_background(model_dir, fails):
     fake = SlowLookup()
-    s, side = build(model_dir, fake)
-    r = make_request("a", prompt(1100, 1))
-    side._track(r)
-    fake.stored.update(side._full_hashes(side.trackers["a"], 4))
+    s, side, r = stored_request(model_dir, fake)
     assert side.get_num_new_matched_tokens(r, 0) == (1024, True)
     s.add_request(r)
     so = s.schedule()
