@@ -37,11 +37,16 @@ class LocalCPUBackend:
         pin_memory: bool | None = Field(
             default=None, description="page-lock the pool (default: when CUDA is present)"
         )
+        prefault: bool = Field(
+            default=True, description="back the whole pool at startup, in the background, so "
+            "stores never page-fault inside vLLM's step (the pool is then resident at once)"
+        )
 
     def __init__(self, ctx: TierContext) -> None:
         opts: LocalCPUBackend.Options = ctx.options
         self.name = ctx.name
-        self.pool = HostMemoryPool(int(opts.capacity), pin_memory=opts.pin_memory)
+        self.pool = HostMemoryPool(int(opts.capacity), pin_memory=opts.pin_memory,
+                                   prefault=opts.prefault)
         self.capacity = self.pool.capacity
         self._entries: OrderedDict[CacheKey, MemoryObj] = OrderedDict()
         self._pins: PinCounts[CacheKey] = PinCounts()

