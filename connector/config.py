@@ -29,6 +29,13 @@ class ConnectorConfig(KVPlugConfig):
         default=True,
         description="store KV produced while decoding (the answer: a chat's next turn reuses it)",
     )
+    async_save: bool | None = Field(
+        default=None,
+        description="copy stored KV off the engine step (CUDA: a side stream ordered by an "
+        "event, put by a completion thread; CPU: copied and put on a thread), holding a "
+        "finished request's blocks until its copy is done; unset: on for CUDA, on CPU as "
+        "measured (kvplug.connector.save.CPU_DEFAULT)",
+    )
     lookup_timeout_s: float = Field(
         default=2.0, gt=0, description="scheduler->worker lookup; past it, a miss"
     )

@@ -17,12 +17,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.platforms import current_platform
 
 from .config import load_connector_config
 from .identity import build_identity
 from .lookup import LookupClient, socket_path
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta
 from .prom import KVPlugPromMetrics, hit_sources
+from .save import async_save_enabled
 from .scheduler import SchedulerSide
 from .stats import KVPlugStats
 from .worker import WorkerSide
@@ -74,6 +76,8 @@ class KVPlugConnector(KVConnectorBase_V1):
         xfer = vllm_config.kv_transfer_config
         assert xfer is not None
         self.config = load_connector_config(dict(xfer.kv_connector_extra_config or {}))
+        # the scheduler (holding finished requests' blocks) and the workers must agree
+        self.config.async_save = async_save_enabled(self.config, current_platform.device_type)
         self.kv_role = xfer.kv_role or "kv_both"
         block_size = vllm_config.cache_config.block_size
         tp = vllm_config.parallel_config.tensor_parallel_size
@@ -97,10 +101,11 @@ class KVPlugConnector(KVConnectorBase_V1):
                                    pp_rank=get_pp_group().rank_in_group,
                                    kv_cache_config=kv_cache_config)
             self._worker = WorkerSide(self.config, ident)
-        logger.info("kvplug connector (%s, %s): chunk_size=%d, tiers=%s, %s",
+        logger.info("kvplug connector (%s, %s): chunk_size=%d, tiers=%s, %s, %s saves",
                     role.name.lower(), self.kv_role, self.config.chunk_size,
                     ",".join(self.config.tier_names()),
-                    "layer-wise" if self.config.layerwise else "bulk")
+                    "layer-wise" if self.config.layerwise else "bulk",
+                    "asynchronous" if self.config.async_save else "synchronous")
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -143,12 +148,20 @@ class KVPlugConnector(KVConnectorBase_V1):
             self._worker.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # Saves complete in wait_for_save (a finished request's last save: sent); background
-        # loads that are over (or whose request vLLM finished) are reported as received. Every
-        # rank reports its own: the default get_finished_count (the world size) is right.
+        # Sent: finished requests whose saves no longer read their blocks (synchronous saves:
+        # their last save ran in wait_for_save; asynchronous: once their copies are done).
+        # Received: background loads that are over (or whose request vLLM finished). Every rank
+        # reports its own: the default get_finished_count (the world size) is right.
         if self._worker is None:
             return None, None
-        return self._worker.take_sent() or None, self._worker.get_finished(finished_req_ids) or None
+        sent = self._worker.take_sent(finished_req_ids)
+        return sent or None, self._worker.get_finished(finished_req_ids) or None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM freed the preempted requests' blocks; the coming forward pass may rewrite them
+        if self._worker is not None:
+            md = kv_connector_metadata
+            self._worker.handle_preemptions(md if isinstance(md, KVPlugMetadata) else None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

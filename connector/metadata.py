@@ -67,6 +67,7 @@ class KVPlugMetadata(KVConnectorMetadata):
     chunk_size: int
     block_size: int
     requests: list[ReqMeta] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # vLLM freed their blocks this step
 
     def chunk_range(self, spec: LoadSpec | SaveSpec, index: int) -> tuple[int, int]:
         """Token range ``[s, e)`` of the ``index``-th chunk of a spec (clipped to ``spec.end``)."""

@@ -96,6 +96,7 @@ class RequestTracker:
     load_background: bool = False  # the last lookup's hit needs a tier that may block
     slow_chunks: frozenset[int] = frozenset()  # the last hit's chunks only a blocking tier holds
     asking: bool = False  # a lookup is in flight (answered None)
+    sent_save: bool = False  # a save went to the workers (async saves: blocks held at finish)
     block_ids: list[int] = field(default_factory=list)  # fallback when vLLM gives no block state
     report: dict[str, Any] = field(default_factory=dict)  # returned in kv_transfer_params
 
@@ -283,12 +284,15 @@ class SchedulerSide:
         t = self.trackers.get(request.request_id)
         if t is None or not t.can_save:
             return False
+        # asynchronous saves: one may still read the blocks; the workers report the request
+        # once none does (they decide from the same metadata: a ReqMeta with a save)
+        held = bool(self.cfg.async_save) and t.sent_save
         done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         if done < t.prompt_len:  # aborted before its prompt was computed: nothing new
-            return False
+            return held
         spec = self._save_spec(t, min(done, request.num_tokens), final=True)
         if spec is None:
-            return False
+            return held
         self._finishing.append(ReqMeta(request.request_id, list(block_ids), save=spec,
                                        finished=True))
         return True
@@ -297,6 +301,7 @@ class SchedulerSide:
         """One ReqMeta per scheduled request that loads or stores something this step."""
         meta = KVPlugMetadata(chunk_size=self.cs, block_size=self.bs)
         meta.requests, self._finishing = self._finishing, []
+        meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
         self._follow_blocks(so)
         state = getattr(so, "kv_connector_block_state", None)
         work = [(req_id, 0) for req_id in self._background]
@@ -310,6 +315,7 @@ class SchedulerSide:
                     if t.can_save and n else None)
             if load is None and save is None:
                 continue
+            t.sent_save = t.sent_save or save is not None
             groups = state.get_block_ids(req_id) if state is not None else None
             block_ids = list(groups[0]) if groups else list(t.block_ids)
             meta.requests.append(ReqMeta(req_id, block_ids, load, save))

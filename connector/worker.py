@@ -44,6 +44,7 @@ from .identity import Identity
 from .load import BackgroundLoads, LayerReads, RequestLoad, plan_load, valid_pages
 from .lookup import Lookup, LookupService, socket_path
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta
+from .save import AsyncSaves, async_save_enabled
 from .stats import LATENCY_PREFIX, LOAD_BYTES_PREFIX, TIER_PREFIX, KVPlugStats, StatsRecorder
 
 logger = logging.getLogger("kvplug.connector")
@@ -84,6 +85,7 @@ class WorkerSide:
         self._store_next = 0
         self._background: BackgroundLoads | None = None  # loads vLLM waits for asynchronously
         self._sent: set[str] = set()  # finished requests whose last save read their blocks
+        self._saves: AsyncSaves | None = None  # asynchronous saves (.save)
 
     # -- setup ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -91,6 +93,8 @@ class WorkerSide:
         self.kv_dtype = str(self.kv.kv_dtype).removeprefix("torch.")
         self.storage = StorageManager(self.cfg)
         self._background = BackgroundLoads(self.storage.batched_get)
+        if async_save_enabled(self.cfg, self.kv.device.type):
+            self._saves = AsyncSaves(self.kv, self.storage, self.stats)
         path = socket_path(self.ident.engine_id, self.ident.rank, self.ident.pp_rank)
         self.service = LookupService(path, self._on_lookup, self.release)
         logger.info("kvplug worker rank %d: %d layers x %d blocks x %d B pages (%s, %s), "
@@ -105,6 +109,8 @@ class WorkerSide:
         self._finish_load()
         if self._background is not None:
             self._background.close()
+        if self._saves is not None:
+            self._saves.close()  # before the tiers: its puts finish first
         if self.service is not None:
             self.service.close()
             self.service = None
@@ -119,6 +125,9 @@ class WorkerSide:
         assert self.storage is not None
         self.release([msg.req_id])  # a repeated lookup replaces the earlier pins
         keys = [self.key(h) for h in msg.hashes]
+        if self._saves is not None:  # an asynchronous save of these chunks: let its put end
+            self._saves.settle(keys + [self.key(h) for _, h in msg.tails],
+                               self.cfg.lookup_timeout_s / 2)
         found = self.storage.lookup_prefix(keys, pin=msg.pin)
         pinned, tiers = keys[: found.num_chunks], list(found.tiers)
         tokens = found.num_chunks * self.cfg.chunk_size
@@ -319,10 +328,20 @@ class WorkerSide:
             self.stats.sample_tiers(self.storage.stats())
         return self.stats.take()
 
-    def take_sent(self) -> set[str]:
-        """Finished requests whose last save is over (vLLM's ``finished_sending``)."""
+    def take_sent(self, finished: set[str] | frozenset[str] = frozenset()) -> set[str]:
+        """Finished requests whose last save is over (vLLM's ``finished_sending``); with
+        asynchronous saves, every finished request that had a save, once no copy reads its
+        blocks (``finished``: the requests vLLM finished since the last step)."""
+        if self._saves is not None:
+            return self._saves.take_sent(finished)
         out, self._sent = self._sent, set()
         return out
+
+    def handle_preemptions(self, md: KVPlugMetadata | None) -> None:
+        """Before a step that may rewrite preempted requests' freed blocks: order it after the
+        asynchronous copies that read them."""
+        if self._saves is not None and md is not None and md.preempted:
+            self._saves.wait_for(md.preempted)
 
     def take_load_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
@@ -356,12 +375,14 @@ class WorkerSide:
 
     def save_kv_layer(self, layer_name: str, md: KVPlugMetadata | None) -> None:
         """Layer-wise mode: copy this layer of every chunk to store, right after it is computed."""
-        if not self.cfg.layerwise or md is None or self.kv is None:
+        if not self.cfg.layerwise or md is None or self.kv is None or \
+                (self._saves is not None and not self._saves.on_cuda):  # CPU: copied off-step
             return
         if self._store is None:
             self._store = self._prepare_store(md)
             self._store_next = 0
-            self._store_steps = (layerwise_store(self.kv, self._store.jobs)
+            self._store_steps = (layerwise_store(self.kv, self._store.jobs,
+                                                 wait=self._saves is None)
                                  if self._store.jobs else None)
         if self._store_steps is None:
             return
@@ -371,14 +392,19 @@ class WorkerSide:
             self._store_next += 1
 
     def wait_for_save(self, md: KVPlugMetadata | None) -> None:
-        # A finished request's blocks are read below (or never, on failure): then they may go.
-        self._sent.update(r.req_id for r in (md.requests if md else ()) if r.finished)
+        if self._saves is None:
+            # A finished request's blocks are read below (or never, on failure): then they go.
+            self._sent.update(r.req_id for r in (md.requests if md else ()) if r.finished)
         self._finish_load()
         if md is None or self.kv is None:
             return
         t0 = time.perf_counter()
         batch, steps = self._store, self._store_steps
         self._store, self._store_steps = None, None
+        if self._saves is not None:  # copied (and put) off the step, see .save
+            batch = batch or self._prepare_store(md)
+            self._saves.submit(md, batch.keys, batch.objs, batch.jobs, batch.tokens, steps)
+            return
         try:
             if batch is None:  # bulk mode (or a step whose layers never ran)
                 batch = self._prepare_store(md)

@@ -10,7 +10,15 @@ per-layer events; CPU: plain copies). ``blocks`` maps tokens to pages.
 from .blocks import blocks_for_tokens, coalesce_runs, num_pages, pages_for_tokens
 from .layerwise import LayerSteps, layerwise_load, layerwise_store
 from .page_views import KVLayoutError, PagedKV, page_view
-from .transfer import PageJob, alloc_host, gather, gather_many, scatter, scatter_many
+from .transfer import (
+    PageJob,
+    alloc_host,
+    gather,
+    gather_many,
+    gather_many_async,
+    scatter,
+    scatter_many,
+)
 
 __all__ = [
     "KVLayoutError",
@@ -22,6 +30,7 @@ __all__ = [
     "coalesce_runs",
     "gather",
     "gather_many",
+    "gather_many_async",
     "layerwise_load",
     "layerwise_store",
     "num_pages",

@@ -16,7 +16,8 @@ Store (``layerwise_store``; the engine calls ``next()`` after layer ``i`` is com
   freshly written KV is what is copied), queues the copies of layer ``i`` of every job into
   ``out[i]`` and records an event; it returns without waiting.
 * The last step (``i = num_layers - 1``) returns only when every copy is complete: then ``out``
-  may be read or handed to storage.
+  may be read or handed to storage. With ``wait=False`` (asynchronous saves) it records an event
+  instead (the generator's ``event``) and returns at once; ``out`` may be read once it completed.
 * Until the last step has returned the engine must not overwrite the stored blocks (of any layer
   already stepped) on any stream, and the caller must not read ``out``. vLLM satisfies this: the
   blocks of a running request are only rewritten after the forward pass that stores them.
@@ -68,6 +69,8 @@ class LayerSteps(Generator[int, None, None]):
         self._finish = finish
         self._next = 0
         self._done = False
+        #: ``layerwise_store(..., wait=False)``: completes with every copy (after the last step)
+        self.event: torch.cuda.Event | None = None
 
     def _close(self) -> None:
         if not self._done:
@@ -120,10 +123,12 @@ def _copy_layer(kv: PagedKV, pairs: list[tuple[Plan, torch.Tensor]], layer: int,
         copy_layer(kv, layer, plan, pages, to_engine)
 
 
-def layerwise_store(kv: PagedKV, jobs: Jobs) -> Generator[int, None, None]:
+def layerwise_store(kv: PagedKV, jobs: Jobs, wait: bool = True) -> LayerSteps:
     """Steps that copy layer ``i`` of every ``(block_ids, out)`` job into ``out[i]``.
 
-    Yields ``kv.num_layers`` times; the last ``next()`` returns once every copy is complete.
+    Yields ``kv.num_layers`` times; the last ``next()`` returns once every copy is complete, or,
+    with ``wait=False`` on CUDA, at once, leaving the generator's ``event`` to complete with them
+    (no host synchronisation in the engine step).
     """
     pairs = plan_jobs(kv, jobs, to_engine=False)
     if kv.device.type != "cuda":
@@ -131,15 +136,26 @@ def layerwise_store(kv: PagedKV, jobs: Jobs) -> Generator[int, None, None]:
                           lambda: None)
     stream = kv.stream("store")
     last = kv.num_layers - 1
+    steps: LayerSteps
 
     def step(layer: int) -> None:
         stream.wait_stream(torch.cuda.current_stream(kv.device))
         with torch.cuda.stream(stream):
             _copy_layer(kv, pairs, layer, False)
-        if layer == last:
+        if layer != last:
+            return
+        if wait:
+            stream.synchronize()
+        else:
+            steps.event = torch.cuda.Event()
+            steps.event.record(stream)
+
+    def finish() -> None:  # closed early (or never stepped): wait for what is queued
+        if steps.event is None:
             stream.synchronize()
 
-    return LayerSteps(kv.num_layers, step, stream.synchronize)
+    steps = LayerSteps(kv.num_layers, step, finish)
+    return steps
 
 
 def layerwise_load(

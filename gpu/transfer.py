@@ -34,7 +34,8 @@ import torch
 from .blocks import coalesce_runs
 from .page_views import PagedKV
 
-__all__ = ["PageJob", "alloc_host", "gather", "gather_many", "scatter", "scatter_many"]
+__all__ = ["PageJob", "alloc_host", "gather", "gather_many", "gather_many_async", "scatter",
+           "scatter_many"]
 
 BlockIds = Sequence[int] | torch.Tensor
 
@@ -63,7 +64,9 @@ class Plan:
         """The block ids as an int64 tensor on ``device`` (built once per device)."""
         idx = self._index.get(device)
         if idx is None:
-            idx = torch.tensor(self.ids, dtype=torch.int64).to(device)
+            idx = torch.tensor(self.ids, dtype=torch.int64)
+            if device.type == "cuda":  # pinned + non_blocking: no host synchronisation
+                idx = idx.pin_memory().to(device, non_blocking=True)
             self._index[device] = idx
         return idx
 
@@ -176,6 +179,30 @@ def _run(kv: PagedKV, pairs: list[tuple[Plan, torch.Tensor]], to_engine: bool) -
 def gather_many(kv: PagedKV, jobs: Sequence[PageJob | tuple[BlockIds, torch.Tensor]]) -> None:
     """``gather`` for several ``(block_ids, out)`` jobs in one call (one synchronisation)."""
     _run(kv, plan_jobs(kv, jobs, False), False)
+
+
+def gather_many_async(
+    kv: PagedKV, jobs: Sequence[PageJob | tuple[BlockIds, torch.Tensor]]
+) -> torch.cuda.Event | None:
+    """``gather_many`` without a host synchronisation (asynchronous saves).
+
+    On CUDA the copies are queued on the store stream after the engine's current stream (so the
+    KV its kernels wrote is what is copied) and the returned event completes with them: until it
+    has, the caller must not read ``out`` nor let the blocks be overwritten (e.g. make the
+    engine's stream wait on the event). On CPU the copy is done on return (``None``).
+    """
+    pairs = plan_jobs(kv, jobs, False)
+    if kv.device.type != "cuda":
+        _run(kv, pairs, False)
+        return None
+    stream = kv.stream("store")
+    stream.wait_stream(torch.cuda.current_stream(kv.device))
+    with torch.cuda.stream(stream):
+        for plan, pages in pairs:
+            _copy_all(kv, plan, pages, False)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
 
 
 def scatter_many(kv: PagedKV, jobs: Sequence[PageJob | tuple[BlockIds, torch.Tensor]]) -> None:

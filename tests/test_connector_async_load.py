@@ -28,7 +28,7 @@ HANG_S = 60  # only catches a hang
 
 
 def _worker(tmp_path, lower: dict, fx: KVFixture) -> WorkerSide:
-    cfg = ConnectorConfig(chunk_size=CHUNK, log_every_load=False,
+    cfg = ConnectorConfig(chunk_size=CHUNK, log_every_load=False, async_save=False,
                           tiers=[{"backend": "local_cpu", "options": {"capacity": "4MiB"}},
                                  {"name": "slow", **lower}])
     w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))

@@ -106,5 +106,24 @@ class GatedTier(DictTier):
         return super().get(key)
 
 
+class GatedPutTier(DictTier):
+    """A tier whose writes wait for a gate (``options["gate"]``, a folder): each
+    ``batched_submit_put`` creates ``put-<n>`` there and waits until ``open`` exists (at most
+    ``max_wait_s``). Holds a save's thread mid-put, so the saves behind it stay in flight."""
+
+    @hookimpl
+    def batched_submit_put(self, keys, objs):
+        from pathlib import Path
+
+        gate = Path(self.ctx.options["gate"])
+        with self.lock:
+            n = len(list(gate.glob("put-*")))
+            (gate / f"put-{n}").touch()
+        end = time.monotonic() + self.ctx.options.get("max_wait_s", 120)
+        while not (gate / "open").exists() and time.monotonic() < end:
+            time.sleep(0.005)
+        super().batched_submit_put(keys, objs)
+
+
 def random_bytes(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))

@@ -260,8 +260,11 @@ def make_scheduler(model_dir: str | os.PathLike[str], extra: dict[str, Any] | No
                    role: str = "kv_both", block_size: int = 128, num_blocks: int = 200,
                    max_num_batched_tokens: int = 4096, prefix_caching: bool = False,
                    policy: str = "recompute") -> Any:
-    """A real vLLM ``Scheduler`` whose SCHEDULER-role connector is kvplug's."""
+    """A real vLLM ``Scheduler`` whose SCHEDULER-role connector is kvplug's. Saves are
+    synchronous unless ``extra`` says otherwise: with asynchronous saves vLLM holds every
+    finished request that saved until a worker reports it, and no worker runs here."""
     engine_env()
+    extra = {"async_save": False, **(extra or {})}
     import torch
     from vllm.config import (
         CacheConfig,
