@@ -43,6 +43,16 @@ class ConnectorConfig(KVPlugConfig):
         default=None, description="the model name used in keys (default: vLLM's model)"
     )
     log_every_load: bool = Field(default=True, description="one INFO line per request that loads")
+    kv_events: bool = Field(
+        default=True,
+        description="with vLLM's --kv-events-config on, publish BlockStored/BlockRemoved for "
+        "what enters and leaves each tier (medium = the tier's name) for KV-aware routers",
+    )
+    kv_events_max_chunks: int = Field(
+        default=16384, gt=0,
+        description="chunks per tier the KV events track (past it the oldest is announced "
+        "removed and forgotten)",
+    )
     report_to_client: bool = Field(
         default=False,
         description="return the per-request report (hit tokens, tiers) in kv_transfer_params; "

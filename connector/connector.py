@@ -9,6 +9,7 @@ or ``{"config_file": "kvplug.yaml"}``; see :class:`kvplug.connector.config.Conne
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.platforms import current_platform
 
 from .config import load_connector_config
+from .events import KVPlugKVEvents, TierEventBook, TierWatch, events_enabled
 from .identity import build_identity
 from .lookup import LookupClient, socket_path
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta
@@ -31,6 +33,7 @@ from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -85,12 +88,22 @@ class KVPlugConnector(KVConnectorBase_V1):
         engine_id = xfer.engine_id or "default"
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # KV events for routers (--kv-events-config): see .events
+        self._events_on = events_enabled(vllm_config, self.config.kv_events)
+        self._watch: TierWatch | None = None
+        self._book: TierEventBook | None = None
         if role == KVConnectorRole.SCHEDULER:
             _warn_fail_policy(xfer.kv_load_failure_policy)
             # every worker (TP rank x PP stage) answers; the hit is the minimum over them
             client = LookupClient([socket_path(engine_id, r, p) for p in range(pp)
                                    for r in range(tp)], self.config.lookup_timeout_s)
             self._sched = SchedulerSide(self.config, block_size, self.kv_role, client)
+            if self._events_on:
+                self._book = TierEventBook(block_size, self.config.chunk_size, tp * pp,
+                                           self.config.kv_events_max_chunks)
+                self._sched.on_chunks = self._book.record
+                logger.info("kvplug KV events on: BlockStored/BlockRemoved per tier (media %s)",
+                            ",".join(self.config.tier_names()))
         else:
             from vllm.distributed.parallel_state import (
                 get_pp_group,
@@ -129,6 +142,8 @@ class KVPlugConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+        if self._events_on and self._worker.storage is not None:
+            self._watch = TierWatch(self._worker.storage, self.config.kv_events_max_chunks)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None:
@@ -174,6 +189,9 @@ class KVPlugConnector(KVConnectorBase_V1):
             return self._worker.take_stats()
         return self._sched.stats.take() if self._sched is not None else None
 
+    def get_kv_connector_kv_cache_events(self) -> KVPlugKVEvents | None:
+        return self._watch.take() if self._watch is not None else None
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPlugStats | None:
         return KVPlugStats(data=dict(data)) if data is not None else KVPlugStats()
@@ -185,6 +203,8 @@ class KVPlugConnector(KVConnectorBase_V1):
         return KVPlugPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
         if self._worker is not None:
             self._worker.close()
         if self._sched is not None:
@@ -226,6 +246,11 @@ class KVPlugConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._sched is not None:
             self._sched.update_connector_output(connector_output.kv_connector_worker_meta)
+        if self._book is not None:
+            self._book.add(connector_output.kv_cache_events)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._book.take() if self._book is not None else ()
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
@@ -120,6 +121,8 @@ class SchedulerSide:
         self.trackers: dict[str, RequestTracker] = {}
         self._background: list[str] = []  # requests whose background load starts this step
         self._finishing: list[ReqMeta] = []  # saves of finished requests (see finish_save)
+        #: told of every chunk planned for a load or a save: (request, start, end, hashes)
+        self.on_chunks: Callable[[Request, int, int, list[bytes]], None] | None = None
 
     # -- hashing (kvplug.tokens.TokenDatabase: vLLM's sha256_cbor block hash over chunks) --------
     def _full_hashes(self, t: RequestTracker, num_chunks: int) -> list[bytes]:
@@ -248,6 +251,8 @@ class SchedulerSide:
             first = start // self.cs
             t.pending_load = LoadSpec(start, hit, first, self._hashes_for(t, first * self.cs, hit),
                                       background=t.load_background)
+            if self.on_chunks is not None:  # a load promotes its chunks into L1
+                self.on_chunks(request, first * self.cs, hit, t.pending_load.hashes)
             if t.load_background:  # not scheduled while it loads: sent on its own
                 self._background.append(request.request_id)
             t.report["promised_tokens"] = num_external_tokens
@@ -274,7 +279,10 @@ class SchedulerSide:
         if end <= start or end <= t.saved_end:
             return None
         t.stored_tokens, t.saved_end = end // self.cs * self.cs, end
-        return SaveSpec(start, end, start // self.cs, self._hashes_for(t, start, end))
+        spec = SaveSpec(start, end, start // self.cs, self._hashes_for(t, start, end))
+        if self.on_chunks is not None:
+            self.on_chunks(r, start, end, spec.hashes)
+        return spec
 
     def finish_save(self, request: Request, block_ids: list[int]) -> bool:
         """At request end, queue the store of what is computed and not stored yet, block

@@ -299,6 +299,19 @@ class StorageManager:
         hit = self.lookup_prefix([key])
         return hit.tiers[0] if hit.num_chunks else None
 
+    def holds(self, tier: str, keys: Sequence[CacheKey]) -> list[bool] | None:
+        """Which of ``keys`` tier ``tier`` holds (no pins; bounded by its ``timeout_s``), or
+        ``None`` when the tier did not answer (a fault or a timeout: unknown, not absent)."""
+        found = [t for t in self._tiers if t.name == tier]
+        if not found:
+            raise ConfigError(f"unknown tier {tier!r}; tiers are {self.tier_names}")
+        if not keys:
+            return []
+        answer = self._call(found[0], "contains", bounded=True, keys=list(keys), pin=False)
+        if not answer or not isinstance(answer[0], list) or len(answer[0]) != len(keys):
+            return None
+        return [bool(x) for x in answer[0]]
+
     # -- housekeeping ---------------------------------------------------------------------------
     def evict(
         self,
