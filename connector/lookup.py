@@ -167,7 +167,7 @@ class LookupService:
         ident, payload = frames
         try:
             msg = _decode_msg(payload)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # bad UTF-8 in a str field
             return self._drop(type(exc).__name__)
         if isinstance(msg, Release):
             self._on_release(msg.req_ids)

@@ -29,7 +29,14 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 
 from .breaker import CircuitBreaker
 from .index import CapacityIndex
-from .io import GuardedIO, Redactor, RemoteIO, TierParts, open_filesystem
+from .io import (
+    GuardedIO,
+    Redactor,
+    RemoteIO,
+    TierParts,
+    open_filesystem,
+    remove_stale_local_temps,
+)
 from .reader import ChunkReader
 from .writer import ChunkWriter
 
@@ -91,6 +98,11 @@ class FsspecBackend:
             max_pending=opts.max_pending_writes, threads=opts.io_threads,
             written_ttl_s=max(opts.negative_cache_s, 1.0),
         )
+        if self.io.is_local:  # crashed local writers' temporary files (object stores have none)
+            removed = remove_stale_local_temps(self.root)
+            if removed:
+                logger.info("tier %r: removed %d stale temporary file(s) under %s", self.name,
+                            removed, self.url)
         if self._index.bounded:
             self._load_index()
         logger.info("tier %r: fsspec store at %s", self.name, self.url)

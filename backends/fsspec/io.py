@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import re
 import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -224,6 +226,25 @@ def _local_atomic_write(path: str, data: bytes) -> None:
     """A ``file://`` object written whole: temporary name, then rename (the chunk-file rule)."""
     with cf.atomic_file(path) as tmp, open(tmp, "wb") as f:
         f.write(data)
+
+
+def remove_stale_local_temps(root: str) -> int:
+    """Delete the temporary files that ``file://`` writers killed mid-write left under ``root``
+    (older than ``chunkfile.TEMP_MAX_AGE_S``: no live write takes that long); how many."""
+    now = time.time()
+    removed = 0
+    for d, _, names in os.walk(root):
+        for name in names:
+            if not cf.is_temp(name):
+                continue
+            path = os.path.join(d, name)
+            try:
+                if cf.is_stale_temp(name, os.stat(path).st_mtime, now):
+                    os.unlink(path)
+                    removed += 1
+            except OSError:  # removed by another process meanwhile, or not ours to delete
+                continue
+    return removed
 
 
 class GuardedIO:

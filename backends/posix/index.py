@@ -35,7 +35,7 @@ def _is_shard(name: str) -> bool:
     return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
 
 
-def scan(root: Path, tmp_max_age_s: float = 600.0) -> ScanResult:
+def scan(root: Path, tmp_max_age_s: float = cf.TEMP_MAX_AGE_S) -> ScanResult:
     """Every chunk file under ``root`` (``"shard/name"`` -> size, mtime). Temporary files older
     than ``tmp_max_age_s`` (left by a writer that crashed, in any process) are deleted."""
     started = time.time()
@@ -54,7 +54,8 @@ def scan(root: Path, tmp_max_age_s: float = 600.0) -> ScanResult:
                 if cf.is_chunk_file(f.name):
                     st = f.stat()
                     entries[f"{shard.name}/{f.name}"] = Entry(st.st_size, st.st_mtime)
-                elif cf.is_temp(f.name) and f.stat().st_mtime < started - tmp_max_age_s:
+                elif cf.is_temp(f.name) and cf.is_stale_temp(f.name, f.stat().st_mtime, started,
+                                                             tmp_max_age_s):
                     os.unlink(f.path)
             except OSError:  # removed by another process meanwhile, or not ours to delete
                 continue

@@ -32,10 +32,12 @@ from .format import (
 )
 from .names import (
     FILE_SUFFIX,
+    TEMP_MAX_AGE_S,
     TEMP_SUFFIX,
     chunk_name,
     chunk_path,
     is_chunk_file,
+    is_stale_temp,
     is_temp,
     relative_chunk_path,
     shard_of,
@@ -45,10 +47,11 @@ from .reader import ReadAt, read_header, read_header_fd
 
 __all__ = [
     "ALIGN", "CHECKSUM_ALGO", "FILE_SUFFIX", "FORMAT_NAME", "FORMAT_VERSION", "HEADER_PROBE",
-    "MAX_HEADER", "TEMP_SUFFIX", "ChunkHeader", "ReadAt", "align_up", "atomic_file",
-    "check_layer_range", "checksum", "chunk_layout", "chunk_name", "chunk_path", "decode_header",
-    "discard_on_failure", "encode_chunk", "encode_chunk_with_header", "encode_header", "fsync_path",
-    "header_size", "is_chunk_file", "is_temp", "layer_checksums", "make_header", "read_buffers",
-    "read_header", "read_header_fd", "relative_chunk_path", "shard_of", "split_layers",
-    "temp_name", "verify_layer", "verify_layers",
+    "MAX_HEADER", "TEMP_MAX_AGE_S", "TEMP_SUFFIX", "ChunkHeader", "ReadAt", "align_up",
+    "atomic_file", "check_layer_range", "checksum", "chunk_layout", "chunk_name", "chunk_path",
+    "decode_header", "discard_on_failure", "encode_chunk", "encode_chunk_with_header",
+    "encode_header", "fsync_path", "header_size", "is_chunk_file", "is_stale_temp", "is_temp",
+    "layer_checksums", "make_header", "read_buffers", "read_header", "read_header_fd",
+    "relative_chunk_path", "shard_of", "split_layers", "temp_name", "verify_layer",
+    "verify_layers",
 ]

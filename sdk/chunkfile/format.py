@@ -229,7 +229,7 @@ def _int(meta: dict[str, str], name: str, minimum: int = 0) -> int:
 def _json_list(meta: dict[str, str], name: str) -> list:
     try:
         value = json.loads(meta.get(name, ""))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):  # RecursionError: deeply nested JSON
         raise ChunkFormatError(f"metadata {name} is not JSON") from None
     if not isinstance(value, list):
         raise ChunkFormatError(f"metadata {name} is not a list")
@@ -249,7 +249,7 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None) -> C
     raw = bytes(prefix[:total])
     try:
         doc = json.loads(raw[8:])
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: deeply nested JSON
         raise ChunkFormatError(f"header is not valid JSON: {exc}") from None
     meta = doc.get("__metadata__") if isinstance(doc, dict) else None
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):

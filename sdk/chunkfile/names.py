@@ -18,6 +18,8 @@ from ..keys import CacheKey
 
 FILE_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
+#: A temporary file older than this (by mtime) is a crashed writer's leftover: tiers delete it.
+TEMP_MAX_AGE_S = 600.0
 _MAX_HEX = 128
 _MAX_NAME = 200
 
@@ -61,3 +63,9 @@ def temp_name(final_name: str) -> str:
 def is_temp(name: str) -> bool:
     """Whether a directory entry's name is a write in progress, or one a crashed writer left."""
     return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+
+
+def is_stale_temp(name: str, mtime: float, now: float, max_age_s: float = TEMP_MAX_AGE_S) -> bool:
+    """Whether a directory entry is a temporary file a crashed writer left (no live write takes
+    ``max_age_s``): safe to delete."""
+    return is_temp(name) and mtime < now - max_age_s

@@ -2,8 +2,9 @@
 
 Every reader (posix, gds, fsspec, ``kvplug inspect``) finds out what a file holds the same way:
 read :data:`~.format.HEADER_PROBE` bytes, learn the header's length from the first eight, read the
-rest if the header is longer, then :func:`~.format.decode_header` checks everything against the
-file's size. Sizes come from the header only after they are bounded (``MAX_HEADER``).
+rest if the header is longer (never past the file's size), then :func:`~.format.decode_header`
+checks everything against the file's size. Sizes come from the header only after they are
+bounded (``MAX_HEADER``, and the file's size where it is known).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from ..errors import ChunkFormatError
 from .format import HEADER_PROBE, ChunkHeader, decode_header, header_size
 
 #: ``read(offset, length) -> bytes``: at most ``length`` bytes at ``offset`` (fewer at the end).
@@ -22,6 +24,8 @@ def read_header(read: ReadAt, file_size: int | None) -> tuple[ChunkHeader, bytes
     :class:`~kvplug.errors.ChunkFormatError` for a damaged, foreign or truncated file."""
     probe = read(0, HEADER_PROBE)
     need = header_size(probe[:8])
+    if file_size is not None and need > file_size:  # never read (or allocate) past the file
+        raise ChunkFormatError(f"file of {file_size} bytes is shorter than its header ({need})")
     if need > len(probe) and len(probe) == HEADER_PROBE:
         probe = bytes(probe) + read(HEADER_PROBE, need - HEADER_PROBE)
     header = decode_header(probe[:need] if len(probe) >= need else probe, file_size)
