@@ -14,6 +14,7 @@ from .atomic import atomic_file, discard_on_failure, fsync_path
 from .checksums import CHECKSUM_ALGO, checksum, layer_checksums, split_layers, verify_layer, verify_layers
 from .format import (
     ALIGN,
+    CODEC_VERSION_SUFFIX,
     FORMAT_NAME,
     FORMAT_VERSION,
     HEADER_PROBE,
@@ -26,6 +27,7 @@ from .format import (
     encode_chunk,
     encode_chunk_with_header,
     encode_header,
+    format_version,
     header_size,
     make_header,
     read_buffers,
@@ -44,7 +46,8 @@ from .names import (
 from .reader import ReadAt, read_header, read_header_fd
 
 __all__ = [
-    "ALIGN", "CHECKSUM_ALGO", "FILE_SUFFIX", "FORMAT_NAME", "FORMAT_VERSION", "HEADER_PROBE",
+    "ALIGN", "CHECKSUM_ALGO", "CODEC_VERSION_SUFFIX", "FILE_SUFFIX", "FORMAT_NAME", "FORMAT_VERSION",
+    "HEADER_PROBE", "format_version",
     "MAX_HEADER", "TEMP_SUFFIX", "ChunkHeader", "ReadAt", "align_up", "atomic_file",
     "check_layer_range", "checksum", "chunk_layout", "chunk_name", "chunk_path", "decode_header",
     "discard_on_failure", "encode_chunk", "encode_chunk_with_header", "encode_header", "fsync_path",
