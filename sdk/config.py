@@ -32,7 +32,8 @@ from .errors import ConfigError
 logger = logging.getLogger("kvplug.config")
 ENV_PREFIX = "KVPLUG_"
 #: Environment variables with a meaning of their own (not config overrides).
-RESERVED_ENV = {"KVPLUG_CONFIG", "KVPLUG_CACHE_DIR", "KVPLUG_LOG_LEVEL", "KVPLUG_LOAD_BACKENDS"}
+RESERVED_ENV = {"KVPLUG_CONFIG", "KVPLUG_CACHE_DIR", "KVPLUG_LOG_LEVEL", "KVPLUG_LOAD_BACKENDS",
+                "KVPLUG_LOAD_CODECS"}
 
 
 def default_cache_dir() -> Path:
@@ -56,6 +57,12 @@ class TierConfig(_Strict):
     timeout_s: float = Field(
         default=5.0, gt=0, description="bound on one get/contains of this tier; past it, a miss"
     )
+    codec: str | None = Field(
+        default=None,
+        description="codec for what this tier stores ('lossless', 'fp8' or a kvplug.codecs entry "
+                    "point); not for a tier that never blocks (L1 keeps raw pages)",
+    )
+    codec_options: dict[str, Any] = Field(default_factory=dict, description="passed to the codec")
 
     @property
     def tier_name(self) -> str:

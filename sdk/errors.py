@@ -37,3 +37,16 @@ class ChunkFormatError(KVPlugError, ValueError):
 
 class ChunkVersionError(ChunkFormatError):
     """A kvplug chunk file of another format version: a miss, never deleted (rolling upgrades)."""
+
+
+class CodecNotFoundError(ConfigError, LookupError):
+    """A tier names a codec that no installed package declares."""
+
+
+class CodecError(KVPlugError, ValueError):
+    """Encoded chunk bytes cannot be decoded (wrong codec metadata, truncated or corrupt payload,
+    codec not installed): a miss, never bytes."""
+
+
+class CodecMissingError(CodecError):
+    """A chunk was stored through a codec that is not installed in this process."""

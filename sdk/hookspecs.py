@@ -49,6 +49,14 @@ Rules that hold for every hook:
 * **References** (see :mod:`kvplug.memory`): an object handed *to* a hook is borrowed — call
   ``obj.ref_up()`` to keep it past the call and ``obj.ref_down()`` when done. An object returned
   *from* ``allocate``/``get``/``get_layers`` carries one reference owned by the caller.
+* **Codecs** (see :mod:`kvplug.codecs` and docs/codecs.md): on a tier configured with
+  ``codec: NAME``, ``batched_submit_put`` receives ``ENCODED`` objects (``meta.fmt`` is
+  ``MemoryFormat.ENCODED``, shape ``[layers, 1, frame_bytes]`` uint8, ``meta.codec`` set) instead
+  of ``KV_PAGES`` ones, and their ``nbytes`` is what the tier stores. Store them like any object
+  and give back the same ``shape``, ``dtype``, ``fmt`` and ``num_tokens`` from ``get`` /
+  ``get_layers`` (allocate with the stored meta, as ``kvplug.chunkfile`` readers do; layer ``i``
+  of an ``ENCODED`` object is row ``i``, so ``get_layers`` works unchanged). The codec wrapper
+  decodes them; a backend never needs to know about codecs, and L1 always holds raw pages.
 """
 
 from __future__ import annotations
@@ -120,7 +128,8 @@ class BackendSpec:
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         """Store ``objs[i]`` under ``keys[i]`` (called on every tier: write-through).
 
-        ``objs`` are borrowed: ``ref_up()`` each one you keep past this call (an in-memory tier
+        ``objs`` are borrowed (``ENCODED`` ones on a tier with a codec: see the module docstring):
+        ``ref_up()`` each one you keep past this call (an in-memory tier
         keeps it; a disk or remote tier keeps it until its write is done, then ``ref_down()``).
         **Must not block on I/O**: queue slow writes on your own threads and return. A key already
         stored may be skipped. A store that cannot be done (full, read-only, remote down) is
@@ -141,7 +150,8 @@ class BackendSpec:
 
     @hookspec(firstresult=True)
     def get_layers(self, key: CacheKey, first_layer: int, num_layers: int) -> MemoryObj | None:
-        """Optional: layers ``[first_layer, first_layer + num_layers)`` of a ``KV_PAGES`` chunk.
+        """Optional: layers ``[first_layer, first_layer + num_layers)`` of a ``KV_PAGES`` (or
+        ``ENCODED``) chunk.
 
         The object's shape is ``[num_layers, blocks, page_bytes]`` and its ``num_tokens`` the
         whole chunk's. Tiers that can read a range cheaply (files with aligned layers, ranged

@@ -28,16 +28,23 @@ class MemoryFormat(str, enum.Enum):
     KV_PAGES = "kv_pages"
     #: Opaque bytes, 1-D uint8.
     BINARY = "binary"
+    #: ``[layers, 1, frame_bytes]`` uint8: one codec frame per layer of a ``KV_PAGES`` chunk
+    #: (:mod:`kvplug.codecs`), zero padded to the longest; what a tier configured with a codec
+    #: stores. Only the codec wrapper decodes it; it never reaches KV blocks.
+    ENCODED = "encoded"
 
 
 @dataclass(frozen=True, slots=True)
 class MemoryObjMeta:
-    """Shape, dtype, format and how many tokens of the sequence the bytes cover."""
+    """Shape, dtype, format and how many tokens of the sequence the bytes cover; for an
+    ``ENCODED`` object written by the codec wrapper, ``codec`` describes the codec (canonical
+    JSON: name, package, version, params) so a chunk file's header records it."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     fmt: MemoryFormat
     num_tokens: int
+    codec: str = ""
 
     @property
     def nbytes(self) -> int:

@@ -1,5 +1,8 @@
 """Backend discovery: entry points in the ``kvplug.backends`` group, validated against the specs.
 
+The same machinery finds codecs (group ``kvplug.codecs``, :mod:`kvplug.codecs.registry`):
+:func:`discover_entry_points` and :meth:`BackendInfo.load` serve every plugin kind.
+
 Backends load lazily — only the ones a config names (and all of them for ``kvplug backends``).
 ``KVPLUG_LOAD_BACKENDS=name1,name2`` restricts discovery to those names (like pytest's
 ``PYTEST_DISABLE_PLUGIN_AUTOLOAD``), so a stray installed package cannot break a deployment.
@@ -30,15 +33,17 @@ ENTRY_POINT_GROUP = "kvplug.backends"
 
 @dataclass(frozen=True)
 class BackendInfo:
-    """One declared backend: its name, ``module:attr`` target and the distribution declaring it."""
+    """One declared plugin (a backend, a codec): its name, ``module:attr`` target and the
+    distribution declaring it."""
 
     name: str
     target: str
     package: str
     version: str
+    kind: str = "backend"
 
     def load(self) -> type:
-        return _import_target(self.target, self.name, self.package)
+        return _import_target(self.target, self.name, self.package, self.kind)
 
 
 def _dist_of(ep: EntryPoint) -> tuple[str, str]:
@@ -50,19 +55,27 @@ def _dist_of(ep: EntryPoint) -> tuple[str, str]:
 
 def discover_backends() -> dict[str, BackendInfo]:
     """Every backend declared by an installed package (without importing any of them)."""
-    allow = {n.strip() for n in os.environ.get("KVPLUG_LOAD_BACKENDS", "").split(",") if n.strip()}
+    return discover_entry_points(ENTRY_POINT_GROUP, "backend", "KVPLUG_LOAD_BACKENDS",
+                                 "select one explicitly with backend: 'module:Class' in the tier "
+                                 "config")
+
+
+def discover_entry_points(group: str, kind: str, allow_env: str, hint: str) -> dict[str, BackendInfo]:
+    """Every ``kind`` declared in entry-point ``group`` by an installed package (nothing is
+    imported). ``$allow_env`` (comma-separated names) restricts the result to those names; two
+    packages declaring one name is a :class:`BackendConflictError` ending with ``hint``."""
+    allow = {n.strip() for n in os.environ.get(allow_env, "").split(",") if n.strip()}
     found: dict[str, BackendInfo] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    for ep in entry_points(group=group):
         if allow and ep.name not in allow:
             continue
         package, version = _dist_of(ep)
-        info = BackendInfo(ep.name, ep.value, package, version)
+        info = BackendInfo(ep.name, ep.value, package, version, kind)
         prior = found.get(ep.name)
         if prior is not None and (prior.package, prior.target) != (package, ep.value):
             raise BackendConflictError(
-                f"backend name {ep.name!r} is declared by two packages: {prior.package} "
-                f"({prior.target}) and {package} ({ep.value}); uninstall one, or select one "
-                "explicitly with backend: 'module:Class' in the tier config"
+                f"{kind} name {ep.name!r} is declared by two packages: {prior.package} "
+                f"({prior.target}) and {package} ({ep.value}); uninstall one, or {hint}"
             )
         found[ep.name] = info
     return found
@@ -94,18 +107,18 @@ def import_object(target: str) -> object:
     return obj
 
 
-def _import_target(target: str, name: str, package: str) -> type:
+def _import_target(target: str, name: str, package: str, kind: str = "backend") -> type:
     try:
         obj = import_object(target)
     except Exception as exc:  # noqa: BLE001 - any import failure is reported with its cause
         raise BackendLoadError(
-            f"backend {name!r} from package {package} could not be loaded from {target!r}: "
+            f"{kind} {name!r} from package {package} could not be loaded from {target!r}: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
     if not isinstance(obj, type):
         raise BackendLoadError(
-            f"backend {name!r} from package {package}: {target!r} is a "
-            f"{type(obj).__name__}, not a class; point the entry point at the backend class"
+            f"{kind} {name!r} from package {package}: {target!r} is a "
+            f"{type(obj).__name__}, not a class; point the entry point at the {kind} class"
         )
     return obj
 

@@ -23,6 +23,8 @@ import pluggy
 import torch
 from pydantic import BaseModel, ValidationError
 
+from .codecs.registry import build_codec
+from .codecs.wrapper import CodecWrapper, describe_codec
 from .config import KVPlugConfig, TierConfig, load_config
 from .errors import BackendLoadError, ConfigError, KVPlugError
 from .hookspecs import PROJECT, BackendSpec, TierContext
@@ -30,7 +32,7 @@ from .keys import CacheKey
 from .logs import LogOnce
 from .memory import MemoryFormat, MemoryObj, heap_memory_obj
 from .plugins import load_backend_class
-from .tier_calls import Tier
+from .tier_calls import MAX_ENCODER_QUEUE, Tier
 
 logger = logging.getLogger("kvplug.storage")
 
@@ -113,10 +115,30 @@ class StorageManager:
                 f"failed to start: {type(exc).__name__}: {exc}"
             ) from exc
         tier = Tier(index, cfg, backend, info.package)
+        tier.codec = CodecWrapper(tier.name, *self._codec_of(cfg, tier.inline),
+                                  self._allocate_for_reads)
         self._register(backend, f"tier:{tier.name}", {tier.name})
         self._register(tier.metrics, f"metrics:{tier.name}", {tier.name})
+        # Registered last, so it wraps the metrics: they count the bytes the tier really moves.
+        self._register(tier.codec, f"codec:{tier.name}", {tier.name})
+        if tier.codec.codec is not None:
+            tier.start_encoder()
         self._tiers.append(tier)
         self._rebuild_callers()
+
+    def _codec_of(self, cfg: TierConfig, inline: bool) -> tuple[Any, Any]:
+        """``(codec instance, BackendInfo)`` of a tier's ``codec`` setting, or ``(None, None)``."""
+        codec, info = build_codec(cfg, inline)
+        if codec is None:
+            return None, None
+        logger.info("tier %r stores chunks through codec %s", cfg.tier_name,
+                    describe_codec(codec, info))
+        if codec.lossy:
+            logger.warning(
+                "tier %r: codec %r is LOSSY: KV loaded from this tier approximates what the engine "
+                "computed, so outputs after such a hit may differ from a cold run",
+                cfg.tier_name, cfg.codec)
+        return codec, info
 
     def _register(self, plugin: object, name: str, tiers: set[str] | None) -> None:
         self.pm.register(plugin, name=name)
@@ -213,7 +235,34 @@ class StorageManager:
         if not keys:
             return
         for tier in self._tiers:
-            self._call(tier, "batched_submit_put", keys=list(keys), objs=list(objs))
+            if tier.encoder is not None:
+                self._put_encoded(tier, list(keys), list(objs))
+            else:
+                self._call(tier, "batched_submit_put", keys=list(keys), objs=list(objs))
+
+    def _put_encoded(self, tier: Tier, keys: list[CacheKey], objs: list[MemoryObj]) -> None:
+        """A put to a tier with a codec runs on its encoder thread (encoding is CPU work that
+        must not sit in the engine's step); the objects are held until it ran. A full queue
+        (the codec cannot keep up) drops the store, as a full write queue does."""
+        if tier.pending_puts() >= MAX_ENCODER_QUEUE:
+            tier.codec.dropped(len(keys))
+            return
+        for obj in objs:
+            obj.ref_up()
+
+        def run() -> None:
+            try:
+                self._call(tier, "batched_submit_put", keys=keys, objs=list(objs))
+            finally:
+                for obj in objs:
+                    obj.ref_down()
+
+        try:
+            tier.put_later(run)
+        except RuntimeError as exc:  # the manager is closing: the store is dropped
+            for obj in objs:
+                obj.ref_down()
+            self._fault(tier, "batched_submit_put", exc)
 
     # -- retrieve -------------------------------------------------------------------------------
     def get(self, key: CacheKey, *, promote: bool = True) -> MemoryObj | None:
@@ -336,6 +385,7 @@ class StorageManager:
         """Wait for queued writes on every tier; True if all drained."""
         ok = True
         for tier in self._tiers:
+            ok = tier.wait_puts(timeout) and ok
             if tier.implements("flush"):
                 res = self._call(tier, "flush", timeout=timeout)
                 ok = ok and bool(res and all(res))
@@ -348,6 +398,9 @@ class StorageManager:
             entry = tier.metrics.snapshot()
             entry["faults"] = tier.faults
             entry["timeouts"] = tier.timeouts
+            codec = tier.codec.snapshot() if tier.codec is not None else {}
+            if tier.codec is not None and (tier.codec.codec is not None or any(codec.values())):
+                entry.update(codec)
             if tier.implements("stats"):
                 for part in self._call(tier, "stats") or []:
                     entry.update(part or {})
@@ -360,6 +413,10 @@ class StorageManager:
             if self._closed:
                 return
             self._closed = True
+        for tier in self._tiers:
+            if not tier.wait_puts(30.0):
+                logger.warning("tier %r: encoding puts still queued at close are dropped",
+                               tier.name)
         for tier in reversed(self._tiers):
             if "close" in tier.hooks and tier.implements("close"):
                 self._call(tier, "close")

@@ -10,7 +10,8 @@ has, its late result is cleaned up when it arrives: a late ``get`` drops its obj
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from .config import TierConfig
@@ -21,6 +22,8 @@ logger = logging.getLogger("kvplug.storage")
 
 #: Threads per tier that may block: the most calls of one tier in flight at once.
 TIER_THREADS = 8
+#: Puts queued for a tier's encoder beyond this are dropped (counted as codec_dropped_puts).
+MAX_ENCODER_QUEUE = 64
 
 
 class Tier:
@@ -41,6 +44,39 @@ class Tier:
         self.inline = bool(getattr(backend, "never_blocks", False))
         self.pool = None if self.inline else ThreadPoolExecutor(
             max_workers=TIER_THREADS, thread_name_prefix=f"kvplug-{self.name}"[:32])
+        #: The tier's :class:`~kvplug.codecs.CodecWrapper` (set by the StorageManager); a tier
+        #: that encodes gets one thread that runs its puts (encoding) off the caller's thread.
+        self.codec: Any = None
+        self.encoder: ThreadPoolExecutor | None = None
+        self._pending: set[Future] = set()
+        self._pending_lock = threading.Lock()
+
+    def start_encoder(self) -> None:
+        self.encoder = ThreadPoolExecutor(max_workers=1,
+                                          thread_name_prefix=f"kvplug-enc-{self.name}"[:32])
+
+    def put_later(self, fn: Any, *args: Any) -> Future:
+        """Run ``fn(*args)`` (an encoding put) on the tier's encoder thread; tracked for flush."""
+        assert self.encoder is not None
+        fut = self.encoder.submit(fn, *args)
+        with self._pending_lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._done)
+        return fut
+
+    def pending_puts(self) -> int:
+        with self._pending_lock:
+            return len(self._pending)
+
+    def _done(self, fut: Future) -> None:
+        with self._pending_lock:
+            self._pending.discard(fut)
+
+    def wait_puts(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for queued encoding puts; True if none is left."""
+        with self._pending_lock:
+            pending = set(self._pending)
+        return not pending or not wait(pending, timeout=timeout).not_done
 
     def implements(self, hook: str) -> bool:
         return any(impl.plugin is self.backend for impl in self.hooks[hook].get_hookimpls())
@@ -71,5 +107,7 @@ class Tier:
                                      self.name)
 
     def shutdown(self) -> None:
+        if self.encoder is not None:
+            self.encoder.shutdown(wait=False, cancel_futures=True)
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)

@@ -14,6 +14,7 @@ from .atomic import atomic_file, discard_on_failure, fsync_path
 from .checksums import CHECKSUM_ALGO, checksum, layer_checksums, split_layers, verify_layer, verify_layers
 from .format import (
     ALIGN,
+    CODEC_VERSION_SUFFIX,
     FORMAT_NAME,
     FORMAT_VERSION,
     HEADER_PROBE,
@@ -26,6 +27,7 @@ from .format import (
     encode_chunk,
     encode_chunk_with_header,
     encode_header,
+    format_version,
     header_size,
     make_header,
     read_buffers,
@@ -46,12 +48,12 @@ from .names import (
 from .reader import ReadAt, read_header, read_header_fd
 
 __all__ = [
-    "ALIGN", "CHECKSUM_ALGO", "FILE_SUFFIX", "FORMAT_NAME", "FORMAT_VERSION", "HEADER_PROBE",
-    "MAX_HEADER", "TEMP_MAX_AGE_S", "TEMP_SUFFIX", "ChunkHeader", "ReadAt", "align_up",
-    "atomic_file", "check_layer_range", "checksum", "chunk_layout", "chunk_name", "chunk_path",
-    "decode_header", "discard_on_failure", "encode_chunk", "encode_chunk_with_header",
-    "encode_header", "fsync_path", "header_size", "is_chunk_file", "is_stale_temp", "is_temp",
-    "layer_checksums", "make_header", "read_buffers", "read_header", "read_header_fd",
-    "relative_chunk_path", "shard_of", "split_layers", "temp_name", "verify_layer",
-    "verify_layers",
+    "ALIGN", "CHECKSUM_ALGO", "CODEC_VERSION_SUFFIX", "FILE_SUFFIX", "FORMAT_NAME", "FORMAT_VERSION",
+    "HEADER_PROBE", "MAX_HEADER", "TEMP_MAX_AGE_S", "TEMP_SUFFIX", "ChunkHeader", "ReadAt",
+    "align_up", "atomic_file", "check_layer_range", "checksum", "chunk_layout", "chunk_name",
+    "chunk_path", "decode_header", "discard_on_failure", "encode_chunk", "encode_chunk_with_header",
+    "encode_header", "format_version", "fsync_path", "header_size", "is_chunk_file",
+    "is_stale_temp", "is_temp", "layer_checksums", "make_header", "read_buffers", "read_header",
+    "read_header_fd", "relative_chunk_path", "shard_of", "split_layers", "temp_name",
+    "verify_layer", "verify_layers",
 ]

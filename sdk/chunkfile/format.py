@@ -17,6 +17,13 @@ count, the format version, one xxh3_64 checksum per layer (a layer-wise read ver
 read) and an xxh3_64 checksum of the padded header itself (computed with ``header_xxh3`` set to
 sixteen zeros), so a flipped byte anywhere in the header or in any layer is detected. Nothing is
 unpickled; every size is checked against the file size before it is used.
+
+A chunk stored through a codec (:mod:`kvplug.codecs`) is an ``ENCODED`` object: the same layout
+with one layer per codec frame (``[layers, 1, frame_bytes]``), and two differences in the header:
+a ``codec`` entry (JSON: codec name, package, version, parameters) and the format version
+``"1+codec"``. Files written before codecs existed (version ``"1"``, no ``codec``) read exactly
+as before; a reader that predates codecs sees another format version: a miss, never bytes. The
+layer checksums cover the encoded bytes, so a damaged payload is caught before any decoding.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from .checksums import CHECKSUM_ALGO, checksum, split_layers
 
 FORMAT_NAME = "kvplug-chunk"
 FORMAT_VERSION = "1"
+#: Suffix of the format version of a chunk stored through a codec (``"1+codec"``).
+CODEC_VERSION_SUFFIX = "+codec"
 ALIGN = 4096
 #: Reading this many leading bytes gives :func:`header_size`; headers of up to ~60 layers fit in
 #: it entirely (check ``header_size(prefix) <= len(prefix)`` and read the rest otherwise).
@@ -61,10 +70,18 @@ def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
+_LAYERED = (MemoryFormat.KV_PAGES, MemoryFormat.ENCODED)
+
+
+def format_version(encoded: bool) -> str:
+    """The format version written for a plain chunk, or for one stored through a codec."""
+    return FORMAT_VERSION + CODEC_VERSION_SUFFIX if encoded else FORMAT_VERSION
+
+
 def chunk_layout(meta: MemoryObjMeta) -> tuple[int, int, int]:
-    """``(num_layers, num_blocks, page_bytes)`` of an object: a ``KV_PAGES`` object of 2+ dims is
-    ``[layers, blocks, ...]``; anything else is one layer of one block."""
-    if meta.fmt is MemoryFormat.KV_PAGES and len(meta.shape) >= 2:
+    """``(num_layers, num_blocks, page_bytes)`` of an object: a ``KV_PAGES`` or ``ENCODED``
+    object of 2+ dims is ``[layers, blocks, ...]``; anything else is one layer of one block."""
+    if meta.fmt in _LAYERED and len(meta.shape) >= 2:
         layers, blocks = meta.shape[0], meta.shape[1]
     else:
         layers, blocks = 1, 1
@@ -93,6 +110,14 @@ class ChunkHeader:
     dtype: torch.dtype
     fmt: MemoryFormat
     version: str = FORMAT_VERSION
+    #: Canonical JSON of the codec of an ``ENCODED`` chunk (name, package, version, params);
+    #: empty for a plain chunk.
+    codec: str = ""
+
+    @property
+    def codec_info(self) -> dict:
+        """The codec description as a dict (empty for a plain chunk)."""
+        return json.loads(self.codec) if self.codec else {}
 
     @property
     def layer_stride(self) -> int:
@@ -105,14 +130,15 @@ class ChunkHeader:
 
     @property
     def meta(self) -> MemoryObjMeta:
-        return MemoryObjMeta(self.shape, self.dtype, self.fmt, self.num_tokens)
+        return MemoryObjMeta(self.shape, self.dtype, self.fmt, self.num_tokens, self.codec)
 
     def layers_meta(self, first_layer: int, num_layers: int) -> MemoryObjMeta:
         """Meta of an object holding layers ``[first_layer, first_layer + num_layers)``."""
-        if self.fmt is not MemoryFormat.KV_PAGES or len(self.shape) < 2:
+        if self.fmt not in _LAYERED or len(self.shape) < 2:
             raise ChunkFormatError(f"layer ranges need a KV_PAGES chunk of 2+ dims ({self.shape})")
         check_layer_range(self, first_layer, num_layers)
-        return MemoryObjMeta((num_layers, *self.shape[1:]), self.dtype, self.fmt, self.num_tokens)
+        return MemoryObjMeta((num_layers, *self.shape[1:]), self.dtype, self.fmt, self.num_tokens,
+                             self.codec)
 
     def select(self, layers: tuple[int, int] | None) -> tuple[int, int, MemoryObjMeta]:
         """``(first, count, meta)`` of a read of ``layers`` (``None``: the whole chunk). A range
@@ -138,6 +164,10 @@ def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str]) 
     """The padded header (length prefix + JSON) of a chunk holding ``meta``'s bytes."""
     if meta.dtype not in _DTYPE_NAMES:
         raise ConfigError(f"dtype {meta.dtype} cannot be stored in a chunk file")
+    encoded = meta.fmt is MemoryFormat.ENCODED
+    if encoded != bool(meta.codec):
+        raise ValueError(f"a {meta.fmt.value} object with codec={meta.codec!r}: an ENCODED object "
+                         "names its codec, any other object names none")
     layers, blocks, page_bytes = chunk_layout(meta)
     if len(checksums) != layers:
         raise ValueError(f"{len(checksums)} checksums for {layers} layers")
@@ -146,7 +176,7 @@ def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str]) 
     metadata = {
         _HDR_CK_FIELD: _ZERO_CK,
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": format_version(encoded),
         **key.fields(),
         "num_layers": str(layers),
         "num_blocks": str(blocks),
@@ -155,6 +185,7 @@ def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str]) 
         "shape": json.dumps(list(meta.shape)),
         "dtype": _DTYPE_NAMES[meta.dtype],
         "fmt": meta.fmt.value,
+        **({"codec": meta.codec} if encoded else {}),
         "checksum_algo": CHECKSUM_ALGO,
         "checksums": json.dumps(list(checksums)),
     }
@@ -256,9 +287,10 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None) -> C
         raise ChunkFormatError("header has no string-valued __metadata__")
     if meta.get("format") != FORMAT_NAME:
         raise ChunkFormatError(f"format {meta.get('format')!r} is not {FORMAT_NAME!r}")
-    if meta.get("format_version") != FORMAT_VERSION:
+    encoded = "codec" in meta
+    if meta.get("format_version") != format_version(encoded):
         raise ChunkVersionError(
-            f"format version {meta.get('format_version')!r} is not {FORMAT_VERSION!r}"
+            f"format version {meta.get('format_version')!r} is not {format_version(encoded)!r}"
         )
     try:
         key = CacheKey.from_fields(meta)
@@ -278,7 +310,10 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None) -> C
         fmt = MemoryFormat(meta.get("fmt"))
     except ValueError:
         raise ChunkFormatError(f"memory format {meta.get('fmt')!r} is unknown") from None
-    obj_meta = MemoryObjMeta(tuple(shape), dtype, fmt, num_tokens)
+    codec = meta.get("codec", "")
+    if encoded != (fmt is MemoryFormat.ENCODED) or (encoded and not _codec_ok(codec)):
+        raise ChunkFormatError(f"codec {codec!r} does not fit memory format {fmt.value!r}")
+    obj_meta = MemoryObjMeta(tuple(shape), dtype, fmt, num_tokens, codec)
     if chunk_layout(obj_meta) != (layers, blocks, page_bytes) or obj_meta.nbytes != (
         layers * blocks * page_bytes
     ):
@@ -305,6 +340,15 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None) -> C
     return head
 
 
+def _codec_ok(codec: str) -> bool:
+    """Whether a header's ``codec`` entry is a JSON object naming a codec."""
+    try:
+        doc = json.loads(codec)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("name"), str) and bool(doc["name"])
+
+
 def make_header(
     key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str], header_bytes: int
 ) -> ChunkHeader:
@@ -320,6 +364,7 @@ def make_header(
         layer_nbytes=layer_nbytes, checksums=[str(s) for s in checksums],
         file_size=header_bytes + layers * stride, header_bytes=header_bytes,
         shape=tuple(meta.shape), dtype=meta.dtype, fmt=meta.fmt,
+        version=format_version(meta.fmt is MemoryFormat.ENCODED), codec=meta.codec,
     )
 
 

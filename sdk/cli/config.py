@@ -11,6 +11,7 @@ import click
 from pydantic import BaseModel, ByteSize, ValidationError
 from rich.table import Table
 
+from ..codecs.registry import build_codec
 from ..config import ENV_PREFIX, RESERVED_ENV, KVPlugConfig, TierConfig, load_config, widest_schema
 from ..errors import KVPlugError
 from ..plugins import load_backend_class
@@ -43,9 +44,14 @@ def resolve_tier(tier: TierConfig) -> dict[str, Any]:
                 f"Allowed options: {', '.join(model.model_fields)}"
             ) from None
         options = {name: getattr(parsed, name) for name in type(parsed).model_fields}
-    return {"name": tier.tier_name, "backend": tier.backend, "package": info.package,
-            "version": info.version, "class": f"{cls.__module__}:{cls.__qualname__}",
-            "options": options, "timeout_s": tier.timeout_s}
+    codec, codec_info = build_codec(tier, bool(getattr(cls, "never_blocks", False)))
+    out = {"name": tier.tier_name, "backend": tier.backend, "package": info.package,
+           "version": info.version, "class": f"{cls.__module__}:{cls.__qualname__}",
+           "options": options, "timeout_s": tier.timeout_s}
+    if codec is not None and codec_info is not None:
+        out["codec"] = {"name": codec_info.name, "package": codec_info.package,
+                        "lossy": codec.lossy, "options": codec.describe()}
+    return out
 
 
 def check_config(path: Path) -> tuple[KVPlugConfig, list[dict[str, Any]], list[str]]:

@@ -140,6 +140,7 @@ class Group:
     kv_layout: str
     tp: str
     pp: str
+    codec: str = "-"  # name and settings of the codec the chunks were stored through
     chunks: int = 0
     tokens: int = 0
     nbytes: int = 0
@@ -167,9 +168,10 @@ def scan(store: Store, verify: bool) -> dict[str, Any]:
             assert header is not None
             key = header.key
             pp = f"{key.pp_rank}/{key.pp_size}" + (f" L{key.layers}" if key.layers else "")
-            g = groups.setdefault(key.namespace, Group(
+            codec = _codec_label(header)
+            g = groups.setdefault(f"{key.namespace} {codec}", Group(
                 key.model, key.model_digest or "-", key.kv_dtype, key.kv_layout,
-                f"{key.rank}/{key.world_size}", pp))
+                f"{key.rank}/{key.world_size}", pp, codec))
             g.chunks += 1
             g.tokens += header.num_tokens
             g.nbytes += f.size
@@ -184,6 +186,15 @@ def scan(store: Store, verify: bool) -> dict[str, Any]:
     }
 
 
+def _codec_label(header: cf.ChunkHeader) -> str:
+    """``name (package version; k=v, ...)`` of a chunk's codec, ``-`` for raw pages."""
+    info = header.codec_info
+    if not info:
+        return "-"
+    params = ", ".join(f"{k}={v}" for k, v in sorted((info.get("params") or {}).items()))
+    return f"{info.get('name')} ({info.get('package')} {info.get('version')}; {params})"
+
+
 def _parse_options(pairs: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -195,12 +206,12 @@ def _parse_options(pairs: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
 def _print(report: dict[str, Any]) -> None:
     now = time.time()
     table = Table(title=f"kvplug store {escape(report['root'])}")
-    for col in ("Model", "Model digest", "KV dtype", "Layout", "Rank/TP", "Stage/PP", "Chunks",
-                "Tokens", "Bytes", "Oldest", "Newest"):
+    for col in ("Model", "Model digest", "KV dtype", "Layout", "Rank/TP", "Stage/PP", "Codec",
+                "Chunks", "Tokens", "Bytes", "Oldest", "Newest"):
         table.add_column(col, overflow="fold")
     for g in report["groups"]:
         table.add_row(escape(g["model"]), g["model_digest"], g["kv_dtype"], g["kv_layout"],
-                      g["tp"], g["pp"], str(g["chunks"]), str(g["tokens"]),
+                      g["tp"], g["pp"], escape(g["codec"]), str(g["chunks"]), str(g["tokens"]),
                       human_bytes(g["nbytes"]), age_of(g["oldest"], now),
                       age_of(g["newest"], now))
     console.print(table)
