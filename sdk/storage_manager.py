@@ -65,6 +65,7 @@ class StorageManager:
         self._log_once = LogOnce(logger)
         self._closed = False
         self._lock = threading.Lock()
+        self.read_heap_fallbacks = 0  # reads that found the pool full (see _allocate_for_reads)
         # Bounded tier calls run on each tier's own pool; batched_get fans out over this one.
         self._readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvplug-read")
         names = self.config.tier_names()
@@ -225,7 +226,27 @@ class StorageManager:
             return None
         return heap_memory_obj(tuple(shape), dtype, fmt, num_tokens)
 
-    _allocate_for_reads = allocate
+    def _allocate_for_reads(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype = torch.uint8,
+        fmt: MemoryFormat = MemoryFormat.KV_PAGES,
+        num_tokens: int = 0,
+    ) -> MemoryObj | None:
+        """Memory for a chunk a tier reads (``ctx.allocate``): the pool first, else the heap.
+
+        A load holds a request's whole hit until it scatters it, so a hit larger than L1 fills
+        the pool with objects in use; a read must not then fail (a promised hit would become a
+        load error and a recompute). The heap buffer goes with its last reference; counted in
+        ``read_heap_fallbacks``."""
+        obj = self.allocate(shape, dtype, fmt, num_tokens)
+        if obj is None:
+            with self._lock:
+                self.read_heap_fallbacks += 1
+            self._log_once("read-heap", "L1 has no room for a read (full of chunks in use); "
+                           "reading into heap memory instead (counted in read_heap_fallbacks)")
+            obj = heap_memory_obj(tuple(shape), dtype, fmt, num_tokens)
+        return obj
 
     # -- store ----------------------------------------------------------------------------------
     def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
