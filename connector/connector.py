@@ -17,11 +17,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.platforms import current_platform
 
 from .config import load_connector_config
 from .events import KVPlugKVEvents, TierEventBook, TierWatch, events_enabled
+from .groups import layout_of
 from .identity import build_identity
 from .lookup import LookupClient, socket_path
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta
@@ -69,8 +72,11 @@ def _warn_fail_policy(policy: str) -> None:
                        "--kv-transfer-config so vLLM recomputes the blocks instead.")
 
 
-class KVPlugConnector(KVConnectorBase_V1):
-    """Tiered KV-cache storage for vLLM: local RAM, disk, GDS, remote, any plugin tier."""
+class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
+    """Tiered KV-cache storage for vLLM: local RAM, disk, GDS, remote, any plugin tier.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on; per-group handling (full and
+    sliding-window attention; other groups stop hits at vLLM's own cache) is in :mod:`.groups`."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -92,12 +98,22 @@ class KVPlugConnector(KVConnectorBase_V1):
         self._events_on = events_enabled(vllm_config, self.config.kv_events)
         self._watch: TierWatch | None = None
         self._book: TierEventBook | None = None
+        self.layout = layout_of(kv_cache_config, block_size)
+        if self.layout.multi:
+            if self.config.layerwise:  # a tensor holds several groups' layers: saved after all
+                self.config = self.config.model_copy(update={"layerwise": False})
+            if role == KVConnectorRole.SCHEDULER:
+                logger.info("kvplug: %d KV cache groups (%s); every load is asynchronous, "
+                            "bulk transfers", len(self.layout.groups), self.layout.describe())
+                if not self.layout.servable:
+                    logger.warning("%s", self.layout.unsupported_message())
         if role == KVConnectorRole.SCHEDULER:
             _warn_fail_policy(xfer.kv_load_failure_policy)
             # every worker (TP rank x PP stage) answers; the hit is the minimum over them
             client = LookupClient([socket_path(engine_id, r, p) for p in range(pp)
                                    for r in range(tp)], self.config.lookup_timeout_s)
-            self._sched = SchedulerSide(self.config, block_size, self.kv_role, client)
+            self._sched = SchedulerSide(self.config, block_size, self.kv_role, client,
+                                        self.layout)
             if self._events_on:
                 self._book = TierEventBook(block_size, self.config.chunk_size, tp * pp,
                                            self.config.kv_events_max_chunks)
@@ -113,7 +129,7 @@ class KVPlugConnector(KVConnectorBase_V1):
                                    tp_rank=get_tensor_model_parallel_rank(),
                                    pp_rank=get_pp_group().rank_in_group,
                                    kv_cache_config=kv_cache_config)
-            self._worker = WorkerSide(self.config, ident)
+            self._worker = WorkerSide(self.config, ident, self.layout)
         logger.info("kvplug connector (%s, %s): chunk_size=%d, tiers=%s, %s, %s saves",
                     role.name.lower(), self.kv_role, self.config.chunk_size,
                     ",".join(self.config.tier_names()),
@@ -177,6 +193,13 @@ class KVPlugConnector(KVConnectorBase_V1):
         if self._worker is not None:
             md = kv_connector_metadata
             self._worker.handle_preemptions(md if isinstance(md, KVPlugMetadata) else None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # several KV cache groups: a failed load is a failed request (vLLM recomputes it all)
+        res = super().get_transfer_results(finished_req_ids)
+        if self._worker is not None:
+            res.failed_recving = self._worker.take_failed()
+        return res
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -256,5 +279,14 @@ class KVPlugConnector(KVConnectorBase_V1):
                          ) -> tuple[bool, dict[str, Any] | None]:
         # A last save (the answer's blocks) runs next step: vLLM keeps the blocks until then.
         delay = self._sched is not None and self._sched.finish_save(request, block_ids)
+        report = self._sched.request_finished(request) if self._sched is not None else None
+        return delay, report
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` with every KV cache group's blocks (vLLM's hybrid manager)."""
+        first = list(block_ids[0]) if block_ids else []
+        delay = self._sched is not None and self._sched.finish_save(request, first,
+                                                                    tuple(block_ids))
         report = self._sched.request_finished(request) if self._sched is not None else None
         return delay, report

@@ -42,6 +42,7 @@ class ChunkLoad:
     tier: str  # where lookup found it
     by_layer: bool = False  # read layer by layer (layer-wise mode, a tier that reads ranges)
     job: int | None = None  # index of its transfer job, once it has one
+    counts: bool = True  # its tokens count as loaded (one part per chunk: see .groups)
 
 
 @dataclass(eq=False)

@@ -51,13 +51,15 @@ class SaveSpec:
 class ReqMeta:
     """One request's work for this step: its current block table and what to load/store.
     ``finished``: vLLM finished the request and frees its blocks once the workers report this
-    save done (``finished_sending``)."""
+    save done (``finished_sending``). ``tables``: with several KV cache groups, each group's
+    block table (``block_ids`` is group 0's); see :mod:`.groups`."""
 
     req_id: str
     block_ids: list[int]
     load: LoadSpec | None = None
     save: SaveSpec | None = None
     finished: bool = False
+    tables: tuple[list[int], ...] = ()  # every KV cache group's block table (hybrid models only)
 
 
 @dataclass

@@ -31,6 +31,7 @@ import torch
 from kvplug.tokens import TokenDatabase
 
 from .config import ConnectorConfig
+from .groups import GroupLayout
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta, LoadSpec, ReqMeta, SaveSpec
 from .stats import StatsRecorder
 
@@ -99,6 +100,7 @@ class RequestTracker:
     asking: bool = False  # a lookup is in flight (answered None)
     sent_save: bool = False  # a save went to the workers (async saves: blocks held at finish)
     block_ids: list[int] = field(default_factory=list)  # fallback when vLLM gives no block state
+    tables: tuple[list[int], ...] = ()  # every KV cache group's block table (hybrid models)
     report: dict[str, Any] = field(default_factory=dict)  # returned in kv_transfer_params
 
 
@@ -106,9 +108,11 @@ class SchedulerSide:
     """The scheduler half of :class:`~kvplug.connector.KVPlugConnector`."""
 
     def __init__(
-        self, config: ConnectorConfig, block_size: int, role: str, lookup: LookupFn
+        self, config: ConnectorConfig, block_size: int, role: str, lookup: LookupFn,
+        layout: GroupLayout | None = None,
     ) -> None:
-        if config.chunk_size % block_size:
+        self.layout = layout or GroupLayout()  # KV cache groups (connector/groups.py)
+        if config.chunk_size % block_size and self.layout.servable:
             raise ValueError(f"kvplug chunk_size={config.chunk_size} must be a multiple of vLLM's "
                              f"block_size={block_size}")
         self.cfg = config
@@ -147,7 +151,8 @@ class SchedulerSide:
         t = self.trackers.get(request.request_id)
         if t is None:
             params: dict[str, Any] = request.kv_transfer_params or {}
-            keyed = request.prompt_token_ids is not None  # prompt embeddings are not cached
+            # prompt embeddings are not cached; nor is a model with a group kvplug cannot restore
+            keyed = request.prompt_token_ids is not None and self.layout.servable
             t = RequestTracker(
                 request=request,
                 prompt_len=request.num_prompt_tokens,
@@ -208,8 +213,9 @@ class SchedulerSide:
             return 0, False
         slow = getattr(self.lookup, "take_slow", lambda _: ())(request.request_id)
         t.slow_chunks = frozenset(slow)
-        t.load_background = any(num_computed_tokens // self.cs <= i < -(-hit // self.cs)
-                                for i in slow)
+        # several KV cache groups: vLLM takes load failures only as failed async loads
+        t.load_background = self.layout.multi or any(
+            num_computed_tokens // self.cs <= i < -(-hit // self.cs) for i in slow)
         return hit - num_computed_tokens, t.load_background
 
     def hit_split(self, req_id: str, num_external_tokens: int) -> tuple[int, int]:
@@ -241,7 +247,8 @@ class SchedulerSide:
         t = self.trackers.get(request.request_id)
         if t is None:
             return
-        t.block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        tables = blocks.get_block_ids() if blocks is not None else ([],)
+        t.block_ids, t.tables = list(tables[0]), tuple(map(list, tables))
         hit = t.lookup_tokens
         # What lookup found is in storage: never store it again.
         t.stored_tokens = max(t.stored_tokens, hit // self.cs * self.cs)
@@ -284,7 +291,8 @@ class SchedulerSide:
             self.on_chunks(r, start, end, spec.hashes)
         return spec
 
-    def finish_save(self, request: Request, block_ids: list[int]) -> bool:
+    def finish_save(self, request: Request, block_ids: list[int],
+                    tables: tuple[list[int], ...] = ()) -> bool:
         """At request end, queue the store of what is computed and not stored yet, block
         aligned (the answer's blocks: turn N+1 of a chat starts with turn N's prompt+answer).
         True when there is one: vLLM then keeps the blocks until the workers report it done
@@ -302,7 +310,7 @@ class SchedulerSide:
         if spec is None:
             return held
         self._finishing.append(ReqMeta(request.request_id, list(block_ids), save=spec,
-                                       finished=True))
+                                       finished=True, tables=self._tables(tables)))
         return True
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVPlugMetadata:
@@ -326,14 +334,19 @@ class SchedulerSide:
             t.sent_save = t.sent_save or save is not None
             groups = state.get_block_ids(req_id) if state is not None else None
             block_ids = list(groups[0]) if groups else list(t.block_ids)
-            meta.requests.append(ReqMeta(req_id, block_ids, load, save))
+            meta.requests.append(ReqMeta(req_id, block_ids, load, save,
+                                         tables=self._tables(groups or t.tables)))
         return meta
+
+    def _tables(self, tables: tuple[list[int], ...] | list | None) -> tuple[list[int], ...]:
+        """Every group's block table for the workers; empty for a single-group model."""
+        return tuple(map(list, tables)) if self.layout.multi and tables else ()
 
     def _follow_blocks(self, so: SchedulerOutput) -> None:
         """Keep each tracker's block table current from the scheduler output (fallback path)."""
         for nr in so.scheduled_new_reqs:
             if (t := self.trackers.get(nr.req_id)) is not None:
-                t.block_ids = list(nr.block_ids[0])
+                t.block_ids, t.tables = list(nr.block_ids[0]), tuple(map(list, nr.block_ids))
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             t = self.trackers.get(req_id)
@@ -341,9 +354,11 @@ class SchedulerSide:
             if t is None or new is None:
                 continue
             if req_id in cached.resumed_req_ids:
-                t.block_ids = list(new[0])
+                t.block_ids, t.tables = list(new[0]), tuple(map(list, new))
             else:
                 t.block_ids.extend(new[0])
+                for table, more in zip(t.tables, new, strict=False):
+                    table.extend(more)
 
     def update_connector_output(self, meta: KVPlugWorkerMeta | None) -> None:
         """Fold the workers' per-request load results into the trackers. Every worker (TP rank,

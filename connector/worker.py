@@ -40,6 +40,7 @@ from kvplug.memory import MemoryObj
 from kvplug.storage_manager import StorageManager
 
 from .config import ConnectorConfig
+from .groups import GroupLayout, lookup_groups, plan_group_load, store_targets
 from .identity import Identity
 from .load import BackgroundLoads, LayerReads, RequestLoad, plan_load, valid_pages
 from .lookup import Lookup, LookupService, socket_path
@@ -64,9 +65,12 @@ class _StoreBatch:
 class WorkerSide:
     """The worker half of :class:`~kvplug.connector.KVPlugConnector`."""
 
-    def __init__(self, config: ConnectorConfig, ident: Identity) -> None:
+    def __init__(self, config: ConnectorConfig, ident: Identity,
+                 layout: GroupLayout | None = None) -> None:
         self.cfg = config
         self.ident = ident
+        self.layout = layout or GroupLayout()  # KV cache groups (see .groups)
+        self._failed: set[str] = set()  # several groups: failed loads, by request (not blocks)
         self.stats = StatsRecorder()
         self.kv: PagedKV | None = None
         self.storage: StorageManager | None = None
@@ -89,6 +93,9 @@ class WorkerSide:
 
     # -- setup ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        if not self.layout.servable:  # the scheduler side never loads nor stores then
+            logger.warning("%s", self.layout.unsupported_message())
+            return
         self.kv = PagedKV.from_kv_caches(kv_caches)
         self.kv_dtype = str(self.kv.kv_dtype).removeprefix("torch.")
         self.storage = StorageManager(self.cfg)
@@ -124,6 +131,8 @@ class WorkerSide:
         holds (the scheduler loads those asynchronously)."""
         assert self.storage is not None
         self.release([msg.req_id])  # a repeated lookup replaces the earlier pins
+        if self.layout.multi:
+            return self._lookup_groups(msg)
         keys = [self.key(h) for h in msg.hashes]
         if self._saves is not None:  # an asynchronous save of these chunks: let its put end
             self._saves.settle(keys + [self.key(h) for _, h in msg.tails],
@@ -144,6 +153,23 @@ class WorkerSide:
             with self._lock:
                 self._pins[msg.req_id] = (pinned, tiers)
         return tokens, [i for i, t in enumerate(tiers) if self.storage.may_block(t)]
+
+    def _lookup_groups(self, msg: Lookup) -> tuple[int, list[int]]:
+        """:meth:`_on_lookup` for several KV cache groups (:func:`.groups.lookup_groups`)."""
+        storage = self.storage
+        assert storage is not None
+
+        def contains(keys: list[CacheKey]) -> tuple[int, list[str]]:
+            found = storage.lookup_prefix(keys, pin=msg.pin)
+            return found.num_chunks, list(found.tiers)
+
+        hit = lookup_groups(self.layout, self.key, contains, msg.hashes, msg.tails,
+                            self.cfg.chunk_size, self.layout.block_size)
+        if msg.pin and hit.pinned:
+            with self._lock:
+                self._pins[msg.req_id] = (hit.pinned, hit.tiers)
+        slow = {c for c, t in zip(hit.chunk_of, hit.tiers, strict=False) if storage.may_block(t)}
+        return hit.tokens, sorted(slow)
 
     def release(self, req_ids: list[str] | set[str]) -> None:
         """Drop the pins lookup took for these requests."""
@@ -170,7 +196,8 @@ class WorkerSide:
         for r in md.requests:
             if r.load is not None:
                 t0 = time.perf_counter()
-                ld = plan_load(md, r, self.key, self._tier_of(r.req_id))
+                ld = (plan_group_load(md, r, self.key, self._tier_of(r.req_id), self.layout)
+                      if self.layout.multi else plan_load(md, r, self.key, self._tier_of(r.req_id)))
                 if r.load.background:
                     self._background.submit(ld)  # type: ignore[union-attr]
                     continue
@@ -258,7 +285,10 @@ class WorkerSide:
         self.release([r.req_id])  # loaded (or failed): the pins have done their job
         if ld.fail_at is not None:
             bad = ld.error_blocks()
-            self._errors.update(bad)
+            if self.layout.multi:  # vLLM maps block ids to requests only with one group
+                self._failed.add(r.req_id)
+            else:
+                self._errors.update(bad)
             self._report_meta.failed_blocks[r.req_id] = len(bad)
             self.stats.add("load_failures")
             self.stats.add("failed_blocks", len(bad))
@@ -269,7 +299,7 @@ class WorkerSide:
         tier_bytes: dict[str, int] = {}
         loaded = nbytes = 0
         for c in ld.loaded():
-            n = c.end - max(c.start, ld.spec.start)
+            n = (c.end - max(c.start, ld.spec.start)) if c.counts else 0
             per_tier[c.tier] = per_tier.get(c.tier, 0) + n
             loaded += n
             b = len(c.block_ids) * self.kv.num_layers * self.kv.page_bytes
@@ -343,6 +373,11 @@ class WorkerSide:
         if self._saves is not None and md is not None and md.preempted:
             self._saves.wait_for(md.preempted)
 
+    def take_failed(self) -> set[str]:
+        """Requests whose load failed (several KV cache groups: vLLM's ``failed_recving``)."""
+        out, self._failed = self._failed, set()
+        return out
+
     def take_load_errors(self) -> set[int]:
         out, self._errors = self._errors, set()
         return out
@@ -358,19 +393,28 @@ class WorkerSide:
                 continue
             for i, h in enumerate(spec.hashes):
                 s, e = md.chunk_range(spec, i)
-                try:
-                    ids = blocks_for_tokens(r.block_ids, s, e, bs)
-                except ValueError:  # the block table does not reach this chunk yet
+                if self.layout.multi:  # one part per group (sliding: only while in the window)
+                    targets = store_targets(self.layout, r.tables, h, s, e, bs)
+                else:
+                    try:
+                        targets = [(h, blocks_for_tokens(r.block_ids, s, e, bs))]
+                    except ValueError:
+                        targets = None
+                if targets is None:  # the block table does not reach this chunk yet
                     break
-                obj = self.storage.allocate((self.kv.num_layers, num_pages(e - s, bs),
-                                             self.kv.page_bytes), num_tokens=e - s)
-                if obj is None:  # every tier with memory is full: store what we have
-                    self.stats.add("store_failures")
-                    break
-                batch.keys.append(self.key(h))
-                batch.objs.append(obj)
-                batch.jobs.append(PageJob(ids, obj.tensor))
-                batch.tokens += e - s
+                for th, ids in targets:
+                    obj = self.storage.allocate((self.kv.num_layers, num_pages(e - s, bs),
+                                                 self.kv.page_bytes), num_tokens=e - s)
+                    if obj is None:  # every tier with memory is full: store what we have
+                        break
+                    batch.keys.append(self.key(th))
+                    batch.objs.append(obj)
+                    batch.jobs.append(PageJob(ids, obj.tensor))
+                else:
+                    batch.tokens += e - s
+                    continue
+                self.stats.add("store_failures")
+                break
         return batch
 
     def save_kv_layer(self, layer_name: str, md: KVPlugMetadata | None) -> None:

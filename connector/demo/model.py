@@ -96,3 +96,41 @@ def _add_tokenizer(out: Path, vocab_size: int, max_len: int) -> None:
             os.replace(tmp / name, out / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def make_sliding_model(preset: str = "tiny", window: int = 100, seed: int = 1234,
+                       root: str | os.PathLike[str] | None = None, max_len: int = 8192) -> Path:
+    """Write (once) and return a Llama-style model whose layers alternate sliding-window
+    (``window`` tokens) and full attention: vLLM's hybrid KV cache manager gives it two KV cache
+    groups. Random weights as :func:`make_model` (outputs depend on the context; vLLM's Qwen3
+    refuses mixed sliding-window layers, Llama takes ``layer_types``)."""
+    base = Path(root) if root is not None else default_cache_dir() / "models"
+    out = base / f"{preset}-swa{window}-seed{seed}"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    params = PRESETS[preset]
+    layer_types = ["sliding_attention", "full_attention"] * (params["num_hidden_layers"] // 2)
+    cfg = LlamaConfig(**params, max_position_embeddings=max_len, initializer_range=0.08,
+                      tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=1,
+                      eos_token_id=2)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        torch.manual_seed(seed)
+        LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp)
+        data = json.loads((tmp / "config.json").read_text())
+        data.update(torch_dtype="bfloat16", dtype="bfloat16", architectures=["LlamaForCausalLM"],
+                    layer_types=layer_types, sliding_window=window)
+        (tmp / "config.json").write_text(json.dumps(data, indent=2))
+        tokenizer.save(tmp, params["vocab_size"], max_len, TOKENIZER_SEED)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process wrote it first
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
