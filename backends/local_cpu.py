@@ -14,13 +14,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
+from kvplug.config import BaseOptions
 from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.keys import CacheKey
 from kvplug.logs import LogOnce
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.pins import PinCounts
 from kvplug.pool import HostMemoryPool
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
+from pydantic import ByteSize, ConfigDict, Field
 
 logger = logging.getLogger("kvplug.backends.local_cpu")
 
@@ -31,7 +32,7 @@ class LocalCPUBackend:
     #: Every hook is a few dict operations under a lock: called inline, never through a thread.
     never_blocks = True
 
-    class Options(BaseModel):
+    class Options(BaseOptions):
         model_config = ConfigDict(extra="forbid")
         capacity: ByteSize = Field(default=ByteSize(2 << 30), description="pool size, e.g. 2GiB")
         pin_memory: bool | None = Field(

@@ -19,13 +19,23 @@ import difflib
 import functools
 import logging
 import os
+import types
 from collections.abc import Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from .errors import ConfigError
 
@@ -44,7 +54,37 @@ def default_cache_dir() -> Path:
     return Path(base) / "kvplug"
 
 
-class _Strict(BaseModel):
+def _is_number(annotation: Any) -> bool:
+    """Whether a field's type takes numbers only (``int``, ``float``, ``ByteSize``, ``int | None``…)."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _is_number(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        return bool(args) and all(_is_number(a) for a in args)
+    return isinstance(annotation, type) and issubclass(annotation, (int, float)) \
+        and not issubclass(annotation, bool)
+
+
+class BaseOptions(BaseModel):
+    """The base of every kvplug settings model — the config, each backend's and codec's
+    ``Options``: unknown keys are errors, and a boolean is never read as a number (pydantic's lax
+    mode would take YAML's ``true`` as 1, e.g. ``chunk_size: true``). Third-party backends and
+    codecs should derive their ``Options`` from it too."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            field = cls.model_fields.get(info.field_name)
+            if field is not None and _is_number(field.annotation):
+                raise ValueError(f"{info.field_name} should be a number, not the boolean {value!r}")
+        return value
+
+
+class _Strict(BaseOptions):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 

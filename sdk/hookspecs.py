@@ -88,8 +88,9 @@ class TierContext:
     Attributes:
         name: the tier's name in the config (unique; e.g. ``"l1"`` or ``"disk"``).
         options: the tier's ``options`` mapping. If the backend class has an ``Options``
-            attribute (a pydantic model), it is an instance of that model, validated with unknown
-            keys rejected; otherwise the raw dict.
+            attribute (a pydantic model; derive it from ``kvplug.config.BaseOptions`` to get
+            kvplug's rules: unknown keys and booleans given for numbers are errors naming the
+            key), it is an instance of that model, validated; otherwise the raw dict.
         allocate: ``allocate(shape, dtype, fmt, num_tokens) -> MemoryObj | None`` — memory for a
             chunk being read, from the fastest tier that owns a pool (so a later promotion into
             L1 is zero-copy), or from the heap when none does. ``None`` when memory is full: treat

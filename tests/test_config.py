@@ -118,3 +118,34 @@ def test_sizes():
     assert parse_size(4096) == 4096
     with pytest.raises(ConfigError, match="'eight gigs'"):
         parse_size("eight gigs")
+
+
+@pytest.mark.parametrize("cfg, key", [
+    ({"chunk_size": True}, "chunk_size"),
+    ({"lookup_timeout_s": False}, "lookup_timeout_s"),
+    ({"tiers": [{"backend": "local_cpu", "timeout_s": True}]}, "timeout_s"),
+])
+def test_a_boolean_is_not_a_number(cfg, key):
+    """pydantic's lax mode reads YAML's ``true`` as 1; kvplug refuses it, naming the key."""
+    with pytest.raises(ConfigError, match=f"{key}.*boolean"):
+        load_connector_config(cfg, env={})
+    assert load_connector_config({"layerwise": True}, env={}).layerwise is True  # bools stay bools
+
+
+def test_backend_and_codec_options_refuse_booleans_for_numbers():
+    """The rule lives in one base class (``kvplug.config.BaseOptions``) every options model uses."""
+    from kvplug.backends.fsspec import FsspecBackend
+    from kvplug.backends.local_cpu import LocalCPUBackend
+    from kvplug.backends.posix import PosixBackend
+    from kvplug.codecs.fp8 import FP8Options
+    from kvplug.config import BaseOptions
+    from pydantic import ValidationError
+
+    for model, good, key in [(LocalCPUBackend.Options, {}, "capacity"),
+                             (PosixBackend.Options, {"path": "/tmp/x"}, "io_threads"),
+                             (FsspecBackend.Options, {"url": "memory://x"}, "capacity"),
+                             (FP8Options, {}, "num_kv_heads")]:
+        assert issubclass(model, BaseOptions)
+        with pytest.raises(ValidationError, match=f"{key}[\\s\\S]*boolean"):
+            model(**good, **{key: True})
+    assert LocalCPUBackend.Options(prefault=False).prefault is False  # a real bool option

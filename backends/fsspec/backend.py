@@ -19,13 +19,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvplug import chunkfile as cf
+from kvplug.config import BaseOptions
 from kvplug.errors import KVPlugError
 from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.keys import CacheKey
 from kvplug.logs import LogOnce
 from kvplug.memory import MemoryObj
 from kvplug.pins import PinCounts
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
+from pydantic import ByteSize, ConfigDict, Field, field_validator
 
 from .breaker import CircuitBreaker
 from .index import CapacityIndex
@@ -46,7 +47,7 @@ logger = logging.getLogger("kvplug.backends.fsspec")
 class FsspecBackend:
     """A remote tier over one fsspec URL; many hosts may share the same prefix."""
 
-    class Options(BaseModel):
+    class Options(BaseOptions):
         model_config = ConfigDict(extra="forbid")
         url: str = Field(default="", validate_default=True,
                          description="s3://bucket/prefix, gs://..., memory://..., file://...")

@@ -30,11 +30,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvplug import chunkfile as cf
+from kvplug.config import BaseOptions
 from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.keys import CacheKey
 from kvplug.logs import LogOnce
 from kvplug.memory import MemoryObj
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
+from pydantic import ByteSize, ConfigDict, Field
 
 from .held import HeldFiles, fd_limit, fd_path
 from .index import Entry, PosixIndex, scan, stat_entry, unlink_entries
@@ -59,7 +60,7 @@ _TOUCH_EVERY_S = 1.0  # an LRU stamp younger than this is not bumped again (save
 class PosixBackend(LookupAndPins):
     """A directory of chunk files with an LRU byte capacity."""
 
-    class Options(BaseModel):
+    class Options(BaseOptions):
         model_config = ConfigDict(extra="forbid")
         path: str = Field(description="cache directory (created if missing)")
         capacity: ByteSize = Field(default=ByteSize(20 << 30), description="bytes on disk")

@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from ..config import BaseOptions
 from ..errors import CodecError
 from .base import Codec, LayerSpec
 
@@ -25,7 +26,7 @@ FP8_MAX = float(torch.finfo(FP8).max)
 _SOURCE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-class FP8Options(BaseModel):
+class FP8Options(BaseOptions):
     """``codec_options`` of the ``fp8`` codec."""
 
     model_config = ConfigDict(extra="forbid")

@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from ..config import BaseOptions
 from ..errors import CodecError
 from .base import Codec, LayerSpec
 
@@ -20,7 +21,7 @@ _CODECS = ("zstd", "lz4", "lz4hc", "blosclz", "zlib")
 _FILTERS = ("shuffle", "bitshuffle", "none")
 
 
-class LosslessOptions(BaseModel):
+class LosslessOptions(BaseOptions):
     """``codec_options`` of the ``lossless`` codec."""
 
     model_config = ConfigDict(extra="forbid")

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from kvplug.config import BaseOptions
 from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.keys import CacheKey
 {%- if cookiecutter.owns_allocator == "yes" %}
@@ -34,7 +35,7 @@ from kvplug.pool import HostMemoryPool
 {%- else %}
 from kvplug.memory import MemoryObj, MemoryObjMeta
 {%- endif %}
-from pydantic import BaseModel, ByteSize, ConfigDict, Field
+from pydantic import ByteSize, Field
 
 logger = logging.getLogger("{{ cookiecutter.__module_name }}")
 
@@ -53,10 +54,10 @@ def _crc(data: torch.Tensor) -> int:
 class {{ cookiecutter.__class_name }}:
     """The ``{{ cookiecutter.backend_name }}`` tier: chunks kept as private byte copies, LRU by bytes."""
 
-    class Options(BaseModel):
-        """What a tier config may put under ``options:`` (unknown keys are rejected)."""
+    class Options(BaseOptions):
+        """What a tier config may put under ``options:`` (kvplug's base: unknown keys and booleans
+        given for numbers are rejected, naming the key)."""
 
-        model_config = ConfigDict(extra="forbid")
         capacity: ByteSize = Field(default=ByteSize(256 << 20), description="bytes kept, e.g. 1GiB")
 {%- if cookiecutter.owns_allocator == "yes" %}
         pool_capacity: ByteSize = Field(
