@@ -350,7 +350,8 @@ def test_queue_bound_drops_instead_of_blocking(tmp_path, monkeypatch):
 
 def test_a_chunk_still_being_written_is_served_from_memory(tmp_path):
     """Right after a store, before the disk write finishes (a gated, slow disk), lookups hit and
-    reads return the queued object's bytes; the file appears once the write is let through."""
+    reads return the queued object's bytes — whole or a layer range (a layer-wise load); the file
+    appears once the write is let through."""
     import threading
 
     from kvplug.storage_manager import StorageManager
@@ -362,18 +363,21 @@ def test_a_chunk_still_being_written_is_served_from_memory(tmp_path):
     write = disk._write
     disk._write = lambda *args: (gate.wait(10), write(*args))
     obj = fill_random(mgr, seed=5)
-    expect = obj.byte_view.clone()
+    expect, layers = obj.byte_view.clone(), obj.tensor.clone()
     mgr.batched_put([make_key(1)], [obj])
     obj.ref_down()
     assert mgr.lookup_prefix([make_key(1)]).num_chunks == 1
     got = mgr.get(make_key(1))
     assert got is not None and torch.equal(got.byte_view, expect)
     got.ref_down()
+    part = mgr.get_layers(make_key(1), 1, 1)  # before the fix: None (the file is not there yet)
+    assert part is not None and torch.equal(part.tensor[0], layers[1])
+    part.ref_down()
     assert not list(tmp_path.rglob("*.safetensors")), "the gate did not hold the write back"
     gate.set()
     assert mgr.flush(10)
     assert len(list(tmp_path.rglob("*.safetensors"))) == 1
-    assert mgr.stats()["posix"]["pending_hits"] == 1
+    assert mgr.stats()["posix"]["pending_hits"] == 2
     mgr.close()
 
 

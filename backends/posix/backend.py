@@ -34,7 +34,7 @@ from kvplug.config import BaseOptions
 from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.keys import CacheKey
 from kvplug.logs import LogOnce
-from kvplug.memory import MemoryObj
+from kvplug.memory import MemoryFormat, MemoryObj
 from pydantic import ByteSize, ConfigDict, Field
 
 from .held import HeldFiles, fd_limit, fd_path
@@ -293,14 +293,37 @@ class PosixBackend(LookupAndPins):
             obj.ref_down()
 
     # -- reads ----------------------------------------------------------------------------------
+    def _layers_of(self, queued: MemoryObj, layers: tuple[int, int]) -> MemoryObj | None:
+        """Layers ``[first, first + n)`` of a queued chunk, in ``ctx.allocate`` memory (a
+        layer-wise load of a chunk whose write has not finished: the lookup said hit)."""
+        first, n = layers
+        if first < 0 or n < 1 or first + n > queued.tensor.shape[0]:
+            return None
+        src = queued.tensor[first:first + n]
+        out = self._allocate(tuple(src.shape), src.dtype, queued.meta.fmt, queued.num_tokens)
+        if out is not None:
+            out.tensor.copy_(src)
+            with self._lock:
+                self._counters["pending_hits"] += 1
+        return out
+
     def _read(self, key: CacheKey, layers: tuple[int, int] | None) -> MemoryObj | None:
         rel = cf.relative_chunk_path(key)
         with self._lock:
-            queued = self._pending.get(rel) if layers is None else None
-            if queued is not None:  # not on disk yet: the very bytes being written, no copy
+            queued = self._pending.get(rel)
+            if queued is not None and layers is None:  # not on disk yet: the bytes being written
                 self._counters["pending_hits"] += 1
                 return queued.ref_up()
+            if queued is not None and queued.meta.fmt == MemoryFormat.KV_PAGES:
+                queued.ref_up()  # a layer range of a chunk still being written: copied from it
+            else:
+                queued = None
             known = self._headers.get(rel)
+        if queued is not None:
+            try:
+                return self._layers_of(queued, layers)  # type: ignore[arg-type]
+            finally:
+                queued.ref_down()
         held = self._held.dup(rel)  # pinned: read the file we hold, even if it was unlinked
         try:
             path = self._path(rel) if held is None else fd_path(held)
