@@ -69,20 +69,26 @@ def make_model(preset: str = "tiny", seed: int = 1234, weights: bool = True,
             model.save_pretrained(tmp)
         else:
             cfg.save_pretrained(tmp)
-        data = json.loads((tmp / "config.json").read_text())
-        data["torch_dtype"] = data["dtype"] = "bfloat16"
         # a config saved alone has no architectures: vLLM would then guess a pooling model
-        data["architectures"] = ["Qwen3ForCausalLM"]
-        (tmp / "config.json").write_text(json.dumps(data, indent=2))
-        tokenizer.save(tmp, PRESETS[preset]["vocab_size"], max_len, TOKENIZER_SEED)
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another process wrote it first
-            if not (out / "config.json").is_file():
-                raise
+        _publish(tmp, out, {"architectures": ["Qwen3ForCausalLM"]},
+                 PRESETS[preset]["vocab_size"], max_len)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _publish(tmp: Path, out: Path, config: dict, vocab_size: int, max_len: int) -> None:
+    """Finish a model written into ``tmp`` (bf16 + ``config`` in its config.json, the local
+    tokenizer) and rename it to ``out``; a directory another process published first is kept."""
+    data = json.loads((tmp / "config.json").read_text())
+    data.update(torch_dtype="bfloat16", dtype="bfloat16", **config)
+    (tmp / "config.json").write_text(json.dumps(data, indent=2))
+    tokenizer.save(tmp, vocab_size, max_len, TOKENIZER_SEED)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process wrote it first
+        if not (out / "config.json").is_file():
+            raise
 
 
 def _add_tokenizer(out: Path, vocab_size: int, max_len: int) -> None:
@@ -121,16 +127,8 @@ def make_sliding_model(preset: str = "tiny", window: int = 100, seed: int = 1234
     try:
         torch.manual_seed(seed)
         LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp)
-        data = json.loads((tmp / "config.json").read_text())
-        data.update(torch_dtype="bfloat16", dtype="bfloat16", architectures=["LlamaForCausalLM"],
-                    layer_types=layer_types, sliding_window=window)
-        (tmp / "config.json").write_text(json.dumps(data, indent=2))
-        tokenizer.save(tmp, params["vocab_size"], max_len, TOKENIZER_SEED)
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another process wrote it first
-            if not (out / "config.json").is_file():
-                raise
+        _publish(tmp, out, {"architectures": ["LlamaForCausalLM"], "layer_types": layer_types,
+                            "sliding_window": window}, params["vocab_size"], max_len)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
