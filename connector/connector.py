@@ -269,8 +269,14 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._sched is not None:
             self._sched.update_connector_output(connector_output.kv_connector_worker_meta)
+            self._sched.release_held(connector_output.finished_sending)
         if self._book is not None:
             self._book.add(connector_output.kv_cache_events)
+
+    def has_pending_block_frees(self) -> bool:
+        # Blocks of finished requests come back once their saves' copies are done (a step or
+        # two): vLLM waits for them instead of preempting a running request.
+        return self._sched is not None and bool(self._sched.held)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._book.take() if self._book is not None else ()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
@@ -125,6 +125,8 @@ class SchedulerSide:
         self.trackers: dict[str, RequestTracker] = {}
         self._background: list[str] = []  # requests whose background load starts this step
         self._finishing: list[ReqMeta] = []  # saves of finished requests (see finish_save)
+        #: finished requests whose blocks vLLM keeps until the workers report their saves done
+        self.held: set[str] = set()
         #: told of every chunk planned for a load or a save: (request, start, end, hashes)
         self.on_chunks: Callable[[Request, int, int, list[bytes]], None] | None = None
 
@@ -295,8 +297,20 @@ class SchedulerSide:
                     tables: tuple[list[int], ...] = ()) -> bool:
         """At request end, queue the store of what is computed and not stored yet, block
         aligned (the answer's blocks: turn N+1 of a chat starts with turn N's prompt+answer).
-        True when there is one: vLLM then keeps the blocks until the workers report it done
-        (``finished_sending``), next step."""
+        True when there is one (or an asynchronous save may still read the blocks): vLLM then
+        keeps the blocks until the workers report it done (``finished_sending``), and
+        :attr:`held` names the request until then."""
+        held = self._finish_save(request, block_ids, tables)
+        if held:
+            self.held.add(request.request_id)
+        return held
+
+    def release_held(self, finished_sending: Collection[str] | None) -> None:
+        """vLLM freed these requests' blocks (every worker reported their saves done)."""
+        self.held.difference_update(finished_sending or ())
+
+    def _finish_save(self, request: Request, block_ids: list[int],
+                     tables: tuple[list[int], ...]) -> bool:
         t = self.trackers.get(request.request_id)
         if t is None or not t.can_save:
             return False

@@ -228,6 +228,56 @@ def test_preemption_with_a_save_in_flight_copies_before_the_blocks_are_reused(st
     st.assert_nothing_leaked()
 
 
+def run_into_held_blocks(st: Steps) -> None:
+    """"a" finishes while its copy waits behind the gated put (vLLM keeps its blocks); "b" goes
+    on decoding until it needs a block that only "a"'s would give."""
+    st.s.add_request(make_request("a", prompt(24, 6), max_tokens=12))
+    st.s.add_request(make_request("b", prompt(20, 7), max_tokens=40))  # fits once "a" is freed
+    until(st, lambda: "a" not in {r.request_id for r in st.s.running}, "'a' finished")
+    until(st, lambda: st.saves._busy.get("a", 0) >= 1, "'a''s last copy queued (gate closed)")
+    assert "a" in st.s.requests  # held
+    pool = st.s.kv_cache_manager.block_pool
+
+    def at_the_wall() -> bool:  # "b"'s next token needs a block; none is free
+        b = st.s.requests["b"]
+        return any(e[0] == "preempted" for e in st.events) or (
+            pool.get_num_free_blocks() == 0 and b.num_computed_tokens % BS == 0)
+
+    until(st, at_the_wall, "'b' at the block 'a' holds")
+
+
+def test_a_running_request_waits_for_held_blocks_instead_of_being_preempted(steps):
+    """``has_pending_block_frees``: blocks that a save will give back soon are waited for; a
+    preemption would throw "b"'s KV away (recompute or reload)."""
+    st = steps(num_blocks=20)
+    run_into_held_blocks(st)
+    stalled = st.s.requests["b"].num_computed_tokens
+    for _ in range(5):  # not vacuous: "b" cannot go on while "a" holds its blocks
+        st.step()
+    assert st.s.requests["b"].num_computed_tokens == stalled
+    assert st.s.connector.has_pending_block_frees()
+    st.open_gate()
+    st.run_out()
+    assert not [e for e in st.events if e[0] == "preempted"]
+    assert st.events.index(("gate opened",)) < st.events.index(("sent", "a"))
+    assert not st.s.connector.has_pending_block_frees()  # released with finished_sending
+    assert st.mismatches() == []
+    st.assert_nothing_leaked()
+
+
+def test_control_without_pending_frees_the_running_request_is_preempted(steps, monkeypatch):
+    from kvplug.connector import KVPlugConnector
+
+    monkeypatch.setattr(KVPlugConnector, "has_pending_block_frees", lambda self: False)
+    st = steps(num_blocks=20)
+    run_into_held_blocks(st)
+    until(st, lambda: any(e[0] == "preempted" for e in st.events), "a preemption")
+    assert [e[1] for e in st.events if e[0] == "preempted"] == ["b"]
+    assert "a" in st.s.requests  # its blocks were still held when "b" was preempted
+    st.open_gate()
+    st.run_out()
+
+
 def test_a_lookup_waits_for_a_put_in_flight_of_its_chunks(steps):
     """Asynchronous puts end after the step: a lookup of those chunks waits for them (bounded),
     so the request after a finished one finds what it stored, as with synchronous saves."""
