@@ -13,7 +13,9 @@ to the KV cache), the lookup service the scheduler asks, and the pins lookup tak
 Every chunk (every layer, when read by layer) is verified (present, shape, token count) *before*
 its bytes reach a block; a chunk that fails makes it and everything after it in that request a
 load error, reported through ``get_block_ids_with_load_errors`` so vLLM recomputes those blocks.
-The load's steps are in :mod:`.load`.
+The load's steps are in :mod:`.load`, its outcome (load errors, results, stats) in
+:mod:`.load_report`, the store of a step in :mod:`.store`; this module routes vLLM's calls to
+them and keeps lookup's pins.
 """
 
 from __future__ import annotations
@@ -22,44 +24,28 @@ import logging
 import threading
 import time
 from collections.abc import Generator, Mapping
-from dataclasses import dataclass, field
 
 import torch
-from kvplug.gpu import (
-    PagedKV,
-    PageJob,
-    blocks_for_tokens,
-    gather_many,
-    layerwise_load,
-    layerwise_store,
-    num_pages,
-    scatter_many,
-)
+from kvplug.gpu import PagedKV, PageJob, layerwise_load, scatter_many
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
 from kvplug.storage_manager import StorageManager
 
 from .config import ConnectorConfig
-from .groups import GroupLayout, lookup_groups, plan_group_load, store_targets
+from .groups import GroupLayout, lookup_groups, plan_group_load
 from .identity import Identity
 from .load import BackgroundLoads, LayerReads, RequestLoad, plan_load, valid_pages
+from .load_report import LoadReports
 from .lookup import Lookup, LookupService, socket_path
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta
 from .save import AsyncSaves, async_save_enabled
-from .stats import LATENCY_PREFIX, LOAD_BYTES_PREFIX, TIER_PREFIX, KVPlugStats, StatsRecorder
+from .stats import KVPlugStats, StatsRecorder
+from .store import WorkerStore
 
 logger = logging.getLogger("kvplug.connector")
 
 
 _Identity = Identity  # the key fields of this worker (built by .identity.build_identity)
-
-
-@dataclass
-class _StoreBatch:
-    keys: list[CacheKey] = field(default_factory=list)
-    objs: list[MemoryObj] = field(default_factory=list)
-    jobs: list[PageJob] = field(default_factory=list)
-    tokens: int = 0
 
 
 class WorkerSide:
@@ -70,23 +56,19 @@ class WorkerSide:
         self.cfg = config
         self.ident = ident
         self.layout = layout or GroupLayout()  # KV cache groups (see .groups)
-        self._failed: set[str] = set()  # several groups: failed loads, by request (not blocks)
         self.stats = StatsRecorder()
+        self._reports = LoadReports(config, ident.rank, self.layout, self.stats)
         self.kv: PagedKV | None = None
         self.storage: StorageManager | None = None
         self.service: LookupService | None = None
         self.kv_dtype = ""
         self._pins: dict[str, tuple[list[CacheKey], list[str]]] = {}
         self._lock = threading.Lock()
-        self._errors: set[int] = set()
-        self._report_meta = KVPlugWorkerMeta()
         self._loads: list[RequestLoad] = []  # this step's loads, reported once they are done
         self._load_steps: Generator[int, None, None] | None = None  # layer-wise load steps
         self._load_next = 0
         self._load_objs: list[MemoryObj] = []  # what this step's load reads from
-        self._store: _StoreBatch | None = None  # layer-wise store of this step
-        self._store_steps = None
-        self._store_next = 0
+        self._stores: WorkerStore | None = None  # the stores, once there is a KV cache (.store)
         self._background: BackgroundLoads | None = None  # loads vLLM waits for asynchronously
         self._sent: set[str] = set()  # finished requests whose last save read their blocks
         self._saves: AsyncSaves | None = None  # asynchronous saves (.save)
@@ -102,6 +84,8 @@ class WorkerSide:
         self._background = BackgroundLoads(self.storage.batched_get)
         if async_save_enabled(self.cfg, self.kv.device.type):
             self._saves = AsyncSaves(self.kv, self.storage, self.stats)
+        self._stores = WorkerStore(self.kv, self.storage, self.layout, self.key, self.stats,
+                                   self._saves)
         path = socket_path(self.ident.engine_id, self.ident.rank, self.ident.pp_rank)
         self.service = LookupService(path, self._on_lookup, self.release)
         logger.info("kvplug worker rank %d: %d layers x %d blocks x %d B pages (%s, %s), "
@@ -279,48 +263,10 @@ class WorkerSide:
         return over
 
     def _report(self, ld: RequestLoad) -> None:
-        """Step 4: the load is over: drop its pins, report failed blocks, stats and a log line."""
+        """Step 4: the load is over: drop its pins, then report it (:mod:`.load_report`)."""
         assert self.kv is not None
-        r = ld.req
-        self.release([r.req_id])  # loaded (or failed): the pins have done their job
-        if ld.fail_at is not None:
-            bad = ld.error_blocks()
-            if self.layout.multi:  # vLLM maps block ids to requests only with one group
-                self._failed.add(r.req_id)
-            else:
-                self._errors.update(bad)
-            self._report_meta.failed_blocks[r.req_id] = len(bad)
-            self.stats.add("load_failures")
-            self.stats.add("failed_blocks", len(bad))
-            logger.warning("kvplug: request %s: chunk at token %d is missing or invalid; %d "
-                           "blocks (tokens %d-%d) will be recomputed", r.req_id, ld.fail_at,
-                           len(bad), max(ld.fail_at, ld.spec.start), ld.spec.end)
-        per_tier: dict[str, int] = {}
-        tier_bytes: dict[str, int] = {}
-        loaded = nbytes = 0
-        for c in ld.loaded():
-            n = (c.end - max(c.start, ld.spec.start)) if c.counts else 0
-            per_tier[c.tier] = per_tier.get(c.tier, 0) + n
-            loaded += n
-            b = len(c.block_ids) * self.kv.num_layers * self.kv.page_bytes
-            tier_bytes[c.tier] = tier_bytes.get(c.tier, 0) + b
-            nbytes += b
-        dt = ld.seconds
-        self._report_meta.loaded[r.req_id] = per_tier
-        self._report_meta.load_ms[r.req_id] = dt * 1e3
-        for name, value in (("loads", 1), ("load_tokens", loaded), ("load_bytes", nbytes),
-                            ("load_seconds", dt)):
-            self.stats.add(name, value)
-        for tier, n in per_tier.items():
-            self.stats.add(TIER_PREFIX + tier, n)
-            self.stats.add(LOAD_BYTES_PREFIX + tier, tier_bytes[tier])
-        if per_tier and self.storage is not None:  # latency by the farthest tier it read from
-            order = self.storage.tier_names
-            self.stats.observe(LATENCY_PREFIX + max(per_tier, key=order.index), dt)
-        if self.cfg.log_every_load and loaded and self.ident.rank == 0:
-            logger.info("kvplug: request %s loaded %d tokens (%s) in %.1f ms (%.2f GB/s)",
-                        r.req_id, loaded, ", ".join(f"{n} from {t}" for t, n in per_tier.items()),
-                        dt * 1e3, nbytes / dt / 1e9 if dt > 0 else 0.0)
+        self.release([ld.req.req_id])  # loaded (or failed): the pins have done their job
+        self._reports.record(ld, self.kv, self.storage.tier_names if self.storage else [])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._load_steps is None or self.kv is None:
@@ -347,10 +293,7 @@ class WorkerSide:
 
     def take_report(self) -> KVPlugWorkerMeta | None:
         """Per-request load results since the last call (for the scheduler)."""
-        if not self._report_meta:
-            return None
-        out, self._report_meta = self._report_meta, KVPlugWorkerMeta()
-        return out
+        return self._reports.take_report()
 
     def take_stats(self) -> KVPlugStats | None:
         """This step's counters, with what the tiers' own counters grew by since the last step."""
@@ -375,98 +318,22 @@ class WorkerSide:
 
     def take_failed(self) -> set[str]:
         """Requests whose load failed (several KV cache groups: vLLM's ``failed_recving``)."""
-        out, self._failed = self._failed, set()
-        return out
+        return self._reports.take_failed()
 
     def take_load_errors(self) -> set[int]:
-        out, self._errors = self._errors, set()
-        return out
+        """Blocks whose load failed since the last call (vLLM recomputes them)."""
+        return self._reports.take_load_errors()
 
-    # -- store ---------------------------------------------------------------------------------
-    def _prepare_store(self, md: KVPlugMetadata) -> _StoreBatch:
-        assert self.storage is not None and self.kv is not None
-        batch = _StoreBatch()
-        bs = md.block_size
-        for r in md.requests:
-            spec = r.save
-            if spec is None:
-                continue
-            for i, h in enumerate(spec.hashes):
-                s, e = md.chunk_range(spec, i)
-                if self.layout.multi:  # one part per group (sliding: only while in the window)
-                    targets = store_targets(self.layout, r.tables, h, s, e, bs)
-                else:
-                    try:
-                        targets = [(h, blocks_for_tokens(r.block_ids, s, e, bs))]
-                    except ValueError:
-                        targets = None
-                if targets is None:  # the block table does not reach this chunk yet
-                    break
-                for th, ids in targets:
-                    obj = self.storage.allocate((self.kv.num_layers, num_pages(e - s, bs),
-                                                 self.kv.page_bytes), num_tokens=e - s)
-                    if obj is None:  # every tier with memory is full: store what we have
-                        break
-                    batch.keys.append(self.key(th))
-                    batch.objs.append(obj)
-                    batch.jobs.append(PageJob(ids, obj.tensor))
-                else:
-                    batch.tokens += e - s
-                    continue
-                self.stats.add("store_failures")
-                break
-        return batch
-
+    # -- store (see .store) ---------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, md: KVPlugMetadata | None) -> None:
         """Layer-wise mode: copy this layer of every chunk to store, right after it is computed."""
-        if not self.cfg.layerwise or md is None or self.kv is None or \
-                (self._saves is not None and not self._saves.on_cuda):  # CPU: copied off-step
-            return
-        if self._store is None:
-            self._store = self._prepare_store(md)
-            self._store_next = 0
-            self._store_steps = (layerwise_store(self.kv, self._store.jobs,
-                                                 wait=self._saves is None)
-                                 if self._store.jobs else None)
-        if self._store_steps is None:
-            return
-        idx = self.kv.index_of(layer_name)
-        while self._store_next <= idx:
-            next(self._store_steps)
-            self._store_next += 1
+        if self.cfg.layerwise and md is not None and self._stores is not None:
+            self._stores.save_layer(layer_name, md)
 
     def wait_for_save(self, md: KVPlugMetadata | None) -> None:
         if self._saves is None:
             # A finished request's blocks are read below (or never, on failure): then they go.
             self._sent.update(r.req_id for r in (md.requests if md else ()) if r.finished)
         self._finish_load()
-        if md is None or self.kv is None:
-            return
-        t0 = time.perf_counter()
-        batch, steps = self._store, self._store_steps
-        self._store, self._store_steps = None, None
-        if self._saves is not None:  # copied (and put) off the step, see .save
-            batch = batch or self._prepare_store(md)
-            self._saves.submit(md, batch.keys, batch.objs, batch.jobs, batch.tokens, steps)
-            return
-        try:
-            if batch is None:  # bulk mode (or a step whose layers never ran)
-                batch = self._prepare_store(md)
-                if batch.jobs:
-                    gather_many(self.kv, batch.jobs)
-            elif steps is not None:
-                for _ in steps:
-                    pass
-            if batch.keys:
-                assert self.storage is not None
-                self.storage.batched_put(batch.keys, batch.objs)
-                self.stats.add("stores", 1)
-                self.stats.add("store_tokens", batch.tokens)
-                self.stats.add("store_bytes", sum(o.nbytes for o in batch.objs))
-                self.stats.add("store_seconds", time.perf_counter() - t0)
-        except Exception:
-            self.stats.add("store_failures")
-            logger.exception("kvplug store failed; the chunks are not cached")
-        finally:
-            for o in batch.objs if batch else ():
-                o.ref_down()
+        if md is not None and self._stores is not None:
+            self._stores.finish(md)

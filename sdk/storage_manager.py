@@ -6,7 +6,8 @@ backend into a counted, once-logged miss, and bounds calls on slow tiers (all bu
 the tier's ``timeout_s`` so a stalled tier degrades to a miss instead of hanging the engine (only
 tiers whose class sets ``never_blocks = True``, like ``local_cpu``, are called inline). Each tier
 that may block has its own bounded pool (:mod:`.tier_calls`): a stalled tier starves no other, and
-late results release what they hold (objects, pins).
+late results release what they hold (objects, pins). The tiers are built, and their hooks scoped,
+by :mod:`.tier_setup`.
 """
 
 from __future__ import annotations
@@ -19,28 +20,17 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-import pluggy
 import torch
-from pydantic import BaseModel, ValidationError
 
-from .codecs.registry import build_codec
-from .codecs.wrapper import CodecWrapper, describe_codec
 from .config import KVPlugConfig, TierConfig, load_config
-from .errors import BackendLoadError, ConfigError, KVPlugError
-from .hookspecs import PROJECT, BackendSpec, TierContext
+from .errors import ConfigError
 from .keys import CacheKey
 from .logs import LogOnce
 from .memory import MemoryFormat, MemoryObj, heap_memory_obj
-from .plugins import load_backend_class
 from .tier_calls import MAX_ENCODER_QUEUE, Tier
+from .tier_setup import ScopedHooks, build_tier
 
 logger = logging.getLogger("kvplug.storage")
-
-_HOOKS = (
-    "allocate", "batched_submit_put", "get", "get_layers", "contains", "unpin", "evict",
-    "flush", "close", "stats",
-)
-
 
 @dataclass
 class PrefixLookup:
@@ -57,11 +47,9 @@ class StorageManager:
     def __init__(self, config: KVPlugConfig | dict | str | None = None, **extra: Any) -> None:
         self.config = load_config(config)
         self.chunk_size = self.config.chunk_size
-        self.pm = pluggy.PluginManager(PROJECT)
-        self.pm.add_hookspecs(BackendSpec)
+        self._hooks = ScopedHooks()  # every tier's plugins, each scoped to its tiers
+        self.pm = self._hooks.pm
         self._tiers: list[Tier] = []
-        self._scope: dict[int, set[str] | None] = {}  # id(plugin) -> tiers it applies to
-        self._plugins: dict[int, object] = {}
         self._log_once = LogOnce(logger)
         self._closed = False
         self._lock = threading.Lock()
@@ -87,80 +75,24 @@ class StorageManager:
 
     # -- construction ---------------------------------------------------------------------------
     def _add_tier(self, index: int, cfg: TierConfig, extra: dict[str, Any]) -> None:
-        cls, info = load_backend_class(cfg.backend)
-        options: Any = dict(cfg.options)
-        model = getattr(cls, "Options", None)
-        if isinstance(model, type) and issubclass(model, BaseModel):
-            try:
-                options = model.model_validate(cfg.options)
-            except ValidationError as exc:
-                problems = "; ".join(_describe_option_error(e) for e in exc.errors())
-                raise ConfigError(
-                    f"tier {cfg.tier_name!r} (backend {cfg.backend!r}): bad options: {problems}. "
-                    f"Allowed options: {', '.join(model.model_fields)}"
-                ) from None
-        ctx = TierContext(
-            name=cfg.tier_name,
-            options=options,
-            allocate=self._allocate_for_reads,
-            chunk_size=self.chunk_size,
-            extra=dict(extra),
-        )
-        try:
-            backend = cls(ctx)
-        except KVPlugError:
-            raise
-        except Exception as exc:
-            raise BackendLoadError(
-                f"tier {cfg.tier_name!r}: backend {cfg.backend!r} from package {info.package} "
-                f"failed to start: {type(exc).__name__}: {exc}"
-            ) from exc
-        tier = Tier(index, cfg, backend, info.package)
-        tier.codec = CodecWrapper(tier.name, *self._codec_of(cfg, tier.inline),
-                                  self._allocate_for_reads)
-        self._register(backend, f"tier:{tier.name}", {tier.name})
-        self._register(tier.metrics, f"metrics:{tier.name}", {tier.name})
+        tier = build_tier(index, cfg, self._allocate_for_reads, self.chunk_size, extra)
+        self._hooks.register(tier.backend, f"tier:{tier.name}", {tier.name})
+        self._hooks.register(tier.metrics, f"metrics:{tier.name}", {tier.name})
         # Registered last, so it wraps the metrics: they count the bytes the tier really moves.
-        self._register(tier.codec, f"codec:{tier.name}", {tier.name})
+        self._hooks.register(tier.codec, f"codec:{tier.name}", {tier.name})
         if tier.codec.codec is not None:
             tier.start_encoder()
         self._tiers.append(tier)
-        self._rebuild_callers()
-
-    def _codec_of(self, cfg: TierConfig, inline: bool) -> tuple[Any, Any]:
-        """``(codec instance, BackendInfo)`` of a tier's ``codec`` setting, or ``(None, None)``."""
-        codec, info = build_codec(cfg, inline)
-        if codec is None:
-            return None, None
-        logger.info("tier %r stores chunks through codec %s", cfg.tier_name,
-                    describe_codec(codec, info))
-        if codec.lossy:
-            logger.warning(
-                "tier %r: codec %r is LOSSY: KV loaded from this tier approximates what the engine "
-                "computed, so outputs after such a hit may differ from a cold run",
-                cfg.tier_name, cfg.codec)
-        return codec, info
-
-    def _register(self, plugin: object, name: str, tiers: set[str] | None) -> None:
-        self.pm.register(plugin, name=name)
-        self._scope[id(plugin)] = tiers
-        self._plugins[id(plugin)] = plugin
-
-    def _rebuild_callers(self) -> None:
-        for tier in self._tiers:
-            foreign = [
-                p for pid, p in self._plugins.items()
-                if self._scope[pid] is not None and tier.name not in self._scope[pid]
-            ]
-            tier.hooks = {h: self.pm.subset_hook_caller(h, foreign) for h in _HOOKS}
+        self._hooks.wire(self._tiers)
 
     def add_wrapper(self, plugin: object, tiers: Sequence[str] | None = None) -> None:
         """Register a ``@hookimpl(wrapper=True)`` plugin on some tiers (all if ``None``)."""
         unknown = set(tiers or ()) - set(self.tier_names)
         if unknown:
             raise ConfigError(f"unknown tier(s) {sorted(unknown)}; tiers are {self.tier_names}")
-        self._register(plugin, f"wrapper:{id(plugin)}", None if tiers is None else set(tiers))
-        self._rebuild_callers()
+        self._hooks.register(plugin, f"wrapper:{id(plugin)}",
+                             None if tiers is None else set(tiers))
+        self._hooks.wire(self._tiers)
 
     # -- plumbing -------------------------------------------------------------------------------
     @property
@@ -450,15 +382,4 @@ class StorageManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _describe_option_error(err: dict) -> str:
-    """One option error; echoes the input only when it is a plain scalar (never a mapping that
-    could hold credentials)."""
-    where = ".".join(map(str, err["loc"])) or "options"
-    value = err.get("input")
-    shown = f" (got {value!r})" if isinstance(value, (int, float, bool)) or (
-        isinstance(value, str) and len(value) < 80 and err["type"] != "missing"
-    ) else ""
-    return f"{where}: {err['msg']}{shown}"
 

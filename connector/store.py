@@ -1,0 +1,137 @@
+"""The worker's store of one engine step: which chunks to copy, the copy, the put.
+
+Split out of :mod:`.worker` (which routes vLLM's calls) so the store path reads on its own:
+:meth:`WorkerStore.prepare` turns the step's save specs into memory objects and page jobs (one
+object per KV cache group part of a chunk, see :mod:`.groups`); layer-wise mode copies each layer
+right after it is computed (:meth:`WorkerStore.save_layer`); :meth:`WorkerStore.finish` ends the
+step: a synchronous save copies what is left and puts it here, an asynchronous one hands the
+batch to :class:`.save.AsyncSaves`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from kvplug.gpu import PagedKV, PageJob, blocks_for_tokens, gather_many, layerwise_store, num_pages
+from kvplug.keys import CacheKey
+from kvplug.memory import MemoryObj
+from kvplug.storage_manager import StorageManager
+
+from .groups import GroupLayout, store_targets
+from .metadata import KVPlugMetadata
+from .save import AsyncSaves
+from .stats import StatsRecorder
+
+logger = logging.getLogger("kvplug.connector")
+
+
+@dataclass
+class StoreBatch:
+    """What one step stores: keys, their objects, the page jobs that fill them, their tokens."""
+
+    keys: list[CacheKey] = field(default_factory=list)
+    objs: list[MemoryObj] = field(default_factory=list)
+    jobs: list[PageJob] = field(default_factory=list)
+    tokens: int = 0
+
+
+class WorkerStore:
+    """One worker's stores, step by step (built once the KV cache and the tiers exist)."""
+
+    def __init__(self, kv: PagedKV, storage: StorageManager, layout: GroupLayout,
+                 key: Callable[[bytes], CacheKey], stats: StatsRecorder,
+                 saves: AsyncSaves | None) -> None:
+        self.kv = kv
+        self.storage = storage
+        self.layout = layout
+        self.key = key
+        self.stats = stats
+        self.saves = saves
+        self._batch: StoreBatch | None = None  # layer-wise store of this step
+        self._steps: Iterator[int] | None = None
+        self._next = 0
+
+    def prepare(self, md: KVPlugMetadata) -> StoreBatch:
+        """Memory and page jobs for every chunk the step saves, until the block table ends or
+        memory runs out (a store failure: what was prepared is still stored)."""
+        batch = StoreBatch()
+        bs = md.block_size
+        for r in md.requests:
+            spec = r.save
+            if spec is None:
+                continue
+            for i, h in enumerate(spec.hashes):
+                s, e = md.chunk_range(spec, i)
+                if self.layout.multi:  # one part per group (sliding: only while in the window)
+                    targets = store_targets(self.layout, r.tables, h, s, e, bs)
+                else:
+                    try:
+                        targets = [(h, blocks_for_tokens(r.block_ids, s, e, bs))]
+                    except ValueError:
+                        targets = None
+                if targets is None:  # the block table does not reach this chunk yet
+                    break
+                for th, ids in targets:
+                    obj = self.storage.allocate((self.kv.num_layers, num_pages(e - s, bs),
+                                                 self.kv.page_bytes), num_tokens=e - s)
+                    if obj is None:  # every tier with memory is full: store what we have
+                        break
+                    batch.keys.append(self.key(th))
+                    batch.objs.append(obj)
+                    batch.jobs.append(PageJob(ids, obj.tensor))
+                else:
+                    batch.tokens += e - s
+                    continue
+                self.stats.add("store_failures")
+                break
+        return batch
+
+    def save_layer(self, layer_name: str, md: KVPlugMetadata) -> None:
+        """Layer-wise mode: copy this layer of every chunk, right after it is computed."""
+        if self.saves is not None and not self.saves.on_cuda:  # CPU: copied off-step
+            return
+        if self._batch is None:
+            self._batch = self.prepare(md)
+            self._next = 0
+            self._steps = (layerwise_store(self.kv, self._batch.jobs, wait=self.saves is None)
+                           if self._batch.jobs else None)
+        if self._steps is None:
+            return
+        idx = self.kv.index_of(layer_name)
+        while self._next <= idx:
+            next(self._steps)
+            self._next += 1
+
+    def finish(self, md: KVPlugMetadata) -> None:
+        """End the step's store: asynchronous saves get the batch; a synchronous save copies
+        what the layers did not (bulk mode: everything) and puts it into the tiers."""
+        t0 = time.perf_counter()
+        batch, steps = self._batch, self._steps
+        self._batch, self._steps = None, None
+        if self.saves is not None:  # copied (and put) off the step, see .save
+            batch = batch or self.prepare(md)
+            self.saves.submit(md, batch.keys, batch.objs, batch.jobs, batch.tokens, steps)
+            return
+        try:
+            if batch is None:  # bulk mode (or a step whose layers never ran)
+                batch = self.prepare(md)
+                if batch.jobs:
+                    gather_many(self.kv, batch.jobs)
+            elif steps is not None:
+                for _ in steps:
+                    pass
+            if batch.keys:
+                self.storage.batched_put(batch.keys, batch.objs)
+                self.stats.add("stores", 1)
+                self.stats.add("store_tokens", batch.tokens)
+                self.stats.add("store_bytes", sum(o.nbytes for o in batch.objs))
+                self.stats.add("store_seconds", time.perf_counter() - t0)
+        except Exception:
+            self.stats.add("store_failures")
+            logger.exception("kvplug store failed; the chunks are not cached")
+        finally:
+            for o in batch.objs if batch else ():
+                o.ref_down()

@@ -1,0 +1,126 @@
+"""Building the tiers of a :class:`~kvplug.storage_manager.StorageManager` from its configuration.
+
+Split out of :mod:`.storage_manager` (which routes calls to the tiers at run time) because this
+runs once, at startup, and owns what a bad configuration is told: :func:`build_tier` starts a
+tier's backend with its options validated by the backend's ``Options`` model and wraps it with its
+codec; :class:`ScopedHooks` is the one pluggy PluginManager of every tier's plugins, and gives each
+tier hook callers that leave out the plugins registered for other tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pluggy
+from pydantic import BaseModel, ValidationError
+
+from .codecs.registry import build_codec
+from .codecs.wrapper import CodecWrapper, describe_codec
+from .config import TierConfig
+from .errors import BackendLoadError, ConfigError, KVPlugError
+from .hookspecs import PROJECT, BackendSpec, TierContext
+from .memory import MemoryObj
+from .plugins import load_backend_class
+from .tier_calls import Tier
+
+logger = logging.getLogger("kvplug.storage")
+
+#: The hooks a tier is called through (each tier gets a caller per hook, see :class:`ScopedHooks`).
+HOOKS = (
+    "allocate", "batched_submit_put", "get", "get_layers", "contains", "unpin", "evict",
+    "flush", "close", "stats",
+)
+
+
+def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | None],
+               chunk_size: int, extra: dict[str, Any]) -> Tier:
+    """Start tier ``index``'s backend (``allocate``: its ``ctx.allocate``) and its codec wrapper;
+    a bad option or a backend that fails to start is a clear error naming the tier."""
+    cls, info = load_backend_class(cfg.backend)
+    ctx = TierContext(
+        name=cfg.tier_name,
+        options=_validated_options(cls, cfg),
+        allocate=allocate,
+        chunk_size=chunk_size,
+        extra=dict(extra),
+    )
+    try:
+        backend = cls(ctx)
+    except KVPlugError:
+        raise
+    except Exception as exc:
+        raise BackendLoadError(
+            f"tier {cfg.tier_name!r}: backend {cfg.backend!r} from package {info.package} "
+            f"failed to start: {type(exc).__name__}: {exc}"
+        ) from exc
+    tier = Tier(index, cfg, backend, info.package)
+    tier.codec = CodecWrapper(tier.name, *codec_of(cfg, tier.inline), allocate)
+    return tier
+
+
+def _validated_options(cls: type, cfg: TierConfig) -> Any:
+    """The tier's options through the backend's ``Options`` model if it has one, else a dict."""
+    model = getattr(cls, "Options", None)
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return dict(cfg.options)
+    try:
+        return model.model_validate(cfg.options)
+    except ValidationError as exc:
+        problems = "; ".join(_describe_option_error(e) for e in exc.errors())
+        raise ConfigError(
+            f"tier {cfg.tier_name!r} (backend {cfg.backend!r}): bad options: {problems}. "
+            f"Allowed options: {', '.join(model.model_fields)}"
+        ) from None
+
+
+def codec_of(cfg: TierConfig, inline: bool) -> tuple[Any, Any]:
+    """``(codec instance, BackendInfo)`` of a tier's ``codec`` setting, or ``(None, None)``."""
+    codec, info = build_codec(cfg, inline)
+    if codec is None:
+        return None, None
+    logger.info("tier %r stores chunks through codec %s", cfg.tier_name,
+                describe_codec(codec, info))
+    if codec.lossy:
+        logger.warning(
+            "tier %r: codec %r is LOSSY: KV loaded from this tier approximates what the engine "
+            "computed, so outputs after such a hit may differ from a cold run",
+            cfg.tier_name, cfg.codec)
+    return codec, info
+
+
+class ScopedHooks:
+    """One PluginManager for every tier; each plugin applies to some tiers (or all)."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(PROJECT)
+        self.pm.add_hookspecs(BackendSpec)
+        self._scope: dict[int, set[str] | None] = {}  # id(plugin) -> tiers it applies to
+        self._plugins: dict[int, object] = {}
+
+    def register(self, plugin: object, name: str, tiers: set[str] | None) -> None:
+        """Register ``plugin`` for ``tiers`` (every tier if ``None``); :meth:`wire` applies it."""
+        self.pm.register(plugin, name=name)
+        self._scope[id(plugin)] = tiers
+        self._plugins[id(plugin)] = plugin
+
+    def wire(self, tiers: Sequence[Tier]) -> None:
+        """Give every tier a caller per hook that leaves out the other tiers' plugins."""
+        for tier in tiers:
+            foreign = [
+                p for pid, p in self._plugins.items()
+                if self._scope[pid] is not None and tier.name not in self._scope[pid]
+            ]
+            tier.hooks = {h: self.pm.subset_hook_caller(h, foreign) for h in HOOKS}
+
+
+def _describe_option_error(err: dict) -> str:
+    """One option error; echoes the input only when it is a plain scalar (never a mapping that
+    could hold credentials)."""
+    where = ".".join(map(str, err["loc"])) or "options"
+    value = err.get("input")
+    shown = f" (got {value!r})" if isinstance(value, (int, float, bool)) or (
+        isinstance(value, str) and len(value) < 80 and err["type"] != "missing"
+    ) else ""
+    return f"{where}: {err['msg']}{shown}"
