@@ -4,7 +4,8 @@ The worker (:mod:`.worker`) runs a load in four steps: **plan** (:func:`plan_loa
 which chunk go to which blocks, by :mod:`kvplug.gpu.blocks`' arithmetic), **fetch and validate**
 (every chunk is checked before any of its bytes reach a block), **scatter** (bulk, or layer by
 layer; a chunk that lookup found in a tier that reads layer ranges is then read layer by layer,
-:class:`LayerReads`), **report** (load errors, stats, the per-request result). A chunk that fails
+:class:`LayerReads`), **report** (load errors, stats, the per-request result:
+:mod:`.load_report`). A chunk that fails
 makes it and everything after it in its request a load error, so vLLM recomputes those blocks.
 
 A load that needs a tier that may block runs in the background (:class:`BackgroundLoads`, vLLM's
