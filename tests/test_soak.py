@@ -47,7 +47,10 @@ def test_soak_short(tmp_path):
     # the curve was written: one row per sample, the columns the report uses
     rows = (tmp_path / "out" / "soak_samples.csv").read_text().splitlines()
     assert len(rows) >= 1 + 240 // 20
-    assert rows[0].startswith("t_s,requests,driver_rss_kib,driver_threads,rss_kib,threads,tasks")
+    cols = set(rows[0].split(","))
+    assert {"t_s", "requests", "driver_rss_kib", "driver_threads", "rss_kib", "threads", "tasks",
+            "malloc_used_kib", "malloc_free_kib", "pool_used"} <= cols, cols
+    assert s["memory"]["rss_kib"]["last"] > 0 and s["python_growth"] == []  # no --tracemalloc
 
 
 def test_soak_detects_wrong_loads(tmp_path):
@@ -75,3 +78,10 @@ def test_compare_verdicts():
                                                                      286: -4.64442253112793}])
     assert compare([3678, 286], [-1.0, -4.613511085510254], seen, 0.05)[0] == "tie"
     assert compare([3678, 286], [-1.0, -4.613511085510254], seen, 0.03)[0] == "wrong"
+    # measured (long soak): prompt 3 token 15, the served token (299) was none of the reference's
+    # two best but its third (its reference logprob here is illustrative: at most the runner-up's)
+    # -> a top-2 reference calls it wrong, the wider one (REF_CANDIDATES) a tie
+    third = ([1729], [-5.060475826263428], [{1729: -5.060475826263428, 1408: -5.091725826263428}])
+    assert compare([299], [-5.060911178588867], third, 0.05)[0] == "wrong"
+    third[2][0][299] = -5.0920
+    assert compare([299], [-5.060911178588867], third, 0.05)[0] == "tie"
