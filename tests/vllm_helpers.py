@@ -113,8 +113,16 @@ def run_script(code: str, timeout: float = 600, env: dict[str, str] | None = Non
     ``env``: extra environment variables for that process only."""
     engine_env()
     env = {**os.environ, **(env or {})}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(REPO))
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout, env=env, cwd=str(REPO))
+    except subprocess.TimeoutExpired as exc:  # say where the engine stood: its log so far
+        def tail(b: bytes | str | None) -> str:
+            return (b.decode(errors="replace") if isinstance(b, bytes) else b or "")[-6000:]
+
+        raise RuntimeError(f"engine subprocess still running after {timeout} s (killed):\n"
+                           f"{tail(exc.stderr)}\n-- stdout (vLLM's log) --\n{tail(exc.stdout)}"
+                           ) from exc
     if proc.returncode != 0:
         raise RuntimeError(f"subprocess failed ({proc.returncode}):\n{proc.stderr[-6000:]}\n"
                            f"-- stdout (vLLM's log) --\n{proc.stdout[-6000:]}")
