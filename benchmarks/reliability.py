@@ -5,7 +5,7 @@ Figures go to docs/reliability.md. Everything runs on this machine; no network t
     .venv/bin/python benchmarks/reliability.py crash --kind fsspec --kills 200
     .venv/bin/python benchmarks/reliability.py disk --size-mib 12 --stores 30
     .venv/bin/python benchmarks/reliability.py fuzz --cases 20000
-    /work/tools/engine-slot .venv/bin/python benchmarks/reliability.py corruption --prompts 8 --rounds 12
+    .venv/bin/python benchmarks/reliability.py corruption --prompts 8 --rounds 12
 
 * ``crash``: SIGKILL a child storing to posix (``fsync: true``) or fsspec ``file://`` at random
   moments (tests/crash_campaign.py); after each kill every file verifies, every acknowledged
@@ -14,7 +14,7 @@ Figures go to docs/reliability.md. Everything runs on this machine; no network t
   the disk size, then read-only for another user and as a read-only mount (tests/disk_faults.py).
 * ``fuzz``: mutated chunk files through the header reader (tests/test_fuzz_inputs.py's mutations).
 * ``corruption``: a vLLM engine serving from posix while chunk files are damaged
-  (tests/corruption_campaign.py); run it through /work/tools/engine-slot.
+  (tests/corruption_campaign.py); it starts an engine: run it when no other engine runs.
 
 Each prints one JSON object of figures (``wrong_outputs`` and the lists of problems must be 0/empty).
 """
