@@ -97,12 +97,17 @@ BAD = [_wrong_params, _wrong_geometry, _truncated_payload, _flipped_payload,
        _flipped_payload_rehashed, _overrun, _bad_magic]
 
 
+def store_lossless(tmp_path, *ids: int) -> None:
+    """Chunks ``ids`` stored on posix through the lossless codec, the writer closed."""
+    w = manager(posix(tmp_path, "lossless"))
+    for i in ids:
+        stored(w, key(i), kv_obj(i))
+    w.close()
+
+
 @pytest.mark.parametrize("edit", BAD, ids=[f.__name__.strip("_") for f in BAD])
 def test_bad_encoded_chunk_is_a_miss_with_a_log_line(tmp_path, edit, caplog):
-    w = manager(posix(tmp_path, "lossless"))
-    stored(w, key(0), kv_obj(0))
-    stored(w, key(1), kv_obj(1))  # a good neighbour, read after the bad one
-    w.close()
+    store_lossless(tmp_path, 0, 1)  # 1: a good neighbour, read after the bad one
     path = cf.chunk_path(tmp_path, key(0))
     rewrite(path, edit)
     mgr = manager(posix(tmp_path, "lossless"))
@@ -135,9 +140,7 @@ def test_bad_encoded_chunk_is_a_miss_with_a_log_line(tmp_path, edit, caplog):
 
 def test_control_rewrite_without_edit_still_reads(tmp_path):
     """The bad-input harness itself keeps a file valid when it changes nothing."""
-    w = manager(posix(tmp_path, "lossless"))
-    stored(w, key(0), kv_obj(0))
-    w.close()
+    store_lossless(tmp_path, 0)
     rewrite(cf.chunk_path(tmp_path, key(0)), lambda slots: None)
     mgr = manager(posix(tmp_path, "lossless"))
     got = mgr.get(key(0))
@@ -147,9 +150,7 @@ def test_control_rewrite_without_edit_still_reads(tmp_path):
 
 
 def test_flipped_file_byte_is_caught_by_the_file_checksum(tmp_path):
-    w = manager(posix(tmp_path, "lossless"))
-    stored(w, key(0), kv_obj(0))
-    w.close()
+    store_lossless(tmp_path, 0)
     path = files(tmp_path)[0]
     head = header_of(path)
     data = bytearray(path.read_bytes())
@@ -162,9 +163,7 @@ def test_flipped_file_byte_is_caught_by_the_file_checksum(tmp_path):
 
 
 def test_wrong_codec_metadata_in_the_header_is_a_miss(tmp_path):
-    w = manager(posix(tmp_path, "lossless"))
-    stored(w, key(0), kv_obj(0))
-    w.close()
+    store_lossless(tmp_path, 0)
     path = files(tmp_path)[0]
     data = path.read_bytes()
     path.write_bytes(data.replace(b'\\"name\\":\\"lossless\\"', b'\\"name\\":\\"lossmore\\"', 1))
