@@ -105,6 +105,13 @@ def store_lossless(tmp_path, *ids: int) -> None:
     w.close()
 
 
+def assert_reads_back(mgr, i: int) -> None:
+    """Chunk ``i`` reads back exactly as stored."""
+    got = mgr.get(key(i))
+    assert got is not None and torch.equal(got.tensor, kv_obj(i).tensor)
+    got.ref_down()
+
+
 @pytest.mark.parametrize("edit", BAD, ids=[f.__name__.strip("_") for f in BAD])
 def test_bad_encoded_chunk_is_a_miss_with_a_log_line(tmp_path, edit, caplog):
     store_lossless(tmp_path, 0, 1)  # 1: a good neighbour, read after the bad one
@@ -132,9 +139,7 @@ def test_bad_encoded_chunk_is_a_miss_with_a_log_line(tmp_path, edit, caplog):
             p.ref_down()
     assert "treated as a miss" in caplog.text
     assert mgr.stats()["disk"]["codec_decode_failures"] >= 1
-    good = mgr.get(key(1))
-    assert good is not None and torch.equal(good.tensor, kv_obj(1).tensor)
-    good.ref_down()
+    assert_reads_back(mgr, 1)
     mgr.close()
 
 
@@ -143,9 +148,7 @@ def test_control_rewrite_without_edit_still_reads(tmp_path):
     store_lossless(tmp_path, 0)
     rewrite(cf.chunk_path(tmp_path, key(0)), lambda slots: None)
     mgr = manager(posix(tmp_path, "lossless"))
-    got = mgr.get(key(0))
-    assert got is not None and torch.equal(got.tensor, kv_obj(0).tensor)
-    got.ref_down()
+    assert_reads_back(mgr, 0)
     mgr.close()
 
 
