@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 
 import torch
 from kvplug.gpu import PagedKV, PageJob, layerwise_load, scatter_many
@@ -165,10 +165,15 @@ class WorkerSide:
             if held:
                 self.storage.unpin(*held)
 
-    def _tier_of(self, req_id: str) -> dict[CacheKey, str]:
+    def _tier_of(self, req_id: str) -> Callable[[CacheKey], str | None]:
+        """Where each key of ``req_id``'s load is: where lookup pinned it, else (a key this rank
+        never pinned: with TP>1 the hit is the minimum over ranks) the tier holding it now."""
         with self._lock:
             keys, tiers = self._pins.get(req_id, ([], []))
-        return dict(zip(keys, tiers, strict=False))
+        pinned = dict(zip(keys, tiers, strict=False))
+        storage = self.storage
+        assert storage is not None
+        return lambda k: pinned[k] if k in pinned else storage.contains(k)
 
     # -- load: plan, fetch and validate, scatter, report (see .load) ----------------------------
     def start_load_kv(self, md: KVPlugMetadata | None) -> None:
