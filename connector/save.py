@@ -139,6 +139,8 @@ class AsyncSaves:
         if closed:  # vLLM is shutting down: nothing is stored any more
             logger.warning("kvplug: a save after the worker closed is dropped")
             self.stats.add("store_failures")
+            if job.event is not None:  # CUDA: a copy queued into the objects; let it end first
+                job.event.synchronize()
             self._release(job)
             return
         self._pool.submit(self._run, job)
