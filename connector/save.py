@@ -95,9 +95,23 @@ class AsyncSaves:
         self._busy: dict[str, int] = {}  # request -> jobs in flight that read its blocks
         self._tracked: set[str] = set()  # requests that had a save: vLLM holds them at finish
         self._finished: set[str] = set()  # finished, waiting for their copies
+        #: the bound step's requests with a save, until that step's ``submit`` (see expect)
+        self._bound: tuple[KVPlugMetadata, frozenset[str]] | None = None
         self._closed = False
 
     # -- engine thread -------------------------------------------------------------------------
+    def expect(self, md: KVPlugMetadata) -> None:
+        """vLLM bound ``md`` for the coming step: its requests with a save count as held (vLLM
+        keeps their blocks at finish) and as busy until this step's :meth:`submit`, whichever
+        order vLLM calls ``get_finished`` and ``wait_for_save`` in (vLLM 0.33 with a speculator
+        asks ``get_finished`` first)."""
+        req_ids = frozenset(r.req_id for r in md.requests if r.save is not None)
+        with self._lock:
+            if self._bound is not None:  # never submitted (no wait_for_save): nothing comes
+                logger.debug("kvplug: a bound step's saves were never submitted")
+            self._bound = (md, req_ids) if req_ids else None
+            self._tracked |= req_ids
+
     def submit(self, md: KVPlugMetadata, keys: list[CacheKey], objs: list[MemoryObj],
                jobs: list[PageJob], tokens: int, steps: Iterator[int] | None = None) -> None:
         """Start this step's save (called in ``wait_for_save``, after the forward pass). Every
@@ -105,8 +119,9 @@ class AsyncSaves:
         its chunks could be prepared. ``steps``: a layer-wise store stepped with ``wait=False``
         (CUDA); its remaining layers are queued here."""
         req_ids = frozenset(r.req_id for r in md.requests if r.save is not None)
-        with self._lock:
+        with self._lock:  # take_sent runs on this thread: no report slips in before the job
             self._tracked |= req_ids
+            self._unbind(md)
         if not keys:
             return
         job = SaveJob(list(keys), list(objs), list(jobs), tokens, req_ids)
@@ -145,12 +160,19 @@ class AsyncSaves:
             return
         self._pool.submit(self._run, job)
 
+    def _unbind(self, md: KVPlugMetadata) -> None:
+        """``md``'s saves are submitted (or dropped): its requests are no longer expected."""
+        if self._bound is not None and self._bound[0] is md:
+            self._bound = None
+
     def take_sent(self, finished: Collection[str]) -> set[str]:
         """vLLM's ``finished_sending``: requests finished (``finished``: this step's, earlier ones
-        are remembered) that had a save and whose blocks no copy reads any more."""
+        are remembered) that had a save and whose blocks no copy reads any more, nor will: a
+        request of the bound step whose save is not submitted yet waits for it."""
         with self._lock:
             self._finished |= self._tracked.intersection(finished)
-            ready = {r for r in self._finished if not self._busy.get(r)}
+            coming = self._bound[1] if self._bound is not None else frozenset()
+            ready = {r for r in self._finished if not self._busy.get(r) and r not in coming}
             self._finished -= ready
             self._tracked -= ready
         return ready

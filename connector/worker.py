@@ -175,6 +175,12 @@ class WorkerSide:
         assert storage is not None
         return lambda k: pinned[k] if k in pinned else storage.contains(k)
 
+    def bind(self, md: KVPlugMetadata | None) -> None:
+        """vLLM bound the coming step's metadata (before its forward, before any ``get_finished``
+        of the step): the saves it names are expected (:meth:`.save.AsyncSaves.expect`)."""
+        if self._saves is not None and md is not None:
+            self._saves.expect(md)
+
     # -- load: plan, fetch and validate, scatter, report (see .load) ----------------------------
     def start_load_kv(self, md: KVPlugMetadata | None) -> None:
         self._finish_load()
