@@ -196,6 +196,14 @@ class AsyncSaves:
                 self._copy(job)
             job.copied.wait()  # a copy the save thread is doing: a memory copy, never a put
 
+    def forget(self, req_ids: Collection[str]) -> None:
+        """vLLM preempted these requests (after :meth:`wait_for`): the blocks their saves read are
+        gone, so they are no longer held at finish until a new save names them (the scheduler
+        decides the same from the same metadata: an aborted request is reported once)."""
+        with self._lock:
+            self._tracked.difference_update(req_ids)
+            self._finished.difference_update(req_ids)
+
     def settle(self, keys: Collection[CacheKey], timeout: float) -> bool:
         """Wait (at most ``timeout`` seconds) until no put of ``keys`` is in flight, so a lookup
         right after a request finds what it stored (as with synchronous saves). False on

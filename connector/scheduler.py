@@ -332,6 +332,9 @@ class SchedulerSide:
         meta = KVPlugMetadata(chunk_size=self.cs, block_size=self.bs)
         meta.requests, self._finishing = self._finishing, []
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
+        for req_id in meta.preempted:  # blocks freed after their copies: nothing holds them now
+            if (t := self.trackers.get(req_id)) is not None:  # (the workers forget them too)
+                t.sent_save = False
         self._follow_blocks(so)
         state = getattr(so, "kv_connector_block_state", None)
         work = [(req_id, 0) for req_id in self._background]

@@ -326,6 +326,7 @@ class WorkerSide:
         asynchronous copies that read them."""
         if self._saves is not None and md is not None and md.preempted:
             self._saves.wait_for(md.preempted)
+            self._saves.forget(md.preempted)
 
     def take_failed(self) -> set[str]:
         """Requests whose load failed (several KV cache groups: vLLM's ``failed_recving``)."""
