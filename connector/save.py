@@ -22,7 +22,10 @@ vLLM's blocks must outlive every copy that reads them (vLLM 0.32's rules):
   the copies of those requests (CUDA: the engine's stream waits on their events, no host wait;
   CPU: a copy still queued is done right there on vLLM's thread, one being done is waited for;
   never a put).
-* A running request's saved blocks are full (saves end on block boundaries) and never rewritten.
+* A running request's saved blocks are full (saves end on block boundaries) and never rewritten,
+  except a sliding-window group's: vLLM frees them as the window moves on. A save that reads them
+  is ordered before the next step (:meth:`AsyncSaves.wait_window`, from ``handle_preemptions``,
+  which vLLM calls before every step's loads and forward).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class SaveJob:
     event: torch.cuda.Event | None = None  # CUDA: completes with the copy
     state: str = "queued"  # CPU: queued -> copying -> copied (CUDA: queued -> copied)
     failed: bool = False
+    window: bool = False  # reads sliding-window blocks: copied before the next step (wait_window)
     copied: threading.Event = field(default_factory=threading.Event)
     t0: float = field(default_factory=time.perf_counter)
 
@@ -113,18 +117,20 @@ class AsyncSaves:
             self._tracked |= req_ids
 
     def submit(self, md: KVPlugMetadata, keys: list[CacheKey], objs: list[MemoryObj],
-               jobs: list[PageJob], tokens: int, steps: Iterator[int] | None = None) -> None:
+               jobs: list[PageJob], tokens: int, steps: Iterator[int] | None = None,
+               window: bool = False) -> None:
         """Start this step's save (called in ``wait_for_save``, after the forward pass). Every
         request of ``md`` with a save counts as one vLLM holds at finish, whether or not any of
         its chunks could be prepared. ``steps``: a layer-wise store stepped with ``wait=False``
-        (CUDA); its remaining layers are queued here."""
+        (CUDA); its remaining layers are queued here. ``window``: it reads sliding-window blocks
+        (see :meth:`wait_window`)."""
         req_ids = frozenset(r.req_id for r in md.requests if r.save is not None)
         with self._lock:  # take_sent runs on this thread: no report slips in before the job
             self._tracked |= req_ids
             self._unbind(md)
         if not keys:
             return
-        job = SaveJob(list(keys), list(objs), list(jobs), tokens, req_ids)
+        job = SaveJob(list(keys), list(objs), list(jobs), tokens, req_ids, window=window)
         if self.on_cuda:
             try:
                 if steps is not None:
@@ -182,6 +188,19 @@ class AsyncSaves:
         rewrite them (the coming forward pass) after every copy that reads them."""
         with self._lock:
             jobs = [j for j in self._jobs if j.req_ids.intersection(req_ids)]
+        self._copy_now(jobs)
+
+    def wait_window(self) -> None:
+        """Before every step: vLLM frees a running request's sliding-window blocks as its window
+        moves (``remove_skipped_blocks``, no preemption, no ``request_finished``) and may reuse
+        them in this step; order it after every copy that reads such blocks, as :meth:`wait_for`
+        does for a preemption."""
+        with self._lock:
+            jobs = [j for j in self._jobs if j.window]
+        self._copy_now(jobs)
+
+    def _copy_now(self, jobs: list[SaveJob]) -> None:
+        """Order what comes next on vLLM's thread after the copies of ``jobs``."""
         for job in jobs:
             if self.on_cuda:
                 if job.event is not None:  # the engine's stream waits; the host does not

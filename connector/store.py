@@ -20,7 +20,7 @@ from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
 from kvplug.storage_manager import StorageManager
 
-from .groups import GroupLayout, store_targets
+from .groups import GroupLayout, group_hash, store_targets
 from .metadata import KVPlugMetadata
 from .save import AsyncSaves
 from .stats import StatsRecorder
@@ -36,6 +36,7 @@ class StoreBatch:
     objs: list[MemoryObj] = field(default_factory=list)
     jobs: list[PageJob] = field(default_factory=list)
     tokens: int = 0
+    window: bool = False  # it reads sliding-window blocks, which vLLM frees as the window moves
 
 
 class WorkerStore:
@@ -74,7 +75,9 @@ class WorkerStore:
                         targets = None
                 if targets is None:  # the block table does not reach this chunk yet
                     break
+                window = {group_hash(h, g) for g in self.layout.sliding}
                 for th, ids in targets:
+                    batch.window = batch.window or th in window
                     obj = self.storage.allocate((self.kv.num_layers, num_pages(e - s, bs),
                                                  self.kv.page_bytes), num_tokens=e - s)
                     if obj is None:  # every tier with memory is full: store what we have
@@ -113,7 +116,8 @@ class WorkerStore:
         self._batch, self._steps = None, None
         if self.saves is not None:  # copied (and put) off the step, see .save
             batch = batch or self.prepare(md)
-            self.saves.submit(md, batch.keys, batch.objs, batch.jobs, batch.tokens, steps)
+            self.saves.submit(md, batch.keys, batch.objs, batch.jobs, batch.tokens, steps,
+                              window=batch.window)
             return
         try:
             if batch is None:  # bulk mode (or a step whose layers never ran)

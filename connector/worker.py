@@ -322,9 +322,13 @@ class WorkerSide:
         return out
 
     def handle_preemptions(self, md: KVPlugMetadata | None) -> None:
-        """Before a step that may rewrite preempted requests' freed blocks: order it after the
-        asynchronous copies that read them."""
-        if self._saves is not None and md is not None and md.preempted:
+        """Before every step, which may rewrite blocks vLLM freed (preempted requests', and
+        sliding-window blocks that left the window): order it after the asynchronous copies
+        that read them."""
+        if self._saves is None:
+            return
+        self._saves.wait_window()
+        if md is not None and md.preempted:
             self._saves.wait_for(md.preempted)
             self._saves.forget(md.preempted)
 
