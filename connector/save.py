@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -75,6 +75,7 @@ class SaveJob:
     state: str = "queued"  # CPU: queued -> copying -> copied (CUDA: queued -> copied)
     failed: bool = False
     window: bool = False  # reads sliding-window blocks: copied before the next step (wait_window)
+    unput: list[MemoryObj] = field(default_factory=list)  # copied into, never put
     copied: threading.Event = field(default_factory=threading.Event)
     t0: float = field(default_factory=time.perf_counter)
 
@@ -118,19 +119,21 @@ class AsyncSaves:
 
     def submit(self, md: KVPlugMetadata, keys: list[CacheKey], objs: list[MemoryObj],
                jobs: list[PageJob], tokens: int, steps: Iterator[int] | None = None,
-               window: bool = False) -> None:
+               window: bool = False, unput: Sequence[MemoryObj] = ()) -> None:
         """Start this step's save (called in ``wait_for_save``, after the forward pass). Every
         request of ``md`` with a save counts as one vLLM holds at finish, whether or not any of
         its chunks could be prepared. ``steps``: a layer-wise store stepped with ``wait=False``
         (CUDA); its remaining layers are queued here. ``window``: it reads sliding-window blocks
-        (see :meth:`wait_window`)."""
+        (see :meth:`wait_window`). ``unput``: objects ``steps`` copies into that are not stored
+        (a failed load's request); released, like the others, once the copy is over."""
         req_ids = frozenset(r.req_id for r in md.requests if r.save is not None)
         with self._lock:  # take_sent runs on this thread: no report slips in before the job
             self._tracked |= req_ids
             self._unbind(md)
-        if not keys:
+        job = SaveJob(list(keys), list(objs), list(jobs), tokens, req_ids, window=window,
+                      unput=list(unput))
+        if not keys and not unput:
             return
-        job = SaveJob(list(keys), list(objs), list(jobs), tokens, req_ids, window=window)
         if self.on_cuda:
             try:
                 if steps is not None:
@@ -146,9 +149,10 @@ class AsyncSaves:
                 return
         # counted when submitted, so a request's stores show in the stats the step it ends (a
         # copy or put that fails later counts in store_failures)
-        self.stats.add("stores", 1)
-        self.stats.add("store_tokens", tokens)
-        self.stats.add("store_bytes", sum(o.nbytes for o in job.objs))
+        if keys:
+            self.stats.add("stores", 1)
+            self.stats.add("store_tokens", tokens)
+            self.stats.add("store_bytes", sum(o.nbytes for o in job.objs))
         with self._lock:
             closed = self._closed
             if not closed:
@@ -283,6 +287,8 @@ class AsyncSaves:
             if job.failed:
                 self.stats.add("store_failures")
                 return
+            if not job.keys:  # only objects a copy wrote and nothing stores
+                return
             with torch.inference_mode():  # as the puts vLLM's thread makes (tiers may write)
                 self.storage.batched_put(job.keys, job.objs)
             self.stats.add("store_seconds", time.perf_counter() - job.t0)  # submit to put
@@ -300,6 +306,6 @@ class AsyncSaves:
 
     @staticmethod
     def _release(job: SaveJob) -> None:
-        for o in job.objs:
+        for o in [*job.objs, *job.unput]:
             o.ref_down()
-        job.objs = []
+        job.objs, job.unput = [], []

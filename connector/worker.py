@@ -72,6 +72,10 @@ class WorkerSide:
         self._background: BackgroundLoads | None = None  # loads vLLM waits for asynchronously
         self._sent: set[str] = set()  # finished requests whose last save read their blocks
         self._saves: AsyncSaves | None = None  # asynchronous saves (.save)
+        #: this step's failed loads (before its forward): their requests and blocks. KV computed
+        #: over them is wrong, so nothing of those requests is stored this step
+        self._failed_reqs: set[str] = set()
+        self._failed_blocks: set[int] = set()
 
     # -- setup ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -277,6 +281,9 @@ class WorkerSide:
         """Step 4: the load is over: drop its pins, then report it (:mod:`.load_report`)."""
         assert self.kv is not None
         self.release([ld.req.req_id])  # loaded (or failed): the pins have done their job
+        if ld.fail_at is not None and not ld.spec.background:  # this step's forward reads it
+            self._failed_reqs.add(ld.req.req_id)
+            self._failed_blocks.update(ld.error_blocks())
         self._reports.record(ld, self.kv, self.storage.tier_names if self.storage else [])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -351,5 +358,9 @@ class WorkerSide:
             # A finished request's blocks are read below (or never, on failure): then they go.
             self._sent.update(r.req_id for r in (md.requests if md else ()) if r.finished)
         self._finish_load()
+        skip, self._failed_reqs = self._failed_reqs, set()
+        bad, self._failed_blocks = self._failed_blocks, set()
         if md is not None and self._stores is not None:
-            self._stores.finish(md)
+            skip |= {r.req_id for r in md.requests  # a block another request shares, too
+                     if bad.intersection(r.block_ids, *r.tables)}
+            self._stores.finish(md, skip)
