@@ -160,6 +160,7 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.register_kv_caches(kv_caches)
         if self._events_on and self._worker.storage is not None:
             self._watch = TierWatch(self._worker.storage, self.config.kv_events_max_chunks)
+            self._worker.on_epoch = self._watch.forget
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None:
@@ -233,16 +234,30 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is not None:
             self._sched.lookup.close()
 
-    # vLLM 0.33 sleep mode: the KV tensors go away and come back; nothing is held across.
+    # vLLM 0.33 sleep mode: the KV memory goes away and comes back (same addresses). vLLM resets
+    # the connector (reset_cache) when it sleeps at level >= 1, so a new weights epoch starts.
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         return True
 
     def unregister_kv_caches(self) -> None:
-        pass
+        if self._worker is not None:  # every copy that reads or writes the KV memory is over
+            self._worker.suspend()
 
     def restore_kv_caches(self) -> None:
-        pass
+        if self._worker is not None:  # the KV tensors are checked before any byte moves again
+            self._worker.resume()
+
+    def reset_cache(self) -> bool | None:
+        """The weights changed (``reset_prefix_cache(reset_connector=True)``, sleep, pause with
+        ``clear_cache``): a new weights epoch, carried to every worker by the next step's
+        metadata and every later lookup, so nothing stored before is served to this engine on
+        any tier; engines still on the old weights keep their hits (see :mod:`.scheduler`)."""
+        if self._sched is not None:
+            self._sched.reset()
+        if self._book is not None:
+            self._book.reset()
+        return True
 
     # -- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int

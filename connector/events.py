@@ -171,6 +171,15 @@ class TierWatch:
             self._dirty.add(tier)
         self._wake.set()
 
+    def forget(self) -> None:
+        """A new weights epoch: the chunks watched so far are keyed under the old one (the
+        scheduler's book withdrew them); news about them is dropped."""
+        with self._lock:
+            for tier in self._pending:
+                self._pending[tier].clear()
+                self._held[tier].clear()
+            self._out = []
+
     def take(self) -> KVPlugKVEvents | None:
         """The news since the last call (vLLM's ``get_kv_connector_kv_cache_events``)."""
         with self._lock:
@@ -412,6 +421,19 @@ class TierEventBook:
             self._named[chunk] = self._live.pop(chunk)  # may be announced again; bounded there
             while len(self._named) > self.max_chunks:
                 self._named.popitem(last=False)
+
+    def reset(self) -> None:
+        """A new weights epoch: nothing in the tiers is servable to this engine any more, so
+        every block announced is withdrawn (``BlockRemoved`` per tier) and the book starts over."""
+        for tier, refs in self._refs.items():
+            if refs:
+                self._events.append(BlockRemoved(block_hashes=list(refs), medium=tier,
+                                                 group_idx=0))
+        self._named.clear()
+        self._live.clear()
+        self._ranks.clear()
+        self._announced.clear()
+        self._refs.clear()
 
     def take(self) -> list[KVCacheEvent]:
         """vLLM's ``take_events``: the events since the last call, in order."""

@@ -12,7 +12,14 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvplug.keys import CacheKey, kv_dtype_token, model_namespace, model_source, scale_token
+from kvplug.keys import (
+    CacheKey,
+    epoch_digest,
+    kv_dtype_token,
+    model_namespace,
+    model_source,
+    scale_token,
+)
 
 from .config import ConnectorConfig
 
@@ -41,12 +48,13 @@ class Identity:
     def layers(self) -> str:
         return f"{self.layer_start}-{self.layer_end}" if self.layer_end > self.layer_start else ""
 
-    def key(self, tensor_dtype: str, chunk_hash: bytes) -> CacheKey:
-        """The key of one chunk, given the dtype of the registered KV tensors."""
+    def key(self, tensor_dtype: str, chunk_hash: bytes, epoch: str = "") -> CacheKey:
+        """The key of one chunk, given the dtype of the registered KV tensors and the weights
+        epoch (``""`` until the weights change in place: see :func:`kvplug.keys.epoch_digest`)."""
         return CacheKey(self.model, kv_dtype_token(tensor_dtype, self.cache_dtype, self.scales),
                         self.layout, self.world_size, self.rank, chunk_hash,
-                        model_digest=self.model_digest, pp_size=self.pp_size,
-                        pp_rank=self.pp_rank, layers=self.layers)
+                        model_digest=epoch_digest(self.model_digest, epoch),
+                        pp_size=self.pp_size, pp_rank=self.pp_rank, layers=self.layers)
 
 
 def _plain(value: Any) -> Any:

@@ -138,7 +138,9 @@ def run_scenario(model: str | os.PathLike[str], kv: dict[str, Any] | None,
     """Start one engine in a fresh process and run ``steps`` in order; returns one result per
     step. Steps: ``("gen", prompt, params|None)`` -> generate_full's dict;
     ``("write", path, text)``; ``("corrupt", dir)`` flips bytes in the middle of every file
-    under ``dir`` (returns how many)."""
+    under ``dir`` (returns how many); ``("reload", model_dir)`` loads other weights in place
+    through vLLM's own loading path (``reload_weights``); ``("reset", reset_connector)`` is
+    ``LLM.reset_prefix_cache`` (returns its answer)."""
     spec = json.dumps({"model": str(model), "kv": kv, "steps": steps, "engine": engine or {}})
     code = (f"import json, sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
             "import vllm_helpers as h; "
@@ -166,6 +168,11 @@ def _scenario(spec: dict[str, Any]) -> list[Any]:
                         fh.write(bytes(x ^ 0xFF for x in b))
                     n += 1
             out.append(n)
+        elif step[0] == "reload":
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": step[1]})
+            out.append(None)
+        elif step[0] == "reset":
+            out.append(llm.reset_prefix_cache(reset_connector=step[1]))
     return out
 
 
