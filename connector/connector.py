@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.platforms import current_platform
 
+from .compat import event_group_fields
 from .config import load_connector_config
 from .events import KVPlugKVEvents, TierEventBook, TierWatch, events_enabled
 from .groups import layout_of
@@ -115,8 +116,10 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched = SchedulerSide(self.config, block_size, self.kv_role, client,
                                         self.layout)
             if self._events_on:
-                self._book = TierEventBook(block_size, self.config.chunk_size, tp * pp,
-                                           self.config.kv_events_max_chunks)
+                fields = event_group_fields(kv_cache_config)
+                self._book = TierEventBook(
+                    block_size, self.config.chunk_size, tp * pp, self.config.kv_events_max_chunks,
+                    [fields[g.index] for g in self.layout.full if g.index < len(fields)])
                 self._sched.on_chunks = self._book.record
                 logger.info("kvplug KV events on: BlockStored/BlockRemoved per tier (media %s)",
                             ",".join(self.config.tier_names()))
