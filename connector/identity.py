@@ -79,7 +79,22 @@ def model_settings(vllm_config: VllmConfig) -> dict[str, Any]:
         "model_impl": str(getattr(mc, "model_impl", "")),
         "disable_sliding_window": getattr(mc, "disable_sliding_window", False),
         "runner": str(getattr(mc, "runner_type", "")),
+        "drafter": drafter_settings(vllm_config),
     })
+
+
+def drafter_settings(vllm_config: VllmConfig) -> dict[str, Any] | None:
+    """A speculative drafter that has KV layers of its own (EAGLE, MTP, a draft model): those
+    layers sit in the KV cache kvplug stores and loads with the target's, so which drafter (its
+    method, weights and config) is part of what the KV is. None for drafters without KV layers
+    (n-gram, suffix) and without speculative decoding: their keys are the plain model's."""
+    sc = getattr(vllm_config, "speculative_config", None)
+    dmc = getattr(sc, "draft_model_config", None) if sc is not None else None
+    if dmc is None or str(getattr(sc, "method", "")) in ("ngram", "suffix", "ngram_gpu"):
+        return None
+    weights = getattr(dmc, "model_weights", "") or dmc.model
+    return {"method": str(sc.method), "source": model_source(weights, dmc.revision),
+            "hf_config": dmc.hf_config.to_dict()}
 
 
 def model_identity(vllm_config: VllmConfig, config: ConnectorConfig) -> tuple[str, str]:
