@@ -144,8 +144,7 @@ class WorkerSide:
         and persistent tiers keep the old entries for engines still on the old weights."""
         if md is None or md.epoch == self.epoch:
             return
-        old, self.epoch = self.epoch, md.epoch
-        self.stats.add("weight_resets")
+        old, self.epoch = self.epoch, md.epoch  # (counted once, by the scheduler side)
         freed = 0
         if self.storage is not None:
             mine = [t for t in self.storage.tier_names if not self.storage.may_block(t)]
