@@ -123,6 +123,7 @@ def test_nothing_from_before_a_weights_reset_is_served(engine, tmp_path, reset_c
     e = engine
     assert e.run("a") == []  # cold: computed, stored under the weights on disk
     assert e.run("b") == [0] * 10  # 40 tokens from kvplug, all of version 0 (the setup works)
+    assert e.w.storage.flush(10)  # the posix writes are over: L1 holds the only references
     e.version = 1  # the weights change in place ...
     assert e.s.reset_prefix_cache(reset_connector=reset_connector)  # ... and the cache resets
     got = e.run("c")
@@ -167,5 +168,8 @@ def test_a_finished_requests_last_save_across_a_reset_is_dropped(engine):
             e._step()
     assert e.s.kv_cache_manager.block_pool.get_num_free_blocks() == 63  # nothing leaked
     assert e.w.epoch != ""
-    # nothing stored under the new epoch (L1 was emptied at the switch)
-    assert e.w.storage.stats()["local_cpu"]["entries"] == 0
+    # the answer's chunk [32, 44) (old weights' KV) is stored under no epoch
+    db, tokens = e.s.connector._sched.db, [*P, 5, 5, 5, 5]  # the harness samples token 5
+    tail = db.partial_hash(tokens, 44, db.extend_hashes(tokens, [], 2))
+    assert e.w.storage.flush(10)
+    assert [e.w.storage.contains(e.w.key(tail, ep)) for ep in ("", e.w.epoch)] == [None, None]
