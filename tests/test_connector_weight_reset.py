@@ -173,3 +173,41 @@ def test_a_finished_requests_last_save_across_a_reset_is_dropped(engine):
     tail = db.partial_hash(tokens, 44, db.extend_hashes(tokens, [], 2))
     assert e.w.storage.flush(10)
     assert [e.w.storage.contains(e.w.key(tail, ep)) for ep in ("", e.w.epoch)] == [None, None]
+
+
+def test_sleep_drains_copies_and_wake_checks_the_kv_tensors(tmp_path):
+    """vLLM 0.33's sleep hooks on a worker with asynchronous saves: ``unregister_kv_caches``
+    returns only once no copy reads the KV memory (a save queued behind a gated put is copied
+    at once), ``restore_kv_caches`` accepts the same tensors and refuses moved ones."""
+    import hashlib
+
+    from kvplug.connector.metadata import KVPlugMetadata, ReqMeta, SaveSpec
+
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    cfg = ConnectorConfig(chunk_size=CHUNK, async_save=True, log_every_load=False,
+                          tiers=[{"backend": "tiers_for_tests:GatedPutTier",
+                                  "options": {"gate": str(gate)}}])
+    fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=16)
+    w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0, "sleep-test"))
+    w.register_kv_caches(fx.caches)
+    try:
+        hashes = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+        for i, h in enumerate(hashes):  # the first put blocks the save thread: the rest queue
+            w.wait_for_save(KVPlugMetadata(CHUNK, BS, [ReqMeta(f"r{i}", [1 + 4 * i + j for j
+                                                               in range(4)],
+                                                               save=SaveSpec(0, 16, 0, [h]))]))
+        deadline = time.monotonic() + HANG_S
+        while not list(gate.glob("put-*")) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert w._saves.in_flight() >= 1  # not vacuous: copies still queued
+        w.suspend()  # vLLM 0.33: unregister_kv_caches
+        assert w._saves.in_flight() == 0
+        w.resume()  # the same tensors: fine
+        w.suspend()
+        w._kv_caches = {k: v.clone() for k, v in w._kv_caches.items()}  # memory that moved
+        with pytest.raises(RuntimeError, match="the KV cache changed across sleep"):
+            w.resume()
+    finally:
+        (gate / "open").touch()
+        w.close()
