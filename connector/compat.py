@@ -157,7 +157,6 @@ def _incompatible(base: Sig, ours: Sig) -> list[str]:
     why = []
     if base.kind != ours.kind:
         return [f"is a {ours.kind}, vLLM's is a {base.kind}"]
-    ours_pos = dict(ours.positional)
     ours_kw = {**dict(ours.positional), **dict(ours.kwonly)}
     for i, (name, has_default) in enumerate(base.positional):
         if i < len(ours.positional):
@@ -184,7 +183,6 @@ def _incompatible(base: Sig, ours: Sig) -> list[str]:
         why.append("takes no *args; vLLM's does")
     if base.varkw and not ours.varkw:
         why.append("takes no **kwargs; vLLM's does (vLLM may pass more keywords)")
-    del ours_pos
     return why
 
 
@@ -211,8 +209,9 @@ def api_problems(cls: type, api: dict[str, dict[str, Sig]]) -> tuple[list[str], 
             for why in _incompatible(sig, ours):
                 problems.append(f"{base_name}.{name}: {cls.__name__}'s {why}")
     own = {n for k in cls.__mro__ if k.__name__ not in BASES and k is not object
-           for n, v in vars(k).items() if not n.startswith("_") and callable(
-               getattr(v, "__func__", v)) or isinstance(v, property)}
+           for n, v in vars(k).items()
+           if not n.startswith("_") and (callable(getattr(v, "__func__", v))
+                                         or isinstance(v, property))}
     notes = [f"{cls.__name__}.{n}: not in this vLLM's base classes (never called by it)"
-             for n in sorted(own - seen) if not n.startswith("_")]
+             for n in sorted(own - seen)]
     return problems, notes
