@@ -53,6 +53,13 @@ class ConnectorConfig(KVPlugConfig):
         description="chunks per tier the KV events track (past it the oldest is announced "
         "removed and forgotten)",
     )
+    fresh_epoch_at_start: bool = Field(
+        default=False,
+        description="key this engine's entries under a weights epoch drawn at start-up, so "
+        "nothing any earlier run stored is served to it: for weights that do not come from the "
+        "model files (load_format=dummy then synced by a trainer); every reset_cache draws a "
+        "new epoch either way",
+    )
     report_to_client: bool = Field(
         default=False,
         description="return the per-request report (hit tokens, tiers) in kv_transfer_params; "

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.platforms import current_platform
 
+from .compat import event_group_fields
 from .config import load_connector_config
 from .events import KVPlugKVEvents, TierEventBook, TierWatch, events_enabled
 from .groups import layout_of
@@ -115,8 +116,10 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched = SchedulerSide(self.config, block_size, self.kv_role, client,
                                         self.layout)
             if self._events_on:
-                self._book = TierEventBook(block_size, self.config.chunk_size, tp * pp,
-                                           self.config.kv_events_max_chunks)
+                fields = event_group_fields(kv_cache_config)
+                self._book = TierEventBook(
+                    block_size, self.config.chunk_size, tp * pp, self.config.kv_events_max_chunks,
+                    [fields[g.index] for g in self.layout.full if g.index < len(fields)])
                 self._sched.on_chunks = self._book.record
                 logger.info("kvplug KV events on: BlockStored/BlockRemoved per tier (media %s)",
                             ",".join(self.config.tier_names()))
@@ -160,6 +163,7 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.register_kv_caches(kv_caches)
         if self._events_on and self._worker.storage is not None:
             self._watch = TierWatch(self._worker.storage, self.config.kv_events_max_chunks)
+            self._worker.on_epoch = self._watch.forget
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # Bound before the forward in every vLLM runner and call order: the worker learns here
@@ -240,16 +244,30 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is not None:
             self._sched.lookup.close()
 
-    # vLLM 0.33 sleep mode: the KV tensors go away and come back; nothing is held across.
+    # vLLM 0.33 sleep mode: the KV memory goes away and comes back (same addresses). vLLM resets
+    # the connector (reset_cache) when it sleeps at level >= 1, so a new weights epoch starts.
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         return True
 
     def unregister_kv_caches(self) -> None:
-        pass
+        if self._worker is not None:  # every copy that reads or writes the KV memory is over
+            self._worker.suspend()
 
     def restore_kv_caches(self) -> None:
-        pass
+        if self._worker is not None:  # the KV tensors are checked before any byte moves again
+            self._worker.resume()
+
+    def reset_cache(self) -> bool | None:
+        """The weights changed (``reset_prefix_cache(reset_connector=True)``, sleep, pause with
+        ``clear_cache``): a new weights epoch, carried to every worker by the next step's
+        metadata and every later lookup, so nothing stored before is served to this engine on
+        any tier; engines still on the old weights keep their hits (see :mod:`.scheduler`)."""
+        if self._sched is not None:
+            self._sched.reset()
+        if self._book is not None:
+            self._book.reset()
+        return True
 
     # -- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int

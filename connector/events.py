@@ -171,6 +171,15 @@ class TierWatch:
             self._dirty.add(tier)
         self._wake.set()
 
+    def forget(self) -> None:
+        """A new weights epoch: the chunks watched so far are keyed under the old one (the
+        scheduler's book withdrew them); news about them is dropped."""
+        with self._lock:
+            for tier in self._pending:
+                self._pending[tier].clear()
+                self._held[tier].clear()
+            self._out = []
+
     def take(self) -> KVPlugKVEvents | None:
         """The news since the last call (vLLM's ``get_kv_connector_kv_cache_events``)."""
         with self._lock:
@@ -306,8 +315,11 @@ class TierEventBook:
     """Scheduler side: worker news -> vLLM ``BlockStored``/``BlockRemoved`` (module docstring)."""
 
     def __init__(self, block_size: int, chunk_size: int, num_workers: int,
-                 max_chunks: int = 16384) -> None:
+                 max_chunks: int = 16384, groups: Sequence[dict[str, Any]] = ()) -> None:
         self.bs, self.cs = block_size, chunk_size
+        #: per KV cache group holding every block of a stored chunk, the fields saying which
+        #: group and what kind of KV (``compat.event_group_fields``): one event per group
+        self.groups = list(groups) or [{"group_idx": 0}]
         self.num_workers = num_workers
         self.max_chunks = max_chunks
         self._named: OrderedDict[bytes, ChunkBlocks] = OrderedDict()  # not announced anywhere
@@ -381,7 +393,7 @@ class TierEventBook:
 
     def _stored(self, tier: str, b: ChunkBlocks, idx: list[int]) -> None:
         lo, hi = idx[0], idx[-1] + 1
-        self._events.append(BlockStored(
+        self._events.extend(BlockStored(
             block_hashes=b.hashes[lo:hi],
             parent_block_hash=b.hashes[lo - 1] if lo else b.parent,
             token_ids=b.tokens[lo * self.bs:hi * self.bs].tolist(),
@@ -390,8 +402,8 @@ class TierEventBook:
             medium=tier,
             lora_name=b.lora_name,
             extra_keys=b.extra_keys[lo:hi] if b.extra_keys is not None else None,
-            group_idx=0,
-        ))
+            **group,
+        ) for group in self.groups)
 
     def _withdraw(self, slot: tuple[str, bytes]) -> None:
         tier, chunk = slot
@@ -407,11 +419,27 @@ class TierEventBook:
                 del refs[h]
                 gone.append(h)
         if gone:
-            self._events.append(BlockRemoved(block_hashes=gone, medium=tier, group_idx=0))
+            self._removed(gone, tier)
         if not any((t, chunk) in self._announced for t in self._refs):
             self._named[chunk] = self._live.pop(chunk)  # may be announced again; bounded there
             while len(self._named) > self.max_chunks:
                 self._named.popitem(last=False)
+
+    def _removed(self, hashes: list[Any], tier: str) -> None:
+        self._events.extend(BlockRemoved(block_hashes=hashes, medium=tier,
+                                         group_idx=g.get("group_idx", 0)) for g in self.groups)
+
+    def reset(self) -> None:
+        """A new weights epoch: nothing in the tiers is servable to this engine any more, so
+        every block announced is withdrawn (``BlockRemoved`` per tier) and the book starts over."""
+        for tier, refs in self._refs.items():
+            if refs:
+                self._removed(list(refs), tier)
+        self._named.clear()
+        self._live.clear()
+        self._ranks.clear()
+        self._announced.clear()
+        self._refs.clear()
 
     def take(self) -> list[KVCacheEvent]:
         """vLLM's ``take_events``: the events since the last call, in order."""

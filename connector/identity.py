@@ -12,7 +12,14 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvplug.keys import CacheKey, kv_dtype_token, model_namespace, model_source, scale_token
+from kvplug.keys import (
+    CacheKey,
+    epoch_digest,
+    kv_dtype_token,
+    model_namespace,
+    model_source,
+    scale_token,
+)
 
 from .config import ConnectorConfig
 
@@ -41,12 +48,13 @@ class Identity:
     def layers(self) -> str:
         return f"{self.layer_start}-{self.layer_end}" if self.layer_end > self.layer_start else ""
 
-    def key(self, tensor_dtype: str, chunk_hash: bytes) -> CacheKey:
-        """The key of one chunk, given the dtype of the registered KV tensors."""
+    def key(self, tensor_dtype: str, chunk_hash: bytes, epoch: str = "") -> CacheKey:
+        """The key of one chunk, given the dtype of the registered KV tensors and the weights
+        epoch (``""`` until the weights change in place: see :func:`kvplug.keys.epoch_digest`)."""
         return CacheKey(self.model, kv_dtype_token(tensor_dtype, self.cache_dtype, self.scales),
                         self.layout, self.world_size, self.rank, chunk_hash,
-                        model_digest=self.model_digest, pp_size=self.pp_size,
-                        pp_rank=self.pp_rank, layers=self.layers)
+                        model_digest=epoch_digest(self.model_digest, epoch),
+                        pp_size=self.pp_size, pp_rank=self.pp_rank, layers=self.layers)
 
 
 def _plain(value: Any) -> Any:
@@ -71,7 +79,22 @@ def model_settings(vllm_config: VllmConfig) -> dict[str, Any]:
         "model_impl": str(getattr(mc, "model_impl", "")),
         "disable_sliding_window": getattr(mc, "disable_sliding_window", False),
         "runner": str(getattr(mc, "runner_type", "")),
+        "drafter": drafter_settings(vllm_config),
     })
+
+
+def drafter_settings(vllm_config: VllmConfig) -> dict[str, Any] | None:
+    """A speculative drafter that has KV layers of its own (EAGLE, MTP, a draft model): those
+    layers sit in the KV cache kvplug stores and loads with the target's, so which drafter (its
+    method, weights and config) is part of what the KV is. None for drafters without KV layers
+    (n-gram, suffix) and without speculative decoding: their keys are the plain model's."""
+    sc = getattr(vllm_config, "speculative_config", None)
+    dmc = getattr(sc, "draft_model_config", None) if sc is not None else None
+    if dmc is None or str(getattr(sc, "method", "")) in ("ngram", "suffix", "ngram_gpu"):
+        return None
+    weights = getattr(dmc, "model_weights", "") or dmc.model
+    return {"method": str(sc.method), "source": model_source(weights, dmc.revision),
+            "hf_config": dmc.hf_config.to_dict()}
 
 
 def model_identity(vllm_config: VllmConfig, config: ConnectorConfig) -> tuple[str, str]:

@@ -77,6 +77,7 @@ class RequestLoad:
     chunks: list[ChunkLoad] = field(default_factory=list)
     fail_at: int | None = None  # first token of the first chunk that failed
     seconds: float = 0.0
+    epoch: str = ""  # the weights epoch it was planned in (a background load may outlive it)
 
     def fail(self, token: int) -> list[int]:
         """Mark the chunk at ``token`` and every later one failed; their jobs to leave out."""
@@ -160,6 +161,7 @@ class Loads:
         self._next = 0
         self._failed_reqs: set[str] = set()  # failed before this step's forward (see tainted)
         self._failed_blocks: set[int] = set()
+        self.epoch = ""  # the weights epoch of the step (WorkerSide.sync_epoch sets it)
 
     # -- an inline load: the five steps in start_load_kv (layer-wise: scatter in wait_layer) -----
     def start(self, md: KVPlugMetadata) -> None:
@@ -174,6 +176,7 @@ class Loads:
             t0 = time.perf_counter()
             ld = plan_load(md, r, self.key, self.tier_of(r.req_id), self.layout)  # 1. plan
             if r.load.background:
+                ld.epoch = self.epoch
                 self.background.submit(ld)  # 2. fetch, off the step (see take_background)
                 continue
             got = self._fetch(ld, reads)  # 2. fetch
@@ -284,6 +287,11 @@ class Loads:
             self.reports.stats.add("load_cancelled", len(over))
         jobs: list[PageJob] = []
         for ld, objs in self.background.take_done():  # 2. fetch is over
+            if ld.epoch != self.epoch:  # planned before a weights reset: never reaches a block
+                for o in objs:
+                    if o is not None:
+                        o.ref_down()
+                objs = [None] * len(objs)
             self._validate(ld, dict(zip(map(id, ld.chunks), objs, strict=True)), jobs, None)
             self._done.append(ld)
             over.add(ld.req.req_id)

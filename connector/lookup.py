@@ -47,6 +47,7 @@ class Lookup(msgspec.Struct, tag=True):
     tails: list[tuple[int, bytes]] = []
     pin: bool = True
     deadline: float = float("inf")
+    epoch: str = ""  # the scheduler's weights epoch: keys are looked up under it
 
 
 class Release(msgspec.Struct, tag=True):
@@ -236,6 +237,13 @@ class LookupClient:
         self._log_once = LogOnce(logger)
         self.timeouts = 0
         self._slow: dict[str, frozenset[int]] = {}  # by request id, from its last answer
+        self.epoch = ""  # the weights epoch every lookup carries (see set_epoch)
+
+    def set_epoch(self, epoch: str) -> None:
+        """Look up under the weights epoch ``epoch`` from now on: lookups in flight are dropped
+        (their answers, about the old epoch, are ignored) and their pins released."""
+        self.release(list(self._pending))
+        self.epoch = epoch
 
     def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]]
                ) -> int | None:
@@ -243,7 +251,7 @@ class LookupClient:
         0 when a rank is late past the deadline or absent."""
         if not hashes and not tails:
             return 0
-        query = (tuple(hashes), tuple(tails))
+        query = (tuple(hashes), tuple(tails), self.epoch)
         p = self._pending.get(req_id)
         if p is None or p.query != query:
             if p is not None:
@@ -268,7 +276,7 @@ class LookupClient:
         self._next_id += 1
         p = _Pending(self._next_id, query, time.monotonic() + self.timeout_s)
         payload = _encode(Lookup(p.id, req_id, list(query[0]), list(query[1]),
-                                 deadline=p.deadline))
+                                 deadline=p.deadline, epoch=self.epoch))
         try:
             for s in self._socks:
                 s.send(payload, zmq.NOBLOCK)

@@ -70,6 +70,9 @@ class KVPlugMetadata(KVConnectorMetadata):
     block_size: int
     requests: list[ReqMeta] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # vLLM freed their blocks this step
+    #: the weights epoch this step's loads and stores are keyed under (``reset_cache`` draws a
+    #: new one; the workers switch before anything else of the step)
+    epoch: str = ""
 
     def chunk_range(self, spec: LoadSpec | SaveSpec, index: int) -> tuple[int, int]:
         """Token range ``[s, e)`` of the ``index``-th chunk of a spec (clipped to ``spec.end``)."""

@@ -227,6 +227,16 @@ class AsyncSaves:
             self._tracked.difference_update(req_ids)
             self._finished.difference_update(req_ids)
 
+    def wait_all(self) -> None:
+        """Every copy queued so far has read its blocks, on the host too (sleep mode: the KV
+        memory goes next). The puts may go on: they read host memory only."""
+        with self._lock:
+            jobs = list(self._jobs)
+        self._copy_now(jobs)
+        for job in jobs:
+            if job.event is not None:
+                job.event.synchronize()
+
     def settle(self, keys: Collection[CacheKey], timeout: float) -> bool:
         """Wait (at most ``timeout`` seconds) until no put of ``keys`` is in flight, so a lookup
         right after a request finds what it stored (as with synchronous saves). False on

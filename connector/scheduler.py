@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import partial
@@ -102,6 +103,8 @@ class RequestTracker:
     block_ids: list[int] = field(default_factory=list)  # fallback when vLLM gives no block state
     tables: tuple[list[int], ...] = ()  # every KV cache group's block table (hybrid models)
     report: dict[str, Any] = field(default_factory=dict)  # returned in kv_transfer_params
+    #: its KV may predate a weights reset: no load nor store until it starts over (see reset)
+    stale: bool = False
 
 
 class SchedulerSide:
@@ -129,6 +132,38 @@ class SchedulerSide:
         self.held: set[str] = set()
         #: told of every chunk planned for a load or a save: (request, start, end, hashes)
         self.on_chunks: Callable[[Request, int, int, list[bytes]], None] | None = None
+        #: the weights epoch keys are made under ("": the weights on disk); see :meth:`reset`
+        self.epoch = ""
+        if config.fresh_epoch_at_start:
+            self._new_epoch("start-up (fresh_epoch_at_start)")
+
+    # -- weights epoch -------------------------------------------------------------------------
+    def _new_epoch(self, why: str) -> None:
+        self.epoch = secrets.token_hex(8)
+        set_epoch = getattr(self.lookup, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(self.epoch)
+        logger.info("kvplug: weights epoch %s (%s): nothing stored before is served to this "
+                    "engine; engines on the earlier weights keep their entries", self.epoch, why)
+
+    def reset(self) -> None:
+        """vLLM's ``reset_cache`` (``reset_prefix_cache(reset_connector=True)``, sleep, pause
+        with ``clear_cache``): the weights changed. A fresh epoch goes into every later lookup
+        and step, so no entry stored before is served again, on any tier. Requests alive now
+        may hold KV of the old weights: they neither store nor load until vLLM starts them over
+        (a new lookup); the stores of finished ones not yet sent are dropped (their blocks are
+        still released as usual). Loads already sent under the old epoch fail at the workers."""
+        self._new_epoch("reset_cache: the weights changed")
+        self.stats.add("weight_resets")
+        self.lookup.release(list(self.trackers))
+        background = set(self._background)  # loads not sent yet: they go out under the new epoch
+        for req_id, t in self.trackers.items():
+            t.lookup_tokens, t.refine, t.asking = 0, None, False
+            if req_id not in background:
+                t.stale, t.pending_load = True, None
+        for r in self._finishing:  # old weights' KV: nothing stored, the hold still released
+            if r.save is not None:
+                r.save = SaveSpec(r.save.start, r.save.start, r.save.first_chunk, [])
 
     # -- hashing (kvplug.tokens.TokenDatabase: vLLM's sha256_cbor block hash over chunks) --------
     def _full_hashes(self, t: RequestTracker, num_chunks: int) -> list[bytes]:
@@ -152,19 +187,19 @@ class SchedulerSide:
     def _track(self, request: Request) -> RequestTracker:
         t = self.trackers.get(request.request_id)
         if t is None:
-            params: dict[str, Any] = request.kv_transfer_params or {}
-            # prompt embeddings are not cached; nor is a model with a group kvplug cannot restore
-            keyed = request.prompt_token_ids is not None and self.layout.servable
-            t = RequestTracker(
-                request=request,
-                prompt_len=request.num_prompt_tokens,
-                can_load=keyed and self.role != "kv_producer"
-                and bool(params.get("kvplug_load", True)),
-                can_save=keyed and self.role != "kv_consumer"
-                and bool(params.get("kvplug_save", True)),
-            )
+            t = RequestTracker(request=request, prompt_len=request.num_prompt_tokens,
+                               can_load=False, can_save=False)
+            self._allow(t)
             self.trackers[request.request_id] = t
         return t
+
+    def _allow(self, t: RequestTracker) -> None:
+        """What the request may do: load and store unless its role or its params say no."""
+        params: dict[str, Any] = t.request.kv_transfer_params or {}
+        # prompt embeddings are not cached; nor is a model with a group kvplug cannot restore
+        keyed = t.request.prompt_token_ids is not None and self.layout.servable
+        t.can_load = keyed and self.role != "kv_producer" and bool(params.get("kvplug_load", True))
+        t.can_save = keyed and self.role != "kv_consumer" and bool(params.get("kvplug_save", True))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -178,6 +213,9 @@ class SchedulerSide:
         the lookup, replacing the request's pins; nothing accumulates.
         """
         t = self._track(request)
+        if t.stale:  # asked again after a weights reset: it holds no KV of the old weights now
+            t.stale, t.stored_tokens, t.saved_end = False, 0, 0
+            self._allow(t)
         t.lookup_tokens = 0
         t.pending_load = None
         t.load_background = False
@@ -312,11 +350,13 @@ class SchedulerSide:
     def _finish_save(self, request: Request, block_ids: list[int],
                      tables: tuple[list[int], ...]) -> bool:
         t = self.trackers.get(request.request_id)
-        if t is None or not t.can_save:
+        if t is None:
             return False
         # asynchronous saves: one may still read the blocks; the workers report the request
         # once none does (they decide from the same metadata: a ReqMeta with a save)
         held = bool(self.cfg.async_save) and t.sent_save
+        if not t.can_save or t.stale:
+            return held
         done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         if done < t.prompt_len:  # aborted before its prompt was computed: nothing new
             return held
@@ -329,7 +369,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVPlugMetadata:
         """One ReqMeta per scheduled request that loads or stores something this step."""
-        meta = KVPlugMetadata(chunk_size=self.cs, block_size=self.bs)
+        meta = KVPlugMetadata(chunk_size=self.cs, block_size=self.bs, epoch=self.epoch)
         meta.requests, self._finishing = self._finishing, []
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
         for req_id in meta.preempted:  # blocks freed after their copies: nothing holds them now
@@ -345,7 +385,7 @@ class SchedulerSide:
                 continue
             load, t.pending_load = t.pending_load, None
             save = (self._save_spec(t, t.request.num_computed_tokens + n)
-                    if t.can_save and n else None)
+                    if t.can_save and not t.stale and n else None)
             if load is None and save is None:
                 continue
             t.sent_save = t.sent_save or save is not None

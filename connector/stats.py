@@ -32,6 +32,7 @@ COUNTERS = (
     "store_bytes",
     "store_seconds",
     "store_failures",
+    "weight_resets",
 )
 TIER_PREFIX = "tier_hit_tokens."
 LOAD_BYTES_PREFIX = "tier_load_bytes."
@@ -93,6 +94,7 @@ class KVPlugStats(KVConnectorStats):
             "stored_tokens": d.get("store_tokens", 0),
             "stored_MB": round(d.get("store_bytes", 0) / 1e6, 1),
             "store_GBps": _gbps(d.get("store_bytes", 0), d.get("store_seconds", 0)),
+            "weight_resets": d.get("weight_resets", 0),
             "failures": d.get("load_failures", 0) + d.get("store_failures", 0)
             + d.get("lookup_timeouts", 0),
         }

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
+from functools import partial
 
 import torch
 from kvplug.gpu import PagedKV
@@ -65,12 +66,18 @@ class WorkerSide:
         self._stores: WorkerStore | None = None  # the stores, once there is a KV cache (.store)
         self._sent: set[str] = set()  # finished requests whose last save read their blocks
         self._saves: AsyncSaves | None = None  # asynchronous saves (.save)
+        #: the weights epoch of the step under way (the scheduler's, from each step's metadata)
+        self.epoch = ""
+        self.on_epoch: Callable[[], None] | None = None  # told when the epoch changes
+        self._asleep = False  # vLLM 0.33 sleep mode: the KV memory is gone until resume()
+        self._kv_caches: Mapping[str, torch.Tensor] = {}
 
     # -- setup ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         if not self.layout.servable:  # the scheduler side never loads nor stores then
             logger.warning("%s", self.layout.unsupported_message())
             return
+        self._kv_caches = dict(kv_caches)
         self.kv = PagedKV.from_kv_caches(kv_caches)
         self.kv_dtype = str(self.kv.kv_dtype).removeprefix("torch.")
         self.storage = StorageManager(self.cfg)
@@ -88,8 +95,62 @@ class WorkerSide:
                     self.kv.num_blocks, self.kv.page_bytes, self.kv_dtype, self.ident.layout,
                     "layer-wise" if self.cfg.layerwise else "bulk", path)
 
-    def key(self, chunk_hash: bytes) -> CacheKey:
-        return self.ident.key(self.kv_dtype, chunk_hash)
+    def suspend(self) -> None:
+        """vLLM 0.33 sleep (``unregister_kv_caches``): the KV memory goes next. This step's load
+        ends and every asynchronous save's copy is done reading its blocks first; background
+        fetches touch no block until ``get_finished``. Idempotent."""
+        if self.kv is None or self._asleep:
+            return
+        if self._loads is not None:
+            self._loads.finish()
+        if self._saves is not None:
+            self._saves.wait_all()
+        self._asleep = True
+        logger.info("kvplug worker rank %d: KV cache unregistered (sleep)", self.ident.rank)
+
+    def resume(self) -> None:
+        """vLLM 0.33 wake-up (``restore_kv_caches``): check that the KV tensors are where and
+        what they were (same layers, blocks, page size, addresses); refuse to move bytes into
+        memory that moved. Idempotent."""
+        if self.kv is None or not self._asleep:
+            return
+        now = PagedKV.from_kv_caches(self._kv_caches)
+        old = self.kv
+        was = [(v.data_ptr(), tuple(v.shape)) for v in old.views]
+        got = [(v.data_ptr(), tuple(v.shape)) for v in now.views]
+        if was != got or now.kv_dtype != old.kv_dtype:
+            raise RuntimeError(
+                f"kvplug: the KV cache changed across sleep ({len(was)} layers of "
+                f"{old.num_blocks} x {old.page_bytes} B {old.kv_dtype} at {hex(was[0][0])} before, "
+                f"{len(got)} of {now.num_blocks} x {now.page_bytes} B {now.kv_dtype} at "
+                f"{hex(got[0][0])} after); kvplug needs it at the same addresses: restart the "
+                "engine, or report this with the vLLM version")
+        self._asleep = False
+        logger.info("kvplug worker rank %d: KV cache restored after sleep (%d layers checked)",
+                    self.ident.rank, len(got))
+
+    def key(self, chunk_hash: bytes, epoch: str | None = None) -> CacheKey:
+        """A chunk's key under ``epoch`` (default: the current step's)."""
+        return self.ident.key(self.kv_dtype, chunk_hash, self.epoch if epoch is None else epoch)
+
+    def sync_epoch(self, md: KVPlugMetadata | None) -> None:
+        """Switch to the step's weights epoch before anything else of the step: the scheduler
+        drew a new one (the weights changed). L1 (this engine's own memory) is emptied; shared
+        and persistent tiers keep the old entries for engines still on the old weights."""
+        if md is None or md.epoch == self.epoch:
+            return
+        old, self.epoch = self.epoch, md.epoch  # (counted once, by the scheduler side)
+        if self._loads is not None:  # a background load planned before fails (vLLM recomputes)
+            self._loads.epoch = self.epoch
+        freed = 0
+        if self.storage is not None:
+            mine = [t for t in self.storage.tier_names if not self.storage.may_block(t)]
+            if mine:
+                freed = self.storage.evict(nbytes=1 << 62, tiers=mine)
+        if self.on_epoch is not None:
+            self.on_epoch()
+        logger.info("kvplug worker rank %d: weights epoch %s -> %s; L1 emptied (%d bytes)",
+                    self.ident.rank, old or "(weights on disk)", self.epoch, freed)
 
     @property
     def _background(self) -> BackgroundLoads | None:
@@ -114,18 +175,19 @@ class WorkerSide:
         holds (the scheduler loads those asynchronously)."""
         assert self.storage is not None
         self.release([msg.req_id])  # a repeated lookup replaces the earlier pins
+        key = partial(self.key, epoch=msg.epoch)  # the scheduler's epoch, even mid-step
         if self.layout.multi:
-            return self._lookup_groups(msg)
-        keys = [self.key(h) for h in msg.hashes]
+            return self._lookup_groups(msg, key)
+        keys = [key(h) for h in msg.hashes]
         if self._saves is not None:  # an asynchronous save of these chunks: let its put end
-            self._saves.settle(keys + [self.key(h) for _, h in msg.tails],
+            self._saves.settle(keys + [key(h) for _, h in msg.tails],
                                self.cfg.lookup_timeout_s / 2)
         found = self.storage.lookup_prefix(keys, pin=msg.pin)
         pinned, tiers = keys[: found.num_chunks], list(found.tiers)
         tokens = found.num_chunks * self.cfg.chunk_size
         if found.num_chunks == len(keys):
             for end, h in msg.tails:
-                k = self.key(h)
+                k = key(h)
                 tail = self.storage.lookup_prefix([k], pin=msg.pin)
                 if tail.num_chunks:
                     pinned.append(k)
@@ -137,7 +199,8 @@ class WorkerSide:
                 self._pins[msg.req_id] = (pinned, tiers)
         return tokens, [i for i, t in enumerate(tiers) if self.storage.may_block(t)]
 
-    def _lookup_groups(self, msg: Lookup) -> tuple[int, list[int]]:
+    def _lookup_groups(self, msg: Lookup, key: Callable[[bytes], CacheKey]
+                       ) -> tuple[int, list[int]]:
         """:meth:`_on_lookup` for several KV cache groups (:func:`.groups.lookup_groups`)."""
         storage = self.storage
         assert storage is not None
@@ -146,7 +209,7 @@ class WorkerSide:
             found = storage.lookup_prefix(keys, pin=msg.pin)
             return found.num_chunks, list(found.tiers)
 
-        hit = lookup_groups(self.layout, self.key, contains, msg.hashes, msg.tails,
+        hit = lookup_groups(self.layout, key, contains, msg.hashes, msg.tails,
                             self.cfg.chunk_size, self.layout.block_size)
         if msg.pin and hit.pinned:
             with self._lock:
@@ -182,6 +245,7 @@ class WorkerSide:
 
     # -- load: plan -> fetch -> validate -> scatter -> report, all in .load ----------------------
     def start_load_kv(self, md: KVPlugMetadata | None) -> None:
+        self.sync_epoch(md)
         if self._loads is None:
             return
         if md is None:
@@ -245,9 +309,11 @@ class WorkerSide:
     def save_kv_layer(self, layer_name: str, md: KVPlugMetadata | None) -> None:
         """Layer-wise mode: copy this layer of every chunk to store, right after it is computed."""
         if self.cfg.layerwise and md is not None and self._stores is not None:
+            self.sync_epoch(md)
             self._stores.save_layer(layer_name, md)
 
     def wait_for_save(self, md: KVPlugMetadata | None) -> None:
+        self.sync_epoch(md)
         if self._saves is None:
             # A finished request's blocks are read below (or never, on failure): then they go.
             self._sent.update(r.req_id for r in (md.requests if md else ()) if r.finished)

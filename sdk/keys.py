@@ -99,6 +99,17 @@ def model_namespace(source: Mapping[str, Any], settings: Mapping[str, Any],
     return name, _digest({"source": source, "settings": _strip_paths(settings), "name": name})[:16]
 
 
+def epoch_digest(model_digest: str, epoch: str) -> str:
+    """The model digest of weights changed in place: ``model_digest`` with a weights ``epoch``
+    folded in (16 hex, like the digest), or ``model_digest`` itself for the epoch ``""`` (the
+    weights on disk). An engine draws a fresh epoch when its weights change
+    (``KVPlugConnector.reset_cache``): nothing stored under an earlier one is served to it again,
+    while engines still on the old weights keep their entries."""
+    if not epoch:
+        return model_digest
+    return hashlib.sha256(f"{model_digest}\0epoch\0{epoch}".encode()).hexdigest()[:16]
+
+
 def _strip_paths(value: Any) -> Any:
     """``value`` without the :data:`_PATH_KEYS` entries, at any depth (nested sub-configs)."""
     if isinstance(value, Mapping):

