@@ -161,6 +161,13 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         if self._events_on and self._worker.storage is not None:
             self._watch = TierWatch(self._worker.storage, self.config.kv_events_max_chunks)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # Bound before the forward in every vLLM runner and call order: the worker learns here
+        # which requests have a save coming this step (finished_sending must wait for it).
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.bind(self._meta())
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None:
             self._worker.start_load_kv(self._meta())

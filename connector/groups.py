@@ -260,7 +260,7 @@ def lookup_groups(layout: GroupLayout, key: Callable[[bytes], CacheKey], contain
 
 
 def plan_group_load(md: Any, r: Any, key: Callable[[bytes], CacheKey],
-                    tier_of: dict[CacheKey, str], layout: GroupLayout) -> Any:
+                    tier_of: Callable[[CacheKey], str | None], layout: GroupLayout) -> Any:
     """:func:`kvplug.connector.load.plan_load` for several groups: one ``ChunkLoad`` per group
     part of each chunk (:func:`load_parts`). A chunk a table cannot hold fails with the rest."""
     from .load import ChunkLoad, RequestLoad
@@ -275,8 +275,11 @@ def plan_group_load(md: Any, r: Any, key: Callable[[bytes], CacheKey],
         except (ValueError, IndexError):
             ld.fail(s)
             break
-        for p in parts:
-            k = key(p.hash)
-            ld.chunks.append(ChunkLoad(k, s, e, p.num_pages, p.pages, p.block_ids,
-                                       tier_of.get(k, "unknown"), counts=p.counts))
+        tiers = [tier_of(key(p.hash)) for p in parts]
+        if None in tiers:  # a part no tier holds (see plan_load)
+            ld.fail(s)
+            break
+        for p, tier in zip(parts, tiers, strict=True):
+            ld.chunks.append(ChunkLoad(key(p.hash), s, e, p.num_pages, p.pages, p.block_ids,
+                                       tier, counts=p.counts))  # type: ignore[arg-type]
     return ld

@@ -79,10 +79,14 @@ class RequestLoad:
         return [c for c in self.chunks if c.block_ids and self.ok(c)]
 
 
+TierOf = Callable[[CacheKey], "str | None"]  # the tier holding a key (None: no tier does)
+
+
 def plan_load(md: KVPlugMetadata, r: ReqMeta, key: Callable[[bytes], CacheKey],
-              tier_of: dict[CacheKey, str]) -> RequestLoad:
-    """Step 1: the chunks of ``r``'s load and their blocks. A chunk the block table cannot hold
-    fails (with everything after it)."""
+              tier_of: TierOf) -> RequestLoad:
+    """Step 1: the chunks of ``r``'s load and their blocks. A chunk the block table cannot hold,
+    or that no tier holds (``tier_of``: where lookup pinned it, else where it is now; with TP>1 a
+    rank may be sent a key it never pinned), fails with everything after it."""
     assert r.load is not None
     spec, bs = r.load, md.block_size
     ld = RequestLoad(r, spec, bs)
@@ -96,8 +100,11 @@ def plan_load(md: KVPlugMetadata, r: ReqMeta, key: Callable[[bytes], CacheKey],
             ld.fail(s)
             break
         k = key(h)
-        ld.chunks.append(ChunkLoad(k, s, e, num_pages(e - s, bs), pages, ids,
-                                   tier_of.get(k, "unknown")))
+        tier = tier_of(k)
+        if tier is None:
+            ld.fail(s)
+            break
+        ld.chunks.append(ChunkLoad(k, s, e, num_pages(e - s, bs), pages, ids, tier))
     return ld
 
 

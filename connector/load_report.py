@@ -46,6 +46,9 @@ class LoadReports:
             else:
                 self._errors.update(bad)
             self._meta.failed_blocks[r.req_id] = len(bad)
+            first = max(ld.fail_at, ld.spec.start)
+            self._meta.failed_from[r.req_id] = min(first, self._meta.failed_from.get(r.req_id,
+                                                                                     first))
             self.stats.add("load_failures")
             self.stats.add("failed_blocks", len(bad))
             logger.warning("kvplug: request %s: chunk at token %d is missing or invalid; %d "

@@ -81,11 +81,14 @@ class KVPlugMetadata(KVConnectorMetadata):
 class KVPlugWorkerMeta(KVConnectorWorkerMetadata):
     """What the workers tell the scheduler after a step: per request, tokens loaded per tier,
     load time and blocks that failed (so the scheduler can report it in ``kv_transfer_params``).
-    Merged across TP ranks: rank loads agree, failures take the maximum."""
+    Merged across TP ranks: rank loads agree, failures take the maximum (the first failed
+    token, the minimum)."""
 
     loaded: dict[str, dict[str, int]] = field(default_factory=dict)
     load_ms: dict[str, float] = field(default_factory=dict)
     failed_blocks: dict[str, int] = field(default_factory=dict)
+    #: first token whose load failed, per request (the scheduler stores from there again)
+    failed_from: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPlugWorkerMeta:
         if isinstance(other, KVPlugWorkerMeta):
@@ -95,6 +98,8 @@ class KVPlugWorkerMeta(KVConnectorWorkerMetadata):
                 self.load_ms[req_id] = max(ms, self.load_ms.get(req_id, 0.0))
             for req_id, n in other.failed_blocks.items():
                 self.failed_blocks[req_id] = max(n, self.failed_blocks.get(req_id, 0))
+            for req_id, tok in other.failed_from.items():
+                self.failed_from[req_id] = min(tok, self.failed_from.get(req_id, tok))
         return self
 
     def __bool__(self) -> bool:

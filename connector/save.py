@@ -22,7 +22,10 @@ vLLM's blocks must outlive every copy that reads them (vLLM 0.32's rules):
   the copies of those requests (CUDA: the engine's stream waits on their events, no host wait;
   CPU: a copy still queued is done right there on vLLM's thread, one being done is waited for;
   never a put).
-* A running request's saved blocks are full (saves end on block boundaries) and never rewritten.
+* A running request's saved blocks are full (saves end on block boundaries) and never rewritten,
+  except a sliding-window group's: vLLM frees them as the window moves on. A save that reads them
+  is ordered before the next step (:meth:`AsyncSaves.wait_window`, from ``handle_preemptions``,
+  which vLLM calls before every step's loads and forward).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +74,8 @@ class SaveJob:
     event: torch.cuda.Event | None = None  # CUDA: completes with the copy
     state: str = "queued"  # CPU: queued -> copying -> copied (CUDA: queued -> copied)
     failed: bool = False
+    window: bool = False  # reads sliding-window blocks: copied before the next step (wait_window)
+    unput: list[MemoryObj] = field(default_factory=list)  # copied into, never put
     copied: threading.Event = field(default_factory=threading.Event)  # the runtime's event
     t0: float = field(default_factory=time.perf_counter)
 
@@ -97,22 +102,40 @@ class AsyncSaves:
         self._busy: dict[str, int] = {}  # request -> jobs in flight that read its blocks
         self._tracked: set[str] = set()  # requests that had a save: vLLM holds them at finish
         self._finished: set[str] = set()  # finished, waiting for their copies
+        #: the bound step's requests with a save, until that step's ``submit`` (see expect)
+        self._bound: tuple[KVPlugMetadata, frozenset[str]] | None = None
         self._closed = False
 
     # -- engine thread -------------------------------------------------------------------------
+    def expect(self, md: KVPlugMetadata) -> None:
+        """vLLM bound ``md`` for the coming step: its requests with a save count as held (vLLM
+        keeps their blocks at finish) and as busy until this step's :meth:`submit`, whichever
+        order vLLM calls ``get_finished`` and ``wait_for_save`` in (vLLM 0.33 with a speculator
+        asks ``get_finished`` first)."""
+        req_ids = frozenset(r.req_id for r in md.requests if r.save is not None)
+        with self._lock:
+            if self._bound is not None:  # never submitted (no wait_for_save): nothing comes
+                logger.debug("kvplug: a bound step's saves were never submitted")
+            self._bound = (md, req_ids) if req_ids else None
+            self._tracked |= req_ids
+
     def submit(self, md: KVPlugMetadata, keys: list[CacheKey], objs: list[MemoryObj],
-               jobs: list[PageJob], tokens: int, steps: Iterator[int] | None = None) -> None:
+               jobs: list[PageJob], tokens: int, steps: Iterator[int] | None = None,
+               window: bool = False, unput: Sequence[MemoryObj] = ()) -> None:
         """Start this step's save (called in ``wait_for_save``, after the forward pass). Every
         request of ``md`` with a save counts as one vLLM holds at finish, whether or not any of
         its chunks could be prepared. ``steps``: a layer-wise store stepped with ``wait=False``
-        (CUDA); its remaining layers are queued here."""
+        (CUDA); its remaining layers are queued here. ``window``: it reads sliding-window blocks
+        (see :meth:`wait_window`). ``unput``: objects ``steps`` copies into that are not stored
+        (a failed load's request); released, like the others, once the copy is over."""
         req_ids = frozenset(r.req_id for r in md.requests if r.save is not None)
-        with self._lock:
+        with self._lock:  # take_sent runs on this thread: no report slips in before the job
             self._tracked |= req_ids
-        if not keys:
+            self._unbind(md)
+        job = SaveJob(list(keys), list(objs), list(jobs), tokens, req_ids, window=window,
+                      unput=list(unput), copied=self.runtime.event())
+        if not keys and not unput:
             return
-        job = SaveJob(list(keys), list(objs), list(jobs), tokens, req_ids,
-                      copied=self.runtime.event())
         if self.on_cuda:
             try:
                 if steps is not None:
@@ -128,9 +151,10 @@ class AsyncSaves:
                 return
         # counted when submitted, so a request's stores show in the stats the step it ends (a
         # copy or put that fails later counts in store_failures)
-        self.stats.add("stores", 1)
-        self.stats.add("store_tokens", tokens)
-        self.stats.add("store_bytes", sum(o.nbytes for o in job.objs))
+        if keys:
+            self.stats.add("stores", 1)
+            self.stats.add("store_tokens", tokens)
+            self.stats.add("store_bytes", sum(o.nbytes for o in job.objs))
         with self._lock:
             closed = self._closed
             if not closed:
@@ -142,16 +166,25 @@ class AsyncSaves:
         if closed:  # vLLM is shutting down: nothing is stored any more
             logger.warning("kvplug: a save after the worker closed is dropped")
             self.stats.add("store_failures")
+            if job.event is not None:  # CUDA: a copy queued into the objects; let it end first
+                job.event.synchronize()
             self._release(job)
             return
         self._pool.submit(self._run, job)
 
+    def _unbind(self, md: KVPlugMetadata) -> None:
+        """``md``'s saves are submitted (or dropped): its requests are no longer expected."""
+        if self._bound is not None and self._bound[0] is md:
+            self._bound = None
+
     def take_sent(self, finished: Collection[str]) -> set[str]:
         """vLLM's ``finished_sending``: requests finished (``finished``: this step's, earlier ones
-        are remembered) that had a save and whose blocks no copy reads any more."""
+        are remembered) that had a save and whose blocks no copy reads any more, nor will: a
+        request of the bound step whose save is not submitted yet waits for it."""
         with self._lock:
             self._finished |= self._tracked.intersection(finished)
-            ready = {r for r in self._finished if not self._busy.get(r)}
+            coming = self._bound[1] if self._bound is not None else frozenset()
+            ready = {r for r in self._finished if not self._busy.get(r) and r not in coming}
             self._finished -= ready
             self._tracked -= ready
         return ready
@@ -161,6 +194,19 @@ class AsyncSaves:
         rewrite them (the coming forward pass) after every copy that reads them."""
         with self._lock:
             jobs = [j for j in self._jobs if j.req_ids.intersection(req_ids)]
+        self._copy_now(jobs)
+
+    def wait_window(self) -> None:
+        """Before every step: vLLM frees a running request's sliding-window blocks as its window
+        moves (``remove_skipped_blocks``, no preemption, no ``request_finished``) and may reuse
+        them in this step; order it after every copy that reads such blocks, as :meth:`wait_for`
+        does for a preemption."""
+        with self._lock:
+            jobs = [j for j in self._jobs if j.window]
+        self._copy_now(jobs)
+
+    def _copy_now(self, jobs: list[SaveJob]) -> None:
+        """Order what comes next on vLLM's thread after the copies of ``jobs``."""
         for job in jobs:
             if self.on_cuda:
                 if job.event is not None:  # the engine's stream waits; the host does not
@@ -174,6 +220,14 @@ class AsyncSaves:
                 self.stats.add("store_copies_on_preemption")
                 self._copy(job)
             job.copied.wait()  # a copy the save thread is doing: a memory copy, never a put
+
+    def forget(self, req_ids: Collection[str]) -> None:
+        """vLLM preempted these requests (after :meth:`wait_for`): the blocks their saves read are
+        gone, so they are no longer held at finish until a new save names them (the scheduler
+        decides the same from the same metadata: an aborted request is reported once)."""
+        with self._lock:
+            self._tracked.difference_update(req_ids)
+            self._finished.difference_update(req_ids)
 
     def settle(self, keys: Collection[CacheKey], timeout: float) -> bool:
         """Wait (at most ``timeout`` seconds) until no put of ``keys`` is in flight, so a lookup
@@ -235,6 +289,8 @@ class AsyncSaves:
             if job.failed:
                 self.stats.add("store_failures")
                 return
+            if not job.keys:  # only objects a copy wrote and nothing stores
+                return
             with torch.inference_mode():  # as the puts vLLM's thread makes (tiers may write)
                 self.storage.batched_put(job.keys, job.objs)
             self.stats.add("store_seconds", time.perf_counter() - job.t0)  # submit to put
@@ -252,6 +308,6 @@ class AsyncSaves:
 
     @staticmethod
     def _release(job: SaveJob) -> None:
-        for o in job.objs:
+        for o in [*job.objs, *job.unput]:
             o.ref_down()
-        job.objs = []
+        job.objs, job.unput = [], []

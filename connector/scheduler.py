@@ -332,6 +332,9 @@ class SchedulerSide:
         meta = KVPlugMetadata(chunk_size=self.cs, block_size=self.bs)
         meta.requests, self._finishing = self._finishing, []
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
+        for req_id in meta.preempted:  # blocks freed after their copies: nothing holds them now
+            if (t := self.trackers.get(req_id)) is not None:  # (the workers forget them too)
+                t.sent_save = False
         self._follow_blocks(so)
         state = getattr(so, "kv_connector_block_state", None)
         work = [(req_id, 0) for req_id in self._background]
@@ -389,6 +392,12 @@ class SchedulerSide:
                     per_tier[tier] = max(per_tier.get(tier, 0), n)
                 rep["load_ms"] = round(max(rep.get("load_ms", 0.0), meta.load_ms.get(req_id, 0)),
                                        3)
+        for req_id, tok in meta.failed_from.items():
+            if (t := self.trackers.get(req_id)) is not None:
+                # not stored from there on (the chunk failed; KV computed over it was dropped):
+                # stored again once vLLM recomputed it
+                t.stored_tokens = min(t.stored_tokens, tok // self.cs * self.cs)
+                t.saved_end = min(t.saved_end, tok)
         for req_id, n in meta.failed_blocks.items():
             if (t := self.trackers.get(req_id)) is not None:
                 t.report["failed_blocks"] = max(t.report.get("failed_blocks", 0), n)

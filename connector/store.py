@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 from kvplug.gpu import PagedKV, PageJob, blocks_for_tokens, gather_many, layerwise_store, num_pages
@@ -20,7 +20,7 @@ from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
 from kvplug.storage_manager import StorageManager
 
-from .groups import GroupLayout, store_targets
+from .groups import GroupLayout, group_hash, store_targets
 from .metadata import KVPlugMetadata
 from .save import AsyncSaves
 from .stats import StatsRecorder
@@ -36,6 +36,28 @@ class StoreBatch:
     objs: list[MemoryObj] = field(default_factory=list)
     jobs: list[PageJob] = field(default_factory=list)
     tokens: int = 0
+    window: bool = False  # it reads sliding-window blocks, which vLLM frees as the window moves
+    reqs: list[str] = field(default_factory=list)  # the request of each key
+    req_tokens: dict[str, int] = field(default_factory=dict)  # tokens stored, per request
+
+    def without(self, skip: Collection[str]) -> tuple[StoreBatch, list[MemoryObj]]:
+        """This batch less every chunk of the requests in ``skip``, and the objects left out
+        (the caller releases them)."""
+        if not skip or not skip & set(self.reqs):  # type: ignore[operator]
+            return self, []
+        kept = StoreBatch(window=self.window)
+        dropped: list[MemoryObj] = []
+        for k, o, j, r in zip(self.keys, self.objs, self.jobs, self.reqs, strict=True):
+            if r in skip:
+                dropped.append(o)
+                continue
+            kept.keys.append(k)
+            kept.objs.append(o)
+            kept.jobs.append(j)
+            kept.reqs.append(r)
+        kept.req_tokens = {r: n for r, n in self.req_tokens.items() if r not in skip}
+        kept.tokens = sum(kept.req_tokens.values())
+        return kept, dropped
 
 
 class WorkerStore:
@@ -74,7 +96,9 @@ class WorkerStore:
                         targets = None
                 if targets is None:  # the block table does not reach this chunk yet
                     break
+                window = {group_hash(h, g) for g in self.layout.sliding}
                 for th, ids in targets:
+                    batch.window = batch.window or th in window
                     obj = self.storage.allocate((self.kv.num_layers, num_pages(e - s, bs),
                                                  self.kv.page_bytes), num_tokens=e - s)
                     if obj is None:  # every tier with memory is full: store what we have
@@ -82,8 +106,10 @@ class WorkerStore:
                     batch.keys.append(self.key(th))
                     batch.objs.append(obj)
                     batch.jobs.append(PageJob(ids, obj.tensor))
+                    batch.reqs.append(r.req_id)
                 else:
                     batch.tokens += e - s
+                    batch.req_tokens[r.req_id] = batch.req_tokens.get(r.req_id, 0) + e - s
                     continue
                 self.stats.add("store_failures")
                 break
@@ -105,24 +131,34 @@ class WorkerStore:
             next(self._steps)
             self._next += 1
 
-    def finish(self, md: KVPlugMetadata) -> None:
+    def finish(self, md: KVPlugMetadata, skip: Collection[str] = frozenset()) -> None:
         """End the step's store: asynchronous saves get the batch; a synchronous save copies
-        what the layers did not (bulk mode: everything) and puts it into the tiers."""
+        what the layers did not (bulk mode: everything) and puts it into the tiers. ``skip``:
+        requests whose KV this step computed over a failed load: nothing of theirs is stored
+        (the scheduler saves the range again once vLLM recomputed it)."""
         t0 = time.perf_counter()
         batch, steps = self._batch, self._steps
         self._batch, self._steps = None, None
         if self.saves is not None:  # copied (and put) off the step, see .save
-            batch = batch or self.prepare(md)
-            self.saves.submit(md, batch.keys, batch.objs, batch.jobs, batch.tokens, steps)
+            batch, dropped = (batch or self.prepare(md)).without(skip)
+            if steps is None:
+                for o in dropped:
+                    o.ref_down()
+                dropped = []
+            self.saves.submit(md, batch.keys, batch.objs, batch.jobs, batch.tokens, steps,
+                              window=batch.window, unput=dropped)
             return
+        dropped = []
         try:
             if batch is None:  # bulk mode (or a step whose layers never ran)
-                batch = self.prepare(md)
+                batch, dropped = self.prepare(md).without(skip)
                 if batch.jobs:
                     gather_many(self.kv, batch.jobs)
-            elif steps is not None:
-                for _ in steps:
-                    pass
+            else:
+                if steps is not None:
+                    for _ in steps:
+                        pass
+                batch, dropped = batch.without(skip)
             if batch.keys:
                 self.storage.batched_put(batch.keys, batch.objs)
                 self.stats.add("stores", 1)
@@ -133,5 +169,5 @@ class WorkerStore:
             self.stats.add("store_failures")
             logger.exception("kvplug store failed; the chunks are not cached")
         finally:
-            for o in batch.objs if batch else ():
+            for o in [*(batch.objs if batch else ()), *dropped]:
                 o.ref_down()

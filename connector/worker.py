@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 
 import torch
 from kvplug.gpu import PagedKV, PageJob, layerwise_load, scatter_many
@@ -74,6 +74,10 @@ class WorkerSide:
         self._background: BackgroundLoads | None = None  # loads vLLM waits for asynchronously
         self._sent: set[str] = set()  # finished requests whose last save read their blocks
         self._saves: AsyncSaves | None = None  # asynchronous saves (.save)
+        #: this step's failed loads (before its forward): their requests and blocks. KV computed
+        #: over them is wrong, so nothing of those requests is stored this step
+        self._failed_reqs: set[str] = set()
+        self._failed_blocks: set[int] = set()
 
     # -- setup ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -168,10 +172,21 @@ class WorkerSide:
             if held:
                 self.storage.unpin(*held)
 
-    def _tier_of(self, req_id: str) -> dict[CacheKey, str]:
+    def _tier_of(self, req_id: str) -> Callable[[CacheKey], str | None]:
+        """Where each key of ``req_id``'s load is: where lookup pinned it, else (a key this rank
+        never pinned: with TP>1 the hit is the minimum over ranks) the tier holding it now."""
         with self._lock:
             keys, tiers = self._pins.get(req_id, ([], []))
-        return dict(zip(keys, tiers, strict=False))
+        pinned = dict(zip(keys, tiers, strict=False))
+        storage = self.storage
+        assert storage is not None
+        return lambda k: pinned[k] if k in pinned else storage.contains(k)
+
+    def bind(self, md: KVPlugMetadata | None) -> None:
+        """vLLM bound the coming step's metadata (before its forward, before any ``get_finished``
+        of the step): the saves it names are expected (:meth:`.save.AsyncSaves.expect`)."""
+        if self._saves is not None and md is not None:
+            self._saves.expect(md)
 
     # -- load: plan, fetch and validate, scatter, report (see .load) ----------------------------
     def start_load_kv(self, md: KVPlugMetadata | None) -> None:
@@ -269,6 +284,9 @@ class WorkerSide:
         """Step 4: the load is over: drop its pins, then report it (:mod:`.load_report`)."""
         assert self.kv is not None
         self.release([ld.req.req_id])  # loaded (or failed): the pins have done their job
+        if ld.fail_at is not None and not ld.spec.background:  # this step's forward reads it
+            self._failed_reqs.add(ld.req.req_id)
+            self._failed_blocks.update(ld.error_blocks())
         self._reports.record(ld, self.kv, self.storage.tier_names if self.storage else [])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -314,10 +332,15 @@ class WorkerSide:
         return out
 
     def handle_preemptions(self, md: KVPlugMetadata | None) -> None:
-        """Before a step that may rewrite preempted requests' freed blocks: order it after the
-        asynchronous copies that read them."""
-        if self._saves is not None and md is not None and md.preempted:
+        """Before every step, which may rewrite blocks vLLM freed (preempted requests', and
+        sliding-window blocks that left the window): order it after the asynchronous copies
+        that read them."""
+        if self._saves is None:
+            return
+        self._saves.wait_window()
+        if md is not None and md.preempted:
             self._saves.wait_for(md.preempted)
+            self._saves.forget(md.preempted)
 
     def take_failed(self) -> set[str]:
         """Requests whose load failed (several KV cache groups: vLLM's ``failed_recving``)."""
@@ -338,5 +361,9 @@ class WorkerSide:
             # A finished request's blocks are read below (or never, on failure): then they go.
             self._sent.update(r.req_id for r in (md.requests if md else ()) if r.finished)
         self._finish_load()
+        skip, self._failed_reqs = self._failed_reqs, set()
+        bad, self._failed_blocks = self._failed_blocks, set()
         if md is not None and self._stores is not None:
-            self._stores.finish(md)
+            skip |= {r.req_id for r in md.requests  # a block another request shares, too
+                     if bad.intersection(r.block_ids, *r.tables)}
+            self._stores.finish(md, skip)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .oracle import SLOT, Oracle, prefix_hashes, digest, slot_value
+from .oracle import SLOT, Oracle, digest, prefix_hashes, slot_value
 from .runtime import SimRuntime
 
 BS, CS = 4, 8  # vLLM block size and kvplug chunk size (tokens)
@@ -220,7 +220,7 @@ class World:
                            runtime=self.rt)
             t = torch.zeros((TENSORS, cfg.num_blocks, BS, SLOT), dtype=torch.uint8)
             caches = {}
-            for gi, g in enumerate(groups):
+            for _gi, g in enumerate(groups):
                 for j, name in enumerate(g.layer_names):
                     caches[name] = t[j]
             w.register_kv_caches(caches)
