@@ -17,7 +17,7 @@ def config_for(seed: int, faults: frozenset[str] = frozenset()) -> SimConfig:
     rng = random.Random(seed * 7919 + 1)
     hybrid = rng.random() < 0.6
     return SimConfig(hybrid=hybrid, window=rng.choice((5, 6, 9)),
-                     num_blocks=rng.choice((14, 18, 24, 40)),
+                     num_blocks=rng.choice((24, 32, 48) if hybrid else (12, 16, 24, 40)),
                      max_batched=rng.choice((8, 16, 32)),
                      prefix_caching=rng.random() < 0.3,
                      async_save=rng.random() < 0.8,

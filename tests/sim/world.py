@@ -362,9 +362,11 @@ class World:
         return {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
 
     def poison_and_check_copies(self, when: str) -> None:
-        """I4: no block vLLM handed back is read or written by a copy still in flight; free
-        blocks are poisoned (vLLM may rewrite them from now on) unless its prefix cache may
-        still serve them."""
+        """I4, right before the forward pass (the first moment vLLM may rewrite a block it
+        freed: every kvplug hook that must order a copy first has run): no block vLLM handed
+        back is read or written by a copy still in flight. Free blocks are then poisoned (the
+        forward may rewrite them), unless vLLM's prefix cache may still serve them; a copy that
+        reads one later stores poison, which I1 catches."""
         free = self.free_blocks()
         for rank, w in enumerate(self.workers):
             saves = w._saves
@@ -400,7 +402,6 @@ class World:
                 self.step()
             elif kind == "task":
                 self.rt.step(ev[1])
-                self.poison_and_check_copies("task")
             elif kind == "abort":
                 self.abort(ev[1])
             elif kind == "evict":
@@ -484,7 +485,9 @@ class World:
         self.register(md)
         for w in self.workers:
             self._crashing("handle_preemptions", lambda w=w: w.handle_preemptions(md))
-        self.poison_and_check_copies("after handle_preemptions")
+        for w in self.workers:  # vLLM's bind_connector_metadata (KVPlugConnector -> bind)
+            self._crashing("bind", lambda w=w: w.bind(md))
+        self.poison_and_check_copies("before the forward")
         sync = getattr(so, "has_sync_kv_loads", True)
         if sync:
             for w in self.workers:
@@ -529,7 +532,6 @@ class World:
                                       "load error reached vLLM in that step")
         self._check_reports(ko)
         self._crashing("update_from_output", lambda: self.s.update_from_output(so, out))
-        self.poison_and_check_copies("after update_from_output")
 
     def _worker_output(self, w: Any, finished: set[str]) -> Any:
         """What vLLM's model runner collects from one worker (KVPlugConnector's routing)."""
@@ -588,7 +590,6 @@ class World:
                 if not self.s.requests and not self.rt.queue:
                     break
                 self.rt.drain()
-                self.poison_and_check_copies("drain")
                 if self.s.requests:
                     self.step()
             else:
