@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 
+from .controls import injected
 from .world import CS, RANKS, SimConfig, Violation, World
 
 
@@ -36,7 +37,16 @@ def events_for(seed: int, n: int = 40) -> list[tuple]:
             suffix = tuple(rng.randrange(3, 1000) for _ in range(rng.choice((0, 1, 3, 4, 8, 11))))
             evs.append(("arrive", rng.choice(prefixes), suffix, rng.choice((1, 2, 5))))
         elif x < 0.55:
-            evs.append(("step",))
+            y = rng.random()
+            if y < 0.12:
+                mid: tuple | None = ("lose", rng.randrange(RANKS), rng.randrange(16))
+            elif y < 0.2:
+                mid = ("task", rng.randrange(8))
+            elif y < 0.25:
+                mid = ("evict", rng.randrange(RANKS), "local_cpu", rng.randrange(16))
+            else:
+                mid = None
+            evs.append(("step", mid) if mid else ("step",))
         elif x < 0.72:
             evs.append(("task", rng.randrange(8)))
         elif x < 0.78:
@@ -45,7 +55,7 @@ def events_for(seed: int, n: int = 40) -> list[tuple]:
             evs.append(("evict", rng.randrange(RANKS), rng.choice(("local_cpu", "all")),
                         rng.randrange(16)))
         elif x < 0.89:
-            evs.append(("corrupt", rng.randrange(RANKS), rng.randrange(16)))
+            evs.append((rng.choice(("corrupt", "lose")), rng.randrange(RANKS), rng.randrange(16)))
         elif x < 0.95:
             evs.append(("gate", rng.randrange(RANKS), rng.random() < 0.6))
         elif x < 0.98:
@@ -66,6 +76,11 @@ class Outcome:
 
 def run(cfg: SimConfig, events: list[tuple]) -> Outcome:
     """Apply ``events`` then quiesce; the first violation (or crash) ends the run."""
+    with injected(cfg.faults):
+        return _run(cfg, events)
+
+
+def _run(cfg: SimConfig, events: list[tuple]) -> Outcome:
     w = World(cfg)
     out = Outcome(-1, 0, schedule=list(events))
     try:

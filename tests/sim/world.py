@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import shutil
 import tempfile
 import threading
@@ -57,6 +58,24 @@ class SimConfig:
 _MODEL: dict[str, Any] = {}
 
 
+def _fast_discovery() -> None:
+    """Entry-point discovery once per process, not once per tier of every seed (it reads every
+    installed package's metadata; the simulation builds four tiers a seed)."""
+    import functools
+
+    import kvplug.tier_setup as ts
+
+    if not getattr(ts.load_backend_class, "cache_info", None):
+        ts.load_backend_class = functools.lru_cache(maxsize=None)(ts.load_backend_class)
+
+
+def _tmp_root() -> str | None:
+    """A RAM disk for the posix tiers when there is one (thousands of seeds create and delete
+    their directories)."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
 def _model_dir() -> str:
     if "dir" not in _MODEL:
         from kvplug.connector.demo.model import make_model
@@ -67,33 +86,35 @@ def _model_dir() -> str:
 
 
 def _vllm_config(cfg: SimConfig) -> Any:
-    """vLLM's config for ``cfg`` (cached: building a ModelConfig reads the model's files)."""
-    key = (cfg.prefix_caching, cfg.max_batched, cfg.async_save, cfg.layerwise)
-    if key in _MODEL:
-        return _MODEL[key]
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
+    """vLLM's config for ``cfg``: built once (a ModelConfig reads the model's files), the fields
+    a seed varies set before each Scheduler is built from it."""
+    if "vc" not in _MODEL:
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
 
-    model = ModelConfig(model=_model_dir(), skip_tokenizer_init=True, dtype="bfloat16",
-                        max_model_len=512)
-    cache = CacheConfig(block_size=BS, enable_prefix_caching=cfg.prefix_caching)
-    sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=cfg.max_batched,
-                            max_model_len=512, enable_chunked_prefill=True,
-                            is_encoder_decoder=False)
-    extra = {"chunk_size": CS, "async_save": cfg.async_save, "layerwise": cfg.layerwise,
-             "report_to_client": False, "log_every_load": False, "save_decode": True}
-    xfer = KVTransferConfig(kv_connector="KVPlugConnector",
-                            kv_connector_module_path="kvplug.connector", kv_role="kv_both",
-                            kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
-    vc = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched,
-                    device_config=DeviceConfig("cpu"), kv_transfer_config=xfer)
-    _MODEL[key] = vc
+        model = ModelConfig(model=_model_dir(), skip_tokenizer_init=True, dtype="bfloat16",
+                            max_model_len=512)
+        sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512,
+                                enable_chunked_prefill=True, is_encoder_decoder=False)
+        xfer = KVTransferConfig(kv_connector="KVPlugConnector",
+                                kv_connector_module_path="kvplug.connector", kv_role="kv_both",
+                                kv_load_failure_policy="recompute", kv_connector_extra_config={})
+        _MODEL["vc"] = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BS),
+                                  scheduler_config=sched, device_config=DeviceConfig("cpu"),
+                                  kv_transfer_config=xfer)
+    vc = _MODEL["vc"]
+    vc.cache_config.enable_prefix_caching = cfg.prefix_caching
+    vc.cache_config.num_gpu_blocks = cfg.num_blocks
+    vc.scheduler_config.max_num_batched_tokens = cfg.max_batched
+    vc.kv_transfer_config.kv_connector_extra_config = {
+        "chunk_size": CS, "async_save": cfg.async_save, "layerwise": cfg.layerwise,
+        "report_to_client": False, "log_every_load": False, "save_decode": True}
     return vc
 
 
@@ -155,8 +176,22 @@ def _put_check_plugin(world: World, rank: int) -> Any:
         @hookimpl(wrapper=True)
         def batched_submit_put(self, keys: Any, objs: Any) -> Any:
             for k, o in zip(keys, objs, strict=False):
-                world.check_chunk(rank, k, o, "put")
+                try:
+                    world.check_chunk(rank, k, o, "put")
+                except Violation as v:  # the StorageManager takes a tier's exception for a fault
+                    world.violation = world.violation or v
+                    raise
             return (yield)
+
+        @hookimpl(wrapper=True)
+        def get(self, key: Any) -> Any:
+            res = yield
+            return world.lose_once(rank, key, res)
+
+        @hookimpl(wrapper=True)
+        def get_layers(self, key: Any, first_layer: int, num_layers: int) -> Any:
+            res = yield
+            return world.lose_once(rank, key, res)
 
     return _Check()
 
@@ -189,7 +224,8 @@ class World:
         self.rt = SimRuntime()
         self.events: list[tuple] = []
         self.n_events = 0
-        self.tmp = Path(tempfile.mkdtemp(prefix="kvplug-sim-"))
+        _fast_discovery()
+        self.tmp = Path(tempfile.mkdtemp(prefix="kvplug-sim-", dir=_tmp_root()))
         vc = _vllm_config(cfg)
         full = FullAttentionSpec(BS, num_kv_heads=1, head_size=SLOT // 2, dtype=torch.float16)
         groups = [KVCacheGroupSpec(["f0", "f1"], full)]
@@ -197,7 +233,6 @@ class World:
             swa = SlidingWindowSpec(BS, num_kv_heads=1, head_size=SLOT // 2, dtype=torch.float16,
                                     sliding_window=cfg.window)
             groups.append(KVCacheGroupSpec(["s0", "s1"], swa))
-        vc.cache_config.num_gpu_blocks = cfg.num_blocks
         kcc = KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[],
                             kv_cache_groups=groups)
         self.s = Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=False, block_size=BS,
@@ -237,6 +272,9 @@ class World:
         self.registry: list[dict[Any, tuple[int, int, int, tuple[int, ...]]]] = [{}, {}]
         self.stored: list[list[Any]] = [[], []]  # keys in the order first stored (for faults)
         self.log: dict[str, ReqLog] = {}
+        self.owned: set[int] = set()  # blocks requests held at the last forward
+        self.violation: Violation | None = None  # raised inside kvplug (which may swallow it)
+        self.lost: list[set] = [set(), set()]  # keys whose next read fails (see lose)
         self.next_req = 0
         self.threads0 = threading.active_count()
         self.closed = False
@@ -357,6 +395,10 @@ class World:
         return self._seen[rank]
 
     # -- vLLM's block pool ------------------------------------------------------------------------
+    def held_blocks(self) -> set[int]:
+        mgr = self.s.kv_cache_manager
+        return {b for r in self.s.requests for t in mgr.get_block_ids(r) for b in t} - {0}
+
     def free_blocks(self) -> set[int]:
         pool = self.s.kv_cache_manager.block_pool
         return {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
@@ -385,8 +427,11 @@ class World:
                         raise Violation("I4", f"rank {rank} {when}: a load of "
                                               f"{ld.req.req_id} will write freed blocks "
                                               f"{sorted(bad)}")
-        if not self.cfg.prefix_caching and free:
-            idx = torch.tensor(sorted(free))
+        held = self.held_blocks()
+        fresh = held - self.owned  # allocated by this schedule: vLLM's contract says garbage
+        self.owned = held
+        if not self.cfg.prefix_caching and (free or fresh):
+            idx = torch.tensor(sorted(free | fresh))
             for t in self.kv:
                 t[:, idx] = POISON
 
@@ -399,7 +444,9 @@ class World:
             if kind == "arrive":
                 self.arrive(*ev[1:])
             elif kind == "step":
-                self.step()
+                self.step(ev[1] if len(ev) > 1 else None)
+            elif kind == "lose":
+                self.lose(*ev[1:])
             elif kind == "task":
                 self.rt.step(ev[1])
             elif kind == "abort":
@@ -416,6 +463,8 @@ class World:
                 self.reset()
             else:  # pragma: no cover
                 raise ValueError(f"unknown event {ev!r}")
+        if self.violation is not None:
+            raise self.violation
 
     def arrive(self, prefix: tuple[int, ...], suffix: tuple[int, ...], max_tokens: int) -> None:
         from vllm import SamplingParams
@@ -443,6 +492,22 @@ class World:
             st = self.workers[rank].storage
             st.flush(5)
             st.evict(keys=[keys[pick % len(keys)]], tiers=None if tier == "all" else [tier])
+
+    def lose(self, rank: int, pick: int) -> None:
+        """Reads of a stored chunk on ``rank`` find nothing, in every tier, until the current (or
+        next) step ends (a chunk missing at load time although lookup found it: evicted,
+        deleted, unreadable)."""
+        w = self.workers[rank]
+        pinned = [k for r in sorted(w._pins) for k in w._pins[r][0]]
+        keys = pinned or self.stored[rank]  # preferably a chunk a lookup just promised
+        if keys:
+            self.lost[rank].add(keys[pick % len(keys)])
+
+    def lose_once(self, rank: int, key: Any, res: Any) -> Any:
+        if res is not None and key in self.lost[rank]:  # lost until the step ends
+            res.ref_down()
+            return None
+        return res
 
     def corrupt(self, rank: int, pick: int) -> None:
         st = self.workers[rank].storage
@@ -476,10 +541,15 @@ class World:
             raise Violation("crash", f"{what} raised {type(exc).__name__}: {exc}") from exc
 
     # -- one engine step -------------------------------------------------------------------------
-    def step(self) -> None:
+    def step(self, mid: tuple | None = None) -> None:
+        """One engine step; ``mid``: an event that happens between the scheduler's decisions
+        (lookups, pins) and the workers' first hook (another thread's work, a tier losing a
+        chunk after lookup)."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         so = self._crashing("schedule", self.s.schedule)
+        if mid is not None:
+            self.apply(mid)
         md = so.kv_connector_metadata
         self._md = md
         self.register(md)
@@ -532,6 +602,9 @@ class World:
                                       "load error reached vLLM in that step")
         self._check_reports(ko)
         self._crashing("update_from_output", lambda: self.s.update_from_output(so, out))
+        self.owned = self.held_blocks()
+        for lost in self.lost:
+            lost.clear()
 
     def _worker_output(self, w: Any, finished: set[str]) -> Any:
         """What vLLM's model runner collects from one worker (KVPlugConnector's routing)."""
@@ -592,12 +665,16 @@ class World:
                 self.rt.drain()
                 if self.s.requests:
                     self.step()
+                if self.violation is not None:
+                    raise self.violation
             else:
                 raise Violation("I3", f"never quiescent: vLLM holds {sorted(self.s.requests)}, "
                                       f"{len(self.rt.queue)} tasks queued")
             self.check_end()
 
     def check_end(self) -> None:
+        if self.violation is not None:
+            raise self.violation
         for rank, w in enumerate(self.workers):
             st = w.storage
             st.flush(10)
