@@ -291,41 +291,44 @@ class World:
                                                   digest_size=4).digest(), "little") % 997
 
     def forward(self, so: Any) -> set[str]:
-        """The fake model: write every scheduled token's KV on every rank; the requests whose
-        KV read something other than the oracle (tainted)."""
+        """The fake model: layer by layer (every request's tokens of a layer, then the next
+        layer, as a real forward pass), on every rank, write every scheduled token's KV; the
+        requests whose KV read something other than the oracle (tainted)."""
         tainted: set[str] = set()
+        reqs = []
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.s.requests[req_id]
             end = req.num_computed_tokens  # schedule() advanced it: this step's tokens end here
-            start = end - n
             tokens = list(req.all_token_ids)[:end]
-            tables = self.s.kv_cache_manager.get_block_ids(req_id)
-            ph = prefix_hashes(tokens)
-            for rank in range(RANKS):
-                buf = self.kv[rank].numpy()
-                w = self.workers[rank]
-                prev: list[bytes] | None = None
-                for m, (g, j) in enumerate(self.layers):
-                    if self.cfg.layerwise and not self.cfg.hybrid:
-                        w.wait_for_layer_load(f"f{j}")
+            reqs.append((req_id, end - n, end, tokens, prefix_hashes(tokens),
+                         self.s.kv_cache_manager.get_block_ids(req_id)))
+        layerwise = self.cfg.layerwise and not self.cfg.hybrid
+        for rank in range(RANKS):
+            buf = self.kv[rank].numpy()
+            w = self.workers[rank]
+            prev: dict[str, list[bytes]] = {}
+            for m, (g, j) in enumerate(self.layers):
+                if layerwise:
+                    w.wait_for_layer_load(f"f{j}")
+                for req_id, start, end, tokens, ph, tables in reqs:
                     want = self.oracle.slots(rank, m, tokens, end, ph)
                     table = tables[g]
                     cur = self._read(buf, j, table, end)
+                    before = prev.get(req_id)
                     for p in range(start, end):
                         if m == 0:
                             v = slot_value(rank, 0, ph[p], b"")
                         else:
-                            assert prev is not None
+                            assert before is not None
                             v = slot_value(rank, m, ph[p],
-                                           digest([prev[q] for q in self._attends(m - 1, p)]))
-                        b = table[p // BS]
-                        buf[j, b, p % BS] = np.frombuffer(v, dtype=np.uint8)
+                                           digest([before[q] for q in self._attends(m - 1, p)]))
+                        buf[j, table[p // BS], p % BS] = np.frombuffer(v, dtype=np.uint8)
                         cur[p] = v
                         if v != want[p]:
                             tainted.add(req_id)
-                    prev = cur
-                    if self.cfg.layerwise and not self.cfg.hybrid:
-                        w.save_kv_layer(f"f{j}", self._md)
+                    prev[req_id] = cur
+                if layerwise:
+                    w.save_kv_layer(f"f{j}", self._md)
         return tainted
 
     @staticmethod
