@@ -663,10 +663,10 @@ class World:
             for rank in range(RANKS):
                 self.gate(rank, False)
             for _ in range(max_steps):
-                if not self.s.requests and not self.rt.queue:
+                if not self.s.has_requests() and not self.rt.queue:
                     break
                 self.rt.drain()
-                if self.s.requests:
+                if self.s.has_requests():  # as vLLM's engine: also to hand over finished ids
                     self.step()
                 if self.violation is not None:
                     raise self.violation
