@@ -559,7 +559,8 @@ class World:
         for w in self.workers:
             self._crashing("handle_preemptions", lambda w=w: w.handle_preemptions(md))
         for w in self.workers:  # vLLM's bind_connector_metadata (KVPlugConnector -> bind)
-            self._crashing("bind", lambda w=w: w.bind(md))
+            if hasattr(w, "bind"):
+                self._crashing("bind", lambda w=w: w.bind(md))
         self.poison_and_check_copies("before the forward")
         sync = getattr(so, "has_sync_kv_loads", True)
         if sync:
