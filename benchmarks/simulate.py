@@ -39,6 +39,7 @@ def main() -> int:
     print(f"schedules {fig.schedules}  events {fig.events}  minutes {fig.seconds / 60:.1f}  "
           f"violations {len(fig.failures)}  (seeds {args.start}.., {args.jobs} processes"
           f"{', faults ' + ','.join(sorted(faults)) if faults else ''})")
+    print("exercised: " + ", ".join(f"{k} {v}" for k, v in sorted(fig.counts.items())))
     for seed, what in fig.failures[:20]:
         print(f"\nseed {seed}: {what}")
         print(report(seed, faults))

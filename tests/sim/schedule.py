@@ -72,6 +72,7 @@ class Outcome:
     violation: Violation | None = None
     at: int = -1  # index of the event that failed (len(events): at quiescence)
     schedule: list[tuple] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)  # what it exercised (World.counts)
 
 
 def run(cfg: SimConfig, events: list[tuple]) -> Outcome:
@@ -96,6 +97,7 @@ def _run(cfg: SimConfig, events: list[tuple]) -> Outcome:
     finally:
         out.events = w.n_events
         w.close()
+        out.counts = dict(w.counts)
     return out
 
 

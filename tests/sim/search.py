@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from .schedule import reproduce, run_seed
@@ -15,6 +16,7 @@ class Figures:
     events: int = 0
     failures: list[tuple[int, str]] = field(default_factory=list)  # (seed, violation)
     seconds: float = 0.0
+    counts: Counter = field(default_factory=Counter)  # what the schedules exercised
 
 
 def _range(args: tuple[int, int, frozenset[str], float]) -> Figures:
@@ -33,6 +35,7 @@ def _range(args: tuple[int, int, frozenset[str], float]) -> Figures:
         out = run_seed(seed, faults)
         f.schedules += 1
         f.events += out.events
+        f.counts.update(out.counts)
         if out.violation is not None:
             f.failures.append((seed, str(out.violation)))
     f.seconds = time.monotonic() - t0
@@ -64,6 +67,7 @@ def _add(total: Figures, r: Figures) -> None:
     total.schedules += r.schedules
     total.events += r.events
     total.failures += r.failures
+    total.counts.update(r.counts)
 
 
 def report(seed: int, faults: frozenset[str] = frozenset()) -> str:

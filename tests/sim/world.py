@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import threading
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -273,6 +274,7 @@ class World:
         self.stored: list[list[Any]] = [[], []]  # keys in the order first stored (for faults)
         self.log: dict[str, ReqLog] = {}
         self.owned: set[int] = set()  # blocks requests held at the last forward
+        self.counts: Counter[str] = Counter()  # what the schedule exercised (figures)
         self.violation: Violation | None = None  # raised inside kvplug (which may swallow it)
         self.lost: list[set] = [set(), set()]  # keys whose next read fails (see lose)
         self.next_req = 0
@@ -486,6 +488,7 @@ class World:
         live = sorted(r for r, q in self.s.requests.items()
                       if not RequestStatus.is_finished(q.status))
         if live:
+            self.counts["abort " + self.s.requests[live[pick % len(live)]].status.name] += 1
             self._crashing("abort", lambda: self.s.finish_requests(
                 live[pick % len(live)], RequestStatus.FINISHED_ABORTED))
 
@@ -555,6 +558,14 @@ class World:
             self.apply(mid)
         md = so.kv_connector_metadata
         self._md = md
+        c = self.counts
+        c["steps"] += 1
+        c["preempted"] += len(md.preempted)
+        for r in md.requests:
+            if r.load is not None:
+                c["background loads" if r.load.background else "sync loads"] += 1
+            if r.save is not None:
+                c["saves"] += 1
         self.register(md)
         for w in self.workers:
             self._crashing("handle_preemptions", lambda w=w: w.handle_preemptions(md))
@@ -604,6 +615,8 @@ class World:
             if not told:
                 raise Violation("I2", f"{r}'s forward read KV that is not its oracle and no "
                                       "load error reached vLLM in that step")
+        c["load errors"] += bool(ko.invalid_block_ids) + len(ko.failed_recving or ())
+        c["tainted forwards"] += len(tainted)
         self._check_reports(ko)
         self._crashing("update_from_output", lambda: self.s.update_from_output(so, out))
         self.owned = self.held_blocks()
@@ -721,6 +734,10 @@ class World:
         if self.closed:
             return
         self.closed = True
+        for w in self.workers:
+            with contextlib.suppress(Exception):
+                for t in w.storage.stats().values():
+                    self.counts["tier timeouts"] += int(t.get("timeouts", 0))
         for rank in range(RANKS):
             self.gate(rank, False)
         with contextlib.suppress(Exception):
