@@ -18,7 +18,7 @@ def config_for(seed: int, faults: frozenset[str] = frozenset()) -> SimConfig:
     rng = random.Random(seed * 7919 + 1)
     hybrid = rng.random() < 0.6
     return SimConfig(hybrid=hybrid, window=rng.choice((5, 6, 9)),
-                     num_blocks=rng.choice((24, 32, 48) if hybrid else (12, 16, 24, 40)),
+                     num_blocks=rng.choice((18, 22, 28) if hybrid else (13, 16, 20)),
                      max_batched=rng.choice((8, 16, 32)),
                      prefix_caching=rng.random() < 0.3,
                      async_save=rng.random() < 0.8,
@@ -33,10 +33,10 @@ def events_for(seed: int, n: int = 40) -> list[tuple]:
     evs: list[tuple] = []
     for _ in range(n):
         x = rng.random()
-        if x < 0.18:
+        if x < 0.2:
             suffix = tuple(rng.randrange(3, 1000) for _ in range(rng.choice((0, 1, 3, 4, 8, 11))))
-            evs.append(("arrive", rng.choice(prefixes), suffix, rng.choice((1, 2, 5))))
-        elif x < 0.55:
+            evs.append(("arrive", rng.choice(prefixes), suffix, rng.choice((1, 2, 5, 9))))
+        elif x < 0.5:
             y = rng.random()
             if y < 0.12:
                 mid: tuple | None = ("lose", rng.randrange(RANKS), rng.randrange(16))
@@ -47,16 +47,16 @@ def events_for(seed: int, n: int = 40) -> list[tuple]:
             else:
                 mid = None
             evs.append(("step", mid) if mid else ("step",))
-        elif x < 0.72:
+        elif x < 0.65:
             evs.append(("task", rng.randrange(8)))
-        elif x < 0.78:
+        elif x < 0.72:
             evs.append(("abort", rng.randrange(8)))
-        elif x < 0.86:
-            evs.append(("evict", rng.randrange(RANKS), rng.choice(("local_cpu", "all")),
-                        rng.randrange(16)))
-        elif x < 0.89:
+        elif x < 0.84:
+            evs.append(("evict", rng.randrange(RANKS),
+                        rng.choice(("local_cpu", "local_cpu", "all")), rng.randrange(16)))
+        elif x < 0.9:
             evs.append((rng.choice(("corrupt", "lose")), rng.randrange(RANKS), rng.randrange(16)))
-        elif x < 0.95:
+        elif x < 0.96:
             evs.append(("gate", rng.randrange(RANKS), rng.random() < 0.6))
         elif x < 0.98:
             evs.append(("settle", rng.random() < 0.5))
