@@ -676,7 +676,7 @@ class World:
         with torch.inference_mode():
             for rank in range(RANKS):
                 self.gate(rank, False)
-            for _ in range(max_steps):
+            for i in range(max_steps):
                 if not self.s.has_requests() and not self.rt.queue:
                     break
                 self.rt.drain()
@@ -684,10 +684,39 @@ class World:
                     self.step()
                 if self.violation is not None:
                     raise self.violation
+                if i and i % 20 == 0 and self.vllm_stalled():
+                    self.counts["vLLM stalls (aborted)"] += 1
+                    self.abort_all()
             else:
                 raise Violation("I3", f"never quiescent: vLLM holds {sorted(self.s.requests)}, "
                                       f"{len(self.rt.queue)} tasks queued")
             self.check_end()
+
+    def vllm_stalled(self) -> bool:
+        """vLLM 0.32's scheduler stuck with nothing kvplug owes it: no request running, every
+        load reported (``finished_recving``), nothing queued; the requests that loaded hold the
+        cache while the head of the waiting queue needs blocks to go on (waiting requests are
+        never preempted). Seen with caches that hold less than two requests and several
+        asynchronous loads; not a kvplug violation (see the closing note of issue 22)."""
+        from vllm.v1.request import RequestStatus
+
+        reqs = list(self.s.requests.values())
+        if self.rt.queue or not reqs:
+            return False
+        if any(q.status == RequestStatus.RUNNING for q in reqs):
+            return False
+        remote = [q.request_id for q in reqs if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        return all(r in self.s.finished_recving_kv_req_ids for r in remote)
+
+    def abort_all(self) -> None:
+        """Abort every request (as clients that time out): kvplug must still end clean (I5)."""
+        from vllm.v1.request import RequestStatus
+
+        live = sorted(r for r, q in self.s.requests.items()
+                      if not RequestStatus.is_finished(q.status))
+        if live:
+            self._crashing("abort", lambda: self.s.finish_requests(
+                live, RequestStatus.FINISHED_ABORTED))
 
     def check_end(self) -> None:
         if self.violation is not None:
