@@ -257,29 +257,3 @@ def lookup_groups(layout: GroupLayout, key: Callable[[bytes], CacheKey], contain
             hit.tokens = n * cs
             return hit
     return hit
-
-
-def plan_group_load(md: Any, r: Any, key: Callable[[bytes], CacheKey],
-                    tier_of: Callable[[CacheKey], str | None], layout: GroupLayout) -> Any:
-    """:func:`kvplug.connector.load.plan_load` for several groups: one ``ChunkLoad`` per group
-    part of each chunk (:func:`load_parts`). A chunk a table cannot hold fails with the rest."""
-    from .load import ChunkLoad, RequestLoad
-
-    assert r.load is not None
-    spec, bs = r.load, md.block_size
-    ld = RequestLoad(r, spec, bs)
-    for i, h in enumerate(spec.hashes):
-        s, e = md.chunk_range(spec, i)
-        try:
-            parts = load_parts(layout, r.tables, h, s, e, spec.start, bs)
-        except (ValueError, IndexError):
-            ld.fail(s)
-            break
-        tiers = [tier_of(key(p.hash)) for p in parts]
-        if None in tiers:  # a part no tier holds (see plan_load)
-            ld.fail(s)
-            break
-        for p, tier in zip(parts, tiers, strict=True):
-            ld.chunks.append(ChunkLoad(key(p.hash), s, e, p.num_pages, p.pages, p.block_ids,
-                                       tier, counts=p.counts))  # type: ignore[arg-type]
-    return ld

@@ -1,34 +1,55 @@
-"""One step's loads, as data: the plan of each request's load and the layer-by-layer reads.
+"""A worker's loads, each along one straight path in this module:
+**plan -> fetch -> validate -> scatter -> report**.
 
-The worker (:mod:`.worker`) runs a load in four steps: **plan** (:func:`plan_load`: which pages of
-which chunk go to which blocks, by :mod:`kvplug.gpu.blocks`' arithmetic), **fetch and validate**
-(every chunk is checked before any of its bytes reach a block), **scatter** (bulk, or layer by
-layer; a chunk that lookup found in a tier that reads layer ranges is then read layer by layer,
-:class:`LayerReads`), **report** (load errors, stats, the per-request result:
-:mod:`.load_report`). A chunk that fails
-makes it and everything after it in its request a load error, so vLLM recomputes those blocks.
+* **plan** (:func:`plan_load`): which pages of which stored chunk go to which blocks (one part per
+  KV cache group, :func:`.groups.load_parts`), and the tier each chunk is in;
+* **fetch**: the chunks from the tiers (:meth:`StorageManager.batched_get`: L1, else a slower tier,
+  promoted into L1); layer-wise, a chunk in a tier that reads layer ranges is staged and read one
+  layer at a time just before that layer is scattered (:class:`LayerReads`);
+* **validate** (:func:`valid_pages`): every chunk (every layer) is checked before any of its bytes
+  reach a block; a chunk that fails makes it and everything after it in its request a load error;
+* **scatter**: into the blocks (:mod:`kvplug.gpu`), in bulk or layer by layer;
+* **report**: the pins are dropped and the outcome recorded (:mod:`.load_report`: load errors
+  vLLM recomputes, the per-request result, stats); a request whose load failed before the step's
+  forward is remembered so nothing computed over it is stored (:meth:`Loads.tainted`).
 
-A load that needs a tier that may block runs in the background (:class:`BackgroundLoads`, vLLM's
-asynchronous protocol): only its fetch moves off the engine step; its validation and scatter run
-on the worker's thread when the fetch is over, so no block is written once vLLM may free it.
+:class:`Loads` runs the path for both kinds of job: an inline load (``start_load_kv``: all five
+steps in the step, :meth:`Loads.start`), and a background load (a chunk is in a tier that may
+block: vLLM's asynchronous protocol), whose fetch alone runs off the step on
+:class:`BackgroundLoads`' pool; its validate, scatter and report run on vLLM's thread in
+``get_finished`` (:meth:`Loads.take_background`), so no block is written once vLLM may free it.
+:mod:`.worker` only routes vLLM's calls here.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-from kvplug.gpu import blocks_for_tokens, num_pages, pages_for_tokens
+from kvplug.gpu import (
+    PagedKV,
+    PageJob,
+    blocks_for_tokens,
+    layerwise_load,
+    num_pages,
+    pages_for_tokens,
+    scatter_many,
+)
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.runtime import THREADS, Runtime
 from kvplug.storage_manager import StorageManager
 
+from . import groups
+from .load_report import LoadReports
 from .metadata import KVPlugMetadata, LoadSpec, ReqMeta
+
+logger = logging.getLogger("kvplug.connector")
 
 
 @dataclass(eq=False)
@@ -82,11 +103,14 @@ class RequestLoad:
 TierOf = Callable[[CacheKey], "str | None"]  # the tier holding a key (None: no tier does)
 
 
-def plan_load(md: KVPlugMetadata, r: ReqMeta, key: Callable[[bytes], CacheKey],
-              tier_of: TierOf) -> RequestLoad:
-    """Step 1: the chunks of ``r``'s load and their blocks. A chunk the block table cannot hold,
-    or that no tier holds (``tier_of``: where lookup pinned it, else where it is now; with TP>1 a
-    rank may be sent a key it never pinned), fails with everything after it."""
+# -- 1. plan ---------------------------------------------------------------------------------------
+def plan_load(md: KVPlugMetadata, r: ReqMeta, key: Callable[[bytes], CacheKey], tier_of: TierOf,
+              layout: groups.GroupLayout | None = None) -> RequestLoad:
+    """The chunks of ``r``'s load and their blocks: one :class:`ChunkLoad` per chunk, or per KV
+    cache group part of a chunk with several groups (a sliding group writes only its live
+    blocks). A chunk a block table cannot hold, or that no tier holds (``tier_of``: where lookup
+    pinned it, else where it is now; with TP>1 a rank may be sent a key it never pinned), fails
+    with everything after it."""
     assert r.load is not None
     spec, bs = r.load, md.block_size
     ld = RequestLoad(r, spec, bs)
@@ -94,20 +118,185 @@ def plan_load(md: KVPlugMetadata, r: ReqMeta, key: Callable[[bytes], CacheKey],
         s, e = md.chunk_range(spec, i)
         first = max(s, spec.start)  # blocks before it vLLM already holds
         try:
-            ids = blocks_for_tokens(r.block_ids, first, e, bs)
-            pages = pages_for_tokens(first, e, bs, chunk_start=s)
-        except ValueError:
+            if layout is not None and layout.multi:
+                parts = groups.load_parts(layout, r.tables, h, s, e, spec.start, bs)
+            else:
+                parts = [groups.GroupChunk(h, s, e, num_pages(e - s, bs),
+                                           pages_for_tokens(first, e, bs, chunk_start=s),
+                                           blocks_for_tokens(r.block_ids, first, e, bs), True)]
+        except (ValueError, IndexError):
             ld.fail(s)
             break
-        k = key(h)
-        tier = tier_of(k)
-        if tier is None:
+        keys = [key(p.hash) for p in parts]
+        tiers = [tier_of(k) for k in keys]
+        if None in tiers:
             ld.fail(s)
             break
-        ld.chunks.append(ChunkLoad(k, s, e, num_pages(e - s, bs), pages, ids, tier))
+        ld.chunks += [ChunkLoad(k, s, e, p.num_pages, p.pages, p.block_ids, t, counts=p.counts)
+                      for k, p, t in zip(keys, parts, tiers, strict=True)]  # type: ignore[misc]
     return ld
 
 
+class Loads:
+    """One worker's loads, step by step, each along plan -> fetch -> validate -> scatter -> report
+    (see the module docstring). Built once the KV cache and the tiers exist; ``tier_of`` and
+    ``release`` are lookup's pins (where it found a request's keys; drop them)."""
+
+    def __init__(self, kv: PagedKV, storage: StorageManager, layout: groups.GroupLayout,
+                 key: Callable[[bytes], CacheKey], layerwise: bool, reports: LoadReports,
+                 background: BackgroundLoads, tier_of: Callable[[str], TierOf],
+                 release: Callable[[list[str]], None]) -> None:
+        self.kv = kv
+        self.storage = storage
+        self.layout = layout
+        self.key = key
+        self.layerwise = layerwise
+        self.reports = reports
+        self.background = background
+        self.tier_of = tier_of
+        self.release = release
+        self._done: list[RequestLoad] = []  # loads scattered (or failed), reported by finish()
+        self._objs: list[MemoryObj] = []  # what their scatter reads from
+        self._steps: Generator[int, None, None] | None = None  # layer-wise scatter
+        self._next = 0
+        self._failed_reqs: set[str] = set()  # failed before this step's forward (see tainted)
+        self._failed_blocks: set[int] = set()
+
+    # -- an inline load: the five steps in start_load_kv (layer-wise: scatter in wait_layer) -----
+    def start(self, md: KVPlugMetadata) -> None:
+        """Every load of the step: plan; a background one is fetched off the step; the others
+        are fetched, validated and scattered now (layer-wise: layer by layer), then reported."""
+        self.finish()
+        jobs: list[PageJob] = []
+        reads = LayerReads(self.storage, self.kv.num_layers) if self.layerwise else None
+        for r in md.requests:
+            if r.load is None:
+                continue
+            t0 = time.perf_counter()
+            ld = plan_load(md, r, self.key, self.tier_of(r.req_id), self.layout)  # 1. plan
+            if r.load.background:
+                self.background.submit(ld)  # 2. fetch, off the step (see take_background)
+                continue
+            got = self._fetch(ld, reads)  # 2. fetch
+            self._validate(ld, got, jobs, reads)  # 3. validate
+            ld.seconds += time.perf_counter() - t0
+            self._done.append(ld)
+        self._scatter(jobs, reads)  # 4. scatter, then 5. report (finish)
+
+    def _fetch(self, ld: RequestLoad, reads: LayerReads | None) -> dict[int, MemoryObj | None]:
+        """Step 2: the whole chunks, by ``id`` of the chunk (a chunk read by layer is fetched in
+        the scatter, :class:`LayerReads`); a fetch that raises leaves them all missing."""
+        for c in ld.chunks:
+            c.by_layer = (reads is not None and bool(c.block_ids)
+                          and self.storage.reads_layers(c.tier))
+        whole = [c for c in ld.chunks if not c.by_layer]
+        try:
+            return dict(zip(map(id, whole), self.storage.batched_get([c.key for c in whole]),
+                            strict=True))
+        except Exception:
+            logger.exception("kvplug load of %s failed", ld.req.req_id)
+            return {}
+
+    def _validate(self, ld: RequestLoad, got: dict[int, MemoryObj | None], jobs: list[PageJob],
+                  reads: LayerReads | None) -> None:
+        """Step 3: a valid chunk gets a scatter job (``got``: by ``id`` of the chunk; this takes
+        their references), an invalid one fails with the rest of its request."""
+        L, page = self.kv.num_layers, self.kv.page_bytes
+        for c in ld.chunks:
+            obj = got.get(id(c))
+            if c.by_layer and ld.ok(c):
+                obj = self.storage.allocate((L, c.num_pages, page), num_tokens=c.end - c.start)
+            elif not ld.ok(c) or not valid_pages(obj, (L, c.num_pages, page), c.end - c.start):
+                ld.fail(c.start)
+                if obj is not None:
+                    obj.ref_down()
+                continue
+            if obj is None:  # no memory to stage a layer-wise read in
+                ld.fail(c.start)
+                continue
+            self._objs.append(obj)
+            if c.by_layer:
+                reads.add(ld, c, obj)  # type: ignore[union-attr]
+            if c.block_ids:
+                c.job = len(jobs)
+                jobs.append(PageJob(c.block_ids, obj.tensor[:, c.pages]))
+
+    def _scatter(self, jobs: list[PageJob], reads: LayerReads | None) -> None:
+        """Step 4: write the blocks, then report (bulk); layer-wise, the scatter is released
+        layer by layer (:meth:`wait_layer`) and reported once every layer is written."""
+        if reads is not None and jobs:
+            self._steps = layerwise_load(self.kv, jobs, reads.before)
+            self._next = 0
+            return
+        try:
+            if jobs:
+                scatter_many(self.kv, jobs)
+        finally:
+            self.finish()
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Layer-wise: every layer up to ``layer_name`` is written (vLLM computes it next)."""
+        if self._steps is None:
+            return
+        idx = self.kv.index_of(layer_name)
+        while self._next <= idx:
+            next(self._steps)
+            self._next += 1
+
+    def finish(self) -> None:
+        """Step 5: wait for the step's scatter (layer-wise: every layer), free what it read,
+        report every load that is over."""
+        try:
+            if self._steps is not None:
+                for _ in self._steps:  # exhausting waits for every copy
+                    pass
+        finally:
+            self._steps = None
+            for o in self._objs:
+                o.ref_down()
+            self._objs = []
+            loads, self._done = self._done, []
+            for ld in loads:
+                self._report(ld)
+
+    def _report(self, ld: RequestLoad) -> None:
+        self.release([ld.req.req_id])  # loaded (or failed): the pins have done their job
+        if ld.fail_at is not None and not ld.spec.background:  # this step's forward reads it
+            self._failed_reqs.add(ld.req.req_id)
+            self._failed_blocks.update(ld.error_blocks())
+        self.reports.record(ld, self.kv, self.storage.tier_names)
+
+    def tainted(self, md: KVPlugMetadata | None) -> set[str]:
+        """The requests whose KV this step computed over a failed load (theirs, or a block of
+        theirs that failed), so nothing of theirs is stored; forgets the step's failures."""
+        out, self._failed_reqs = self._failed_reqs, set()
+        bad, self._failed_blocks = self._failed_blocks, set()
+        if md is not None and bad:
+            out |= {r.req_id for r in md.requests if bad.intersection(r.block_ids, *r.tables)}
+        return out
+
+    # -- a background load: fetched off the step, the rest in get_finished ----------------------
+    def take_background(self, finished: Collection[str]) -> set[str]:
+        """Background loads that are over: validated, scattered and reported now, on vLLM's
+        thread between forward passes; or cancelled because vLLM finished the request (never
+        written: vLLM frees its blocks once it is reported). Returns their requests."""
+        over = self.background.cancel(set(finished)) if finished else set()
+        if over:
+            self.reports.stats.add("load_cancelled", len(over))
+        jobs: list[PageJob] = []
+        for ld, objs in self.background.take_done():  # 2. fetch is over
+            self._validate(ld, dict(zip(map(id, ld.chunks), objs, strict=True)), jobs, None)
+            self._done.append(ld)
+            over.add(ld.req.req_id)
+        self._scatter(jobs, None)  # 4. scatter, 5. report
+        return over
+
+    def close(self) -> None:
+        self.finish()
+        self.background.close()
+
+
+# -- what the path uses ----------------------------------------------------------------------------
 def valid_pages(obj: MemoryObj | None, shape: tuple[int, int, int], num_tokens: int) -> bool:
     """Pages may reach blocks only if they are exactly what this engine would have stored."""
     if obj is None:

@@ -1,23 +1,27 @@
-"""Step 4 of a worker's load (steps 1-3 are in :mod:`.load` and :mod:`.worker`): its outcome.
+"""The last step of a worker's load (the path is in :mod:`.load`): its outcome.
 
 A finished load becomes what vLLM and people see: the failed blocks (vLLM recomputes them:
 ``get_block_ids_with_load_errors``, or ``failed_recving`` by request with several KV cache
 groups), the per-request result the scheduler reads (:class:`.metadata.KVPlugWorkerMeta`), the
 counters and latency (:mod:`.stats`) and a log line. Kept apart from :mod:`.worker`, which routes
-vLLM's calls, because it is bookkeeping only: it never touches a block or a tier.
+vLLM's calls, and from :mod:`.load`, because it is bookkeeping only: it never touches a block or
+a tier.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from kvplug.gpu import PagedKV
 
 from .config import ConnectorConfig
 from .groups import GroupLayout
-from .load import RequestLoad
 from .metadata import KVPlugWorkerMeta
 from .stats import LATENCY_PREFIX, LOAD_BYTES_PREFIX, TIER_PREFIX, StatsRecorder
+
+if TYPE_CHECKING:
+    from .load import RequestLoad
 
 logger = logging.getLogger("kvplug.connector")
 

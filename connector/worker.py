@@ -10,32 +10,29 @@ to the KV cache), the lookup service the scheduler asks, and the pins lookup tak
   just before that layer is needed) and stores copied layer by layer in ``save_kv_layer``
   (kvplug.gpu's generators).
 
-Every chunk (every layer, when read by layer) is verified (present, shape, token count) *before*
-its bytes reach a block; a chunk that fails makes it and everything after it in that request a
-load error, reported through ``get_block_ids_with_load_errors`` so vLLM recomputes those blocks.
-The load's steps are in :mod:`.load`, its outcome (load errors, results, stats) in
-:mod:`.load_report`, the store of a step in :mod:`.store`; this module routes vLLM's calls to
-them and keeps lookup's pins.
+A load runs along one path, plan -> fetch -> validate -> scatter -> report, in :mod:`.load`
+(:class:`.load.Loads`): a chunk that fails makes it and everything after it in that request a load
+error, reported through ``get_block_ids_with_load_errors`` so vLLM recomputes those blocks. A
+step's store is in :mod:`.store` (asynchronous saves: :mod:`.save`). This module routes vLLM's
+calls to them and keeps lookup's pins.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
-from kvplug.gpu import PagedKV, PageJob, layerwise_load, scatter_many
+from kvplug.gpu import PagedKV
 from kvplug.keys import CacheKey
-from kvplug.memory import MemoryObj
 from kvplug.runtime import THREADS, Runtime
 from kvplug.storage_manager import StorageManager
 
 from .config import ConnectorConfig
-from .groups import GroupLayout, lookup_groups, plan_group_load
+from .groups import GroupLayout, lookup_groups
 from .identity import Identity
-from .load import BackgroundLoads, LayerReads, RequestLoad, plan_load, valid_pages
+from .load import BackgroundLoads, Loads
 from .load_report import LoadReports
 from .lookup import Lookup, LookupService, socket_path
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta
@@ -66,18 +63,10 @@ class WorkerSide:
         self.kv_dtype = ""
         self._pins: dict[str, tuple[list[CacheKey], list[str]]] = {}
         self._lock = threading.Lock()
-        self._loads: list[RequestLoad] = []  # this step's loads, reported once they are done
-        self._load_steps: Generator[int, None, None] | None = None  # layer-wise load steps
-        self._load_next = 0
-        self._load_objs: list[MemoryObj] = []  # what this step's load reads from
+        self._loads: Loads | None = None  # the loads, once there is a KV cache (.load)
         self._stores: WorkerStore | None = None  # the stores, once there is a KV cache (.store)
-        self._background: BackgroundLoads | None = None  # loads vLLM waits for asynchronously
         self._sent: set[str] = set()  # finished requests whose last save read their blocks
         self._saves: AsyncSaves | None = None  # asynchronous saves (.save)
-        #: this step's failed loads (before its forward): their requests and blocks. KV computed
-        #: over them is wrong, so nothing of those requests is stored this step
-        self._failed_reqs: set[str] = set()
-        self._failed_blocks: set[int] = set()
 
     # -- setup ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -87,7 +76,10 @@ class WorkerSide:
         self.kv = PagedKV.from_kv_caches(kv_caches)
         self.kv_dtype = str(self.kv.kv_dtype).removeprefix("torch.")
         self.storage = StorageManager(self.cfg, runtime=self.runtime)
-        self._background = BackgroundLoads(self.storage.batched_get, runtime=self.runtime)
+        self._loads = Loads(self.kv, self.storage, self.layout, self.key, self.cfg.layerwise,
+                            self._reports,
+                            BackgroundLoads(self.storage.batched_get, runtime=self.runtime),
+                            self._tier_of, self.release)
         if async_save_enabled(self.cfg, self.kv.device.type):
             self._saves = AsyncSaves(self.kv, self.storage, self.stats, self.runtime)
         self._stores = WorkerStore(self.kv, self.storage, self.layout, self.key, self.stats,
@@ -103,10 +95,14 @@ class WorkerSide:
     def key(self, chunk_hash: bytes) -> CacheKey:
         return self.ident.key(self.kv_dtype, chunk_hash)
 
+    @property
+    def _background(self) -> BackgroundLoads | None:
+        """The loads vLLM waits for asynchronously (tests and benchmarks count them)."""
+        return self._loads.background if self._loads is not None else None
+
     def close(self) -> None:
-        self._finish_load()
-        if self._background is not None:
-            self._background.close()
+        if self._loads is not None:
+            self._loads.close()
         if self._saves is not None:
             self._saves.close()  # before the tiers: its puts finish first
         if self.service is not None:
@@ -188,129 +184,28 @@ class WorkerSide:
         if self._saves is not None and md is not None:
             self._saves.expect(md)
 
-    # -- load: plan, fetch and validate, scatter, report (see .load) ----------------------------
+    # -- load: plan -> fetch -> validate -> scatter -> report, all in .load ----------------------
     def start_load_kv(self, md: KVPlugMetadata | None) -> None:
-        self._finish_load()
-        if md is None or self.kv is None:
+        if self._loads is None:
             return
-        jobs: list[PageJob] = []
-        reads = LayerReads(self.storage, self.kv.num_layers) if self.cfg.layerwise else None
-        for r in md.requests:
-            if r.load is not None:
-                t0 = time.perf_counter()
-                ld = (plan_group_load(md, r, self.key, self._tier_of(r.req_id), self.layout)
-                      if self.layout.multi else plan_load(md, r, self.key, self._tier_of(r.req_id)))
-                if r.load.background:
-                    self._background.submit(ld)  # type: ignore[union-attr]
-                    continue
-                self._fetch(ld, jobs, reads)
-                ld.seconds += time.perf_counter() - t0
-                self._loads.append(ld)
-        if reads is not None and jobs:
-            self._load_steps = layerwise_load(self.kv, jobs, reads.before)
-            self._load_next = 0
+        if md is None:
+            self._loads.finish()
             return
-        try:
-            if jobs:
-                scatter_many(self.kv, jobs)
-        finally:
-            self._finish_load()
-
-    def _fetch(self, ld: RequestLoad, jobs: list[PageJob], reads: LayerReads | None) -> None:
-        """Step 2: fetch the chunks (whole, or staged for layer reads) and validate them; a
-        valid chunk gets a transfer job, an invalid one fails with the rest of its request."""
-        assert self.storage is not None and self.kv is not None
-        for c in ld.chunks:
-            c.by_layer = (reads is not None and bool(c.block_ids)
-                          and self.storage.reads_layers(c.tier))
-        whole = [c for c in ld.chunks if not c.by_layer]
-        try:
-            got = dict(zip(map(id, whole), self.storage.batched_get([c.key for c in whole]),
-                           strict=True))
-        except Exception:
-            logger.exception("kvplug load of %s failed", ld.req.req_id)
-            got = {}
-        self._admit(ld, got, jobs, reads)
-
-    def _admit(self, ld: RequestLoad, got: dict[int, MemoryObj | None], jobs: list[PageJob],
-               reads: LayerReads | None) -> None:
-        """Validate the fetched chunks (``got``: by ``id`` of the chunk; this takes their
-        references); a valid chunk gets a transfer job, an invalid one fails with the rest."""
-        assert self.storage is not None and self.kv is not None
-        L, page = self.kv.num_layers, self.kv.page_bytes
-        for c in ld.chunks:
-            obj = got.get(id(c))
-            if c.by_layer and ld.ok(c):
-                obj = self.storage.allocate((L, c.num_pages, page), num_tokens=c.end - c.start)
-            elif not ld.ok(c) or not valid_pages(obj, (L, c.num_pages, page), c.end - c.start):
-                ld.fail(c.start)
-                if obj is not None:
-                    obj.ref_down()
-                continue
-            if obj is None:  # no memory to stage a layer-wise read in
-                ld.fail(c.start)
-                continue
-            self._load_objs.append(obj)
-            if c.by_layer:
-                reads.add(ld, c, obj)  # type: ignore[union-attr]
-            if c.block_ids:
-                c.job = len(jobs)
-                jobs.append(PageJob(c.block_ids, obj.tensor[:, c.pages]))
-
-    def get_finished(self, finished: set[str]) -> set[str]:
-        """Background loads that are over: written (or failed, reported as load errors) now, on
-        vLLM's thread between forward passes, or cancelled because vLLM finished the request
-        (never written: vLLM frees its blocks once it is reported). Drops finished requests'
-        pins."""
-        if self._background is None:
-            return set()
-        over = self._background.cancel(finished) if finished else set()
-        if over:
-            self.stats.add("load_cancelled", len(over))
-        jobs: list[PageJob] = []
-        for ld, objs in self._background.take_done():
-            self._admit(ld, dict(zip(map(id, ld.chunks), objs, strict=True)), jobs, None)
-            self._loads.append(ld)
-            over.add(ld.req.req_id)
-        try:
-            if jobs:
-                scatter_many(self.kv, jobs)  # type: ignore[arg-type]
-        finally:
-            self._finish_load()
-            self.release(finished)
-        return over
-
-    def _report(self, ld: RequestLoad) -> None:
-        """Step 4: the load is over: drop its pins, then report it (:mod:`.load_report`)."""
-        assert self.kv is not None
-        self.release([ld.req.req_id])  # loaded (or failed): the pins have done their job
-        if ld.fail_at is not None and not ld.spec.background:  # this step's forward reads it
-            self._failed_reqs.add(ld.req.req_id)
-            self._failed_blocks.update(ld.error_blocks())
-        self._reports.record(ld, self.kv, self.storage.tier_names if self.storage else [])
+        self._loads.start(md)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._load_steps is None or self.kv is None:
-            return
-        idx = self.kv.index_of(layer_name)
-        while self._load_next <= idx:
-            next(self._load_steps)
-            self._load_next += 1
+        if self._loads is not None:
+            self._loads.wait_layer(layer_name)
 
-    def _finish_load(self) -> None:
-        """Wait for this step's load (layer-wise: every layer), free its memory, report it."""
+    def get_finished(self, finished: set[str]) -> set[str]:
+        """Background loads that are over (vLLM's ``finished_recving``); drops finished
+        requests' pins."""
+        if self._loads is None:
+            return set()
         try:
-            if self._load_steps is not None:
-                for _ in self._load_steps:  # exhausting waits for every copy
-                    pass
+            return self._loads.take_background(finished)
         finally:
-            self._load_steps = None
-            for o in self._load_objs:
-                o.ref_down()
-            self._load_objs = []
-            loads, self._loads = self._loads, []
-            for ld in loads:
-                self._report(ld)
+            self.release(finished)
 
     def take_report(self) -> KVPlugWorkerMeta | None:
         """Per-request load results since the last call (for the scheduler)."""
@@ -360,10 +255,9 @@ class WorkerSide:
         if self._saves is None:
             # A finished request's blocks are read below (or never, on failure): then they go.
             self._sent.update(r.req_id for r in (md.requests if md else ()) if r.finished)
-        self._finish_load()
-        skip, self._failed_reqs = self._failed_reqs, set()
-        bad, self._failed_blocks = self._failed_blocks, set()
+        if self._loads is None:
+            return
+        self._loads.finish()
+        skip = self._loads.tainted(md)  # computed over a failed load: not stored
         if md is not None and self._stores is not None:
-            skip |= {r.req_id for r in md.requests  # a block another request shares, too
-                     if bad.intersection(r.block_ids, *r.tables)}
             self._stores.finish(md, skip)

@@ -127,3 +127,18 @@ class GatedPutTier(DictTier):
 
 def random_bytes(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+class LosingTier(DictTier):
+    """An in-memory tier that never blocks (loads from it run inline, in the step) and loses the
+    chunks named on demand between lookup and load: its ``get`` answers None for every key whose
+    chunk hash (hex) is in the class-level set :attr:`lost`."""
+
+    never_blocks = True
+    lost: set[str] = set()
+
+    @hookimpl
+    def get(self, key):
+        if key.chunk_hash.hex() in LosingTier.lost:
+            return None
+        return super().get(key)

@@ -267,10 +267,11 @@ class FaultTier:
 def make_scheduler(model_dir: str | os.PathLike[str], extra: dict[str, Any] | None = None,
                    role: str = "kv_both", block_size: int = 128, num_blocks: int = 200,
                    max_num_batched_tokens: int = 4096, prefix_caching: bool = False,
-                   policy: str = "recompute") -> Any:
+                   policy: str = "recompute", groups: list[Any] | None = None) -> Any:
     """A real vLLM ``Scheduler`` whose SCHEDULER-role connector is kvplug's. Saves are
     synchronous unless ``extra`` says otherwise: with asynchronous saves vLLM holds every
-    finished request that saved until a worker reports it, and no worker runs here."""
+    finished request that saved until a worker reports it, and no worker runs here.
+    ``groups``: vLLM ``KVCacheGroupSpec``s (hybrid models); one full-attention group if None."""
     engine_env()
     extra = {"async_save": False, **(extra or {})}
     import torch
@@ -300,7 +301,7 @@ def make_scheduler(model_dir: str | os.PathLike[str], extra: dict[str, Any] | No
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
                              dtype=torch.float32)
     kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+                        kv_cache_groups=groups or [KVCacheGroupSpec(["layer"], spec)])
     return Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=True, block_size=block_size,
                      structured_output_manager=StructuredOutputManager(vc))
 
