@@ -703,7 +703,9 @@ class World:
         reqs = list(self.s.requests.values())
         if self.rt.queue or not reqs:
             return False
-        if any(q.status == RequestStatus.RUNNING for q in reqs):
+        waiting = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS,
+                   RequestStatus.PREEMPTED)
+        if any(q.status not in waiting for q in reqs):  # running, or held for kvplug's saves
             return False
         remote = [q.request_id for q in reqs if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
         return all(r in self.s.finished_recving_kv_req_ids for r in remote)
