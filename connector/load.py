@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Generator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +42,7 @@ from kvplug.gpu import (
 )
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.runtime import THREADS, Runtime
 from kvplug.storage_manager import StorageManager
 
 from . import groups
@@ -369,9 +370,9 @@ class BackgroundLoads:
     thread (:meth:`take_done`) and writes the blocks there; a cancelled load's objects are dropped
     when its fetch ends, never written."""
 
-    def __init__(self, fetch: Fetch, threads: int = 4) -> None:
+    def __init__(self, fetch: Fetch, threads: int = 4, runtime: Runtime = THREADS) -> None:
         self._fetch = fetch
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvplug-load")
+        self._pool = runtime.executor(threads, "kvplug-load")
         self._lock = threading.Lock()
         self._inflight: dict[str, tuple[RequestLoad, Future]] = {}
 

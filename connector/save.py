@@ -34,13 +34,13 @@ import logging
 import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 from kvplug.gpu import PagedKV, PageJob, gather_many, gather_many_async
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
+from kvplug.runtime import THREADS, Runtime
 from kvplug.storage_manager import StorageManager
 
 from .config import ConnectorConfig
@@ -76,7 +76,7 @@ class SaveJob:
     failed: bool = False
     window: bool = False  # reads sliding-window blocks: copied before the next step (wait_window)
     unput: list[MemoryObj] = field(default_factory=list)  # copied into, never put
-    copied: threading.Event = field(default_factory=threading.Event)
+    copied: threading.Event = field(default_factory=threading.Event)  # the runtime's event
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -87,14 +87,16 @@ class AsyncSaves:
     released once its put is over or failed), :meth:`take_sent` reports finished requests whose
     blocks no copy reads any more, :meth:`wait_for` orders a preemption after the copies."""
 
-    def __init__(self, kv: PagedKV, storage: StorageManager, stats: StatsRecorder) -> None:
+    def __init__(self, kv: PagedKV, storage: StorageManager, stats: StatsRecorder,
+                 runtime: Runtime = THREADS) -> None:
         self.kv = kv
         self.storage = storage
         self.stats = stats
         self.on_cuda = kv.device.type == "cuda"
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvplug-save")
+        self.runtime = runtime  # threads, events and clock (kvplug.runtime; a simulation's)
+        self._pool = runtime.executor(1, "kvplug-save")
         self._lock = threading.Lock()
-        self._settled = threading.Condition(self._lock)  # a job's put is over
+        self._settled = runtime.condition(self._lock)  # a job's put is over
         self._pending: dict[CacheKey, int] = {}  # chunks whose put is not over
         self._jobs: list[SaveJob] = []  # copy not complete, oldest first
         self._busy: dict[str, int] = {}  # request -> jobs in flight that read its blocks
@@ -131,7 +133,7 @@ class AsyncSaves:
             self._tracked |= req_ids
             self._unbind(md)
         job = SaveJob(list(keys), list(objs), list(jobs), tokens, req_ids, window=window,
-                      unput=list(unput))
+                      unput=list(unput), copied=self.runtime.event())
         if not keys and not unput:
             return
         if self.on_cuda:
@@ -241,10 +243,10 @@ class AsyncSaves:
         """Wait (at most ``timeout`` seconds) until no put of ``keys`` is in flight, so a lookup
         right after a request finds what it stored (as with synchronous saves). False on
         timeout: the lookup goes on and may miss them."""
-        end = time.monotonic() + timeout
+        end = self.runtime.monotonic() + timeout
         with self._settled:
             while any(k in self._pending for k in keys):
-                left = end - time.monotonic()
+                left = end - self.runtime.monotonic()
                 if left <= 0:
                     return False
                 self._settled.wait(left)

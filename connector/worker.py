@@ -27,6 +27,7 @@ from functools import partial
 import torch
 from kvplug.gpu import PagedKV
 from kvplug.keys import CacheKey
+from kvplug.runtime import THREADS, Runtime
 from kvplug.storage_manager import StorageManager
 
 from .config import ConnectorConfig
@@ -50,8 +51,9 @@ class WorkerSide:
     """The worker half of :class:`~kvplug.connector.KVPlugConnector`."""
 
     def __init__(self, config: ConnectorConfig, ident: Identity,
-                 layout: GroupLayout | None = None) -> None:
+                 layout: GroupLayout | None = None, runtime: Runtime = THREADS) -> None:
         self.cfg = config
+        self.runtime = runtime  # threads, events and clock (kvplug.runtime; a simulation's)
         self.ident = ident
         self.layout = layout or GroupLayout()  # KV cache groups (see .groups)
         self.stats = StatsRecorder()
@@ -80,16 +82,18 @@ class WorkerSide:
         self._kv_caches = dict(kv_caches)
         self.kv = PagedKV.from_kv_caches(kv_caches)
         self.kv_dtype = str(self.kv.kv_dtype).removeprefix("torch.")
-        self.storage = StorageManager(self.cfg)
+        self.storage = StorageManager(self.cfg, runtime=self.runtime)
         self._loads = Loads(self.kv, self.storage, self.layout, self.key, self.cfg.layerwise,
-                            self._reports, BackgroundLoads(self.storage.batched_get),
+                            self._reports,
+                            BackgroundLoads(self.storage.batched_get, runtime=self.runtime),
                             self._tier_of, self.release)
         if async_save_enabled(self.cfg, self.kv.device.type):
-            self._saves = AsyncSaves(self.kv, self.storage, self.stats)
+            self._saves = AsyncSaves(self.kv, self.storage, self.stats, self.runtime)
         self._stores = WorkerStore(self.kv, self.storage, self.layout, self.key, self.stats,
                                    self._saves)
         path = socket_path(self.ident.engine_id, self.ident.rank, self.ident.pp_rank)
-        self.service = LookupService(path, self._on_lookup, self.release)
+        if self.runtime.remote_lookups:  # else the caller calls _on_lookup (a simulation)
+            self.service = LookupService(path, self._on_lookup, self.release)
         logger.info("kvplug worker rank %d: %d layers x %d blocks x %d B pages (%s, %s), "
                     "mode %s, lookup at %s", self.ident.rank, self.kv.num_layers,
                     self.kv.num_blocks, self.kv.page_bytes, self.kv_dtype, self.ident.layout,

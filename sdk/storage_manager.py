@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ from .errors import ConfigError
 from .keys import CacheKey
 from .logs import LogOnce
 from .memory import MemoryFormat, MemoryObj, heap_memory_obj
+from .runtime import THREADS, Runtime
 from .tier_calls import MAX_ENCODER_QUEUE, Tier
 from .tier_setup import ScopedHooks, build_tier
 
@@ -44,8 +44,10 @@ class PrefixLookup:
 class StorageManager:
     """Tiers of storage behind one API: allocate, put, get, prefix lookup, evict, close."""
 
-    def __init__(self, config: KVPlugConfig | dict | str | None = None, **extra: Any) -> None:
+    def __init__(self, config: KVPlugConfig | dict | str | None = None, *,
+                 runtime: Runtime = THREADS, **extra: Any) -> None:
         self.config = load_config(config)
+        self.runtime = runtime  # every pool below comes from it (kvplug.runtime)
         self.chunk_size = self.config.chunk_size
         self._hooks = ScopedHooks()  # every tier's plugins, each scoped to its tiers
         self.pm = self._hooks.pm
@@ -55,7 +57,7 @@ class StorageManager:
         self._lock = threading.Lock()
         self.read_heap_fallbacks = 0  # reads that found the pool full (see _allocate_for_reads)
         # Bounded tier calls run on each tier's own pool; batched_get fans out over this one.
-        self._readers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvplug-read")
+        self._readers = runtime.executor(8, "kvplug-read")
         names = self.config.tier_names()
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -75,7 +77,8 @@ class StorageManager:
 
     # -- construction ---------------------------------------------------------------------------
     def _add_tier(self, index: int, cfg: TierConfig, extra: dict[str, Any]) -> None:
-        tier = build_tier(index, cfg, self._allocate_for_reads, self.chunk_size, extra)
+        tier = build_tier(index, cfg, self._allocate_for_reads, self.chunk_size, extra,
+                          self.runtime)
         self._hooks.register(tier.backend, f"tier:{tier.name}", {tier.name})
         self._hooks.register(tier.metrics, f"metrics:{tier.name}", {tier.name})
         # Registered last, so it wraps the metrics: they count the bytes the tier really moves.

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, Future, wait
 from typing import Any
 
 from .config import TierConfig
 from .memory import MemoryObj
 from .metrics import TierMetrics
+from .runtime import THREADS, Runtime
 
 logger = logging.getLogger("kvplug.storage")
 
@@ -29,8 +30,10 @@ MAX_ENCODER_QUEUE = 64
 class Tier:
     """One configured tier: its backend instance, metrics wrapper, hook callers and thread pool."""
 
-    def __init__(self, index: int, config: TierConfig, backend: object, package: str) -> None:
+    def __init__(self, index: int, config: TierConfig, backend: object, package: str,
+                 runtime: Runtime = THREADS) -> None:
         self.index = index
+        self.runtime = runtime
         self.name = config.tier_name
         self.config = config
         self.backend = backend
@@ -42,18 +45,16 @@ class Tier:
         #: Pure in-memory tiers declare ``never_blocks = True`` and are called inline; every other
         #: tier's get/contains runs on the tier's own pool, bounded by its ``timeout_s``.
         self.inline = bool(getattr(backend, "never_blocks", False))
-        self.pool = None if self.inline else ThreadPoolExecutor(
-            max_workers=TIER_THREADS, thread_name_prefix=f"kvplug-{self.name}"[:32])
+        self.pool = None if self.inline else runtime.executor(TIER_THREADS, f"kvplug-{self.name}")
         #: The tier's :class:`~kvplug.codecs.CodecWrapper` (set by the StorageManager); a tier
         #: that encodes gets one thread that runs its puts (encoding) off the caller's thread.
         self.codec: Any = None
-        self.encoder: ThreadPoolExecutor | None = None
+        self.encoder: Executor | None = None
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
 
     def start_encoder(self) -> None:
-        self.encoder = ThreadPoolExecutor(max_workers=1,
-                                          thread_name_prefix=f"kvplug-enc-{self.name}"[:32])
+        self.encoder = self.runtime.executor(1, f"kvplug-enc-{self.name}")
 
     def put_later(self, fn: Any, *args: Any) -> Future:
         """Run ``fn(*args)`` (an encoding put) on the tier's encoder thread; tracked for flush."""

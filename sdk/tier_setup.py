@@ -23,6 +23,7 @@ from .errors import BackendLoadError, ConfigError, KVPlugError
 from .hookspecs import PROJECT, BackendSpec, TierContext
 from .memory import MemoryObj
 from .plugins import load_backend_class
+from .runtime import THREADS, Runtime
 from .tier_calls import Tier
 
 logger = logging.getLogger("kvplug.storage")
@@ -35,7 +36,7 @@ HOOKS = (
 
 
 def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | None],
-               chunk_size: int, extra: dict[str, Any]) -> Tier:
+               chunk_size: int, extra: dict[str, Any], runtime: Runtime = THREADS) -> Tier:
     """Start tier ``index``'s backend (``allocate``: its ``ctx.allocate``) and its codec wrapper;
     a bad option or a backend that fails to start is a clear error naming the tier."""
     cls, info = load_backend_class(cfg.backend)
@@ -55,7 +56,7 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
             f"tier {cfg.tier_name!r}: backend {cfg.backend!r} from package {info.package} "
             f"failed to start: {type(exc).__name__}: {exc}"
         ) from exc
-    tier = Tier(index, cfg, backend, info.package)
+    tier = Tier(index, cfg, backend, info.package, runtime)
     tier.codec = CodecWrapper(tier.name, *codec_of(cfg, tier.inline), allocate)
     return tier
 

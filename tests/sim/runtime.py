@@ -1,0 +1,202 @@
+"""The simulation's :class:`kvplug.runtime.Runtime`: every task kvplug submits is queued, and runs
+only when the simulation says so, whole, on the simulation's one thread.
+
+So one seed is one exact interleaving: the schedule picks which queued task runs next (``step``),
+and every place kvplug would block decides from the simulation's state, never from a clock:
+
+* ``Future.result(timeout)`` on a task not run yet: the task runs right there, unless its pool is
+  *gated* (a tier that blocks on demand), then the wait times out (the clock jumps by
+  ``timeout``) and the task stays queued — its late result arrives when the gate opens;
+* ``Condition.wait(timeout)`` (a lookup waiting for a save's put): releases the lock, runs the
+  save tasks if ``settle`` is on, else times out;
+* ``Event.wait()``: runs queued tasks until the event is set (a task never waits mid-way here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from kvplug.runtime import Runtime
+
+
+class SimFuture(Future):
+    """A Future whose blocking ``result`` asks the simulation instead of waiting."""
+
+    def __init__(self, rt: SimRuntime, pool: SimExecutor, fn: Callable[[], Any]) -> None:
+        super().__init__()
+        self.rt, self.pool, self.fn = rt, pool, fn
+
+    def run(self) -> None:
+        if not self.set_running_or_notify_cancel():
+            return
+        try:
+            value = self.fn()
+        except BaseException as exc:  # noqa: BLE001 - delivered through the future
+            self.set_exception(exc)
+        else:
+            self.set_result(value)
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            if timeout is not None and self.pool.gated:
+                self.rt.clock += timeout
+                raise FutureTimeout()
+            self.rt.run_task(self)
+        return super().result(0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            self.rt.run_task(self)
+        return super().exception(0)
+
+
+class SimExecutor:
+    """A pool whose tasks wait in the simulation's queue."""
+
+    def __init__(self, rt: SimRuntime, workers: int, name: str) -> None:
+        self.rt, self.workers, self.name = rt, workers, name
+        self.gated = False  # a tier that blocks: its calls time out and wait for the gate
+        self.closed = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> SimFuture:
+        if self.closed:
+            raise RuntimeError(f"cannot schedule new futures after shutdown ({self.name})")
+        fut = SimFuture(self.rt, self, lambda: fn(*args, **kw))
+        self.rt.queue.append(fut)
+        return fut
+
+    def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
+        futs = [self.submit(fn, x) for x in items]
+        return iter([f.result() for f in futs])
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.closed = True
+        mine = [f for f in self.rt.queue if f.pool is self]
+        for f in mine:
+            if cancel_futures:
+                self.rt.queue.remove(f)
+                f.cancel()
+            elif wait:
+                self.rt.run_task(f)
+
+
+class SimEvent:
+    def __init__(self, rt: SimRuntime) -> None:
+        self.rt, self.flag = rt, False
+
+    def set(self) -> None:
+        self.flag = True
+
+    def is_set(self) -> bool:
+        return self.flag
+
+    def clear(self) -> None:
+        self.flag = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        while not self.flag and self.rt.runnable():
+            self.rt.run_task(self.rt.runnable()[0])
+        return self.flag
+
+
+class SimCondition:
+    def __init__(self, rt: SimRuntime, lock: Any) -> None:
+        self.rt, self.lock = rt, lock
+
+    def __enter__(self) -> SimCondition:
+        self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.lock.release()
+        try:
+            ran = False
+            if self.rt.settle:
+                for f in [f for f in self.rt.runnable() if f.pool.name == "kvplug-save"]:
+                    self.rt.run_task(f)
+                    ran = True
+            if not ran:
+                self.rt.clock += timeout or 0.0
+        finally:
+            self.lock.acquire()
+        return ran
+
+    def notify_all(self) -> None:
+        pass
+
+    notify = notify_all
+
+
+class SimRuntime(Runtime):
+    """Queued tasks, run one at a time when the schedule (or a blocking wait) says so."""
+
+    remote_lookups = False
+
+    def __init__(self) -> None:
+        self.queue: list[SimFuture] = []
+        self.pools: list[SimExecutor] = []
+        self.clock = 1000.0
+        self.settle = True  # a lookup waiting for a save's put lets it run
+        self.ran = 0
+        self.on_task: Callable[[SimFuture], None] | None = None  # after every task (invariants)
+
+    def executor(self, workers: int, name: str) -> SimExecutor:
+        pool = SimExecutor(self, workers, name)
+        self.pools.append(pool)
+        return pool
+
+    def event(self) -> SimEvent:
+        return SimEvent(self)
+
+    def condition(self, lock: Any) -> SimCondition:
+        return SimCondition(self, lock)
+
+    def monotonic(self) -> float:
+        return self.clock
+
+    def runnable(self) -> list[SimFuture]:
+        """Queued tasks that may run now: not gated; a one-thread pool runs in order."""
+        out, single = [], set()
+        for f in self.queue:
+            if f.pool.gated:
+                continue
+            if f.pool.workers == 1:
+                if id(f.pool) in single:
+                    continue
+                single.add(id(f.pool))
+            out.append(f)
+        return out
+
+    def run_task(self, fut: SimFuture) -> None:
+        if fut in self.queue:
+            self.queue.remove(fut)
+        if fut.done():
+            return
+        self.ran += 1
+        fut.run()
+        if self.on_task is not None:
+            self.on_task(fut)
+
+    def step(self, pick: int) -> bool:
+        """Run the ``pick``-th runnable task (modulo); False if none may run."""
+        ready = self.runnable()
+        if not ready:
+            return False
+        self.run_task(ready[pick % len(ready)])
+        return True
+
+    def drain(self, limit: int = 10_000) -> None:
+        """Run every runnable task (gates stay as they are)."""
+        for _ in range(limit):
+            if not self.step(0):
+                return
+        raise AssertionError(f"tasks never drained: {len(self.queue)} queued")
+
+
+__all__ = ["SimRuntime", "SimExecutor", "SimFuture", "CancelledError", "FutureTimeout"]

@@ -1,0 +1,145 @@
+"""Random schedules, running one seed, and shrinking a failing schedule.
+
+A seed fixes a :class:`.world.SimConfig` and a list of events; the world applies them one by one
+and checks the invariants after each, then runs to quiescence. A failing schedule is shrunk
+(events removed while the same invariant still fails) to a short reproduction.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+
+from .controls import injected
+from .world import CS, RANKS, SimConfig, Violation, World
+
+
+def config_for(seed: int, faults: frozenset[str] = frozenset()) -> SimConfig:
+    rng = random.Random(seed * 7919 + 1)
+    hybrid = rng.random() < 0.6
+    return SimConfig(hybrid=hybrid, window=rng.choice((5, 6, 9)),
+                     num_blocks=rng.choice((18, 22, 28) if hybrid else (13, 16, 20)),
+                     max_batched=rng.choice((8, 16, 32)),
+                     prefix_caching=rng.random() < 0.3,
+                     async_save=rng.random() < 0.8,
+                     layerwise=(not hybrid) and rng.random() < 0.3,
+                     order=rng.choice(("0.32", "0.33")), faults=faults)
+
+
+def events_for(seed: int, n: int = 40) -> list[tuple]:
+    rng = random.Random(seed)
+    prefixes = [tuple(rng.randrange(3, 1000) for _ in range(rng.choice((CS, 2 * CS, 3 * CS, 5))))
+                for _ in range(3)]
+    evs: list[tuple] = []
+    for _ in range(n):
+        x = rng.random()
+        if x < 0.2:
+            suffix = tuple(rng.randrange(3, 1000) for _ in range(rng.choice((0, 1, 3, 4, 8, 11))))
+            evs.append(("arrive", rng.choice(prefixes), suffix, rng.choice((1, 2, 5, 9))))
+        elif x < 0.5:
+            y = rng.random()
+            if y < 0.12:
+                mid: tuple | None = ("lose", rng.randrange(RANKS), rng.randrange(16))
+            elif y < 0.2:
+                mid = ("task", rng.randrange(8))
+            elif y < 0.25:
+                mid = ("evict", rng.randrange(RANKS), "local_cpu", rng.randrange(16))
+            else:
+                mid = None
+            evs.append(("step", mid) if mid else ("step",))
+        elif x < 0.65:
+            evs.append(("task", rng.randrange(8)))
+        elif x < 0.72:
+            evs.append(("abort", rng.randrange(8)))
+        elif x < 0.84:
+            evs.append(("evict", rng.randrange(RANKS),
+                        rng.choice(("local_cpu", "local_cpu", "all")), rng.randrange(16)))
+        elif x < 0.9:
+            evs.append((rng.choice(("corrupt", "lose")), rng.randrange(RANKS), rng.randrange(16)))
+        elif x < 0.96:
+            evs.append(("gate", rng.randrange(RANKS), rng.random() < 0.6))
+        elif x < 0.98:
+            evs.append(("settle", rng.random() < 0.5))
+        else:
+            evs.append(("reset",))
+    return evs
+
+
+@dataclass
+class Outcome:
+    seed: int
+    events: int
+    violation: Violation | None = None
+    at: int = -1  # index of the event that failed (len(events): at quiescence)
+    schedule: list[tuple] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)  # what it exercised (World.counts)
+
+
+def run(cfg: SimConfig, events: list[tuple]) -> Outcome:
+    """Apply ``events`` then quiesce; the first violation (or crash) ends the run."""
+    with injected(cfg.faults):
+        return _run(cfg, events)
+
+
+def _run(cfg: SimConfig, events: list[tuple]) -> Outcome:
+    w = World(cfg)
+    out = Outcome(-1, 0, schedule=list(events))
+    try:
+        for i, ev in enumerate(events):
+            out.at = i
+            w.apply(ev)
+            out.events += 1
+        out.at = len(events)
+        w.quiesce()
+        out.at = -1
+    except Violation as v:
+        out.violation = v
+    finally:
+        out.events = w.n_events
+        w.close()
+        out.counts = dict(w.counts)
+    return out
+
+
+def run_seed(seed: int, faults: frozenset[str] = frozenset(), n: int = 40) -> Outcome:
+    out = run(config_for(seed, faults), events_for(seed, n))
+    out.seed = seed
+    return out
+
+
+def shrink(cfg: SimConfig, events: list[tuple], inv: str, budget: int = 300) -> list[tuple]:
+    """A shorter schedule that still fails ``inv`` (greedy removal of runs, then of single
+    events; at most ``budget`` runs)."""
+    cur = list(events)
+    tries = 0
+    chunk = max(1, len(cur) // 2)
+    while chunk >= 1 and tries < budget:
+        i, changed = 0, False
+        while i < len(cur) and tries < budget:
+            cand = cur[:i] + cur[i + chunk:]
+            tries += 1
+            o = run(cfg, cand)
+            if o.violation is not None and o.violation.inv == inv:
+                cur, changed = cand, True
+            else:
+                i += chunk
+        if not changed:
+            chunk //= 2
+    return cur
+
+
+def describe(seed: int, cfg: SimConfig, events: list[tuple], v: Violation | None) -> str:
+    lines = [f"seed {seed}: {v}" if v else f"seed {seed}: ok", f"config {cfg}"]
+    lines += [f"  {i:3d} {ev}" for i, ev in enumerate(events)]
+    return "\n".join(lines)
+
+
+def reproduce(seed: int, faults: frozenset[str] = frozenset(), budget: int = 300) -> str:
+    """Run ``seed``; if it fails, the shrunk schedule and its violation, printable."""
+    cfg = config_for(seed, faults)
+    out = run(cfg, events_for(seed))
+    if out.violation is None:
+        return describe(seed, cfg, [], None)
+    small = shrink(cfg, out.schedule, out.violation.inv, budget)
+    again = run(cfg, small)
+    return describe(seed, replace(cfg), small, again.violation)
