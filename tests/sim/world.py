@@ -356,7 +356,8 @@ class World:
                 for rank, w in enumerate(self.workers):
                     for g in range(len(self.layout.groups)):
                         hh = group_hash(h, self.layout.groups[g]) if self.layout.multi else h
-                        self.registry[rank].setdefault(w.key(hh), (g, s, e, tokens[:e]))
+                        # under the step's weights epoch (a reset in this step switches it)
+                        self.registry[rank].setdefault(w.key(hh, md.epoch), (g, s, e, tokens[:e]))
 
     def expected(self, rank: int, key: Any) -> torch.Tensor | None:
         ent = self.registry[rank].get(key)
