@@ -66,11 +66,12 @@ def pack_rel(rel: str, register: bool = True) -> int | str:
     if nid is None:
         return rel
     try:
-        value = int(digits, 16)
+        raw = bytes.fromhex(digits)
     except ValueError:
         return rel
-    if format(value, f"0{len(digits)}x") != digits:  # upper case, "0x", "_": not canonical
+    if raw.hex() != digits:  # upper case or spaces: not the name a key makes
         return rel
+    value = int.from_bytes(raw, "big")
     return (value << _TAG_BITS) | (nid << _LEN_BITS) | half
 
 
