@@ -14,7 +14,9 @@ For each size, in one process:
 * ``contains`` of 512 indexed keys (and of 512 keys never stored), median of 20 calls;
 * eviction: ``evict(None, nbytes)`` of 64 chunks' bytes, median of 20 calls; and one store into a
   full tier (capacity = what is on disk), which may rescan the directory;
-* ``kvplug inspect`` (header of every file) in-process.
+* ``kvplug inspect`` (header of every file) in-process;
+* the index's own share of an eviction: ``take_victims`` of 64 entries of an in-memory index of
+  the same size (no file deleted; the rest of ``evict`` is the file system's ``unlink``).
 
 Growth is reported as the ratio of each figure at a size to the same figure at the smallest size
 in the same run ("flat" = ~1x). L1: ``local_cpu`` with a ``--l1-gib`` pool: time for the
@@ -37,7 +39,7 @@ import torch
 from kvplug import chunkfile as cf
 from kvplug.backends.local_cpu import LocalCPUBackend
 from kvplug.backends.posix import PosixBackend
-from kvplug.backends.posix.index import PosixIndex, scan
+from kvplug.backends.posix.index import PosixIndex, ScanResult, pack_rel, scan
 from kvplug.cli.inspect import Store
 from kvplug.cli.inspect import scan as inspect_scan
 from kvplug.hookspecs import TierContext
@@ -170,12 +172,28 @@ def measure(root: Path, n: int, inspect_too: bool) -> dict[str, float]:
     populate_missing(root, n, drop_extra=True)
 
     out["index_B_per_chunk"] = index_bytes_per_chunk(root, n)
+    out["index_evict64_ms"] = index_evict_ms(n)
     if inspect_too:
         t0 = time.perf_counter()
         report = inspect_scan(Store(str(root), {}), verify=False)
         out["inspect_ms"] = (time.perf_counter() - t0) * 1e3
         assert report["chunks"] == n and not report["corrupt"]
     return out
+
+
+def index_evict_ms(n: int) -> float:
+    """``take_victims`` of 64 entries from an in-memory index of ``n`` (no file deleted): the
+    index's own share of an eviction, median of 20."""
+    import random
+
+    rng = random.Random(1)
+    entries = {}
+    for i in range(n):
+        k = CacheKey(MODEL, "bfloat16", "LBHNC-bs16", 1, 0, rng.randbytes(32))
+        entries[pack_rel(cf.relative_chunk_path(k))] = (int((1.7e9 + i) * 1000) << 44) | 4400
+    index = PosixIndex()
+    index.merge(ScanResult(entries, 1.8e9))
+    return median_ms(lambda: index.take_victims(64 * 4400))
 
 
 def populate_missing(root: Path, n: int, drop_extra: bool = False) -> None:
