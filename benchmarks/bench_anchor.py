@@ -326,7 +326,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.prompt_len, args.prompts, args.blocks = 1024, 2, 24
-        args.chat_turns, args.pr_prompts, args.pr_prefixes, args.pr_prefix = 2, 8, 3, 1024
+        args.chat_turns, args.pr_prompts, args.pr_prefixes, args.pr_prefix = 2, 8, 4, 1024
     names = [n for n in args.configs.split(",") if n]
     if "lmcache" in names and not lmcache_installed():
         print(f"LMCache is not installed: the lmcache row is skipped. Install it with\n"
@@ -334,7 +334,10 @@ def main() -> int:
         names.remove("lmcache")
     from kvplug.connector.demo.model import make_model
 
-    max_len = max(4096, args.prompt_len + 1024)
+    max_len = args.blocks * BLOCK  # vLLM refuses a max_model_len its KV space cannot hold
+    if max_len < args.prompt_len + 512:
+        raise SystemExit(f"--blocks {args.blocks} holds {max_len} tokens: too few for prompts of "
+                         f"{args.prompt_len}; raise --blocks")
     base = {"model": str(make_model(args.model, weights=True, max_len=max_len)),
             "preset": args.model, "max_len": max_len, "blocks": args.blocks,
             "l1_gb": args.l1_gb, "prompt_len": args.prompt_len, "prompts": args.prompts,
