@@ -75,7 +75,7 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def lmcache_server(l2_dir: Path, log: Path, l1_gb: float):
+def lmcache_server(l2_dir: Path, log: Path, l1_gb: int):
     """LMCache's multiprocess server on 127.0.0.1 (RAM L1, fs L2 in ``l2_dir``); yields its port."""
     port, http_port = _free_port(), _free_port()
     argv = [sys.executable, "-m", "lmcache.v1.multiprocess.http_server", "--host", "127.0.0.1",
@@ -317,7 +317,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--blocks", type=int, default=40, help="vLLM KV blocks of 128 tokens")
-    ap.add_argument("--l1-gb", type=float, default=1.0, help="RAM tier of kvplug and LMCache")
+    ap.add_argument("--l1-gb", type=int, default=1, help="RAM tier of kvplug and LMCache (GiB)")
     ap.add_argument("--chat-turns", type=int, default=3)
     ap.add_argument("--pr-prompts", type=int, default=16)
     ap.add_argument("--pr-prefixes", type=int, default=4)
