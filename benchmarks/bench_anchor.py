@@ -334,7 +334,7 @@ def main() -> int:
         names.remove("lmcache")
     from kvplug.connector.demo.model import make_model
 
-    max_len = args.blocks * BLOCK  # vLLM refuses a max_model_len its KV space cannot hold
+    max_len = (args.blocks - 1) * BLOCK  # vLLM refuses a max_model_len its KV space cannot hold
     if max_len < args.prompt_len + 512:
         raise SystemExit(f"--blocks {args.blocks} holds {max_len} tokens: too few for prompts of "
                          f"{args.prompt_len}; raise --blocks")
