@@ -338,7 +338,8 @@ def main() -> int:
     if max_len < args.prompt_len + 512:
         raise SystemExit(f"--blocks {args.blocks} holds {max_len} tokens: too few for prompts of "
                          f"{args.prompt_len}; raise --blocks")
-    base = {"model": str(make_model(args.model, weights=True, max_len=max_len)),
+    # the model directory is shared (kvplug cache) and written once: always for 8192 positions
+    base = {"model": str(make_model(args.model, weights=True, max_len=8192)),
             "preset": args.model, "max_len": max_len, "blocks": args.blocks,
             "l1_gb": args.l1_gb, "prompt_len": args.prompt_len, "prompts": args.prompts,
             "chat_system": args.prompt_len // 2, "chat_message": 128, "chat_answer": 16,
