@@ -71,7 +71,9 @@ def make_tier(kind: str, root: Path):
 
     if kind == "posix":
         opts = PosixBackend.Options(path=str(root), fsync=True, io_threads=2)
-        return PosixBackend(TierContext("disk", opts, heap_memory_obj))
+        tier = PosixBackend(TierContext("disk", opts, heap_memory_obj))
+        assert tier.wait_indexed(60), "startup scan hung"  # the index is compared with the files
+        return tier
     # a capacity (so the tier keeps an index to compare) far above what a campaign stores: an
     # evicted chunk would read as a lost one
     opts = FsspecBackend.Options(url=f"file://{root}", namespace_dirs=False, capacity="1TiB",

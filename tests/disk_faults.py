@@ -90,7 +90,9 @@ def _tier(root: str, capacity: str):
     from kvplug.memory import heap_memory_obj
 
     opts = PosixBackend.Options(path=root, capacity=capacity, io_threads=2)
-    return PosixBackend(TierContext("disk", opts, heap_memory_obj))
+    tier = PosixBackend(TierContext("disk", opts, heap_memory_obj))
+    assert tier.wait_indexed(60), "startup scan hung"
+    return tier
 
 
 def _loads(tier, keys) -> dict[str, int]:

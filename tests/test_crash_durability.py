@@ -137,6 +137,7 @@ def test_power_cut_order_file_then_rename_then_directories(tmp_path, monkeypatch
     root = tmp_path / "store"
     be = PosixBackend(TierContext("disk", PosixBackend.Options(path=str(root), fsync=fsync),
                                   heap_memory_obj))
+    assert be.wait_indexed(60)  # the startup scan's syscalls are not the writes recorded below
     calls = _record_syscalls(monkeypatch)
     try:
         for i in range(2):  # the second file goes into an existing shard directory

@@ -31,9 +31,12 @@ def obj_for(i: int, shape=(3, 2, 2500), dtype=torch.uint8, num_tokens=32):
     return obj
 
 
-def backend(path, **opts) -> PosixBackend:
+def backend(path, wait: bool = True, **opts) -> PosixBackend:
+    """A posix tier over ``path``; with ``wait``, once its startup scan has indexed the files."""
     options = PosixBackend.Options(path=str(path), **opts)
-    return PosixBackend(TierContext("disk", options, heap_memory_obj))
+    be = PosixBackend(TierContext("disk", options, heap_memory_obj))
+    assert not wait or be.wait_indexed(60), "startup scan hung"
+    return be
 
 
 def put(be: PosixBackend, i: int, **kw):

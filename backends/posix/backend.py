@@ -6,8 +6,10 @@
   name and is renamed into place (readers never see a partial file); ``fsync`` is optional.
 * Reads go with ``os.preadv`` straight into memory from ``ctx.allocate`` (L1's pool, so a
   promotion is zero-copy), whole chunks or a range of layers, every layer checksum verified.
-* The index is rebuilt from the directory at startup; a lookup that misses it falls back to a
-  ``stat``, so files another process wrote are found. Several processes may share a directory.
+* The index is rebuilt from the directory at startup, on a background thread (serving starts at
+  once: a lookup that misses the index falls back to a ``stat``, so files not yet indexed, or
+  another process wrote, are found; stores wait for the scan). Several processes may share a
+  directory.
 * Capacity: LRU by file mtime (bumped on every read and pin, shared by all processes); when over,
   the oldest files not pinned by this process are deleted. Files vanishing under us are misses.
 * Pins hold across processes: a pinned file is kept open (:mod:`.held`) and read through that
@@ -120,8 +122,14 @@ class PosixBackend(LookupAndPins):
                 logger.warning("tier %r: O_DIRECT is not supported in %s (%s); using buffered "
                                "I/O through the page cache", self.name, self.root, why)
         self._last_scan = 0.0
-        self._trim_to_capacity()
+        self._scan_cost = 0.0
+        self._scan_lock = threading.Lock()
+        #: set once the startup scan has indexed the directory (lookups need not wait for it)
+        self._indexed = threading.Event()
         self._pool = ThreadPoolExecutor(opts.io_threads, thread_name_prefix=f"kvplug-{self.name}")
+        self._scanner = threading.Thread(target=self._initial_scan, daemon=True,
+                                         name=f"kvplug-{self.name}-scan")
+        self._scanner.start()
 
     # -- helpers --------------------------------------------------------------------------------
     def _log_once(self, what: str, msg: str, *args: object) -> None:
@@ -141,12 +149,46 @@ class PosixBackend(LookupAndPins):
         with self._lock:
             self._headers.put(rel, known)
 
-    def _rescan(self) -> None:
-        result = scan(self.root)
+    def _initial_scan(self) -> None:
+        """Index the directory in the background: serving starts at once (a lookup the index
+        cannot answer yet falls back to a ``stat``), stores wait for it (capacity needs it)."""
+        try:
+            self._trim_to_capacity()
+        except Exception as exc:  # noqa: BLE001 - never raised into a thread's void
+            self._log_once("scan", "scan of %s failed: %r", self.root, exc)
+        finally:
+            self._indexed.set()
+
+    def wait_indexed(self, timeout: float | None = None) -> bool:
+        """Wait until the startup scan has indexed every file; False on timeout."""
+        return self._indexed.wait(timeout)
+
+    def _rescan_due(self) -> bool:
+        """A rescan is due after ``rescan_interval_s``, and never sooner than 20x the last
+        scan's duration (so scanning a huge directory takes at most ~5% of a core)."""
         with self._lock:
-            self._index.merge(result)
-            self._last_scan = time.monotonic()
-            self._counters["rescans"] += 1
+            return time.monotonic() - self._last_scan >= max(self.opts.rescan_interval_s,
+                                                              20 * self._scan_cost)
+
+    def _rescan(self, only_if_due: bool = False) -> None:
+        """Merge a fresh scan into the index; the scan and the sort run without the lock."""
+        with self._scan_lock:  # one at a time (a second caller finds it done)
+            if only_if_due and not self._rescan_due():
+                return
+            t0 = time.monotonic()
+            with self._lock:
+                current = self._index.begin_merge()
+            try:
+                prepared = PosixIndex.prepare_merge(current, scan(self.root))
+            except BaseException:
+                with self._lock:
+                    self._index.abort_merge()
+                raise
+            with self._lock:
+                self._index.finish_merge(prepared)
+                self._last_scan = time.monotonic()
+                self._scan_cost = self._last_scan - t0
+                self._counters["rescans"] += 1
 
     def _trim_to_capacity(self) -> None:
         """Rescan the directory and delete LRU files until it is within capacity."""
@@ -225,11 +267,11 @@ class PosixBackend(LookupAndPins):
 
     def _make_room(self, size: int) -> bool:
         """Reserve ``size`` bytes, evicting LRU files; False if pinned files leave no room."""
+        self._indexed.wait()  # capacity is known once the startup scan is done
         with self._lock:
             over = self._index.bytes + self._index.reserved + size > self.capacity
-            stale = time.monotonic() - self._last_scan >= self.opts.rescan_interval_s
-        if over and stale:
-            self._rescan()
+        if over and self._rescan_due():
+            self._rescan(only_if_due=True)
         with self._lock:
             victims = self._index.reserve(size, self.capacity)
         if victims is None:
@@ -383,6 +425,7 @@ class PosixBackend(LookupAndPins):
             already_closed, self._closed = self._closed, True
         if already_closed:
             return
+        self._scanner.join()
         self._pool.shutdown(wait=True)
         self._held.close()
         if self._writable:  # other processes may have written meanwhile: leave the bound kept
@@ -396,6 +439,7 @@ class PosixBackend(LookupAndPins):
         with self._lock:
             out: dict[str, float] = dict(self._counters)
             out.update(entries=len(self._index), bytes=self._index.bytes, capacity=self.capacity,
+                       indexed=int(self._indexed.is_set()),
                        pinned=len(self._index.pins), pending_writes=len(self._pending),
                        o_direct=int(self.o_direct), writable=int(self._writable))
         out.update(self._held.stats())

@@ -10,6 +10,7 @@ the backend guards it with its lock.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -19,16 +20,89 @@ from kvplug import chunkfile as cf
 from kvplug.pins import PinCounts
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     size: int
     stamp: float  # last access (wall clock, comparable with file mtimes)
 
 
+# -- compact form -------------------------------------------------------------------------------
+# A tier may index a million files or more, so an entry is two Python ints in a plain dict
+# (~150 B, not ~400 B for a path string, an Entry and an OrderedDict node): the key packs the
+# hash digits of a canonical name ``<2 hex>/<namespace>.<hex>.safetensors`` with a process-wide
+# namespace number; any other name is kept as its string. The value packs the stamp (ms) and size.
+_SUFFIX = cf.FILE_SUFFIX
+_NS_BITS, _LEN_BITS = 7, 7
+_TAG_BITS = _NS_BITS + _LEN_BITS
+_namespaces: list[str] = []
+_ns_ids: dict[str, int] = {}
+_ns_lock = threading.Lock()
+_SIZE_BITS = 44
+_SIZE_MASK = (1 << _SIZE_BITS) - 1
+
+
+def _ns_id(ns: str, register: bool) -> int | None:
+    nid = _ns_ids.get(ns)
+    if nid is None and register:
+        with _ns_lock:
+            nid = _ns_ids.get(ns)
+            if nid is None and len(_namespaces) < (1 << _NS_BITS):
+                nid = len(_namespaces)
+                _namespaces.append(ns)
+                _ns_ids[ns] = nid
+    return nid
+
+
+def pack_rel(rel: str, register: bool = True) -> int | str:
+    """The index key of ``rel``: an int for a canonical chunk name, else ``rel`` itself. The same
+    ``rel`` always gives the same key (a namespace not yet registered is not indexed yet)."""
+    if rel[2:3] != "/" or not rel.endswith(_SUFFIX):
+        return rel
+    ns, _, digits = rel[3:-len(_SUFFIX)].rpartition(".")
+    half = len(digits) >> 1
+    if not ns or half == 0 or half >= (1 << _LEN_BITS) or len(digits) & 1 or rel[:2] != digits[:2]:
+        return rel
+    nid = _ns_id(ns, register)
+    if nid is None:
+        return rel
+    try:
+        raw = bytes.fromhex(digits)
+    except ValueError:
+        return rel
+    if raw.hex() != digits:  # upper case or spaces: not the name a key makes
+        return rel
+    value = int.from_bytes(raw, "big")
+    return (value << _TAG_BITS) | (nid << _LEN_BITS) | half
+
+
+def unpack_rel(key: int | str) -> str:
+    """The relative path a key stands for (inverse of :func:`pack_rel`)."""
+    if isinstance(key, str):
+        return key
+    digits = format(key >> _TAG_BITS, f"0{(key & ((1 << _LEN_BITS) - 1)) * 2}x")
+    ns = _namespaces[(key >> _LEN_BITS) & ((1 << _NS_BITS) - 1)]
+    return f"{digits[:2]}/{ns}.{digits}{_SUFFIX}"
+
+
+def _pack(size: int, stamp: float) -> int:
+    return (max(0, round(stamp * 1000)) << _SIZE_BITS) | min(size, _SIZE_MASK)
+
+
+def _size(value: int) -> int:
+    return value & _SIZE_MASK
+
+
+def _stamp(value: int) -> float:
+    return (value >> _SIZE_BITS) / 1000
+
+
 @dataclass
 class ScanResult:
-    entries: dict[str, Entry]
+    entries: dict[int | str, int]  # packed key -> packed (size, stamp)
     started: float
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 def _is_shard(name: str) -> bool:
@@ -39,7 +113,7 @@ def scan(root: Path, tmp_max_age_s: float = cf.TEMP_MAX_AGE_S) -> ScanResult:
     """Every chunk file under ``root`` (``"shard/name"`` -> size, mtime). Temporary files older
     than ``tmp_max_age_s`` (left by a writer that crashed, in any process) are deleted."""
     started = time.time()
-    entries: dict[str, Entry] = {}
+    entries: dict[int | str, int] = {}
     try:
         shards = [d for d in os.scandir(root) if _is_shard(d.name) and d.is_dir()]
     except OSError:  # missing, not a directory, unreadable: nothing to index
@@ -53,7 +127,7 @@ def scan(root: Path, tmp_max_age_s: float = cf.TEMP_MAX_AGE_S) -> ScanResult:
             try:
                 if cf.is_chunk_file(f.name):
                     st = f.stat()
-                    entries[f"{shard.name}/{f.name}"] = Entry(st.st_size, st.st_mtime)
+                    entries[pack_rel(f"{shard.name}/{f.name}")] = _pack(st.st_size, st.st_mtime)
                 elif cf.is_temp(f.name) and cf.is_stale_temp(f.name, f.stat().st_mtime, started,
                                                              tmp_max_age_s):
                     os.unlink(f.path)
@@ -63,16 +137,18 @@ def scan(root: Path, tmp_max_age_s: float = cf.TEMP_MAX_AGE_S) -> ScanResult:
 
 
 class PosixIndex:
-    """LRU of chunk files (least recent first) with byte accounting; ``pins`` holds this
-    process's pins (a pinned entry is never a victim)."""
+    """LRU of chunk files (least recent first: a dict's insertion order, refreshed by re-inserting)
+    with byte accounting; ``pins`` holds this process's pins (a pinned entry is never a victim)."""
 
     def __init__(self) -> None:
-        self._lru: OrderedDict[str, Entry] = OrderedDict()
+        self._lru: dict[int | str, int] = {}
         self.pins: PinCounts[str] = PinCounts()
         self.bytes = 0
         self.reserved = 0  # bytes of writes in progress (not indexed until they finish)
         #: files of another format version (rolling upgrades): path -> inode; misses, kept on disk
         self.foreign: OrderedDict[str, int] = OrderedDict()
+        #: keys changed while a merge is being prepared, last change last (None: no merge)
+        self._changed: dict[int | str, None] | None = None
 
     def mark_foreign(self, rel: str, ino: int, limit: int = 4096) -> None:
         """Remember that ``rel`` (inode ``ino``) is another version's file: lookups miss it."""
@@ -85,36 +161,47 @@ class PosixIndex:
         return len(self._lru)
 
     def __contains__(self, rel: str) -> bool:
-        return rel in self._lru
+        return pack_rel(rel, register=False) in self._lru
+
+    def _put(self, k: int | str, value: int) -> None:
+        old = self._lru.pop(k, None)
+        if old is not None:
+            self.bytes -= _size(old)
+        self._lru[k] = value
+        self.bytes += _size(value)
+        if self._changed is not None:
+            self._changed.pop(k, None)
+            self._changed[k] = None
 
     def add(self, rel: str, size: int, stamp: float) -> None:
         """Insert or refresh an entry as the most recently used."""
-        old = self._lru.pop(rel, None)
-        if old is not None:
-            self.bytes -= old.size
-        self._lru[rel] = Entry(size, stamp)
-        self.bytes += size
+        self._put(pack_rel(rel), _pack(size, stamp))
 
     def touch(self, rel: str, stamp: float, size: int | None = None, every: float = 0.0) -> bool:
         """Make ``rel`` the most recently used entry at ``stamp``; one not indexed is added if
         its ``size`` is given. True when the file's own stamp (its mtime, the LRU shared with
         other processes) is due a bump too: the entry was added, or its stamp is ``every``
         seconds old or more."""
-        entry = self._lru.get(rel)
-        if entry is None:
+        k = pack_rel(rel)
+        value = self._lru.get(k)
+        if value is None:
             if size is not None:
-                self.add(rel, size, stamp)
+                self._put(k, _pack(size, stamp))
             return size is not None
-        due = stamp - entry.stamp >= every
-        entry.stamp = stamp
-        self._lru.move_to_end(rel)
+        due = stamp - _stamp(value) >= every
+        self._put(k, _pack(_size(value), stamp))
         return due
 
     def remove(self, rel: str) -> Entry | None:
-        entry = self._lru.pop(rel, None)
-        if entry is not None:
-            self.bytes -= entry.size
-        return entry
+        k = pack_rel(rel, register=False)
+        value = self._lru.pop(k, None)
+        if value is None:
+            return None
+        self.bytes -= _size(value)
+        if self._changed is not None:
+            self._changed.pop(k, None)
+            self._changed[k] = None
+        return Entry(_size(value), _stamp(value))
 
     # -- eviction -------------------------------------------------------------------------------
     def take_victims(self, nbytes: int) -> list[tuple[str, Entry]]:
@@ -122,13 +209,15 @@ class PosixIndex:
         unpinned ones if that is not enough)."""
         out: list[tuple[str, Entry]] = []
         freed = 0
-        for rel, entry in self._lru.items():
+        pins = self.pins
+        for k, value in self._lru.items():
             if freed >= nbytes:
                 break
-            if rel in self.pins:
+            rel = unpack_rel(k)
+            if len(pins) and rel in pins:
                 continue
-            out.append((rel, entry))
-            freed += entry.size
+            out.append((rel, Entry(_size(value), _stamp(value))))
+            freed += _size(value)
         for rel, _ in out:
             self.remove(rel)
         return out
@@ -145,20 +234,53 @@ class PosixIndex:
         self.reserved += size
         return victims
 
-    def merge(self, result: ScanResult) -> None:
-        """Adopt a fresh scan: files found are added (newest stamp wins), entries whose files
-        vanished before the scan started are dropped; LRU order is rebuilt from stamps."""
-        merged: dict[str, Entry] = {}
-        for rel, entry in self._lru.items():
-            found = result.entries.get(rel)
+    # -- merging a fresh scan: prepared outside the lock, adopted under it ------------------------
+    def begin_merge(self) -> dict[int | str, int]:
+        """Under the owner's lock: a copy of the entries to merge a scan into, and start noting
+        which keys change until :meth:`finish_merge` (so the slow part runs without the lock)."""
+        self._changed = {}
+        return dict(self._lru)
+
+    @staticmethod
+    def prepare_merge(current: dict[int | str, int], result: ScanResult) -> tuple[dict[int | str, int], int]:
+        """Without the lock: files found are kept (newest stamp wins), entries whose files
+        vanished before the scan started are dropped; ordered by stamp, oldest first. Returns
+        the entries and their bytes."""
+        started = _pack(0, result.started)
+        merged = result.entries
+        for k, value in current.items():
+            found = merged.get(k)
             if found is not None:
-                merged[rel] = Entry(found.size, max(found.stamp, entry.stamp))
-            elif entry.stamp >= result.started:  # written after the scan listed its shard
-                merged[rel] = entry
-        for rel, found in result.entries.items():
-            merged.setdefault(rel, found)
-        self._lru = OrderedDict(sorted(merged.items(), key=lambda kv: kv[1].stamp))
-        self.bytes = sum(e.size for e in self._lru.values())
+                if _stamp(value) > _stamp(found):
+                    merged[k] = _pack(_size(found), _stamp(value))
+            elif value >= started:  # written after the scan listed its shard
+                merged[k] = value
+        ordered = dict(sorted(merged.items(), key=lambda kv: kv[1] >> _SIZE_BITS))
+        return ordered, sum(v & _SIZE_MASK for v in ordered.values())
+
+    def finish_merge(self, prepared: tuple[dict[int | str, int], int]) -> None:
+        """Under the owner's lock: adopt what :meth:`prepare_merge` made, replaying what changed
+        since :meth:`begin_merge` (changed entries are the most recent ones)."""
+        merged, nbytes = prepared
+        changed, self._changed = self._changed or {}, None
+        for k in changed:
+            old = merged.pop(k, None)
+            if old is not None:
+                nbytes -= _size(old)
+            value = self._lru.get(k)
+            if value is not None:
+                merged[k] = value
+                nbytes += _size(value)
+        self._lru = merged
+        self.bytes = nbytes
+
+    def abort_merge(self) -> None:
+        """Under the owner's lock: a merge begun will not finish (its scan failed)."""
+        self._changed = None
+
+    def merge(self, result: ScanResult) -> None:
+        """Adopt a fresh scan in one step (the three steps above, for callers without a lock)."""
+        self.finish_merge(self.prepare_merge(self.begin_merge(), result))
 
 
 def stat_entry(path: str) -> Entry | None:
