@@ -1,4 +1,18 @@
-"""Suite-wide isolation: no test reads the user's kvplug config or writes to ~/.cache."""
+"""Suite-wide isolation: no test reads the user's kvplug config or writes to ~/.cache.
+
+Engines (tests/vllm_helpers.py), kept to the suite's 15-minute budget on 2 cores:
+
+* an engine start is the expensive part: every ``run_scenario``/``run_script`` engine runs in-process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, see ``engine_env``), one Python start instead of three;
+  servers (server_helpers), the demo and the soak keep vLLM's multi-process layout;
+* share one engine between scenarios that have its configuration: put them in one
+  ``run_scenario(model, kv, steps)`` (steps run in order in the same engine; a module-scoped
+  fixture returning the step results serves many tests, as ``bulk`` in test_connector_engine.py);
+  start a fresh engine only for a restart (a fresh process reading what another stored) or another
+  configuration;
+* the tiny model: ``make_model("tiny", root=tmp_path_factory.getbasetemp() / "models")`` builds it
+  once per session (the same folder for every module).
+"""
 
 from __future__ import annotations
 

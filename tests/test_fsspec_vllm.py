@@ -30,7 +30,7 @@ def s3_tiers(s3env, local_cpu: bool = True) -> dict:
 def test_second_engine_process_loads_from_s3(s3, tmp_path):  # noqa: F811 - pytest fixture
     from kvplug.connector.demo.model import make_model
 
-    model = make_model("tiny", root=tmp_path / "models")
+    model = make_model("tiny", root=tmp_path.parent / "models")  # built once per session
     kv = transfer_config("kvplug", s3_tiers(s3))
     (cold,) = run_scenario(model, kv, [("gen", P, None)], CHUNKED)
     assert cold["kvplug"]["stored_tokens"] == 1024

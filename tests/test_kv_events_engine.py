@@ -111,7 +111,7 @@ def _drive(spec: dict[str, Any]) -> dict[str, Any]:
 def _run(tmp_path, events_on: bool, rounds: int = 0, tp: int = 1) -> dict[str, Any]:
     from kvplug.connector.demo.model import make_model
 
-    model = make_model("tiny", root=tmp_path / "models")
+    model = make_model("tiny", root=tmp_path.parent / "models")  # built once per session
     cfg = kvplug_config(tmp_path / "store", chunk_size=CHUNK, kv_events=events_on)
     # room for 3 chunks (1 MiB each on one worker; each of TP workers holds 1/TP of the heads)
     cfg["tiers"][0].update(name="ram", options={"capacity": f"{3 * 1024 // tp}KiB"})
@@ -208,7 +208,7 @@ def test_kvplug_serve_publishes_tier_events(tmp_path):
     from server_helpers import TINY_SERVER_ARGS, free_port, kvplug_cli, running_server
     from vllm.distributed.kv_events import KVEventBatch
 
-    model = make_model("tiny", root=tmp_path / "models")
+    model = make_model("tiny", root=tmp_path.parent / "models")  # built once per session
     cfg = tmp_path / "kvplug.yaml"
     cfg.write_text("chunk_size: 256\ntiers:\n"
                    "  - {name: CPU, backend: local_cpu, options: {capacity: 64MiB}}\n"
