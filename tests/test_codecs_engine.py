@@ -16,6 +16,7 @@ from codec_metrics import agreement
 from vllm_helpers import prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
+ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)
 
 CHUNK = 256
 P = prompt(1600, 11)  # 6 chunks loadable

@@ -10,6 +10,7 @@ import pytest
 from vllm_helpers import REPO, kvplug_config, prompt, run_script, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)
 
 STORE_KEYS = ("stores", "store_tokens", "store_bytes")
 

@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 
 from vllm_helpers import REPO, RESULT, kvplug_config, prompt, run_script, transfer_config  # noqa: E402
 
+ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)
 BLOCK = 128  # vLLM's CPU block size
 CHUNK = 512  # 4 vLLM blocks per kvplug chunk
 PROMPT = 1300  # 2 full chunks + a partial one of 2 blocks (up to 1280) = 10 blocks

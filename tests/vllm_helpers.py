@@ -24,15 +24,17 @@ Output = tuple[list[int], list[float]]  # generated token ids and their logprobs
 def engine_env() -> None:
     """Environment every engine in the tests uses (set before vLLM is imported).
 
-    The engine core runs in the process that makes the engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
-    vLLM's in-process client and single-process executor, the scheduler and the worker side by
-    side as in vLLM's one-GPU ``UniProcExecutor``). On CPU the default spawns two more processes
-    (engine core, then a worker), each importing torch and vLLM again: most of a ~20 s start-up
-    on 2 cores. The multi-process layout stays covered where it is the subject: ``kvplug serve``
-    and plain ``vllm serve`` (server_helpers.server_env), the demo, tensor/pipeline-parallel
-    engines (multi-process executors whatever this says) and the template's engine test."""
+    vLLM's multi-process layout by default. A test module that sets ``ENGINES_IN_PROCESS = True``
+    runs its engines in-process instead (tests/conftest.py sets
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for it: vLLM's in-process client and single-process
+    executor, scheduler and worker side by side as in vLLM's one-GPU ``UniProcExecutor``). On CPU
+    the default spawns two more processes (engine core, then a worker), each importing torch and
+    vLLM again: most of a ~20 s start-up on 2 cores. Not for a module whose engine must step on
+    its own while the caller waits (test_connector_engine_async.py) or that imports moto/Flask
+    into the engine's process (test_reliability_outage.py: vLLM's CPU kernel registration trips
+    over Flask's proxies)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     for need in (str(REPO / "tests"), str(REPO)):  # test-only tiers/hooks in every process
