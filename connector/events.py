@@ -143,6 +143,7 @@ class TierWatch:
         self.max_chunks = max_chunks
         self.interval_s = interval_s
         self._lock = threading.Lock()
+        self._round = threading.Lock()  # one check() at a time (see check)
         self._pending: dict[str, dict[CacheKey, float]] = {t: {} for t in storage.tier_names}
         self._held: dict[str, OrderedDict[CacheKey, None]] = {
             t: OrderedDict() for t in storage.tier_names}
@@ -204,7 +205,15 @@ class TierWatch:
                 logger.exception("kvplug: KV events check failed; trying again")
 
     def check(self) -> None:
-        """One round: confirm the chunks handed to each tier, sweep tiers that lost some."""
+        """One round: confirm the chunks handed to each tier, sweep tiers that lost some.
+
+        Rounds never overlap (the background thread's and a caller's): two rounds reading the
+        same pending chunks would each announce them, and the second, finding one the first had
+        already forgotten past ``max_chunks``, would announce it stored again."""
+        with self._round:
+            self._check()
+
+    def _check(self) -> None:
         with self._lock:
             if not any(self._pending.values()) and not any(self._held.values()):
                 return  # nothing handed to any tier yet: nothing to ask

@@ -1,4 +1,19 @@
-"""Suite-wide isolation: no test reads the user's kvplug config or writes to ~/.cache."""
+"""Suite-wide isolation: no test reads the user's kvplug config or writes to ~/.cache.
+
+Engines (tests/vllm_helpers.py), kept to the suite's 15-minute budget on 2 cores:
+
+* an engine start is the expensive part: a module with ``ENGINES_IN_PROCESS = True`` runs its
+  ``run_scenario``/``run_script`` engines in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by
+  ``_engine_layout`` below; see ``vllm_helpers.engine_env``): one Python start instead of three.
+  Other modules, servers (server_helpers), the demo and the soak keep vLLM's multi-process layout;
+* share one engine between scenarios that have its configuration: put them in one
+  ``run_scenario(model, kv, steps)`` (steps run in order in the same engine; a module-scoped
+  fixture returning the step results serves many tests, as ``bulk`` in test_connector_engine.py);
+  start a fresh engine only for a restart (a fresh process reading what another stored) or another
+  configuration;
+* the tiny model: ``make_model("tiny", root=tmp_path_factory.getbasetemp() / "models")`` builds it
+  once per session (the same folder for every module).
+"""
 
 from __future__ import annotations
 
@@ -13,3 +28,15 @@ def _isolated_kvplug_env(monkeypatch, tmp_path_factory):
         if name.startswith("KVPLUG_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("KVPLUG_CACHE_DIR", str(tmp_path_factory.mktemp("kvplug-cache")))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine_layout(request):
+    """Engines in-process for a module that asks (``ENGINES_IN_PROCESS = True``)."""
+    if not getattr(request.module, "ENGINES_IN_PROCESS", False):
+        yield
+        return
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    yield
+    mp.undo()

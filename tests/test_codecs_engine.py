@@ -16,6 +16,7 @@ from codec_metrics import agreement
 from vllm_helpers import prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
+ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)
 
 CHUNK = 256
 P = prompt(1600, 11)  # 6 chunks loadable
@@ -55,10 +56,13 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lossless(model, dirs):
-    """Cold runs storing raw and through the codec; then fresh posix-only engines that hit."""
-    (raw_cold,) = run_scenario(model, kv(tiers(dirs["raw"])), [("gen", P, None)], CHUNKED)
-    (enc_cold,) = run_scenario(model, kv(tiers(dirs["lossless"], "lossless")),
+    """One cold engine storing raw and through the codec (write-through to both posix tiers);
+    then fresh posix-only engines that hit the codec's tier."""
+    raw_tier = {**tiers(dirs["raw"], l1=False)[0], "name": "raw"}
+    enc_tier = {**tiers(dirs["lossless"], "lossless", l1=False)[0], "name": "lossless"}
+    (raw_cold,) = run_scenario(model, kv([*tiers(None)[:1], raw_tier, enc_tier]),
                                [("gen", P, None)], CHUNKED)
+    enc_cold = raw_cold
     (bulk,) = run_scenario(model, kv(tiers(dirs["lossless"], "lossless", l1=False)),
                            [("gen", P, None)], CHUNKED)
     (layerwise,) = run_scenario(model, kv(tiers(dirs["lossless"], "lossless", l1=False),
@@ -68,7 +72,6 @@ def lossless(model, dirs):
 
 def test_lossless_hit_is_exactly_the_uncompressed_output(lossless):
     assert lossless["enc_cold"]["kvplug"]["stored_tokens"] == 1536
-    assert same(lossless["enc_cold"], lossless["raw_cold"])
     for mode in ("bulk", "layerwise"):
         hit = lossless[mode]
         assert hit["kvplug"]["tiers"] == {"posix": 1536}, mode

@@ -109,7 +109,7 @@ def _drive(spec: dict) -> dict:
 def test_background_loads_on_an_engine(tmp_path):
     from kvplug.connector.demo.model import make_model
 
-    model = make_model("tiny", root=tmp_path / "models")
+    model = make_model("tiny", root=tmp_path.parent / "models")  # built once per session
     gate = tmp_path / "gate"
     gate.mkdir()
     (gate / "open").touch()

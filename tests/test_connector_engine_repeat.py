@@ -10,6 +10,7 @@ import pytest
 from vllm_helpers import REPO, kvplug_config, prompt, run_script, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)
 
 STORE_KEYS = ("stores", "store_tokens", "store_bytes")
 
@@ -40,7 +41,7 @@ def _run(model, kv, tokens):
 def test_repeat_with_local_prefix_hit_stores_nothing(tmp_path):
     from kvplug.connector.demo.model import make_model
 
-    model = make_model("tiny", root=tmp_path / "models")
+    model = make_model("tiny", root=tmp_path.parent / "models")  # built once per session
     kv = transfer_config("kvplug", kvplug_config(tmp_path / "store"))
     del kv["kv_connector_extra_config"]["report_to_client"]  # the default config
     first, second = _run(model, kv, prompt(1000, 31))

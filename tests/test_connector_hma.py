@@ -27,6 +27,7 @@ from vllm_helpers import (
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)
 
 CHUNK = 512
 STEP = {"max_num_batched_tokens": 128}

@@ -96,14 +96,19 @@ def test_minimum_over_ranks_and_release(engine_id):
 
 
 def test_late_worker_is_a_miss_not_a_hang(engine_id):
-    workers = [FakeWorker(256), FakeWorker(256, delay=1.5)]
+    gate = threading.Event()  # rank 1 answers only once the client has given up on it
+    workers = [FakeWorker(256), FakeWorker(256, gate=gate)]
     services = start(engine_id, workers)
-    client = LookupClient([socket_path(engine_id, r) for r in range(2)], timeout_s=0.3)
+    client = LookupClient([socket_path(engine_id, r) for r in range(2)], timeout_s=1.0)
     try:
         assert ask(client, "slow", [b"y" * 32]) == 0
         assert client.timeouts == 1
-        time.sleep(1.6)  # the late answer arrives and must not be taken for the next lookup
-        workers[1].delay = 0
+        gate.set()  # rank 1 finishes "slow" too late: it releases the pins, sends no answer
+        end = time.monotonic() + HANG_S
+        while services[1].expired < 1 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert workers[1].calls == ["slow"] and "slow" in workers[1].released
+        assert services[1].expired == 1
         assert ask(client, "next", [b"y" * 32] * 2) == 512
     finally:
         client.close()

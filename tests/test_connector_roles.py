@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 def test_producer_then_consumer(tmp_path):
     from kvplug.connector.demo.model import make_model
 
-    model = make_model("tiny", root=tmp_path / "models")
+    model = make_model("tiny", root=tmp_path.parent / "models")  # built once per session
     shared = tmp_path / "shared"
     p = prompt(1400, 7)  # 5 full chunks + a partial one (block aligned: 1408 > 1400 -> 1280+0)
     engine = {"max_num_batched_tokens": 256}

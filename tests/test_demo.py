@@ -42,6 +42,8 @@ def test_make_model_writes_the_tokenizer_and_adds_it_to_an_old_model(tmp_path):
 def test_demo_shows_tables_and_keeps_vllm_logs_in_a_file(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLUG_")}
     env.update(KVPLUG_CACHE_DIR=str(tmp_path), VLLM_CPU_KVCACHE_SPACE="1", COLUMNS="200")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the user's default layout, not the tests'
+
     out = subprocess.run([sys.executable, "-m", "kvplug.connector.demo", "--model", "tiny",
                           "--prompts", "1", "--shared", "300", "--unique", "300"],
                          capture_output=True, text=True, env=env, timeout=800)

@@ -13,6 +13,7 @@ from s3_server import moto_server, s3  # noqa: F401 - fixtures
 from vllm_helpers import prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)
 
 CHUNK = 256
 P = prompt(1100, 11)  # 4 chunks loadable
@@ -30,19 +31,20 @@ def s3_tiers(s3env, local_cpu: bool = True) -> dict:
 def test_second_engine_process_loads_from_s3(s3, tmp_path):  # noqa: F811 - pytest fixture
     from kvplug.connector.demo.model import make_model
 
-    model = make_model("tiny", root=tmp_path / "models")
+    model = make_model("tiny", root=tmp_path.parent / "models")  # built once per session
     kv = transfer_config("kvplug", s3_tiers(s3))
     (cold,) = run_scenario(model, kv, [("gen", P, None)], CHUNKED)
     assert cold["kvplug"]["stored_tokens"] == 1024
     objects = [p for p in s3.filesystem().find(s3.url("shared")) if p.endswith(".safetensors")]
     assert len(objects) == 4, f"expected 4 chunk objects in the bucket, found {objects}"
 
-    (warm,) = run_scenario(model, kv, [("gen", P, None)], CHUNKED)
+    # the second engine: the warm run, then (same process) the control: the same prompt with its
+    # first token changed finds nothing, neither in the bucket nor in the L1 the warm run filled
+    warm, other = run_scenario(model, kv, [("gen", P, None), ("gen", [P[0] + 1, *P[1:]], None)],
+                               CHUNKED)
     assert warm["kvplug"]["loaded_tokens"] == 1024
     assert warm["kvplug"]["tiers"] == {"fsspec": 1024}
     assert warm["tokens"] == cold["tokens"] and warm["logprobs"] == cold["logprobs"]
-
-    # Control: the same prompt with its first token changed finds nothing in the bucket.
-    (other,) = run_scenario(model, kv, [("gen", [P[0] + 1, *P[1:]], None)], CHUNKED)
     assert other["kvplug"]["loaded_tokens"] == 0
+    assert other["kvplug"]["lookup_hit_tokens"] == 0
     assert other["tokens"] != cold["tokens"] or other["logprobs"] != cold["logprobs"]

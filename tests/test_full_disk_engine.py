@@ -17,6 +17,7 @@ import pytest
 from vllm_helpers import REPO, kvplug_config, prompt, run_script, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)
 
 DISK = 6 << 20
 PROMPTS = [prompt(1100, 700 + i) for i in range(6)]

@@ -132,6 +132,39 @@ def test_watch_forgets_past_its_bound_and_announces_it(tmp_path):
         sm.close()
 
 
+def test_watch_rounds_never_overlap(tmp_path):
+    """A caller's check() and the watch's own thread (woken by every put) used to run rounds side
+    by side: both confirmed the same pending chunks, and the second announced the chunk the first
+    had just forgotten past ``max_chunks`` as stored again (``[T, T, T, F, T, F]``). Here a second
+    round is started while the first is inside its tier lookup."""
+    import threading
+
+    sm = StorageManager({"chunk_size": 256, "tiers": [
+        {"name": "ram", "backend": "local_cpu", "options": {"capacity": 8 * CHUNK_BYTES}}]})
+    watch = TierWatch(sm, max_chunks=2, interval_s=3600)
+    real_holds, second = sm.holds, []
+
+    def holds(tier, keys):
+        if not second:  # the first lookup: let another round try to run meanwhile
+            second.append(threading.Thread(target=watch.check))
+            second[0].start()
+            second[0].join(timeout=1)  # it must wait for this round (a bound, not a check)
+        return real_holds(tier, keys)
+
+    try:
+        keys = [_key(i) for i in range(3)]
+        _put(sm, keys)
+        sm.holds = holds
+        watch.check()
+        second[0].join(timeout=60)
+        got = (watch.take() or KVPlugKVEvents()).get_all_events()
+        assert [e.stored for e in got] == [True, True, True, False]
+        assert got[3] == TierEvent(False, "ram", keys[0].chunk_hash)
+    finally:
+        watch.close()
+        sm.close()
+
+
 def test_watch_refused_store_is_never_announced(tmp_path):
     sm = StorageManager({"chunk_size": 256, "tiers": [
         {"name": "ram", "backend": "local_cpu", "options": {"capacity": CHUNK_BYTES + 1024}}]})

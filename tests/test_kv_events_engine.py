@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 
 from vllm_helpers import REPO, RESULT, kvplug_config, prompt, run_script, transfer_config  # noqa: E402
 
+ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)
 BLOCK = 128  # vLLM's CPU block size
 CHUNK = 512  # 4 vLLM blocks per kvplug chunk
 PROMPT = 1300  # 2 full chunks + a partial one of 2 blocks (up to 1280) = 10 blocks
@@ -111,7 +112,7 @@ def _drive(spec: dict[str, Any]) -> dict[str, Any]:
 def _run(tmp_path, events_on: bool, rounds: int = 0, tp: int = 1) -> dict[str, Any]:
     from kvplug.connector.demo.model import make_model
 
-    model = make_model("tiny", root=tmp_path / "models")
+    model = make_model("tiny", root=tmp_path.parent / "models")  # built once per session
     cfg = kvplug_config(tmp_path / "store", chunk_size=CHUNK, kv_events=events_on)
     # room for 3 chunks (1 MiB each on one worker; each of TP workers holds 1/TP of the heads)
     cfg["tiers"][0].update(name="ram", options={"capacity": f"{3 * 1024 // tp}KiB"})
@@ -208,7 +209,7 @@ def test_kvplug_serve_publishes_tier_events(tmp_path):
     from server_helpers import TINY_SERVER_ARGS, free_port, kvplug_cli, running_server
     from vllm.distributed.kv_events import KVEventBatch
 
-    model = make_model("tiny", root=tmp_path / "models")
+    model = make_model("tiny", root=tmp_path.parent / "models")  # built once per session
     cfg = tmp_path / "kvplug.yaml"
     cfg.write_text("chunk_size: 256\ntiers:\n"
                    "  - {name: CPU, backend: local_cpu, options: {capacity: 64MiB}}\n"

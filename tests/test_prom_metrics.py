@@ -42,7 +42,7 @@ def kvplug_samples(metrics: dict) -> dict:
 def model(tmp_path_factory):
     from kvplug.connector.demo.model import make_model
 
-    return str(make_model("tiny", root=tmp_path_factory.mktemp("models")))
+    return str(make_model("tiny", root=tmp_path_factory.getbasetemp() / "models"))
 
 
 def _two_requests(url: str, model: str) -> tuple[int, int]:

@@ -134,7 +134,7 @@ def _drive(spec: dict) -> dict:
 def test_store_outage_while_serving(tmp_path):
     from kvplug.connector.demo.model import make_model
 
-    model = make_model("tiny", root=tmp_path / "models")
+    model = make_model("tiny", root=tmp_path.parent / "models")  # built once per session
     spec = json.dumps({"model": str(model)})
     code = (f"import json, os, sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
             "os.environ['VLLM_ALLOW_INSECURE_SERIALIZATION'] = '1'; "

@@ -91,7 +91,7 @@ def test_two_engines_share_tiers(tmp_path, monkeypatch):
         srv.reset()
         env = S3Env(srv)
         env.create_bucket()
-        model = make_model("tiny", root=tmp_path / "models")
+        model = make_model("tiny", root=tmp_path.parent / "models")  # built once per session
         shared = tmp_path / "shared"
         tiers = [{"backend": "local_cpu", "options": {"capacity": "1MiB"}},
                  {"backend": "posix", "options": {"path": str(shared), "capacity": POSIX_CAPACITY,

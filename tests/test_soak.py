@@ -11,6 +11,7 @@ outputs, so the comparison the soak makes can fail.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -27,7 +28,10 @@ def _soak(tmp_path, *extra: str) -> dict:
     cmd = [sys.executable, str(REPO / "benchmarks" / "soak.py"), "--requests", "240",
            "--warmup", "40", "--max-seconds", "400", "--sample-every", "20", "--s3",
            "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840, cwd=str(REPO))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    # vLLM's own (multi-process) layout: the soak watches the worker process's threads and memory
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840, cwd=str(REPO),
+                          env=env)
     at = proc.stdout.rfind(RESULT)
     if at < 0:
         raise AssertionError(f"no result ({proc.returncode}):\n{proc.stderr[-5000:]}")

@@ -74,16 +74,30 @@ class RaisingTier(DictTier):
 
 
 class StallingTier(DictTier):
-    """Reads and lookups hang for `stall_s` seconds (an NFS mount that stopped answering)."""
+    """Reads and lookups hang (an NFS mount that stopped answering) until ``release`` is set, at
+    most ``stall_s`` seconds; ``entered``/``left`` count the calls that began and ended, so a test
+    can show its caller came back while the tier was still stalled (order, not a duration)."""
+
+    def __init__(self, ctx: TierContext) -> None:
+        super().__init__(ctx)
+        self.release = threading.Event()
+        self.entered = self.left = 0
+
+    def _stall(self) -> None:
+        with self.lock:
+            self.entered += 1
+        self.release.wait(self.ctx.options.get("stall_s", 30))
+        with self.lock:
+            self.left += 1
 
     @hookimpl
     def get(self, key):
-        time.sleep(self.ctx.options.get("stall_s", 30))
+        self._stall()
         return super().get(key)
 
     @hookimpl
     def contains(self, keys):
-        time.sleep(self.ctx.options.get("stall_s", 30))
+        self._stall()
         return super().contains(keys)
 
 

@@ -22,7 +22,17 @@ Output = tuple[list[int], list[float]]  # generated token ids and their logprobs
 
 
 def engine_env() -> None:
-    """Environment every engine in the tests uses (set before vLLM is imported)."""
+    """Environment every engine in the tests uses (set before vLLM is imported).
+
+    vLLM's multi-process layout by default. A test module that sets ``ENGINES_IN_PROCESS = True``
+    runs its engines in-process instead (tests/conftest.py sets
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for it: vLLM's in-process client and single-process
+    executor, scheduler and worker side by side as in vLLM's one-GPU ``UniProcExecutor``). On CPU
+    the default spawns two more processes (engine core, then a worker), each importing torch and
+    vLLM again: most of a ~20 s start-up on 2 cores. Not for a module whose engine must step on
+    its own while the caller waits (test_connector_engine_async.py) or that imports moto/Flask
+    into the engine's process (test_reliability_outage.py: vLLM's CPU kernel registration trips
+    over Flask's proxies)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
