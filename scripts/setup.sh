@@ -3,6 +3,17 @@
 # only re-checks the install. On a CUDA machine use `pip install -e '.[cuda,test,remote]'` instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# System packages the tests start for real: redis-server (the resp tier's tests). Installed as root
+# (CI: a fresh Debian 12 machine); elsewhere the command to run is printed and those tests skip.
+if ! command -v redis-server >/dev/null 2>&1 && ! command -v valkey-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing redis-server (apt-get)"
+    apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server >/dev/null
+  else
+    echo "[setup] redis-server is missing: run 'sudo apt-get install redis-server' (resp tier tests skip without it)"
+  fi
+fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.kvplug-setup
