@@ -102,8 +102,8 @@ class RespBackend:
         self._pins: PinCounts[str] = PinCounts()
         self._headers: OrderedDict[str, cf.ChunkHeader] = OrderedDict()
         self._absent = TTLSet(opts.negative_cache_s)
-        self._counts = dict.fromkeys(("corrupt", "other_version", "negative_hits", "hits",
-                                      "misses", "bytes_got"), 0)
+        self._counts = dict.fromkeys(("corrupt", "other_version", "negative_hits", "vanished",
+                                      "bytes_got"), 0)
         self._index = CapacityIndex(int(opts.capacity) if opts.capacity is not None else None)
         self._writer = RespWriter(
             ctx.name, self.io, self._index, self._log_once, pinned=self._pinned,
@@ -171,7 +171,7 @@ class RespBackend:
         name = self.name_of(key)
         data = self.io.get(name)
         if data is None:
-            return self._miss(name)
+            return None if self.breaker.is_open else self._miss(name)
         view = memoryview(data)
         header = self._parse(name, lambda off, n: view[off : off + n], len(data))
         if header is None:
@@ -252,7 +252,6 @@ class RespBackend:
             obj.ref_down()
             self._corrupt(name, f"a checksum of layers {first}..{first + count - 1} mismatches")
             return None
-        self._count("hits")
         return obj
 
     def _miss(self, name: str) -> None:
@@ -261,7 +260,7 @@ class RespBackend:
         self._index.forget(name)
         with self._lock:
             self._headers.pop(name, None)
-            self._counts["misses"] += 1
+            self._counts["vanished"] += 1
         return None
 
     def _remember(self, name: str, header: cf.ChunkHeader) -> None:

@@ -102,7 +102,7 @@ class RespIO:
         self.breaker = breaker
         self.redact = redact
         self._lock = threading.Lock()
-        self._counts = dict.fromkeys(("remote_errors", "timeouts", "store_errors",
+        self._counts = dict.fromkeys(("remote_errors", "socket_timeouts", "store_errors",
                                       "remote_lookups", "evicted"), 0)
         redis = _redis()
         self._reply_error = redis.exceptions.ResponseError
@@ -120,7 +120,7 @@ class RespIO:
 
     def failed(self, exc: BaseException) -> None:
         """Record a failed call (unreachable, reset, timed out) and feed it to the breaker."""
-        self._count("timeouts" if isinstance(exc, (self._timeout, TimeoutError)) else "remote_errors")
+        self._count("socket_timeouts" if isinstance(exc, (self._timeout, TimeoutError)) else "remote_errors")
         self.breaker.failure(self.redact.error(exc))
 
     def allow(self) -> bool:
