@@ -1,0 +1,175 @@
+"""Remote in-memory stores: each kvplug tier against its raw client, same server, same run.
+
+    .venv/bin/python benchmarks/bench_remote_tiers.py [--chunks 16] [--rounds 5]
+
+resp tier vs ``redis`` (hiredis parser) on a ``redis-server`` this script starts on 127.0.0.1
+(a free port, no persistence, 2 GiB ``maxmemory``), stopped at the end. Medians over rounds;
+raw and tier rounds interleaved:
+
+* put MiB/s at 1 and 4 MiB: raw ``SET`` of the encoded chunk (the same bytes the tier stores),
+  one after another, vs the tier's ``batched_put`` + ``flush`` (pipelined batches from its
+  writer threads, encoding and checksums included), with ``io_threads=1`` and the default 4;
+* get MiB/s at 1 and 4 MiB: raw ``GET`` vs ``StorageManager.get`` on a second manager (no local
+  state about what the writer stored): checksums verified, bytes copied into a memory object;
+* a batched lookup of 64 keys (ms): raw pipelined ``EXISTS`` x 64 vs ``lookup_prefix`` of 64
+  keys, and vs the tier's ``contains`` hook called directly (without the StorageManager's
+  bounded call on a tier thread); negative cache off, so every key is asked of the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+
+import redis
+import torch
+from kvplug import chunkfile as cf
+from kvplug.memory import heap_memory_obj
+from kvplug.storage_manager import StorageManager
+from kvplug.testing.conformance import make_key
+
+MiB = 1 << 20
+LOOKUP_KEYS = 64
+LOOKUP_REPS = 20
+
+
+def _chunk(mib: float, seed: int):  # noqa: ANN202
+    pages = max(1, int(mib * MiB) // (32 * 2))
+    obj = heap_memory_obj((32, 2, pages), num_tokens=256)
+    gen = torch.Generator().manual_seed(seed)
+    obj.byte_view.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=gen))
+    return obj
+
+
+def _start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
+    server = shutil.which("redis-server") or shutil.which("valkey-server")
+    if server is None:
+        raise SystemExit("redis-server is not installed (scripts/setup.sh installs it)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([server, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                             "--appendonly", "no", "--maxmemory", "2gb", "--maxmemory-policy",
+                             "allkeys-lru", "--dir", workdir],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            client.ping()
+            break
+        except (redis.ConnectionError, redis.TimeoutError):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("redis-server did not start") from None
+            time.sleep(0.05)
+    client.close()
+    return proc, url
+
+
+def _manager(url: str, **opts) -> StorageManager:
+    options = {"url": url, "negative_cache_s": 0.0, "timeout_s": 30.0, **opts}
+    return StorageManager({"tiers": [{"backend": "resp", "options": options, "timeout_s": 60.0}]})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    logging.getLogger("kvplug").setLevel(logging.ERROR)
+    workdir = tempfile.mkdtemp(prefix="kvplug-bench-redis-")
+    proc, url = _start_redis(workdir)
+    raw = redis.Redis.from_url(url, socket_timeout=30)
+    writer = _manager(url)
+    writer1 = _manager(url, io_threads=1)
+    reader = _manager(url)
+    res: dict[str, list[float]] = {}
+
+    def rec(name: str, value: float) -> None:
+        res.setdefault(name, []).append(value)
+
+    try:
+        for mib in (1, 4):
+            objs = [_chunk(mib, i) for i in range(args.chunks)]
+            for r in range(args.rounds):
+                keys = [make_key(mib * 10**6 + r * 1000 + i) for i in range(args.chunks)]
+                files = [(lambda h, b: h + b"".join(b))(*cf.encode_chunk(k, o))
+                         for k, o in zip(keys, objs)]
+                total = sum(o.nbytes for o in objs) / MiB
+                names = [f"raw:{mib}:{r}:{i}" for i in range(args.chunks)]
+                t = time.perf_counter()
+                for name, f in zip(names, files):
+                    raw.set(name, f)
+                rec(f"raw_put_{mib}", total / (time.perf_counter() - t))
+                t = time.perf_counter()
+                for name in names:
+                    raw.get(name)
+                rec(f"raw_get_{mib}", total / (time.perf_counter() - t))
+                raw.delete(*names)
+                for mgr, label, ks in ((writer1, "tier1", keys),
+                                       (writer, "tier", [k.with_hash(k.chunk_hash + b"p")
+                                                         for k in keys])):
+                    t = time.perf_counter()
+                    mgr.batched_put(ks, objs)
+                    assert mgr.flush(timeout=600)
+                    rec(f"{label}_put_{mib}", total / (time.perf_counter() - t))
+                t = time.perf_counter()
+                got = [reader.get(k) for k in keys]
+                rec(f"tier_get_{mib}", total / (time.perf_counter() - t))
+                assert all(g is not None and torch.equal(g.byte_view, o.byte_view)
+                           for g, o in zip(got, objs)), "tier returned wrong bytes"
+                for g in got:
+                    g.ref_down()
+                writer.evict(keys + [k.with_hash(k.chunk_hash + b"p") for k in keys])
+        lkeys = [make_key(9 * 10**6 + i) for i in range(LOOKUP_KEYS)]
+        small = [_chunk(1 / 64, i) for i in range(LOOKUP_KEYS)]
+        writer.batched_put(lkeys, small)
+        assert writer.flush(timeout=600)
+        lnames = [writer.backend(0).name_of(k) for k in lkeys]
+        backend = reader.backend(0)
+        for _ in range(args.rounds * LOOKUP_REPS):
+            t = time.perf_counter()
+            pipe = raw.pipeline(transaction=False)
+            for n in lnames:
+                pipe.exists(n)
+            assert all(pipe.execute())
+            rec("raw_lookup", (time.perf_counter() - t) * 1e3)
+            t = time.perf_counter()
+            assert reader.lookup_prefix(lkeys).num_chunks == LOOKUP_KEYS
+            rec("tier_lookup", (time.perf_counter() - t) * 1e3)
+            t = time.perf_counter()
+            assert all(backend.contains(lkeys, pin=False))
+            rec("hook_lookup", (time.perf_counter() - t) * 1e3)
+    finally:
+        for mgr in (writer, writer1, reader):
+            mgr.close()
+        raw.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    med = {k: statistics.median(v) for k, v in res.items()}
+    print(f"resp tier vs raw redis-py {redis.__version__} (hiredis) on redis-server {url} — "
+          f"{args.chunks} chunks per size, {args.rounds} rounds (medians)")
+    print("| figure | raw client | tier | ratio |\n|---|---|---|---|")
+    for mib in (1, 4):
+        for what, raw_k, tier_k in (("put MiB/s (tier io_threads=1)", "raw_put", "tier1_put"),
+                                    ("put MiB/s (tier io_threads=4)", "raw_put", "tier_put"),
+                                    ("get MiB/s", "raw_get", "tier_get")):
+            a, b = med[f"{raw_k}_{mib}"], med[f"{tier_k}_{mib}"]
+            print(f"| {mib} MiB {what} | {a:.0f} | {b:.0f} | {b / a:.2f}x |")
+    a = med["raw_lookup"]
+    for what, k in (("StorageManager.lookup_prefix", "tier_lookup"), ("the contains hook", "hook_lookup")):
+        print(f"| lookup of {LOOKUP_KEYS} keys, ms ({what}) | {a:.2f} | {med[k]:.2f} | {a / med[k]:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
