@@ -13,6 +13,7 @@ construct :class:`RedisServer` themselves (``maxmemory``, ``policy``, ``unix``).
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -26,14 +27,27 @@ import pytest
 SERVER = shutil.which("redis-server") or shutil.which("valkey-server")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(cluster: bool = False) -> int:
+    """A free port on 127.0.0.1; for a cluster node one at most 55535 whose bus port (+10000) is
+    free too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0 if not cluster else random.randint(20000, 55535)))
+            port = s.getsockname()[1]
+        if not cluster:
+            return port
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
 
 
 class RedisServer:
     """One redis-server process on loopback (or a unix socket in ``workdir``)."""
+
+    cluster_node = False
 
     def __init__(self, workdir: Path, *, maxmemory: str = "256mb", policy: str = "allkeys-lru",
                  unix: bool = False, password: str | None = None) -> None:
@@ -43,7 +57,7 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.maxmemory, self.policy, self.password = maxmemory, policy, password
         self.socket = str(self.workdir / "redis.sock") if unix else None
-        self.port = 0 if unix else free_port()
+        self.port = 0 if unix else free_port(cluster=self.cluster_node)
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -131,3 +145,56 @@ def redis_server(tmp_path) -> Iterator[RedisServer]:
     srv = RedisServer(tmp_path / "redis")
     yield srv
     srv.stop()
+
+
+class RedisClusterServers:
+    """Three cluster-enabled redis-server masters on 127.0.0.1 (free ports), slots spread over
+    them with ``redis-cli --cluster create`` (no replicas); ``url`` names the first node."""
+
+    def __init__(self, workdir: Path, nodes: int = 3) -> None:
+        cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
+        if SERVER is None or cli is None:
+            pytest.skip("redis-server / redis-cli are not installed (scripts/setup.sh)")
+        self.nodes: list[RedisServer] = []
+        for i in range(nodes):
+            srv = _ClusterNode(Path(workdir) / f"node{i}")
+            self.nodes.append(srv)
+        addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        subprocess.run([cli, "--cluster", "create", *addrs, "--cluster-replicas", "0",
+                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        import redis
+
+        deadline = time.monotonic() + 30
+        for n in self.nodes:
+            client = redis.Redis(host="127.0.0.1", port=n.port, socket_timeout=2)
+            while client.cluster("info").get("cluster_state") != "ok":
+                assert time.monotonic() < deadline, "the cluster never reached cluster_state:ok"
+                time.sleep(0.1)
+            client.close()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.nodes[0].port}/0"
+
+    def client(self):  # noqa: ANN201 - redis.cluster.RedisCluster
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(self.url, socket_timeout=5)
+
+    def flush(self) -> None:
+        for n in self.nodes:
+            client = n.client()
+            client.flushall()
+            client.close()
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+
+class _ClusterNode(RedisServer):
+    cluster_node = True
+
+    def argv(self) -> list[str]:
+        return [*super().argv(), "--cluster-enabled", "yes", "--cluster-config-file",
+                str(self.workdir / "nodes.conf"), "--cluster-node-timeout", "5000"]

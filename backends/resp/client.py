@@ -73,8 +73,7 @@ def open_client(url: str, *, cluster: bool, password: str | None, timeout_s: flo
                               "unix socket; set cluster: false or give a node's host:port")
         from redis.cluster import RedisCluster
 
-        return RedisCluster.from_url(url, max_connections=max_connections,
-                                     cluster_error_retry_attempts=0, **kwargs)
+        return RedisCluster.from_url(url, max_connections=max_connections, **kwargs)
     pool = redis.BlockingConnectionPool.from_url(url, max_connections=max_connections,
                                                  timeout=timeout_s, **kwargs)
     return redis.Redis(connection_pool=pool)
