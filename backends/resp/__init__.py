@@ -1,11 +1,12 @@
 """The ``resp`` tier (entry point ``kvplug.backends.resp:RespBackend``): chunks in Valkey or Redis
 (standalone or cluster; ``redis://``, ``rediss://``, ``unix://``), shared by many hosts.
 
-* :mod:`.backend` — :class:`RespBackend`: the hooks, naming, verified loads, pins, eviction;
-* :mod:`.writer`  — :class:`~.writer.RespWriter`: the bounded write queue, pipelined batches;
-* :mod:`.client`  — the client (timeouts, no retries, auth) and the calls behind the breaker.
+* :mod:`.backend` — :class:`RespBackend`: its options and how it reaches the server;
+* :mod:`.client`  — the client (timeouts, no retries, auth) and the store's primitives as pipelines.
 
-The breaker, lookup caches and redaction are :mod:`kvplug.backends.common` (shared with fsspec).
+The hooks (naming, verified loads, batched lookups and stores, pins, eviction) are the value-store
+tier in :mod:`kvplug.backends.common` (shared with mooncake), with the breaker, lookup caches and
+redaction (shared with fsspec too).
 Needs the ``redis`` package: ``pip install 'kvplug[resp]'``.
 """
 

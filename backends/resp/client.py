@@ -5,15 +5,16 @@
 socket read, write and connect bounded by ``timeout_s``, no client-side retries (a retry would
 multiply the bound; the breaker decides when to try again), a bounded connection pool whose wait
 is bounded too, and the password from the URL or from an environment variable, never logged.
-:class:`RespIO` runs pipelined batches behind the tier's circuit breaker: a refused, failed or
-timed-out call is a miss, never an exception.
+:class:`RespIO` gives the value-store tier (:mod:`kvplug.backends.common.value_tier`) its
+primitives as pipelined round trips; :class:`~kvplug.backends.common.value_io.ValueIO` puts the
+breaker in front of them (a refused, failed or timed-out call is a miss, never an exception).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -21,6 +22,7 @@ from kvplug.errors import ConfigError
 
 from ..common.breaker import CircuitBreaker
 from ..common.redact import Redactor
+from ..common.value_io import ValueIO
 
 SCHEMES = ("redis", "rediss", "unix")
 
@@ -86,106 +88,54 @@ def display_url(url: str) -> str:
     return f"{parts.scheme}://{host}{parts.path}"
 
 
-class RespIO:
-    """Pipelined calls behind the breaker. The client is made on first use (a cluster that is
-    down when the tier starts is then a miss like any other outage, not a startup failure).
+class RespIO(ValueIO):
+    """The store's primitives as pipelines: one round trip per batch. The client is made on
+    first use (a cluster that is down when the tier starts is then a miss like any other outage,
+    not a startup failure). A reply error from the server (``OOM`` under ``noeviction``, a wrong
+    type) means the store answered: the value is refused, the breaker is not told."""
 
-    A reply error from the store (``OOM`` under ``noeviction``, a wrong type) means the store
-    answered: it is counted (``store_errors``) but does not count against the breaker."""
-
-    def __init__(self, name: str, make_client: Any, breaker: CircuitBreaker, redact: Redactor,
-                 ) -> None:
-        self.name = name
+    def __init__(self, name: str, make_client: Callable[[], Any], breaker: CircuitBreaker,
+                 redact: Redactor) -> None:
+        super().__init__(name, breaker, redact)
         self._make = make_client
         self._client: Any = None
-        self.breaker = breaker
-        self.redact = redact
-        self._lock = threading.Lock()
-        self._counts = dict.fromkeys(("remote_errors", "socket_timeouts", "store_errors",
-                                      "remote_lookups", "evicted"), 0)
+        self._client_lock = threading.Lock()
         redis = _redis()
         self._reply_error = redis.exceptions.ResponseError
-        self._timeout = redis.exceptions.TimeoutError
+        self.timeout_types = (redis.exceptions.TimeoutError,)
 
     def client(self) -> Any:
-        with self._lock:
+        with self._client_lock:
             if self._client is None:
                 self._client = self._make()
             return self._client
 
-    def _count(self, what: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[what] += n
+    def _pipeline(self, build: Callable[[Any], Any]) -> list[Any]:
+        pipe = self.client().pipeline(transaction=False)
+        build(pipe)
+        return pipe.execute(raise_on_error=False)
 
-    def failed(self, exc: BaseException) -> None:
-        """Record a failed call (unreachable, reset, timed out) and feed it to the breaker."""
-        self._count("socket_timeouts" if isinstance(exc, (self._timeout, TimeoutError)) else "remote_errors")
-        self.breaker.failure(self.redact.error(exc))
-
-    def allow(self) -> bool:
-        return self.breaker.allow()
-
-    def forgo(self) -> None:
-        self.breaker.forgo()
-
-    def _pipeline(self, build: Any, guard: bool = True) -> list[Any] | None:
-        """Run one pipeline (``build(pipe)`` queues its commands); per-command replies, reply
-        errors as exception objects; ``None`` when refused or when the round trip failed."""
-        if guard and not self.breaker.allow():
-            return None
-        try:
-            pipe = self.client().pipeline(transaction=False)
-            build(pipe)
-            replies = pipe.execute(raise_on_error=False)
-        except Exception as exc:  # noqa: BLE001 - every failure is a miss, counted
-            self.failed(exc)
-            return None
-        self.breaker.success()
-        errors = sum(isinstance(r, self._reply_error) for r in replies)
-        if errors:
-            self._count("store_errors", errors)
-        return replies
-
-    # -- calls ----------------------------------------------------------------------------------
-    def exists(self, names: Sequence[str]) -> list[bool | None]:
-        """Per name: whether the store holds it (``None``: unknown, the store is unavailable)."""
-        self._count("remote_lookups", len(names))
+    def _exists(self, names: Sequence[str]) -> list[bool | None]:
         replies = self._pipeline(lambda p: [p.exists(n) for n in names])
-        if replies is None:
-            return [None] * len(names)
         return [None if isinstance(r, Exception) else bool(r) for r in replies]
 
-    def get(self, name: str) -> bytes | None:
-        """The whole value (``None``: missing or unavailable)."""
-        replies = self._pipeline(lambda p: p.get(name))
-        return None if replies is None or not isinstance(replies[0], bytes) else replies[0]
+    def _get(self, name: str) -> bytes | None:
+        reply = self._pipeline(lambda p: p.get(name))[0]
+        return reply if isinstance(reply, bytes) else None
 
-    def get_range(self, name: str, start: int, end: int) -> bytes | None:
-        """Bytes ``[start, end)`` of a value; ``None`` when missing (empty) or unavailable."""
-        replies = self._pipeline(lambda p: p.getrange(name, start, end - 1))
-        data = None if replies is None else replies[0]
-        return data if isinstance(data, bytes) and data else None
+    def _get_range(self, name: str, start: int, end: int) -> bytes | None:
+        reply = self._pipeline(lambda p: p.getrange(name, start, end - 1))[0]
+        return reply if isinstance(reply, bytes) and reply else None  # missing: empty
 
-    def set_many(self, items: Sequence[tuple[str, Any]]) -> list[BaseException | None] | None:
-        """Store values in one round trip: per item ``None`` (stored) or the store's reply error;
-        ``None`` as a whole when the round trip failed. Callers ask :meth:`allow` first."""
-        replies = self._pipeline(lambda p: [p.set(n, v) for n, v in items], guard=False)
-        if replies is None:
-            return None
-        return [r if isinstance(r, Exception) else None for r in replies]
+    def _set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None]:
+        replies = self._pipeline(lambda p: [p.set(n, v) for n, v in items])
+        return [r if isinstance(r, self._reply_error) else None for r in replies]
 
-    def delete(self, names: Sequence[str]) -> None:
-        """Delete values (missing ones are fine); counted as ``evicted``."""
-        if names:
-            self._count("evicted", len(names))
-            self._pipeline(lambda p: [p.delete(n) for n in names])
-
-    def stats(self) -> dict[str, float]:
-        with self._lock:
-            return {k: float(v) for k, v in self._counts.items()}
+    def _delete(self, names: Sequence[str]) -> None:
+        self._pipeline(lambda p: [p.delete(n) for n in names])
 
     def close(self) -> None:
-        with self._lock:
+        with self._client_lock:
             client, self._client = self._client, None
         if client is not None:
             try:

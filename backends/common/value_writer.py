@@ -1,11 +1,13 @@
-"""Stores of the resp tier: a bounded queue drained by writer threads, in pipelined batches.
+"""Stores of a value-store tier (resp, mooncake): a bounded queue drained by writer threads, in
+batches (one pipelined round trip, one batch call).
 
 ``submit`` only queues (taking a reference); a full queue drops the store and counts it, so the
 engine never waits. A writer thread takes what is queued (up to ``batch_bytes``), encodes each
 chunk in the shared chunk format (one copy, after which the memory object is released) and sends
-all of them in one pipelined round trip. ``SET`` is atomic, so readers on any host see a value
-whole or not at all. A store refused by the server (``OOM`` under ``noeviction``) is dropped and
-counted (``dropped_full``); it does not count against the breaker (the store answered).
+all of them in one batch. A value is visible whole or not at all (``SET`` and Mooncake's puts are
+atomic). A store refused by the server (full: ``OOM`` under ``noeviction``, Mooncake's -200) is
+dropped and counted (``dropped_full``); it does not count against the breaker (the store
+answered).
 """
 
 from __future__ import annotations
@@ -20,21 +22,21 @@ from kvplug.keys import CacheKey
 from kvplug.logs import LogOnce
 from kvplug.memory import MemoryObj
 
-from ..common.index import CapacityIndex, TTLSet
-from .client import RespIO
+from .index import CapacityIndex, TTLSet
+from .value_io import ValueIO
 
-logger = logging.getLogger("kvplug.backends.resp")
+logger = logging.getLogger("kvplug.backends.values")
 
 Item = tuple[str, CacheKey, MemoryObj]
 
 
-class RespWriter:
+class ValueWriter:
     """Owns the queue and its threads, the stores in flight (invisible to lookups until written),
     the recently written names (trusted without a round trip) and the store counters.
     ``protected(name)`` says whether eviction must spare a name (pinned); ``delete(names)``
     removes victims of the capacity bound; ``stored(name)`` reports a finished store."""
 
-    def __init__(self, name: str, io: RespIO, index: CapacityIndex, log_once: LogOnce, *,
+    def __init__(self, name: str, io: ValueIO, index: CapacityIndex, log_once: LogOnce, *,
                  pinned: Callable[[str], bool], delete: Callable[[Sequence[str]], None],
                  stored: Callable[[str], None], max_pending: int, threads: int,
                  batch_bytes: int, written_ttl_s: float) -> None:
@@ -56,7 +58,7 @@ class RespWriter:
         self._closed = False
         self._stop = threading.Event()
         self._queue: queue.Queue[Item] = queue.Queue(max_pending)
-        self._threads = [threading.Thread(target=self._run, name=f"kvplug-resp-w{i}", daemon=True)
+        self._threads = [threading.Thread(target=self._run, name=f"kvplug-{name}-w{i}", daemon=True)
                          for i in range(threads)]
         for t in self._threads:
             t.start()
