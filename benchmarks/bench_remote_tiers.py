@@ -1,17 +1,22 @@
 """Remote in-memory stores: each kvplug tier against its raw client, same server, same run.
 
-    .venv/bin/python benchmarks/bench_remote_tiers.py [--chunks 16] [--rounds 5]
+    .venv/bin/python benchmarks/bench_remote_tiers.py [--chunks 16] [--rounds 5] [--stores resp,mooncake]
 
-resp tier vs ``redis`` (hiredis parser) on a ``redis-server`` this script starts on 127.0.0.1
-(a free port, no persistence, 2 GiB ``maxmemory``), stopped at the end. Medians over rounds;
-raw and tier rounds interleaved:
+* resp tier vs ``redis`` (hiredis parser) on a ``redis-server`` this script starts on 127.0.0.1
+  (a free port, no persistence, 2 GiB ``maxmemory``);
+* mooncake tier vs Mooncake's ``MooncakeDistributedStore`` (``upsert``, ``get``,
+  ``batch_is_exist``) on a ``mooncake_master`` this script starts on 127.0.0.1. Mooncake's clients
+  listen on every interface, so with mooncake the script re-runs itself in a private network
+  namespace (``unshare -n``, loopback only; needs root).
 
-* put MiB/s at 1 and 4 MiB: raw ``SET`` of the encoded chunk (the same bytes the tier stores),
+Servers are stopped at the end. Medians over rounds; raw and tier rounds interleaved:
+
+* put MiB/s at 1 and 4 MiB: raw ``SET`` / ``upsert`` of the encoded chunk (the same bytes the tier stores),
   one after another, vs the tier's ``batched_put`` + ``flush`` (pipelined batches from its
   writer threads, encoding and checksums included), with ``io_threads=1`` and the default 4;
-* get MiB/s at 1 and 4 MiB: raw ``GET`` vs ``StorageManager.get`` on a second manager (no local
+* get MiB/s at 1 and 4 MiB: raw ``GET`` / ``get`` vs ``StorageManager.get`` on a second manager (no local
   state about what the writer stored): checksums verified, bytes copied into a memory object;
-* a batched lookup of 64 keys (ms): raw pipelined ``EXISTS`` x 64 vs ``lookup_prefix`` of 64
+* a batched lookup of 64 keys (ms): raw pipelined ``EXISTS`` x 64 / ``batch_is_exist`` vs ``lookup_prefix`` of 64
   keys, and vs the tier's ``contains`` hook called directly (without the StorageManager's
   bounded call on a tier thread); negative cache off, so every key is asked of the server.
 """
@@ -20,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -74,28 +81,75 @@ def _start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-def _manager(url: str, **opts) -> StorageManager:
-    options = {"url": url, "negative_cache_s": 0.0, "timeout_s": 30.0, **opts}
-    return StorageManager({"tiers": [{"backend": "resp", "options": options, "timeout_s": 60.0}]})
+class Raw:
+    """A store's raw client: put/get one value, lookup many, delete many."""
+
+    def __init__(self, put, get, lookup, delete, close) -> None:  # noqa: ANN001
+        self.put, self.get, self.lookup, self.delete, self.close = put, get, lookup, delete, close
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--chunks", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
-    logging.getLogger("kvplug").setLevel(logging.ERROR)
-    workdir = tempfile.mkdtemp(prefix="kvplug-bench-redis-")
-    proc, url = _start_redis(workdir)
-    raw = redis.Redis.from_url(url, socket_timeout=30)
-    writer = _manager(url)
-    writer1 = _manager(url, io_threads=1)
-    reader = _manager(url)
-    res: dict[str, list[float]] = {}
+def _raw_redis(url: str) -> Raw:
+    client = redis.Redis.from_url(url, socket_timeout=30)
+
+    def lookup(names: list[str]) -> list:
+        pipe = client.pipeline(transaction=False)
+        for n in names:
+            pipe.exists(n)
+        return pipe.execute()
+
+    return Raw(client.set, client.get, lookup, lambda names: client.delete(*names), client.close)
+
+
+def _raw_mooncake(master: str) -> Raw:
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 1 << 30, 256 << 20, "tcp", "", master) == 0
+
+    def put(name: str, data: bytes) -> None:
+        assert store.upsert(name, data) == 0
+
+    def lookup(names: list[str]) -> list:
+        return [c == 1 for c in store.batch_is_exist(names)]
+
+    return Raw(put, store.get, lookup, store.batch_remove, store.close)
+
+
+def _start_mooncake(workdir: str) -> tuple[subprocess.Popen, str]:
+    binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}",
+                             "--enable_metric_reporting=false"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc, f"127.0.0.1:{port}"
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("mooncake_master did not start") from None
+            time.sleep(0.05)
+
+
+def _manager(tier: dict, **opts) -> StorageManager:
+    t = {**tier, "options": {**tier["options"], "negative_cache_s": 0.0, **opts}}
+    return StorageManager({"tiers": [t]})
+
+
+def measure(store: str, raw: Raw, tier: dict, args: argparse.Namespace,
+            res: dict[str, list[float]]) -> None:
+    """Raw client and tier rounds, interleaved, on the same store; medians go to ``res``."""
 
     def rec(name: str, value: float) -> None:
-        res.setdefault(name, []).append(value)
+        res.setdefault(f"{store}:{name}", []).append(value)
 
+    writer = _manager(tier)
+    writer1 = _manager(tier, io_threads=1)
+    reader = _manager(tier)
     try:
         for mib in (1, 4):
             objs = [_chunk(mib, i) for i in range(args.chunks)]
@@ -107,16 +161,15 @@ def main() -> None:
                 names = [f"raw:{mib}:{r}:{i}" for i in range(args.chunks)]
                 t = time.perf_counter()
                 for name, f in zip(names, files):
-                    raw.set(name, f)
+                    raw.put(name, f)
                 rec(f"raw_put_{mib}", total / (time.perf_counter() - t))
                 t = time.perf_counter()
                 for name in names:
                     raw.get(name)
                 rec(f"raw_get_{mib}", total / (time.perf_counter() - t))
-                raw.delete(*names)
-                for mgr, label, ks in ((writer1, "tier1", keys),
-                                       (writer, "tier", [k.with_hash(k.chunk_hash + b"p")
-                                                         for k in keys])):
+                raw.delete(names)
+                pkeys = [k.with_hash(k.chunk_hash + b"p") for k in keys]
+                for mgr, label, ks in ((writer1, "tier1", keys), (writer, "tier", pkeys)):
                     t = time.perf_counter()
                     mgr.batched_put(ks, objs)
                     assert mgr.flush(timeout=600)
@@ -128,7 +181,7 @@ def main() -> None:
                            for g, o in zip(got, objs)), "tier returned wrong bytes"
                 for g in got:
                     g.ref_down()
-                writer.evict(keys + [k.with_hash(k.chunk_hash + b"p") for k in keys])
+                writer.evict(keys + pkeys)
         lkeys = [make_key(9 * 10**6 + i) for i in range(LOOKUP_KEYS)]
         small = [_chunk(1 / 64, i) for i in range(LOOKUP_KEYS)]
         writer.batched_put(lkeys, small)
@@ -137,10 +190,7 @@ def main() -> None:
         backend = reader.backend(0)
         for _ in range(args.rounds * LOOKUP_REPS):
             t = time.perf_counter()
-            pipe = raw.pipeline(transaction=False)
-            for n in lnames:
-                pipe.exists(n)
-            assert all(pipe.execute())
+            assert all(raw.lookup(lnames))
             rec("raw_lookup", (time.perf_counter() - t) * 1e3)
             t = time.perf_counter()
             assert reader.lookup_prefix(lkeys).num_chunks == LOOKUP_KEYS
@@ -151,14 +201,13 @@ def main() -> None:
     finally:
         for mgr in (writer, writer1, reader):
             mgr.close()
-        raw.close()
-        proc.terminate()
-        proc.wait(timeout=10)
-        shutil.rmtree(workdir, ignore_errors=True)
 
-    med = {k: statistics.median(v) for k, v in res.items()}
-    print(f"resp tier vs raw redis-py {redis.__version__} (hiredis) on redis-server {url} — "
-          f"{args.chunks} chunks per size, {args.rounds} rounds (medians)")
+
+def report(store: str, client: str, res: dict[str, list[float]], args: argparse.Namespace) -> None:
+    med = {k.split(":", 1)[1]: statistics.median(v) for k, v in res.items()
+           if k.startswith(store + ":")}
+    print(f"\n{store} tier vs {client} — {args.chunks} chunks per size, {args.rounds} rounds "
+          "(medians)")
     print("| figure | raw client | tier | ratio |\n|---|---|---|---|")
     for mib in (1, 4):
         for what, raw_k, tier_k in (("put MiB/s (tier io_threads=1)", "raw_put", "tier1_put"),
@@ -167,8 +216,62 @@ def main() -> None:
             a, b = med[f"{raw_k}_{mib}"], med[f"{tier_k}_{mib}"]
             print(f"| {mib} MiB {what} | {a:.0f} | {b:.0f} | {b / a:.2f}x |")
     a = med["raw_lookup"]
-    for what, k in (("StorageManager.lookup_prefix", "tier_lookup"), ("the contains hook", "hook_lookup")):
-        print(f"| lookup of {LOOKUP_KEYS} keys, ms ({what}) | {a:.2f} | {med[k]:.2f} | {a / med[k]:.2f}x |")
+    for what, k in (("StorageManager.lookup_prefix", "tier_lookup"),
+                    ("the contains hook", "hook_lookup")):
+        print(f"| lookup of {LOOKUP_KEYS} keys, ms ({what}) | {a:.2f} | {med[k]:.2f} | "
+              f"{a / med[k]:.2f}x |")
+
+
+def _in_private_netns() -> bool:
+    return [n for _, n in socket.if_nameindex()] == ["lo"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--stores", default="resp,mooncake", help="comma-separated: resp, mooncake")
+    args = ap.parse_args()
+    stores = args.stores.split(",")
+    if "mooncake" in stores and not _in_private_netns():
+        unshare, ip = shutil.which("unshare"), shutil.which("ip")
+        if os.geteuid() != 0 or unshare is None or ip is None:
+            raise SystemExit("the mooncake part runs in a private network namespace (root, unshare "
+                             "and ip); pass --stores resp elsewhere")
+        script = (f"{ip} link set lo up && exec {sys.executable} {os.path.abspath(__file__)} "
+                  f"--chunks {args.chunks} --rounds {args.rounds} --stores {args.stores}")
+        os.execv(unshare, [unshare, "-n", "--", "sh", "-c", script])
+    logging.getLogger("kvplug").setLevel(logging.ERROR)
+    res: dict[str, list[float]] = {}
+    workdir = tempfile.mkdtemp(prefix="kvplug-bench-remote-")
+    try:
+        if "resp" in stores:
+            proc, url = _start_redis(workdir)
+            raw = _raw_redis(url)
+            try:
+                measure("resp", raw, {"backend": "resp", "timeout_s": 60.0,
+                                      "options": {"url": url, "timeout_s": 30.0}}, args, res)
+            finally:
+                raw.close()
+                proc.terminate()
+                proc.wait(timeout=10)
+            report("resp", f"redis-py {redis.__version__} (hiredis) on redis-server", res, args)
+        if "mooncake" in stores:
+            os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+            proc, master = _start_mooncake(workdir)
+            raw = _raw_mooncake(master)
+            try:
+                measure("mooncake", raw, {"backend": "mooncake", "timeout_s": 60.0, "options": {
+                    "master": master, "timeout_s": 30.0, "global_segment_size": "512MiB",
+                    "local_buffer_size": "256MiB"}}, args, res)
+            finally:
+                raw.close()
+                proc.kill()
+                proc.wait(timeout=10)
+            report("mooncake", "Mooncake's MooncakeDistributedStore (tcp, in-process master "
+                   "client, segments lent by each client)", res, args)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

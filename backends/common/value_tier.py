@@ -39,6 +39,7 @@ from .value_writer import ValueWriter
 
 logger = logging.getLogger("kvplug.backends.values")
 _HEADER_CACHE = 4096
+_NAME_CACHE = 65536
 
 
 class ValueStoreOptions(BaseOptions):
@@ -96,6 +97,7 @@ class ValueStoreTier:
         self._absent = TTLSet(opts.negative_cache_s)
         self._counts = dict.fromkeys(("corrupt", "other_version", "negative_hits", "vanished",
                                       "bytes_got"), 0)
+        self._names: dict[CacheKey, str] = {}
         self._index = CapacityIndex(int(opts.capacity) if opts.capacity is not None else None)
         self._writer = ValueWriter(
             ctx.name, self.io, self._index, self._log_once, pinned=self._pinned,
@@ -105,8 +107,14 @@ class ValueStoreTier:
         logger.info("tier %r: %s at %s", self.name, self.kind, self.url)
 
     def name_of(self, key: CacheKey) -> str:
-        """The store's key name for ``key`` (the key's safe string form under the prefix)."""
-        return self.opts.prefix + cf.chunk_name(key)
+        """The store's key name for ``key`` (the key's safe string form under the prefix);
+        remembered, since every lookup names many keys (a dict hit costs less than the name)."""
+        name = self._names.get(key)
+        if name is None:
+            if len(self._names) >= _NAME_CACHE:
+                self._names.clear()
+            name = self._names[key] = self.opts.prefix + cf.chunk_name(key)
+        return name
 
     # -- store ----------------------------------------------------------------------------------
     @hookimpl
