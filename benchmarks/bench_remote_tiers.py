@@ -104,7 +104,7 @@ def _raw_mooncake(master: str) -> Raw:
     from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
-    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 1 << 30, 256 << 20, "tcp", "", master) == 0
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 512 << 20, 256 << 20, "tcp", "", master) == 0
 
     def put(name: str, data: bytes) -> None:
         assert store.upsert(name, data) == 0
@@ -262,7 +262,7 @@ def main() -> None:
             raw = _raw_mooncake(master)
             try:
                 measure("mooncake", raw, {"backend": "mooncake", "timeout_s": 60.0, "options": {
-                    "master": master, "timeout_s": 30.0, "global_segment_size": "512MiB",
+                    "master": master, "timeout_s": 30.0, "global_segment_size": "256MiB",
                     "local_buffer_size": "256MiB"}}, args, res)
             finally:
                 raw.close()
