@@ -183,10 +183,16 @@ class ValueWriter:
         return out
 
     def _write(self, batch: list[Item]) -> None:
-        items = self._encode(batch)
-        if not self._io.allow():
-            self._count("dropped_puts", "dropped_down", n=len(items))
+        if not self._io.allow():  # the store is down: drop without encoding
+            for _, _, obj in batch:
+                obj.ref_down()
+            self._count("dropped_puts", "dropped_down", n=len(batch))
             return
+        try:
+            items = self._encode(batch)
+        except BaseException:
+            self._io.forgo()  # the call the breaker granted will not be made
+            raise
         room: list[tuple[str, bytes]] = []
         for name, data in items:
             victims = self._index.reserve(len(data), self.protected)
