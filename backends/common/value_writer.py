@@ -173,14 +173,13 @@ class ValueWriter:
                 self._done([name for name, _, _ in batch])
 
     def _encode(self, batch: list[Item]) -> list[tuple[str, bytes]]:
-        out = []
-        for name, key, obj in batch:
-            try:
-                header, bufs = cf.encode_chunk(key, obj)
-                out.append((name, b"".join([header, *bufs])))
-            finally:
+        """Each chunk as one value (a copy); every object is released, also on a failure."""
+        try:
+            return [(name, b"".join([header, *bufs]))
+                    for name, key, obj in batch for header, bufs in [cf.encode_chunk(key, obj)]]
+        finally:
+            for _, _, obj in batch:
                 obj.ref_down()  # the bytes are copied: L1 may reuse the memory now
-        return out
 
     def _write(self, batch: list[Item]) -> None:
         if not self._io.allow():  # the store is down: drop without encoding
