@@ -15,7 +15,8 @@ Servers are stopped at the end. Medians over rounds; raw and tier rounds interle
   one after another, vs the tier's ``batched_put`` + ``flush`` (pipelined batches from its
   writer threads, encoding and checksums included), with ``io_threads=1`` and the default 4;
 * get MiB/s at 1 and 4 MiB: raw ``GET`` / ``get`` vs ``StorageManager.get`` on a second manager (no local
-  state about what the writer stored): checksums verified, bytes copied into a memory object;
+  state about what the writer stored; an L1 pool in front, as in an engine, not promoted into):
+  checksums verified, bytes copied into a memory object of the pool;
 * a batched lookup of 64 keys (ms): raw pipelined ``EXISTS`` x 64 / ``batch_is_exist`` vs ``lookup_prefix`` of 64
   keys, and vs the tier's ``contains`` hook called directly (without the StorageManager's
   bounded call on a tier thread); negative cache off, so every key is asked of the server.
@@ -135,9 +136,12 @@ def _start_mooncake(workdir: str) -> tuple[subprocess.Popen, str]:
             time.sleep(0.05)
 
 
-def _manager(tier: dict, **opts) -> StorageManager:
+def _manager(tier: dict, l1: bool = False, **opts) -> StorageManager:
+    """A manager over the tier; with ``l1`` an L1 pool in front (as in an engine), so reads land
+    in the pool's (prefaulted) memory."""
     t = {**tier, "options": {**tier["options"], "negative_cache_s": 0.0, **opts}}
-    return StorageManager({"tiers": [t]})
+    tiers = [{"backend": "local_cpu", "options": {"capacity": "1GiB"}}] if l1 else []
+    return StorageManager({"tiers": [*tiers, t]})
 
 
 def measure(store: str, raw: Raw, tier: dict, args: argparse.Namespace,
@@ -149,7 +153,8 @@ def measure(store: str, raw: Raw, tier: dict, args: argparse.Namespace,
 
     writer = _manager(tier)
     writer1 = _manager(tier, io_threads=1)
-    reader = _manager(tier)
+    reader = _manager(tier, l1=True)
+    backend = reader.backend(1)
     try:
         for mib in (1, 4):
             objs = [_chunk(mib, i) for i in range(args.chunks)]
@@ -175,7 +180,7 @@ def measure(store: str, raw: Raw, tier: dict, args: argparse.Namespace,
                     assert mgr.flush(timeout=600)
                     rec(f"{label}_put_{mib}", total / (time.perf_counter() - t))
                 t = time.perf_counter()
-                got = [reader.get(k) for k in keys]
+                got = [reader.get(k, promote=False) for k in keys]
                 rec(f"tier_get_{mib}", total / (time.perf_counter() - t))
                 assert all(g is not None and torch.equal(g.byte_view, o.byte_view)
                            for g, o in zip(got, objs)), "tier returned wrong bytes"
@@ -187,7 +192,6 @@ def measure(store: str, raw: Raw, tier: dict, args: argparse.Namespace,
         writer.batched_put(lkeys, small)
         assert writer.flush(timeout=600)
         lnames = [writer.backend(0).name_of(k) for k in lkeys]
-        backend = reader.backend(0)
         for _ in range(args.rounds * LOOKUP_REPS):
             t = time.perf_counter()
             assert all(raw.lookup(lnames))
