@@ -140,7 +140,7 @@ def _manager(tier: dict, l1: bool = False, **opts) -> StorageManager:
     """A manager over the tier; with ``l1`` an L1 pool in front (as in an engine), so reads land
     in the pool's (prefaulted) memory."""
     t = {**tier, "options": {**tier["options"], "negative_cache_s": 0.0, **opts}}
-    tiers = [{"backend": "local_cpu", "options": {"capacity": "1GiB"}}] if l1 else []
+    tiers = [{"backend": "local_cpu", "options": {"capacity": "128MiB"}}] if l1 else []
     return StorageManager({"tiers": [*tiers, t]})
 
 
