@@ -54,7 +54,8 @@ class ValueStoreOptions(BaseOptions):
     max_pending_writes: int = Field(default=64, ge=1, description="queued stores; more drop")
     io_threads: int = Field(default=4, ge=1, description="writer threads")
     batch_bytes: ByteSize = Field(default=ByteSize(16 << 20), gt=0,
-                                  description="bytes of queued stores sent in one batch")
+                                  description="bytes of queued stores sent in one batch (each "
+                                  "writer thread keeps an encoding buffer of about this size)")
     negative_cache_s: float = Field(default=0.5, ge=0, description="remember misses")
     breaker_threshold: int = Field(default=2, ge=1, description="failures that open it")
     breaker_backoff_s: float = Field(default=2.0, gt=0, description="first retry delay")
