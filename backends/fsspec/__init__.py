@@ -5,7 +5,8 @@ fsspec filesystem — S3/MinIO/Ceph, GCS, ``memory://``, ``file://`` — shared 
 * :mod:`.reader`  — :class:`~.reader.ChunkReader`: verified loads, header and negative caches;
 * :mod:`.writer`  — :class:`~.writer.ChunkWriter`: the bounded write queue and its threads;
 * :mod:`.io`      — bounded remote calls, the breaker in front of them, credential scrubbing;
-* :mod:`.breaker` — the circuit breaker; :mod:`.index` — lookup caches and the capacity index.
+* the circuit breaker, lookup caches, capacity index and redaction live in
+  :mod:`kvplug.backends.common` (shared with the resp tier).
 """
 
 from .backend import FsspecBackend

@@ -28,8 +28,8 @@ from kvplug.memory import MemoryObj
 from kvplug.pins import PinCounts
 from pydantic import ByteSize, ConfigDict, Field, field_validator
 
-from .breaker import CircuitBreaker
-from .index import CapacityIndex
+from ..common.breaker import CircuitBreaker
+from ..common.index import CapacityIndex
 from .io import (
     GuardedIO,
     Redactor,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -29,48 +28,11 @@ from kvplug import chunkfile as cf
 from kvplug.errors import ConfigError
 from kvplug.logs import LogOnce
 
-from .breaker import CircuitBreaker
-from .index import CapacityIndex
+from ..common.breaker import CircuitBreaker
+from ..common.index import CapacityIndex
+from ..common.redact import Redactor
 
 T = TypeVar("T")
-_SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "auth", "session")
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]*@")
-
-
-class Redactor:
-    """Removes credential values (from ``storage_options`` and URL user-info) from text."""
-
-    def __init__(self, url: str, storage_options: Mapping[str, Any]) -> None:
-        self._secrets: list[str] = []
-        self._collect(storage_options, sensitive=False)
-        m = re.match(r"[A-Za-z][A-Za-z0-9+.-]*://([^/@\s]*)@", url)
-        if m:
-            self._secrets.extend(p for p in re.split(r"[:]", m.group(1)) if len(p) >= 3)
-        self._secrets.sort(key=len, reverse=True)
-
-    def _collect(self, value: Any, sensitive: bool) -> None:
-        if isinstance(value, Mapping):
-            for k, v in value.items():
-                word = str(k).lower()
-                self._collect(v, sensitive or any(s in word for s in _SECRET_WORDS))
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                self._collect(v, sensitive)
-        elif sensitive and isinstance(value, str) and len(value) >= 3:
-            self._secrets.append(value)
-
-    def __call__(self, text: str) -> str:
-        text = _USERINFO.sub(r"\g<scheme>***@", text)
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
-
-    def error(self, exc: BaseException) -> str:
-        """``Type: message`` of an exception, credentials removed, bounded length."""
-        msg = self(f"{type(exc).__name__}: {exc}")
-        return msg if len(msg) <= 300 else msg[:297] + "..."
-
-
 def _s3_defaults(options: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Defaults for s3fs that the user did not set: short client timeouts, few retries, no
     listings cache and no shared instance (several hosts and tests must see fresh state)."""

@@ -20,7 +20,7 @@ from kvplug.errors import ChunkFormatError, ChunkVersionError
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj, MemoryObjMeta
 
-from .index import TTLSet
+from ..common.index import TTLSet
 from .io import TierParts
 
 logger = logging.getLogger("kvplug.backends.fsspec")

@@ -17,7 +17,7 @@ from kvplug import chunkfile as cf
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
 
-from .index import TTLSet
+from ..common.index import TTLSet
 from .io import TierParts
 
 logger = logging.getLogger("kvplug.backends.fsspec")

@@ -1,4 +1,5 @@
-"""Bookkeeping for the fsspec tier: short-lived lookup caches and the optional capacity index.
+"""Bookkeeping shared by the remote tiers (fsspec, resp): short-lived lookup caches and the
+optional capacity index.
 
 A :class:`TTLSet` is guarded by its owner's lock (the reader's or the writer's). The
 :class:`CapacityIndex` has a lock of its own, since the reader, the writer and eviction all report

@@ -1,4 +1,4 @@
-"""A small thread-safe circuit breaker for remote tiers.
+"""A small thread-safe circuit breaker for remote tiers (fsspec, resp: one rule for both).
 
 *Closed*: calls go through. After ``threshold`` consecutive failures it *opens*: calls are refused
 (the tier answers as if it were empty) until ``backoff_s`` has passed; then exactly one call is let
@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-logger = logging.getLogger("kvplug.backends.fsspec")
+logger = logging.getLogger("kvplug.backends.breaker")
 
 
 class CircuitBreaker:

@@ -1,0 +1,120 @@
+"""The calls a value-store tier makes (resp, mooncake), behind the tier's circuit breaker.
+
+A subclass implements the store's batched primitives (``_exists``, ``_get``, ``_get_range``,
+``_set_many``, ``_delete``), each one bounded round trip or batch call that raises on a failed
+or timed-out call. This class turns every such failure into a miss (``None``), counts it and feeds
+it to the breaker; a store that is refused (open breaker) is not called at all. A reply that says
+the store is full or refused one value is :class:`StoreRefused`: counted, not held against the
+breaker (the store answered).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .breaker import CircuitBreaker
+from .redact import Redactor
+
+
+class StoreRefused(Exception):
+    """The store answered but refused one value (full, too large): not an outage."""
+
+
+class ValueIO:
+    """Guarded, counted calls to one key-value store."""
+
+    #: Exception types (besides ``TimeoutError``) counted as ``socket_timeouts``.
+    timeout_types: tuple[type[BaseException], ...] = ()
+
+    def __init__(self, name: str, breaker: CircuitBreaker, redact: Redactor) -> None:
+        self.name = name
+        self.breaker = breaker
+        self.redact = redact
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(("remote_errors", "socket_timeouts", "store_errors",
+                                      "remote_lookups", "evicted"), 0)
+
+    # -- what subclasses implement (raise on a failed call) -------------------------------------
+    def _exists(self, names: Sequence[str]) -> list[bool | None]:
+        raise NotImplementedError
+
+    def _get(self, name: str) -> bytes | None:
+        raise NotImplementedError
+
+    def _get_range(self, name: str, start: int, end: int) -> bytes | None:
+        raise NotImplementedError
+
+    def _set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None]:
+        raise NotImplementedError
+
+    def _delete(self, names: Sequence[str]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the client (idempotent)."""
+
+    # -- guarded calls --------------------------------------------------------------------------
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[what] += n
+
+    def failed(self, exc: BaseException) -> None:
+        """Record a failed call (unreachable, reset, timed out) and feed it to the breaker."""
+        timeout = isinstance(exc, (TimeoutError, *self.timeout_types))
+        self._count("socket_timeouts" if timeout else "remote_errors")
+        self.breaker.failure(self.redact.error(exc))
+
+    def allow(self) -> bool:
+        return self.breaker.allow()
+
+    def forgo(self) -> None:
+        self.breaker.forgo()
+
+    def _guarded(self, call: Callable[[], Any], guard: bool = True) -> tuple[bool, Any]:
+        """``(True, result)`` of ``call``, or ``(False, None)`` when refused or failed."""
+        if guard and not self.breaker.allow():
+            return False, None
+        try:
+            out = call()
+        except Exception as exc:  # noqa: BLE001 - every failure is a miss, counted
+            self.failed(exc)
+            return False, None
+        self.breaker.success()
+        return True, out
+
+    def exists(self, names: Sequence[str]) -> list[bool | None]:
+        """Per name: whether the store holds it (``None``: unknown, the store is unavailable)."""
+        self._count("remote_lookups", len(names))
+        ok, out = self._guarded(lambda: self._exists(names))
+        return out if ok else [None] * len(names)
+
+    def get(self, name: str) -> bytes | None:
+        """The whole value (``None``: missing or unavailable)."""
+        return self._guarded(lambda: self._get(name))[1]
+
+    def get_range(self, name: str, start: int, end: int) -> bytes | None:
+        """Bytes ``[start, end)`` of a value; ``None`` when missing or unavailable."""
+        return self._guarded(lambda: self._get_range(name, start, end))[1]
+
+    def set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None] | None:
+        """Store values in one batch: per item ``None`` (stored) or why the store refused it;
+        ``None`` as a whole when the call failed. Callers ask :meth:`allow` first."""
+        ok, out = self._guarded(lambda: self._set_many(items), guard=False)
+        if not ok:
+            return None
+        refused = sum(e is not None for e in out)
+        if refused:
+            self._count("store_errors", refused)
+        return out
+
+    def delete(self, names: Sequence[str]) -> None:
+        """Delete values (missing ones are fine); counted as ``evicted``."""
+        if names:
+            self._count("evicted", len(names))
+            self._guarded(lambda: self._delete(names))
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {k: float(v) for k, v in self._counts.items()}

@@ -1,0 +1,316 @@
+"""A tier over a key-value store (resp: Valkey/Redis; mooncake: Mooncake Store), shared by hosts.
+
+Each chunk is one value in the shared chunk format (:mod:`kvplug.chunkfile`), named
+``<prefix><key string>`` (the key string holds the model namespace, so models never collide).
+Stores are queued and sent in batches (:class:`~.value_writer.ValueWriter`); ``contains`` asks
+for many keys in one batch, with a short-lived negative cache; ``get`` reads a value in one call
+and verifies every layer's checksum before any byte is returned; ``get_layers`` reads a layer
+range where the store reads ranges. Every call is bounded by the store client's timeout and
+feeds the circuit breaker shared with the fsspec tier (:class:`~.value_io.ValueIO`). The store's
+own eviction, a restart that lost its data, or a value refused because the store is full are all
+misses or dropped stores, never errors. Credentials never reach a log line or ``stats``.
+
+A backend subclasses :class:`ValueStoreTier`: its ``Options`` derive from
+:class:`ValueStoreOptions` and :meth:`ValueStoreTier.open_io` returns its
+:class:`~.value_io.ValueIO`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvplug import chunkfile as cf
+from kvplug.config import BaseOptions
+from kvplug.errors import ChunkFormatError, ChunkVersionError
+from kvplug.hookspecs import TierContext, hookimpl
+from kvplug.keys import CacheKey
+from kvplug.logs import LogOnce
+from kvplug.memory import MemoryObj, MemoryObjMeta
+from kvplug.pins import PinCounts
+from pydantic import ByteSize, ConfigDict, Field, field_validator
+
+from .breaker import CircuitBreaker
+from .index import CapacityIndex, TTLSet
+from .value_io import ValueIO
+from .value_writer import ValueWriter
+
+logger = logging.getLogger("kvplug.backends.values")
+_HEADER_CACHE = 4096
+_NAME_CACHE = 65536
+
+
+class ValueStoreOptions(BaseOptions):
+    """Options every value-store tier has (a backend adds how to reach its store)."""
+
+    model_config = ConfigDict(extra="forbid")
+    prefix: str = Field(default="kvplug:", description="prepended to every key name")
+    capacity: ByteSize | None = Field(
+        default=None, description="optional LRU bound on bytes this process stored, enforced by "
+        "it; None = leave eviction to the store")
+    timeout_s: float = Field(default=2.0, gt=0, description="hard bound on one call to the store")
+    max_pending_writes: int = Field(default=64, ge=1, description="queued stores; more drop")
+    io_threads: int = Field(default=4, ge=1, description="writer threads")
+    batch_bytes: ByteSize = Field(default=ByteSize(16 << 20), gt=0,
+                                  description="bytes of queued stores sent in one batch (each "
+                                  "writer thread keeps an encoding buffer of about this size)")
+    negative_cache_s: float = Field(default=0.5, ge=0, description="remember misses")
+    breaker_threshold: int = Field(default=2, ge=1, description="failures that open it")
+    breaker_backoff_s: float = Field(default=2.0, gt=0, description="first retry delay")
+    breaker_max_backoff_s: float = Field(default=30.0, gt=0, description="longest delay")
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix_safe(cls, v: str) -> str:
+        if any(c.isspace() for c in v) or "{" in v or "}" in v:
+            raise ValueError(f"prefix {v!r} may not hold spaces or braces (braces would pin every "
+                             "key to one cluster slot); e.g. 'kvplug:'")
+        return v
+
+
+class ValueStoreTier:
+    """The hooks of a tier over a key-value store; subclasses say how to reach the store."""
+
+    Options = ValueStoreOptions
+    #: What log lines call the store (e.g. "Valkey/Redis store").
+    kind = "key-value store"
+
+    def open_io(self, ctx: TierContext, breaker: CircuitBreaker) -> tuple[ValueIO, str]:
+        """The store's calls (behind ``breaker``) and the store's name for log lines (no
+        credentials)."""
+        raise NotImplementedError
+
+    def __init__(self, ctx: TierContext) -> None:
+        opts: ValueStoreOptions = ctx.options
+        self.name = ctx.name
+        self.opts = opts
+        self.breaker = CircuitBreaker(ctx.name, threshold=opts.breaker_threshold,
+                                      backoff_s=opts.breaker_backoff_s,
+                                      max_backoff_s=opts.breaker_max_backoff_s)
+        self.io, self.url = self.open_io(ctx, self.breaker)
+        self._allocate = ctx.allocate
+        self._log_once = LogOnce(logger)
+        self._lock = threading.Lock()  # pins, headers, negative cache, counters
+        self._pins: PinCounts[str] = PinCounts()
+        self._headers: OrderedDict[str, cf.ChunkHeader] = OrderedDict()
+        self._absent = TTLSet(opts.negative_cache_s)
+        self._counts = dict.fromkeys(("corrupt", "other_version", "negative_hits", "vanished",
+                                      "bytes_got"), 0)
+        self._names: dict[CacheKey, str] = {}
+        self._index = CapacityIndex(int(opts.capacity) if opts.capacity is not None else None)
+        self._writer = ValueWriter(
+            ctx.name, self.io, self._index, self._log_once, pinned=self._pinned,
+            delete=self._delete, stored=self._stored, max_pending=opts.max_pending_writes,
+            threads=opts.io_threads, batch_bytes=int(opts.batch_bytes),
+            written_ttl_s=max(opts.negative_cache_s, 1.0))
+        logger.info("tier %r: %s at %s", self.name, self.kind, self.url)
+
+    def name_of(self, key: CacheKey) -> str:
+        """The store's key name for ``key`` (the key's safe string form under the prefix);
+        remembered, since every lookup names many keys (a dict hit costs less than the name)."""
+        name = self._names.get(key)
+        if name is None:
+            if len(self._names) >= _NAME_CACHE:
+                self._names.clear()
+            name = self._names[key] = self.opts.prefix + cf.chunk_name(key)
+        return name
+
+    # -- store ----------------------------------------------------------------------------------
+    @hookimpl
+    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
+        for key, obj in zip(keys, objs):
+            self._writer.submit(self.name_of(key), key, obj)
+
+    @hookimpl
+    def flush(self, timeout: float) -> bool:
+        return self._writer.flush(timeout)
+
+    def _stored(self, name: str) -> None:
+        with self._lock:
+            self._headers.pop(name, None)
+            self._absent.discard(name)
+
+    # -- lookup ---------------------------------------------------------------------------------
+    @hookimpl
+    def contains(self, keys: Sequence[CacheKey], pin: bool) -> list[bool]:
+        names = [self.name_of(k) for k in keys]
+        answer = self._writer.known(names, trust_written=not self.breaker.is_open)
+        with self._lock:
+            for i, name in enumerate(names):
+                if answer[i] is None and name in self._absent:
+                    answer[i] = False
+                    self._counts["negative_hits"] += 1
+        todo = [i for i, a in enumerate(answer) if a is None]
+        if todo:
+            found = self.io.exists([names[i] for i in todo])
+            with self._lock:
+                for i, hit in zip(todo, found):
+                    answer[i] = bool(hit)
+                    if hit is False:
+                        self._absent.add(names[i])
+        result = [bool(a) for a in answer]
+        if pin:
+            with self._lock:
+                self._pins.pin_all(n for n, hit in zip(names, result) if hit)
+        return result
+
+    @hookimpl
+    def unpin(self, keys: Sequence[CacheKey]) -> None:
+        with self._lock:
+            self._pins.unpin_all(self.name_of(k) for k in keys)
+
+    def _pinned(self, name: str) -> bool:
+        with self._lock:
+            return name in self._pins
+
+    # -- load -----------------------------------------------------------------------------------
+    @hookimpl
+    def get(self, key: CacheKey) -> MemoryObj | None:
+        name = self.name_of(key)
+        data = self.io.get(name)
+        if data is None:
+            return None if self.breaker.is_open else self._miss(name)
+        view = memoryview(data)
+        header = self._parse(name, lambda off, n: view[off : off + n], len(data))
+        if header is None:
+            return None
+        if header.key != key:
+            self._corrupt(name, "the value holds another key")
+            return None
+        self._remember(name, header)
+        obj = self._fill(name, header, header.meta, view, 0, header.num_layers, base=0)
+        if obj is not None:
+            self._count("bytes_got", len(data))
+        return obj
+
+    @hookimpl
+    def get_layers(self, key: CacheKey, first_layer: int, num_layers: int) -> MemoryObj | None:
+        name = self.name_of(key)
+        header = self._header(name)
+        if header is None:
+            return None
+        try:
+            meta = header.layers_meta(first_layer, num_layers)
+        except ChunkFormatError:
+            return None
+        start = header.data_offsets[first_layer]
+        end = header.data_offsets[first_layer + num_layers - 1] + header.layer_nbytes
+        data = self.io.get_range(name, start, end)
+        if data is None or len(data) != end - start:
+            return self._miss(name)
+        return self._fill(name, header, meta, memoryview(data), first_layer, num_layers,
+                          base=start)
+
+    def _header(self, name: str) -> cf.ChunkHeader | None:
+        with self._lock:
+            cached = self._headers.get(name)
+        if cached is not None:
+            return cached
+        prefix = self.io.get_range(name, 0, cf.HEADER_PROBE)
+        if prefix is None:
+            return self._miss(name)
+
+        def read(offset: int, length: int) -> bytes:
+            if offset + length <= len(prefix):
+                return prefix[offset : offset + length]
+            return self.io.get_range(name, offset, offset + length) or b""
+
+        header = self._parse(name, read, None)
+        if header is not None:
+            self._remember(name, header)
+        return header
+
+    def _parse(self, name: str, read: cf.ReadAt, size: int | None) -> cf.ChunkHeader | None:
+        try:
+            return cf.read_header(read, size)[0]
+        except ChunkVersionError as exc:  # another version's value: a miss, left in place
+            self._count("other_version")
+            self._log_once("other_version", "tier %r: %s is of another format version (%s); "
+                           "treated as a miss and left in place", self.name, name, exc)
+            return None
+        except ChunkFormatError as exc:
+            self._corrupt(name, str(exc))
+            return None
+
+    def _fill(self, name: str, header: cf.ChunkHeader, meta: MemoryObjMeta, view: memoryview,
+              first: int, count: int, base: int) -> MemoryObj | None:
+        """A fresh object holding layers ``first .. first + count - 1`` of ``view`` (which starts
+        at value offset ``base``), each checked against its checksum after the copy; ``None``
+        on a mismatch (corrupt) or when memory is full."""
+        obj = self._allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
+        if obj is None:
+            return None
+        n = header.layer_nbytes
+        dest = obj.byte_view.numpy()
+        src = view.cast("B")
+        for i in range(count):
+            off = header.data_offsets[first + i] - base
+            dest[i * n : (i + 1) * n] = src[off : off + n]
+        if not cf.verify_layers(header, first, dest.data):
+            obj.ref_down()
+            self._corrupt(name, f"a checksum of layers {first}..{first + count - 1} mismatches")
+            return None
+        return obj
+
+    def _miss(self, name: str) -> None:
+        """A value that lookups promised is gone (the store evicted it, restarted or lost it)."""
+        self._writer.forget(name)
+        self._index.forget(name)
+        with self._lock:
+            self._headers.pop(name, None)
+            self._counts["vanished"] += 1
+        return None
+
+    def _remember(self, name: str, header: cf.ChunkHeader) -> None:
+        with self._lock:
+            self._headers[name] = header
+            self._headers.move_to_end(name)
+            if len(self._headers) > _HEADER_CACHE:
+                self._headers.popitem(last=False)
+
+    def _corrupt(self, name: str, why: str) -> None:
+        self._count("corrupt")
+        self._log_once("corrupt", "tier %r: corrupt value %s (%s) treated as a miss and deleted — "
+                       "further ones are counted in stats, not logged", self.name, name, why)
+        self._miss(name)
+        self._delete([name])
+
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[what] += n
+
+    # -- eviction -------------------------------------------------------------------------------
+    @hookimpl
+    def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
+        if keys is None:  # unbounded: the server's maxmemory-policy evicts
+            victims = self._index.shrink(nbytes, self._writer.protected)
+        else:
+            names = [n for n in map(self.name_of, keys) if not self._pinned(n)]
+            victims = [(n, self._index.forget(n) or 0) for n in names]
+        self._delete([n for n, _ in victims])
+        return sum(s for _, s in victims)
+
+    def _delete(self, names: Sequence[str]) -> None:
+        for n in names:
+            self._writer.forget(n)
+            with self._lock:
+                self._headers.pop(n, None)
+        self.io.delete(names)
+
+    # -- housekeeping ---------------------------------------------------------------------------
+    @hookimpl
+    def stats(self) -> dict[str, float]:
+        out = {**self._writer.stats(), **self.io.stats()}
+        with self._lock:
+            out.update({k: float(v) for k, v in self._counts.items()})
+            out["pinned"] = float(len(self._pins))
+        out.update(self._index.stats())
+        out.update(self.breaker.stats())
+        return out
+
+    @hookimpl
+    def close(self) -> None:
+        if self._writer.close(max(30.0, self.opts.timeout_s * 4), join_s=self.opts.timeout_s + 2):
+            self.io.close()

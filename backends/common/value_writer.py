@@ -1,0 +1,254 @@
+"""Stores of a value-store tier (resp, mooncake): a bounded queue drained by writer threads, in
+batches (one pipelined round trip, one batch call).
+
+``submit`` only queues (taking a reference); a full queue drops the store and counts it, so the
+engine never waits. A writer thread takes what is queued (up to ``batch_bytes``), encodes each
+chunk in the shared chunk format into its reused scratch buffer (one copy, after which the memory
+object is released) and sends
+all of them in one batch. A value is visible whole or not at all (``SET`` and Mooncake's puts are
+atomic). A store refused by the server (full: ``OOM`` under ``noeviction``, Mooncake's -200) is
+dropped and counted (``dropped_full``); it does not count against the breaker (the store
+answered).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+from kvplug import chunkfile as cf
+from kvplug.keys import CacheKey
+from kvplug.logs import LogOnce
+from kvplug.memory import MemoryObj
+
+from .index import CapacityIndex, TTLSet
+from .value_io import ValueIO
+
+logger = logging.getLogger("kvplug.backends.values")
+
+Item = tuple[str, CacheKey, MemoryObj]
+
+
+class ValueWriter:
+    """Owns the queue and its threads, the stores in flight (invisible to lookups until written),
+    the recently written names (trusted without a round trip) and the store counters.
+    ``protected(name)`` says whether eviction must spare a name (pinned); ``delete(names)``
+    removes victims of the capacity bound; ``stored(name)`` reports a finished store."""
+
+    def __init__(self, name: str, io: ValueIO, index: CapacityIndex, log_once: LogOnce, *,
+                 pinned: Callable[[str], bool], delete: Callable[[Sequence[str]], None],
+                 stored: Callable[[str], None], max_pending: int, threads: int,
+                 batch_bytes: int, written_ttl_s: float) -> None:
+        self._name = name
+        self._io = io
+        self._index = index
+        self._log_once = log_once
+        self._pinned = pinned
+        self._delete = delete
+        self._stored = stored
+        self._max_pending = max_pending
+        self._batch_bytes = batch_bytes
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending: dict[str, int] = {}
+        self._written = TTLSet(written_ttl_s)
+        self._counts = dict.fromkeys(("written", "bytes_put", "dropped_puts", "dropped_queue_full",
+                                      "dropped_down", "dropped_full", "put_errors"), 0)
+        self._closed = False
+        self._local = threading.local()
+        self._stop = threading.Event()
+        self._queue: queue.Queue[Item] = queue.Queue(max_pending)
+        self._threads = [threading.Thread(target=self._run, name=f"kvplug-{name}-w{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    # -- what lookups and eviction need to know -------------------------------------------------
+    def known(self, names: Sequence[str], trust_written: bool) -> list[bool | None]:
+        """Per name: ``False`` while its store is in flight, ``True`` if written here recently
+        and ``trust_written``, else ``None`` (ask the store)."""
+        with self._lock:
+            return [False if n in self._pending else True if trust_written and n in self._written
+                    else None for n in names]
+
+    def protected(self, name: str) -> bool:
+        with self._lock:
+            if name in self._pending:
+                return True
+        return self._pinned(name)
+
+    def forget(self, name: str) -> None:
+        """The value was deleted, evicted by the store or found corrupt: stop trusting it."""
+        with self._lock:
+            self._written.discard(name)
+
+    # -- stores ---------------------------------------------------------------------------------
+    def submit(self, name: str, key: CacheKey, obj: MemoryObj) -> None:
+        """Queue a store of ``obj`` (a reference is held until it is written or dropped)."""
+        with self._lock:
+            if self._closed or name in self._pending or name in self._written:
+                return
+            self._pending[name] = self._pending.get(name, 0) + 1
+        try:
+            self._queue.put_nowait((name, key, obj.ref_up()))
+        except queue.Full:
+            obj.ref_down()
+            self._done([name])
+            self._count("dropped_puts", "dropped_queue_full")
+            self._log_once("queue_full", "tier %r: write queue full (%d); a store was dropped — "
+                           "further ones are counted in stats, not logged", self._name,
+                           self._max_pending)
+
+    def flush(self, timeout: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout=timeout)
+
+    def close(self, drain_s: float, join_s: float) -> bool:
+        """Refuse new stores, let queued ones finish for up to ``drain_s``, drop (and release)
+        the rest and stop the threads. ``False`` if it was already closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+        if not self.flush(drain_s):
+            logger.warning("tier %r: writes still pending after %.0fs at close; dropped",
+                           self._name, drain_s)
+        while True:
+            try:
+                name, _, obj = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            obj.ref_down()
+            self._done([name])
+            self._count("dropped_puts")
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=join_s)
+        return True
+
+    def _count(self, *what: str, n: int = 1) -> None:
+        with self._lock:
+            for w in what:
+                self._counts[w] += n
+
+    def _done(self, names: Sequence[str]) -> None:
+        with self._lock:
+            for name in names:
+                left = self._pending.get(name, 0) - 1
+                if left > 0:
+                    self._pending[name] = left
+                else:
+                    self._pending.pop(name, None)
+            if not self._pending:
+                self._idle.notify_all()
+
+    def _take(self) -> list[Item]:
+        """One queued store (waiting briefly), plus whatever else is queued, up to the batch size."""
+        first = self._queue.get(timeout=0.2)
+        batch, size = [first], first[2].nbytes
+        while size < self._batch_bytes:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            batch.append(item)
+            size += item[2].nbytes
+        return batch
+
+    def _run(self) -> None:
+        while True:
+            try:
+                batch = self._take()
+            except queue.Empty:
+                if self._stop.is_set():
+                    return
+                continue
+            try:
+                self._write(batch)
+            except Exception as exc:  # noqa: BLE001 - a store never raises into the engine
+                self._count("dropped_puts", n=len(batch))
+                self._log_once("write_bug", "tier %r: store failed: %s — further ones are counted "
+                               "in stats, not logged", self._name, self._io.redact.error(exc))
+            finally:
+                self._done([name for name, _, _ in batch])
+
+    def _scratch(self, size: int) -> memoryview:
+        """This thread's encoding buffer, at least ``size`` bytes: reused from batch to batch, so
+        encoding a value costs one copy into memory already touched (no fresh allocation and
+        page faults per value)."""
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or len(buf) < size:
+            buf = self._local.scratch = memoryview(bytearray(size + size // 4))
+        return buf
+
+    def _encode(self, batch: list[Item]) -> list[tuple[str, memoryview]]:
+        """Each chunk as one value, copied into this thread's scratch buffer (valid until this
+        thread's next batch); every object is released, also on a failure."""
+        try:
+            parts = [(name, cf.encode_chunk(key, obj)) for name, key, obj in batch]
+            sizes = [len(h) + sum(len(b) for b in bufs) for _, (h, bufs) in parts]
+            scratch = self._scratch(sum(sizes))
+            out, off = [], 0
+            for (name, (header, bufs)), size in zip(parts, sizes):
+                pos = off
+                for piece in (header, *bufs):
+                    scratch[pos : pos + len(piece)] = piece
+                    pos += len(piece)
+                out.append((name, scratch[off : off + size]))
+                off += size
+            return out
+        finally:
+            for _, _, obj in batch:
+                obj.ref_down()  # the bytes are copied: L1 may reuse the memory now
+
+    def _write(self, batch: list[Item]) -> None:
+        if not self._io.allow():  # the store is down: drop without encoding
+            for _, _, obj in batch:
+                obj.ref_down()
+            self._count("dropped_puts", "dropped_down", n=len(batch))
+            return
+        try:
+            items = self._encode(batch)
+        except BaseException:
+            self._io.forgo()  # the call the breaker granted will not be made
+            raise
+        room: list[tuple[str, memoryview]] = []
+        for name, data in items:
+            victims = self._index.reserve(len(data), self.protected)
+            if victims is None:
+                self._count("dropped_puts")
+                continue
+            self._delete([v for v, _ in victims])
+            room.append((name, data))
+        if not room:
+            self._io.forgo()
+            return
+        results = self._io.set_many(room)
+        if results is None:  # the round trip failed (counted by the breaker)
+            for _, data in room:
+                self._index.release(len(data))
+            self._count("dropped_puts", "put_errors", n=len(room))
+            return
+        for (name, data), error in zip(room, results):
+            if error is not None:
+                self._index.release(len(data))
+                self._count("dropped_puts", "dropped_full")
+                self._log_once("store_full", "tier %r: the store refused a value (%s); stores "
+                               "are dropped while it is full — further ones are counted in stats "
+                               "(dropped_full), not logged", self._name,
+                               self._io.redact.error(error))
+                continue
+            with self._lock:
+                self._counts["written"] += 1
+                self._counts["bytes_put"] += len(data)
+                self._written.add(name)
+            self._stored(name)
+            self._index.commit(name, len(data))
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            out = {k: float(v) for k, v in self._counts.items()}
+            out["pending_writes"] = float(sum(self._pending.values()))
+        return out

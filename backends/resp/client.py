@@ -1,0 +1,144 @@
+"""The resp tier's connection and its guarded calls: every call one bounded round trip.
+
+:func:`open_client` turns the tier's options into a ``redis`` client (standalone over
+``redis://``, ``rediss://`` (TLS) or ``unix://``, or a cluster), with kvplug's rules: every
+socket read, write and connect bounded by ``timeout_s``, no client-side retries (a retry would
+multiply the bound; the breaker decides when to try again), a bounded connection pool whose wait
+is bounded too, and the password from the URL or from an environment variable, never logged.
+:class:`RespIO` gives the value-store tier (:mod:`kvplug.backends.common.value_tier`) its
+primitives as pipelined round trips; :class:`~kvplug.backends.common.value_io.ValueIO` puts the
+breaker in front of them (a refused, failed or timed-out call is a miss, never an exception).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvplug.errors import ConfigError
+
+from ..common.breaker import CircuitBreaker
+from ..common.redact import Redactor
+from ..common.value_io import ValueIO
+
+SCHEMES = ("redis", "rediss", "unix")
+
+
+def _redis() -> Any:
+    try:
+        import redis
+    except ImportError:
+        raise ConfigError("resp tier: the 'redis' package is not installed; install kvplug[resp] "
+                          "(pip install 'kvplug[resp]')") from None
+    return redis
+
+
+def check_url(url: str) -> str:
+    """``url`` if its scheme is one the tier speaks; a ``ValueError`` naming the fix otherwise."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in SCHEMES:
+        shown = Redactor(url, {})(url)
+        raise ValueError(f"url {shown!r} is not a Valkey/Redis URL: use redis://host:port/db, "
+                         "rediss://host:port (TLS) or unix:///path/to/socket")
+    return url
+
+
+def password_from_env(name: str | None) -> str | None:
+    """The password held by environment variable ``name`` (``None`` when no variable is named)."""
+    if not name:
+        return None
+    value = os.environ.get(name)
+    if value is None:
+        raise ConfigError(f"resp tier: password_env names {name!r}, which is not set in the "
+                          f"environment; export {name}=... or remove password_env")
+    return value
+
+
+def open_client(url: str, *, cluster: bool, password: str | None, timeout_s: float,
+                max_connections: int) -> Any:
+    """A ``redis.Redis`` (or ``RedisCluster``) for ``url``; nothing is sent yet for a standalone
+    server. A cluster client asks the cluster for its slots here (may raise when unreachable)."""
+    redis = _redis()
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    kwargs: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                  retry=Retry(NoBackoff(), 0), health_check_interval=0)
+    if password is not None:
+        kwargs["password"] = password
+    if cluster:
+        if url.lower().startswith("unix://"):
+            raise ConfigError("resp tier: a cluster is reached over redis:// or rediss://, not a "
+                              "unix socket; set cluster: false or give a node's host:port")
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(url, max_connections=max_connections, **kwargs)
+    pool = redis.BlockingConnectionPool.from_url(url, max_connections=max_connections,
+                                                 timeout=timeout_s, **kwargs)
+    return redis.Redis(connection_pool=pool)
+
+
+def display_url(url: str) -> str:
+    """``url`` without user-info or query (what log lines name)."""
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return f"{parts.scheme}://{host}{parts.path}"
+
+
+class RespIO(ValueIO):
+    """The store's primitives as pipelines: one round trip per batch. The client is made on
+    first use (a cluster that is down when the tier starts is then a miss like any other outage,
+    not a startup failure). A reply error from the server (``OOM`` under ``noeviction``, a wrong
+    type) means the store answered: the value is refused, the breaker is not told."""
+
+    def __init__(self, name: str, make_client: Callable[[], Any], breaker: CircuitBreaker,
+                 redact: Redactor) -> None:
+        super().__init__(name, breaker, redact)
+        self._make = make_client
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+        redis = _redis()
+        self._reply_error = redis.exceptions.ResponseError
+        self.timeout_types = (redis.exceptions.TimeoutError,)
+
+    def client(self) -> Any:
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._make()
+            return self._client
+
+    def _pipeline(self, build: Callable[[Any], Any]) -> list[Any]:
+        pipe = self.client().pipeline(transaction=False)
+        build(pipe)
+        return pipe.execute(raise_on_error=False)
+
+    def _exists(self, names: Sequence[str]) -> list[bool | None]:
+        replies = self._pipeline(lambda p: [p.exists(n) for n in names])
+        return [None if isinstance(r, Exception) else bool(r) for r in replies]
+
+    def _get(self, name: str) -> bytes | None:
+        reply = self._pipeline(lambda p: p.get(name))[0]
+        return reply if isinstance(reply, bytes) else None
+
+    def _get_range(self, name: str, start: int, end: int) -> bytes | None:
+        reply = self._pipeline(lambda p: p.getrange(name, start, end - 1))[0]
+        return reply if isinstance(reply, bytes) and reply else None  # missing: empty
+
+    def _set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None]:
+        replies = self._pipeline(lambda p: [p.set(n, v) for n, v in items])
+        return [r if isinstance(r, self._reply_error) else None for r in replies]
+
+    def _delete(self, names: Sequence[str]) -> None:
+        self._pipeline(lambda p: [p.delete(n) for n in names])
+
+    def close(self) -> None:
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001, S110 - closing a dead connection
+                pass

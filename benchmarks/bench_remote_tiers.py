@@ -1,0 +1,282 @@
+"""Remote in-memory stores: each kvplug tier against its raw client, same server, same run.
+
+    .venv/bin/python benchmarks/bench_remote_tiers.py [--chunks 16] [--rounds 5] [--stores resp,mooncake]
+
+* resp tier vs ``redis`` (hiredis parser) on a ``redis-server`` this script starts on 127.0.0.1
+  (a free port, no persistence, 2 GiB ``maxmemory``);
+* mooncake tier vs Mooncake's ``MooncakeDistributedStore`` (``upsert``, ``get``,
+  ``batch_is_exist``) on a ``mooncake_master`` this script starts on 127.0.0.1. Mooncake's clients
+  listen on every interface, so with mooncake the script re-runs itself in a private network
+  namespace (``unshare -n``, loopback only; needs root).
+
+Servers are stopped at the end. Medians over rounds; raw and tier rounds interleaved:
+
+* put MiB/s at 1 and 4 MiB: raw ``SET`` / ``upsert`` of the encoded chunk (the same bytes the tier stores),
+  one after another, vs the tier's ``batched_put`` + ``flush`` (pipelined batches from its
+  writer threads, encoding and checksums included), with ``io_threads=1`` and the default 4;
+* get MiB/s at 1 and 4 MiB: raw ``GET`` / ``get`` vs ``StorageManager.get`` on a second manager (no local
+  state about what the writer stored; an L1 pool in front, as in an engine, not promoted into):
+  checksums verified, bytes copied into a memory object of the pool;
+* a batched lookup of 64 keys (ms): raw pipelined ``EXISTS`` x 64 / ``batch_is_exist`` vs ``lookup_prefix`` of 64
+  keys, and vs the tier's ``contains`` hook called directly (without the StorageManager's
+  bounded call on a tier thread); negative cache off, so every key is asked of the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import redis
+import torch
+from kvplug import chunkfile as cf
+from kvplug.memory import heap_memory_obj
+from kvplug.storage_manager import StorageManager
+from kvplug.testing.conformance import make_key
+
+MiB = 1 << 20
+LOOKUP_KEYS = 64
+LOOKUP_REPS = 20
+
+
+def _chunk(mib: float, seed: int):  # noqa: ANN202
+    pages = max(1, int(mib * MiB) // (32 * 2))
+    obj = heap_memory_obj((32, 2, pages), num_tokens=256)
+    gen = torch.Generator().manual_seed(seed)
+    obj.byte_view.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=gen))
+    return obj
+
+
+def _start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
+    server = shutil.which("redis-server") or shutil.which("valkey-server")
+    if server is None:
+        raise SystemExit("redis-server is not installed (scripts/setup.sh installs it)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([server, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                             "--appendonly", "no", "--maxmemory", "2gb", "--maxmemory-policy",
+                             "allkeys-lru", "--dir", workdir],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            client.ping()
+            break
+        except (redis.ConnectionError, redis.TimeoutError):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("redis-server did not start") from None
+            time.sleep(0.05)
+    client.close()
+    return proc, url
+
+
+class Raw:
+    """A store's raw client: put/get one value, lookup many, delete many."""
+
+    def __init__(self, put, get, lookup, delete, close) -> None:  # noqa: ANN001
+        self.put, self.get, self.lookup, self.delete, self.close = put, get, lookup, delete, close
+
+
+def _raw_redis(url: str) -> Raw:
+    client = redis.Redis.from_url(url, socket_timeout=30)
+
+    def lookup(names: list[str]) -> list:
+        pipe = client.pipeline(transaction=False)
+        for n in names:
+            pipe.exists(n)
+        return pipe.execute()
+
+    return Raw(client.set, client.get, lookup, lambda names: client.delete(*names), client.close)
+
+
+def _raw_mooncake(master: str) -> Raw:
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 512 << 20, 256 << 20, "tcp", "", master) == 0
+
+    def put(name: str, data: bytes) -> None:
+        assert store.upsert(name, data) == 0
+
+    def lookup(names: list[str]) -> list:
+        return [c == 1 for c in store.batch_is_exist(names)]
+
+    return Raw(put, store.get, lookup, store.batch_remove, store.close)
+
+
+def _start_mooncake(workdir: str) -> tuple[subprocess.Popen, str]:
+    binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}",
+                             "--enable_metric_reporting=false"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc, f"127.0.0.1:{port}"
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("mooncake_master did not start") from None
+            time.sleep(0.05)
+
+
+def _manager(tier: dict, l1: bool = False, **opts) -> StorageManager:
+    """A manager over the tier; with ``l1`` an L1 pool in front (as in an engine), so reads land
+    in the pool's (prefaulted) memory."""
+    t = {**tier, "options": {**tier["options"], "negative_cache_s": 0.0, **opts}}
+    tiers = [{"backend": "local_cpu", "options": {"capacity": "128MiB"}}] if l1 else []
+    return StorageManager({"tiers": [*tiers, t]})
+
+
+def measure(store: str, raw: Raw, tier: dict, args: argparse.Namespace,
+            res: dict[str, list[float]]) -> None:
+    """Raw client and tier rounds, interleaved, on the same store; medians go to ``res``."""
+
+    def rec(name: str, value: float) -> None:
+        res.setdefault(f"{store}:{name}", []).append(value)
+
+    writer = _manager(tier)
+    writer1 = _manager(tier, io_threads=1)
+    reader = _manager(tier, l1=True)
+    backend = reader.backend(1)
+    try:
+        for mib in (1, 4):
+            objs = [_chunk(mib, i) for i in range(args.chunks)]
+            for r in range(args.rounds):
+                keys = [make_key(mib * 10**6 + r * 1000 + i) for i in range(args.chunks)]
+                files = [(lambda h, b: h + b"".join(b))(*cf.encode_chunk(k, o))
+                         for k, o in zip(keys, objs)]
+                total = sum(o.nbytes for o in objs) / MiB
+                names = [f"raw:{mib}:{r}:{i}" for i in range(args.chunks)]
+                t = time.perf_counter()
+                for name, f in zip(names, files):
+                    raw.put(name, f)
+                rec(f"raw_put_{mib}", total / (time.perf_counter() - t))
+                t = time.perf_counter()
+                for name in names:
+                    raw.get(name)
+                rec(f"raw_get_{mib}", total / (time.perf_counter() - t))
+                raw.delete(names)
+                pkeys = [k.with_hash(k.chunk_hash + b"p") for k in keys]
+                for mgr, label, ks in ((writer1, "tier1", keys), (writer, "tier", pkeys)):
+                    t = time.perf_counter()
+                    mgr.batched_put(ks, objs)
+                    assert mgr.flush(timeout=600)
+                    rec(f"{label}_put_{mib}", total / (time.perf_counter() - t))
+                t = time.perf_counter()
+                got = [reader.get(k, promote=False) for k in keys]
+                rec(f"tier_get_{mib}", total / (time.perf_counter() - t))
+                assert all(g is not None and torch.equal(g.byte_view, o.byte_view)
+                           for g, o in zip(got, objs)), "tier returned wrong bytes"
+                for g in got:
+                    g.ref_down()
+                writer.evict(keys + pkeys)
+        lkeys = [make_key(9 * 10**6 + i) for i in range(LOOKUP_KEYS)]
+        small = [_chunk(1 / 64, i) for i in range(LOOKUP_KEYS)]
+        writer.batched_put(lkeys, small)
+        assert writer.flush(timeout=600)
+        lnames = [writer.backend(0).name_of(k) for k in lkeys]
+        for _ in range(args.rounds * LOOKUP_REPS):
+            t = time.perf_counter()
+            assert all(raw.lookup(lnames))
+            rec("raw_lookup", (time.perf_counter() - t) * 1e3)
+            t = time.perf_counter()
+            assert reader.lookup_prefix(lkeys).num_chunks == LOOKUP_KEYS
+            rec("tier_lookup", (time.perf_counter() - t) * 1e3)
+            t = time.perf_counter()
+            assert all(backend.contains(lkeys, pin=False))
+            rec("hook_lookup", (time.perf_counter() - t) * 1e3)
+    finally:
+        for mgr in (writer, writer1, reader):
+            mgr.close()
+
+
+def report(store: str, client: str, res: dict[str, list[float]], args: argparse.Namespace) -> None:
+    med = {k.split(":", 1)[1]: statistics.median(v) for k, v in res.items()
+           if k.startswith(store + ":")}
+    print(f"\n{store} tier vs {client} — {args.chunks} chunks per size, {args.rounds} rounds "
+          "(medians)")
+    print("| figure | raw client | tier | ratio |\n|---|---|---|---|")
+    for mib in (1, 4):
+        for what, raw_k, tier_k in (("put MiB/s (tier io_threads=1)", "raw_put", "tier1_put"),
+                                    ("put MiB/s (tier io_threads=4)", "raw_put", "tier_put"),
+                                    ("get MiB/s", "raw_get", "tier_get")):
+            a, b = med[f"{raw_k}_{mib}"], med[f"{tier_k}_{mib}"]
+            print(f"| {mib} MiB {what} | {a:.0f} | {b:.0f} | {b / a:.2f}x |")
+    a = med["raw_lookup"]
+    for what, k in (("StorageManager.lookup_prefix", "tier_lookup"),
+                    ("the contains hook", "hook_lookup")):
+        print(f"| lookup of {LOOKUP_KEYS} keys, ms ({what}) | {a:.2f} | {med[k]:.2f} | "
+              f"{a / med[k]:.2f}x |")
+
+
+def _in_private_netns() -> bool:
+    return [n for _, n in socket.if_nameindex()] == ["lo"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--stores", default="resp,mooncake", help="comma-separated: resp, mooncake")
+    args = ap.parse_args()
+    stores = args.stores.split(",")
+    if "mooncake" in stores and not _in_private_netns():
+        unshare, ip = shutil.which("unshare"), shutil.which("ip")
+        if os.geteuid() != 0 or unshare is None or ip is None:
+            raise SystemExit("the mooncake part runs in a private network namespace (root, unshare "
+                             "and ip); pass --stores resp elsewhere")
+        script = (f"{ip} link set lo up && exec {sys.executable} {os.path.abspath(__file__)} "
+                  f"--chunks {args.chunks} --rounds {args.rounds} --stores {args.stores}")
+        os.execv(unshare, [unshare, "-n", "--", "sh", "-c", script])
+    logging.getLogger("kvplug").setLevel(logging.ERROR)
+    res: dict[str, list[float]] = {}
+    workdir = tempfile.mkdtemp(prefix="kvplug-bench-remote-")
+    try:
+        if "resp" in stores:
+            proc, url = _start_redis(workdir)
+            raw = _raw_redis(url)
+            try:
+                measure("resp", raw, {"backend": "resp", "timeout_s": 60.0,
+                                      "options": {"url": url, "timeout_s": 30.0}}, args, res)
+            finally:
+                raw.close()
+                proc.terminate()
+                proc.wait(timeout=10)
+            report("resp", f"redis-py {redis.__version__} (hiredis) on redis-server", res, args)
+        if "mooncake" in stores:
+            os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+            proc, master = _start_mooncake(workdir)
+            raw = _raw_mooncake(master)
+            try:
+                measure("mooncake", raw, {"backend": "mooncake", "timeout_s": 60.0, "options": {
+                    "master": master, "timeout_s": 30.0, "global_segment_size": "256MiB",
+                    "local_buffer_size": "256MiB"}}, args, res)
+            finally:
+                raw.close()
+                proc.kill()
+                proc.wait(timeout=10)
+            report("mooncake", "Mooncake's MooncakeDistributedStore (tcp, in-process master "
+                   "client, segments lent by each client)", res, args)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

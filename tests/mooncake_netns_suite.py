@@ -1,0 +1,140 @@
+"""The mooncake tier against a real Mooncake master: conformance and failures. Runs only inside
+a private network namespace (``tests/test_mooncake.py`` starts it under ``unshare -n``), where
+the master and every client listen on loopback only.
+
+Each kvplug manager here lends the store a segment of its own memory (``global_segment_size``), as
+an engine would; the master only places objects. Checked besides the conformance kit: a master
+killed and restarted (every object lost) gives misses, never errors, the breaker trips and the
+tier serves exact hits again once it is back; a stopped master (SIGSTOP) gives bounded misses.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from kvplug.memory import MemoryFormat
+from kvplug.storage_manager import StorageManager
+from kvplug.testing import BackendConformance
+from kvplug.testing.conformance import make_key
+from mooncake_store import MooncakeMaster
+
+pytestmark = pytest.mark.timeout(300)
+HANG = 20.0  # no call may take this long (catches a hang; not a speed check)
+
+
+@pytest.fixture
+def master(tmp_path):
+    m = MooncakeMaster(tmp_path / "mooncake")
+    yield m
+    m.stop()
+
+
+def tier(master: MooncakeMaster, **opts) -> dict:
+    options = {"master": master.address, "global_segment_size": "128MiB",
+               "local_buffer_size": "64MiB", "timeout_s": 1.0, "negative_cache_s": 0, **opts}
+    return {"backend": "mooncake", "timeout_s": 10.0, "options": options}
+
+
+class TestMooncakeConformance(BackendConformance):
+    # Objects live in the segments that managers lend: a closed manager takes its own with it.
+    persistent = False
+
+    @pytest.fixture
+    def make_tiers(self, master):
+        return lambda capacity: [tier(master, capacity=capacity)]
+
+    @pytest.fixture
+    def corrupt_entry(self):
+        def corrupt(manager, key) -> None:
+            backend = manager.backend(0)
+            name = backend.name_of(key)
+            data = bytearray(backend.io.get(name))
+            data[-100] ^= 0xFF
+            assert backend.io.set_many([(name, bytes(data))]) == [None]
+
+        return corrupt
+
+
+def _put(mgr: StorageManager, i: int) -> torch.Tensor:
+    obj = mgr.allocate((4, 1, 64 << 10), dtype=torch.uint8, fmt=MemoryFormat.KV_PAGES,
+                       num_tokens=16)
+    gen = torch.Generator().manual_seed(i)
+    obj.byte_view.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=gen))
+    ref = obj.byte_view.clone()
+    mgr.batched_put([make_key(i)], [obj])
+    obj.ref_down()
+    return ref
+
+
+def _exact(mgr: StorageManager, i: int, ref: torch.Tensor) -> bool:
+    t0 = time.monotonic()
+    got = mgr.get(make_key(i), promote=False)
+    assert time.monotonic() - t0 < HANG, "a load hung"
+    if got is None:
+        return False
+    try:
+        assert torch.equal(got.byte_view, ref), f"chunk {i}: wrong bytes"
+    finally:
+        got.ref_down()
+    return True
+
+
+def _stats(mgr: StorageManager) -> dict:
+    return mgr.stats()["mooncake"]
+
+
+def test_master_killed_and_restarted(master):
+    mgr = StorageManager({"tiers": [tier(master, breaker_backoff_s=0.2,
+                                         breaker_max_backoff_s=0.5)], "chunk_size": 16})
+    try:
+        refs = {i: _put(mgr, i) for i in range(4)}
+        assert mgr.flush(timeout=HANG)
+        assert all(_exact(mgr, i, refs[i]) for i in range(4))
+        master.kill()
+        assert [_exact(mgr, i, refs[i]) for i in range(4)] == [False] * 4
+        assert mgr.lookup_prefix([make_key(i) for i in range(4)]).num_chunks == 0
+        refs[10] = _put(mgr, 10)  # dropped: the store is down
+        assert mgr.flush(timeout=HANG)
+        st = _stats(mgr)
+        assert st["breaker_trips"] >= 1 and st["breaker_open"] == 1.0, st
+        master.restart()  # a restart loses every object
+        deadline = time.monotonic() + 60
+        while True:  # stores go through again once the breaker's probe succeeds
+            refs[11] = _put(mgr, 11)
+            assert mgr.flush(timeout=HANG)
+            if _exact(mgr, 11, refs[11]):
+                break
+            assert time.monotonic() < deadline, ("no hit after the restart", _stats(mgr))
+            time.sleep(0.3)
+        assert [_exact(mgr, i, refs[i]) for i in range(4)] == [False] * 4  # lost: misses
+        st = _stats(mgr)
+        assert st["breaker_open"] == 0.0 and st["corrupt"] == 0, st
+        assert sum(t.faults for t in mgr._tiers) == 0
+        print(st)
+    finally:
+        mgr.close()
+
+
+def test_hung_master_bounded_misses(master):
+    mgr = StorageManager({"tiers": [tier(master, breaker_backoff_s=0.2,
+                                         breaker_max_backoff_s=0.5)], "chunk_size": 16})
+    try:
+        refs = {i: _put(mgr, i) for i in range(3)}
+        assert mgr.flush(timeout=HANG)
+        master.pause()
+        t0 = time.monotonic()
+        assert mgr.lookup_prefix([make_key(50)]).num_chunks == 0  # not known here: asks
+        assert [_exact(mgr, i, refs[i]) for i in range(3)] == [False] * 3
+        assert time.monotonic() - t0 < HANG
+        st = _stats(mgr)
+        assert st["breaker_open"] == 1.0 and st["socket_timeouts"] + st["remote_errors"] >= 2, st
+        master.resume()
+        deadline = time.monotonic() + 60
+        while not _exact(mgr, 1, refs[1]):
+            assert time.monotonic() < deadline, ("no hit after SIGCONT", _stats(mgr))
+            time.sleep(0.3)
+        assert sum(t.faults for t in mgr._tiers) == 0
+    finally:
+        mgr.close()

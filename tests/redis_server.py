@@ -1,0 +1,200 @@
+"""A real ``redis-server`` for tests, started by the test on 127.0.0.1 (a free port) or a unix
+socket, with no persistence (``--save "" --appendonly no``); it can be killed, restarted on the
+same port (empty, as a real restart without persistence is), paused (SIGSTOP) and resumed.
+
+Reuse from any test module (the tests directory is on ``sys.path``)::
+
+    from redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
+
+``redis_server`` (function scope) is a fresh server per test; tests that need other settings
+construct :class:`RedisServer` themselves (``maxmemory``, ``policy``, ``unix``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SERVER = shutil.which("redis-server") or shutil.which("valkey-server")
+
+
+def free_port(cluster: bool = False) -> int:
+    """A free port on 127.0.0.1; for a cluster node one at most 55535 whose bus port (+10000) is
+    free too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0 if not cluster else random.randint(20000, 55535)))
+            port = s.getsockname()[1]
+        if not cluster:
+            return port
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+
+
+class RedisServer:
+    """One redis-server process on loopback (or a unix socket in ``workdir``)."""
+
+    cluster_node = False
+
+    def __init__(self, workdir: Path, *, maxmemory: str = "256mb", policy: str = "allkeys-lru",
+                 unix: bool = False, password: str | None = None) -> None:
+        if SERVER is None:
+            pytest.skip("redis-server is not installed (scripts/setup.sh installs it)")
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.maxmemory, self.policy, self.password = maxmemory, policy, password
+        self.socket = str(self.workdir / "redis.sock") if unix else None
+        self.port = 0 if unix else free_port(cluster=self.cluster_node)
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        if self.socket:
+            return f"unix://{auth}{self.socket}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def argv(self) -> list[str]:
+        args = [SERVER, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                "--appendonly", "no", "--maxmemory", self.maxmemory, "--maxmemory-policy",
+                self.policy, "--dir", str(self.workdir), "--protected-mode", "no"]
+        if self.socket:
+            args += ["--unixsocket", self.socket, "--unixsocketperm", "700"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        return args
+
+    def start(self) -> None:
+        log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - the child keeps it
+        deadline = time.monotonic() + 15
+        while True:
+            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT)
+            if self._wait_ready(deadline):
+                return
+            if self.proc.poll() is None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"redis-server did not come up:\n"
+                                   f"{(self.workdir / 'redis.log').read_text()[-3000:]}")
+            time.sleep(0.2)  # the port was still held by the previous process: try again
+
+    def _wait_ready(self, deadline: float) -> bool:
+        import redis
+
+        client = redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=1)
+        try:
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    if client.ping():
+                        return True
+                except (redis.ConnectionError, redis.TimeoutError, OSError):
+                    time.sleep(0.05)
+            return False
+        finally:
+            client.close()
+
+    def client(self):  # noqa: ANN201 - redis.Redis
+        """A plain client (the test's independent view of the store)."""
+        import redis
+
+        return redis.Redis.from_url(self.url, socket_timeout=5)
+
+    def kill(self) -> None:
+        """SIGKILL: the data is gone, as in a crash of a server without persistence."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def restart(self) -> None:
+        self.kill()
+        if self.socket and os.path.exists(self.socket):
+            os.unlink(self.socket)
+        self.start()
+
+    def pause(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.resume()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def redis_server(tmp_path) -> Iterator[RedisServer]:
+    srv = RedisServer(tmp_path / "redis")
+    yield srv
+    srv.stop()
+
+
+class RedisClusterServers:
+    """Three cluster-enabled redis-server masters on 127.0.0.1 (free ports), slots spread over
+    them with ``redis-cli --cluster create`` (no replicas); ``url`` names the first node."""
+
+    def __init__(self, workdir: Path, nodes: int = 3) -> None:
+        cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
+        if SERVER is None or cli is None:
+            pytest.skip("redis-server / redis-cli are not installed (scripts/setup.sh)")
+        self.nodes: list[RedisServer] = []
+        for i in range(nodes):
+            srv = _ClusterNode(Path(workdir) / f"node{i}")
+            self.nodes.append(srv)
+        addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        subprocess.run([cli, "--cluster", "create", *addrs, "--cluster-replicas", "0",
+                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        import redis
+
+        deadline = time.monotonic() + 30
+        for n in self.nodes:
+            client = redis.Redis(host="127.0.0.1", port=n.port, socket_timeout=2)
+            while client.cluster("info").get("cluster_state") != "ok":
+                assert time.monotonic() < deadline, "the cluster never reached cluster_state:ok"
+                time.sleep(0.1)
+            client.close()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.nodes[0].port}/0"
+
+    def client(self):  # noqa: ANN201 - redis.cluster.RedisCluster
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(self.url, socket_timeout=5)
+
+    def flush(self) -> None:
+        for n in self.nodes:
+            client = n.client()
+            client.flushall()
+            client.close()
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+
+class _ClusterNode(RedisServer):
+    cluster_node = True
+
+    def argv(self) -> list[str]:
+        return [*super().argv(), "--cluster-enabled", "yes", "--cluster-config-file",
+                str(self.workdir / "nodes.conf"), "--cluster-node-timeout", "5000"]

@@ -1,0 +1,234 @@
+"""The resp tier against a real redis-server that fails: killed mid-workload and restarted, full
+(``allkeys-lru`` and ``noeviction``), hung (SIGSTOP). Through a real StorageManager: every chunk
+that comes back is bit-exact, every failure is a miss or a dropped store (never an exception),
+every call returns (bounds here only catch a hang), and the breaker trips and recovers.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from kvplug.keys import CacheKey
+from kvplug.memory import MemoryFormat
+from kvplug.storage_manager import StorageManager
+from redis_server import RedisServer
+
+pytestmark = pytest.mark.timeout(180)
+
+SHAPE = (4, 1, 64 << 10)  # 256 KiB per chunk, 4 layers
+HANG = 20.0  # seconds: no single call may take this long (a hang, not a speed check)
+
+
+def key(i: int, model: str = "faults/model") -> CacheKey:
+    return CacheKey(model, "bfloat16", "LBHNC-bs16", 1, 0, i.to_bytes(8, "big") * 4)
+
+
+def manager(url: str, **opts) -> StorageManager:
+    options = {"url": url, "timeout_s": 0.5, "negative_cache_s": 0, "breaker_threshold": 2,
+               "breaker_backoff_s": 0.2, "breaker_max_backoff_s": 0.5, **opts}
+    return StorageManager({"tiers": [{"backend": "resp", "timeout_s": 5.0, "options": options}],
+                           "chunk_size": 16})
+
+
+def put(mgr: StorageManager, i: int, seed: int | None = None) -> torch.Tensor:
+    """Store chunk ``i`` of random bytes; its bytes (the reference)."""
+    obj = mgr.allocate(SHAPE, dtype=torch.uint8, fmt=MemoryFormat.KV_PAGES, num_tokens=16)
+    gen = torch.Generator().manual_seed(i if seed is None else seed)
+    obj.byte_view.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=gen))
+    ref = obj.byte_view.clone()
+    mgr.batched_put([key(i)], [obj])
+    obj.ref_down()
+    return ref
+
+
+def timed(fn, *args, **kwargs):
+    t0 = time.monotonic()
+    out = fn(*args, **kwargs)
+    took = time.monotonic() - t0
+    assert took < HANG, f"{fn.__name__} took {took:.1f}s: a call hung"
+    return out
+
+
+def get_exact(mgr: StorageManager, i: int, ref: torch.Tensor) -> bool:
+    """Whether chunk ``i`` hit; a hit must be bit-exact."""
+    got = timed(mgr.get, key(i), promote=False)
+    if got is None:
+        return False
+    try:
+        assert torch.equal(got.byte_view, ref), f"chunk {i}: wrong bytes"
+    finally:
+        got.ref_down()
+    return True
+
+
+def stats(mgr: StorageManager) -> dict[str, float]:
+    return mgr.stats()["resp"]
+
+
+def test_killed_mid_workload_and_restarted(tmp_path):
+    srv = RedisServer(tmp_path / "redis")
+    mgr = manager(srv.url)
+    refs: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+    hits = {"before": 0, "down": 0, "after": 0}
+    phase = ["before"]
+    stop = threading.Event()
+
+    def workload() -> None:  # stores and reads round after round, whatever the server does
+        i = 0
+        try:
+            while not stop.is_set() and i < 2000:
+                refs[i] = put(mgr, i)
+                timed(mgr.flush, timeout=HANG)
+                for j in (i, i // 2):
+                    if get_exact(mgr, j, refs[j]):
+                        hits[phase[0]] += 1
+                timed(mgr.lookup_prefix, [key(j) for j in range(max(0, i - 8), i + 1)])
+                i += 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    worker = threading.Thread(target=workload)
+    worker.start()
+    try:
+        _wait(lambda: hits["before"] >= 10, "no hits before the kill")
+        phase[0] = "down"
+        srv.kill()
+        _wait(lambda: stats(mgr)["breaker_trips"] >= 1, "the breaker never tripped")
+        _wait(lambda: stats(mgr)["breaker_refused"] >= 5, "the breaker refused nothing")
+        assert stats(mgr)["breaker_open"] == 1.0
+        srv.restart()  # empty: no persistence
+        phase[0] = "after"
+        _wait(lambda: hits["after"] >= 10, "no hits after the restart")
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+        srv.stop()
+        st = stats(mgr)
+        mgr.close()
+    print(json.dumps({"hits": hits, "stats": st}))
+    assert not worker.is_alive()
+    assert not errors, errors[0]
+    assert st["breaker_open"] == 0.0, st
+    assert st["corrupt"] == 0 and st["remote_errors"] + st["socket_timeouts"] >= 1, st
+    assert st["dropped_down"] + st["put_errors"] >= 1, st  # stores while down were dropped
+    assert mgr_faults(mgr) == 0
+
+
+def mgr_faults(mgr: StorageManager) -> float:
+    """Exceptions that escaped the tier's hooks (the manager counts them as tier faults)."""
+    return sum(t.faults for t in mgr._tiers)
+
+
+def _wait(cond, what: str, limit: float = 60.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_restart_loses_values_they_are_misses(tmp_path):
+    """A value stored before a restart of a server without persistence is a miss afterwards (in
+    lookups and loads), and storing it again makes it a hit."""
+    srv = RedisServer(tmp_path / "redis")
+    mgr = manager(srv.url)
+    try:
+        refs = {i: put(mgr, i) for i in range(4)}
+        assert mgr.flush(timeout=HANG)
+        assert mgr.lookup_prefix([key(i) for i in range(4)]).num_chunks == 4
+        srv.restart()
+        time.sleep(1.1)  # past the tier's memory of what it wrote (trusted for 1 s)
+        got = [timed(mgr.get, key(i), promote=False) for i in range(4)]
+        assert got == [None] * 4
+        assert timed(mgr.lookup_prefix, [key(i) for i in range(4)]).num_chunks == 0
+        refs[0] = put(mgr, 0, seed=100)
+        assert mgr.flush(timeout=HANG)
+        assert get_exact(mgr, 0, refs[0])
+        assert mgr_faults(mgr) == 0
+    finally:
+        mgr.close()
+        srv.stop()
+
+
+def test_full_store_allkeys_lru_evicts_silently(tmp_path):
+    """With a small maxmemory and allkeys-lru the server evicts old values on its own: they are
+    misses; recent ones hit exactly; no store is refused; nothing raises."""
+    srv = RedisServer(tmp_path / "redis", maxmemory="6mb", policy="allkeys-lru")
+    mgr = manager(srv.url, timeout_s=2.0)
+    try:
+        refs = {}
+        for i in range(60):  # 15 MiB into ~5 MiB of room
+            refs[i] = put(mgr, i)
+            assert mgr.flush(timeout=HANG)
+        hit = [get_exact(mgr, i, refs[i]) for i in range(60)]
+        assert not all(hit[:10]), "nothing was evicted: the test would pass vacuously"
+        assert hit[-1], "the most recent chunk is gone"
+        found = mgr.lookup_prefix([key(i) for i in range(60)]).num_chunks
+        assert found == (hit.index(False) if False in hit else 60)
+        st = stats(mgr)
+        print(json.dumps({"hits": hit.count(True), "stats": st}))
+        assert st["dropped_full"] == 0 and st["corrupt"] == 0 and st["breaker_trips"] == 0, st
+        assert mgr_faults(mgr) == 0
+    finally:
+        mgr.close()
+        srv.stop()
+
+
+def test_full_store_noeviction_drops_stores(tmp_path):
+    """With noeviction the server refuses writes once full (OOM): those stores are dropped and
+    counted, the breaker stays closed (the store answers), what was stored still hits exactly."""
+    srv = RedisServer(tmp_path / "redis", maxmemory="6mb", policy="noeviction")
+    mgr = manager(srv.url, timeout_s=2.0)
+    try:
+        refs = {}
+        for i in range(40):
+            refs[i] = put(mgr, i)
+            assert mgr.flush(timeout=HANG)
+        hit = [get_exact(mgr, i, refs[i]) for i in range(40)]
+        st = stats(mgr)
+        print(json.dumps({"hits": hit.count(True), "stats": st}))
+        assert hit[0] and not hit[-1], hit
+        assert st["dropped_full"] == hit.count(False) > 0, st
+        assert st["written"] == hit.count(True), st
+        assert st["breaker_trips"] == 0 and st["breaker_open"] == 0, st
+        assert mgr.lookup_prefix([key(i) for i in range(40)]).num_chunks == hit.index(False)
+        assert mgr_faults(mgr) == 0
+    finally:
+        mgr.close()
+        srv.stop()
+
+
+def test_hung_server_bounded_misses_then_recovers(tmp_path):
+    """A server stopped with SIGSTOP (accepts connections, never answers): lookups, loads and
+    stores return within the bound as misses / dropped stores; the breaker trips and then refuses
+    without waiting; after SIGCONT the tier serves exact hits again."""
+    srv = RedisServer(tmp_path / "redis")
+    mgr = manager(srv.url)
+    try:
+        refs = {i: put(mgr, i) for i in range(3)}
+        assert mgr.flush(timeout=HANG)
+        assert get_exact(mgr, 0, refs[0])
+        srv.pause()
+        for i in range(3):
+            assert timed(mgr.get, key(i), promote=False) is None
+        assert timed(mgr.lookup_prefix, [key(9)]).num_chunks == 0
+        refs[5] = put(mgr, 5)
+        assert timed(mgr.flush, timeout=HANG)
+        st = stats(mgr)
+        print(json.dumps({"stats": st}))
+        assert st["breaker_open"] == 1.0 and st["socket_timeouts"] >= 2, st
+        refused = st["breaker_refused"]
+        for i in range(20):  # while open: refused at once (no socket wait)
+            assert timed(mgr.get, key(i % 3), promote=False) is None
+        assert stats(mgr)["breaker_refused"] > refused
+        srv.resume()
+        _wait(lambda: get_exact(mgr, 1, refs[1]), "no hit after SIGCONT")
+        assert stats(mgr)["breaker_open"] == 0.0
+        assert mgr_faults(mgr) == 0
+    finally:
+        mgr.close()
+        srv.stop()
