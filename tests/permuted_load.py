@@ -2,7 +2,7 @@
 control in test_connector_engine.py.
 
 A test names this module as ``kv_connector_module_path``; vLLM imports it in the engine-core and in
-every worker process, so importing it monkeypatches the worker's bulk scatter where loads run:
+every worker process, so importing it monkeypatches the bulk scatter of the load path (kvplug.connector.load):
 the pages of every loaded chunk are permuted (blocks in reversed order) before they reach blocks.
 """
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import kvplug.connector.worker as _worker
+import kvplug.connector.load as _load
 from kvplug.connector import KVPlugConnector
 
 __all__ = ["KVPlugConnector", "permute_pages"]
 
-_scatter_many = _worker.scatter_many
+_scatter_many = _load.scatter_many
 
 
 def permute_pages(src: Any) -> Any:
@@ -27,4 +27,4 @@ def _permuted_scatter_many(kv: Any, jobs: Any) -> None:
     _scatter_many(kv, [(ids, permute_pages(pages)) for ids, pages in jobs])
 
 
-_worker.scatter_many = _permuted_scatter_many
+_load.scatter_many = _permuted_scatter_many
