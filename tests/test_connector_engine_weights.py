@@ -26,7 +26,7 @@ CHUNKED = {"max_num_batched_tokens": CHUNK}
 def models(tmp_path_factory):
     from kvplug.connector.demo.model import make_model
 
-    root = tmp_path_factory.getbasetemp() / "models"
+    root = tmp_path_factory.mktemp("weights-models")  # its own: an engine here reloads weights
     return make_model("tiny", root=root), make_model("tiny", seed=4321, root=root)
 
 

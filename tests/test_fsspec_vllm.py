@@ -13,7 +13,7 @@ from s3_server import moto_server, s3  # noqa: F401 - fixtures
 from vllm_helpers import prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)
+ENGINES_IN_PROCESS = False  # engines run in-process (tests/conftest.py: _engine_layout)
 
 CHUNK = 256
 P = prompt(1100, 11)  # 4 chunks loadable
@@ -42,7 +42,7 @@ def test_second_engine_process_loads_from_s3(s3, tmp_path):  # noqa: F811 - pyte
     # first token changed finds nothing, neither in the bucket nor in the L1 the warm run filled
     warm, other = run_scenario(model, kv, [("gen", P, None), ("gen", [P[0] + 1, *P[1:]], None)],
                                CHUNKED)
-    assert warm["kvplug"]["loaded_tokens"] == 1024
+    assert warm["kvplug"]["loaded_tokens"] == 1024, warm["kvplug"]
     assert warm["kvplug"]["tiers"] == {"fsspec": 1024}
     assert warm["tokens"] == cold["tokens"] and warm["logprobs"] == cold["logprobs"]
     assert other["kvplug"]["loaded_tokens"] == 0

