@@ -132,3 +132,50 @@ def make_sliding_model(preset: str = "tiny", window: int = 100, seed: int = 1234
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def make_eagle_draft(preset: str = "tiny", seed: int = 7,
+                     root: str | os.PathLike[str] | None = None, max_len: int = 8192) -> Path:
+    """Write (once) and return a one-layer EAGLE draft head for a :func:`make_model` target of
+    the same preset, with random weights: vLLM's Llama-EAGLE layout (``fc`` joining the token
+    embedding and the target's hidden state, one decoder layer without input norm; embedding
+    and LM head shared with the target). For tests of speculative decoding: it drafts (badly),
+    and it has KV layers of its own in the engine's KV cache."""
+    base = Path(root) if root is not None else default_cache_dir() / "models"
+    out = base / f"{preset}-eagle-seed{seed}"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    p = PRESETS[preset]
+    h, heads, kv_heads, hd, inter = (p["hidden_size"], p["num_attention_heads"],
+                                     p["num_key_value_heads"], p["head_dim"],
+                                     p["intermediate_size"])
+    cfg = LlamaConfig(**{**p, "num_hidden_layers": 1}, max_position_embeddings=max_len,
+                      rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1,
+                      eos_token_id=2)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.08).to(torch.bfloat16)
+
+    weights = {"fc.weight": rand(h, 2 * h),
+               "layers.0.self_attn.q_proj.weight": rand(heads * hd, h),
+               "layers.0.self_attn.k_proj.weight": rand(kv_heads * hd, h),
+               "layers.0.self_attn.v_proj.weight": rand(kv_heads * hd, h),
+               "layers.0.self_attn.o_proj.weight": rand(h, heads * hd),
+               "layers.0.mlp.gate_proj.weight": rand(inter, h),
+               "layers.0.mlp.up_proj.weight": rand(inter, h),
+               "layers.0.mlp.down_proj.weight": rand(h, inter),
+               "layers.0.post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        cfg.save_pretrained(tmp)
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _publish(tmp, out, {"architectures": ["LlamaForCausalLM"]}, p["vocab_size"], max_len)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
