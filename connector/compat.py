@@ -12,6 +12,10 @@ meets it:
 * ``BlockStored`` fields a router reads (``group_idx``, ``kv_cache_spec_kind``,
   ``kv_cache_spec_sliding_window``): set only where the installed class has them
   (:func:`event_group_fields`).
+* Speculative decoding with a drafter that reads the target's hidden states (EAGLE, MTP...):
+  its KV at a position depends on the next token, so vLLM recomputes the last block of every
+  prefix hit; 0.32/0.33 say so with ``SpeculativeConfig.use_eagle_block_drop()``, an older build
+  only with ``use_eagle()`` (:func:`drops_last_block`).
 * Attributes of scheduler objects read with a default (``SchedulerOutput.preempted_req_ids``,
   ``kv_connector_block_state``, ``Request.num_in_flight_tokens``): present in both.
 
@@ -215,3 +219,14 @@ def api_problems(cls: type, api: dict[str, dict[str, Sig]]) -> tuple[list[str], 
     notes = [f"{cls.__name__}.{n}: not in this vLLM's base classes (never called by it)"
              for n in sorted(own - seen)]
     return problems, notes
+
+
+def drops_last_block(vllm_config: Any) -> bool:
+    """Whether this engine's speculative drafter reads the target's hidden states (EAGLE, MTP,
+    DFlash...), so vLLM recomputes the last block of every cache hit: the drafter's KV at a
+    position was computed with the token after it, which a stored range's key does not cover."""
+    sc = getattr(vllm_config, "speculative_config", None)
+    if sc is None:
+        return False
+    drop = getattr(sc, "use_eagle_block_drop", None) or getattr(sc, "use_eagle", None)
+    return bool(drop()) if callable(drop) else False

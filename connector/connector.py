@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.platforms import current_platform
 
-from .compat import event_group_fields
+from .compat import drops_last_block, event_group_fields
 from .config import load_connector_config
 from .events import KVPlugKVEvents, TierEventBook, TierWatch, events_enabled
 from .groups import layout_of
@@ -114,7 +114,8 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
             client = LookupClient([socket_path(engine_id, r, p) for p in range(pp)
                                    for r in range(tp)], self.config.lookup_timeout_s)
             self._sched = SchedulerSide(self.config, block_size, self.kv_role, client,
-                                        self.layout)
+                                        self.layout,
+                                        drop_last_block=drops_last_block(vllm_config))
             if self._events_on:
                 fields = event_group_fields(kv_cache_config)
                 self._book = TierEventBook(

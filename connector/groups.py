@@ -169,16 +169,18 @@ class GroupChunk:
 
 
 def load_parts(layout: GroupLayout, tables: Sequence[Sequence[int]], chunk_hash: bytes,
-               start: int, end: int, load_start: int, block_size: int) -> list[GroupChunk]:
+               start: int, end: int, load_start: int, block_size: int,
+               write_end: int | None = None) -> list[GroupChunk]:
     """The parts of the stored chunk ``[start, end)`` to write, per group: full groups every block
-    from ``load_start`` (what vLLM already holds is skipped), sliding groups only their live
-    blocks (the null blocks before the window stay null). Raises ``ValueError`` when a table is
-    too short."""
+    from ``load_start`` (what vLLM already holds is skipped) to ``write_end`` (default ``end``),
+    sliding groups only their live blocks (the null blocks before the window stay null). Raises
+    ``ValueError`` when a table is too short."""
     bs = block_size
     first = max(start, load_start)
+    stop = end if write_end is None else min(end, write_end)
     out: list[GroupChunk] = []
     for g in layout.groups:
-        ids = blocks_for_tokens(tables[g.index] if g.index < len(tables) else [], first, end, bs)
+        ids = blocks_for_tokens(tables[g.index] if g.index < len(tables) else [], first, stop, bs)
         skip = 0
         while skip < len(ids) and ids[skip] == NULL_BLOCK:
             skip += 1
@@ -188,7 +190,7 @@ def load_parts(layout: GroupLayout, tables: Sequence[Sequence[int]], chunk_hash:
             continue  # wholly out of the window: nothing to write
         s = first + skip * bs
         out.append(GroupChunk(group_hash(chunk_hash, g), start, end, num_pages(end - start, bs),
-                              pages_for_tokens(s, end, bs, chunk_start=start), ids[skip:],
+                              pages_for_tokens(s, stop, bs, chunk_start=start), ids[skip:],
                               counts=not out))
     return out
 

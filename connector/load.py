@@ -94,7 +94,7 @@ class RequestLoad:
             return []
         bs = self.block_size
         return self.req.block_ids[max(self.fail_at, self.spec.start) // bs:
-                                  num_pages(self.spec.end, bs)]
+                                  num_pages(self.spec.write_end, bs)]
 
     def loaded(self) -> list[ChunkLoad]:
         """The chunks whose pages reached blocks."""
@@ -118,13 +118,16 @@ def plan_load(md: KVPlugMetadata, r: ReqMeta, key: Callable[[bytes], CacheKey], 
     for i, h in enumerate(spec.hashes):
         s, e = md.chunk_range(spec, i)
         first = max(s, spec.start)  # blocks before it vLLM already holds
+        stop = min(e, spec.write_end)  # blocks from it on vLLM recomputes (spec.upto)
+        if first >= stop:
+            break
         try:
             if layout is not None and layout.multi:
-                parts = groups.load_parts(layout, r.tables, h, s, e, spec.start, bs)
+                parts = groups.load_parts(layout, r.tables, h, s, e, spec.start, bs, stop)
             else:
                 parts = [groups.GroupChunk(h, s, e, num_pages(e - s, bs),
-                                           pages_for_tokens(first, e, bs, chunk_start=s),
-                                           blocks_for_tokens(r.block_ids, first, e, bs), True)]
+                                           pages_for_tokens(first, stop, bs, chunk_start=s),
+                                           blocks_for_tokens(r.block_ids, first, stop, bs), True)]
         except (ValueError, IndexError):
             ld.fail(s)
             break

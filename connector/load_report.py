@@ -57,12 +57,12 @@ class LoadReports:
             self.stats.add("failed_blocks", len(bad))
             logger.warning("kvplug: request %s: chunk at token %d is missing or invalid; %d "
                            "blocks (tokens %d-%d) will be recomputed", r.req_id, ld.fail_at,
-                           len(bad), max(ld.fail_at, ld.spec.start), ld.spec.end)
+                           len(bad), max(ld.fail_at, ld.spec.start), ld.spec.write_end)
         per_tier: dict[str, int] = {}
         tier_bytes: dict[str, int] = {}
         loaded = nbytes = 0
         for c in ld.loaded():
-            n = (c.end - max(c.start, ld.spec.start)) if c.counts else 0
+            n = (min(c.end, ld.spec.write_end) - max(c.start, ld.spec.start)) if c.counts else 0
             per_tier[c.tier] = per_tier.get(c.tier, 0) + n
             loaded += n
             b = len(c.block_ids) * kv.num_layers * kv.page_bytes

@@ -23,7 +23,9 @@ class LoadSpec:
     ``start`` is what vLLM already holds (its own prefix-cache hit, block aligned); ``end`` is the
     external hit. The chunks covering ``[first_chunk * chunk_size, end)`` are fetched whole and only
     the blocks at or past ``start`` are written. ``background``: vLLM loads it asynchronously (a
-    chunk is in a tier that may block); the workers report it in ``finished_recving``.
+    chunk is in a tier that may block); the workers report it in ``finished_recving``. ``upto``:
+    no block at or past it is written (an EAGLE/MTP drafter: vLLM recomputes the last block of
+    the stored range, see :mod:`kvplug.connector.scheduler`); None: up to ``end``.
     """
 
     start: int
@@ -31,6 +33,12 @@ class LoadSpec:
     first_chunk: int
     hashes: list[bytes]
     background: bool = False
+    upto: int | None = None
+
+    @property
+    def write_end(self) -> int:
+        """Where the blocks written stop (the tokens vLLM takes as loaded)."""
+        return self.end if self.upto is None else min(self.upto, self.end)
 
 
 @dataclass

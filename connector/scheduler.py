@@ -16,6 +16,13 @@ blocks once the workers report that save done). KV produced while decoding is st
 Lookup: the full chunks, then the block ends inside the chunk after the last full one; when a
 full chunk is missing (turn N+1 of a chat has a full chunk where turn N stored a partial one), a
 second lookup tries the block ends inside that chunk.
+
+Speculative drafters that read the target's hidden states (EAGLE, MTP; ``drop_last_block``):
+the drafter's KV at a position is computed with the token after it, which the stored range's
+key does not cover, so, as vLLM does for its own prefix cache, the last block of a hit is not
+loaded (vLLM recomputes it; its chunk is fetched and only the blocks before it written), and
+while a request decodes its KV is stored only one block behind what is computed (the drafter
+may still rewrite the last accepted position); at the request's end the rest is stored.
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ class RequestTracker:
     can_save: bool
     hashes: list[bytes] = field(default_factory=list)  # full-chunk hashes computed so far
     lookup_tokens: int = 0  # last lookup's hit (tokens stored, counted from 0)
+    usable_tokens: int = 0  # of it, what vLLM is told (less the last block: drop_last_block)
     stored_tokens: int = 0  # [0, stored_tokens) is in storage or being stored (chunk aligned)
     saved_end: int = 0  # [0, saved_end) is stored or being stored (block aligned)
     refine: tuple[int, int] | None = None  # (num_tokens, chunk) of a second lookup not answered
@@ -112,7 +120,7 @@ class SchedulerSide:
 
     def __init__(
         self, config: ConnectorConfig, block_size: int, role: str, lookup: LookupFn,
-        layout: GroupLayout | None = None,
+        layout: GroupLayout | None = None, drop_last_block: bool = False,
     ) -> None:
         self.layout = layout or GroupLayout()  # KV cache groups (connector/groups.py)
         if config.chunk_size % block_size and self.layout.servable:
@@ -122,6 +130,8 @@ class SchedulerSide:
         self.cs = config.chunk_size
         self.db = TokenDatabase(config.chunk_size)
         self.bs = block_size
+        #: an EAGLE/MTP drafter: the last block of a hit is recomputed (module docstring)
+        self.drop_last_block = drop_last_block
         self.role = role
         self.lookup = lookup
         self.stats = StatsRecorder()
@@ -158,7 +168,7 @@ class SchedulerSide:
         self.lookup.release(list(self.trackers))
         background = set(self._background)  # loads not sent yet: they go out under the new epoch
         for req_id, t in self.trackers.items():
-            t.lookup_tokens, t.refine, t.asking = 0, None, False
+            t.lookup_tokens, t.usable_tokens, t.refine, t.asking = 0, 0, None, False
             if req_id not in background:
                 t.stale, t.pending_load = True, None
         for r in self._finishing:  # old weights' KV: nothing stored, the hold still released
@@ -216,7 +226,7 @@ class SchedulerSide:
         if t.stale:  # asked again after a weights reset: it holds no KV of the old weights now
             t.stale, t.stored_tokens, t.saved_end = False, 0, 0
             self._allow(t)
-        t.lookup_tokens = 0
+        t.lookup_tokens = t.usable_tokens = 0
         t.pending_load = None
         t.load_background = False
         if not t.can_load:
@@ -243,8 +253,10 @@ class SchedulerSide:
         t.asking = found is None
         if found is None:
             return None, False
-        hit = min(found, cap)
-        t.lookup_tokens = hit
+        t.lookup_tokens = min(found, cap)
+        # block aligned: a stored range ends at a block end
+        hit = t.usable_tokens = max(0, t.lookup_tokens - self.bs) if self.drop_last_block \
+            else t.lookup_tokens
         if cap > num_computed_tokens:  # a lookup that cannot load is no query for the hit rate
             self.stats.add("lookups")
             self.stats.add("lookup_query_tokens", cap)
@@ -264,7 +276,7 @@ class SchedulerSide:
         t = self.trackers.get(req_id)
         if t is None:
             return num_external_tokens, 0
-        start, end = t.lookup_tokens - num_external_tokens, t.lookup_tokens
+        start, end = t.usable_tokens - num_external_tokens, t.usable_tokens
         slow = sum(max(0, min(end, (i + 1) * self.cs) - max(start, i * self.cs))
                    for i in t.slow_chunks)
         return num_external_tokens - slow, slow
@@ -294,10 +306,12 @@ class SchedulerSide:
         t.stored_tokens = max(t.stored_tokens, hit // self.cs * self.cs)
         t.saved_end = max(t.saved_end, hit)
         if num_external_tokens > 0:
-            start = hit - num_external_tokens
+            upto = t.usable_tokens  # the hit's last block is recomputed: drop_last_block
+            start = upto - num_external_tokens
             first = start // self.cs
             t.pending_load = LoadSpec(start, hit, first, self._hashes_for(t, first * self.cs, hit),
-                                      background=t.load_background)
+                                      background=t.load_background,
+                                      upto=upto if upto < hit else None)
             if self.on_chunks is not None:  # a load promotes its chunks into L1
                 self.on_chunks(request, first * self.cs, hit, t.pending_load.hashes)
             if t.load_background:  # not scheduled while it loads: sent on its own
@@ -384,7 +398,7 @@ class SchedulerSide:
             if t is None:
                 continue
             load, t.pending_load = t.pending_load, None
-            save = (self._save_spec(t, t.request.num_computed_tokens + n)
+            save = (self._save_spec(t, self._computed_after(t, n))
                     if t.can_save and not t.stale and n else None)
             if load is None and save is None:
                 continue
@@ -394,6 +408,15 @@ class SchedulerSide:
             meta.requests.append(ReqMeta(req_id, block_ids, load, save,
                                          tables=self._tables(groups or t.tables)))
         return meta
+
+    def _computed_after(self, t: RequestTracker, n: int) -> int:
+        """Tokens whose KV is final after this step schedules ``n`` of ``t``: with an EAGLE/MTP
+        drafter, while decoding, one block less (the drafter may rewrite its KV at the last
+        accepted position after a rejected draft)."""
+        done = t.request.num_computed_tokens
+        if self.drop_last_block and done >= t.prompt_len:
+            return max(t.prompt_len, done - self.bs)
+        return done + n
 
     def _tables(self, tables: tuple[list[int], ...] | list | None) -> tuple[list[int], ...]:
         """Every group's block table for the workers; empty for a single-group model."""
