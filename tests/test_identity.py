@@ -130,6 +130,37 @@ def test_other_weights_with_the_same_config_never_share(tmp_path, models):
     assert not shares(tmp_path / "x", a, b)
 
 
+def _spec(method: str, model=None) -> dict:
+    if method == "ngram":
+        return {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                       "prompt_lookup_max": 4, "prompt_lookup_min": 1}}
+    return {"speculative_config": {"method": method, "model": str(model),
+                                   "num_speculative_tokens": 3}}
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["weights", "model_name"])
+def test_drafter_with_kv_layers_is_part_of_identity(tmp_path, models, named):
+    """A drafter with KV layers of its own (a draft model, an EAGLE head) stores them with the
+    target's: KV of one drafter is never served to an engine with another drafter, or with
+    none, even under one explicit ``model_name``. n-gram drafting has no KV: it shares with the
+    plain engine (control: the check can say "shares")."""
+    from kvplug.connector.demo.model import make_eagle_draft
+
+    root = models["a"].parent
+    cfg = ConnectorConfig(model_name="m") if named else None
+    eagle_a, eagle_b = make_eagle_draft(seed=7, root=root), make_eagle_draft(seed=8, root=root)
+    key = {name: key_of(engine_config(models["a"], **kw), HASHES[0], cfg=cfg) for name, kw in {
+        "plain": {}, "ngram": _spec("ngram"),
+        "draft_a": _spec("draft_model", models["a"]),
+        "draft_other": _spec("draft_model", models["other"]),
+        "eagle_a": _spec("eagle", eagle_a), "eagle_b": _spec("eagle", eagle_b)}.items()}
+    for a, b in [("draft_a", "draft_other"), ("eagle_a", "eagle_b"), ("plain", "draft_a"),
+                 ("plain", "eagle_a"), ("draft_a", "eagle_a")]:
+        assert key[a].model_digest != key[b].model_digest, (a, b)
+    assert not shares(tmp_path / "x", key["eagle_a"], key["eagle_b"])
+    assert shares(tmp_path / "y", key["plain"], key["ngram"])
+
+
 def test_model_name_override(tmp_path, models):
     """``model_name`` names the model explicitly: equal names share, other names do not."""
     vc_a, vc_b = engine_config(models["a"]), engine_config(models["other"])
