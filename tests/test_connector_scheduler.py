@@ -193,3 +193,38 @@ def test_a_prompt_vllm_holds_is_never_held_back_by_an_unanswered_lookup(model_di
     side._track(other)
     assert side.get_num_new_matched_tokens(other, 0) == (None, False)
     assert fake.released == ["held"]
+
+
+def test_eagle_drafter_hit_ends_a_block_early_and_decode_stores_a_block_behind(model_dir):
+    """An EAGLE/MTP drafter's KV at a position depends on the next token: the last block of a
+    hit is recomputed (its chunk is fetched, only the blocks before it written), and decode KV
+    is stored one block behind what is computed (the drafter may rewrite the last accepted
+    position). The engine test (test_connector_engine_spec.py) runs it end to end."""
+    from kvplug.connector.load import plan_load
+
+    s, side, fake = build(model_dir, extra={"save_decode": True})
+    side.drop_last_block = True  # compat.drops_last_block(vllm_config) with an EAGLE drafter
+    r = make_request("c", prompt(1300, 3), max_tokens=500)
+    side._track(r)
+    fake.stored.update(side._full_hashes(side.trackers["c"], 3))  # 3 of 5 chunks stored
+    s.add_request(r)
+    so, md = step(s)
+    (rm,) = md.requests
+    assert (rm.load.start, rm.load.end, rm.load.upto, len(rm.load.hashes)) == (0, 768, 640, 3)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 640  # the last block recomputed
+    assert (rm.save.start, rm.save.end) == (768, 1280)  # what lookup found is not stored again
+    plan = plan_load(md, rm, lambda h: h, lambda k: "local_cpu")
+    assert [(c.start, c.end, c.block_ids) for c in plan.chunks] == [
+        (0, 256, rm.block_ids[0:2]), (256, 512, rm.block_ids[2:4]), (512, 768, rm.block_ids[4:5])]
+    assert plan.error_blocks() == []
+    saved_at = {}
+    for _ in range(500):
+        computed = r.num_computed_tokens
+        _, md = step(s)
+        for m in md.requests:
+            saved_at[(m.save.start, m.save.end)] = computed
+        if not s.requests:
+            break
+    # chunk [1280, 1536) is complete in the step that computes token 1535 (without a drafter
+    # it is stored in that step); here a block later
+    assert saved_at[(1280, 1536)] == 1536 + 128, saved_at
