@@ -39,8 +39,8 @@ class LocalCPUBackend:
             default=None, description="page-lock the pool (default: when CUDA is present)"
         )
         prefault: bool = Field(
-            default=True, description="back the whole pool at startup, in the background, so "
-            "stores never page-fault inside vLLM's step (the pool is then resident at once)"
+            default=True, description="back the pool's pages ahead of use, in the background, so "
+            "stores never page-fault inside vLLM's step (the pool becomes resident as it fills)"
         )
 
     def __init__(self, ctx: TierContext) -> None:

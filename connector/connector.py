@@ -198,7 +198,8 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return None, None
         sent = self._worker.take_sent(finished_req_ids)
-        return sent or None, self._worker.get_finished(finished_req_ids) or None
+        idle = (md := self._meta()) is not None and md.idle  # no forward: wait a little
+        return sent or None, self._worker.get_finished(finished_req_ids, idle) or None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM freed the preempted requests' blocks; the coming forward pass may rewrite them

@@ -81,6 +81,8 @@ class KVPlugMetadata(KVConnectorMetadata):
     #: the weights epoch this step's loads and stores are keyed under (``reset_cache`` draws a
     #: new one; the workers switch before anything else of the step)
     epoch: str = ""
+    #: vLLM scheduled no token this step (it runs no forward pass; only waits on loads)
+    idle: bool = False
 
     def chunk_range(self, spec: LoadSpec | SaveSpec, index: int) -> tuple[int, int]:
         """Token range ``[s, e)`` of the ``index``-th chunk of a spec (clipped to ``spec.end``)."""

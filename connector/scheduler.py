@@ -383,7 +383,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVPlugMetadata:
         """One ReqMeta per scheduled request that loads or stores something this step."""
-        meta = KVPlugMetadata(chunk_size=self.cs, block_size=self.bs, epoch=self.epoch)
+        meta = KVPlugMetadata(chunk_size=self.cs, block_size=self.bs, epoch=self.epoch,
+                              idle=not getattr(so, "total_num_scheduled_tokens", 1))
         meta.requests, self._finishing = self._finishing, []
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
         for req_id in meta.preempted:  # blocks freed after their copies: nothing holds them now

@@ -261,13 +261,14 @@ class WorkerSide:
         if self._loads is not None:
             self._loads.wait_layer(layer_name)
 
-    def get_finished(self, finished: set[str]) -> set[str]:
+    def get_finished(self, finished: set[str], idle: bool = False) -> set[str]:
         """Background loads that are over (vLLM's ``finished_recving``); drops finished
-        requests' pins."""
+        requests' pins. ``idle``: the step ran no forward (a short wait for a fetch, see
+        :meth:`.load.BackgroundLoads.wait_idle`)."""
         if self._loads is None:
             return set()
         try:
-            return self._loads.take_background(finished)
+            return self._loads.take_background(finished, idle)
         finally:
             self.release(finished)
 

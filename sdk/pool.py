@@ -9,7 +9,6 @@ evict and retry or skip — it never blocks.
 from __future__ import annotations
 
 import bisect
-import os
 import threading
 from dataclasses import dataclass
 
@@ -42,36 +41,77 @@ class PoolStats:
 #: Linux ``madvise`` advice that backs pages as if written, leaving their contents alone (5.14+).
 MADV_POPULATE_WRITE = 23
 _PREFAULT_STEP = 4 << 20  # short steps: mmap_lock is held for one step at a time
+#: How far the backed part of the pool runs ahead of the highest allocation (see ``_Frontier``).
+PREFAULT_AHEAD = 256 << 20
 
 
-def populate_pages(buf: torch.Tensor, done: threading.Event | None = None) -> bool:
-    """Back every page of ``buf`` now (``MADV_POPULATE_WRITE``, in 4 MiB steps, GIL released, at the
-    lowest CPU priority).
-
-    An untouched buffer costs one page fault per 4 KiB on first write: measured 4,416 faults and
-    38-80 ms for one 3001-token store on the benchmark VM, paid inside vLLM's step. Run once per
-    pool on a background thread, so startup does not wait; the advice never changes contents, so
-    allocations made meanwhile are safe. False where the kernel lacks the advice (then pages are
-    faulted in on first use, as before)."""
+def _madvise():  # noqa: ANN202 - a ctypes function
     import ctypes
 
-    try:  # the engine's threads first: this one only gets what they leave (Linux: per thread)
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (OSError, AttributeError):
-        pass
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
+def populate_pages(buf: torch.Tensor, start: int = 0, end: int | None = None) -> bool:
+    """Back the pages of ``buf[start:end]`` now (``MADV_POPULATE_WRITE`` in 4 MiB steps, GIL
+    released), leaving their contents alone. False where the kernel lacks the advice (pages are
+    then faulted in on first use)."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        start, size = buf.data_ptr(), buf.numel() * buf.element_size()
-        for off in range(0, size, _PREFAULT_STEP):
-            if libc.madvise(start + off, min(_PREFAULT_STEP, size - off), MADV_POPULATE_WRITE):
+        madvise = _madvise()
+        base, size = buf.data_ptr(), buf.numel() * buf.element_size()
+        end = size if end is None else min(end, size)
+        for off in range(start, end, _PREFAULT_STEP):
+            if madvise(base + off, min(_PREFAULT_STEP, end - off), MADV_POPULATE_WRITE):
                 return False
         return True
     except (OSError, AttributeError):
         return False
-    finally:
-        if done is not None:
-            done.set()
+
+
+class _Frontier:
+    """Backs the pool from its start, only as far as ``PREFAULT_AHEAD`` past the highest
+    allocation, on one background thread.
+
+    An untouched page costs a page fault on first write: 4,416 faults and 38-80 ms for one
+    3001-token store, paid inside vLLM's step (benchmarks/RESULTS.md). Backing the whole pool at
+    startup instead (up to 1.7 s per GiB of one core here) ran during the engine's first requests
+    and slowed them 2-4x: the advice holds the process's mmap lock for each step, so the forward
+    pass's allocations (``munmap``) and page faults queued behind it (RESULTS.md, "Disk hits
+    right after start"). First-fit allocation fills the pool from its start, so backing a margin
+    ahead of the highest allocation keeps every allocation on backed pages while startup backs
+    only the margin, and later work grows with what is stored. ``done`` is set once the whole
+    pool is backed (or the kernel lacks the advice)."""
+
+    def __init__(self, buf: torch.Tensor, done: threading.Event) -> None:
+        self._buf = buf
+        self._size = buf.numel()
+        self.done = done
+        self._cond = threading.Condition()
+        self._want = min(self._size, PREFAULT_AHEAD)  # back up to here
+        self.backed = 0  # backed up to here
+        threading.Thread(target=self._run, name="kvplug-pool-prefault", daemon=True).start()
+
+    def reach(self, end: int) -> None:
+        """An allocation ends at ``end``: keep the backed part ``PREFAULT_AHEAD`` beyond it."""
+        want = min(self._size, end + PREFAULT_AHEAD)
+        if want > self._want:
+            with self._cond:
+                self._want = max(self._want, want)
+                self._cond.notify()
+
+    def _run(self) -> None:
+        try:
+            while self.backed < self._size:
+                with self._cond:
+                    while self._want <= self.backed:
+                        self._cond.wait()
+                    want = self._want
+                if not populate_pages(self._buf, self.backed, want):
+                    return
+                self.backed = want
+        finally:
+            self.done.set()
 
 
 class HostMemoryPool:
@@ -88,13 +128,13 @@ class HostMemoryPool:
         raw = torch.empty(capacity + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
         skew = (-raw.data_ptr()) % ALIGN
         self._buffer = raw[skew : skew + capacity]
-        #: Set once every page of the buffer is backed (see :func:`populate_pages`).
+        #: Set once every page of the buffer is backed (see :class:`_Frontier`).
         self.populated = threading.Event()
+        self._frontier: _Frontier | None = None
         if pin_memory or not prefault:  # pinned memory is backed and locked when allocated
             self.populated.set()
         else:
-            threading.Thread(target=populate_pages, args=(self._buffer, self.populated),
-                             name="kvplug-pool-prefault", daemon=True).start()
+            self._frontier = _Frontier(self._buffer, self.populated)
         self.capacity = capacity
         self.pinned = pin_memory
         self._lock = threading.Lock()
@@ -128,6 +168,8 @@ class HostMemoryPool:
                 self._free_starts.insert(idx, rest)
             self._live[start] = size
             self._used += size
+        if self._frontier is not None:
+            self._frontier.reach(start + size)
         view = self._buffer[start : start + meta.nbytes].view(dtype).view(meta.shape)
         return MemoryObj(view, meta, release=self._release, address=start)
 

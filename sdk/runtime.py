@@ -9,14 +9,16 @@ runs it when the seed's schedule says so, on one thread, so one seed is one exac
 A runtime's objects behave like their ``threading`` / ``concurrent.futures`` counterparts:
 ``executor(...).submit`` returns a :class:`concurrent.futures.Future` (``result(timeout)`` may
 raise :class:`concurrent.futures.TimeoutError`), ``event()`` has ``set``/``is_set``/``wait``,
-``condition(lock)`` has ``wait(timeout)``/``notify_all`` and releases ``lock`` while it waits.
+``condition(lock)`` has ``wait(timeout)``/``notify_all`` and releases ``lock`` while it waits;
+``wait_first(futures, timeout)`` as ``concurrent.futures.wait(..., FIRST_COMPLETED)``.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import Collection
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 
@@ -39,6 +41,10 @@ class Runtime:
 
     def monotonic(self) -> float:
         return time.monotonic()
+
+    def wait_first(self, futures: Collection[Future], timeout: float) -> None:
+        """Return once any of ``futures`` is done, or after ``timeout`` seconds."""
+        wait(futures, timeout, return_when=FIRST_COMPLETED)
 
 
 #: The runtime every kvplug object uses unless given another.

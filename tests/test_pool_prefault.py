@@ -9,6 +9,7 @@ advice stays out of the resident set.
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 import torch
@@ -33,16 +34,39 @@ def test_untouched_buffer_is_not_resident():
     del buf
 
 
-def test_pool_is_resident_once_populated():
+def _backed(pool: HostMemoryPool, at_least: int) -> None:
+    deadline = time.monotonic() + 60  # only catches a hang
+    while pool._frontier.backed < at_least and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_pool_is_backed_ahead_of_use_only(monkeypatch):
+    """Startup backs only the margin ahead of the first allocation (the whole pool at once slowed
+    the engine's first requests); allocating further moves the backed part along, until the
+    whole pool is resident and ``populated`` is set."""
+    monkeypatch.setattr("kvplug.pool.PREFAULT_AHEAD", 64 * MiB)
     before = rss_mib()
-    pool = HostMemoryPool(256 * MiB, pin_memory=False)
-    assert pool.populated.wait(60)  # only catches a hang
-    assert rss_mib() - before >= 200
+    pool = HostMemoryPool(512 * MiB, pin_memory=False)
+    _backed(pool, 64 * MiB)
+    time.sleep(0.2)  # a thread that went on backing the rest would show here
+    assert pool._frontier.backed == 64 * MiB
+    assert 56 <= rss_mib() - before < 128
+    assert not pool.populated.is_set()
+    objs = [pool.allocate((MiB,)) for _ in range(200)]  # up to 200 MiB: backed to 264 MiB
+    _backed(pool, 264 * MiB)
+    assert pool._frontier.backed == 264 * MiB
+    assert 250 <= rss_mib() - before < 330
+    objs.append(pool.allocate((300 * MiB,)))  # its end + the margin is past the pool's end
+    assert pool.populated.wait(60)
+    assert pool._frontier.backed == 512 * MiB
+    assert rss_mib() - before >= 500
+    for o in objs:
+        o.ref_down()
 
 
 def test_prefault_keeps_contents():
     pool = HostMemoryPool(16 * MiB, pin_memory=False)
-    pool.populated.wait(60)
+    assert pool.populated.wait(60)  # smaller than the margin: all of it at once
     obj = pool.allocate((4, 1000, 257))
     assert obj is not None
     data = torch.randint(0, 256, obj.tensor.shape, dtype=torch.uint8,

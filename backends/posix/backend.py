@@ -40,7 +40,7 @@ from kvplug.memory import MemoryFormat, MemoryObj
 from pydantic import ByteSize, ConfigDict, Field
 
 from .held import HeldFiles, fd_limit, fd_path
-from .index import Entry, PosixIndex, scan, stat_entry, unlink_entries
+from .index import Entry, PosixIndex, pack_rel, scan, stat_entry, unlink_entries
 from .io import (
     CorruptChunk,
     ForeignChunk,
@@ -53,6 +53,7 @@ from .io import (
     write_chunk,
 )
 from .lookup import LookupAndPins
+from .reaper import Reaper
 
 logger = logging.getLogger("kvplug.backends.posix")
 _MAX_CORRUPT_LOGS = 20
@@ -127,6 +128,7 @@ class PosixBackend(LookupAndPins):
         #: set once the startup scan has indexed the directory (lookups need not wait for it)
         self._indexed = threading.Event()
         self._pool = ThreadPoolExecutor(opts.io_threads, thread_name_prefix=f"kvplug-{self.name}")
+        self._reaper = Reaper(self._root_s, self._unlink_failed, self.name)
         self._scanner = threading.Thread(target=self._initial_scan, daemon=True,
                                          name=f"kvplug-{self.name}-scan")
         self._scanner.start()
@@ -178,8 +180,12 @@ class PosixBackend(LookupAndPins):
             t0 = time.monotonic()
             with self._lock:
                 current = self._index.begin_merge()
+                doomed = self._reaper.doomed()  # evicted before the scan: not indexed again
             try:
-                prepared = PosixIndex.prepare_merge(current, scan(self.root))
+                found = scan(self.root)
+                for rel in doomed:
+                    found.entries.pop(pack_rel(rel, register=False), None)
+                prepared = PosixIndex.prepare_merge(current, found)
             except BaseException:
                 with self._lock:
                     self._index.abort_merge()
@@ -193,17 +199,27 @@ class PosixBackend(LookupAndPins):
     def _trim_to_capacity(self) -> None:
         """Rescan the directory and delete LRU files until it is within capacity."""
         self._rescan()
-        with self._lock:
+        with self._lock:  # (at startup and close: no write lands meanwhile, so deleted now)
             victims = self._index.take_victims(self._index.bytes - self.capacity)
-        self._unlink_victims(victims)
+        self._unlink_now(victims)
 
     def _unlink_victims(self, victims: list[tuple[str, Entry]]) -> int:
+        """Under the tier's lock (so no put of a victim slips in before it is doomed): queue the
+        victims' files for deletion in the background (:mod:`.reaper`); their bytes."""
+        if victims:
+            self._counters["evictions"] += len(victims)
+        return self._reaper.submit(victims)
+
+    def _unlink_now(self, victims: list[tuple[str, Entry]]) -> int:
+        """Delete the victims' files on this thread (not under the lock); the bytes freed."""
         freed, failed = unlink_entries(self._root_s, victims)
         for path, exc in failed:
-            self._log_once("unlink", "cannot delete %s: %s", path, exc)
-        if victims:
-            self._count("evictions", len(victims))
+            self._unlink_failed(path, exc)
+        self._count("evictions", len(victims))
         return freed
+
+    def _unlink_failed(self, path: str, exc: OSError) -> None:
+        self._log_once("unlink", "cannot delete %s: %s", path, exc)
 
     def _quarantine(self, rel: str, err: CorruptChunk) -> None:
         """Delete a damaged file (only if it is still the file that was read)."""
@@ -250,8 +266,8 @@ class PosixBackend(LookupAndPins):
                 if self._closed or not self._writable:
                     self._counters["dropped_puts"] += 1
                     continue
-                if rel in self._index or rel in self._pending:
-                    self._counters["skipped_puts"] += 1
+                if rel in self._index or rel in self._pending or rel in self._reaper:
+                    self._counters["skipped_puts"] += 1  # (evicted, not deleted yet: next time)
                     continue
                 full = len(self._pending) >= self.opts.max_pending_writes
                 if full:
@@ -274,9 +290,9 @@ class PosixBackend(LookupAndPins):
             self._rescan(only_if_due=True)
         with self._lock:
             victims = self._index.reserve(size, self.capacity)
-        if victims is None:
-            return False
-        self._unlink_victims(victims)
+            if victims is None:
+                return False
+            self._unlink_victims(victims)
         return True
 
     # -- the byte-moving steps (the gds tier overrides these two) ---------------------------------
@@ -356,6 +372,8 @@ class PosixBackend(LookupAndPins):
             if queued is not None and layers is None:  # not on disk yet: the bytes being written
                 self._counters["pending_hits"] += 1
                 return queued.ref_up()
+            if rel in self._reaper:  # evicted, its file not deleted yet
+                return None
             if queued is not None and queued.meta.fmt == MemoryFormat.KV_PAGES:
                 queued.ref_up()  # a layer range of a chunk still being written: copied from it
             else:
@@ -416,8 +434,12 @@ class PosixBackend(LookupAndPins):
     # -- lifecycle ------------------------------------------------------------------------------
     @hookimpl
     def flush(self, timeout: float) -> bool:
+        """Wait until every queued write and delete is done."""
+        deadline = time.monotonic() + timeout
         with self._idle:
-            return self._idle.wait_for(lambda: not self._pending, timeout)
+            if not self._idle.wait_for(lambda: not self._pending, timeout):
+                return False
+        return self._reaper.drain(max(0.0, deadline - time.monotonic()))
 
     @hookimpl
     def close(self) -> None:
@@ -433,6 +455,7 @@ class PosixBackend(LookupAndPins):
                 self._trim_to_capacity()
             except OSError as exc:
                 self._log_once("close", "final capacity check of %s failed: %s", self.root, exc)
+        self._reaper.close()  # every queued delete done
 
     @hookimpl
     def stats(self) -> dict[str, float]:
@@ -441,6 +464,7 @@ class PosixBackend(LookupAndPins):
             out.update(entries=len(self._index), bytes=self._index.bytes, capacity=self.capacity,
                        indexed=int(self._indexed.is_set()),
                        pinned=len(self._index.pins), pending_writes=len(self._pending),
+                       pending_deletes=len(self._reaper),
                        o_direct=int(self.o_direct), writable=int(self._writable))
         out.update(self._held.stats())
         return out

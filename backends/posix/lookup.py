@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kvplug.memory import MemoryObj
 
     from .index import Entry
+    from .reaper import Reaper
 
 
 class LookupAndPins:
@@ -33,6 +34,7 @@ class LookupAndPins:
     _held: HeldFiles
     _pending: dict[str, MemoryObj]
     _cancelled: set[str]
+    _reaper: Reaper
 
     def _path(self, rel: str) -> str:
         raise NotImplementedError
@@ -41,6 +43,9 @@ class LookupAndPins:
         raise NotImplementedError
 
     def _unlink_victims(self, victims: list[tuple[str, Entry]]) -> int:
+        raise NotImplementedError
+
+    def _unlink_now(self, victims: list[tuple[str, Entry]]) -> int:
         raise NotImplementedError
 
     @hookimpl
@@ -52,6 +57,8 @@ class LookupAndPins:
         for i, rel in enumerate(rels):
             if found[i]:
                 continue
+            if rel in self._reaper:  # evicted, its file not deleted yet: a miss
+                break
             entry = stat_entry(self._path(rel))  # another process may have written it
             if entry is None:
                 # Lookups are prefix lookups: past the first real miss only the index answers
@@ -107,9 +114,12 @@ class LookupAndPins:
 
     @hookimpl
     def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
+        """LRU victims (``keys`` None): their files are deleted in the background (.reaper);
+        named keys: deleted now (the caller wants those files gone, as other processes see)."""
         with self._lock:
             if keys is None:
                 victims = self._index.take_victims(nbytes) if nbytes > 0 else []
+                return self._unlink_victims(victims)
             else:
                 victims = []
                 for key in keys:
@@ -121,5 +131,5 @@ class LookupAndPins:
                     entry = self._index.remove(rel) or stat_entry(self._path(rel))
                     if entry is not None:
                         victims.append((rel, entry))
-        return self._unlink_victims(victims)
+        return self._unlink_now(victims)
 

@@ -160,6 +160,9 @@ class SimRuntime(Runtime):
     def monotonic(self) -> float:
         return self.clock
 
+    def wait_first(self, futures: Any, timeout: float) -> None:
+        """Never waits: the schedule decides when a queued task runs."""
+
     def runnable(self) -> list[SimFuture]:
         """Queued tasks that may run now: not gated; a one-thread pool runs in order."""
         out, single = [], set()
