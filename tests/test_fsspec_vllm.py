@@ -13,7 +13,7 @@ from s3_server import moto_server, s3  # noqa: F401 - fixtures
 from vllm_helpers import prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-ENGINES_IN_PROCESS = False  # engines run in-process (tests/conftest.py: _engine_layout)
+ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
 
 CHUNK = 256
 P = prompt(1100, 11)  # 4 chunks loadable
