@@ -217,6 +217,10 @@ def stored_chunks(root: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 # -- test-only pieces loaded by the engines' worker processes -----------------------------------
 
+#: how long a stalled FaultTier call sleeps: 8x the 1 s timeouts the fault tests set
+STALL_S = 8.0
+
+
 class FaultTier:
     """A test-only tier (kept in memory) whose ``get``/``contains`` misbehave on demand.
 
@@ -251,7 +255,7 @@ class FaultTier:
         import time
 
         if self._mode() == "stall_lookup":
-            time.sleep(20)
+            time.sleep(STALL_S)
         with self.lock:
             return [k in self.data for k in keys]
 
@@ -269,7 +273,7 @@ class FaultTier:
         if mode == "raise":
             raise RuntimeError("FaultTier: injected failure")
         if mode == "stall":
-            time.sleep(20)
+            time.sleep(STALL_S)
         with self.lock:
             item = self.data.pop(key, None) if mode == "vanish" else self.data.get(key)
         if item is None or mode == "vanish":
