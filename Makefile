@@ -8,7 +8,7 @@ demo: setup
 	.venv/bin/python -m kvplug.connector.demo
 
 test: setup
-	.venv/bin/python -m pytest -q -ra --durations=25
+	.venv/bin/python -m pytest -q -ra --durations=25 -n 2 --dist loadfile
 
 lint: setup
 	.venv/bin/ruff check sdk backends gpu connector tests benchmarks

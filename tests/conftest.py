@@ -12,7 +12,10 @@ Engines (tests/vllm_helpers.py), kept to the suite's 15-minute budget on 2 cores
   start a fresh engine only for a restart (a fresh process reading what another stored) or another
   configuration;
 * the tiny model: ``make_model("tiny", root=tmp_path_factory.getbasetemp() / "models")`` builds it
-  once per session (the same folder for every module).
+  once per session (the same folder for every worker's modules);
+* ``make test`` runs two pytest-xdist workers, a module at a time (``--dist loadfile``: a
+  module's engines and fixtures stay in one worker); the heaviest modules are queued first so
+  that both workers finish together (``pytest_collection_modifyitems`` below).
 """
 
 from __future__ import annotations
@@ -20,6 +23,23 @@ from __future__ import annotations
 import os
 
 import pytest
+
+#: modules measured slowest (seconds on 2 cores, engine start-ups mostly), queued first; then the
+#: other ``vllm``-marked modules, then the rest, each group in collection order
+HEAVIEST = ["test_parallel_engine", "test_connector_roles", "test_connector_engine",
+            "test_corruption_serving", "test_kv_events_engine", "test_crash_durability",
+            "test_codecs_engine", "test_connector_hma", "test_simulation", "test_soak",
+            "test_connector_engine_spec", "test_connector_engine_weights"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def weight(item: pytest.Item) -> int:
+        name = item.module.__name__ if item.module else ""
+        if name in HEAVIEST:
+            return HEAVIEST.index(name)
+        return len(HEAVIEST) + (0 if item.get_closest_marker("vllm") else 1)
+
+    items.sort(key=weight)  # stable: a module's own tests keep their order
 
 
 @pytest.fixture(autouse=True)

@@ -95,16 +95,19 @@ def test_third_party_codec_is_found_used_and_missing_is_a_miss_naming_it(tmp_pat
 
 
 # -- the command line -------------------------------------------------------------------------
-def test_inspect_table_names_the_codec(tmp_path):
+def test_inspect_table_names_the_codec(tmp_path, monkeypatch):
     from click.testing import CliRunner
     from kvplug.cli import main
+    from kvplug.cli.common import console
+
+    monkeypatch.setattr(console, "width", 250)  # wide enough for any tmp path (xdist's are long)
 
     for codec, sub in ((None, "a"), ("lossless", "b")):
         mgr = manager(posix(tmp_path / sub, codec))
         stored(mgr, key(0), kv_obj(0))
         mgr.close()
-    raw = CliRunner().invoke(main, ["inspect", str(tmp_path / "a")], terminal_width=250)
-    enc = CliRunner().invoke(main, ["inspect", str(tmp_path / "b")], terminal_width=250)
+    raw = CliRunner().invoke(main, ["inspect", str(tmp_path / "a")])
+    enc = CliRunner().invoke(main, ["inspect", str(tmp_path / "b")])
     assert raw.exit_code == 0 and enc.exit_code == 0
     assert "lossless" in enc.output and "lossless" not in raw.output
 

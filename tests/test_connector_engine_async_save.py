@@ -10,6 +10,7 @@ import pytest
 from vllm_helpers import kvplug_config, prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
 
 CHUNK = 256
 P = prompt(1600, 11)  # 6 chunks (1536 tokens) loadable

@@ -19,6 +19,7 @@ import pytest
 from vllm_helpers import REPO, RESULT, kvplug_config, prompt, run_script, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
 
 FIRST = prompt(700, 21)
 # (answer tokens, next message): turn 1 computes 700 + 69 - 1 = 768 tokens (3 chunks), turn 2

@@ -8,6 +8,7 @@ import pytest
 from vllm_helpers import prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
 
 MODES = ["vanish", "raise", "stall", "truncate", "stall_lookup"]
 

@@ -7,6 +7,7 @@ import pytest
 from vllm_helpers import kvplug_config, prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
 
 
 def test_producer_then_consumer(tmp_path):

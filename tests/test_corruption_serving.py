@@ -21,6 +21,7 @@ from corruption_campaign import run_corruption, summary
 from vllm_helpers import prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
 
 PROMPTS = [prompt(1100, 500 + i) for i in range(5)]  # 4 chunks each (1024 tokens loadable)
 ROUNDS = 4

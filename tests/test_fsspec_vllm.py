@@ -13,7 +13,7 @@ from s3_server import moto_server, s3  # noqa: F401 - fixtures
 from vllm_helpers import prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-ENGINES_IN_PROCESS = False  # engines run in-process (tests/conftest.py: _engine_layout)
+ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
 
 CHUNK = 256
 P = prompt(1100, 11)  # 4 chunks loadable
@@ -25,7 +25,10 @@ def s3_tiers(s3env, local_cpu: bool = True) -> dict:
     tiers.append({"backend": "fsspec", "timeout_s": 10.0,
                   "options": {"url": s3env.url("shared"), "storage_options": s3env.storage_options,
                               "timeout_s": 8.0}})
-    return {"tiers": tiers}
+    # the first lookup builds the S3 client (botocore's models) in the worker's lookup thread,
+    # which an in-process engine's busy loop shares the GIL with: on a loaded machine that took
+    # past the 2 s default, and a lookup past its timeout is a miss by design
+    return {"tiers": tiers, "lookup_timeout_s": 30.0}
 
 
 def test_second_engine_process_loads_from_s3(s3, tmp_path):  # noqa: F811 - pytest fixture

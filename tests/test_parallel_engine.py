@@ -24,6 +24,7 @@ from kvplug.tokens import TokenDatabase
 from vllm_helpers import kvplug_config, prompt, run_scenario, stored_chunks, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
+ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
 
 CHUNK = 256
 P, Q, R = prompt(1600, 1), prompt(1600, 2), prompt(1600, 3)  # 6 loadable chunks each

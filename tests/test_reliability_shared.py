@@ -29,6 +29,7 @@ from s3_server import BUCKET, CREDENTIALS, MotoServer, S3Env, set_aws_env
 from vllm_helpers import REPO, prompt, run_script, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+ENGINES_IN_PROCESS = False  # in-process, its two engines once computed different references (not understood yet)
 
 CHUNK = 256
 CHUNK_FILE = 4096 + 4 * 128 * 1024  # header page + 4 layers of one 256-token chunk (tiny model)

@@ -17,6 +17,7 @@ from redis_server import RedisServer
 from vllm_helpers import REPO, prompt, run_script, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
 
 CHUNK = 256  # tokens per scheduler step (chunked prefill)
 BLOCK = 128  # vLLM's block size for this engine: hits (and a chunk's partial tail) are whole blocks

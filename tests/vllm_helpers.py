@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -119,20 +117,17 @@ def generate_full(llm: Any, prompts: list[list[int]], max_tokens: int = 8,
 
 
 def run_script(code: str, timeout: float = 600, env: dict[str, str] | None = None) -> Any:
-    """Run ``code`` in a fresh Python process (a fresh engine); it prints ``RESULT`` + JSON.
-    ``env``: extra environment variables for that process only."""
-    engine_env()
-    env = {**os.environ, **(env or {})}
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=str(REPO))
-    except subprocess.TimeoutExpired as exc:  # say where the engine stood: its log so far
-        def tail(b: bytes | str | None) -> str:
-            return (b.decode(errors="replace") if isinstance(b, bytes) else b or "")[-6000:]
+    """Run ``code`` in a fresh process (a fresh engine; tests/engine_processes.py); it prints
+    ``RESULT`` + JSON. ``env``: extra environment variables for that process only."""
+    from engine_processes import StillRunning, run_python
 
+    engine_env()
+    try:
+        proc = run_python(code, {**os.environ, **(env or {})}, str(REPO), timeout)
+    except StillRunning as exc:  # say where the engine stood: its log so far
         raise RuntimeError(f"engine subprocess still running after {timeout} s (killed):\n"
-                           f"{tail(exc.stderr)}\n-- stdout (vLLM's log) --\n{tail(exc.stdout)}"
-                           ) from exc
+                           f"{exc.stderr[-6000:]}\n-- stdout (vLLM's log) --\n"
+                           f"{exc.stdout[-6000:]}") from exc
     if proc.returncode != 0:
         raise RuntimeError(f"subprocess failed ({proc.returncode}):\n{proc.stderr[-6000:]}\n"
                            f"-- stdout (vLLM's log) --\n{proc.stdout[-6000:]}")
@@ -222,6 +217,10 @@ def stored_chunks(root: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 # -- test-only pieces loaded by the engines' worker processes -----------------------------------
 
+#: how long a stalled FaultTier call sleeps: 8x the 1 s timeouts the fault tests set
+STALL_S = 8.0
+
+
 class FaultTier:
     """A test-only tier (kept in memory) whose ``get``/``contains`` misbehave on demand.
 
@@ -256,7 +255,7 @@ class FaultTier:
         import time
 
         if self._mode() == "stall_lookup":
-            time.sleep(20)
+            time.sleep(STALL_S)
         with self.lock:
             return [k in self.data for k in keys]
 
@@ -274,7 +273,7 @@ class FaultTier:
         if mode == "raise":
             raise RuntimeError("FaultTier: injected failure")
         if mode == "stall":
-            time.sleep(20)
+            time.sleep(STALL_S)
         with self.lock:
             item = self.data.pop(key, None) if mode == "vanish" else self.data.get(key)
         if item is None or mode == "vanish":
