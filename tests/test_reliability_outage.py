@@ -186,6 +186,11 @@ def test_store_outage_while_serving(tmp_path):
             "import vllm_helpers as h; from test_reliability_outage import _drive; "
             f"print(h.RESULT + json.dumps(_drive(json.loads({spec!r}))), flush=True)")
     r = run_script(code, timeout=880)
+    print("OUTAGE-FIGURES " + json.dumps(check_outage(r)))
+
+
+def check_outage(r: dict) -> dict:
+    """Every check of the test on what ``_drive`` returned; the run's figures."""
     refs, hit_refs, recs = r["refs"], r["hit_refs"], r["records"]
     assert r["flushed"] and all(ref["loaded"] == 0 for ref in refs)
     # every prompt whose hit ends inside a chunk has its healthy hit, close to the cold run
@@ -231,7 +236,7 @@ def test_store_outage_while_serving(tmp_path):
         ph["requests"] += 1
         ph["store_hits"] += bool(x["tiers"].get("fsspec"))
         ph["failed_blocks"] += x["failed_blocks"]
-    print("OUTAGE-FIGURES " + json.dumps({
+    return {
         "phases": phases, "up_rounds": r["up_rounds"], "resumed_after": r["resumed"],
         "partial_hits_served": sum(x["loaded"] % CHUNK != 0 for x in served),
         "hit_refs_off_cold": {k: max(abs(a - b) for a, b in zip(h["logprobs"],
@@ -240,4 +245,4 @@ def test_store_outage_while_serving(tmp_path):
         "max_request_s": max(x["seconds"] for x in served),
         "tier": {k: st.get(k, 0) for k in ("breaker_trips", "breaker_refused", "timeouts",
                                             "remote_errors", "dropped_puts", "dropped_down",
-                                            "written")}}))
+                                            "written")}}
