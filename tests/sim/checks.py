@@ -1,0 +1,234 @@
+"""The invariants of the simulation (I1-I5, see docs/architecture.md), as a part of
+:class:`.world.World`: what each saved chunk must hold and the check of every stored or loaded
+chunk against it (I1), vLLM's block pool and the copies in flight (I4), what the workers report
+to vLLM (I3), and the end state (I1 over every tier, I5). I2 is checked in the step, where the
+forward pass's taint is known.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .engine import BS, POISON, TENSORS, Violation
+from .oracle import SLOT
+
+
+def _put_check_plugin(world: Any, rank: int) -> Any:
+    from kvplug.hookspecs import hookimpl
+
+    class _Check:
+        @hookimpl(wrapper=True)
+        def batched_submit_put(self, keys: Any, objs: Any) -> Any:
+            for k, o in zip(keys, objs, strict=False):
+                try:
+                    world.check_chunk(rank, k, o, "put")
+                except Violation as v:  # the StorageManager takes a tier's exception for a fault
+                    world.violation = world.violation or v
+                    raise
+            return (yield)
+
+        @hookimpl(wrapper=True)
+        def get(self, key: Any) -> Any:
+            res = yield
+            return world.lose_once(rank, key, res)
+
+        @hookimpl(wrapper=True)
+        def get_layers(self, key: Any, first_layer: int, num_layers: int) -> Any:
+            res = yield
+            return world.lose_once(rank, key, res)
+
+    return _Check()
+
+
+@dataclass
+class ReqLog:
+    sending: int = 0
+    frees: int = 0
+    recving: int = 0
+
+
+class Checks:
+    """The checks of :class:`.world.World` (a part of it: they read its scheduler, workers,
+    oracle and registry)."""
+
+    # -- I1 ---------------------------------------------------------------------------------------
+    def register(self, md: Any) -> None:
+        """Record what each chunk this step saves must hold (for I1)."""
+        from kvplug.connector.groups import group_hash
+
+        for r in md.requests:
+            if r.save is None:
+                continue
+            tokens = tuple(self.s.requests[r.req_id].all_token_ids) if r.req_id in \
+                self.s.requests else None
+            if tokens is None:
+                continue
+            for i, h in enumerate(r.save.hashes):
+                s, e = md.chunk_range(r.save, i)
+                for rank, w in enumerate(self.workers):
+                    for g in range(len(self.layout.groups)):
+                        hh = group_hash(h, self.layout.groups[g]) if self.layout.multi else h
+                        # under the step's weights epoch (a reset in this step switches it)
+                        self.registry[rank].setdefault(w.key(hh, md.epoch), (g, s, e, tokens[:e]))
+
+    def expected(self, rank: int, key: Any) -> torch.Tensor | None:
+        ent = self.registry[rank].get(key)
+        if ent is None:
+            return None
+        g, s, e, tokens = ent
+        pages = -(-(e - s) // BS)
+        out = np.zeros((TENSORS, pages, BS * SLOT), dtype=np.uint8)
+        for m, (gg, j) in enumerate(self.layers):
+            if gg != g:
+                continue
+            slots = self.oracle.slots(rank, m, tokens, e)
+            raw = b"".join(slots[s:e])
+            flat = np.frombuffer(raw, dtype=np.uint8)
+            out[j].reshape(-1)[: flat.size] = flat
+        return torch.from_numpy(out)
+
+    def check_chunk(self, rank: int, key: Any, obj: Any, where: str) -> None:
+        want = self.expected(rank, key)
+        if want is None:
+            raise Violation("I1", f"rank {rank} {where}: a chunk no save planned ({key})")
+        got = obj.tensor
+        if tuple(got.shape) != tuple(want.shape):
+            raise Violation("I1", f"rank {rank} {where}: shape {tuple(got.shape)} != "
+                                  f"{tuple(want.shape)}")
+        g, s, e, _ = self.registry[rank][key]
+        n = (e - s) * SLOT
+        for j in range(TENSORS):
+            a = got[j].reshape(-1)[:n]
+            if not torch.equal(a, want[j].reshape(-1)[:n]):
+                raise Violation("I1", f"rank {rank} {where}: chunk [{s},{e}) group {g} tensor "
+                                      f"{j} differs from the oracle")
+        seen = self.registry_seen(rank)
+        if key not in seen:
+            seen.add(key)
+            self.stored[rank].append(key)
+
+    def registry_seen(self, rank: int) -> set:
+        if not hasattr(self, "_seen"):
+            self._seen: list[set] = [set(), set()]
+        return self._seen[rank]
+
+    # -- vLLM's block pool ------------------------------------------------------------------------
+    def held_blocks(self) -> set[int]:
+        mgr = self.s.kv_cache_manager
+        return {b for r in self.s.requests for t in mgr.get_block_ids(r) for b in t} - {0}
+
+    def free_blocks(self) -> set[int]:
+        pool = self.s.kv_cache_manager.block_pool
+        return {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
+
+    def poison_and_check_copies(self, when: str) -> None:
+        """I4, right before the forward pass (the first moment vLLM may rewrite a block it
+        freed: every kvplug hook that must order a copy first has run): no block vLLM handed
+        back is read or written by a copy still in flight. Free blocks are then poisoned (the
+        forward may rewrite them), unless vLLM's prefix cache may still serve them; a copy that
+        reads one later stores poison, which I1 catches."""
+        free = self.free_blocks()
+        for rank, w in enumerate(self.workers):
+            saves = w._saves
+            for job in list(getattr(saves, "_jobs", ()) if saves is not None else ()):
+                for pj in job.jobs:
+                    bad = free.intersection(pj.block_ids)
+                    if bad:
+                        raise Violation("I4", f"rank {rank} {when}: a save copy of "
+                                              f"{sorted(job.req_ids)} reads freed blocks "
+                                              f"{sorted(bad)}")
+            bg = w._background
+            for ld, _ in list(getattr(bg, "_inflight", {}).values()) if bg is not None else ():
+                for c in ld.chunks:
+                    bad = free.intersection(c.block_ids)
+                    if bad:
+                        raise Violation("I4", f"rank {rank} {when}: a load of "
+                                              f"{ld.req.req_id} will write freed blocks "
+                                              f"{sorted(bad)}")
+        held = self.held_blocks()
+        fresh = held - self.owned  # allocated by this schedule: vLLM's contract says garbage
+        self.owned = held
+        if not self.cfg.prefix_caching and (free or fresh):
+            idx = torch.tensor(sorted(free | fresh))
+            for t in self.kv:
+                t[:, idx] = POISON
+
+    def _count(self, rank: int, req: str, what: str) -> None:
+        c = self.log.setdefault(req, ReqLog())
+        if what == "sending":
+            key = f"_{rank}_sent_{req}"
+            if getattr(self, key, False):
+                raise Violation("I3", f"rank {rank} reported {req} in finished_sending twice")
+            setattr(self, key, True)
+        _ = c
+
+    def _check_reports(self, ko: Any) -> None:
+        """I3 on the aggregated output, before vLLM sees it."""
+        from vllm.v1.request import RequestStatus
+
+        for r in ko.finished_sending or ():
+            c = self.log.setdefault(r, ReqLog())
+            c.sending += 1
+            c.frees += 1
+            if r not in self.s.requests:
+                raise Violation("I3", f"{r} reported in finished_sending after vLLM freed it")
+        for r in ko.finished_recving or ():
+            c = self.log.setdefault(r, ReqLog())
+            c.recving += 1
+            if r not in self.s.requests:
+                raise Violation("I3", f"{r} reported in finished_recving after vLLM freed it")
+            st = self.s.requests[r].status
+            if RequestStatus.is_finished(st):
+                c.frees += 1
+            elif st != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                raise Violation("I3", f"{r} reported in finished_recving while {st.name}")
+        for r, c in self.log.items():
+            if c.frees > 1 or c.sending > 1:
+                raise Violation("I3", f"{r} reported finished {c.frees} times "
+                                      f"(sending {c.sending}, recving {c.recving})")
+
+    def check_end(self) -> None:
+        if self.violation is not None:
+            raise self.violation
+        for rank, w in enumerate(self.workers):
+            st = w.storage
+            st.flush(10)
+            for t in st._tiers:  # I1: every chunk every tier holds
+                be = t.backend
+                for key in list(self.registry[rank]):
+                    obj = be.get(key=key)
+                    if obj is not None:
+                        try:
+                            self.check_chunk(rank, key, obj, f"end, tier {t.name}")
+                        finally:
+                            obj.ref_down()
+            if w._pins:
+                raise Violation("I5", f"rank {rank}: pins held at quiescence for "
+                                      f"{sorted(w._pins)}")
+            saves = w._saves
+            if saves is not None:
+                left = (saves.in_flight(), dict(getattr(saves, "_busy", {})),
+                        set(getattr(saves, "_tracked", ())), set(getattr(saves, "_finished", ())))
+                if left[0] or left[1] or left[2] or left[3]:
+                    raise Violation("I5", f"rank {rank}: saves tracked at quiescence {left}")
+            if w._background is not None and len(w._background):
+                raise Violation("I5", f"rank {rank}: {len(w._background)} loads in flight")
+            stats = st.stats()
+            for name, s in stats.items():
+                if s.get("pinned", 0):
+                    raise Violation("I5", f"rank {rank}: tier {name} holds {s['pinned']} pins")
+            st.evict(tiers=["local_cpu"], nbytes=1 << 30)
+            l1 = st.stats()["local_cpu"]
+            if l1.get("pool_used", 0):
+                raise Violation("I5", f"rank {rank}: {l1['pool_used']} B of L1's pool still in "
+                                      "use with every entry evicted (a memory object leaked)")
+        if self.rt.queue:
+            raise Violation("I5", f"{len(self.rt.queue)} tasks still queued")
+        if threading.active_count() > self.threads0 + 8:
+            raise Violation("I5", f"{threading.active_count()} threads (started with "
+                                  f"{self.threads0})")

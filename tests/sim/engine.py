@@ -1,0 +1,155 @@
+"""What one simulated engine is built from: the sizes, the seed's configuration, vLLM's config
+(built once per process), the block hasher, and the lookup the scheduler asks (every rank at
+once). :class:`Violation` is what every check raises.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BS, CS = 4, 8  # vLLM block size and kvplug chunk size (tokens)
+TENSORS = 2  # KV tensors per rank (each holds one layer of every group)
+RANKS = 2
+POISON = 0xEE
+
+
+class Violation(AssertionError):
+    """An invariant failed: ``inv`` is I1..I5 (or ``crash``), ``what`` says how."""
+
+    def __init__(self, inv: str, what: str) -> None:
+        super().__init__(f"{inv}: {what}")
+        self.inv, self.what = inv, what
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """What a seed fixes besides its events."""
+
+    hybrid: bool = True  # a full and a sliding-window KV cache group (else one full group)
+    window: int = 6  # sliding window (tokens)
+    num_blocks: int = 24
+    max_batched: int = 16  # chunked prefill: tokens per step
+    prefix_caching: bool = False
+    async_save: bool = True
+    layerwise: bool = False  # one group only
+    order: str = "0.32"  # "0.33": get_finished (and errors, stats) before wait_for_save
+    faults: frozenset[str] = frozenset()  # negative controls (see .controls)
+
+
+_MODEL: dict[str, Any] = {}
+
+
+def _fast_discovery() -> None:
+    """Entry-point discovery once per process, not once per tier of every seed (it reads every
+    installed package's metadata; the simulation builds four tiers a seed)."""
+    import functools
+
+    import kvplug.tier_setup as ts
+
+    if not getattr(ts.load_backend_class, "cache_info", None):
+        ts.load_backend_class = functools.lru_cache(maxsize=None)(ts.load_backend_class)
+
+
+def _tmp_root() -> str | None:
+    """A RAM disk for the posix tiers when there is one (thousands of seeds create and delete
+    their directories)."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+def _model_dir() -> str:
+    if "dir" not in _MODEL:
+        from kvplug.connector.demo.model import make_model
+
+        root = Path(tempfile.gettempdir()) / f"kvplug-sim-model-{uuid.uuid4().hex[:6]}"
+        _MODEL["dir"] = str(make_model("tiny", weights=False, root=root))
+    return _MODEL["dir"]
+
+
+def _vllm_config(cfg: SimConfig) -> Any:
+    """vLLM's config for ``cfg``: built once (a ModelConfig reads the model's files), the fields
+    a seed varies set before each Scheduler is built from it."""
+    if "vc" not in _MODEL:
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+
+        model = ModelConfig(model=_model_dir(), skip_tokenizer_init=True, dtype="bfloat16",
+                            max_model_len=512)
+        sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512,
+                                enable_chunked_prefill=True, is_encoder_decoder=False)
+        xfer = KVTransferConfig(kv_connector="KVPlugConnector",
+                                kv_connector_module_path="kvplug.connector", kv_role="kv_both",
+                                kv_load_failure_policy="recompute", kv_connector_extra_config={})
+        _MODEL["vc"] = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BS),
+                                  scheduler_config=sched, device_config=DeviceConfig("cpu"),
+                                  kv_transfer_config=xfer)
+    vc = _MODEL["vc"]
+    vc.cache_config.enable_prefix_caching = cfg.prefix_caching
+    vc.cache_config.num_gpu_blocks = cfg.num_blocks
+    vc.scheduler_config.max_num_batched_tokens = cfg.max_batched
+    vc.kv_transfer_config.kv_connector_extra_config = {
+        "chunk_size": CS, "async_save": cfg.async_save, "layerwise": cfg.layerwise,
+        "report_to_client": False, "log_every_load": False, "save_decode": True}
+    return vc
+
+
+def _block_hasher() -> Any:
+    """vLLM's per-request block hasher (prefix caching), as its engine core builds it."""
+    if "hasher" not in _MODEL:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        fn = get_hash_fn_by_name("sha256_cbor")
+        init_none_hash(fn)
+        _MODEL["hasher"] = get_request_block_hasher(BS, fn)
+    return _MODEL["hasher"]
+
+
+class SimLookup:
+    """The scheduler's lookup, answered by every rank's worker at once (min over ranks, slow
+    chunks from any rank), as kvplug's LookupClient does over ZeroMQ."""
+
+    timeouts = 0
+
+    def __init__(self, workers: list[Any]) -> None:
+        self.workers = workers
+        self._slow: dict[str, frozenset[int]] = {}
+        self._n = 0
+
+    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]]
+               ) -> int | None:
+        from kvplug.connector.lookup import Lookup
+
+        if not hashes and not tails:
+            return 0
+        self._n += 1
+        answers, slow = [], set()
+        for w in self.workers:
+            tokens, s = w._on_lookup(Lookup(self._n, req_id, list(hashes), list(tails)))
+            answers.append(tokens)
+            slow.update(s)
+        self._slow[req_id] = frozenset(slow)
+        return min(answers)
+
+    def take_slow(self, req_id: str) -> frozenset[int]:
+        return self._slow.pop(req_id, frozenset())
+
+    def release(self, req_ids: list[str]) -> None:
+        for r in req_ids:
+            self._slow.pop(r, None)
+        for w in self.workers:
+            w.release(list(req_ids))
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,108 @@
+"""The faults and client actions a schedule injects, as a part of :class:`.world.World`: aborts,
+evictions, chunks lost or corrupted after lookup, gated (slow) tiers, ``reset_cache``, and what
+happens when vLLM's own scheduler stalls (every request aborted, as clients that time out).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .engine import Violation
+
+
+class Faults:
+    """The fault events of :class:`.world.World` (a part of it: they act on its scheduler,
+    workers and tiers)."""
+
+    # -- faults and client actions ---------------------------------------------------------------
+    def abort(self, pick: int) -> None:
+        from vllm.v1.request import RequestStatus
+
+        live = sorted(r for r, q in self.s.requests.items()
+                      if not RequestStatus.is_finished(q.status))
+        if live:
+            self.counts["abort " + self.s.requests[live[pick % len(live)]].status.name] += 1
+            self._crashing("abort", lambda: self.s.finish_requests(
+                live[pick % len(live)], RequestStatus.FINISHED_ABORTED))
+
+    def evict(self, rank: int, tier: str, pick: int) -> None:
+        keys = self.stored[rank]
+        if keys:
+            st = self.workers[rank].storage
+            st.flush(5)
+            st.evict(keys=[keys[pick % len(keys)]], tiers=None if tier == "all" else [tier])
+
+    def lose(self, rank: int, pick: int) -> None:
+        """Reads of a stored chunk on ``rank`` find nothing, in every tier, until the current (or
+        next) step ends (a chunk missing at load time although lookup found it: evicted,
+        deleted, unreadable)."""
+        w = self.workers[rank]
+        pinned = [k for r in sorted(w._pins) for k in w._pins[r][0]]
+        keys = pinned or self.stored[rank]  # preferably a chunk a lookup just promised
+        if keys:
+            self.lost[rank].add(keys[pick % len(keys)])
+
+    def lose_once(self, rank: int, key: Any, res: Any) -> Any:
+        if res is not None and key in self.lost[rank]:  # lost until the step ends
+            res.ref_down()
+            return None
+        return res
+
+    def corrupt(self, rank: int, pick: int) -> None:
+        st = self.workers[rank].storage
+        st.flush(5)
+        files = sorted(p for p in (self.tmp / f"r{rank}").rglob("*") if p.is_file()
+                       and not p.name.startswith("."))
+        if files:
+            f = files[pick % len(files)]
+            data = bytearray(f.read_bytes())
+            if data:
+                data[-1] ^= 0xFF
+                f.write_bytes(bytes(data))
+
+    def gate(self, rank: int, on: bool) -> None:
+        st = self.workers[rank].storage
+        for t in st._tiers:
+            if t.pool is not None:
+                t.pool.gated = on
+
+    def reset(self) -> None:
+        fn = getattr(self.s.connector, "reset_cache", None)
+        if fn is not None:
+            self._crashing("reset_cache", fn)
+
+    def _crashing(self, what: str, fn: Any) -> Any:
+        try:
+            return fn()
+        except Violation:
+            raise
+        except Exception as exc:
+            raise Violation("crash", f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+    def vllm_stalled(self) -> bool:
+        """vLLM 0.32's scheduler stuck with nothing kvplug owes it: no request running, every
+        load reported (``finished_recving``), nothing queued; the requests that loaded hold the
+        cache while the head of the waiting queue needs blocks to go on (waiting requests are
+        never preempted). Seen with caches that hold less than two requests and several
+        asynchronous loads; not a kvplug violation (see the closing note of issue 22)."""
+        from vllm.v1.request import RequestStatus
+
+        reqs = list(self.s.requests.values())
+        if self.rt.queue or not reqs:
+            return False
+        waiting = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS,
+                   RequestStatus.PREEMPTED)
+        if any(q.status not in waiting for q in reqs):  # running, or held for kvplug's saves
+            return False
+        remote = [q.request_id for q in reqs if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        return all(r in self.s.finished_recving_kv_req_ids for r in remote)
+
+    def abort_all(self) -> None:
+        """Abort every request (as clients that time out): kvplug must still end clean (I5)."""
+        from vllm.v1.request import RequestStatus
+
+        live = sorted(r for r, q in self.s.requests.items()
+                      if not RequestStatus.is_finished(q.status))
+        if live:
+            self._crashing("abort", lambda: self.s.finish_requests(
+                live, RequestStatus.FINISHED_ABORTED))
