@@ -34,6 +34,7 @@ from pydantic import ByteSize, ConfigDict, Field, field_validator
 from .breaker import CircuitBreaker
 from .chunks import HeaderCache, copy_verified, layer_range
 from .index import CapacityIndex, TTLSet
+from .pinned import PinnedStore
 from .value_io import ValueIO
 from .value_writer import ValueWriter
 
@@ -69,7 +70,7 @@ class ValueStoreOptions(BaseOptions):
         return v
 
 
-class ValueStoreTier:
+class ValueStoreTier(PinnedStore):
     """The hooks of a tier over a key-value store; subclasses say how to reach the store."""
 
     Options = ValueStoreOptions
@@ -105,6 +106,9 @@ class ValueStoreTier:
             threads=opts.io_threads, batch_bytes=int(opts.batch_bytes),
             written_ttl_s=max(opts.negative_cache_s, 1.0))
         logger.info("tier %r: %s at %s", self.name, self.kind, self.url)
+
+    def store_name(self, key: CacheKey) -> str:
+        return self.name_of(key)
 
     def name_of(self, key: CacheKey) -> str:
         """The store's key name for ``key`` (the key's safe string form under the prefix);
@@ -151,18 +155,8 @@ class ValueStoreTier:
                         self._absent.add(names[i])
         result = [bool(a) for a in answer]
         if pin:
-            with self._lock:
-                self._pins.pin_all(n for n, hit in zip(names, result) if hit)
+            self._pin_hits(names, result)
         return result
-
-    @hookimpl
-    def unpin(self, keys: Sequence[CacheKey]) -> None:
-        with self._lock:
-            self._pins.unpin_all(self.name_of(k) for k in keys)
-
-    def _pinned(self, name: str) -> bool:
-        with self._lock:
-            return name in self._pins
 
     # -- load -----------------------------------------------------------------------------------
     @hookimpl
@@ -261,17 +255,7 @@ class ValueStoreTier:
         with self._lock:
             self._counts[what] += n
 
-    # -- eviction -------------------------------------------------------------------------------
-    @hookimpl
-    def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
-        if keys is None:  # unbounded: the server's maxmemory-policy evicts
-            victims = self._index.shrink(nbytes, self._writer.protected)
-        else:
-            names = [n for n in map(self.name_of, keys) if not self._pinned(n)]
-            victims = [(n, self._index.forget(n) or 0) for n in names]
-        self._delete([n for n, _ in victims])
-        return sum(s for _, s in victims)
-
+    # -- eviction (``evict``, ``unpin``: :class:`~.pinned.PinnedStore`) ------------------------
     def _delete(self, names: Sequence[str]) -> None:
         for n in names:
             self._writer.forget(n)

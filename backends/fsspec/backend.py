@@ -31,6 +31,7 @@ from pydantic import ByteSize, ConfigDict, Field, field_validator
 
 from ..common.breaker import CircuitBreaker
 from ..common.index import CapacityIndex
+from ..common.pinned import PinnedStore
 from ..common.value_writer import ValueWriter
 from .io import (
     GuardedIO,
@@ -45,7 +46,7 @@ from .reader import ChunkReader
 logger = logging.getLogger("kvplug.backends.fsspec")
 
 
-class FsspecBackend:
+class FsspecBackend(PinnedStore):
     """A remote tier over one fsspec URL; many hosts may share the same prefix."""
 
     class Options(BaseOptions):
@@ -110,6 +111,9 @@ class FsspecBackend:
         logger.info("tier %r: fsspec store at %s", self.name, self.url)
 
     # -- naming ---------------------------------------------------------------------------------
+    def store_name(self, key: CacheKey) -> str:
+        return self.path_of(key)
+
     def path_of(self, key: CacheKey) -> str:
         """The object name of ``key``: built only from the key's safe string form and hex."""
         rel = cf.relative_chunk_path(key)
@@ -147,30 +151,10 @@ class FsspecBackend:
         known = self._writer.known(paths, trust_written=not self.breaker.is_open)
         answer = self._reader.resolve(paths, known)
         if pin:
-            with self._lock:
-                self._pins.pin_all(p for p, hit in zip(paths, answer) if hit)
+            self._pin_hits(paths, answer)
         return answer
 
-    @hookimpl
-    def unpin(self, keys: Sequence[CacheKey]) -> None:
-        with self._lock:
-            self._pins.unpin_all(self.path_of(k) for k in keys)
-
-    def _pinned(self, path: str) -> bool:
-        with self._lock:
-            return path in self._pins
-
-    # -- eviction and housekeeping --------------------------------------------------------------
-    @hookimpl
-    def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
-        if keys is None:  # an unbounded store evicts nothing: use a bucket lifecycle rule
-            victims = self._index.shrink(nbytes, self._writer.protected)
-        else:
-            paths = [p for p in map(self.path_of, keys) if not self._pinned(p)]
-            victims = [(p, self._index.forget(p) or 0) for p in paths]
-        self._delete([p for p, _ in victims])
-        return sum(s for _, s in victims)
-
+    # -- eviction (``evict``, ``unpin``: PinnedStore) and housekeeping ---------------------------
     def _delete(self, paths: Sequence[str]) -> None:
         """Delete objects from the store and from everything that remembers them."""
         for p in paths:
