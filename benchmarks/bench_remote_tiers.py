@@ -17,6 +17,9 @@ Servers are stopped at the end. Medians over rounds; raw and tier rounds interle
 * get MiB/s at 1 and 4 MiB: raw ``GET`` / ``get`` vs ``StorageManager.get`` on a second manager (no local
   state about what the writer stored; an L1 pool in front, as in an engine, not promoted into):
   checksums verified, bytes copied into a memory object of the pool;
+* get MiB/s at 1 and 4 MiB, as the connector loads: ``StorageManager.batched_get`` of the
+  chunks (slow tiers read concurrently, promoted into that manager's L1) vs the raw one-by-one
+  ``GET`` / ``get``;
 * a batched lookup of 64 keys (ms): raw pipelined ``EXISTS`` x 64 / ``batch_is_exist`` vs ``lookup_prefix`` of 64
   keys, and vs the tier's ``contains`` hook called directly (without the StorageManager's
   bounded call on a tier thread); negative cache off, so every key is asked of the server.
@@ -30,17 +33,21 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import redis
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kvplug import chunkfile as cf
 from kvplug.memory import heap_memory_obj
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import make_key
+from mooncake_store import NETNS_ENV, MooncakeMaster  # noqa: E402 - the tests' server helpers
+from redis_server import RedisServer  # noqa: E402
 
 MiB = 1 << 20
 LOOKUP_KEYS = 64
@@ -53,33 +60,6 @@ def _chunk(mib: float, seed: int):  # noqa: ANN202
     gen = torch.Generator().manual_seed(seed)
     obj.byte_view.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=gen))
     return obj
-
-
-def _start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
-    server = shutil.which("redis-server") or shutil.which("valkey-server")
-    if server is None:
-        raise SystemExit("redis-server is not installed (scripts/setup.sh installs it)")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([server, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                             "--appendonly", "no", "--maxmemory", "2gb", "--maxmemory-policy",
-                             "allkeys-lru", "--dir", workdir],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            client.ping()
-            break
-        except (redis.ConnectionError, redis.TimeoutError):
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("redis-server did not start") from None
-            time.sleep(0.05)
-    client.close()
-    return proc, url
 
 
 class Raw:
@@ -116,32 +96,19 @@ def _raw_mooncake(master: str) -> Raw:
     return Raw(put, store.get, lookup, store.batch_remove, store.close)
 
 
-def _start_mooncake(workdir: str) -> tuple[subprocess.Popen, str]:
-    binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}",
-                             "--enable_metric_reporting=false"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return proc, f"127.0.0.1:{port}"
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("mooncake_master did not start") from None
-            time.sleep(0.05)
-
-
 def _manager(tier: dict, l1: bool = False, **opts) -> StorageManager:
     """A manager over the tier; with ``l1`` an L1 pool in front (as in an engine), so reads land
     in the pool's (prefaulted) memory."""
     t = {**tier, "options": {**tier["options"], "negative_cache_s": 0.0, **opts}}
     tiers = [{"backend": "local_cpu", "options": {"capacity": "128MiB"}}] if l1 else []
     return StorageManager({"tiers": [*tiers, t]})
+
+
+def _check_and_release(got: list, objs: list) -> None:
+    assert all(g is not None and torch.equal(g.byte_view, o.byte_view)
+               for g, o in zip(got, objs)), "tier returned wrong bytes"
+    for g in got:
+        g.ref_down()
 
 
 def measure(store: str, raw: Raw, tier: dict, args: argparse.Namespace,
@@ -154,6 +121,7 @@ def measure(store: str, raw: Raw, tier: dict, args: argparse.Namespace,
     writer = _manager(tier)
     writer1 = _manager(tier, io_threads=1)
     reader = _manager(tier, l1=True)
+    breader = _manager(tier, l1=True)  # batched_get promotes into its L1, as the connector's does
     backend = reader.backend(1)
     try:
         for mib in (1, 4):
@@ -182,11 +150,13 @@ def measure(store: str, raw: Raw, tier: dict, args: argparse.Namespace,
                 t = time.perf_counter()
                 got = [reader.get(k, promote=False) for k in keys]
                 rec(f"tier_get_{mib}", total / (time.perf_counter() - t))
-                assert all(g is not None and torch.equal(g.byte_view, o.byte_view)
-                           for g, o in zip(got, objs)), "tier returned wrong bytes"
-                for g in got:
-                    g.ref_down()
+                _check_and_release(got, objs)
+                t = time.perf_counter()
+                got = breader.batched_get(pkeys)
+                rec(f"tier_bget_{mib}", total / (time.perf_counter() - t))
+                _check_and_release(got, objs)
                 writer.evict(keys + pkeys)
+                breader.evict(pkeys)
         lkeys = [make_key(9 * 10**6 + i) for i in range(LOOKUP_KEYS)]
         small = [_chunk(1 / 64, i) for i in range(LOOKUP_KEYS)]
         writer.batched_put(lkeys, small)
@@ -203,7 +173,7 @@ def measure(store: str, raw: Raw, tier: dict, args: argparse.Namespace,
             assert all(backend.contains(lkeys, pin=False))
             rec("hook_lookup", (time.perf_counter() - t) * 1e3)
     finally:
-        for mgr in (writer, writer1, reader):
+        for mgr in (writer, writer1, reader, breader):
             mgr.close()
 
 
@@ -216,7 +186,10 @@ def report(store: str, client: str, res: dict[str, list[float]], args: argparse.
     for mib in (1, 4):
         for what, raw_k, tier_k in (("put MiB/s (tier io_threads=1)", "raw_put", "tier1_put"),
                                     ("put MiB/s (tier io_threads=4)", "raw_put", "tier_put"),
-                                    ("get MiB/s", "raw_get", "tier_get")):
+                                    ("get MiB/s (StorageManager.get, one by one)", "raw_get",
+                                     "tier_get"),
+                                    ("get MiB/s (batched_get, as the connector loads)",
+                                     "raw_get", "tier_bget")):
             a, b = med[f"{raw_k}_{mib}"], med[f"{tier_k}_{mib}"]
             print(f"| {mib} MiB {what} | {a:.0f} | {b:.0f} | {b / a:.2f}x |")
     a = med["raw_lookup"]
@@ -250,28 +223,27 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="kvplug-bench-remote-")
     try:
         if "resp" in stores:
-            proc, url = _start_redis(workdir)
-            raw = _raw_redis(url)
+            srv = RedisServer(Path(workdir) / "redis", maxmemory="2gb")
+            raw = _raw_redis(srv.url)
             try:
                 measure("resp", raw, {"backend": "resp", "timeout_s": 60.0,
-                                      "options": {"url": url, "timeout_s": 30.0}}, args, res)
+                                      "options": {"url": srv.url, "timeout_s": 30.0}}, args, res)
             finally:
                 raw.close()
-                proc.terminate()
-                proc.wait(timeout=10)
+                srv.stop()
             report("resp", f"redis-py {redis.__version__} (hiredis) on redis-server", res, args)
         if "mooncake" in stores:
             os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
-            proc, master = _start_mooncake(workdir)
-            raw = _raw_mooncake(master)
+            os.environ[NETNS_ENV] = "1"  # this process runs in the namespace it made (above)
+            master = MooncakeMaster(Path(workdir) / "mooncake")
+            raw = _raw_mooncake(master.address)
             try:
                 measure("mooncake", raw, {"backend": "mooncake", "timeout_s": 60.0, "options": {
-                    "master": master, "timeout_s": 30.0, "global_segment_size": "256MiB",
-                    "local_buffer_size": "256MiB"}}, args, res)
+                    "master": master.address, "timeout_s": 30.0,
+                    "global_segment_size": "256MiB", "local_buffer_size": "256MiB"}}, args, res)
             finally:
                 raw.close()
-                proc.kill()
-                proc.wait(timeout=10)
+                master.stop()
             report("mooncake", "Mooncake's MooncakeDistributedStore (tcp, in-process master "
                    "client, segments lent by each client)", res, args)
     finally:

@@ -14,14 +14,13 @@ import time
 
 import pytest
 import torch
-from kvplug.memory import MemoryFormat
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import BackendConformance
 from kvplug.testing.conformance import make_key
 from mooncake_store import MooncakeMaster
+from tier_workload import HANG, get_exact, put_random
 
 pytestmark = pytest.mark.timeout(300)
-HANG = 20.0  # no call may take this long (catches a hang; not a speed check)
 
 
 @pytest.fixture
@@ -58,27 +57,11 @@ class TestMooncakeConformance(BackendConformance):
 
 
 def _put(mgr: StorageManager, i: int) -> torch.Tensor:
-    obj = mgr.allocate((4, 1, 64 << 10), dtype=torch.uint8, fmt=MemoryFormat.KV_PAGES,
-                       num_tokens=16)
-    gen = torch.Generator().manual_seed(i)
-    obj.byte_view.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=gen))
-    ref = obj.byte_view.clone()
-    mgr.batched_put([make_key(i)], [obj])
-    obj.ref_down()
-    return ref
+    return put_random(mgr, make_key(i), i)
 
 
 def _exact(mgr: StorageManager, i: int, ref: torch.Tensor) -> bool:
-    t0 = time.monotonic()
-    got = mgr.get(make_key(i), promote=False)
-    assert time.monotonic() - t0 < HANG, "a load hung"
-    if got is None:
-        return False
-    try:
-        assert torch.equal(got.byte_view, ref), f"chunk {i}: wrong bytes"
-    finally:
-        got.ref_down()
-    return True
+    return get_exact(mgr, make_key(i), ref)
 
 
 def _stats(mgr: StorageManager) -> dict:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -23,6 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from server_process import ServerProcess
+from server_process import free_port as any_free_port
 
 SERVER = shutil.which("redis-server") or shutil.which("valkey-server")
 
@@ -31,11 +32,11 @@ def free_port(cluster: bool = False) -> int:
     """A free port on 127.0.0.1; for a cluster node one at most 55535 whose bus port (+10000) is
     free too."""
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0 if not cluster else random.randint(20000, 55535)))
-            port = s.getsockname()[1]
         if not cluster:
-            return port
+            return any_free_port()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", random.randint(20000, 55535)))
+            port = s.getsockname()[1]
         try:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port + 10000))
@@ -44,21 +45,21 @@ def free_port(cluster: bool = False) -> int:
             continue
 
 
-class RedisServer:
+class RedisServer(ServerProcess):
     """One redis-server process on loopback (or a unix socket in ``workdir``)."""
 
     cluster_node = False
+    what = "redis-server"
+    log_name = "redis.log"
 
     def __init__(self, workdir: Path, *, maxmemory: str = "256mb", policy: str = "allkeys-lru",
                  unix: bool = False, password: str | None = None) -> None:
         if SERVER is None:
             pytest.skip("redis-server is not installed (scripts/setup.sh installs it)")
-        self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        super().__init__(workdir)
         self.maxmemory, self.policy, self.password = maxmemory, policy, password
         self.socket = str(self.workdir / "redis.sock") if unix else None
         self.port = 0 if unix else free_port(cluster=self.cluster_node)
-        self.proc: subprocess.Popen | None = None
         self.start()
 
     @property
@@ -78,30 +79,13 @@ class RedisServer:
             args += ["--requirepass", self.password]
         return args
 
-    def start(self) -> None:
-        log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - the child keeps it
-        deadline = time.monotonic() + 15
-        while True:
-            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT)
-            if self._wait_ready(deadline):
-                return
-            if self.proc.poll() is None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"redis-server did not come up:\n"
-                                   f"{(self.workdir / 'redis.log').read_text()[-3000:]}")
-            time.sleep(0.2)  # the port was still held by the previous process: try again
-
-    def _wait_ready(self, deadline: float) -> bool:
+    def ready(self) -> bool:
         import redis
 
         client = redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=1)
         try:
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                try:
-                    if client.ping():
-                        return True
-                except (redis.ConnectionError, redis.TimeoutError, OSError):
-                    time.sleep(0.05)
+            return bool(client.ping())
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
             return False
         finally:
             client.close()
@@ -112,32 +96,11 @@ class RedisServer:
 
         return redis.Redis.from_url(self.url, socket_timeout=5)
 
-    def kill(self) -> None:
-        """SIGKILL: the data is gone, as in a crash of a server without persistence."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
     def restart(self) -> None:
         self.kill()
         if self.socket and os.path.exists(self.socket):
             os.unlink(self.socket)
         self.start()
-
-    def pause(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.resume()
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @pytest.fixture

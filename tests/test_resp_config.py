@@ -43,15 +43,16 @@ def test_password_env_missing_names_the_variable(monkeypatch):
         _mgr(url="redis://127.0.0.1:1/0", password_env="KVPLUG_TEST_NO_SUCH_VAR")
 
 
-@pytest.mark.parametrize("where", ["url", "env"])
+@pytest.mark.parametrize("where", ["url", "env", "rediss"])
 def test_password_never_logged(tmp_path, caplog, monkeypatch, where):
-    """The server wants another password: every call fails (the breaker opens), and the one we
-    sent appears nowhere."""
+    """The server wants another password (or, for ``rediss``, speaks no TLS, so the handshake
+    fails before any password is sent): every call fails (the breaker opens), and the password
+    appears nowhere."""
     caplog.set_level(logging.DEBUG, logger="kvplug")
     srv = RedisServer(tmp_path / "redis", password="the-right-one")
     try:
-        if where == "url":
-            options = {"url": f"redis://:{SECRET}@127.0.0.1:{srv.port}/0"}
+        if where in ("url", "rediss"):
+            options = {"url": f"{where.replace('url', 'redis')}://:{SECRET}@127.0.0.1:{srv.port}/0"}
         else:
             monkeypatch.setenv("KVPLUG_TEST_REDIS_PW", SECRET)
             options = {"url": f"redis://127.0.0.1:{srv.port}/0", "password_env": "KVPLUG_TEST_REDIS_PW"}
@@ -71,3 +72,5 @@ def test_password_never_logged(tmp_path, caplog, monkeypatch, where):
         srv.stop()
     assert stats["breaker_trips"] >= 1 and "remote store failing" in caplog.text
     assert SECRET not in text
+    if where == "rediss":  # the TLS handshake to a plain server failed: no password was sent
+        assert "connecting to server" in caplog.text and "WRONGPASS" not in caplog.text, caplog.text

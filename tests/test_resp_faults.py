@@ -11,16 +11,15 @@ import threading
 import time
 
 import pytest
+import tier_workload
 import torch
 from kvplug.keys import CacheKey
-from kvplug.memory import MemoryFormat
 from kvplug.storage_manager import StorageManager
 from redis_server import RedisServer
+from tier_workload import HANG, put_random
 
 pytestmark = pytest.mark.timeout(180)
 
-SHAPE = (4, 1, 64 << 10)  # 256 KiB per chunk, 4 layers
-HANG = 20.0  # seconds: no single call may take this long (a hang, not a speed check)
 
 
 def key(i: int, model: str = "faults/model") -> CacheKey:
@@ -36,13 +35,7 @@ def manager(url: str, **opts) -> StorageManager:
 
 def put(mgr: StorageManager, i: int, seed: int | None = None) -> torch.Tensor:
     """Store chunk ``i`` of random bytes; its bytes (the reference)."""
-    obj = mgr.allocate(SHAPE, dtype=torch.uint8, fmt=MemoryFormat.KV_PAGES, num_tokens=16)
-    gen = torch.Generator().manual_seed(i if seed is None else seed)
-    obj.byte_view.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=gen))
-    ref = obj.byte_view.clone()
-    mgr.batched_put([key(i)], [obj])
-    obj.ref_down()
-    return ref
+    return put_random(mgr, key(i), i if seed is None else seed)
 
 
 def timed(fn, *args, **kwargs):
@@ -55,14 +48,7 @@ def timed(fn, *args, **kwargs):
 
 def get_exact(mgr: StorageManager, i: int, ref: torch.Tensor) -> bool:
     """Whether chunk ``i`` hit; a hit must be bit-exact."""
-    got = timed(mgr.get, key(i), promote=False)
-    if got is None:
-        return False
-    try:
-        assert torch.equal(got.byte_view, ref), f"chunk {i}: wrong bytes"
-    finally:
-        got.ref_down()
-    return True
+    return tier_workload.get_exact(mgr, key(i), ref)
 
 
 def stats(mgr: StorageManager) -> dict[str, float]:

@@ -1,6 +1,8 @@
-"""The calls a value-store tier makes (resp, mooncake), behind the tier's circuit breaker.
+"""The calls a remote tier makes, behind the tier's circuit breaker.
 
-A subclass implements the store's batched primitives (``_exists``, ``_get``, ``_get_range``,
+:class:`GuardedCalls` is what every remote tier shares (resp, mooncake and fsspec): counting,
+credential scrubbing, the breaker, batched stores. :class:`ValueIO` adds a key-value store's calls:
+a subclass implements the store's batched primitives (``_exists``, ``_get``, ``_get_range``,
 ``_set_many``, ``_delete``), each one bounded round trip or batch call that raises on a failed
 or timed-out call. This class turns every such failure into a miss (``None``), counts it and feeds
 it to the breaker; a store that is refused (open breaker) is not called at all. A reply that says
@@ -22,40 +24,24 @@ class StoreRefused(Exception):
     """The store answered but refused one value (full, too large): not an outage."""
 
 
-class ValueIO:
-    """Guarded, counted calls to one key-value store."""
+class GuardedCalls:
+    """Counted calls to one remote store behind the tier's circuit breaker (what every remote
+    tier shares: resp, mooncake, fsspec). A failed or timed-out call is counted, its message
+    scrubbed of credentials and fed to the breaker; a call the breaker refuses is not made."""
 
-    #: Exception types (besides ``TimeoutError``) counted as ``socket_timeouts``.
+    #: Exception types (besides ``TimeoutError``) counted as timeouts.
     timeout_types: tuple[type[BaseException], ...] = ()
+    #: The stats name of timed-out calls.
+    timeout_stat = "socket_timeouts"
 
     def __init__(self, name: str, breaker: CircuitBreaker, redact: Redactor) -> None:
         self.name = name
         self.breaker = breaker
         self.redact = redact
         self._lock = threading.Lock()
-        self._counts = dict.fromkeys(("remote_errors", "socket_timeouts", "store_errors",
+        self._counts = dict.fromkeys(("remote_errors", self.timeout_stat, "store_errors",
                                       "remote_lookups", "evicted"), 0)
 
-    # -- what subclasses implement (raise on a failed call) -------------------------------------
-    def _exists(self, names: Sequence[str]) -> list[bool | None]:
-        raise NotImplementedError
-
-    def _get(self, name: str) -> bytes | None:
-        raise NotImplementedError
-
-    def _get_range(self, name: str, start: int, end: int) -> bytes | None:
-        raise NotImplementedError
-
-    def _set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None]:
-        raise NotImplementedError
-
-    def _delete(self, names: Sequence[str]) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Release the client (idempotent)."""
-
-    # -- guarded calls --------------------------------------------------------------------------
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
             self._counts[what] += n
@@ -63,13 +49,15 @@ class ValueIO:
     def failed(self, exc: BaseException) -> None:
         """Record a failed call (unreachable, reset, timed out) and feed it to the breaker."""
         timeout = isinstance(exc, (TimeoutError, *self.timeout_types))
-        self._count("socket_timeouts" if timeout else "remote_errors")
+        self._count(self.timeout_stat if timeout else "remote_errors")
         self.breaker.failure(self.redact.error(exc))
 
     def allow(self) -> bool:
+        """Whether the store may be called now (see :meth:`CircuitBreaker.allow`)."""
         return self.breaker.allow()
 
     def forgo(self) -> None:
+        """A call :meth:`allow` granted will not be made (see :meth:`CircuitBreaker.forgo`)."""
         self.breaker.forgo()
 
     def _guarded(self, call: Callable[[], Any], guard: bool = True) -> tuple[bool, Any]:
@@ -84,6 +72,45 @@ class ValueIO:
         self.breaker.success()
         return True, out
 
+    def set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None] | None:
+        """Store values in one batch: per item ``None`` (stored) or why the store refused it;
+        ``None`` as a whole when the call failed. Callers ask :meth:`allow` first."""
+        ok, out = self._guarded(lambda: self._set_many(items), guard=False)
+        if not ok:
+            return None
+        refused = sum(e is not None for e in out)
+        if refused:
+            self._count("store_errors", refused)
+        return out
+
+    def _set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None]:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {k: float(v) for k, v in self._counts.items()}
+
+
+class ValueIO(GuardedCalls):
+    """Guarded, counted calls to one key-value store."""
+
+    # -- what subclasses implement (raise on a failed call) -------------------------------------
+    def _exists(self, names: Sequence[str]) -> list[bool | None]:
+        raise NotImplementedError
+
+    def _get(self, name: str) -> bytes | None:
+        raise NotImplementedError
+
+    def _get_range(self, name: str, start: int, end: int) -> bytes | None:
+        raise NotImplementedError
+
+    def _delete(self, names: Sequence[str]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the client (idempotent)."""
+
+    # -- guarded calls --------------------------------------------------------------------------
     def exists(self, names: Sequence[str]) -> list[bool | None]:
         """Per name: whether the store holds it (``None``: unknown, the store is unavailable)."""
         self._count("remote_lookups", len(names))
@@ -98,23 +125,8 @@ class ValueIO:
         """Bytes ``[start, end)`` of a value; ``None`` when missing or unavailable."""
         return self._guarded(lambda: self._get_range(name, start, end))[1]
 
-    def set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None] | None:
-        """Store values in one batch: per item ``None`` (stored) or why the store refused it;
-        ``None`` as a whole when the call failed. Callers ask :meth:`allow` first."""
-        ok, out = self._guarded(lambda: self._set_many(items), guard=False)
-        if not ok:
-            return None
-        refused = sum(e is not None for e in out)
-        if refused:
-            self._count("store_errors", refused)
-        return out
-
     def delete(self, names: Sequence[str]) -> None:
         """Delete values (missing ones are fine); counted as ``evicted``."""
         if names:
             self._count("evicted", len(names))
             self._guarded(lambda: self._delete(names))
-
-    def stats(self) -> dict[str, float]:
-        with self._lock:
-            return {k: float(v) for k, v in self._counts.items()}

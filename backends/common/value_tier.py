@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvplug import chunkfile as cf
@@ -33,12 +32,13 @@ from kvplug.pins import PinCounts
 from pydantic import ByteSize, ConfigDict, Field, field_validator
 
 from .breaker import CircuitBreaker
+from .chunks import HeaderCache, copy_verified, layer_range
 from .index import CapacityIndex, TTLSet
+from .pinned import PinnedStore
 from .value_io import ValueIO
 from .value_writer import ValueWriter
 
 logger = logging.getLogger("kvplug.backends.values")
-_HEADER_CACHE = 4096
 _NAME_CACHE = 65536
 
 
@@ -70,7 +70,7 @@ class ValueStoreOptions(BaseOptions):
         return v
 
 
-class ValueStoreTier:
+class ValueStoreTier(PinnedStore):
     """The hooks of a tier over a key-value store; subclasses say how to reach the store."""
 
     Options = ValueStoreOptions
@@ -92,9 +92,9 @@ class ValueStoreTier:
         self.io, self.url = self.open_io(ctx, self.breaker)
         self._allocate = ctx.allocate
         self._log_once = LogOnce(logger)
-        self._lock = threading.Lock()  # pins, headers, negative cache, counters
+        self._lock = threading.Lock()  # pins, negative cache, counters
         self._pins: PinCounts[str] = PinCounts()
-        self._headers: OrderedDict[str, cf.ChunkHeader] = OrderedDict()
+        self._headers = HeaderCache()
         self._absent = TTLSet(opts.negative_cache_s)
         self._counts = dict.fromkeys(("corrupt", "other_version", "negative_hits", "vanished",
                                       "bytes_got"), 0)
@@ -106,6 +106,9 @@ class ValueStoreTier:
             threads=opts.io_threads, batch_bytes=int(opts.batch_bytes),
             written_ttl_s=max(opts.negative_cache_s, 1.0))
         logger.info("tier %r: %s at %s", self.name, self.kind, self.url)
+
+    def store_name(self, key: CacheKey) -> str:
+        return self.name_of(key)
 
     def name_of(self, key: CacheKey) -> str:
         """The store's key name for ``key`` (the key's safe string form under the prefix);
@@ -128,8 +131,8 @@ class ValueStoreTier:
         return self._writer.flush(timeout)
 
     def _stored(self, name: str) -> None:
+        self._headers.pop(name)
         with self._lock:
-            self._headers.pop(name, None)
             self._absent.discard(name)
 
     # -- lookup ---------------------------------------------------------------------------------
@@ -152,18 +155,8 @@ class ValueStoreTier:
                         self._absent.add(names[i])
         result = [bool(a) for a in answer]
         if pin:
-            with self._lock:
-                self._pins.pin_all(n for n, hit in zip(names, result) if hit)
+            self._pin_hits(names, result)
         return result
-
-    @hookimpl
-    def unpin(self, keys: Sequence[CacheKey]) -> None:
-        with self._lock:
-            self._pins.unpin_all(self.name_of(k) for k in keys)
-
-    def _pinned(self, name: str) -> bool:
-        with self._lock:
-            return name in self._pins
 
     # -- load -----------------------------------------------------------------------------------
     @hookimpl
@@ -192,11 +185,9 @@ class ValueStoreTier:
         if header is None:
             return None
         try:
-            meta = header.layers_meta(first_layer, num_layers)
+            meta, start, end = layer_range(header, first_layer, num_layers)
         except ChunkFormatError:
             return None
-        start = header.data_offsets[first_layer]
-        end = header.data_offsets[first_layer + num_layers - 1] + header.layer_nbytes
         data = self.io.get_range(name, start, end)
         if data is None or len(data) != end - start:
             return self._miss(name)
@@ -204,8 +195,7 @@ class ValueStoreTier:
                           base=start)
 
     def _header(self, name: str) -> cf.ChunkHeader | None:
-        with self._lock:
-            cached = self._headers.get(name)
+        cached = self._headers.get(name)
         if cached is not None:
             return cached
         prefix = self.io.get_range(name, 0, cf.HEADER_PROBE)
@@ -236,39 +226,23 @@ class ValueStoreTier:
 
     def _fill(self, name: str, header: cf.ChunkHeader, meta: MemoryObjMeta, view: memoryview,
               first: int, count: int, base: int) -> MemoryObj | None:
-        """A fresh object holding layers ``first .. first + count - 1`` of ``view`` (which starts
-        at value offset ``base``), each checked against its checksum after the copy; ``None``
-        on a mismatch (corrupt) or when memory is full."""
-        obj = self._allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
-        if obj is None:
+        """:func:`~.chunks.copy_verified`; a mismatch is a corrupt value (deleted)."""
+        try:
+            return copy_verified(self._allocate, header, meta, view, first, count, base)
+        except ChunkFormatError as exc:
+            self._corrupt(name, str(exc))
             return None
-        n = header.layer_nbytes
-        dest = obj.byte_view.numpy()
-        src = view.cast("B")
-        for i in range(count):
-            off = header.data_offsets[first + i] - base
-            dest[i * n : (i + 1) * n] = src[off : off + n]
-        if not cf.verify_layers(header, first, dest.data):
-            obj.ref_down()
-            self._corrupt(name, f"a checksum of layers {first}..{first + count - 1} mismatches")
-            return None
-        return obj
 
     def _miss(self, name: str) -> None:
         """A value that lookups promised is gone (the store evicted it, restarted or lost it)."""
         self._writer.forget(name)
         self._index.forget(name)
-        with self._lock:
-            self._headers.pop(name, None)
-            self._counts["vanished"] += 1
+        self._headers.pop(name)
+        self._count("vanished")
         return None
 
     def _remember(self, name: str, header: cf.ChunkHeader) -> None:
-        with self._lock:
-            self._headers[name] = header
-            self._headers.move_to_end(name)
-            if len(self._headers) > _HEADER_CACHE:
-                self._headers.popitem(last=False)
+        self._headers.put(name, header)
 
     def _corrupt(self, name: str, why: str) -> None:
         self._count("corrupt")
@@ -281,22 +255,11 @@ class ValueStoreTier:
         with self._lock:
             self._counts[what] += n
 
-    # -- eviction -------------------------------------------------------------------------------
-    @hookimpl
-    def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
-        if keys is None:  # unbounded: the server's maxmemory-policy evicts
-            victims = self._index.shrink(nbytes, self._writer.protected)
-        else:
-            names = [n for n in map(self.name_of, keys) if not self._pinned(n)]
-            victims = [(n, self._index.forget(n) or 0) for n in names]
-        self._delete([n for n, _ in victims])
-        return sum(s for _, s in victims)
-
+    # -- eviction (``evict``, ``unpin``: :class:`~.pinned.PinnedStore`) ------------------------
     def _delete(self, names: Sequence[str]) -> None:
         for n in names:
             self._writer.forget(n)
-            with self._lock:
-                self._headers.pop(n, None)
+            self._headers.pop(n)
         self.io.delete(names)
 
     # -- housekeeping ---------------------------------------------------------------------------

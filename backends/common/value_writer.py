@@ -1,14 +1,14 @@
-"""Stores of a value-store tier (resp, mooncake): a bounded queue drained by writer threads, in
-batches (one pipelined round trip, one batch call).
+"""Stores of a remote tier (resp, mooncake, fsspec): a bounded queue drained by writer threads,
+in batches (one pipelined round trip, one batch call; fsspec uploads one object per batch).
 
 ``submit`` only queues (taking a reference); a full queue drops the store and counts it, so the
 engine never waits. A writer thread takes what is queued (up to ``batch_bytes``), encodes each
-chunk in the shared chunk format into its reused scratch buffer (one copy, after which the memory
-object is released) and sends
-all of them in one batch. A value is visible whole or not at all (``SET`` and Mooncake's puts are
-atomic). A store refused by the server (full: ``OOM`` under ``noeviction``, Mooncake's -200) is
-dropped and counted (``dropped_full``); it does not count against the breaker (the store
-answered).
+chunk in the shared chunk format into its reused scratch buffer (or, where the store keeps the
+buffer it is given, into fresh bytes: one copy either way, after which the memory object is
+released) and sends all of them in one batch. A value is visible whole or not at all (``SET``,
+Mooncake's puts and fsspec's whole-object uploads are atomic). A store refused by the server
+(full: ``OOM`` under ``noeviction``, Mooncake's -200) is dropped and counted (``dropped_full``); it
+does not count against the breaker (the store answered).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvplug.logs import LogOnce
 from kvplug.memory import MemoryObj
 
 from .index import CapacityIndex, TTLSet
-from .value_io import ValueIO
+from .value_io import GuardedCalls
 
 logger = logging.getLogger("kvplug.backends.values")
 
@@ -35,12 +35,15 @@ class ValueWriter:
     """Owns the queue and its threads, the stores in flight (invisible to lookups until written),
     the recently written names (trusted without a round trip) and the store counters.
     ``protected(name)`` says whether eviction must spare a name (pinned); ``delete(names)``
-    removes victims of the capacity bound; ``stored(name)`` reports a finished store."""
+    removes victims of the capacity bound; ``stored(name)`` reports a finished store.
+    ``skip_indexed``: a name the capacity index holds is not stored again (fsspec, whose index
+    learns what lookups and listings found); ``reuse_buffer=False``: encode into fresh bytes."""
 
-    def __init__(self, name: str, io: ValueIO, index: CapacityIndex, log_once: LogOnce, *,
+    def __init__(self, name: str, io: GuardedCalls, index: CapacityIndex, log_once: LogOnce, *,
                  pinned: Callable[[str], bool], delete: Callable[[Sequence[str]], None],
                  stored: Callable[[str], None], max_pending: int, threads: int,
-                 batch_bytes: int, written_ttl_s: float) -> None:
+                 batch_bytes: int, written_ttl_s: float, skip_indexed: bool = False,
+                 reuse_buffer: bool = True, thread_prefix: str | None = None) -> None:
         self._name = name
         self._io = io
         self._index = index
@@ -50,6 +53,8 @@ class ValueWriter:
         self._stored = stored
         self._max_pending = max_pending
         self._batch_bytes = batch_bytes
+        self._skip_indexed = skip_indexed
+        self._reuse_buffer = reuse_buffer
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending: dict[str, int] = {}
@@ -60,7 +65,7 @@ class ValueWriter:
         self._local = threading.local()
         self._stop = threading.Event()
         self._queue: queue.Queue[Item] = queue.Queue(max_pending)
-        self._threads = [threading.Thread(target=self._run, name=f"kvplug-{name}-w{i}", daemon=True)
+        self._threads = [threading.Thread(target=self._run, name=f"kvplug-{thread_prefix or name}-w{i}", daemon=True)
                          for i in range(threads)]
         for t in self._threads:
             t.start()
@@ -87,6 +92,8 @@ class ValueWriter:
     # -- stores ---------------------------------------------------------------------------------
     def submit(self, name: str, key: CacheKey, obj: MemoryObj) -> None:
         """Queue a store of ``obj`` (a reference is held until it is written or dropped)."""
+        if self._skip_indexed and name in self._index:
+            return
         with self._lock:
             if self._closed or name in self._pending or name in self._written:
                 return
@@ -183,11 +190,13 @@ class ValueWriter:
             buf = self._local.scratch = memoryview(bytearray(size + size // 4))
         return buf
 
-    def _encode(self, batch: list[Item]) -> list[tuple[str, memoryview]]:
+    def _encode(self, batch: list[Item]) -> list[tuple[str, bytes | memoryview]]:
         """Each chunk as one value, copied into this thread's scratch buffer (valid until this
         thread's next batch); every object is released, also on a failure."""
         try:
             parts = [(name, cf.encode_chunk(key, obj)) for name, key, obj in batch]
+            if not self._reuse_buffer:
+                return [(name, b"".join([h, *bufs])) for name, (h, bufs) in parts]
             sizes = [len(h) + sum(len(b) for b in bufs) for _, (h, bufs) in parts]
             scratch = self._scratch(sum(sizes))
             out, off = [], 0
@@ -214,7 +223,7 @@ class ValueWriter:
         except BaseException:
             self._io.forgo()  # the call the breaker granted will not be made
             raise
-        room: list[tuple[str, memoryview]] = []
+        room: list[tuple[str, bytes | memoryview]] = []
         for name, data in items:
             victims = self._index.reserve(len(data), self.protected)
             if victims is None:

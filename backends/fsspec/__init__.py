@@ -3,10 +3,9 @@ fsspec filesystem — S3/MinIO/Ceph, GCS, ``memory://``, ``file://`` — shared 
 
 * :mod:`.backend` — :class:`FsspecBackend`, the hooks, naming, pins and eviction;
 * :mod:`.reader`  — :class:`~.reader.ChunkReader`: verified loads, header and negative caches;
-* :mod:`.writer`  — :class:`~.writer.ChunkWriter`: the bounded write queue and its threads;
 * :mod:`.io`      — bounded remote calls, the breaker in front of them, credential scrubbing;
-* the circuit breaker, lookup caches, capacity index and redaction live in
-  :mod:`kvplug.backends.common` (shared with the resp tier).
+* the write queue and its threads, guarded calls, the circuit breaker, lookup caches, capacity
+  index and redaction live in :mod:`kvplug.backends.common` (shared with resp and mooncake).
 """
 
 from .backend import FsspecBackend

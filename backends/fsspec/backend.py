@@ -3,12 +3,13 @@
 Objects are whole chunk files in the shared format (:mod:`kvplug.chunkfile`), named
 ``<root>/<namespace>/<2 hex>/<key string>.safetensors`` (``namespace_dirs=False`` drops the
 namespace directory, which is the posix tier's layout). Stores are queued on a bounded pool of
-writer threads (:class:`~.writer.ChunkWriter`; a full queue drops the store and counts it); loads
-(:class:`~.reader.ChunkReader`) read whole objects or a layer range with one ranged read and
-verify every layer's checksum before any byte is returned; ``contains`` checks many keys
-concurrently with a short-lived negative cache. Every remote call has a hard timeout and feeds a
-circuit breaker: a store that is down, slow or failing makes this tier answer "missing" until a
-probe after the back-off succeeds. Credentials never reach a log line.
+writer threads (the shared :class:`~kvplug.backends.common.value_writer.ValueWriter`, one object
+per batch; a full queue drops the store and counts it); loads (:class:`~.reader.ChunkReader`)
+read whole objects or a layer range with one ranged read and verify every layer's checksum
+before any byte is returned; ``contains`` checks many keys concurrently with a short-lived
+negative cache. Every remote call has a hard timeout and feeds a circuit breaker: a store that
+is down, slow or failing makes this tier answer "missing" until a probe after the back-off
+succeeds. Credentials never reach a log line.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from pydantic import ByteSize, ConfigDict, Field, field_validator
 
 from ..common.breaker import CircuitBreaker
 from ..common.index import CapacityIndex
+from ..common.pinned import PinnedStore
+from ..common.value_writer import ValueWriter
 from .io import (
     GuardedIO,
     Redactor,
@@ -39,12 +42,11 @@ from .io import (
     remove_stale_local_temps,
 )
 from .reader import ChunkReader
-from .writer import ChunkWriter
 
 logger = logging.getLogger("kvplug.backends.fsspec")
 
 
-class FsspecBackend:
+class FsspecBackend(PinnedStore):
     """A remote tier over one fsspec URL; many hosts may share the same prefix."""
 
     class Options(BaseOptions):
@@ -94,11 +96,11 @@ class FsspecBackend:
         self._index = CapacityIndex(int(opts.capacity) if opts.capacity is not None else None)
         parts = TierParts(ctx.name, self._remote, self._index, self._log_once)
         self._reader = ChunkReader(parts, ctx.allocate, self._lost, opts.negative_cache_s)
-        self._writer = ChunkWriter(
-            parts, pinned=self._pinned, delete=self._delete, stored=self._reader.forget,
-            max_pending=opts.max_pending_writes, threads=opts.io_threads,
-            written_ttl_s=max(opts.negative_cache_s, 1.0),
-        )
+        self._writer = ValueWriter(  # one whole-object upload per batch, into fresh bytes
+            ctx.name, self._remote, self._index, self._log_once, pinned=self._pinned,
+            delete=self._delete, stored=self._reader.forget, max_pending=opts.max_pending_writes,
+            threads=opts.io_threads, batch_bytes=1, written_ttl_s=max(opts.negative_cache_s, 1.0),
+            skip_indexed=True, reuse_buffer=False, thread_prefix="fsspec")
         if self.io.is_local:  # crashed local writers' temporary files (object stores have none)
             removed = remove_stale_local_temps(self.root)
             if removed:
@@ -109,6 +111,9 @@ class FsspecBackend:
         logger.info("tier %r: fsspec store at %s", self.name, self.url)
 
     # -- naming ---------------------------------------------------------------------------------
+    def store_name(self, key: CacheKey) -> str:
+        return self.path_of(key)
+
     def path_of(self, key: CacheKey) -> str:
         """The object name of ``key``: built only from the key's safe string form and hex."""
         rel = cf.relative_chunk_path(key)
@@ -146,30 +151,10 @@ class FsspecBackend:
         known = self._writer.known(paths, trust_written=not self.breaker.is_open)
         answer = self._reader.resolve(paths, known)
         if pin:
-            with self._lock:
-                self._pins.pin_all(p for p, hit in zip(paths, answer) if hit)
+            self._pin_hits(paths, answer)
         return answer
 
-    @hookimpl
-    def unpin(self, keys: Sequence[CacheKey]) -> None:
-        with self._lock:
-            self._pins.unpin_all(self.path_of(k) for k in keys)
-
-    def _pinned(self, path: str) -> bool:
-        with self._lock:
-            return path in self._pins
-
-    # -- eviction and housekeeping --------------------------------------------------------------
-    @hookimpl
-    def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
-        if keys is None:  # an unbounded store evicts nothing: use a bucket lifecycle rule
-            victims = self._index.shrink(nbytes, self._writer.protected)
-        else:
-            paths = [p for p in map(self.path_of, keys) if not self._pinned(p)]
-            victims = [(p, self._index.forget(p) or 0) for p in paths]
-        self._delete([p for p, _ in victims])
-        return sum(s for _, s in victims)
-
+    # -- eviction (``evict``, ``unpin``: PinnedStore) and housekeeping ---------------------------
     def _delete(self, paths: Sequence[str]) -> None:
         """Delete objects from the store and from everything that remembers them."""
         for p in paths:

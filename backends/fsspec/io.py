@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ from kvplug.logs import LogOnce
 from ..common.breaker import CircuitBreaker
 from ..common.index import CapacityIndex
 from ..common.redact import Redactor
+from ..common.value_io import GuardedCalls
 
 T = TypeVar("T")
 def _s3_defaults(options: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -209,34 +209,16 @@ def remove_stale_local_temps(root: str) -> int:
     return removed
 
 
-class GuardedIO:
+class GuardedIO(GuardedCalls):
     """The tier's remote calls behind its circuit breaker. A call that is refused, fails or times
     out is a miss (``None``, ``-1``, ``False``), never an exception; failures are counted and fed
     to the breaker with credentials scrubbed from their message."""
 
+    timeout_stat = "timeouts"
+
     def __init__(self, io: RemoteIO, breaker: CircuitBreaker, redact: Redactor) -> None:
+        super().__init__("fsspec", breaker, redact)
         self.io = io
-        self.breaker = breaker
-        self.redact = redact
-        self._lock = threading.Lock()
-        self._counts = dict.fromkeys(("remote_errors", "timeouts", "remote_lookups", "evicted"), 0)
-
-    def _count(self, what: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[what] += n
-
-    def failed(self, exc: BaseException) -> None:
-        """Record a failed call (an error or a timeout)."""
-        self._count("timeouts" if isinstance(exc, TimeoutError) else "remote_errors")
-        self.breaker.failure(self.redact.error(exc))
-
-    def allow(self) -> bool:
-        """Whether the store may be called now (see :meth:`CircuitBreaker.allow`)."""
-        return self.breaker.allow()
-
-    def forgo(self) -> None:
-        """A call :meth:`allow` granted will not be made (see :meth:`CircuitBreaker.forgo`)."""
-        self.breaker.forgo()
 
     def fetch(self, path: str, start: int | None = None, end: int | None = None) -> bytes | None:
         """Bytes of an object (or of ``[start, end)``); ``None`` when missing or unavailable."""
@@ -284,15 +266,11 @@ class GuardedIO:
             self.breaker.success()
         return [-1 if isinstance(r, BaseException) else r for r in results]
 
-    def put(self, path: str, data: bytes) -> bool:
-        """Upload a whole object; ``False`` when that failed. Callers ask :meth:`allow` first."""
-        try:
-            self.io.run(lambda: self.io.put(path, data))
-        except Exception as exc:  # noqa: BLE001
-            self.failed(exc)
-            return False
-        self.breaker.success()
-        return True
+    def _set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None]:
+        """Upload whole objects, one after the other (the writer sends one per batch)."""
+        for path, data in items:
+            self.io.run(lambda path=path, data=data: self.io.put(path, data))
+        return [None] * len(items)
 
     def delete(self, paths: Sequence[str]) -> None:
         """Delete objects concurrently (missing ones are fine); counted as ``evicted``."""
@@ -312,10 +290,6 @@ class GuardedIO:
         if error is not None:
             self.failed(error)
         return results
-
-    def stats(self) -> dict[str, float]:
-        with self._lock:
-            return {k: float(v) for k, v in self._counts.items()}
 
 
 @dataclass(frozen=True)

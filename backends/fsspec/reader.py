@@ -11,25 +11,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-import numpy as np
 from kvplug import chunkfile as cf
 from kvplug.errors import ChunkFormatError, ChunkVersionError
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj, MemoryObjMeta
 
+from ..common.chunks import Allocate, HeaderCache, copy_verified, layer_range
 from ..common.index import TTLSet
 from .io import TierParts
 
 logger = logging.getLogger("kvplug.backends.fsspec")
-_HEADER_CACHE = 4096  # parsed headers kept (a few KiB each)
 #: How long an object of another format version is known to be one (lookups miss it meanwhile).
 OTHER_VERSION_TTL_S = 60.0
 
-#: ``ctx.allocate``: ``(shape, dtype, fmt, num_tokens) -> MemoryObj | None``.
-Allocate = Callable[..., MemoryObj | None]
 
 
 class _Unavailable(Exception):
@@ -47,7 +43,7 @@ class ChunkReader:
         self._allocate = allocate
         self._lost = lost
         self._lock = threading.Lock()
-        self._headers: OrderedDict[str, cf.ChunkHeader] = OrderedDict()
+        self._headers = HeaderCache()
         self._absent = TTLSet(negative_cache_s)
         self._other = TTLSet(OTHER_VERSION_TTL_S)  # objects of another format version
         self._counts = dict.fromkeys(("corrupt", "negative_hits", "other_version"), 0)
@@ -77,8 +73,8 @@ class ChunkReader:
 
     def forget(self, path: str) -> None:
         """The object was written or deleted: drop its cached header and negative entry."""
+        self._headers.pop(path)
         with self._lock:
-            self._headers.pop(path, None)
             self._absent.discard(path)
             self._other.discard(path)
 
@@ -108,13 +104,9 @@ class ChunkReader:
             body = self._tier.remote.fetch(path, header.header_bytes, header.file_size)
             if body is None or len(body) != header.file_size - header.header_bytes:
                 return None  # gone or replaced since the header was read: a plain miss
-        view = memoryview(body)
-        offsets = self._verified(path, header, view, 0, header.num_layers,
-                                 base=header.header_bytes, delete=True)
-        if offsets is None:
-            return None
-        self._remember(path, header, size)
-        return self._copy(header.meta, view, offsets, header.layer_nbytes)
+        self._remember(path, header, size)  # forgotten again if a layer turns out corrupt
+        return self._fill(path, header, header.meta, memoryview(body), 0, header.num_layers,
+                          base=header.header_bytes, delete=True)
 
     def get_layers(self, path: str, first_layer: int, num_layers: int) -> MemoryObj | None:
         """Layers ``[first_layer, first_layer + num_layers)`` with one ranged read."""
@@ -122,23 +114,18 @@ class ChunkReader:
         if header is None:
             return None
         try:
-            meta = header.layers_meta(first_layer, num_layers)
+            meta, start, end = layer_range(header, first_layer, num_layers)
         except ChunkFormatError:
             return None
-        start = header.data_offsets[first_layer]
-        end = header.data_offsets[first_layer + num_layers - 1] + header.layer_nbytes
         data = self._tier.remote.fetch(path, start, end)
         if data is None:
             return None
-        view = memoryview(data)
-        offsets = self._verified(path, header, view, first_layer, num_layers, base=start,
-                                 delete=False)
-        return None if offsets is None else self._copy(meta, view, offsets, header.layer_nbytes)
+        return self._fill(path, header, meta, memoryview(data), first_layer, num_layers,
+                          base=start, delete=False)
 
     def _header(self, path: str) -> cf.ChunkHeader | None:
         """The header of ``path``: cached, or read with ranged reads (usually one)."""
-        with self._lock:
-            cached = self._headers.get(path)
+        cached = self._headers.get(path)
         if cached is not None:
             return cached
 
@@ -171,7 +158,7 @@ class ChunkReader:
             with self._lock:
                 self._counts["other_version"] += 1
                 self._other.add(path)
-                self._headers.pop(path, None)
+            self._headers.pop(path)
             self._tier.log_once(
                 "other_version", "tier %r: chunk %s is of another format version (%s); treated "
                 "as a miss and left in place", self._tier.name, path.rsplit("/", 1)[-1], exc)
@@ -180,45 +167,24 @@ class ChunkReader:
             self._corrupt(path, str(exc), delete=True)
             return None
 
-    def _verified(self, path: str, header: cf.ChunkHeader, view: memoryview, first: int,
-                  count: int, base: int, delete: bool) -> list[int] | None:
-        """Offsets in ``view`` (which starts at file offset ``base``) of layers ``first`` ..
-        ``first + count - 1`` when each matches its checksum; ``None`` (corrupt) otherwise."""
-        n = header.layer_nbytes
-        offsets = [off - base for off in header.data_offsets[first : first + count]]
-        for i, off in enumerate(offsets):
-            if not cf.verify_layer(header, first + i, view[off : off + n]):
-                self._corrupt(path, f"layer {first + i} checksum mismatch", delete=delete)
-                return None
-        return offsets
-
-    def _copy(self, meta: MemoryObjMeta, view: memoryview, offsets: Sequence[int],
-              n: int) -> MemoryObj | None:
-        """A fresh memory object (``None`` when memory is full) holding the layers at ``offsets``."""
-        obj = self._allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
-        if obj is None:
+    def _fill(self, path: str, header: cf.ChunkHeader, meta: MemoryObjMeta, view: memoryview,
+              first: int, count: int, base: int, delete: bool) -> MemoryObj | None:
+        """:func:`~kvplug.backends.common.chunks.copy_verified`; a mismatch is a corrupt object
+        (deleted when ``delete``: the whole file was read)."""
+        try:
+            return copy_verified(self._allocate, header, meta, view, first, count, base)
+        except ChunkFormatError as exc:
+            self._corrupt(path, str(exc), delete=delete)
             return None
-        dest = obj.byte_view.numpy()
-        src = np.frombuffer(view, dtype=np.uint8)
-        if n and all(b - a == n for a, b in zip(offsets, offsets[1:])):
-            dest[:] = src[offsets[0] : offsets[0] + n * len(offsets)]
-        else:
-            for i, off in enumerate(offsets):
-                dest[i * n : (i + 1) * n] = src[off : off + n]
-        return obj
 
     def _remember(self, path: str, header: cf.ChunkHeader, size: int) -> None:
-        with self._lock:
-            self._headers[path] = header
-            self._headers.move_to_end(path)
-            if len(self._headers) > _HEADER_CACHE:
-                self._headers.popitem(last=False)
+        self._headers.put(path, header)
         self._tier.index.learn(path, size, touch=True)
 
     def _corrupt(self, path: str, why: str, delete: bool) -> None:
         with self._lock:
             self._counts["corrupt"] += 1
-            self._headers.pop(path, None)
+        self._headers.pop(path)
         self._tier.log_once(
             "corrupt", "tier %r: corrupt chunk %s (%s) treated as a miss — further ones are "
             "counted in stats, not logged", self._tier.name, path.rsplit("/", 1)[-1], why,

@@ -96,8 +96,16 @@ class MooncakeIO(ValueIO):
         return slab
 
     def _get(self, name: str) -> memoryview | None:
-        """The value as a view of this thread's read buffer (valid until its next read)."""
+        """The value as a view of this thread's read buffer (valid until its next read). One
+        call when the buffer is large enough (the usual case once a thread has read a chunk);
+        ``get_size`` only on a miss or a value larger than the buffer."""
         store = self.store()
+        slab = getattr(self._local, "slab", None)
+        if slab is not None:
+            n = store.get_into(name, slab.ctypes.data, slab.nbytes)
+            if n >= 0:
+                return memoryview(slab)[:n]
+            self._check(n, "get_into")  # an outage raises here, without a second call
         size = store.get_size(name)
         if size < 0:
             self._check(size, "get_size")

@@ -77,8 +77,19 @@ def open_client(url: str, *, cluster: bool, password: str | None, timeout_s: flo
 
         return RedisCluster.from_url(url, max_connections=max_connections, **kwargs)
     pool = redis.BlockingConnectionPool.from_url(url, max_connections=max_connections,
-                                                 timeout=timeout_s, **kwargs)
+                                                 timeout=timeout_s, command_packer=_packer(),
+                                                 **kwargs)
     return redis.Redis(connection_pool=pool)
+
+
+def _packer() -> Any:
+    """redis-py's pure-Python command packer: it hands a large value to the socket as it is
+    (``sendall`` of the caller's buffer), where the hiredis packer (redis-py's default when
+    hiredis is installed) copies it twice (``bytes(memoryview)``, then into the packed command).
+    Replies are still parsed by hiredis. (A cluster client takes no packer: redis-py's default.)"""
+    from redis.connection import Encoder, PythonRespSerializer
+
+    return PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
 
 
 def display_url(url: str) -> str:
