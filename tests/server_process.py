@@ -48,10 +48,14 @@ class ServerProcess:
         deadline = time.monotonic() + self.start_s
         while True:
             self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT)
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                if self.ready():
-                    return
-                time.sleep(0.05)
+            try:
+                while time.monotonic() < deadline and self.proc.poll() is None:
+                    if self.ready():
+                        return
+                    time.sleep(0.05)
+            except BaseException:  # e.g. the client library missing: never leave the server
+                self.kill()
+                raise
             if self.proc.poll() is None or time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"{self.what} did not come up:\n{self.log_tail()}")
