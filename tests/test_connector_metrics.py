@@ -78,7 +78,7 @@ def test_hit_split_counts_the_external_tokens_of_slow_chunks():
                           lookup=SimpleNamespace())
     # hit of 896 tokens: chunks 0, 1, 2 and a 128-token tail (chunk 3); chunks 1 and 3 are slow
     sched.trackers["r"] = RequestTracker(request=None, prompt_len=1000, can_load=True,
-                                         can_save=True, lookup_tokens=896,
+                                         can_save=True, lookup_tokens=896, usable_tokens=896,
                                          slow_chunks=frozenset({1, 3}))
     assert sched.hit_split("r", 896) == (512, 384)
     assert sched.hit_split("r", 384) == (256, 128)  # vLLM held the first 512 tokens itself
