@@ -58,6 +58,8 @@ from .reaper import Reaper
 logger = logging.getLogger("kvplug.backends.posix")
 _MAX_CORRUPT_LOGS = 20
 _TOUCH_EVERY_S = 1.0  # an LRU stamp younger than this is not bumped again (saves a syscall)
+#: how long a write waits for its victims' files to be deleted before it goes on (a stuck disk)
+REAPER_WAIT_S = 60.0
 
 
 class PosixBackend(LookupAndPins):
@@ -282,7 +284,11 @@ class PosixBackend(LookupAndPins):
             self._pool.submit(self._write, key, rel, obj)
 
     def _make_room(self, size: int) -> bool:
-        """Reserve ``size`` bytes, evicting LRU files; False if pinned files leave no room."""
+        """Reserve ``size`` bytes, evicting LRU files; False if pinned files leave no room.
+
+        The writer (a background thread) waits until its victims' files are deleted, so the
+        directory never holds more than the capacity plus the writes in flight, however far the
+        reaper lags on a busy machine; only ``evict`` (the caller's hot path) leaves them queued."""
         self._indexed.wait()  # capacity is known once the startup scan is done
         with self._lock:
             over = self._index.bytes + self._index.reserved + size > self.capacity
@@ -293,6 +299,10 @@ class PosixBackend(LookupAndPins):
             if victims is None:
                 return False
             self._unlink_victims(victims)
+        if victims and not self._reaper.wait_gone([rel for rel, _ in victims], REAPER_WAIT_S):
+            self._log_once("reaper", "deletes of evicted files lag past %.0f s; writing anyway "
+                           "(the directory may exceed its capacity until they are done)",
+                           REAPER_WAIT_S)
         return True
 
     # -- the byte-moving steps (the gds tier overrides these two) ---------------------------------

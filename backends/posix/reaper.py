@@ -56,6 +56,11 @@ class Reaper:
         with self._cond:
             return len(self._doomed)
 
+    def wait_gone(self, rels: list[str], timeout: float | None = None) -> bool:
+        """Wait until the files of ``rels`` are deleted (or were never queued); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._doomed.isdisjoint(rels), timeout)
+
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued file is deleted; False on timeout."""
         with self._cond:
