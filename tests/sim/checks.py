@@ -134,22 +134,19 @@ class Checks:
         reads one later stores poison, which I1 catches."""
         free = self.free_blocks()
         for rank, w in enumerate(self.workers):
-            saves = w._saves
-            for job in list(getattr(saves, "_jobs", ()) if saves is not None else ()):
-                for pj in job.jobs:
-                    bad = free.intersection(pj.block_ids)
-                    if bad:
-                        raise Violation("I4", f"rank {rank} {when}: a save copy of "
-                                              f"{sorted(job.req_ids)} reads freed blocks "
-                                              f"{sorted(bad)}")
-            bg = w._background
-            for ld, _ in list(getattr(bg, "_inflight", {}).values()) if bg is not None else ():
-                for c in ld.chunks:
-                    bad = free.intersection(c.block_ids)
-                    if bad:
-                        raise Violation("I4", f"rank {rank} {when}: a load of "
-                                              f"{ld.req.req_id} will write freed blocks "
-                                              f"{sorted(bad)}")
+            saves, bg = w._saves, w._background
+            copies = [(f"a save copy of {sorted(job.req_ids)} reads", pj.block_ids)
+                      for job in list(getattr(saves, "_jobs", ()) if saves is not None else ())
+                      for pj in job.jobs]
+            copies += [(f"a load of {ld.req.req_id} will write", c.block_ids)
+                       for ld, _ in (list(getattr(bg, "_inflight", {}).values())
+                                     if bg is not None else ())
+                       for c in ld.chunks]
+            for what, block_ids in copies:
+                bad = free.intersection(block_ids)
+                if bad:
+                    raise Violation("I4", f"rank {rank} {when}: {what} freed blocks "
+                                          f"{sorted(bad)}")
         held = self.held_blocks()
         fresh = held - self.owned  # allocated by this schedule: vLLM's contract says garbage
         self.owned = held
