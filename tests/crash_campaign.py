@@ -134,11 +134,18 @@ def check_file(path: Path) -> str | None:
     return None
 
 
-def _read_until(proc: subprocess.Popen, until: float, ready: bool = False) -> str:
-    """What the child wrote until ``until`` or EOF (with ``ready``: until it said so)."""
+def _read_until(proc: subprocess.Popen, until: float, line: str | None = None,
+                count: int = 1) -> str:
+    """What the child wrote until ``until`` or EOF (with ``line``: until ``count`` lines that
+    start with it have come)."""
     buf = b""
     fd = proc.stdout.fileno()
-    while time.monotonic() < until and not (ready and buf.startswith(b"ready\n")):
+    want = line.encode() if line else None
+
+    def seen() -> bool:
+        return sum(1 for x in buf.split(b"\n")[:-1] if x.startswith(want)) >= count
+
+    while time.monotonic() < until and not (want and seen()):
         r, _, _ = select.select([fd], [], [], max(0.0, until - time.monotonic()))
         if not r:
             break
@@ -172,10 +179,16 @@ def run_campaign(kind: str, root: Path, kills: int, seed: int = 0,
         proc = subprocess.Popen([sys.executable, str(HERE / "crash_campaign.py"), "child", kind,
                                  str(root), str(child_seed)], stdout=subprocess.PIPE, env=env)
         try:
-            text = _read_until(proc, time.monotonic() + 300, ready=True)
-            if not text.startswith("ready\n"):
-                raise RuntimeError(f"child did not start: {text[-500:]!r}")
-            text += _read_until(proc, time.monotonic() + rng.uniform(0.05, max_delay_s))
+            # the random moment counts from the first store, not from the child's start (on a
+            # busy machine its first store can come later than the longest delay)
+            text = _read_until(proc, time.monotonic() + 300, line="put ")
+            if "put " not in text:
+                raise RuntimeError(f"child did not start storing: {text[-500:]!r}")
+            if k % 3 == 2:  # a kill right after a submit: a store in flight, whatever the speed
+                text += _read_until(proc, time.monotonic() + 60, line="put ",
+                                    count=rng.randint(1, 3))
+            else:
+                text += _read_until(proc, time.monotonic() + rng.uniform(0.05, max_delay_s))
         finally:
             proc.send_signal(signal.SIGKILL)
             rest = proc.communicate(timeout=60)[0].decode()
