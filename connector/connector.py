@@ -295,7 +295,8 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._sched is not None:
-            self._sched.update_connector_output(connector_output.kv_connector_worker_meta)
+            self._sched.update_connector_output(connector_output.kv_connector_worker_meta,
+                                                connector_output.invalid_block_ids)
             self._sched.release_held(connector_output.finished_sending)
         if self._book is not None:
             self._book.add(connector_output.kv_cache_events)

@@ -96,6 +96,14 @@ class LoadReports:
         out, self._failed = self._failed, set()
         return out
 
+    def unwritten(self, blocks: list[int]) -> None:
+        """Blocks a step reads that a failed load left unwritten: load errors of the step."""
+        self._errors.update(blocks)
+        self.stats.add("unwritten_reads", len(blocks))
+        logger.warning("kvplug: blocks %s hold no KV (a failed load's, freed before vLLM "
+                       "recomputed them) and were hit in vLLM's prefix cache: reported as load "
+                       "errors, so vLLM recomputes them", blocks)
+
     def take_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes them)."""
         out, self._errors = self._errors, set()

@@ -42,6 +42,7 @@ from .config import ConnectorConfig
 from .groups import GroupLayout
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta, LoadSpec, ReqMeta, SaveSpec
 from .stats import StatsRecorder
+from .unwritten import UnwrittenBlocks
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -140,16 +141,19 @@ class SchedulerSide:
         self._finishing: list[ReqMeta] = []  # saves of finished requests (see finish_save)
         #: finished requests whose blocks vLLM keeps until the workers report their saves done
         self.held: set[str] = set()
+        #: blocks a failed load left unwritten, followed until a step writes them
+        self.unwritten = UnwrittenBlocks(block_size)
         #: told of every chunk planned for a load or a save: (request, start, end, hashes)
         self.on_chunks: Callable[[Request, int, int, list[bytes]], None] | None = None
         #: the weights epoch keys are made under ("": the weights on disk); see :meth:`reset`
         self.epoch = ""
+        self.draw_epoch: Callable[[], str] = partial(secrets.token_hex, 8)  # a fresh epoch
         if config.fresh_epoch_at_start:
             self._new_epoch("start-up (fresh_epoch_at_start)")
 
     # -- weights epoch -------------------------------------------------------------------------
     def _new_epoch(self, why: str) -> None:
-        self.epoch = secrets.token_hex(8)
+        self.epoch = self.draw_epoch()
         set_epoch = getattr(self.lookup, "set_epoch", None)
         if set_epoch is not None:
             set_epoch(self.epoch)
@@ -408,7 +412,23 @@ class SchedulerSide:
             block_ids = list(groups[0]) if groups else list(t.block_ids)
             meta.requests.append(ReqMeta(req_id, block_ids, load, save,
                                          tables=self._tables(groups or t.tables)))
+        if not self.layout.multi:
+            meta.unwritten = self._unwritten_reads(meta, so, state)
         return meta
+
+    def _unwritten_reads(self, meta: KVPlugMetadata, so: SchedulerOutput, state: Any
+                         ) -> list[int]:
+        """The blocks this step reads that a failed load left unwritten (:mod:`.unwritten`)."""
+        for r in meta.requests:
+            if r.load is not None:
+                self.unwritten.loading(r.block_ids, r.load.start, r.load.write_end)
+        work = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            if (t := self.trackers.get(req_id)) is not None:
+                groups = state.get_block_ids(req_id) if state is not None else None
+                work.append((list(groups[0]) if groups else t.block_ids,
+                             t.request.num_computed_tokens, n))
+        return self.unwritten.step(work)
 
     def _computed_after(self, t: RequestTracker, n: int) -> int:
         """Tokens whose KV is final after this step schedules ``n`` of ``t``: with an EAGLE/MTP
@@ -441,10 +461,14 @@ class SchedulerSide:
                 for table, more in zip(t.tables, new, strict=False):
                     table.extend(more)
 
-    def update_connector_output(self, meta: KVPlugWorkerMeta | None) -> None:
+    def update_connector_output(self, meta: KVPlugWorkerMeta | None,
+                                invalid_blocks: Collection[int] | None = None) -> None:
         """Fold the workers' per-request load results into the trackers. Every worker (TP rank,
         PP stage) reports the same load, merged in one step or (background loads) each in the
-        step its own fetch ended: fold with the maximum, never the sum."""
+        step its own fetch ended: fold with the maximum, never the sum. ``invalid_blocks``: the
+        blocks vLLM was told hold no valid KV (followed until written, :mod:`.unwritten`)."""
+        if invalid_blocks:
+            self.unwritten.failed(invalid_blocks)
         if not isinstance(meta, KVPlugWorkerMeta):
             return
         for req_id, tiers in meta.loaded.items():

@@ -10,11 +10,14 @@ interleaving). A failure prints the seed's shrunk event list; replay it with
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 pytest.importorskip("vllm")
 
-from sim.controls import FAULTS  # noqa: E402
+from sim.controls import DIRECTED_FAULTS, FAULTS  # noqa: E402
+from sim.engine import SimConfig  # noqa: E402
 from sim.schedule import config_for, events_for, reproduce, run, run_seed, shrink  # noqa: E402
 from sim.search import search  # noqa: E402
 
@@ -24,7 +27,29 @@ CONTROL_SEEDS = 300  # a negative control must be caught within the first ones o
 #: scheduler stalls when requests that loaded asynchronously hold the cache and the head of the
 #: waiting queue cannot grow (nothing running to preempt); the simulation aborts them and kvplug
 #: must still end clean (I1-I5)
-REGRESSION_SEEDS: list[int] = [128, 294, 331]
+#: must still end clean (I1-I5). 7003276 (a long search): a weights reset, then wrong KV read
+#: without a load error; the simulation's lookup ignored the weights epoch, which made a failed
+#: load that an abort then left in vLLM's prefix cache (see SCHEDULES)
+REGRESSION_SEEDS: list[int] = [128, 294, 331, 7003276]
+
+_A, _X = tuple(range(100, 116)), tuple(range(200, 247))  # a 2-chunk prompt; one filling the cache
+#: directed schedules, one per defect a search found, each with the fault that undoes its fix
+SCHEDULES = {
+    # vLLM keeps a failed synchronous load's blocks in its prefix cache for the request to
+    # recompute; aborted first, they are hit by the next request with that prefix
+    # (kvplug.connector.unwritten)
+    "failed load, aborted, then a prefix-cache hit": (
+        SimConfig(hybrid=False, window=6, num_blocks=13, max_batched=32, prefix_caching=True,
+                  async_save=True, layerwise=False, order="0.33"),
+        [("arrive", _A, (7,), 1), ("step",), ("step",), ("settle", True),
+         *[("task", 0)] * 4,  # A's two chunks reach the tiers
+         ("arrive", _X, (8,), 1), *[("step",)] * 5,  # X pushes A out of vLLM's prefix cache
+         *[("task", 0)] * 6, ("step",),  # X's saves end and its blocks are freed
+         ("arrive", _A, (9,), 5), ("step", ("lose", 0, 0)),  # A's hit: its load fails
+         ("abort", 0), ("step",),  # aborted before vLLM recomputed the blocks
+         ("arrive", _A, (10,), 3), ("step",), ("step",)],  # A again: vLLM's cache has them
+        "forget_unwritten"),
+}
 
 
 def _explain(failures: list[tuple[int, str]]) -> str:
@@ -44,6 +69,18 @@ def test_ci_seeds_hold_every_invariant():
 def test_regression_seed(seed):
     out = run_seed(seed)
     assert out.violation is None, _explain([(seed, str(out.violation))])
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_directed_schedule(name):
+    """The schedule holds every invariant; with its fix patched out it fails (the negative
+    control: the schedule does reach the defect)."""
+    cfg, events, fault = SCHEDULES[name]
+    out = run(cfg, events)
+    assert out.violation is None, f"{name}: {out.violation} at event {out.at}"
+    assert out.counts["load errors"] >= 2  # the failed load, and the hit reported as one
+    bad = run(replace(cfg, faults=frozenset([fault])), events)
+    assert bad.violation is not None and bad.violation.inv == DIRECTED_FAULTS[fault], bad.violation
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))

@@ -19,10 +19,14 @@ FAULTS = {
     "skip_window_wait": "I4",  # no sliding-window liveness ordering (defect 2's rule)
     "leak_pins": "I5",  # lookups' pins are never released
 }
+#: faults only a directed schedule reaches (tests/test_simulation.py, SCHEDULES) -> invariant
+DIRECTED_FAULTS = {
+    "forget_unwritten": "I2",  # a failed load's blocks are not followed until written
+}
 
 
 def _patches(name: str) -> list[tuple[Any, str, Any]]:
-    from kvplug.connector import save, store, worker
+    from kvplug.connector import save, store, unwritten, worker
 
     if name == "store_after_failed_load":
         return [(store.StoreBatch, "without", lambda self, skip: (self, []))]
@@ -42,7 +46,9 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
         return [(save.AsyncSaves, "wait_window", lambda self: None)]
     if name == "leak_pins":
         return [(worker.WorkerSide, "release", lambda self, req_ids: None)]
-    raise ValueError(f"unknown fault {name!r}; known: {sorted(FAULTS)}")
+    if name == "forget_unwritten":
+        return [(unwritten.UnwrittenBlocks, "failed", lambda self, block_ids: None)]
+    raise ValueError(f"unknown fault {name!r}; known: {sorted(FAULTS | DIRECTED_FAULTS)}")
 
 
 @contextlib.contextmanager

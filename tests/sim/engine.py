@@ -121,6 +121,7 @@ class SimLookup:
     chunks from any rank), as kvplug's LookupClient does over ZeroMQ."""
 
     timeouts = 0
+    epoch = ""  # the scheduler's weights epoch, carried by every lookup (as LookupClient does)
 
     def __init__(self, workers: list[Any]) -> None:
         self.workers = workers
@@ -136,11 +137,15 @@ class SimLookup:
         self._n += 1
         answers, slow = [], set()
         for w in self.workers:
-            tokens, s = w._on_lookup(Lookup(self._n, req_id, list(hashes), list(tails)))
+            tokens, s = w._on_lookup(Lookup(self._n, req_id, list(hashes), list(tails),
+                                            epoch=self.epoch))
             answers.append(tokens)
             slow.update(s)
         self._slow[req_id] = frozenset(slow)
         return min(answers)
+
+    def set_epoch(self, epoch: str) -> None:
+        self.epoch = epoch  # lookups are answered at once here: none is in flight to drop
 
     def take_slow(self, req_id: str) -> frozenset[int]:
         return self._slow.pop(req_id, frozenset())

@@ -104,7 +104,10 @@ class World(Checks, Faults):
             self.workers.append(w)
             self.kv.append(t)
         self.lookup = SimLookup(self.workers)
-        self.s.connector._sched.lookup = self.lookup
+        sched = self.s.connector._sched
+        sched.lookup = self.lookup
+        epochs = iter(range(1, 1 << 30))  # weights epochs that replay (the engine draws random ones)
+        sched.draw_epoch = lambda: f"sim-epoch-{next(epochs)}"
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         self.agg = KVOutputAggregator(RANKS)
