@@ -27,21 +27,20 @@ may still rewrite the last accepted position); at the request's end the rest is 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import secrets
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
 from kvplug.tokens import TokenDatabase
 
+from .chunk_keys import chunk_extra_keys
 from .config import ConnectorConfig
 from .groups import GroupLayout
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta, LoadSpec, ReqMeta, SaveSpec
 from .stats import StatsRecorder
+from .tracker import RequestTracker
 from .unwritten import UnwrittenBlocks
 
 if TYPE_CHECKING:
@@ -57,63 +56,6 @@ class LookupFn(Protocol):
                ) -> int | None: ...  # None: not answered yet, ask again
 
     def release(self, req_ids: list[str]) -> None: ...
-
-
-def _embeds_digest(request: Request, start: int, end: int) -> bytes | None:
-    """sha256 of the prompt embeddings of tokens ``[start, end)`` (None past them or without)."""
-    embeds = getattr(request, "prompt_embeds", None)
-    if embeds is None or start >= len(embeds):
-        return None
-    part = embeds[start:end].detach().contiguous().cpu()
-    head = f"{part.dtype}{tuple(part.shape)}".encode()
-    return hashlib.sha256(head + part.view(-1).view(torch.uint8).numpy().tobytes()).digest()
-
-
-def chunk_extra_keys(request: Request, start: int, end: int) -> tuple | None:
-    """What besides the tokens identifies tokens ``[start, end)``: the multimodal inputs
-    overlapping them (so two images behind the same placeholder tokens never share an entry), the
-    LoRA adapter (name and path, as vLLM's own block hash), the prompt embeddings (their
-    positions hold placeholder ids), and the cache salt (first chunk only)."""
-    keys: list[tuple] = []
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        keys.append(("lora", lora.lora_name, lora.lora_path))
-    if (embeds := _embeds_digest(request, start, end)) is not None:
-        keys.append(("prompt_embeds", embeds))
-    for f in getattr(request, "mm_features", None) or ():
-        pos = f.mm_position
-        if pos.offset < end and pos.offset + pos.length > start:
-            keys.append(("mm", f.identifier, pos.offset - start))
-    salt = getattr(request, "cache_salt", None)
-    if start == 0 and salt:
-        keys.append(("salt", salt))
-    return tuple(keys) or None
-
-
-@dataclass
-class RequestTracker:
-    """What the scheduler side remembers about one live request."""
-
-    request: Request
-    prompt_len: int
-    can_load: bool
-    can_save: bool
-    hashes: list[bytes] = field(default_factory=list)  # full-chunk hashes computed so far
-    lookup_tokens: int = 0  # last lookup's hit (tokens stored, counted from 0)
-    usable_tokens: int = 0  # of it, what vLLM is told (less the last block: drop_last_block)
-    stored_tokens: int = 0  # [0, stored_tokens) is in storage or being stored (chunk aligned)
-    saved_end: int = 0  # [0, saved_end) is stored or being stored (block aligned)
-    refine: tuple[int, int] | None = None  # (num_tokens, chunk) of a second lookup not answered
-    pending_load: LoadSpec | None = None
-    load_background: bool = False  # the last lookup's hit needs a tier that may block
-    slow_chunks: frozenset[int] = frozenset()  # the last hit's chunks only a blocking tier holds
-    asking: bool = False  # a lookup is in flight (answered None)
-    sent_save: bool = False  # a save went to the workers (async saves: blocks held at finish)
-    block_ids: list[int] = field(default_factory=list)  # fallback when vLLM gives no block state
-    tables: tuple[list[int], ...] = ()  # every KV cache group's block table (hybrid models)
-    report: dict[str, Any] = field(default_factory=dict)  # returned in kv_transfer_params
-    #: its KV may predate a weights reset: no load nor store until it starts over (see reset)
-    stale: bool = False
 
 
 class SchedulerSide:

@@ -72,7 +72,8 @@ def test_hit_sources_by_tier_kind():
 
 def test_hit_split_counts_the_external_tokens_of_slow_chunks():
     from kvplug.connector.config import load_connector_config
-    from kvplug.connector.scheduler import RequestTracker, SchedulerSide
+    from kvplug.connector.scheduler import SchedulerSide
+    from kvplug.connector.tracker import RequestTracker
 
     sched = SchedulerSide(load_connector_config({"chunk_size": 256}), 128, "kv_both",
                           lookup=SimpleNamespace())
