@@ -168,8 +168,9 @@ class PosixBackend(LookupAndPins):
         return self._indexed.wait(timeout)
 
     def _rescan_due(self) -> bool:
-        """A rescan is due after ``rescan_interval_s``, and never sooner than 20x the last
-        scan's duration (so scanning a huge directory takes at most ~5% of a core)."""
+        """A rescan is due after ``rescan_interval_s``, and never sooner than 20x the CPU time
+        the last scan took (so scanning a huge directory takes at most ~5% of a core; CPU time,
+        not wall time: on a busy machine a scan waits for a core, which costs it nothing)."""
         with self._lock:
             return time.monotonic() - self._last_scan >= max(self.opts.rescan_interval_s,
                                                               20 * self._scan_cost)
@@ -179,7 +180,7 @@ class PosixBackend(LookupAndPins):
         with self._scan_lock:  # one at a time (a second caller finds it done)
             if only_if_due and not self._rescan_due():
                 return
-            t0 = time.monotonic()
+            cpu0 = time.thread_time()
             with self._lock:
                 current = self._index.begin_merge()
                 doomed = self._reaper.doomed()  # evicted before the scan: not indexed again
@@ -195,7 +196,7 @@ class PosixBackend(LookupAndPins):
             with self._lock:
                 self._index.finish_merge(prepared)
                 self._last_scan = time.monotonic()
-                self._scan_cost = self._last_scan - t0
+                self._scan_cost = time.thread_time() - cpu0
                 self._counters["rescans"] += 1
 
     def _trim_to_capacity(self) -> None:
