@@ -24,7 +24,7 @@ from vllm.platforms import current_platform
 
 from .compat import drops_last_block, event_group_fields
 from .config import load_connector_config
-from .events import KVPlugKVEvents, TierEventBook, TierWatch, events_enabled
+from .events import TierEventBook, events_enabled
 from .groups import layout_of
 from .identity import build_identity
 from .lookup import LookupClient, socket_path
@@ -33,6 +33,7 @@ from .prom import KVPlugPromMetrics, hit_sources
 from .save import async_save_enabled
 from .scheduler import SchedulerSide
 from .stats import KVPlugStats
+from .tier_watch import KVPlugKVEvents, TierWatch
 from .worker import WorkerSide
 
 if TYPE_CHECKING:

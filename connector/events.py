@@ -3,13 +3,9 @@ kvplug's tiers, published through vLLM's own event publisher (``--kv-events-conf
 
 Two halves, one per side of the connector:
 
-* worker: :class:`TierWatch` learns which chunks each tier took and lost. A pluggy wrapper on every
-  tier sees the chunks handed to it (stores and promotions into L1) and explicit evictions; a
-  background thread (never vLLM's step) asks the tier whether it holds them
-  (:meth:`StorageManager.holds`): a chunk present is *stored*; a tier whose removal counters
-  (evictions, corrupt, failed or dropped writes...) grew is swept, and a chunk no longer there is
-  *removed*. Each step's news goes to vLLM in a :class:`KVPlugKVEvents`
-  (``get_kv_connector_kv_cache_events``); vLLM concatenates the workers' lists.
+* worker (:mod:`.tier_watch`): :class:`~.tier_watch.TierWatch` learns which chunks each tier
+  took and lost, off vLLM's step, and hands each step's news to vLLM in a
+  :class:`~.tier_watch.KVPlugKVEvents` (``get_kv_connector_kv_cache_events``).
 * scheduler: :class:`TierEventBook` knows, for every chunk the scheduler named for a save or a
   load, its vLLM blocks (vLLM's own block hashes, tokens, LoRA, extra keys). It counts the ranks
   (TP x PP) holding each (tier, chunk): a chunk is announced once *every* rank holds it and
@@ -33,21 +29,16 @@ the blocks of at most that many chunks it has not announced.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
-from kvplug.hookspecs import hookimpl
-from kvplug.keys import CacheKey
 from vllm.distributed.kv_events import (
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
-    KVConnectorKVEvents,
 )
 from vllm.v1.core.kv_cache_utils import (
     generate_block_hash_extra_keys,
@@ -55,19 +46,12 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 
+from .tier_watch import KVPlugKVEvents, TierEvent
+
 if TYPE_CHECKING:
-    from kvplug.storage_manager import StorageManager
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvplug.connector")
-
-#: Tier counters (``StorageManager.stats()``) whose growth means chunks may have left the tier.
-REMOVAL_COUNTERS = ("evictions", "evicted", "corrupt", "vanished", "other_version", "failed_puts",
-                    "dropped_puts", "skipped_puts", "faults")
-#: How long a chunk handed to a tier that may block is re-checked before it counts as dropped.
-PENDING_S = 120.0
-#: Keys per ``contains`` call while sweeping a tier.
-SWEEP_BATCH = 4096
 
 
 def events_enabled(vllm_config: Any, kv_events: bool) -> bool:
@@ -76,214 +60,6 @@ def events_enabled(vllm_config: Any, kv_events: bool) -> bool:
     return bool(kv_events and cfg is not None and cfg.enable_kv_cache_events)
 
 
-class TierEvent(NamedTuple):
-    """One worker's news: chunk ``chunk_hash`` entered (``stored``) or left tier ``tier``."""
-
-    stored: bool
-    tier: str
-    chunk_hash: bytes
-
-
-class KVPlugKVEvents(KVConnectorKVEvents):
-    """A step's :class:`TierEvent` list from the workers (vLLM concatenates them across workers;
-    the scheduler's :class:`TierEventBook` counts ranks itself, across steps)."""
-
-    def __init__(self, events: Iterable[TierEvent] = (), num_workers: int = 1) -> None:
-        self.events: list[Any] = list(events)
-        self.num_workers = num_workers
-
-    def add_events(self, events: list[Any]) -> None:
-        self.events.extend(events)
-
-    def aggregate(self) -> KVPlugKVEvents:
-        return self
-
-    def increment_workers(self, count: int = 1) -> None:
-        self.num_workers += count
-
-    def get_all_events(self) -> list[Any]:
-        return list(self.events)
-
-    def get_number_of_workers(self) -> int:
-        return self.num_workers
-
-    def clear_events(self) -> None:
-        self.events.clear()
-
-    def __repr__(self) -> str:
-        return f"<KVPlugKVEvents {len(self.events)} events from {self.num_workers} workers>"
-
-
-# -- worker side ---------------------------------------------------------------------------------
-class _TierSpy:
-    """A pluggy wrapper on one tier: the chunks handed to it, and explicit evictions."""
-
-    def __init__(self, watch: TierWatch, tier: str) -> None:
-        self.watch, self.tier = watch, tier
-
-    @hookimpl(wrapper=True)
-    def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[Any]):  # noqa: ANN201
-        result = yield
-        self.watch.submitted(self.tier, keys)
-        return result
-
-    @hookimpl(wrapper=True)
-    def evict(self, keys: Sequence[CacheKey] | None, nbytes: int):  # noqa: ANN201
-        result = yield
-        self.watch.dirty(self.tier)
-        return result
-
-
-class TierWatch:
-    """Worker side: which chunks entered and left each tier (see the module docstring)."""
-
-    def __init__(self, storage: StorageManager, max_chunks: int = 16384,
-                 interval_s: float = 0.2) -> None:
-        self.storage = storage
-        self.max_chunks = max_chunks
-        self.interval_s = interval_s
-        self._lock = threading.Lock()
-        self._round = threading.Lock()  # one check() at a time (see check)
-        self._pending: dict[str, dict[CacheKey, float]] = {t: {} for t in storage.tier_names}
-        self._held: dict[str, OrderedDict[CacheKey, None]] = {
-            t: OrderedDict() for t in storage.tier_names}
-        self._dirty: set[str] = set()
-        self._marks: dict[str, float] = {}
-        self._backoff: dict[str, tuple[float, float]] = {}  # tier -> (retry at, delay): no answer
-        self._out: list[TierEvent] = []
-        self._wake = threading.Event()
-        self._closed = False
-        for tier in storage.tier_names:
-            storage.add_wrapper(_TierSpy(self, tier), tiers=[tier])
-        self._thread = threading.Thread(target=self._run, name="kvplug-events", daemon=True)
-        self._thread.start()
-
-    # called from the tiers' hooks (any thread)
-    def submitted(self, tier: str, keys: Sequence[CacheKey]) -> None:
-        now = time.monotonic()
-        with self._lock:
-            pending = self._pending[tier]
-            for k in keys:
-                pending.setdefault(k, now)
-        self._wake.set()
-
-    def dirty(self, tier: str) -> None:
-        with self._lock:
-            self._dirty.add(tier)
-        self._wake.set()
-
-    def forget(self) -> None:
-        """A new weights epoch: the chunks watched so far are keyed under the old one (the
-        scheduler's book withdrew them); news about them is dropped."""
-        with self._lock:
-            for tier in self._pending:
-                self._pending[tier].clear()
-                self._held[tier].clear()
-            self._out = []
-
-    def take(self) -> KVPlugKVEvents | None:
-        """The news since the last call (vLLM's ``get_kv_connector_kv_cache_events``)."""
-        with self._lock:
-            out, self._out = self._out, []
-        return KVPlugKVEvents(out) if out else None
-
-    def close(self) -> None:
-        self._closed = True
-        self._wake.set()
-        self._thread.join(timeout=5)
-
-    # the background thread
-    def _run(self) -> None:
-        while not self._closed:
-            self._wake.wait(self.interval_s)
-            self._wake.clear()
-            if self._closed:
-                return
-            try:
-                self.check()
-            except Exception:  # noqa: BLE001 - events are best effort; serving goes on
-                logger.exception("kvplug: KV events check failed; trying again")
-
-    def check(self) -> None:
-        """One round: confirm the chunks handed to each tier, sweep tiers that lost some.
-
-        Rounds never overlap (the background thread's and a caller's): two rounds reading the
-        same pending chunks would each announce them, and the second, finding one the first had
-        already forgotten past ``max_chunks``, would announce it stored again."""
-        with self._round:
-            self._check()
-
-    def _check(self) -> None:
-        with self._lock:
-            if not any(self._pending.values()) and not any(self._held.values()):
-                return  # nothing handed to any tier yet: nothing to ask
-        stats = self.storage.stats()
-        now = time.monotonic()
-        for tier in self.storage.tier_names:
-            if self._backoff.get(tier, (0.0, 0.0))[0] > now:
-                continue  # the tier did not answer lately: ask again later, not every round
-            mark = sum(stats.get(tier, {}).get(n, 0) for n in REMOVAL_COUNTERS)
-            with self._lock:
-                if mark != self._marks.get(tier, 0):
-                    self._dirty.add(tier)
-                self._marks[tier] = mark
-                sweep = tier in self._dirty
-                self._dirty.discard(tier)
-                pending = list(self._pending[tier].items())
-                held = list(self._held[tier]) if sweep else []
-            if pending:
-                self._confirm(tier, pending)
-            if held:
-                self._sweep(tier, held)
-
-    def _confirm(self, tier: str, pending: list[tuple[CacheKey, float]]) -> None:
-        keys = [k for k, _ in pending]
-        found = self.storage.holds(tier, keys)
-        if found is None:
-            self._no_answer(tier)
-            return
-        self._backoff.pop(tier, None)
-        now = time.monotonic()
-        wait = self.storage.may_block(tier)
-        with self._lock:
-            held, todo = self._held[tier], self._pending[tier]
-            for (key, since), hit in zip(pending, found, strict=True):
-                if hit:
-                    todo.pop(key, None)
-                    if key not in held:
-                        held[key] = None
-                        self._out.append(TierEvent(True, tier, key.chunk_hash))
-                    else:
-                        held.move_to_end(key)
-                elif not wait or now - since > PENDING_S:
-                    todo.pop(key, None)  # refused (full) or dropped: never stored
-            while len(held) > self.max_chunks:  # forget the oldest: announce it gone
-                key, _ = held.popitem(last=False)
-                self._out.append(TierEvent(False, tier, key.chunk_hash))
-
-    def _no_answer(self, tier: str) -> None:
-        """A tier that faults or times out is asked again after a growing delay (up to 30 s)."""
-        delay = min(30.0, max(self.interval_s, 2 * self._backoff.get(tier, (0.0, 0.0))[1]))
-        self._backoff[tier] = (time.monotonic() + delay, delay)
-
-    def _sweep(self, tier: str, keys: list[CacheKey]) -> None:
-        for i in range(0, len(keys), SWEEP_BATCH):
-            part = keys[i:i + SWEEP_BATCH]
-            found = self.storage.holds(tier, part)
-            if found is None:
-                with self._lock:
-                    self._dirty.add(tier)  # unknown: sweep again later
-                self._no_answer(tier)
-                return
-            with self._lock:
-                held = self._held[tier]
-                for key, hit in zip(part, found, strict=True):
-                    if not hit and key in held and key not in self._pending[tier]:
-                        del held[key]
-                        self._out.append(TierEvent(False, tier, key.chunk_hash))
-
-
-# -- scheduler side ------------------------------------------------------------------------------
 @dataclass
 class ChunkBlocks:
     """The vLLM blocks of one chunk, as vLLM's own ``BlockStored`` describes them."""
