@@ -32,15 +32,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvplug import chunkfile as cf
-from kvplug.config import BaseOptions
 from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.keys import CacheKey
 from kvplug.logs import LogOnce
 from kvplug.memory import MemoryFormat, MemoryObj
-from pydantic import ByteSize, ConfigDict, Field
 
 from .held import HeldFiles, fd_limit, fd_path
-from .index import Entry, PosixIndex, pack_rel, scan, stat_entry, unlink_entries
+from .index import Entry, PosixIndex, RescanClock, pack_rel, scan, stat_entry, unlink_entries
 from .io import (
     CorruptChunk,
     ForeignChunk,
@@ -50,9 +48,11 @@ from .io import (
     probe_o_direct,
     read_chunk,
     remove_if_same,
+    writable_dir,
     write_chunk,
 )
 from .lookup import LookupAndPins
+from .options import PosixOptions
 from .reaper import Reaper
 
 logger = logging.getLogger("kvplug.backends.posix")
@@ -65,26 +65,7 @@ REAPER_WAIT_S = 60.0
 class PosixBackend(LookupAndPins):
     """A directory of chunk files with an LRU byte capacity."""
 
-    class Options(BaseOptions):
-        model_config = ConfigDict(extra="forbid")
-        path: str = Field(description="cache directory (created if missing)")
-        capacity: ByteSize = Field(default=ByteSize(20 << 30), description="bytes on disk")
-        fsync: bool = Field(default=False, description="fsync each file (and its directory)")
-        io_threads: int = Field(default=4, ge=1, le=64, description="writer threads")
-        o_direct: bool = Field(
-            default=False, description="bypass the page cache where the file system allows it"
-        )
-        max_pending_writes: int = Field(
-            default=256, ge=1, description="queued writes beyond this are dropped (counted)"
-        )
-        rescan_interval_s: float = Field(
-            default=10.0, ge=0, description="re-read the directory at most this often when "
-            "evicting (to see other processes' files)",
-        )
-        max_pinned_fds: int = Field(
-            default=1024, ge=0, description="pinned files held open (at most 1/4 of the fd "
-            "limit); pins past it protect against this process's eviction only",
-        )
+    Options = PosixOptions
 
     def __init__(self, ctx: TierContext) -> None:
         opts: PosixBackend.Options = ctx.options
@@ -107,16 +88,10 @@ class PosixBackend(LookupAndPins):
             ("writes", "disk_bytes_written", "reads", "disk_bytes_read", "pending_hits", "dropped_puts",
              "failed_puts", "skipped_puts", "corrupt", "read_errors", "alloc_failures",
              "evictions", "vanished", "rescans", "other_version"), 0)
-        self._writable = True
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            self._writable = False
-            self._log_once("mkdir", "cannot create %s (%s): stores are disabled", self.root, exc)
-        if self._writable and not os.access(self.root, os.W_OK):
-            self._writable = False
-            self._log_once("ro", "directory %s is not writable: stores are dropped, loads go on",
-                           self.root)
+        why_not = writable_dir(self.root)
+        self._writable = why_not is None
+        if why_not:
+            self._log_once("dir", "%s", why_not)
         self.o_direct = False
         if opts.o_direct and self._writable:
             why = probe_o_direct(self.root)
@@ -124,8 +99,7 @@ class PosixBackend(LookupAndPins):
             if why:
                 logger.warning("tier %r: O_DIRECT is not supported in %s (%s); using buffered "
                                "I/O through the page cache", self.name, self.root, why)
-        self._last_scan = 0.0
-        self._scan_cost = 0.0
+        self._rescans = RescanClock(opts.rescan_interval_s)
         self._scan_lock = threading.Lock()
         #: set once the startup scan has indexed the directory (lookups need not wait for it)
         self._indexed = threading.Event()
@@ -167,18 +141,10 @@ class PosixBackend(LookupAndPins):
         """Wait until the startup scan has indexed every file; False on timeout."""
         return self._indexed.wait(timeout)
 
-    def _rescan_due(self) -> bool:
-        """A rescan is due after ``rescan_interval_s``, and never sooner than 20x the CPU time
-        the last scan took (so scanning a huge directory takes at most ~5% of a core; CPU time,
-        not wall time: on a busy machine a scan waits for a core, which costs it nothing)."""
-        with self._lock:
-            return time.monotonic() - self._last_scan >= max(self.opts.rescan_interval_s,
-                                                              20 * self._scan_cost)
-
     def _rescan(self, only_if_due: bool = False) -> None:
         """Merge a fresh scan into the index; the scan and the sort run without the lock."""
         with self._scan_lock:  # one at a time (a second caller finds it done)
-            if only_if_due and not self._rescan_due():
+            if only_if_due and not self._rescans.due():
                 return
             cpu0 = time.thread_time()
             with self._lock:
@@ -195,8 +161,7 @@ class PosixBackend(LookupAndPins):
                 raise
             with self._lock:
                 self._index.finish_merge(prepared)
-                self._last_scan = time.monotonic()
-                self._scan_cost = time.thread_time() - cpu0
+                self._rescans.scanned(cpu0)
                 self._counters["rescans"] += 1
 
     def _trim_to_capacity(self) -> None:
@@ -293,7 +258,7 @@ class PosixBackend(LookupAndPins):
         self._indexed.wait()  # capacity is known once the startup scan is done
         with self._lock:
             over = self._index.bytes + self._index.reserved + size > self.capacity
-        if over and self._rescan_due():
+        if over and self._rescans.due():
             self._rescan(only_if_due=True)
         with self._lock:
             victims = self._index.reserve(size, self.capacity)

@@ -20,6 +20,25 @@ from kvplug import chunkfile as cf
 from kvplug.pins import PinCounts
 
 
+class RescanClock:
+    """When a rescan of a (shared) directory is due: after ``interval_s``, and never sooner than
+    20x the CPU time the last scan took (so scanning a huge directory takes at most ~5% of a core;
+    CPU time, not wall time: on a busy machine a scan waits for a core, which costs it nothing)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.last = 0.0  # time.monotonic() when the last scan ended
+        self.cost = 0.0  # the CPU seconds it took
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last >= max(self.interval_s, 20 * self.cost)
+
+    def scanned(self, cpu_start: float) -> None:
+        """A scan that began at ``time.thread_time() == cpu_start`` (on this thread) ended."""
+        self.last = time.monotonic()
+        self.cost = time.thread_time() - cpu_start
+
+
 @dataclass(slots=True)
 class Entry:
     size: int

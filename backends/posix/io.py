@@ -111,6 +111,17 @@ def _io_all(op: Callable, fd: int, bufs: Sequence[memoryview], offset: int) -> i
     return total
 
 
+def writable_dir(root: Path) -> str | None:
+    """Create ``root`` if missing; ``None`` if stores can go there, else why not."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create {root} ({exc}): stores are disabled"
+    if not os.access(root, os.W_OK):
+        return f"directory {root} is not writable: stores are dropped, loads go on"
+    return None
+
+
 def probe_o_direct(root: Path) -> str | None:
     """``None`` if O_DIRECT writes and reads work in ``root``, else why they do not."""
     if not O_DIRECT:
