@@ -1,0 +1,477 @@
+"""A fleet on one machine: N client processes replay a recorded engine's storage traffic against
+one shared store, N stepped, to find where the store saturates and what kvplug does then.
+
+    .venv/bin/python benchmarks/bench_fleet.py [--stores resp,mooncake] [--clients 1,2,4,8,16,32]
+        [--duration 12] [--max-events 100000] [--shared 0.1] [--speed 0] [--timeout-s 2]
+        [--trace benchmarks/traces/chat_small.json] [--json FILE]
+
+* The trace (``benchmarks/fleet_trace.py``) is what one real vLLM engine asked of kvplug: lookups
+  (chunk keys), loads and stores (chunk sizes), in order. Each client process is one "engine": a
+  StorageManager with its own L1 (``local_cpu``, ``--l1``) in front of the shared store, as an
+  engine's worker has, and no engine: it replays the trace's calls (``lookup_prefix``,
+  ``batched_get``, ``batched_put``) back to back (``--speed 0``: as fast as the store answers, to
+  saturate it) or at ``--speed`` times the recorded pace, looping until ``--duration`` seconds or
+  ``--max-events`` calls. The chunk ids of the trace become keys per engine: the ``--shared``
+  share of ids that most lookups ask for (the system prompt, shared documents) are common to all
+  engines, the rest private to one engine and to one pass over the trace (each pass is new users).
+* Stores, fresh for each step, on 127.0.0.1 only: a ``redis-server`` (``--maxmemory``,
+  ``allkeys-lru``) for the ``resp`` tier; a ``mooncake_master`` plus one storage process lending
+  ``--mooncake-segment`` of memory for the ``mooncake`` tier (clients lend none, as engines in
+  front of dedicated storage nodes). Mooncake's clients listen on every interface, so with
+  mooncake the script re-runs itself in a private network namespace (``unshare -n``; root).
+* Reported per step: lookups/s (calls and keys), GB/s stored (written by the tier's writers) and
+  loaded (from the store, and from L1), p50/p99 latency of each call kind as the caller sees it
+  (a store is queued: its latency is the submit), the share of loads that missed, of store calls
+  that timed out or found the breaker open, of stores dropped, and the errors that reached the
+  caller (must be 0: kvplug turns a saturated store into misses); each figure also as a ratio to
+  the single-client step of the same run. ``--saturate-timeout T`` adds a step at the largest N
+  with the tier's ``timeout_s`` at T seconds: latency bounded by T at saturation.
+
+Raw figures are bound to this machine (2 shared cores run the store, the clients and the
+benchmark); the ratios between steps of one run are what carries over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))
+
+import fleet_trace  # noqa: E402
+import torch  # noqa: E402
+from kvplug.keys import CacheKey  # noqa: E402
+from kvplug.memory import MemoryFormat, heap_memory_obj  # noqa: E402
+from kvplug.storage_manager import StorageManager  # noqa: E402
+
+GB = 1e9
+KINDS = ("lookup", "get", "put")
+#: Store-tier counters summed over clients (the StorageManager's, the metrics wrapper's, the
+#: value tier's): what the report reads.
+STORE_STATS = ("hits", "misses", "bytes_read", "bytes_put", "written", "dropped_puts",
+               "dropped_queue_full", "dropped_down", "dropped_full", "put_errors", "faults",
+               "timeouts", "breaker_trips", "breaker_refused", "remote_errors", "gets")
+
+
+# -- the replay (one engine) --------------------------------------------------------------------
+def chunk_key(engine: int, loop: int, chunk: int, shared: bool) -> CacheKey:
+    """The store key of a trace chunk id for one engine and pass (shared ids: the same for all)."""
+    name = f"s:{chunk}" if shared else f"e{engine}:p{loop}:{chunk}"
+    return CacheKey("fleet/replay", "bfloat16", "LBHNC-bs128", 1, 0,
+                    hashlib.blake2b(name.encode(), digest_size=32).digest())
+
+
+class Replayer:
+    """Replays a trace's calls on one StorageManager, counting calls, keys, hits, bytes, latency
+    per kind, and the exceptions that reached the caller (``errors``)."""
+
+    def __init__(self, mgr: StorageManager, trace: dict, engine: int, shared: set[int],
+                 seed: int = 0) -> None:
+        self.mgr, self.trace, self.engine, self.shared = mgr, trace, engine, shared
+        self.store = mgr.tier_names[-1]
+        sizes = [b for ev in trace["events"] if ev[1] != "L" for b in ev[3]] or [1]
+        gen = torch.Generator().manual_seed(seed * 7919 + engine)
+        self._src = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8, generator=gen)
+        self.lat: dict[str, list[float]] = {k: [] for k in KINDS}
+        self.n: dict[str, float] = dict.fromkeys(
+            ("lookup_calls", "lookup_keys", "lookup_found", "found_l1_shared",
+             "found_store_shared", "found_l1_private", "found_store_private", "get_calls",
+             "get_keys", "get_hits", "get_bytes", "put_calls", "put_keys", "put_bytes",
+             "errors", "events", "passes"), 0)
+        self.elapsed = 0.0
+
+    def _obj(self, nbytes: int):  # noqa: ANN202 - MemoryObj
+        obj = self.mgr.allocate((nbytes,), torch.uint8, MemoryFormat.KV_PAGES,
+                                num_tokens=max(1, nbytes // 6144))
+        if obj is None:
+            obj = heap_memory_obj((nbytes,), torch.uint8, num_tokens=max(1, nbytes // 6144))
+        obj.byte_view.copy_(self._src[:nbytes])
+        return obj
+
+    def _one(self, op: str, keys: list[CacheKey], extra: Any, shared: list[bool]) -> None:
+        n = self.n
+        if op == "L":
+            t = time.perf_counter()
+            found = self.mgr.lookup_prefix(keys)
+            self.lat["lookup"].append(time.perf_counter() - t)
+            n["lookup_calls"] += 1
+            n["lookup_keys"] += len(keys)
+            n["lookup_found"] += found.num_chunks
+            for where, sh in zip(found.tiers, shared):
+                place = "store" if where == self.store else "l1"
+                n[f"found_{place}_{'shared' if sh else 'private'}"] += 1
+        elif op == "G":
+            t = time.perf_counter()
+            got = self.mgr.batched_get(keys)
+            self.lat["get"].append(time.perf_counter() - t)
+            n["get_calls"] += 1
+            n["get_keys"] += len(keys)
+            for obj in got:
+                if obj is not None:
+                    n["get_hits"] += 1
+                    n["get_bytes"] += obj.nbytes
+                    obj.ref_down()
+        else:
+            objs = [self._obj(b) for b in extra]
+            t = time.perf_counter()
+            self.mgr.batched_put(keys, objs)
+            self.lat["put"].append(time.perf_counter() - t)
+            for obj in objs:
+                obj.ref_down()
+            n["put_calls"] += 1
+            n["put_keys"] += len(keys)
+            n["put_bytes"] += sum(extra)
+
+    def run(self, duration_s: float, max_events: int, speed: float = 0.0,
+            max_passes: int | None = None) -> None:
+        """Replay until ``duration_s``, ``max_events`` calls or ``max_passes`` passes; paced at
+        ``speed`` times the recorded rate (0: back to back)."""
+        events = self.trace["events"]
+        span = (events[-1][0] if events else 0.0) / 1e3
+        start = time.monotonic()
+        deadline = start + duration_s
+        p = 0
+        while max_passes is None or p < max_passes:
+            for t_ms, op, ids, extra in events:
+                now = time.monotonic()
+                if now >= deadline or self.n["events"] >= max_events:
+                    self.elapsed = now - start
+                    return
+                if speed > 0:
+                    due = start + (p * span + t_ms / 1e3) / speed
+                    if due > now:
+                        time.sleep(min(due - now, deadline - now))
+                shared = [i in self.shared for i in ids]
+                keys = [chunk_key(self.engine, p, i, s) for i, s in zip(ids, shared)]
+                try:
+                    self._one(op, keys, extra, shared)
+                except Exception:  # noqa: BLE001 - what vLLM would see: counted, must stay 0
+                    self.n["errors"] += 1
+                    logging.getLogger("bench_fleet").exception("replayed %s raised", op)
+                self.n["events"] += 1
+            p += 1
+            self.n["passes"] = p
+        self.elapsed = time.monotonic() - start
+
+    def result(self) -> dict:
+        stats = self.mgr.stats()
+        store = stats[self.store]
+        l1 = stats[self.mgr.tier_names[0]] if len(self.mgr.tier_names) > 1 else {}
+        return {"n": self.n, "lat": self.lat, "elapsed": self.elapsed,
+                "store": {k: float(store.get(k, 0.0)) for k in STORE_STATS},
+                "l1_hits": float(l1.get("hits", 0.0))}
+
+
+# -- the fleet (processes, servers) -------------------------------------------------------------
+def store_tier(store: str, address: str, timeout_s: float, **opts: Any) -> dict:
+    """The shared store's tier config (``address``: a redis URL or a mooncake master)."""
+    if store == "resp":
+        options = {"url": address}
+    else:
+        options = {"master": address, "global_segment_size": 0,
+                   "local_buffer_size": "64MiB"}
+    options.update(timeout_s=timeout_s, **opts)
+    return {"backend": store, "name": "store", "timeout_s": timeout_s * 2 + 0.5,
+            "options": options}
+
+
+def _client(idx: int, cfg: dict, trace_path: str, shared: list[int], args: dict,
+            ready: Any, go: Any, out: Any) -> None:
+    torch.set_num_threads(1)
+    logging.getLogger("kvplug").setLevel(logging.ERROR)
+    try:
+        mgr = StorageManager(cfg)
+        rep = Replayer(mgr, fleet_trace.load(trace_path), idx, set(shared), args["seed"])
+        if mgr.holds("store", [chunk_key(idx, -1, 0, False)]) is None:  # connects, untimed
+            raise RuntimeError("the store did not answer a first lookup")
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        out.put({"client": idx, "fatal": f"{type(exc).__name__}: {exc}"})
+        ready.release()
+        return
+    ready.release()
+    go.wait()
+    rep.run(args["duration"], args["max_events"], args["speed"])
+    out.put({"client": idx, **rep.result()})
+    out.close()
+    out.join_thread()  # the result is sent before this process ends
+    closer = threading.Thread(target=mgr.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    os._exit(0)  # a close still draining a saturated store is not waited for
+
+
+def _storage_node(master: str, size: str, ready: Any, stop: Any) -> None:
+    """Mooncake: the process that lends the store its memory (clients lend none)."""
+    mgr = StorageManager({"tiers": [{"backend": "mooncake", "options": {
+        "master": master, "global_segment_size": size, "local_buffer_size": "16MiB"}}]})
+    mgr.backend(0).io.store()  # the client connects (and lends its memory) on first use
+    ready.release()
+    stop.wait()
+    mgr.close()
+    os._exit(0)
+
+
+class Servers:
+    """The shared store for one step, started fresh on 127.0.0.1 and stopped after."""
+
+    def __init__(self, store: str, workdir: Path, args: argparse.Namespace, ctx: Any) -> None:
+        self.store, self.node, self.stop_node = store, None, None
+        if store == "resp":
+            from redis_server import RedisServer
+
+            self.server = RedisServer(workdir / "redis", maxmemory=args.maxmemory)
+            self.address = self.server.url
+            return
+        from mooncake_store import MooncakeMaster
+
+        self.server = MooncakeMaster(workdir / "mooncake")
+        self.address = self.server.address
+        ready, self.stop_node = ctx.Semaphore(0), ctx.Event()
+        self.node = ctx.Process(target=_storage_node,
+                                args=(self.address, args.mooncake_segment, ready, self.stop_node))
+        self.node.start()
+        if not ready.acquire(timeout=120):
+            self.close()
+            raise RuntimeError("the mooncake storage process did not come up")
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in (self.server.proc, self.node) if p is not None]
+
+    def cpu_s(self) -> float:
+        """CPU seconds the store's processes (server; mooncake: master and storage process)
+        have used so far."""
+        total = 0
+        for pid in self.pids():
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / os.sysconf("SC_CLK_TCK")
+
+    def command_costs(self) -> dict[str, list[float]]:
+        """redis-server's own count and CPU microseconds per command (INFO commandstats)."""
+        if self.store != "resp":
+            return {}
+        client = self.server.client()
+        try:
+            info = client.info("commandstats")
+        finally:
+            client.close()
+        return {k.removeprefix("cmdstat_"): [v["calls"], v["usec"]] for k, v in info.items()}
+
+    def close(self) -> None:
+        if self.node is not None:
+            self.stop_node.set()
+            self.node.join(20)
+            if self.node.is_alive():
+                self.node.kill()
+        self.server.stop()
+
+
+def run_step(store: str, clients: int, timeout_s: float, args: argparse.Namespace,
+             workdir: Path) -> dict:
+    """One step: fresh servers, ``clients`` processes replaying at once; the merged result."""
+    ctx = mp.get_context("fork")  # torch is imported already: children start in milliseconds
+    trace = fleet_trace.load(args.trace)
+    shared = sorted(fleet_trace.hottest(trace, args.shared))
+    servers = Servers(store, workdir / f"{store}-{clients}-{timeout_s}", args, ctx)
+    cfg = {"chunk_size": trace["chunk_size"], "tiers": [
+        {"backend": "local_cpu", "options": {"capacity": args.l1, "prefault": False}},
+        store_tier(store, servers.address, timeout_s)]}
+    ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
+    opts = {"duration": args.duration, "max_events": args.max_events, "speed": args.speed,
+            "seed": args.seed}
+    procs = [ctx.Process(target=_client, args=(i, cfg, args.trace, shared, opts, ready, go, out))
+             for i in range(clients)]
+    results: list[dict] = []
+    try:
+        for p in procs:
+            p.start()
+        for _ in procs:
+            if not ready.acquire(timeout=180):
+                raise RuntimeError("a client did not come up within 180 s")
+        cpu0 = servers.cpu_s()
+        go.set()
+        deadline = time.monotonic() + args.duration + 120
+        while len(results) < clients:
+            results.append(out.get(timeout=max(1.0, deadline - time.monotonic())))
+        cpu = servers.cpu_s() - cpu0
+        costs = servers.command_costs()
+    finally:
+        for p in procs:
+            p.join(15)
+            if p.is_alive():
+                p.kill()
+        servers.close()
+    fatal = [r["fatal"] for r in results if "fatal" in r]
+    if fatal:
+        raise RuntimeError(f"{len(fatal)} client(s) failed to start: {fatal[0]}")
+    row = merge(results, store, clients, timeout_s)
+    row["store_cores"] = cpu / row["duration_s"]  # CPU the store used while clients ran
+    row["store_commands"] = costs
+    return row
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def merge(results: list[dict], store: str, clients: int, timeout_s: float) -> dict:
+    """Sum counters over clients; rates over the clients' mean run time; latency percentiles
+    over every call."""
+    dur = statistics.mean(r["elapsed"] for r in results) or 1e-9
+    n = {k: sum(r["n"][k] for r in results) for k in results[0]["n"]}
+    st = {k: sum(r["store"][k] for r in results) for k in STORE_STATS}
+    lat = {k: [x for r in results for x in r["lat"][k]] for k in KINDS}
+    l1_hits = sum(r["l1_hits"] for r in results)
+    bounded_calls = n["lookup_calls"] + max(0.0, st["gets"])
+    row = {
+        "store": store, "clients": clients, "timeout_s": timeout_s, "duration_s": dur,
+        "passes": n["passes"], "events": n["events"],
+        "lookup_calls_s": n["lookup_calls"] / dur, "lookup_keys_s": n["lookup_keys"] / dur,
+        "lookup_found": n["lookup_found"] / max(1, n["lookup_keys"]),
+        "put_gb_s": st["bytes_put"] / dur / GB, "put_submitted_gb_s": n["put_bytes"] / dur / GB,
+        "get_store_gb_s": st["bytes_read"] / dur / GB, "get_total_gb_s": n["get_bytes"] / dur / GB,
+        "get_calls_s": n["get_calls"] / dur,
+        "get_miss": 1 - n["get_hits"] / max(1, n["get_keys"]),
+        "get_from_l1": l1_hits, "get_from_store": st["hits"],
+        "timeouts": st["timeouts"], "timeout_share": st["timeouts"] / max(1, bounded_calls),
+        "faults": st["faults"], "breaker_trips": st["breaker_trips"],
+        "breaker_refused": st["breaker_refused"],
+        "dropped_puts": st["dropped_puts"], "dropped_share": st["dropped_puts"] / max(1, n["put_keys"]),
+        "errors": n["errors"],
+        **{f"found_{k}": n[f"found_{k}"] for k in ("l1_shared", "store_shared", "l1_private",
+                                                   "store_private")},
+    }
+    for k in KINDS:
+        row[f"{k}_p50_ms"] = _pct(lat[k], 0.5) * 1e3
+        row[f"{k}_p99_ms"] = _pct(lat[k], 0.99) * 1e3
+    return row
+
+
+def report(rows: list[dict]) -> None:
+    """Markdown tables: absolute figures, then ratios to the store's 1-client step."""
+    print("\n| store | N | timeout s | lookups/s (keys/s) | put GB/s | get GB/s store (all) | "
+          "p50/p99 ms lookup | get | put | load misses | timeouts | breaker refused | "
+          "dropped puts | errors | store CPU (cores) |\n|" + "---|" * 15)
+    for r in rows:
+        print(f"| {r['store']} | {r['clients']} | {r['timeout_s']:g} | {r['lookup_calls_s']:.0f} "
+              f"({r['lookup_keys_s']:.0f}) | {r['put_gb_s']:.3f} | {r['get_store_gb_s']:.3f} "
+              f"({r['get_total_gb_s']:.3f}) | {r['lookup_p50_ms']:.1f}/{r['lookup_p99_ms']:.0f} "
+              f"| {r['get_p50_ms']:.1f}/{r['get_p99_ms']:.0f} | {r['put_p50_ms']:.1f}/"
+              f"{r['put_p99_ms']:.0f} | {r['get_miss']:.1%} | {r['timeout_share']:.1%} "
+              f"| {r['breaker_refused']:.0f} | {r['dropped_share']:.1%} | {r['errors']:.0f} "
+              f"| {r['store_cores']:.2f} |")
+    print("\nratios to the same store's N=1 step of this run:\n\n| store | N | timeout s | "
+          "lookups/s | put GB/s | get GB/s (store) | p99 lookup | p99 get |\n|" + "---|" * 8)
+    for r in rows:
+        base = next((b for b in rows if b["store"] == r["store"] and b["clients"] == 1), None)
+        if base is None:
+            continue
+
+        def ratio(k: str, b: dict = base, r: dict = r) -> str:
+            return f"{r[k] / b[k]:.2f}x" if b[k] else "-"
+
+        print(f"| {r['store']} | {r['clients']} | {r['timeout_s']:g} | {ratio('lookup_calls_s')} "
+              f"| {ratio('put_gb_s')} | {ratio('get_store_gb_s')} | {ratio('lookup_p99_ms')} "
+              f"| {ratio('get_p99_ms')} |")
+    print("\nhot prefixes: lookup hits by where they were found (shared ids / private ids):\n\n"
+          "| store | N | timeout s | shared: L1 | shared: store | private: L1 | private: store | "
+          "loads from L1 | loads from store |\n|" + "---|" * 9)
+    for r in rows:
+        print(f"| {r['store']} | {r['clients']} | {r['timeout_s']:g} | {r['found_l1_shared']:.0f} "
+              f"| {r['found_store_shared']:.0f} | {r['found_l1_private']:.0f} | "
+              f"{r['found_store_private']:.0f} | {r['get_from_l1']:.0f} | "
+              f"{r['get_from_store']:.0f} |")
+
+
+    for r in rows:
+        if r.get("store_commands"):
+            cmds = ", ".join(f"{k} {c:.0f} calls {u / max(1, c):.1f} us/call"
+                             for k, (c, u) in sorted(r["store_commands"].items()))
+            print(f"\nredis-server commands, N={r['clients']} timeout_s={r['timeout_s']:g}: {cmds}")
+
+
+def _in_private_netns() -> bool:
+    return [n for _, n in socket.if_nameindex()] == ["lo"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default=str(HERE / "traces" / "chat_small.json"))
+    ap.add_argument("--stores", default="resp,mooncake", help="comma-separated: resp, mooncake")
+    ap.add_argument("--clients", default="1,2,4,8,16,32", help="client processes per step")
+    ap.add_argument("--duration", type=float, default=12.0, help="seconds per step")
+    ap.add_argument("--max-events", type=int, default=100_000, help="calls per client per step")
+    ap.add_argument("--speed", type=float, default=0.0,
+                    help="times the recorded pace; 0: back to back (saturate)")
+    ap.add_argument("--shared", type=float, default=0.1,
+                    help="share of chunk ids common to every engine (the hottest)")
+    ap.add_argument("--timeout-s", type=float, default=2.0, help="the tier's timeout_s")
+    ap.add_argument("--saturate-timeout", type=float, default=0.0,
+                    help="add a step at the largest N with this timeout_s (0: none)")
+    ap.add_argument("--l1", default="128MiB", help="each client's L1 capacity")
+    ap.add_argument("--maxmemory", default="2gb", help="redis-server's maxmemory")
+    ap.add_argument("--mooncake-segment", default="2GiB",
+                    help="memory the mooncake storage process lends the store")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args()
+    stores = args.stores.split(",")
+    if "mooncake" in stores and not _in_private_netns():
+        unshare, ip = shutil.which("unshare"), shutil.which("ip")
+        if os.geteuid() != 0 or unshare is None or ip is None:
+            raise SystemExit("the mooncake part runs in a private network namespace (root, unshare "
+                             "and ip); pass --stores resp elsewhere")
+        script = (f"{ip} link set lo up && exec {sys.executable} {os.path.abspath(__file__)} "
+                  + " ".join(f"'{a}'" for a in sys.argv[1:]))
+        os.execv(unshare, [unshare, "-n", "--", "sh", "-c", script])
+    if "mooncake" in stores:
+        from mooncake_store import NETNS_ENV
+
+        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+        os.environ[NETNS_ENV] = "1"  # this process runs in the namespace it made (above)
+    logging.getLogger("kvplug").setLevel(logging.ERROR)
+    trace = fleet_trace.load(args.trace)
+    print(f"trace {args.trace}: {json.dumps(fleet_trace.summary(trace))}", flush=True)
+    steps = [int(x) for x in args.clients.split(",")]
+    rows: list[dict] = []
+    workdir = Path(tempfile.mkdtemp(prefix="kvplug-bench-fleet-"))
+    try:
+        for store in stores:
+            plan = [(n, args.timeout_s) for n in steps]
+            if args.saturate_timeout:
+                plan.append((max(steps), args.saturate_timeout))
+            for n, tmo in plan:
+                t = time.monotonic()
+                rows.append(run_step(store, n, tmo, args, workdir))
+                print(f"{store} N={n} timeout_s={tmo}: {time.monotonic() - t:.0f} s, "
+                      f"{json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()})}",
+                      flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
