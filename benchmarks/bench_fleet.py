@@ -16,9 +16,10 @@ one shared store, N stepped, to find where the store saturates and what kvplug d
   engines, the rest private to one engine and to one pass over the trace (each pass is new users).
 * Stores, fresh for each step, on 127.0.0.1 only: a ``redis-server`` (``--maxmemory``,
   ``allkeys-lru``) for the ``resp`` tier; a ``mooncake_master`` plus one storage process lending
-  ``--mooncake-segment`` of memory for the ``mooncake`` tier (clients lend none, as engines in
-  front of dedicated storage nodes). Mooncake's clients listen on every interface, so with
-  mooncake the script re-runs itself in a private network namespace (``unshare -n``; root).
+  ``--mooncake-segment`` of memory for the ``mooncake`` tier (clients lend only
+  ``--client-segment``, as engines in front of dedicated storage nodes). Mooncake's clients
+  listen on every interface, so with mooncake the script re-runs itself in a private network
+  namespace (``unshare -n``; root).
 * Reported per step: lookups/s (calls and keys), GB/s stored (written by the tier's writers) and
   loaded (from the store, and from L1), p50/p99 latency of each call kind as the caller sees it
   (a store is queued: its latency is the submit), the share of loads that missed, of store calls
@@ -178,13 +179,16 @@ class Replayer:
 
 
 # -- the fleet (processes, servers) -------------------------------------------------------------
-def store_tier(store: str, address: str, timeout_s: float, **opts: Any) -> dict:
-    """The shared store's tier config (``address``: a redis URL or a mooncake master)."""
+def store_tier(store: str, address: str, timeout_s: float, client_segment: str = "16MiB",
+               **opts: Any) -> dict:
+    """The shared store's tier config (``address``: a redis URL or a mooncake master). A
+    mooncake client lends ``client_segment`` (with none, Mooncake 0.3.13's TCP transfers fail
+    part of the puts: "Local segment descriptor not found", -600)."""
     if store == "resp":
         options = {"url": address}
     else:
-        options = {"master": address, "global_segment_size": 0,
-                   "local_buffer_size": "64MiB"}
+        options = {"master": address, "global_segment_size": client_segment,
+                   "local_buffer_size": "32MiB"}
     options.update(timeout_s=timeout_s, **opts)
     return {"backend": store, "name": "store", "timeout_s": timeout_s * 2 + 0.5,
             "options": options}
@@ -291,7 +295,7 @@ def run_step(store: str, clients: int, timeout_s: float, args: argparse.Namespac
     servers = Servers(store, workdir / f"{store}-{clients}-{timeout_s}", args, ctx)
     cfg = {"chunk_size": trace["chunk_size"], "tiers": [
         {"backend": "local_cpu", "options": {"capacity": args.l1, "prefault": False}},
-        store_tier(store, servers.address, timeout_s)]}
+        store_tier(store, servers.address, timeout_s, args.client_segment)]}
     ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
     opts = {"duration": args.duration, "max_events": args.max_events, "speed": args.speed,
             "seed": args.seed}
@@ -427,10 +431,13 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float, default=2.0, help="the tier's timeout_s")
     ap.add_argument("--saturate-timeout", type=float, default=0.0,
                     help="add a step at the largest N with this timeout_s (0: none)")
-    ap.add_argument("--l1", default="128MiB", help="each client's L1 capacity")
+    ap.add_argument("--l1", default="32MiB",
+                    help="each client's L1 capacity (the trace's pass stores ~100 MiB)")
     ap.add_argument("--maxmemory", default="2gb", help="redis-server's maxmemory")
     ap.add_argument("--mooncake-segment", default="2GiB",
                     help="memory the mooncake storage process lends the store")
+    ap.add_argument("--client-segment", default="16MiB",
+                    help="memory each mooncake client lends the store")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
