@@ -66,7 +66,8 @@ KINDS = ("lookup", "get", "put")
 #: value tier's): what the report reads.
 STORE_STATS = ("hits", "misses", "bytes_read", "bytes_put", "written", "dropped_puts",
                "dropped_queue_full", "dropped_down", "dropped_full", "put_errors", "faults",
-               "timeouts", "breaker_trips", "breaker_refused", "remote_errors", "gets")
+               "timeouts", "socket_timeouts", "breaker_trips", "breaker_refused", "remote_errors",
+               "store_errors", "gets", "negative_hits")
 
 
 # -- the replay (one engine) --------------------------------------------------------------------
@@ -92,7 +93,8 @@ class Replayer:
         self.n: dict[str, float] = dict.fromkeys(
             ("lookup_calls", "lookup_keys", "lookup_found", "found_l1_shared",
              "found_store_shared", "found_l1_private", "found_store_private", "get_calls",
-             "get_keys", "get_hits", "get_bytes", "put_calls", "put_keys", "put_bytes",
+             "get_keys", "get_hits", "get_bytes", "get_l1_shared", "get_store_shared",
+             "get_l1_private", "get_store_private", "put_calls", "put_keys", "put_bytes",
              "errors", "events", "passes"), 0)
         self.elapsed = 0.0
 
@@ -103,6 +105,13 @@ class Replayer:
             obj = heap_memory_obj((nbytes,), torch.uint8, num_tokens=max(1, nbytes // 6144))
         obj.byte_view.copy_(self._src[:nbytes])
         return obj
+
+    def _l1_holds(self, keys: list[CacheKey]) -> list[bool]:
+        """Which keys L1 holds now (an inline call that leaves its LRU order alone): a load of
+        them is an L1 hit, of the others a store read."""
+        if len(self.mgr.tier_names) < 2:
+            return [False] * len(keys)
+        return self.mgr.holds(self.mgr.tier_names[0], keys) or [False] * len(keys)
 
     def _one(self, op: str, keys: list[CacheKey], extra: Any, shared: list[bool]) -> None:
         n = self.n
@@ -117,13 +126,15 @@ class Replayer:
                 place = "store" if where == self.store else "l1"
                 n[f"found_{place}_{'shared' if sh else 'private'}"] += 1
         elif op == "G":
+            local = self._l1_holds(keys)
             t = time.perf_counter()
             got = self.mgr.batched_get(keys)
             self.lat["get"].append(time.perf_counter() - t)
             n["get_calls"] += 1
             n["get_keys"] += len(keys)
-            for obj in got:
+            for obj, in_l1, sh in zip(got, local, shared):
                 if obj is not None:
+                    n[f"get_{'l1' if in_l1 else 'store'}_{'shared' if sh else 'private'}"] += 1
                     n["get_hits"] += 1
                     n["get_bytes"] += obj.nbytes
                     obj.ref_down()
@@ -139,10 +150,10 @@ class Replayer:
             n["put_bytes"] += sum(extra)
 
     def run(self, duration_s: float, max_events: int, speed: float = 0.0,
-            max_passes: int | None = None) -> None:
+            max_passes: int | None = None, ops: str = "LGP") -> None:
         """Replay until ``duration_s``, ``max_events`` calls or ``max_passes`` passes; paced at
-        ``speed`` times the recorded rate (0: back to back)."""
-        events = self.trace["events"]
+        ``speed`` times the recorded rate (0: back to back); only the kinds in ``ops``."""
+        events = [ev for ev in self.trace["events"] if ev[1] in ops]
         span = (events[-1][0] if events else 0.0) / 1e3
         start = time.monotonic()
         deadline = start + duration_s
@@ -187,15 +198,22 @@ def store_tier(store: str, address: str, timeout_s: float, client_segment: str =
     if store == "resp":
         options = {"url": address}
     else:
-        options = {"master": address, "global_segment_size": client_segment,
-                   "local_buffer_size": "32MiB"}
+        options = {"master": address, "global_segment_size": client_segment}
     options.update(timeout_s=timeout_s, **opts)
     return {"backend": store, "name": "store", "timeout_s": timeout_s * 2 + 0.5,
             "options": options}
 
 
+def _stderr_to(path: str) -> None:
+    """Send this process's stderr (Mooncake's C++ logs a line per failed put) to a file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def _client(idx: int, cfg: dict, trace_path: str, shared: list[int], args: dict,
             ready: Any, go: Any, out: Any) -> None:
+    _stderr_to(os.path.join(args["logdir"], f"client-{idx}.log"))
     torch.set_num_threads(1)
     logging.getLogger("kvplug").setLevel(logging.ERROR)
     try:
@@ -209,7 +227,7 @@ def _client(idx: int, cfg: dict, trace_path: str, shared: list[int], args: dict,
         return
     ready.release()
     go.wait()
-    rep.run(args["duration"], args["max_events"], args["speed"])
+    rep.run(args["duration"], args["max_events"], args["speed"], ops=args["ops"])
     out.put({"client": idx, **rep.result()})
     out.close()
     out.join_thread()  # the result is sent before this process ends
@@ -219,8 +237,9 @@ def _client(idx: int, cfg: dict, trace_path: str, shared: list[int], args: dict,
     os._exit(0)  # a close still draining a saturated store is not waited for
 
 
-def _storage_node(master: str, size: str, ready: Any, stop: Any) -> None:
-    """Mooncake: the process that lends the store its memory (clients lend none)."""
+def _storage_node(master: str, size: str, ready: Any, stop: Any, log: str) -> None:
+    """Mooncake: the process that lends the store its memory (clients lend little)."""
+    _stderr_to(log)
     mgr = StorageManager({"tiers": [{"backend": "mooncake", "options": {
         "master": master, "global_segment_size": size, "local_buffer_size": "16MiB"}}]})
     mgr.backend(0).io.store()  # the client connects (and lends its memory) on first use
@@ -247,24 +266,24 @@ class Servers:
         self.address = self.server.address
         ready, self.stop_node = ctx.Semaphore(0), ctx.Event()
         self.node = ctx.Process(target=_storage_node,
-                                args=(self.address, args.mooncake_segment, ready, self.stop_node))
+                                args=(self.address, args.mooncake_segment, ready, self.stop_node,
+                                      str(workdir / "storage.log")))
         self.node.start()
         if not ready.acquire(timeout=120):
             self.close()
             raise RuntimeError("the mooncake storage process did not come up")
 
-    def pids(self) -> list[int]:
-        return [p.pid for p in (self.server.proc, self.node) if p is not None]
-
-    def cpu_s(self) -> float:
-        """CPU seconds the store's processes (server; mooncake: master and storage process)
-        have used so far."""
-        total = 0
-        for pid in self.pids():
-            with open(f"/proc/{pid}/stat") as f:
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds each of the store's processes has used so far: ``server`` (redis-server,
+        or mooncake_master: metadata) and, for mooncake, ``node`` (the storage process: bytes)."""
+        out: dict[str, float] = {}
+        for name, proc in (("server", self.server.proc), ("node", self.node)):
+            if proc is None:
+                continue
+            with open(f"/proc/{proc.pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-        return total / os.sysconf("SC_CLK_TCK")
+            out[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return out
 
     def command_costs(self) -> dict[str, list[float]]:
         """redis-server's own count and CPU microseconds per command (INFO commandstats)."""
@@ -273,9 +292,11 @@ class Servers:
         client = self.server.client()
         try:
             info = client.info("commandstats")
+            evicted = client.info("stats")["evicted_keys"]
         finally:
             client.close()
-        return {k.removeprefix("cmdstat_"): [v["calls"], v["usec"]] for k, v in info.items()}
+        out = {k.removeprefix("cmdstat_"): [v["calls"], v["usec"]] for k, v in info.items()}
+        return {**out, "evicted_keys": [evicted, 0]}
 
     def close(self) -> None:
         if self.node is not None:
@@ -292,13 +313,17 @@ def run_step(store: str, clients: int, timeout_s: float, args: argparse.Namespac
     ctx = mp.get_context("fork")  # torch is imported already: children start in milliseconds
     trace = fleet_trace.load(args.trace)
     shared = sorted(fleet_trace.hottest(trace, args.shared))
-    servers = Servers(store, workdir / f"{store}-{clients}-{timeout_s}", args, ctx)
+    stepdir = workdir / f"{store}-{clients}-{timeout_s}"
+    stepdir.mkdir(parents=True)
+    servers = Servers(store, stepdir, args, ctx)
+    extra = {} if args.negative_cache_s is None else {"negative_cache_s": args.negative_cache_s}
+    l1 = [] if args.l1 in ("0", "") else [
+        {"backend": "local_cpu", "options": {"capacity": args.l1, "prefault": False}}]
     cfg = {"chunk_size": trace["chunk_size"], "tiers": [
-        {"backend": "local_cpu", "options": {"capacity": args.l1, "prefault": False}},
-        store_tier(store, servers.address, timeout_s, args.client_segment)]}
+        *l1, store_tier(store, servers.address, timeout_s, args.client_segment, **extra)]}
     ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
     opts = {"duration": args.duration, "max_events": args.max_events, "speed": args.speed,
-            "seed": args.seed}
+            "seed": args.seed, "ops": args.ops, "logdir": str(stepdir)}
     procs = [ctx.Process(target=_client, args=(i, cfg, args.trace, shared, opts, ready, go, out))
              for i in range(clients)]
     results: list[dict] = []
@@ -313,7 +338,7 @@ def run_step(store: str, clients: int, timeout_s: float, args: argparse.Namespac
         deadline = time.monotonic() + args.duration + 120
         while len(results) < clients:
             results.append(out.get(timeout=max(1.0, deadline - time.monotonic())))
-        cpu = servers.cpu_s() - cpu0
+        cpu = {k: v - cpu0[k] for k, v in servers.cpu_s().items()}
         costs = servers.command_costs()
     finally:
         for p in procs:
@@ -325,7 +350,9 @@ def run_step(store: str, clients: int, timeout_s: float, args: argparse.Namespac
     if fatal:
         raise RuntimeError(f"{len(fatal)} client(s) failed to start: {fatal[0]}")
     row = merge(results, store, clients, timeout_s)
-    row["store_cores"] = cpu / row["duration_s"]  # CPU the store used while clients ran
+    # CPU the store used while the clients ran, in cores (mooncake: master + storage process)
+    row["store_cores"] = sum(cpu.values()) / row["duration_s"]
+    row.update({f"{k}_cores": v / row["duration_s"] for k, v in cpu.items()})
     row["store_commands"] = costs
     return row
 
@@ -356,7 +383,12 @@ def merge(results: list[dict], store: str, clients: int, timeout_s: float) -> di
         "get_calls_s": n["get_calls"] / dur,
         "get_miss": 1 - n["get_hits"] / max(1, n["get_keys"]),
         "get_from_l1": l1_hits, "get_from_store": st["hits"],
-        "timeouts": st["timeouts"], "timeout_share": st["timeouts"] / max(1, bounded_calls),
+        **{f"get_{k}": n[f"get_{k}"] for k in ("l1_shared", "store_shared", "l1_private",
+                                               "store_private")},
+        # calls past the tier's timeout_s (socket) or the StorageManager's bound on the tier
+        "timeouts": st["timeouts"] + st["socket_timeouts"],
+        "timeout_share": (st["timeouts"] + st["socket_timeouts"]) / max(1, bounded_calls),
+        "remote_errors": st["remote_errors"], "store_errors": st["store_errors"],
         "faults": st["faults"], "breaker_trips": st["breaker_trips"],
         "breaker_refused": st["breaker_refused"],
         "dropped_puts": st["dropped_puts"], "dropped_share": st["dropped_puts"] / max(1, n["put_keys"]),
@@ -382,7 +414,9 @@ def report(rows: list[dict]) -> None:
               f"| {r['get_p50_ms']:.1f}/{r['get_p99_ms']:.0f} | {r['put_p50_ms']:.1f}/"
               f"{r['put_p99_ms']:.0f} | {r['get_miss']:.1%} | {r['timeout_share']:.1%} "
               f"| {r['breaker_refused']:.0f} | {r['dropped_share']:.1%} | {r['errors']:.0f} "
-              f"| {r['store_cores']:.2f} |")
+              f"| {r['store_cores']:.2f}" + (f" (master {r['server_cores']:.2f}, storage "
+                                             f"{r['node_cores']:.2f})" if "node_cores" in r
+                                             else "") + " |")
     print("\nratios to the same store's N=1 step of this run:\n\n| store | N | timeout s | "
           "lookups/s | put GB/s | get GB/s (store) | p99 lookup | p99 get |\n|" + "---|" * 8)
     for r in rows:
@@ -396,20 +430,24 @@ def report(rows: list[dict]) -> None:
         print(f"| {r['store']} | {r['clients']} | {r['timeout_s']:g} | {ratio('lookup_calls_s')} "
               f"| {ratio('put_gb_s')} | {ratio('get_store_gb_s')} | {ratio('lookup_p99_ms')} "
               f"| {ratio('get_p99_ms')} |")
-    print("\nhot prefixes: lookup hits by where they were found (shared ids / private ids):\n\n"
-          "| store | N | timeout s | shared: L1 | shared: store | private: L1 | private: store | "
-          "loads from L1 | loads from store |\n|" + "---|" * 9)
+    print("\nhot prefixes: where lookups found chunks and where loaded chunks came from, shared "
+          "ids / private ids:\n\n| store | N | timeout s | found shared: L1 / store | found "
+          "private: L1 / store | loaded shared: L1 / store | loaded private: L1 / store |\n|"
+          + "---|" * 7)
     for r in rows:
         print(f"| {r['store']} | {r['clients']} | {r['timeout_s']:g} | {r['found_l1_shared']:.0f} "
-              f"| {r['found_store_shared']:.0f} | {r['found_l1_private']:.0f} | "
-              f"{r['found_store_private']:.0f} | {r['get_from_l1']:.0f} | "
-              f"{r['get_from_store']:.0f} |")
+              f"/ {r['found_store_shared']:.0f} | {r['found_l1_private']:.0f} / "
+              f"{r['found_store_private']:.0f} | {r['get_l1_shared']:.0f} / "
+              f"{r['get_store_shared']:.0f} | {r['get_l1_private']:.0f} / "
+              f"{r['get_store_private']:.0f} |")
 
 
     for r in rows:
         if r.get("store_commands"):
             cmds = ", ".join(f"{k} {c:.0f} calls {u / max(1, c):.1f} us/call"
-                             for k, (c, u) in sorted(r["store_commands"].items()))
+                             for k, (c, u) in sorted(r["store_commands"].items())
+                             if k != "evicted_keys")
+            cmds += f"; keys evicted by maxmemory: {r['store_commands']['evicted_keys'][0]}"
             print(f"\nredis-server commands, N={r['clients']} timeout_s={r['timeout_s']:g}: {cmds}")
 
 
@@ -438,6 +476,10 @@ def main() -> int:
                     help="memory the mooncake storage process lends the store")
     ap.add_argument("--client-segment", default="16MiB",
                     help="memory each mooncake client lends the store")
+    ap.add_argument("--ops", default="LGP",
+                    help="replay only these kinds: L lookups, G loads, P stores (per-call costs)")
+    ap.add_argument("--negative-cache-s", type=float, default=None,
+                    help="the tier's negative_cache_s (default: the tier's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()

@@ -86,6 +86,7 @@ def test_engines_share_only_the_shared_ids(redis_server):  # noqa: F811
             stats = mgr.stats()
         assert (n["lookup_found"], n["get_hits"], n["found_store_shared"]) == (found, found, found)
         assert n["found_l1_shared"] == n["found_l1_private"] == n["found_store_private"] == 0
+        assert (n["get_store_shared"], n["get_l1_shared"], n["get_store_private"]) == (found, 0, 0)
         assert stats["store"]["hits"] == found and stats["local_cpu"]["hits"] == 0
 
 
