@@ -381,7 +381,7 @@ def merge(results: list[dict], store: str, clients: int, timeout_s: float) -> di
         "put_gb_s": st["bytes_put"] / dur / GB, "put_submitted_gb_s": n["put_bytes"] / dur / GB,
         "get_store_gb_s": st["bytes_read"] / dur / GB, "get_total_gb_s": n["get_bytes"] / dur / GB,
         "get_calls_s": n["get_calls"] / dur,
-        "get_miss": 1 - n["get_hits"] / max(1, n["get_keys"]),
+        "get_miss": 1 - n["get_hits"] / n["get_keys"] if n["get_keys"] else 0.0,
         "get_from_l1": l1_hits, "get_from_store": st["hits"],
         **{f"get_{k}": n[f"get_{k}"] for k in ("l1_shared", "store_shared", "l1_private",
                                                "store_private")},
@@ -482,6 +482,7 @@ def main() -> int:
                     help="the tier's negative_cache_s (default: the tier's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--keep-logs", help="copy the servers' and clients' logs here")
     args = ap.parse_args()
     stores = args.stores.split(",")
     if "mooncake" in stores and not _in_private_netns():
@@ -515,6 +516,9 @@ def main() -> int:
                       f"{json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()})}",
                       flush=True)
     finally:
+        if args.keep_logs:
+            shutil.copytree(workdir, args.keep_logs, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("*.sock", "*.rdb"))
         shutil.rmtree(workdir, ignore_errors=True)
     report(rows)
     if args.json:
