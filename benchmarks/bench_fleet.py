@@ -227,8 +227,9 @@ def _client(idx: int, cfg: dict, trace_path: str, shared: list[int], args: dict,
         return
     ready.release()
     go.wait()
+    cpu = time.process_time()
     rep.run(args["duration"], args["max_events"], args["speed"], ops=args["ops"])
-    out.put({"client": idx, **rep.result()})
+    out.put({"client": idx, **rep.result(), "cpu_s": time.process_time() - cpu})
     out.close()
     out.join_thread()  # the result is sent before this process ends
     closer = threading.Thread(target=mgr.close, daemon=True)
@@ -375,6 +376,8 @@ def merge(results: list[dict], store: str, clients: int, timeout_s: float) -> di
     bounded_calls = n["lookup_calls"] + max(0.0, st["gets"])
     row = {
         "store": store, "clients": clients, "timeout_s": timeout_s, "duration_s": dur,
+        # CPU of the client processes (every thread: kvplug's and the store client library's)
+        "client_cores": sum(r.get("cpu_s", 0.0) for r in results) / dur,
         "passes": n["passes"], "events": n["events"],
         "lookup_calls_s": n["lookup_calls"] / dur, "lookup_keys_s": n["lookup_keys"] / dur,
         "lookup_found": n["lookup_found"] / max(1, n["lookup_keys"]),
@@ -406,7 +409,7 @@ def report(rows: list[dict]) -> None:
     """Markdown tables: absolute figures, then ratios to the store's 1-client step."""
     print("\n| store | N | timeout s | lookups/s (keys/s) | put GB/s | get GB/s store (all) | "
           "p50/p99 ms lookup | get | put | load misses | timeouts | breaker refused | "
-          "dropped puts | errors | store CPU (cores) |\n|" + "---|" * 15)
+          "dropped puts | errors | store CPU (cores) | clients' CPU |\n|" + "---|" * 16)
     for r in rows:
         print(f"| {r['store']} | {r['clients']} | {r['timeout_s']:g} | {r['lookup_calls_s']:.0f} "
               f"({r['lookup_keys_s']:.0f}) | {r['put_gb_s']:.3f} | {r['get_store_gb_s']:.3f} "
@@ -416,7 +419,7 @@ def report(rows: list[dict]) -> None:
               f"| {r['breaker_refused']:.0f} | {r['dropped_share']:.1%} | {r['errors']:.0f} "
               f"| {r['store_cores']:.2f}" + (f" (master {r['server_cores']:.2f}, storage "
                                              f"{r['node_cores']:.2f})" if "node_cores" in r
-                                             else "") + " |")
+                                             else "") + f" | {r['client_cores']:.2f} |")
     print("\nratios to the same store's N=1 step of this run:\n\n| store | N | timeout s | "
           "lookups/s | put GB/s | get GB/s (store) | p99 lookup | p99 get |\n|" + "---|" * 8)
     for r in rows:
