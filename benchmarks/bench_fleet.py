@@ -95,7 +95,7 @@ class Replayer:
              "found_store_shared", "found_l1_private", "found_store_private", "get_calls",
              "get_keys", "get_hits", "get_bytes", "get_l1_shared", "get_store_shared",
              "get_l1_private", "get_store_private", "put_calls", "put_keys", "put_bytes",
-             "errors", "events", "passes"), 0)
+             "errors", "events", "passes", "trace_s"), 0)
         self.elapsed = 0.0
 
     def _obj(self, nbytes: int):  # noqa: ANN202 - MemoryObj
@@ -176,6 +176,7 @@ class Replayer:
                     self.n["errors"] += 1
                     logging.getLogger("bench_fleet").exception("replayed %s raised", op)
                 self.n["events"] += 1
+                self.n["trace_s"] = p * span + t_ms / 1e3  # recorded time replayed so far
             p += 1
             self.n["passes"] = p
         self.elapsed = time.monotonic() - start
@@ -379,6 +380,8 @@ def merge(results: list[dict], store: str, clients: int, timeout_s: float) -> di
         # CPU of the client processes (every thread: kvplug's and the store client library's)
         "client_cores": sum(r.get("cpu_s", 0.0) for r in results) / dur,
         "passes": n["passes"], "events": n["events"],
+        # how many engines' traffic, at the recorded pace, the step carried
+        "engines_equiv": n["trace_s"] / dur,
         "lookup_calls_s": n["lookup_calls"] / dur, "lookup_keys_s": n["lookup_keys"] / dur,
         "lookup_found": n["lookup_found"] / max(1, n["lookup_keys"]),
         "put_gb_s": st["bytes_put"] / dur / GB, "put_submitted_gb_s": n["put_bytes"] / dur / GB,
@@ -409,7 +412,8 @@ def report(rows: list[dict]) -> None:
     """Markdown tables: absolute figures, then ratios to the store's 1-client step."""
     print("\n| store | N | timeout s | lookups/s (keys/s) | put GB/s | get GB/s store (all) | "
           "p50/p99 ms lookup | get | put | load misses | timeouts | breaker refused | "
-          "dropped puts | errors | store CPU (cores) | clients' CPU |\n|" + "---|" * 16)
+          "dropped puts | errors | store CPU (cores) | clients' CPU | engines carried |\n|"
+          + "---|" * 17)
     for r in rows:
         print(f"| {r['store']} | {r['clients']} | {r['timeout_s']:g} | {r['lookup_calls_s']:.0f} "
               f"({r['lookup_keys_s']:.0f}) | {r['put_gb_s']:.3f} | {r['get_store_gb_s']:.3f} "
@@ -419,7 +423,8 @@ def report(rows: list[dict]) -> None:
               f"| {r['breaker_refused']:.0f} | {r['dropped_share']:.1%} | {r['errors']:.0f} "
               f"| {r['store_cores']:.2f}" + (f" (master {r['server_cores']:.2f}, storage "
                                              f"{r['node_cores']:.2f})" if "node_cores" in r
-                                             else "") + f" | {r['client_cores']:.2f} |")
+                                             else "") + f" | {r['client_cores']:.2f} | "
+              f"{r['engines_equiv']:.1f} |")
     print("\nratios to the same store's N=1 step of this run:\n\n| store | N | timeout s | "
           "lookups/s | put GB/s | get GB/s (store) | p99 lookup | p99 get |\n|" + "---|" * 8)
     for r in rows:

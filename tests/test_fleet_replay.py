@@ -109,6 +109,7 @@ def test_replay_is_bounded_by_count():
         rep = bench_fleet.Replayer(mgr, TRACE, 0, set())
         rep.run(duration_s=60, max_events=12)
     assert rep.n["events"] == 12 and rep.n["passes"] == 2
+    assert rep.n["trace_s"] == pytest.approx(2 * 0.004 + 0.001)  # two passes of 4 ms, then 1 ms
 
 
 def test_trace_format(tmp_path):
