@@ -3,7 +3,8 @@ one shared store, N stepped, to find where the store saturates and what kvplug d
 
     .venv/bin/python benchmarks/bench_fleet.py [--stores resp,mooncake] [--clients 1,2,4,8,16,32]
         [--duration 12] [--max-events 100000] [--shared 0.1] [--speed 0] [--timeout-s 2]
-        [--trace benchmarks/traces/chat_small.json] [--json FILE]
+        [--saturate-timeout 0.05] [--l1 32MiB] [--ops LGP] [--negative-cache-s S]
+        [--trace benchmarks/traces/chat_small.json] [--json FILE] [--keep-logs DIR]
 
 * The trace (``benchmarks/fleet_trace.py``) is what one real vLLM engine asked of kvplug: lookups
   (chunk keys), loads and stores (chunk sizes), in order. Each client process is one "engine": a
@@ -24,9 +25,14 @@ one shared store, N stepped, to find where the store saturates and what kvplug d
   loaded (from the store, and from L1), p50/p99 latency of each call kind as the caller sees it
   (a store is queued: its latency is the submit), the share of loads that missed, of store calls
   that timed out or found the breaker open, of stores dropped, and the errors that reached the
-  caller (must be 0: kvplug turns a saturated store into misses); each figure also as a ratio to
-  the single-client step of the same run. ``--saturate-timeout T`` adds a step at the largest N
-  with the tier's ``timeout_s`` at T seconds: latency bounded by T at saturation.
+  caller (must be 0: kvplug turns a saturated store into misses), where lookup hits and loads
+  came from (L1 or store, shared or private ids), the CPU of the store's processes and of the
+  clients, and how many engines' traffic (at the recorded pace) the step carried; each figure
+  also as a ratio to the single-client step of the same run; redis-server's own per-command
+  costs (``INFO commandstats``) and evictions. ``--saturate-timeout T`` adds a step at the
+  largest N with the tier's ``timeout_s`` at T seconds: bounded latency at saturation.
+  ``--ops L`` / ``--ops GP`` with ``--l1 0`` replay only lookups / only loads and stores with no
+  L1, for the store's cost per call.
 
 Raw figures are bound to this machine (2 shared cores run the store, the clients and the
 benchmark); the ratios between steps of one run are what carries over.
