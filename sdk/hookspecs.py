@@ -127,7 +127,8 @@ class BackendSpec:
 
     @hookspec
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
-        """Store ``objs[i]`` under ``keys[i]`` (called on every tier: write-through).
+        """Store ``objs[i]`` under ``keys[i]`` (called on every tier: write-through); ``keys``
+        are distinct within one call.
 
         ``objs`` are borrowed (``ENCODED`` ones on a tier with a codec: see the module docstring):
         ``ref_up()`` each one you keep past this call (an in-memory tier

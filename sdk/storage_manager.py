@@ -185,11 +185,20 @@ class StorageManager:
 
     # -- store ----------------------------------------------------------------------------------
     def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
-        """Write-through to every tier. The caller keeps (and later drops) its own references."""
+        """Write-through to every tier. The caller keeps (and later drops) its own references.
+
+        A key given twice (two requests finishing the same prefix in one step) is stored once:
+        a key names its bytes, so the first object stands for both, and each tier receives
+        distinct keys (the ``batched_submit_put`` contract)."""
         if len(keys) != len(objs):
             raise ValueError(f"batched_put got {len(keys)} keys but {len(objs)} objects")
         if not keys:
             return
+        if len(set(keys)) != len(keys):
+            first: dict[CacheKey, MemoryObj] = {}
+            for key, obj in zip(keys, objs):
+                first.setdefault(key, obj)
+            keys, objs = list(first), list(first.values())
         for tier in self._tiers:
             if tier.encoder is not None:
                 self._put_encoded(tier, list(keys), list(objs))

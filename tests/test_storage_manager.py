@@ -243,3 +243,19 @@ def test_a_stalled_tier_does_not_starve_the_others():
             assert mgr.stats()["lower"]["timeouts"] == 0
     finally:
         STALL.set()
+
+
+def test_a_key_given_twice_in_one_put_is_stored_once():
+    """Two requests finishing the same prefix in one step hand the same key twice; every tier
+    receives it once (the contract says a call's keys are distinct), with the first object."""
+    with two_tiers("PutRecordingTier") as mgr:
+        objs = [fill_random(mgr, seed=s) for s in (1, 2, 3)]
+        expect = objs[0].byte_view.clone()
+        mgr.batched_put([make_key(1), make_key(2), make_key(1)], objs)
+        for obj in objs:
+            obj.ref_down()
+        assert mgr.backend("lower").put_calls == [[make_key(1), make_key(2)]]
+        mgr.evict([make_key(1)], tiers=["l1"])
+        got = mgr.get(make_key(1))
+        assert got is not None and torch.equal(got.byte_view, expect), "not the first object's bytes"
+        got.ref_down()

@@ -57,6 +57,20 @@ class DictTier:
             return {"entries": len(self.data), "bytes": sum(v[0].numel() for v in self.data.values())}
 
 
+class PutRecordingTier(DictTier):
+    """A DictTier that also keeps the keys of every ``batched_submit_put`` call, in order."""
+
+    def __init__(self, ctx: TierContext) -> None:
+        super().__init__(ctx)
+        self.put_calls: list[list] = []
+
+    @hookimpl
+    def batched_submit_put(self, keys, objs):
+        with self.lock:
+            self.put_calls.append(list(keys))
+        super().batched_submit_put(keys, objs)
+
+
 class RaisingTier(DictTier):
     """Every call fails, as a tier whose device vanished would."""
 
