@@ -29,6 +29,7 @@ from .client import (
     open_client,
     password_from_env,
 )
+from .cluster import ClusterRespIO
 
 
 class RespBackend(ValueStoreTier):
@@ -74,5 +75,11 @@ class RespBackend(ValueStoreTier):
                                  timeout_s=opts.timeout_s, max_connections=opts.max_connections,
                                  tls=tls)
         shown = display_url(opts.url) + (" (cluster)" if opts.cluster else "")
-        return RespIO(ctx.name, make, breaker, redact, shown=shown,
-                      client_cert="ssl_certfile" in tls), shown
+        if not opts.cluster:
+            return RespIO(ctx.name, make, breaker, redact, shown=shown,
+                          client_cert="ssl_certfile" in tls), shown
+        node_breaker = functools.partial(CircuitBreaker, threshold=opts.breaker_threshold,
+                                         backoff_s=opts.breaker_backoff_s,
+                                         max_backoff_s=opts.breaker_max_backoff_s)
+        return ClusterRespIO(ctx.name, make, breaker, redact, shown=shown,
+                             client_cert="ssl_certfile" in tls, node_breaker=node_breaker), shown

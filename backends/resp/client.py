@@ -183,7 +183,7 @@ class RespIO(ValueIO):
         self._reply_error = redis.exceptions.ResponseError
         self.timeout_types = (redis.exceptions.TimeoutError,)
 
-    def failed(self, exc: BaseException) -> None:
+    def failed(self, exc: BaseException, breaker: CircuitBreaker | None = None) -> None:
         """As every remote tier, plus once an error naming the URL and the option to fix when
         the TLS handshake failed (a wrong CA, a missing client certificate): a misconfiguration
         that no retry mends, while the breaker's own line would only say "failing"."""
@@ -192,7 +192,7 @@ class RespIO(ValueIO):
             self._tls_told = True
             logger.error("tier %r: TLS to %s failed: %s (%s); until then it is a miss for every "
                          "lookup and load", self.name, self._shown, hint, self.redact.error(exc))
-        super().failed(exc)
+        super().failed(exc, breaker)
 
     def client(self) -> Any:
         with self._client_lock:
