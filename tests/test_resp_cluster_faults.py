@@ -4,7 +4,8 @@ keep serving exact hits — before and after the cluster marks the master failed
 with ``cluster-require-full-coverage no``, as a cache cluster without replicas should; with
 ``yes`` Redis itself refuses every key once a master is marked failed). Nothing raises, every
 call returns; restarted (empty), the master serves again. With every master down, the tier's
-breaker opens (the tier is refused at once, as a single server that is down)."""
+breaker opens (the tier is refused at once, as a single server that is down). A hung master
+(SIGSTOP): bounded misses in its slots, hits elsewhere, hits again after SIGCONT."""
 
 from __future__ import annotations
 
@@ -101,6 +102,40 @@ def test_one_master_killed_its_slots_miss_others_hit(tmp_path):
         print(json.dumps({"on_victim": len(on_victim & set(range(N))), "of": N} | {
             name: {k: s[k] for k in shown} for name, s in (("down", st), ("end", end),
                                                            ("all_down", gone))}))
+    finally:
+        mgr.close()
+        cluster.stop()
+
+
+def test_one_master_hung_bounded_misses_others_hit(tmp_path):
+    """A master stopped with SIGSTOP (accepts connections, never answers): the values in its
+    slots are misses within the bound (each call returns), the other masters keep serving exact
+    hits; after SIGCONT its values hit again."""
+    cluster = RedisClusterServers(tmp_path / "cluster", full_coverage=False)
+    mgr = manager(cluster.url, cluster=True)
+    try:
+        refs = {i: put(mgr, i) for i in range(N)}
+        assert mgr.flush(timeout=HANG)
+        probe = cluster.client()
+        victim = cluster.nodes[2]
+        on_victim = {i for i in refs
+                     if probe.get_node_from_key(mgr.backend(0).name_of(key(i))).port == victim.port}
+        probe.close()
+        assert 0 < len(on_victim) < N
+        victim.pause()
+        for _ in range(2):  # get_exact and lookup_prefix fail the test if a call hangs
+            _round(mgr, refs, on_victim)
+        st = mgr.stats()["resp"]
+        assert st["masters_down"] == 1.0 and st["socket_timeouts"] >= 1, st
+        assert st["breaker_open"] == 0.0 and mgr_faults(mgr) == 0, st
+        victim.resume()
+        deadline = time.monotonic() + 60
+        while not all(get_exact(mgr, i, refs[i]) for i in on_victim):
+            assert time.monotonic() < deadline, ("no hit after SIGCONT", mgr.stats())
+            time.sleep(0.2)
+        _round(mgr, refs, set())
+        print(json.dumps({"on_victim": len(on_victim), "of": N, "socket_timeouts":
+                          st["socket_timeouts"], "master_breaker_trips": st["master_breaker_trips"]}))
     finally:
         mgr.close()
         cluster.stop()

@@ -6,7 +6,9 @@ redis-py sends a pipeline to every master its keys live on and raises when any o
 so the tier's one breaker would then refuse the whole cluster. Here each batch is split by master
 (redis-py's slot map, which it keeps current on ``MOVED``), each master's part is one pipeline
 behind that master's breaker, and a part that fails or is refused is a miss (``None``) or a failed
-store (:class:`~kvplug.backends.common.value_io.Unanswered`) for its values only. The tier's own
+store (:class:`~kvplug.backends.common.value_io.Unanswered`) for its values only. While every
+master is healthy a batch goes as one pipeline, as before (split only when it fails: a master
+that just hung then costs two timeouts, until its breaker opens). The tier's own
 breaker hears of it only when no master answers and every master's breaker is open: a cluster
 wholly down is refused at once, as a single server is.
 """
@@ -49,8 +51,18 @@ class ClusterRespIO(RespIO):
         """``call(indices)`` (replies for ``names[i]``, one pipeline) per master the names live
         on, behind that master's breaker; ``unanswered(master)`` for the names of a master that
         failed or was refused. Raises :class:`ClusterDown` when no master answered and every
-        master's breaker is open."""
+        master's breaker is open. While no master's breaker is open, the whole batch goes first
+        as one pipeline (redis-py's, to every master at once); only when that fails is it split,
+        and each master's part tried behind its breaker (which tells the failing one apart)."""
         client = self.client()
+        with self._nodes_lock:  # the masters now (a replaced master's breaker no longer counts)
+            healthy = not any(self._nodes[n.name].is_open for n in client.get_primaries()
+                              if n.name in self._nodes)
+        if healthy:
+            try:
+                return call(list(range(len(names))))
+            except Exception:  # noqa: BLE001, S110 - which master failed: the split below says
+                pass
         groups: dict[str, list[int]] = {}
         for i, name in enumerate(names):
             groups.setdefault(client.get_node_from_key(name).name, []).append(i)
