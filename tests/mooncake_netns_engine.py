@@ -28,7 +28,7 @@ MODEL_ENV = "TEST_MOONCAKE_ENGINE_MODEL"  # not KVPLUG_*: conftest clears those 
 def test_two_engines_share_one_master_killed_and_restarted(tmp_path):
     master = MooncakeMaster(tmp_path / "mooncake")
     options = {"master": master.address, "global_segment_size": "64MiB",
-               "local_buffer_size": "32MiB", "timeout_s": 2.0, "negative_cache_s": 0,
+               "local_buffer_size": "32MiB", "timeout_s": 5.0, "negative_cache_s": 0,
                "breaker_backoff_s": 0.2, "breaker_max_backoff_s": 0.5}
     kv = transfer_config("kvplug", {"tiers": [{"backend": "mooncake", "timeout_s": 10.0,
                                                "options": options}]})

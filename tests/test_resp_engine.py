@@ -27,7 +27,7 @@ def test_two_engines_share_one_redis(tmp_path, tmp_path_factory):
 
     model = make_model("tiny", root=tmp_path_factory.getbasetemp() / "models")
     srv = RedisServer(tmp_path / "redis", maxmemory="512mb")
-    options = {"url": srv.url, "timeout_s": 2.0, "negative_cache_s": 0,
+    options = {"url": srv.url, "timeout_s": 5.0, "negative_cache_s": 0,
                "breaker_backoff_s": 0.2, "breaker_max_backoff_s": 0.5}
     kv = transfer_config("kvplug", {"tiers": [{"backend": "resp", "timeout_s": 10.0,
                                                "options": options}]})
