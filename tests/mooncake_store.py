@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +29,29 @@ def master_binary() -> str | None:
 def in_private_netns() -> bool:
     """Whether the only network interface here is loopback (a namespace made by the test)."""
     return os.environ.get(NETNS_ENV) == "1" and [n for _, n in socket.if_nameindex()] == ["lo"]
+
+
+def run_in_private_netns(test_file: Path, basetemp: Path, timeout: float = 560,
+                         env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> str:
+    """Run the pytest module ``test_file`` (pytest ``args`` added) in a network namespace made
+    here (``unshare -n``, only ``lo`` up); its stdout. Skips where Mooncake or namespaces are
+    missing; fails with the inner run's output when it fails or skips."""
+    pytest.importorskip("mooncake.store", reason="install kvplug[mooncake] (and libibverbs1)")
+    if master_binary() is None:
+        pytest.skip("mooncake_master is not installed")
+    unshare, ip = shutil.which("unshare"), shutil.which("ip")
+    if unshare is None or ip is None or os.geteuid() != 0:
+        pytest.skip("needs root, unshare and ip to make a private network namespace")
+    script = (f"{ip} link set lo up && exec {sys.executable} -m pytest -q -p no:cacheprovider "
+              f"--basetemp={basetemp} {' '.join(args)} {test_file}")
+    proc = subprocess.run([unshare, "-n", "--", "sh", "-c", script], capture_output=True,
+                          text=True, timeout=timeout, cwd=str(Path(test_file).parent.parent),
+                          env={**os.environ, NETNS_ENV: "1", "MC_STORE_CLIENT_SETUP_RETRIES": "1",
+                               **(env or {})})
+    tail = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.split("\n")[-2], tail
+    return proc.stdout
 
 
 class MooncakeMaster(ServerProcess):

@@ -34,14 +34,13 @@ def free_port(cluster: bool = False) -> int:
     while True:
         if not cluster:
             return any_free_port()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", random.randint(20000, 55535)))
-            port = s.getsockname()[1]
+        port = random.randint(20000, 55535)
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 10000))
+            for p in (port, port + 10000):  # the client port and the cluster bus port
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
             return port
-        except OSError:
+        except OSError:  # taken: draw again
             continue
 
 
@@ -112,15 +111,16 @@ def redis_server(tmp_path) -> Iterator[RedisServer]:
 
 class RedisClusterServers:
     """Three cluster-enabled redis-server masters on 127.0.0.1 (free ports), slots spread over
-    them with ``redis-cli --cluster create`` (no replicas); ``url`` names the first node."""
+    them with ``redis-cli --cluster create`` (no replicas); ``url`` names the first node.
+    ``full_coverage``: see :class:`_ClusterNode`."""
 
-    def __init__(self, workdir: Path, nodes: int = 3) -> None:
+    def __init__(self, workdir: Path, nodes: int = 3, full_coverage: bool = True) -> None:
         cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
         if SERVER is None or cli is None:
             pytest.skip("redis-server / redis-cli are not installed (scripts/setup.sh)")
         self.nodes: list[RedisServer] = []
         for i in range(nodes):
-            srv = _ClusterNode(Path(workdir) / f"node{i}")
+            srv = _ClusterNode(Path(workdir) / f"node{i}", full_coverage)
             self.nodes.append(srv)
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
         subprocess.run([cli, "--cluster", "create", *addrs, "--cluster-replicas", "0",
@@ -156,8 +156,17 @@ class RedisClusterServers:
 
 
 class _ClusterNode(RedisServer):
+    """``full_coverage=False``: the other masters keep serving their slots while one is down
+    (``cluster-require-full-coverage no``; with yes, Redis refuses every key once it marks a
+    master failed)."""
+
     cluster_node = True
+
+    def __init__(self, workdir: Path, full_coverage: bool = True) -> None:
+        self.full_coverage = full_coverage
+        super().__init__(workdir)
 
     def argv(self) -> list[str]:
         return [*super().argv(), "--cluster-enabled", "yes", "--cluster-config-file",
-                str(self.workdir / "nodes.conf"), "--cluster-node-timeout", "5000"]
+                str(self.workdir / "nodes.conf"), "--cluster-node-timeout", "5000",
+                "--cluster-require-full-coverage", "yes" if self.full_coverage else "no"]

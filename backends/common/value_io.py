@@ -24,6 +24,11 @@ class StoreRefused(Exception):
     """The store answered but refused one value (full, too large): not an outage."""
 
 
+class Unanswered(Exception):
+    """The part of the store that holds this value did not answer (a cluster's master down)
+    while the rest did: a failed store of this value, not a full store."""
+
+
 class GuardedCalls:
     """Counted calls to one remote store behind the tier's circuit breaker (what every remote
     tier shares: resp, mooncake, fsspec). A failed or timed-out call is counted, its message
@@ -46,11 +51,12 @@ class GuardedCalls:
         with self._lock:
             self._counts[what] += n
 
-    def failed(self, exc: BaseException) -> None:
-        """Record a failed call (unreachable, reset, timed out) and feed it to the breaker."""
+    def failed(self, exc: BaseException, breaker: CircuitBreaker | None = None) -> None:
+        """Record a failed call (unreachable, reset, timed out) and feed it to the breaker (the
+        tier's, or ``breaker``: one part of the store's, e.g. a cluster master's)."""
         timeout = isinstance(exc, (TimeoutError, *self.timeout_types))
         self._count(self.timeout_stat if timeout else "remote_errors")
-        self.breaker.failure(self.redact.error(exc))
+        (breaker or self.breaker).failure(self.redact.error(exc))
 
     def allow(self) -> bool:
         """Whether the store may be called now (see :meth:`CircuitBreaker.allow`)."""

@@ -8,7 +8,8 @@ buffer it is given, into fresh bytes: one copy either way, after which the memor
 released) and sends all of them in one batch. A value is visible whole or not at all (``SET``,
 Mooncake's puts and fsspec's whole-object uploads are atomic). A store refused by the server
 (full: ``OOM`` under ``noeviction``, Mooncake's -200) is dropped and counted (``dropped_full``); it
-does not count against the breaker (the store answered).
+does not count against the breaker (the store answered); one whose part of the store did not
+answer (:class:`~.value_io.Unanswered`: a cluster's master down) is a failed store (``put_errors``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kvplug.logs import LogOnce
 from kvplug.memory import MemoryObj
 
 from .index import CapacityIndex, TTLSet
-from .value_io import GuardedCalls
+from .value_io import GuardedCalls, Unanswered
 
 logger = logging.getLogger("kvplug.backends.values")
 
@@ -241,6 +242,10 @@ class ValueWriter:
             self._count("dropped_puts", "put_errors", n=len(room))
             return
         for (name, data), error in zip(room, results):
+            if isinstance(error, Unanswered):  # its part of the store is down (its breaker says)
+                self._index.release(len(data))
+                self._count("dropped_puts", "put_errors")
+                continue
             if error is not None:
                 self._index.release(len(data))
                 self._count("dropped_puts", "dropped_full")

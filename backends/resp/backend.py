@@ -4,8 +4,9 @@ All the tier's behaviour (naming, verified loads, batched lookups and stores, pi
 misses on the store's own eviction or loss) is :class:`~kvplug.backends.common.value_tier.
 ValueStoreTier`; this module says how to reach the server: the URL (``redis://``, ``rediss://``,
 ``unix://``), a cluster or not, the password from the URL or an environment variable (never
-logged), and ``timeout_s`` as the client's socket timeout, with no retries
-(:mod:`.client`). ``get_layers`` reads a layer range with ``GETRANGE``.
+logged), TLS files for ``rediss://`` (the CA, a client certificate and key; checked at startup),
+and ``timeout_s`` as the client's socket timeout, with no retries (:mod:`.client`).
+``get_layers`` reads a layer range with ``GETRANGE``.
 """
 
 from __future__ import annotations
@@ -13,13 +14,22 @@ from __future__ import annotations
 import functools
 
 from kvplug.hookspecs import TierContext
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..common.breaker import CircuitBreaker
 from ..common.redact import Redactor
 from ..common.value_io import ValueIO
 from ..common.value_tier import ValueStoreOptions, ValueStoreTier
-from .client import RespIO, check_url, display_url, open_client, password_from_env
+from .client import (
+    TLS_OPTIONS,
+    RespIO,
+    check_tls,
+    check_url,
+    display_url,
+    open_client,
+    password_from_env,
+)
+from .cluster import ClusterRespIO
 
 
 class RespBackend(ValueStoreTier):
@@ -36,6 +46,13 @@ class RespBackend(ValueStoreTier):
             default=None, description="environment variable holding the password (instead of "
             "putting it in the URL)")
         max_connections: int = Field(default=16, ge=2, description="connections per process")
+        ssl_ca_certs: str | None = Field(
+            default=None, description="rediss://: the CA certificate(s) (PEM file) the server's "
+            "certificate must be signed by; default: the system's trusted CAs")
+        ssl_certfile: str | None = Field(default=None, description="rediss://: this client's "
+                                         "certificate (PEM), for servers that require one")
+        ssl_keyfile: str | None = Field(default=None,
+                                        description="rediss://: the private key of ssl_certfile")
 
         @field_validator("url")
         @classmethod
@@ -44,11 +61,25 @@ class RespBackend(ValueStoreTier):
                 raise ValueError("url is required, e.g. 'redis://127.0.0.1:6379/0'")
             return check_url(v)
 
+        @model_validator(mode="after")
+        def _tls_files(self) -> RespBackend.Options:
+            check_tls(self.url, {k: getattr(self, k) for k in TLS_OPTIONS})
+            return self
+
     def open_io(self, ctx: TierContext, breaker: CircuitBreaker) -> tuple[ValueIO, str]:
         opts: RespBackend.Options = ctx.options
         password = password_from_env(opts.password_env)
         redact = Redactor(opts.url, {"password": password} if password else {})
+        tls = check_tls(opts.url, {k: getattr(opts, k) for k in TLS_OPTIONS})
         make = functools.partial(open_client, opts.url, cluster=opts.cluster, password=password,
-                                 timeout_s=opts.timeout_s, max_connections=opts.max_connections)
+                                 timeout_s=opts.timeout_s, max_connections=opts.max_connections,
+                                 tls=tls)
         shown = display_url(opts.url) + (" (cluster)" if opts.cluster else "")
-        return RespIO(ctx.name, make, breaker, redact), shown
+        if not opts.cluster:
+            return RespIO(ctx.name, make, breaker, redact, shown=shown,
+                          client_cert="ssl_certfile" in tls), shown
+        node_breaker = functools.partial(CircuitBreaker, threshold=opts.breaker_threshold,
+                                         backoff_s=opts.breaker_backoff_s,
+                                         max_backoff_s=opts.breaker_max_backoff_s)
+        return ClusterRespIO(ctx.name, make, breaker, redact, shown=shown,
+                             client_cert="ssl_certfile" in tls, node_breaker=node_breaker), shown

@@ -5,6 +5,9 @@
 socket read, write and connect bounded by ``timeout_s``, no client-side retries (a retry would
 multiply the bound; the breaker decides when to try again), a bounded connection pool whose wait
 is bounded too, and the password from the URL or from an environment variable, never logged.
+TLS files (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``) are checked at startup
+(:func:`check_tls`); a handshake that fails at run time is logged once with the URL and the
+option that fixes it (:func:`tls_hint`).
 :class:`RespIO` gives the value-store tier (:mod:`kvplug.backends.common.value_tier`) its
 primitives as pipelined round trips; :class:`~kvplug.backends.common.value_io.ValueIO` puts the
 breaker in front of them (a refused, failed or timed-out call is a miss, never an exception).
@@ -12,7 +15,9 @@ breaker in front of them (a refused, failed or timed-out call is a miss, never a
 
 from __future__ import annotations
 
+import logging
 import os
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,6 +30,9 @@ from ..common.redact import Redactor
 from ..common.value_io import ValueIO
 
 SCHEMES = ("redis", "rediss", "unix")
+#: The tier's TLS options, passed to redis-py as they are (paths to PEM files).
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+logger = logging.getLogger("kvplug.backends.resp")
 
 
 def _redis() -> Any:
@@ -46,6 +54,61 @@ def check_url(url: str) -> str:
     return url
 
 
+def check_tls(url: str, files: dict[str, str | None]) -> dict[str, str]:
+    """The TLS options that are set (``TLS_OPTIONS`` -> path), checked now so that a bad one
+    fails at startup naming it: only with ``rediss://``, each a readable file, the CA file a PEM
+    bundle, the certificate and key a matching pair (a key alone is refused)."""
+    given = {k: v for k, v in files.items() if v}
+    if not given:
+        return given
+    if not url.lower().startswith("rediss://"):
+        raise ValueError(f"{', '.join(given)} set, but url {display_url(url)!r} does not use "
+                         "TLS: use rediss://host:port/db, or remove the ssl_* options")
+    for name, path in given.items():
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise ValueError(f"{name} {path!r} is not a readable file")
+    if "ssl_keyfile" in given and "ssl_certfile" not in given:
+        raise ValueError("ssl_keyfile is set without ssl_certfile: a client certificate is the "
+                         "pair; set ssl_certfile to its PEM certificate")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        if "ssl_ca_certs" in given:
+            ctx.load_verify_locations(cafile=given["ssl_ca_certs"])
+    except ssl.SSLError as exc:
+        raise ValueError(f"ssl_ca_certs {given['ssl_ca_certs']!r} holds no CA certificate in "
+                         f"PEM ({exc})") from None
+    try:
+        if "ssl_certfile" in given:
+            ctx.load_cert_chain(given["ssl_certfile"], given.get("ssl_keyfile"))
+    except ssl.SSLError as exc:
+        raise ValueError(f"ssl_certfile {given['ssl_certfile']!r} and ssl_keyfile "
+                         f"{given.get('ssl_keyfile')!r} are not a PEM certificate and its private "
+                         f"key ({exc})") from None
+    return given
+
+
+def tls_hint(exc: BaseException, client_cert: bool) -> str | None:
+    """What to change when ``exc`` (a failed call) is a TLS failure the tier's options fix.
+    ``client_cert``: whether the tier presents one. A server that wants a client certificate
+    either says so (an alert) or, under TLS 1.3, may close the connection before the client
+    reads the alert (an EOF): told apart from a dropped connection only by the options."""
+    cause = exc if isinstance(exc, ssl.SSLError) else exc.__cause__ or exc.__context__
+    if not isinstance(cause, ssl.SSLError):
+        return None
+    text = str(cause).upper()
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return ("the server's certificate is not trusted "
+                f"({cause.verify_message or cause.reason}): set the tier's ssl_ca_certs to the "
+                "CA certificate (PEM) that signed it")
+    if "CERTIFICATE_REQUIRED" in text or (isinstance(cause, ssl.SSLEOFError) and not client_cert):
+        return ("the server closed the connection; if it requires client certificates "
+                "(redis tls-auth-clients), set the tier's ssl_certfile and ssl_keyfile to one "
+                "signed by a CA it trusts (its tls-ca-cert-file)")
+    if "WRONG_VERSION_NUMBER" in text:
+        return "the server does not speak TLS on this port: use redis:// or its tls-port"
+    return None
+
+
 def password_from_env(name: str | None) -> str | None:
     """The password held by environment variable ``name`` (``None`` when no variable is named)."""
     if not name:
@@ -58,9 +121,10 @@ def password_from_env(name: str | None) -> str | None:
 
 
 def open_client(url: str, *, cluster: bool, password: str | None, timeout_s: float,
-                max_connections: int) -> Any:
+                max_connections: int, tls: dict[str, str] | None = None) -> Any:
     """A ``redis.Redis`` (or ``RedisCluster``) for ``url``; nothing is sent yet for a standalone
-    server. A cluster client asks the cluster for its slots here (may raise when unreachable)."""
+    server. A cluster client asks the cluster for its slots here (may raise when unreachable).
+    ``tls``: redis-py's ``ssl_*`` arguments (from :func:`check_tls`)."""
     redis = _redis()
     from redis.backoff import NoBackoff
     from redis.retry import Retry
@@ -69,6 +133,7 @@ def open_client(url: str, *, cluster: bool, password: str | None, timeout_s: flo
                                   retry=Retry(NoBackoff(), 0), health_check_interval=0)
     if password is not None:
         kwargs["password"] = password
+    kwargs.update(tls or {})
     if cluster:
         if url.lower().startswith("unix://"):
             raise ConfigError("resp tier: a cluster is reached over redis:// or rediss://, not a "
@@ -106,14 +171,28 @@ class RespIO(ValueIO):
     type) means the store answered: the value is refused, the breaker is not told."""
 
     def __init__(self, name: str, make_client: Callable[[], Any], breaker: CircuitBreaker,
-                 redact: Redactor) -> None:
+                 redact: Redactor, shown: str = "", client_cert: bool = False) -> None:
         super().__init__(name, breaker, redact)
         self._make = make_client
+        self._shown = shown  # the URL for log lines (no credentials)
+        self._client_cert = client_cert
+        self._tls_told = False
         self._client: Any = None
         self._client_lock = threading.Lock()
         redis = _redis()
         self._reply_error = redis.exceptions.ResponseError
         self.timeout_types = (redis.exceptions.TimeoutError,)
+
+    def failed(self, exc: BaseException, breaker: CircuitBreaker | None = None) -> None:
+        """As every remote tier, plus once an error naming the URL and the option to fix when
+        the TLS handshake failed (a wrong CA, a missing client certificate): a misconfiguration
+        that no retry mends, while the breaker's own line would only say "failing"."""
+        hint = tls_hint(exc, self._client_cert)
+        if hint is not None and not self._tls_told:
+            self._tls_told = True
+            logger.error("tier %r: TLS to %s failed: %s (%s); until then it is a miss for every "
+                         "lookup and load", self.name, self._shown, hint, self.redact.error(exc))
+        super().failed(exc, breaker)
 
     def client(self) -> Any:
         with self._client_lock:
