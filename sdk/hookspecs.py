@@ -43,12 +43,12 @@ Rules that hold for every hook:
   An exception escaping a hook is treated as a *tier fault*: the StorageManager logs it once,
   counts it in ``stats`` and treats the call as a miss (or a dropped store); serving goes on.
 * **Threads and time.** Hooks may be called from several threads at once; guard your own state.
-  ``get``, ``get_layers`` and ``contains`` run on a StorageManager thread bounded by the tier's
+  ``get``, ``batched_get``, ``get_layers`` and ``contains`` run on a StorageManager thread bounded by the tier's
   ``timeout_s`` (a late answer is a miss and its object is released), unless the backend class
   sets ``never_blocks = True`` — a promise that no hook ever waits on I/O (``local_cpu``).
 * **References** (see :mod:`kvplug.memory`): an object handed *to* a hook is borrowed — call
   ``obj.ref_up()`` to keep it past the call and ``obj.ref_down()`` when done. An object returned
-  *from* ``allocate``/``get``/``get_layers`` carries one reference owned by the caller.
+  *from* ``allocate``/``get``/``batched_get``/``get_layers`` carries one reference owned by the caller.
 * **Codecs** (see :mod:`kvplug.codecs` and docs/codecs.md): on a tier configured with
   ``codec: NAME``, ``batched_submit_put`` receives ``ENCODED`` objects (``meta.fmt`` is
   ``MemoryFormat.ENCODED``, shape ``[layers, 1, frame_bytes]`` uint8, ``meta.codec`` set) instead
@@ -147,6 +147,21 @@ class BackendSpec:
         its own object after ``ref_up()``: zero-copy; a disk tier reads into memory from
         ``ctx.allocate``). May block on I/O — the StorageManager bounds it with the tier's
         timeout. Verify sizes and checksums before returning: a bad entry is a miss, never bytes.
+        """
+
+    @hookspec(firstresult=True)
+    def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None] | None:
+        """Optional: :meth:`get` of several keys in one go (one pipelined round trip, one batch
+        call), one answer per key in ``keys``' order (``None``: that key is a miss).
+
+        Every rule of :meth:`get` holds per key (one reference per object, owned by the caller;
+        verified before it is returned; a bad entry is a miss). Tiers whose store batches reads
+        implement it; for the others :meth:`StorageManager.batched_get
+        <kvplug.storage_manager.StorageManager.batched_get>` calls :meth:`get` per key,
+        concurrently. The StorageManager hands it at most :data:`~kvplug.tier_calls.BATCH_GET_KEYS`
+        keys per call and bounds each call as a whole by the tier's ``timeout_s`` (a late answer
+        is a miss for every key, its objects released); a list of another length is a tier
+        fault (every key a miss).
         """
 
     @hookspec(firstresult=True)

@@ -30,8 +30,8 @@ logger = logging.getLogger("kvplug.storage")
 
 #: The hooks a tier is called through (each tier gets a caller per hook, see :class:`ScopedHooks`).
 HOOKS = (
-    "allocate", "batched_submit_put", "get", "get_layers", "contains", "unpin", "evict",
-    "flush", "close", "stats",
+    "allocate", "batched_submit_put", "get", "batched_get", "get_layers", "contains", "unpin",
+    "evict", "flush", "close", "stats",
 )
 
 

@@ -2,9 +2,9 @@
 
 :class:`GuardedCalls` is what every remote tier shares (resp, mooncake and fsspec): counting,
 credential scrubbing, the breaker, batched stores. :class:`ValueIO` adds a key-value store's calls:
-a subclass implements the store's batched primitives (``_exists``, ``_get``, ``_get_range``,
-``_set_many``, ``_delete``), each one bounded round trip or batch call that raises on a failed
-or timed-out call. This class turns every such failure into a miss (``None``), counts it and feeds
+a subclass implements the store's batched primitives (``_exists``, ``_get``, ``_get_many``,
+``_get_range``, ``_set_many``, ``_delete``), each one bounded round trip or batch call that
+raises on a failed or timed-out call. This class turns every such failure into a miss (``None``), counts it and feeds
 it to the breaker; a store that is refused (open breaker) is not called at all. A reply that says
 the store is full or refused one value is :class:`StoreRefused`: counted, not held against the
 breaker (the store answered).
@@ -101,6 +101,11 @@ class ValueIO(GuardedCalls):
     def _get(self, name: str) -> bytes | None:
         raise NotImplementedError
 
+    def _get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        """Whole values in one batch (one pipeline, one batch call); one ``_get`` each unless a
+        store overrides it."""
+        return [self._get(n) for n in names]
+
     def _get_range(self, name: str, start: int, end: int) -> bytes | None:
         raise NotImplementedError
 
@@ -120,6 +125,11 @@ class ValueIO(GuardedCalls):
     def get(self, name: str) -> bytes | None:
         """The whole value (``None``: missing or unavailable)."""
         return self._guarded(lambda: self._get(name))[1]
+
+    def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        """Whole values, one per name (``None``: missing; all ``None``: unavailable)."""
+        ok, out = self._guarded(lambda: self._get_many(names))
+        return out if ok else [None] * len(names)
 
     def get_range(self, name: str, start: int, end: int) -> bytes | None:
         """Bytes ``[start, end)`` of a value; ``None`` when missing or unavailable."""

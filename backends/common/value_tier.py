@@ -162,7 +162,16 @@ class ValueStoreTier(PinnedStore):
     @hookimpl
     def get(self, key: CacheKey) -> MemoryObj | None:
         name = self.name_of(key)
-        data = self.io.get(name)
+        return self._load(key, name, self.io.get(name))
+
+    @hookimpl
+    def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        names = [self.name_of(k) for k in keys]
+        values = self.io.get_many(names)
+        return [self._load(k, n, v) for k, n, v in zip(keys, names, values)]
+
+    def _load(self, key: CacheKey, name: str, data: bytes | memoryview | None) -> MemoryObj | None:
+        """The verified chunk of one value read whole (``None``: missing or unavailable)."""
         if data is None:
             return None if self.breaker.is_open else self._miss(name)
         view = memoryview(data)

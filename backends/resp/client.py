@@ -134,6 +134,10 @@ class RespIO(ValueIO):
         reply = self._pipeline(lambda p: p.get(name))[0]
         return reply if isinstance(reply, bytes) else None
 
+    def _get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        replies = self._pipeline(lambda p: [p.get(n) for n in names])
+        return [r if isinstance(r, bytes) else None for r in replies]
+
     def _get_range(self, name: str, start: int, end: int) -> bytes | None:
         reply = self._pipeline(lambda p: p.getrange(name, start, end - 1))[0]
         return reply if isinstance(reply, bytes) and reply else None  # missing: empty
