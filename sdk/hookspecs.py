@@ -97,6 +97,12 @@ class TierContext:
             the read as a miss.
         chunk_size: tokens per chunk (for sizing; chunk objects carry their own token count).
         extra: anything else the host passes (the connector puts ``role``, ``rank``...).
+        memory_regions: ``memory_regions() -> [(address, nbytes), ...]`` — the host buffers
+            ``allocate`` hands out memory from (an L1 pool; see the ``memory_regions`` hook), for
+            a backend whose store reads straight into registered memory (Mooncake, RDMA):
+            register them once, then read into what ``allocate`` returns when it lies inside
+            them. Memory outside them (a heap fallback when the pool is full) is not registered.
+            Empty when no tier owns a pool.
     """
 
     name: str
@@ -104,6 +110,7 @@ class TierContext:
     allocate: Callable[..., MemoryObj | None]
     chunk_size: int = 256
     extra: dict[str, Any] = field(default_factory=dict)
+    memory_regions: Callable[[], list[tuple[int, int]]] = list
 
 
 class BackendSpec:
@@ -124,6 +131,12 @@ class BackendSpec:
         ``dtype`` whose single reference belongs to the caller, or ``None`` when the pool is full
         even after evicting what may be evicted. Must not block waiting for memory to free up.
         """
+
+    @hookspec
+    def memory_regions(self) -> list[tuple[int, int]]:
+        """Optional, for tiers that implement :meth:`allocate`: ``(address, nbytes)`` of each
+        host buffer their objects live in (L1's pool), fixed for the tier's life. Other tiers
+        receive them as ``ctx.memory_regions()`` to register them with their store's client."""
 
     @hookspec
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:

@@ -78,7 +78,7 @@ class StorageManager:
     # -- construction ---------------------------------------------------------------------------
     def _add_tier(self, index: int, cfg: TierConfig, extra: dict[str, Any]) -> None:
         tier = build_tier(index, cfg, self._allocate_for_reads, self.chunk_size, extra,
-                          self.runtime)
+                          self.runtime, self.memory_regions)
         self._hooks.register(tier.backend, f"tier:{tier.name}", {tier.name})
         self._hooks.register(tier.metrics, f"metrics:{tier.name}", {tier.name})
         # Registered last, so it wraps the metrics: they count the bytes the tier really moves.
@@ -140,6 +140,16 @@ class StorageManager:
             return None
 
     # -- allocation -----------------------------------------------------------------------------
+    def memory_regions(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of the host buffers that :meth:`allocate` draws from (every
+        pool-owning tier's ``memory_regions``); what tiers get as ``ctx.memory_regions``."""
+        out: list[tuple[int, int]] = []
+        for tier in self._tiers:
+            if tier.implements("memory_regions"):
+                for regions in self._call(tier, "memory_regions") or []:
+                    out += [(int(a), int(n)) for a, n in regions or []]
+        return out
+
     def allocate(
         self,
         shape: tuple[int, ...],

@@ -86,6 +86,11 @@ class GuardedCalls:
     def _set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None]:
         raise NotImplementedError
 
+    def new_buffer(self, nbytes: int) -> memoryview:
+        """Memory for a writer thread to encode values into (kept and reused by that thread); a
+        store whose client sends from registered memory registers it."""
+        return memoryview(bytearray(nbytes))
+
     def stats(self) -> dict[str, float]:
         with self._lock:
             return {k: float(v) for k, v in self._counts.items()}
@@ -93,6 +98,10 @@ class GuardedCalls:
 
 class ValueIO(GuardedCalls):
     """Guarded, counted calls to one key-value store."""
+
+    #: Whether the store reads a value in pieces straight into caller memory
+    #: (:meth:`get_into_many`; the tier then reads chunks into its memory objects).
+    reads_into = False
 
     # -- what subclasses implement (raise on a failed call) -------------------------------------
     def _exists(self, names: Sequence[str]) -> list[bool | None]:
@@ -112,6 +121,20 @@ class ValueIO(GuardedCalls):
     def _delete(self, names: Sequence[str]) -> None:
         raise NotImplementedError
 
+    def _get_into_many(self, names: Sequence[str],
+                       pieces: Sequence[Sequence[tuple[int, int]]]) -> list[int | None]:
+        raise NotImplementedError
+
+    def registered(self, address: int, nbytes: int) -> bool:
+        """Whether the store may read into ``[address, address + nbytes)`` (a store that reads
+        into memory only reads into memory registered with its client)."""
+        return False
+
+    def scratch(self, nbytes: int) -> Any:
+        """This thread's scratch memory for reads in pieces (at least ``nbytes``; registered),
+        as a numpy ``uint8`` array; reused by the thread's next read."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Release the client (idempotent)."""
 
@@ -129,6 +152,15 @@ class ValueIO(GuardedCalls):
     def get_many(self, names: Sequence[str]) -> list[bytes | None]:
         """Whole values, one per name (``None``: missing; all ``None``: unavailable)."""
         ok, out = self._guarded(lambda: self._get_many(names))
+        return out if ok else [None] * len(names)
+
+    def get_into_many(self, names: Sequence[str],
+                      pieces: Sequence[Sequence[tuple[int, int]]]) -> list[int | None]:
+        """Read each value into its pieces (``(address, nbytes)``, registered memory, in order).
+        Per name: the value's size when it filled every piece exactly, ``-1`` when its size
+        differs (nothing usable was read), ``None`` when it is missing; all ``None`` when the
+        store is unavailable."""
+        ok, out = self._guarded(lambda: self._get_into_many(names, pieces))
         return out if ok else [None] * len(names)
 
     def get_range(self, name: str, start: int, end: int) -> bytes | None:

@@ -187,7 +187,7 @@ class ValueWriter:
         page faults per value)."""
         buf = getattr(self._local, "scratch", None)
         if buf is None or len(buf) < size:
-            buf = self._local.scratch = memoryview(bytearray(size + size // 4))
+            buf = self._local.scratch = self._io.new_buffer(size + size // 4)
         return buf
 
     def _encode(self, batch: list[Item]) -> list[tuple[str, bytes | memoryview]]:
