@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+import in_place_reads
 import pytest
 import torch
 from kvplug.storage_manager import StorageManager
@@ -123,113 +124,12 @@ def test_hung_master_bounded_misses(master):
         mgr.close()
 
 
-# -- reads straight into L1's pool (batch_get_into_multi_buffers) --------------------------------
-
-L1 = {"backend": "local_cpu", "name": "l1", "options": {"capacity": "32MiB", "prefault": False}}
-
-
-def _chunk(mgr: StorageManager, shape, seed: int) -> tuple:
-    obj = mgr.allocate(shape, dtype=torch.uint8, num_tokens=16)
-    gen = torch.Generator().manual_seed(seed)
-    obj.byte_view.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=gen))
-    return obj, obj.byte_view.clone()
-
-
-def _store(mgr: StorageManager, items: dict) -> dict:
-    """Store ``{i: shape}``; their reference bytes."""
-    refs = {}
-    for i, shape in items.items():
-        obj, refs[i] = _chunk(mgr, shape, seed=i)
-        mgr.batched_put([make_key(i)], [obj])
-        obj.ref_down()
-    assert mgr.flush(timeout=HANG)
-    return refs
-
-
-def _poison_pool(mgr: StorageManager) -> None:
-    """Fill every free byte of L1's pool with 0xAB, so a read that writes nothing (or part of
-    an object) shows up as wrong bytes, not as the bytes a previous read left there."""
-    pool = mgr.backend("l1").pool
-    held = []
-    while (obj := pool.allocate((1 << 20,))) is not None:
-        obj.byte_view.fill_(0xAB)
-        held.append(obj)
-    for obj in held:
-        obj.ref_down()
+# -- reads straight into L1's pool (batch_get_into_multi_buffers): tests/in_place_reads.py -----
 
 
 def test_reads_land_in_the_pool_checked(master):
-    """With L1 in front, chunks are read straight into pool memory (poisoned first), bit-exact;
-    a chunk of another shape (another layout, same or other size) is read whole, never placed
-    by the wrong layout; a missing key is a miss."""
-    writer = StorageManager({"tiers": [tier(master)], "chunk_size": 16})
-    reader = StorageManager({"tiers": [L1, tier(master)], "chunk_size": 16})
-    try:
-        shapes = {i: (4, 2, 12288) for i in range(6)}
-        shapes[6] = (2, 4, 12288)  # the same bytes in other layers: same size, other layout
-        shapes[7] = (4, 2, 5000)  # padded layers, another size
-        refs = _store(writer, shapes)
-        _poison_pool(reader)
-        keys = [make_key(i) for i in range(8)] + [make_key(404)]
-        got = reader.batched_get(keys)
-        assert got[-1] is None
-        for i, obj in enumerate(got[:-1]):
-            assert obj is not None, f"chunk {i} missed"
-            assert obj.meta.shape == shapes[i] and torch.equal(obj.byte_view, refs[i]), i
-            obj.ref_down()
-        st = reader.stats()["mooncake"]
-        assert st["reads_in_place"] == 5 and st["corrupt"] == 0, st  # chunk 0 taught the layout
-        reader.evict(keys[:6], tiers=["l1"])
-        _poison_pool(reader)
-        # The layout is the last chunk read whole (7, padded): one batch reads 0 whole and
-        # re-learns the shape; the next reads every chunk in place.
-        got = reader.batched_get(keys[:1])
-        assert got[0] is not None and torch.equal(got[0].byte_view, refs[0])
-        got[0].ref_down()
-        reader.evict(keys[:6], tiers=["l1"])
-        _poison_pool(reader)
-        got = reader.batched_get(keys[:6])
-        assert all(g is not None and torch.equal(g.byte_view, refs[i]) for i, g in enumerate(got))
-        for g in got:
-            g.ref_down()
-        assert reader.stats()["mooncake"]["reads_in_place"] == 5 + 6
-    finally:
-        reader.close()
-        writer.close()
+    in_place_reads.reads_land_in_the_pool_checked(lambda: tier(master))
 
 
 def test_damaged_short_or_vanished_values_read_in_place_are_misses(master):
-    """Read into the pool: a flipped byte in a layer, a value cut short and one removed from the
-    store are misses, never other bytes; the rest hit."""
-    writer = StorageManager({"tiers": [tier(master)], "chunk_size": 16})
-    reader = StorageManager({"tiers": [L1, tier(master)], "chunk_size": 16})
-    try:
-        refs = _store(writer, {i: (4, 2, 12288) for i in range(5)})
-        first = reader.get(make_key(0), promote=False)  # teaches the layout
-        assert first is not None and torch.equal(first.byte_view, refs[0])
-        first.ref_down()
-        io = writer.backend(0).io
-        name = writer.backend(0).name_of
-        value = bytearray(io.get(name(make_key(1))))
-        value[-5000] ^= 0x01  # inside the last layer
-        short = bytes(io.get(name(make_key(2))))[:-4096]
-        assert io.set_many([(name(make_key(1)), bytes(value)),
-                            (name(make_key(2)), short)]) == [None, None]
-        # Removed from the store (as its own eviction would). Not after a lookup here: Mooncake
-        # refuses to remove an object for a lease period after a lookup or read of it.
-        writer.evict([make_key(3)])
-        assert reader.lookup_prefix([make_key(i) for i in range(5)]).num_chunks == 3
-        _poison_pool(reader)
-        got = reader.batched_get([make_key(i) for i in range(1, 5)])
-        assert got[:3] == [None, None, None]
-        assert got[3] is not None and torch.equal(got[3].byte_view, refs[4])
-        got[3].ref_down()
-        st = reader.stats()["mooncake"]
-        assert st["corrupt"] == 2 and st["vanished"] >= 1 and st["reads_in_place"] == 1, st
-        assert sum(t.faults for t in reader._tiers) == 0
-        # Read again (whole or in place): still misses. (The tier deletes a damaged value, but
-        # Mooncake refuses removals for a lease period after a read, so it may still be there.)
-        assert reader.batched_get([make_key(1), make_key(2)]) == [None, None]
-    finally:
-        reader.close()
-        writer.close()
+    in_place_reads.damaged_short_or_vanished_values_are_misses(lambda: tier(master))

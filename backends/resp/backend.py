@@ -51,4 +51,4 @@ class RespBackend(ValueStoreTier):
         make = functools.partial(open_client, opts.url, cluster=opts.cluster, password=password,
                                  timeout_s=opts.timeout_s, max_connections=opts.max_connections)
         shown = display_url(opts.url) + (" (cluster)" if opts.cluster else "")
-        return RespIO(ctx.name, make, breaker, redact), shown
+        return RespIO(ctx.name, make, breaker, redact, cluster=opts.cluster), shown

@@ -18,11 +18,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
 from kvplug.errors import ConfigError
 
 from ..common.breaker import CircuitBreaker
 from ..common.redact import Redactor
 from ..common.value_io import ValueIO
+from .replies import BulkReader, ProtocolError
 
 SCHEMES = ("redis", "rediss", "unix")
 
@@ -106,8 +108,11 @@ class RespIO(ValueIO):
     type) means the store answered: the value is refused, the breaker is not told."""
 
     def __init__(self, name: str, make_client: Callable[[], Any], breaker: CircuitBreaker,
-                 redact: Redactor) -> None:
+                 redact: Redactor, cluster: bool = False) -> None:
         super().__init__(name, breaker, redact)
+        #: A standalone server's replies are read in place (a cluster's go through redis-py).
+        self.reads_into = not cluster
+        self._local = threading.local()
         self._make = make_client
         self._client: Any = None
         self._client_lock = threading.Lock()
@@ -137,6 +142,38 @@ class RespIO(ValueIO):
     def _get_many(self, names: Sequence[str]) -> list[bytes | None]:
         replies = self._pipeline(lambda p: [p.get(n) for n in names])
         return [r if isinstance(r, bytes) else None for r in replies]
+
+    def registered(self, address: int, nbytes: int) -> bool:
+        return True  # a socket receives into any memory
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._local.scratch = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)
+        return buf
+
+    def _get_into_many(self, names: Sequence[str],
+                       pieces: Sequence[Sequence[tuple[int, int]]]) -> list[int | None]:
+        """One pipelined round trip of ``GET``s whose replies are received straight into the
+        pieces (:class:`~.replies.BulkReader`), on a connection of the client's pool. A failure
+        part way drops the connection (its stream is out of step), then raises."""
+        pool = self.client().connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(conn.pack_commands([("GET", n) for n in names]))
+            replies = BulkReader(conn._sock)  # redis-py's socket once connected
+            skip = getattr(self._local, "skip", None)  # not scratch: that holds the headers
+            if skip is None:
+                skip = self._local.skip = memoryview(bytearray(1 << 16))
+            out = [replies.bulk_into(p, skip) for p in pieces]
+            if not replies.drained():
+                raise ProtocolError("more bytes than the replies of the pipeline")
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        return out
 
     def _get_range(self, name: str, start: int, end: int) -> bytes | None:
         reply = self._pipeline(lambda p: p.getrange(name, start, end - 1))[0]
