@@ -82,7 +82,8 @@ def test_server_hung_in_the_middle_of_a_read_then_exact_again(redis_server):  # 
 def test_bulk_reader_places_values_and_refuses_what_is_not_a_get_reply():
     """Over a real socket pair: a value of the expected length lands in its pieces (split across
     the reader's line reads), another length is read past (-1) and the stream stays in step, a
-    nil or an error reply is ``None``; a reply that is no ``GET`` reply raises."""
+    nil or an error reply is ``None``; ``EXISTS`` replies read as hits and misses; a reply of
+    another kind raises."""
     import numpy as np
     from kvplug.backends.resp.replies import BulkReader, ProtocolError
 
@@ -104,6 +105,12 @@ def test_bulk_reader_places_values_and_refuses_what_is_not_a_get_reply():
         head[:] = 0
         assert reader.bulk_into(pieces, skip) == 5000 and reader.drained()
         assert head.tobytes() + dest[100:].tobytes() == value
+        a.sendall(b":1\r\n:0\r\n:2\r\n-NOPERM x\r\n")
+        assert [reader.integer() for _ in range(4)] == [True, False, True, None]
+        assert reader.drained()
+        a.sendall(b"$1\r\n")
+        with pytest.raises(ProtocolError):
+            BulkReader(b).integer()
         for junk in (b"+OK\r\n", b"$12x\r\n", b"$" + b"9" * 80 + b"\r\n", b"$3\r\nabcXY"):
             a.sendall(junk)
             with pytest.raises(ProtocolError):
