@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import make_key
@@ -66,6 +67,7 @@ def reads_land_in_the_pool_checked(make_tier: Callable[[], dict]) -> None:
             obj.ref_down()
         st = reader.stats()[reader.tier_names[1]]
         assert st["reads_in_place"] == 5 and st["corrupt"] == 0, st  # chunk 0 taught the layout
+        assert st["layout_misses"] == 2, st  # chunks 6 and 7, read again whole
         reader.evict(keys[:6], tiers=["l1"])
         _poison_pool(reader)
         # The layout is the last chunk read whole (7, padded): one batch reads 0 whole and
@@ -117,6 +119,29 @@ def damaged_short_or_vanished_values_are_misses(make_tier: Callable[[], dict]) -
         # Read again (whole or in place): still misses. (The tier deletes a damaged value, but
         # Mooncake refuses removals for a lease period after a read, so it may still be there.)
         assert reader.batched_get([make_key(1), make_key(2)]) == [None, None]
+    finally:
+        reader.close()
+        writer.close()
+
+
+def encoded_chunks_are_read_whole(make_tier: Callable[[], dict]) -> None:
+    """Through a codec, chunks differ in size: none is read by another's layout (no read in
+    place is tried), every one comes back exact, in batches."""
+    pytest.importorskip("blosc2")
+    coded = {**make_tier(), "codec": "lossless"}
+    writer = StorageManager({"tiers": [coded], "chunk_size": 16})
+    reader = StorageManager({"tiers": [L1, coded], "chunk_size": 16})
+    try:
+        refs = _store(writer, {i: (4, 2, 12288) for i in range(6)})
+        for _ in range(2):
+            got = reader.batched_get([make_key(i) for i in range(6)])
+            for i, obj in enumerate(got):
+                assert obj is not None and torch.equal(obj.byte_view, refs[i]), i
+                obj.ref_down()
+            reader.evict([make_key(i) for i in range(6)], tiers=["l1"])
+        st = reader.stats()[reader.tier_names[1]]
+        assert st["reads_in_place"] == st["layout_misses"] == 0, st
+        assert st["codec_decoded"] == 12, st
     finally:
         reader.close()
         writer.close()

@@ -133,3 +133,7 @@ def test_reads_land_in_the_pool_checked(master):
 
 def test_damaged_short_or_vanished_values_read_in_place_are_misses(master):
     in_place_reads.damaged_short_or_vanished_values_are_misses(lambda: tier(master))
+
+
+def test_encoded_chunks_are_read_whole(master):
+    in_place_reads.encoded_chunks_are_read_whole(lambda: tier(master))

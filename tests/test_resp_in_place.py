@@ -124,3 +124,7 @@ def test_bulk_reader_places_values_and_refuses_what_is_not_a_get_reply():
     finally:
         a.close()
         b.close()
+
+
+def test_encoded_chunks_are_read_whole(redis_server):  # noqa: F811 - fixture
+    in_place_reads.encoded_chunks_are_read_whole(lambda: tier(redis_server.url))

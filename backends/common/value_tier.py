@@ -30,7 +30,7 @@ from kvplug.errors import ChunkFormatError, ChunkVersionError
 from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.keys import CacheKey
 from kvplug.logs import LogOnce
-from kvplug.memory import MemoryObj, MemoryObjMeta
+from kvplug.memory import MemoryFormat, MemoryObj, MemoryObjMeta
 from kvplug.pins import PinCounts
 from pydantic import ByteSize, ConfigDict, Field, field_validator
 
@@ -104,7 +104,7 @@ class ValueStoreTier(PinnedStore):
         self._into_pool = self.io.reads_into and bool(ctx.memory_regions())
         self._absent = TTLSet(opts.negative_cache_s)
         self._counts = dict.fromkeys(("corrupt", "other_version", "negative_hits", "vanished",
-                                      "bytes_got", "reads_in_place"), 0)
+                                      "bytes_got", "reads_in_place", "layout_misses"), 0)
         self._names: dict[CacheKey, str] = {}
         self._index = CapacityIndex(int(opts.capacity) if opts.capacity is not None else None)
         self._writer = ValueWriter(
@@ -177,9 +177,8 @@ class ValueStoreTier(PinnedStore):
     def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
         names = [self.name_of(k) for k in keys]
         out: list[MemoryObj | None] = []
-        while self._into_pool and self._layout is None and len(out) < len(keys):
-            i = len(out)  # no layout known yet: read whole until a chunk tells it
-            out.append(self._load(keys[i], names[i], self.io.get(names[i])))
+        if self._into_pool and self._layout is None and keys:  # one read whole tells it
+            out.append(self._load(keys[0], names[0], self.io.get(names[0])))
         i = len(out)
         if self._layout is not None:
             return out + self._read_into(keys[i:], names[i:], self._layout)
@@ -198,8 +197,8 @@ class ValueStoreTier(PinnedStore):
             self._corrupt(name, "the value holds another key")
             return None
         self._remember(name, header)
-        if self._into_pool:
-            self._layout = Layout.of(header)
+        if self._into_pool:  # encoded chunks differ in size: no layout to read them by
+            self._layout = None if header.fmt is MemoryFormat.ENCODED else Layout.of(header)
         obj = self._fill(name, header, header.meta, view, 0, header.num_layers, base=0)
         if obj is not None:
             self._count("bytes_got", len(data))
@@ -240,6 +239,7 @@ class ValueStoreTier(PinnedStore):
                         self._miss(names[i])
                 else:
                     again.append(i)  # another layout: read it whole
+                    self._count("layout_misses")
                 continue
             out[i] = self._check_read(keys[i], names[i], obj, layout,
                                       memoryview(scratch)[j * hb : (j + 1) * hb], again, i)
@@ -257,6 +257,7 @@ class ValueStoreTier(PinnedStore):
             if cf.header_size(head[:8]) != layout.header_bytes:
                 obj.ref_down()
                 again.append(i)  # a longer or shorter header: another layout
+                self._count("layout_misses")
                 return None
         except ChunkFormatError as exc:
             obj.ref_down()
@@ -269,6 +270,7 @@ class ValueStoreTier(PinnedStore):
                 self._corrupt(name, "the value holds another key")
             elif header is not None:
                 again.append(i)
+                self._count("layout_misses")
             return None
         obj.meta = header.meta  # the same shape; its own token count
         if not cf.verify_layers(header, 0, obj.byte_view.numpy().data):
