@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from .breaker import CircuitBreaker
 from .redact import Redactor
 
@@ -87,9 +89,10 @@ class GuardedCalls:
         raise NotImplementedError
 
     def new_buffer(self, nbytes: int) -> memoryview:
-        """Memory for a writer thread to encode values into (kept and reused by that thread); a
-        store whose client sends from registered memory registers it."""
-        return memoryview(bytearray(nbytes))
+        """Memory for a writer thread to encode values into (kept and reused by that thread; its
+        pages are backed as they are first written); a store whose client sends from registered
+        memory registers it."""
+        return memoryview(np.empty(nbytes, dtype=np.uint8))
 
     def stats(self) -> dict[str, float]:
         with self._lock:
