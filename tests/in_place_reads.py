@@ -145,3 +145,37 @@ def encoded_chunks_are_read_whole(make_tier: Callable[[], dict]) -> None:
     finally:
         reader.close()
         writer.close()
+
+
+def partial_tails_keep_the_layout(make_tier: Callable[[], dict]) -> None:
+    """A request's smaller last chunk is read whole without replacing the layout of the full
+    chunks (the next request's full chunks go in place again); once only smaller chunks come
+    (LAYOUT_PATIENCE in a row), their layout takes over."""
+    from kvplug.backends.common.value_tier import LAYOUT_PATIENCE
+
+    writer = StorageManager({"tiers": [make_tier()], "chunk_size": 16})
+    reader = StorageManager({"tiers": [L1, make_tier()], "chunk_size": 16})
+    try:
+        small = range(100, 100 + LAYOUT_PATIENCE + 4)
+        shapes = {**{i: (4, 2, 12288) for i in range(6)}, **{i: (4, 1, 12288) for i in small}}
+        refs = _store(writer, shapes)
+
+        def load(ids: list[int]) -> None:
+            got = reader.batched_get([make_key(i) for i in ids])
+            for i, obj in zip(ids, got):
+                assert obj is not None and torch.equal(obj.byte_view, refs[i]), i
+                obj.ref_down()
+
+        st = lambda: reader.stats()[reader.tier_names[1]]  # noqa: E731
+        load([0, 1, 100])  # 0 teaches the layout, 1 in place, 100 (partial) read whole
+        load([2, 3, 101])
+        assert (st()["reads_in_place"], st()["layout_misses"]) == (3, 2), st()
+        load([4, 5])
+        assert st()["reads_in_place"] == 5, st()
+        load(list(small[2 : 2 + LAYOUT_PATIENCE]))  # only small chunks now: read whole...
+        assert st()["reads_in_place"] == 5, st()
+        load(list(small[2 + LAYOUT_PATIENCE :]))  # ...until their layout took over
+        assert st()["reads_in_place"] == 5 + 2, st()
+    finally:
+        reader.close()
+        writer.close()

@@ -137,3 +137,7 @@ def test_damaged_short_or_vanished_values_read_in_place_are_misses(master):
 
 def test_encoded_chunks_are_read_whole(master):
     in_place_reads.encoded_chunks_are_read_whole(lambda: tier(master))
+
+
+def test_partial_tails_keep_the_layout(master):
+    in_place_reads.partial_tails_keep_the_layout(lambda: tier(master))

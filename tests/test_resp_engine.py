@@ -63,7 +63,9 @@ def test_two_engines_share_one_redis(tmp_path):
     srv = RedisServer(tmp_path / "redis", maxmemory="512mb")
     try:
         model = make_model("tiny", root=tmp_path / "models")
-        tiers = [{"backend": "resp", "timeout_s": 10.0,
+        # L1 in front, as deployed: B's loads are read in place into its pool
+        tiers = [{"backend": "local_cpu", "options": {"capacity": "64MiB"}},
+                 {"backend": "resp", "timeout_s": 10.0,
                   "options": {"url": srv.url, "timeout_s": 5.0, "negative_cache_s": 0}}]
         kv = transfer_config("kvplug", {"tiers": tiers})
         a = _run({"model": str(model), "kv": kv, "role": "writer"})
@@ -89,6 +91,11 @@ def test_two_engines_share_one_redis(tmp_path):
     for st in (a["state"]["resp"], b["state"]["resp"]):
         assert st["corrupt"] == 0 and st["pinned"] == 0 and st["breaker_trips"] == 0, st
     assert stored == keys and a["state"]["resp"]["written"] >= keys, (stored, keys, a["state"])
+    # all but the first chunk B read (which taught the layout) and chunks of another shape (a
+    # partial last chunk) went straight into B's pool
+    st = b["state"]["resp"]
+    assert st["reads_in_place"] >= keys - 1 - st["layout_misses"] > 0, st
     print(json.dumps({"stored_keys": stored, "loaded": [r["tiers"] for r in reports],
                       "a_written": a["state"]["resp"]["written"],
-                      "b_bytes_got": b["state"]["resp"]["bytes_got"]}))
+                      "b_bytes_got": b["state"]["resp"]["bytes_got"],
+                      "b_reads_in_place": st["reads_in_place"]}))

@@ -81,7 +81,7 @@ def test_server_hung_in_the_middle_of_a_read_then_exact_again(redis_server):  # 
 
 def test_bulk_reader_places_values_and_refuses_what_is_not_a_get_reply():
     """Over a real socket pair: a value of the expected length lands in its pieces (split across
-    the reader's line reads), another length is read past (-1) and the stream stays in step, a
+    the reader's line reads), another length is received whole and the stream stays in step, a
     nil or an error reply is ``None``; ``EXISTS`` replies read as hits and misses; a reply of
     another kind raises."""
     import numpy as np
@@ -96,14 +96,13 @@ def test_bulk_reader_places_values_and_refuses_what_is_not_a_get_reply():
         dest = np.full(5000, 0xAB, dtype=np.uint8)
         head = np.full(100, 0xAB, dtype=np.uint8)
         pieces = [(head.ctypes.data, 100), (dest.ctypes.data + 100, 4900)]
-        skip = memoryview(bytearray(2))  # smaller than the value it skips
         reader = BulkReader(b)
-        assert reader.bulk_into(pieces, skip) == 5000
+        assert reader.bulk_into(pieces) == 5000
         assert head.tobytes() == value[:100] and dest[100:].tobytes() == value[100:]
-        assert [reader.bulk_into(pieces, skip) for _ in range(4)] == [-1, None, None, None]
+        assert [reader.bulk_into(pieces) for _ in range(4)] == [bytearray(b"abc"), None, None, None]
         dest[:] = 0
         head[:] = 0
-        assert reader.bulk_into(pieces, skip) == 5000 and reader.drained()
+        assert reader.bulk_into(pieces) == 5000 and reader.drained()
         assert head.tobytes() + dest[100:].tobytes() == value
         a.sendall(b":1\r\n:0\r\n:2\r\n-NOPERM x\r\n")
         assert [reader.integer() for _ in range(4)] == [True, False, True, None]
@@ -114,7 +113,7 @@ def test_bulk_reader_places_values_and_refuses_what_is_not_a_get_reply():
         for junk in (b"+OK\r\n", b"$12x\r\n", b"$" + b"9" * 80 + b"\r\n", b"$3\r\nabcXY"):
             a.sendall(junk)
             with pytest.raises(ProtocolError):
-                BulkReader(b).bulk_into([(head.ctypes.data, 3)], skip)
+                BulkReader(b).bulk_into([(head.ctypes.data, 3)])
             b.setblocking(False)  # discard what is left of the junk
             try:
                 b.recv(1024)
@@ -128,3 +127,7 @@ def test_bulk_reader_places_values_and_refuses_what_is_not_a_get_reply():
 
 def test_encoded_chunks_are_read_whole(redis_server):  # noqa: F811 - fixture
     in_place_reads.encoded_chunks_are_read_whole(lambda: tier(redis_server.url))
+
+
+def test_partial_tails_keep_the_layout(redis_server):  # noqa: F811 - fixture
+    in_place_reads.partial_tails_keep_the_layout(lambda: tier(redis_server.url))

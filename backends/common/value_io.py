@@ -124,8 +124,8 @@ class ValueIO(GuardedCalls):
     def _delete(self, names: Sequence[str]) -> None:
         raise NotImplementedError
 
-    def _get_into_many(self, names: Sequence[str],
-                       pieces: Sequence[Sequence[tuple[int, int]]]) -> list[int | None]:
+    def _get_into_many(self, names: Sequence[str], pieces: Sequence[Sequence[tuple[int, int]]]
+                       ) -> list[int | bytearray | None]:
         raise NotImplementedError
 
     def registered(self, address: int, nbytes: int) -> bool:
@@ -157,12 +157,12 @@ class ValueIO(GuardedCalls):
         ok, out = self._guarded(lambda: self._get_many(names))
         return out if ok else [None] * len(names)
 
-    def get_into_many(self, names: Sequence[str],
-                      pieces: Sequence[Sequence[tuple[int, int]]]) -> list[int | None]:
+    def get_into_many(self, names: Sequence[str], pieces: Sequence[Sequence[tuple[int, int]]]
+                      ) -> list[int | bytearray | None]:
         """Read each value into its pieces (``(address, nbytes)``, registered memory, in order).
-        Per name: the value's size when it filled every piece exactly, ``-1`` when its size
-        differs (nothing usable was read), ``None`` when it is missing; all ``None`` when the
-        store is unavailable."""
+        Per name: the value's size when it filled every piece exactly; when its size differs,
+        the whole value where the store read it anyway (resp), else ``-1`` (nothing usable was
+        read); ``None`` when it is missing; all ``None`` when the store is unavailable."""
         ok, out = self._guarded(lambda: self._get_into_many(names, pieces))
         return out if ok else [None] * len(names)
 

@@ -43,6 +43,8 @@ from .value_writer import ValueWriter
 
 logger = logging.getLogger("kvplug.backends.values")
 _NAME_CACHE = 65536
+#: Values of another layout in a row after which a smaller chunk's layout replaces the current.
+LAYOUT_PATIENCE = 8
 
 
 class ValueStoreOptions(BaseOptions):
@@ -101,6 +103,7 @@ class ValueStoreTier(PinnedStore):
         #: The last chunk's layout, where the store reads in pieces into L1's pool (reads go
         #: straight into memory objects laid out so; see :meth:`_read_into`).
         self._layout: Layout | None = None
+        self._missed = 0  # values of another layout since the last read in place
         self._into_pool = self.io.reads_into and bool(ctx.memory_regions())
         self._absent = TTLSet(opts.negative_cache_s)
         self._counts = dict.fromkeys(("corrupt", "other_version", "negative_hits", "vanished",
@@ -197,12 +200,23 @@ class ValueStoreTier(PinnedStore):
             self._corrupt(name, "the value holds another key")
             return None
         self._remember(name, header)
-        if self._into_pool:  # encoded chunks differ in size: no layout to read them by
-            self._layout = None if header.fmt is MemoryFormat.ENCODED else Layout.of(header)
+        if self._into_pool:
+            self._learn(header)
         obj = self._fill(name, header, header.meta, view, 0, header.num_layers, base=0)
         if obj is not None:
             self._count("bytes_got", len(data))
         return obj
+
+    def _learn(self, header: cf.ChunkHeader) -> None:
+        """Read the next chunks by ``header``'s layout unless the current one is of larger
+        chunks that still fit (a request's last chunk is often partial, and its next load
+        starts with full ones again). Encoded chunks differ in size: no layout reads them."""
+        if header.fmt is MemoryFormat.ENCODED:
+            self._layout = None
+        elif (self._layout is None or header.file_size >= self._layout.size
+              or self._missed >= LAYOUT_PATIENCE):  # the chunks did get smaller
+            self._layout = Layout.of(header)
+            self._missed = 0
 
     def _read_into(self, keys: Sequence[CacheKey], names: list[str],
                    layout: Layout) -> list[MemoryObj | None]:
@@ -222,7 +236,7 @@ class ValueStoreTier(PinnedStore):
             objs[i] = obj
         direct = [i for i in range(n) if objs[i] is not None]
         hb, gap = layout.header_bytes, layout.stride - layout.layer_nbytes
-        sizes: list[int | None] = []
+        sizes: list[int | bytearray | None] = []
         if direct:
             scratch = self.io.scratch(len(direct) * hb + gap)
             base = scratch.ctypes.data
@@ -237,9 +251,13 @@ class ValueStoreTier(PinnedStore):
                 if size is None:
                     if not self.breaker.is_open:
                         self._miss(names[i])
-                else:
+                    continue
+                self._count("layout_misses")
+                self._missed += 1
+                if isinstance(size, int):
                     again.append(i)  # another layout: read it whole
-                    self._count("layout_misses")
+                else:
+                    out[i] = self._load(keys[i], names[i], size)  # read whole already
                 continue
             out[i] = self._check_read(keys[i], names[i], obj, layout,
                                       memoryview(scratch)[j * hb : (j + 1) * hb], again, i)
@@ -258,6 +276,7 @@ class ValueStoreTier(PinnedStore):
                 obj.ref_down()
                 again.append(i)  # a longer or shorter header: another layout
                 self._count("layout_misses")
+                self._missed += 1
                 return None
         except ChunkFormatError as exc:
             obj.ref_down()
@@ -271,6 +290,7 @@ class ValueStoreTier(PinnedStore):
             elif header is not None:
                 again.append(i)
                 self._count("layout_misses")
+                self._missed += 1
             return None
         obj.meta = header.meta  # the same shape; its own token count
         if not cf.verify_layers(header, 0, obj.byte_view.numpy().data):
@@ -280,6 +300,7 @@ class ValueStoreTier(PinnedStore):
         self._remember(name, header)
         self._count("bytes_got", layout.size)
         self._count("reads_in_place")
+        self._missed = 0
         return obj
 
     @hookimpl

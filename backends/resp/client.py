@@ -200,15 +200,12 @@ class RespIO(ValueIO):
             pool.release(conn)
         return out
 
-    def _get_into_many(self, names: Sequence[str],
-                       pieces: Sequence[Sequence[tuple[int, int]]]) -> list[int | None]:
+    def _get_into_many(self, names: Sequence[str], pieces: Sequence[Sequence[tuple[int, int]]]
+                       ) -> list[int | bytearray | None]:
         """One pipelined round trip of ``GET``s whose replies are received straight into the
-        pieces."""
-        skip = getattr(self._local, "skip", None)  # not scratch: that holds the headers
-        if skip is None:
-            skip = self._local.skip = memoryview(bytearray(1 << 16))
+        pieces (a value of another size: whole, returned)."""
         return self._raw(_packed("GET", names),
-                         lambda replies: [replies.bulk_into(p, skip) for p in pieces])
+                         lambda replies: [replies.bulk_into(p) for p in pieces])
 
     def _get_range(self, name: str, start: int, end: int) -> bytes | None:
         reply = self._pipeline(lambda p: p.getrange(name, start, end - 1))[0]

@@ -2,7 +2,7 @@
 caller memory (RESP bulk strings, ``$<len>\\r\\n<bytes>\\r\\n``) for the resp tier's reads in
 place: a value whose length is what the caller expects is received into its pieces (a chunk's
 header into scratch memory, its layers into a memory object of L1's pool) with no copy in
-between; any other length is read past and reported; a nil is a miss. redis-py with hiredis
+between; a value of any other length is received whole and returned; a nil is a miss. redis-py with hiredis
 would copy every value twice (into the parser's buffer, then into a new ``bytes``) before the
 tier copies it once more, and spends more Python per reply than the round trip costs for a
 lookup of 64 keys."""
@@ -56,10 +56,10 @@ class BulkReader:
                 raise ConnectionError("the server closed the connection in the middle of a value")
             take += got
 
-    def bulk_into(self, pieces: Sequence[tuple[int, int]], skip: memoryview) -> int | None:
+    def bulk_into(self, pieces: Sequence[tuple[int, int]]) -> int | bytearray | None:
         """The next reply into ``pieces`` (``(address, nbytes)``, in order): the value's length
-        when it filled them exactly; ``-1`` when its length differs (read into ``skip``,
-        discarded); ``None`` for a nil or an error reply (a missing or foreign value)."""
+        when it filled them exactly; the value itself (a new ``bytearray``) when its length
+        differs; ``None`` for a nil or an error reply (a missing or foreign value)."""
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind in (b"_", b"-"):
@@ -69,13 +69,10 @@ class BulkReader:
         n = int(rest)
         if n < 0:
             return None
+        out: int | bytearray = n
         if n != sum(size for _, size in pieces):
-            left = n
-            while left:
-                step = min(left, len(skip))
-                self._fill(skip[:step])
-                left -= step
-            n = -1
+            out = bytearray(n)
+            self._fill(memoryview(out))
         else:
             for address, size in pieces:
                 self._fill(memoryview((ctypes.c_char * size).from_address(address)).cast("B"))
@@ -83,7 +80,7 @@ class BulkReader:
         self._fill(memoryview(end))
         if end != b"\r\n":
             raise ProtocolError(f"a value was followed by {bytes(end)!r}, not its line end")
-        return n
+        return out
 
     def integer(self) -> bool | None:
         """The next reply as ``EXISTS``'s: whether the key exists; ``None`` for an error."""
