@@ -97,6 +97,11 @@ class LocalCPUBackend:
                     return None
 
     @hookimpl
+    def memory_regions(self) -> list[tuple[int, int]]:
+        buf = self.pool.buffer
+        return [(buf.data_ptr(), self.pool.capacity)]
+
+    @hookimpl
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         with self._lock:
             for key, obj in zip(keys, objs):

@@ -16,10 +16,11 @@ Servers are stopped at the end. Medians over rounds; raw and tier rounds interle
   writer threads, encoding and checksums included), with ``io_threads=1`` and the default 4;
 * get MiB/s at 1 and 4 MiB: raw ``GET`` / ``get`` vs ``StorageManager.get`` on a second manager (no local
   state about what the writer stored; an L1 pool in front, as in an engine, not promoted into):
-  checksums verified, bytes copied into a memory object of the pool;
+  each chunk read in place into a memory object of the pool (resp: its own reply reader;
+  mooncake: ``batch_get_into_multi_buffers``), the header and every layer's checksum verified;
 * get MiB/s at 1 and 4 MiB, as the connector loads: ``StorageManager.batched_get`` of the
-  chunks (slow tiers read concurrently, promoted into that manager's L1) vs the raw one-by-one
-  ``GET`` / ``get``;
+  chunks (the tier's ``batched_get`` hook: one pipeline / batch call, promoted into that
+  manager's L1) vs the raw one-by-one ``GET`` / ``get``;
 * a batched lookup of 64 keys (ms): raw pipelined ``EXISTS`` x 64 / ``batch_is_exist`` vs ``lookup_prefix`` of 64
   keys, and vs the tier's ``contains`` hook called directly (without the StorageManager's
   bounded call on a tier thread); negative cache off, so every key is asked of the server.

@@ -43,12 +43,12 @@ Rules that hold for every hook:
   An exception escaping a hook is treated as a *tier fault*: the StorageManager logs it once,
   counts it in ``stats`` and treats the call as a miss (or a dropped store); serving goes on.
 * **Threads and time.** Hooks may be called from several threads at once; guard your own state.
-  ``get``, ``get_layers`` and ``contains`` run on a StorageManager thread bounded by the tier's
+  ``get``, ``batched_get``, ``get_layers`` and ``contains`` run on a StorageManager thread bounded by the tier's
   ``timeout_s`` (a late answer is a miss and its object is released), unless the backend class
   sets ``never_blocks = True`` — a promise that no hook ever waits on I/O (``local_cpu``).
 * **References** (see :mod:`kvplug.memory`): an object handed *to* a hook is borrowed — call
   ``obj.ref_up()`` to keep it past the call and ``obj.ref_down()`` when done. An object returned
-  *from* ``allocate``/``get``/``get_layers`` carries one reference owned by the caller.
+  *from* ``allocate``/``get``/``batched_get``/``get_layers`` carries one reference owned by the caller.
 * **Codecs** (see :mod:`kvplug.codecs` and docs/codecs.md): on a tier configured with
   ``codec: NAME``, ``batched_submit_put`` receives ``ENCODED`` objects (``meta.fmt`` is
   ``MemoryFormat.ENCODED``, shape ``[layers, 1, frame_bytes]`` uint8, ``meta.codec`` set) instead
@@ -97,6 +97,12 @@ class TierContext:
             the read as a miss.
         chunk_size: tokens per chunk (for sizing; chunk objects carry their own token count).
         extra: anything else the host passes (the connector puts ``role``, ``rank``...).
+        memory_regions: ``memory_regions() -> [(address, nbytes), ...]`` — the host buffers
+            ``allocate`` hands out memory from (an L1 pool; see the ``memory_regions`` hook), for
+            a backend whose store reads straight into registered memory (Mooncake, RDMA):
+            register them once, then read into what ``allocate`` returns when it lies inside
+            them. Memory outside them (a heap fallback when the pool is full) is not registered.
+            Empty when no tier owns a pool.
     """
 
     name: str
@@ -104,6 +110,7 @@ class TierContext:
     allocate: Callable[..., MemoryObj | None]
     chunk_size: int = 256
     extra: dict[str, Any] = field(default_factory=dict)
+    memory_regions: Callable[[], list[tuple[int, int]]] = list
 
 
 class BackendSpec:
@@ -124,6 +131,12 @@ class BackendSpec:
         ``dtype`` whose single reference belongs to the caller, or ``None`` when the pool is full
         even after evicting what may be evicted. Must not block waiting for memory to free up.
         """
+
+    @hookspec
+    def memory_regions(self) -> list[tuple[int, int]]:
+        """Optional, for tiers that implement :meth:`allocate`: ``(address, nbytes)`` of each
+        host buffer their objects live in (L1's pool), fixed for the tier's life. Other tiers
+        receive them as ``ctx.memory_regions()`` to register them with their store's client."""
 
     @hookspec
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
@@ -148,6 +161,21 @@ class BackendSpec:
         its own object after ``ref_up()``: zero-copy; a disk tier reads into memory from
         ``ctx.allocate``). May block on I/O — the StorageManager bounds it with the tier's
         timeout. Verify sizes and checksums before returning: a bad entry is a miss, never bytes.
+        """
+
+    @hookspec(firstresult=True)
+    def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None] | None:
+        """Optional: :meth:`get` of several keys in one go (one pipelined round trip, one batch
+        call), one answer per key in ``keys``' order (``None``: that key is a miss).
+
+        Every rule of :meth:`get` holds per key (one reference per object, owned by the caller;
+        verified before it is returned; a bad entry is a miss). Tiers whose store batches reads
+        implement it; for the others :meth:`StorageManager.batched_get
+        <kvplug.storage_manager.StorageManager.batched_get>` calls :meth:`get` per key,
+        concurrently. The StorageManager hands it at most :data:`~kvplug.tier_calls.BATCH_GET_KEYS`
+        keys per call and bounds each call as a whole by the tier's ``timeout_s`` (a late answer
+        is a miss for every key, its objects released); a list of another length is a tier
+        fault (every key a miss).
         """
 
     @hookspec(firstresult=True)

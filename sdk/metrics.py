@@ -38,6 +38,15 @@ class TierMetrics:
         return obj
 
     @hookimpl(wrapper=True)
+    def batched_get(self, keys: Sequence):
+        t0 = time.perf_counter()
+        objs = yield
+        hits = [o for o in objs or () if o is not None]
+        self._add(gets=len(keys), hits=len(hits), misses=len(keys) - len(hits),
+                  bytes_read=sum(o.nbytes for o in hits), get_seconds=time.perf_counter() - t0)
+        return objs
+
+    @hookimpl(wrapper=True)
     def batched_submit_put(self, keys: Sequence, objs: Sequence):
         t0 = time.perf_counter()
         result = yield

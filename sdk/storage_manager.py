@@ -27,7 +27,7 @@ from .keys import CacheKey
 from .logs import LogOnce
 from .memory import MemoryFormat, MemoryObj, heap_memory_obj
 from .runtime import THREADS, Runtime
-from .tier_calls import MAX_ENCODER_QUEUE, Tier
+from .tier_calls import BATCH_GET_KEYS, MAX_ENCODER_QUEUE, Tier, release
 from .tier_setup import ScopedHooks, build_tier
 
 logger = logging.getLogger("kvplug.storage")
@@ -78,7 +78,7 @@ class StorageManager:
     # -- construction ---------------------------------------------------------------------------
     def _add_tier(self, index: int, cfg: TierConfig, extra: dict[str, Any]) -> None:
         tier = build_tier(index, cfg, self._allocate_for_reads, self.chunk_size, extra,
-                          self.runtime)
+                          self.runtime, self.memory_regions)
         self._hooks.register(tier.backend, f"tier:{tier.name}", {tier.name})
         self._hooks.register(tier.metrics, f"metrics:{tier.name}", {tier.name})
         # Registered last, so it wraps the metrics: they count the bytes the tier really moves.
@@ -140,6 +140,16 @@ class StorageManager:
             return None
 
     # -- allocation -----------------------------------------------------------------------------
+    def memory_regions(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of the host buffers that :meth:`allocate` draws from (every
+        pool-owning tier's ``memory_regions``); what tiers get as ``ctx.memory_regions``."""
+        out: list[tuple[int, int]] = []
+        for tier in self._tiers:
+            if tier.implements("memory_regions"):
+                for regions in self._call(tier, "memory_regions") or []:
+                    out += [(int(a), int(n)) for a, n in regions or []]
+        return out
+
     def allocate(
         self,
         shape: tuple[int, ...],
@@ -246,12 +256,51 @@ class StorageManager:
             self._call(self._tiers[0], "batched_submit_put", keys=[key], objs=[obj])
 
     def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
-        """:meth:`get` for many keys; slow tiers are read concurrently."""
-        if len(keys) <= 1:
-            return [self.get(k) for k in keys]
-        if len(self._tiers) == 1:
-            return [self.get(k) for k in keys]
-        return list(self._readers.map(self.get, keys))
+        """:meth:`get` for many keys, tier by tier: each tier is asked only for what the faster
+        ones missed, a tier that implements ``batched_get`` in calls of up to
+        :data:`~.tier_calls.BATCH_GET_KEYS` keys, any other with one ``get`` per key (slow tiers
+        concurrently). Lower-tier hits are promoted into L1."""
+        keys = list(keys)
+        out: list[MemoryObj | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for tier in self._tiers:
+            if not todo:
+                break
+            for i, obj in zip(todo, self._read_from(tier, [keys[i] for i in todo])):
+                if obj is not None:
+                    out[i] = obj
+                    if tier.index > 0:
+                        self.promote(keys[i], obj)
+            todo = [i for i in todo if out[i] is None]
+        return out
+
+    def _read_from(self, tier: Tier, keys: list[CacheKey]) -> list[MemoryObj | None]:
+        """One tier's answers for ``keys`` (see :meth:`batched_get`)."""
+        if len(keys) > 1 and tier.implements("batched_get"):
+            groups = [keys[i : i + BATCH_GET_KEYS] for i in range(0, len(keys), BATCH_GET_KEYS)]
+            parts = (self._readers.map(lambda g: self._batch_from(tier, g), groups)
+                     if len(groups) > 1 else [self._batch_from(tier, groups[0])])
+            return [obj for part in parts for obj in part]
+
+        def one(key: CacheKey) -> MemoryObj | None:
+            return self._call(tier, "get", bounded=True, key=key)
+
+        if tier.inline or len(keys) == 1:
+            return [one(k) for k in keys]
+        return list(self._readers.map(one, keys))
+
+    def _batch_from(self, tier: Tier, keys: list[CacheKey]) -> list[MemoryObj | None]:
+        """One bounded ``batched_get`` call; a fault, a timeout or a wrong answer: all misses."""
+        got = self._call(tier, "batched_get", bounded=True, keys=keys)
+        if isinstance(got, list) and len(got) == len(keys):
+            return got
+        if got is not None:
+            if isinstance(got, list):
+                release(got)
+            self._fault(tier, "batched_get", ValueError(
+                f"answered {type(got).__name__} of length {len(got) if isinstance(got, list) else '-'}"
+                f" for {len(keys)} keys; a list of one answer per key is expected"))
+        return [None] * len(keys)
 
     def may_block(self, tier: str) -> bool:
         """Whether tier ``tier`` may wait on I/O (its class does not set ``never_blocks``): a load

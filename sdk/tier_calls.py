@@ -3,8 +3,9 @@
 A tier that may block (every tier whose class does not set ``never_blocks = True``) gets its own
 small thread pool, so a stalled tier holds at most :data:`TIER_THREADS` threads and never delays
 another tier's calls. A call that outlives its timeout is cancelled if it has not started; if it
-has, its late result is cleaned up when it arrives: a late ``get`` drops its object, a late
-``contains(pin=True)`` releases the pins it took (nobody will ever unpin them otherwise).
+has, its late result is cleaned up when it arrives: a late ``get`` drops its object (a late
+``batched_get`` each of its objects), a late ``contains(pin=True)`` releases the pins it took
+(nobody will ever unpin them otherwise).
 """
 
 from __future__ import annotations
@@ -23,8 +24,18 @@ logger = logging.getLogger("kvplug.storage")
 
 #: Threads per tier that may block: the most calls of one tier in flight at once.
 TIER_THREADS = 8
+#: Keys per ``batched_get`` call: a request's hit of hundreds of chunks is read in calls of this
+#: many (run concurrently), each bounded by the tier's ``timeout_s``.
+BATCH_GET_KEYS = 16
 #: Puts queued for a tier's encoder beyond this are dropped (counted as codec_dropped_puts).
 MAX_ENCODER_QUEUE = 64
+
+
+def release(objs: list) -> None:
+    """Drop the reference of every memory object in ``objs`` (a batch nobody will use)."""
+    for obj in objs:
+        if isinstance(obj, MemoryObj):
+            obj.ref_down()
 
 
 class Tier:
@@ -98,6 +109,8 @@ class Tier:
             return
         if isinstance(res, MemoryObj):  # a late get / get_layers
             res.ref_down()
+        elif hook == "batched_get" and isinstance(res, list):
+            release(res)
         elif hook == "contains" and kwargs.get("pin") and res:
             found = [k for k, hit in zip(kwargs["keys"], res[0], strict=False) if hit]
             if found and self.implements("unpin"):

@@ -30,15 +30,17 @@ logger = logging.getLogger("kvplug.storage")
 
 #: The hooks a tier is called through (each tier gets a caller per hook, see :class:`ScopedHooks`).
 HOOKS = (
-    "allocate", "batched_submit_put", "get", "get_layers", "contains", "unpin", "evict",
-    "flush", "close", "stats",
+    "allocate", "memory_regions", "batched_submit_put", "get", "batched_get", "get_layers",
+    "contains", "unpin", "evict", "flush", "close", "stats",
 )
 
 
 def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | None],
-               chunk_size: int, extra: dict[str, Any], runtime: Runtime = THREADS) -> Tier:
-    """Start tier ``index``'s backend (``allocate``: its ``ctx.allocate``) and its codec wrapper;
-    a bad option or a backend that fails to start is a clear error naming the tier."""
+               chunk_size: int, extra: dict[str, Any], runtime: Runtime = THREADS,
+               memory_regions: Callable[[], list[tuple[int, int]]] = list) -> Tier:
+    """Start tier ``index``'s backend (``allocate``, ``memory_regions``: its ``ctx``'s) and its
+    codec wrapper; a bad option or a backend that fails to start is a clear error naming the
+    tier."""
     cls, info = load_backend_class(cfg.backend)
     ctx = TierContext(
         name=cfg.tier_name,
@@ -46,6 +48,7 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
         allocate=allocate,
         chunk_size=chunk_size,
         extra=dict(extra),
+        memory_regions=memory_regions,
     )
     try:
         backend = cls(ctx)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+import in_place_reads
 import pytest
 import torch
 from kvplug.storage_manager import StorageManager
@@ -121,3 +122,22 @@ def test_hung_master_bounded_misses(master):
         assert sum(t.faults for t in mgr._tiers) == 0
     finally:
         mgr.close()
+
+
+# -- reads straight into L1's pool (batch_get_into_multi_buffers): tests/in_place_reads.py -----
+
+
+def test_reads_land_in_the_pool_checked(master):
+    in_place_reads.reads_land_in_the_pool_checked(lambda: tier(master))
+
+
+def test_damaged_short_or_vanished_values_read_in_place_are_misses(master):
+    in_place_reads.damaged_short_or_vanished_values_are_misses(lambda: tier(master))
+
+
+def test_encoded_chunks_are_read_whole(master):
+    in_place_reads.encoded_chunks_are_read_whole(lambda: tier(master))
+
+
+def test_partial_tails_keep_the_layout(master):
+    in_place_reads.partial_tails_keep_the_layout(lambda: tier(master))

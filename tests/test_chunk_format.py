@@ -191,3 +191,47 @@ def test_writer_header_equals_parsed_header():
     header, bufs, made = cf.encode_chunk_with_header(key, obj)
     size = len(header) + sum(len(b) for b in bufs)
     assert made == cf.decode_header(header, size)
+
+
+def _rehash(body: bytes) -> bytes:
+    """A header made of JSON ``body``, padded and with its header checksum recomputed as a writer
+    would (so only the check of the content itself can reject it)."""
+    total = cf.align_up(8 + len(body))
+    raw = bytearray(struct.pack("<Q", total - 8) + body + b" " * (total - 8 - len(body)))
+    at = raw.index(b'"header_xxh3":"') + len("header_xxh3") + 4
+    raw[at : at + 16] = b"0" * 16
+    raw[at : at + 16] = cf.checksum(raw).encode()
+    return bytes(raw)
+
+
+@pytest.mark.parametrize(("shape", "dtype"), CASES)
+def test_header_bytes_are_the_whole_document_dumped_at_once(shape, dtype):
+    """Headers are built from a cached tensor table; they must stay byte for byte what dumping
+    the whole document at once gives (files written before that change read the same)."""
+    key, obj = _key(), _obj(shape, dtype)
+    header, _, made = cf.encode_chunk_with_header(key, obj)
+    body = header[8:].rstrip(b" ")
+    doc = json.loads(body)
+    assert list(doc)[0] == "__metadata__" and len(doc) > made.num_layers
+    assert json.dumps(doc, separators=(",", ":")).encode() == body
+    assert _rehash(body) == header  # the helper below rebuilds a writer's header exactly
+
+
+def test_consistent_checksum_but_wrong_table_or_order_is_rejected():
+    """With a valid header checksum, a tensor table that disagrees with the metadata, a document
+    whose metadata is not first, or junk after the table is still rejected: only the metadata is
+    parsed, the rest is compared with the canonical encoding."""
+    key, obj = _key(), _obj((3, 4, 1000), torch.bfloat16)
+    header, bufs, made = cf.encode_chunk_with_header(key, obj)
+    size = len(header) + sum(len(b) for b in bufs)
+    body = header[8:].rstrip(b" ")
+    assert cf.decode_header(_rehash(body), size) == made  # negative control
+    doc = json.loads(body)
+    doc["layer.1"]["data_offsets"][0] += 1
+    table = json.dumps(doc, separators=(",", ":")).encode()
+    reordered = json.loads(body)
+    reordered = {k: reordered[k] for k in [*list(reordered)[1:], "__metadata__"]}
+    moved = json.dumps(reordered, separators=(",", ":")).encode()
+    for bad in (table, moved, body[:-1] + b',"x":{}}', body + b"{}"):
+        with pytest.raises(ChunkFormatError):
+            cf.decode_header(_rehash(bad), size)

@@ -259,3 +259,44 @@ def test_a_key_given_twice_in_one_put_is_stored_once():
         got = mgr.get(make_key(1))
         assert got is not None and torch.equal(got.byte_view, expect), "not the first object's bytes"
         got.ref_down()
+
+
+def test_batched_get_asks_a_batching_tier_only_for_l1_misses_in_bounded_groups():
+    """A tier with a ``batched_get`` hook gets the keys L1 missed, in calls of at most
+    BATCH_GET_KEYS keys, and its hits come back in the caller's order and are promoted."""
+    from kvplug.tier_calls import BATCH_GET_KEYS
+
+    with two_tiers("BatchTier") as mgr:
+        keys = [make_key(i) for i in range(BATCH_GET_KEYS + 5)]
+        want = {}
+        for k in keys:
+            obj = fill_random(mgr, seed=k.chunk_hash[3])
+            want[k] = obj.byte_view.clone()
+            mgr.batched_put([k], [obj])
+            obj.ref_down()
+        mgr.evict(keys[2:], tiers=["l1"])  # keys 0 and 1 stay in L1
+        asked = [*keys, make_key(999)]
+        got = mgr.batched_get(asked)
+        assert got[-1] is None
+        for k, g in zip(keys, got):
+            assert g is not None and torch.equal(g.byte_view, want[k])
+            g.ref_down()
+        calls = mgr.backend("lower").calls
+        assert sorted(len(c) for c in calls) == [len(asked) - 2 - BATCH_GET_KEYS, BATCH_GET_KEYS]
+        assert sorted(k.chunk_hash for c in calls for k in c) == sorted(
+            k.chunk_hash for k in [*keys[2:], make_key(999)])
+        assert mgr.lookup_prefix(keys).tiers == ["l1"] * len(keys), "hits not promoted"
+
+
+def test_a_batched_get_of_the_wrong_length_is_a_fault_and_its_objects_released():
+    with two_tiers("BatchTier", short=True) as mgr:
+        keys = [make_key(i) for i in range(3)]
+        for k in keys:
+            obj = fill_random(mgr, seed=1)
+            mgr.batched_put([k], [obj])
+            obj.ref_down()
+        mgr.evict(keys, tiers=["l1"])
+        assert mgr.batched_get(keys) == [None, None, None]
+        lower = mgr.backend("lower")
+        assert len(lower.handed) == 2 and all(o.is_freed for o in lower.handed)
+        assert mgr.stats()["lower"]["faults"] == 1

@@ -170,3 +170,26 @@ class LosingTier(DictTier):
         if key.chunk_hash.hex() in LosingTier.lost:
             return None
         return super().get(key)
+
+
+class BatchTier(DictTier):
+    """A DictTier with a ``batched_get`` hook that records the keys of each call and the objects
+    it returned; option ``short`` makes it answer one key too few (a wrong answer the manager
+    must refuse, releasing what it got)."""
+
+    def __init__(self, ctx: TierContext) -> None:
+        super().__init__(ctx)
+        self.calls: list[list] = []
+        self.handed: list = []  # every object it returned
+
+    @hookimpl
+    def batched_get(self, keys):
+        with self.lock:
+            self.calls.append(list(keys))
+        out = [self.get(k) for k in keys]
+        if self.ctx.options.get("short") and out:
+            if out[0] is not None:
+                out[0].ref_down()
+            out = out[1:]
+        self.handed += [o for o in out if o is not None]
+        return out

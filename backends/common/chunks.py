@@ -1,11 +1,13 @@
 """What every remote tier does with a chunk it read (resp, mooncake, fsspec): the parsed-header
-cache, the byte range of a layer range, and the verified copy into a fresh memory object."""
+cache, the byte range of a layer range, the verified copy into a fresh memory object, and the
+:class:`Layout` by which a store that reads in pieces reads straight into one."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from kvplug import chunkfile as cf
@@ -70,3 +72,44 @@ def copy_verified(allocate: Allocate, header: cf.ChunkHeader, meta: MemoryObjMet
         obj.ref_down()
         raise ChunkFormatError(f"a checksum of layers {first}..{first + count - 1} mismatches")
     return obj
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a chunk's bytes lie in its value, as the tier's last chunk had them: a store that
+    reads a value in pieces (Mooncake) reads the next chunks straight into memory objects by it
+    (the header to scratch memory, each layer into the object, padding to scratch), then checks
+    that the header read says the same."""
+
+    header_bytes: int
+    meta: MemoryObjMeta
+    num_layers: int
+    layer_nbytes: int
+    stride: int
+    size: int  # the whole value
+
+    @classmethod
+    def of(cls, header: cf.ChunkHeader) -> Layout:
+        return cls(header.header_bytes, header.meta, header.num_layers, header.layer_nbytes,
+                   header.layer_stride, header.file_size)
+
+    def fits(self, header: cf.ChunkHeader) -> bool:
+        """Whether ``header`` puts every byte where this layout does, for an object of the
+        same shape (the token count may differ)."""
+        m, h = self.meta, header.meta
+        return (header.header_bytes, header.num_layers, header.layer_nbytes, header.file_size,
+                h.shape, h.dtype, h.fmt, h.codec) == (
+            self.header_bytes, self.num_layers, self.layer_nbytes, self.size,
+            m.shape, m.dtype, m.fmt, m.codec)
+
+    def pieces(self, dest: int, header: int, pad: int) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of each piece of the value, in order: the header at ``header``,
+        the layers back to back at ``dest``, padding at ``pad`` (``stride - layer_nbytes``
+        bytes of junk, shared by every layer)."""
+        n, gap = self.layer_nbytes, self.stride - self.layer_nbytes
+        out = [(header, self.header_bytes)]
+        if not gap:
+            return [*out, (dest, n * self.num_layers)] if n else out
+        for i in range(self.num_layers):
+            out += [(dest + i * n, n), (pad, gap)]
+        return out

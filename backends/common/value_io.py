@@ -2,9 +2,9 @@
 
 :class:`GuardedCalls` is what every remote tier shares (resp, mooncake and fsspec): counting,
 credential scrubbing, the breaker, batched stores. :class:`ValueIO` adds a key-value store's calls:
-a subclass implements the store's batched primitives (``_exists``, ``_get``, ``_get_range``,
-``_set_many``, ``_delete``), each one bounded round trip or batch call that raises on a failed
-or timed-out call. This class turns every such failure into a miss (``None``), counts it and feeds
+a subclass implements the store's batched primitives (``_exists``, ``_get``, ``_get_many``,
+``_get_range``, ``_set_many``, ``_delete``), each one bounded round trip or batch call that
+raises on a failed or timed-out call. This class turns every such failure into a miss (``None``), counts it and feeds
 it to the breaker; a store that is refused (open breaker) is not called at all. A reply that says
 the store is full or refused one value is :class:`StoreRefused`: counted, not held against the
 breaker (the store answered).
@@ -15,6 +15,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from .breaker import CircuitBreaker
 from .redact import Redactor
@@ -92,6 +94,12 @@ class GuardedCalls:
     def _set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None]:
         raise NotImplementedError
 
+    def new_buffer(self, nbytes: int) -> memoryview:
+        """Memory for a writer thread to encode values into (kept and reused by that thread; its
+        pages are backed as they are first written); a store whose client sends from registered
+        memory registers it."""
+        return memoryview(np.empty(nbytes, dtype=np.uint8))
+
     def stats(self) -> dict[str, float]:
         with self._lock:
             return {k: float(v) for k, v in self._counts.items()}
@@ -100,6 +108,10 @@ class GuardedCalls:
 class ValueIO(GuardedCalls):
     """Guarded, counted calls to one key-value store."""
 
+    #: Whether the store reads a value in pieces straight into caller memory
+    #: (:meth:`get_into_many`; the tier then reads chunks into its memory objects).
+    reads_into = False
+
     # -- what subclasses implement (raise on a failed call) -------------------------------------
     def _exists(self, names: Sequence[str]) -> list[bool | None]:
         raise NotImplementedError
@@ -107,10 +119,29 @@ class ValueIO(GuardedCalls):
     def _get(self, name: str) -> bytes | None:
         raise NotImplementedError
 
+    def _get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        """Whole values in one batch (one pipeline, one batch call); one ``_get`` each unless a
+        store overrides it."""
+        return [self._get(n) for n in names]
+
     def _get_range(self, name: str, start: int, end: int) -> bytes | None:
         raise NotImplementedError
 
     def _delete(self, names: Sequence[str]) -> None:
+        raise NotImplementedError
+
+    def _get_into_many(self, names: Sequence[str], pieces: Sequence[Sequence[tuple[int, int]]]
+                       ) -> list[int | bytearray | None]:
+        raise NotImplementedError
+
+    def registered(self, address: int, nbytes: int) -> bool:
+        """Whether the store may read into ``[address, address + nbytes)`` (a store that reads
+        into memory only reads into memory registered with its client)."""
+        return False
+
+    def scratch(self, nbytes: int) -> Any:
+        """This thread's scratch memory for reads in pieces (at least ``nbytes``; registered),
+        as a numpy ``uint8`` array; reused by the thread's next read."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -126,6 +157,20 @@ class ValueIO(GuardedCalls):
     def get(self, name: str) -> bytes | None:
         """The whole value (``None``: missing or unavailable)."""
         return self._guarded(lambda: self._get(name))[1]
+
+    def get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        """Whole values, one per name (``None``: missing; all ``None``: unavailable)."""
+        ok, out = self._guarded(lambda: self._get_many(names))
+        return out if ok else [None] * len(names)
+
+    def get_into_many(self, names: Sequence[str], pieces: Sequence[Sequence[tuple[int, int]]]
+                      ) -> list[int | bytearray | None]:
+        """Read each value into its pieces (``(address, nbytes)``, registered memory, in order).
+        Per name: the value's size when it filled every piece exactly; when its size differs,
+        the whole value where the store read it anyway (resp), else ``-1`` (nothing usable was
+        read); ``None`` when it is missing; all ``None`` when the store is unavailable."""
+        ok, out = self._guarded(lambda: self._get_into_many(names, pieces))
+        return out if ok else [None] * len(names)
 
     def get_range(self, name: str, start: int, end: int) -> bytes | None:
         """Bytes ``[start, end)`` of a value; ``None`` when missing or unavailable."""

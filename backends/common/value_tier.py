@@ -4,8 +4,11 @@ Each chunk is one value in the shared chunk format (:mod:`kvplug.chunkfile`), na
 ``<prefix><key string>`` (the key string holds the model namespace, so models never collide).
 Stores are queued and sent in batches (:class:`~.value_writer.ValueWriter`); ``contains`` asks
 for many keys in one batch, with a short-lived negative cache; ``get`` reads a value in one call
-and verifies every layer's checksum before any byte is returned; ``get_layers`` reads a layer
-range where the store reads ranges. Every call is bounded by the store client's timeout and
+(``batched_get``: many values in one batch) and verifies every layer's checksum before any byte
+is returned; where the store reads in pieces into registered memory (Mooncake), the layers go
+straight into L1's pool, laid out as the last chunk was, and the header read must say so
+(:meth:`ValueStoreTier._read_into`); ``get_layers`` reads a layer range where the store reads
+ranges. Every call is bounded by the store client's timeout and
 feeds the circuit breaker shared with the fsspec tier (:class:`~.value_io.ValueIO`). The store's
 own eviction, a restart that lost its data, or a value refused because the store is full are all
 misses or dropped stores, never errors. Credentials never reach a log line or ``stats``.
@@ -27,12 +30,12 @@ from kvplug.errors import ChunkFormatError, ChunkVersionError
 from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.keys import CacheKey
 from kvplug.logs import LogOnce
-from kvplug.memory import MemoryObj, MemoryObjMeta
+from kvplug.memory import MemoryFormat, MemoryObj, MemoryObjMeta
 from kvplug.pins import PinCounts
 from pydantic import ByteSize, ConfigDict, Field, field_validator
 
 from .breaker import CircuitBreaker
-from .chunks import HeaderCache, copy_verified, layer_range
+from .chunks import HeaderCache, Layout, copy_verified, layer_range
 from .index import CapacityIndex, TTLSet
 from .pinned import PinnedStore
 from .value_io import ValueIO
@@ -40,6 +43,8 @@ from .value_writer import ValueWriter
 
 logger = logging.getLogger("kvplug.backends.values")
 _NAME_CACHE = 65536
+#: Values of another layout in a row after which a smaller chunk's layout replaces the current.
+LAYOUT_PATIENCE = 8
 
 
 class ValueStoreOptions(BaseOptions):
@@ -95,9 +100,14 @@ class ValueStoreTier(PinnedStore):
         self._lock = threading.Lock()  # pins, negative cache, counters
         self._pins: PinCounts[str] = PinCounts()
         self._headers = HeaderCache()
+        #: The last chunk's layout, where the store reads in pieces into L1's pool (reads go
+        #: straight into memory objects laid out so; see :meth:`_read_into`).
+        self._layout: Layout | None = None
+        self._missed = 0  # values of another layout since the last read in place
+        self._into_pool = self.io.reads_into and bool(ctx.memory_regions())
         self._absent = TTLSet(opts.negative_cache_s)
         self._counts = dict.fromkeys(("corrupt", "other_version", "negative_hits", "vanished",
-                                      "bytes_got"), 0)
+                                      "bytes_got", "reads_in_place", "layout_misses"), 0)
         self._names: dict[CacheKey, str] = {}
         self._index = CapacityIndex(int(opts.capacity) if opts.capacity is not None else None)
         self._writer = ValueWriter(
@@ -161,8 +171,25 @@ class ValueStoreTier(PinnedStore):
     # -- load -----------------------------------------------------------------------------------
     @hookimpl
     def get(self, key: CacheKey) -> MemoryObj | None:
+        if self._layout is not None:
+            return self.batched_get([key])[0]
         name = self.name_of(key)
-        data = self.io.get(name)
+        return self._load(key, name, self.io.get(name))
+
+    @hookimpl
+    def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        names = [self.name_of(k) for k in keys]
+        out: list[MemoryObj | None] = []
+        if self._into_pool and self._layout is None and keys:  # one read whole tells it
+            out.append(self._load(keys[0], names[0], self.io.get(names[0])))
+        i = len(out)
+        if self._layout is not None:
+            return out + self._read_into(keys[i:], names[i:], self._layout)
+        values = self.io.get_many(names[i:])
+        return out + [self._load(k, n, v) for k, n, v in zip(keys[i:], names[i:], values)]
+
+    def _load(self, key: CacheKey, name: str, data: bytes | memoryview | None) -> MemoryObj | None:
+        """The verified chunk of one value read whole (``None``: missing or unavailable)."""
         if data is None:
             return None if self.breaker.is_open else self._miss(name)
         view = memoryview(data)
@@ -173,9 +200,107 @@ class ValueStoreTier(PinnedStore):
             self._corrupt(name, "the value holds another key")
             return None
         self._remember(name, header)
+        if self._into_pool:
+            self._learn(header)
         obj = self._fill(name, header, header.meta, view, 0, header.num_layers, base=0)
         if obj is not None:
             self._count("bytes_got", len(data))
+        return obj
+
+    def _learn(self, header: cf.ChunkHeader) -> None:
+        """Read the next chunks by ``header``'s layout unless the current one is of larger
+        chunks that still fit (a request's last chunk is often partial, and its next load
+        starts with full ones again). Encoded chunks differ in size: no layout reads them."""
+        if header.fmt is MemoryFormat.ENCODED:
+            self._layout = None
+        elif (self._layout is None or header.file_size >= self._layout.size
+              or self._missed >= LAYOUT_PATIENCE):  # the chunks did get smaller
+            self._layout = Layout.of(header)
+            self._missed = 0
+
+    def _read_into(self, keys: Sequence[CacheKey], names: list[str],
+                   layout: Layout) -> list[MemoryObj | None]:
+        """Each chunk read straight into a memory object laid out as the last chunk was (a
+        store that reads in pieces: no copy), then checked: the header read must describe that
+        layout and this key, every layer its checksum. A value laid out otherwise is read again
+        whole (:meth:`_load`); a missing one is a miss; a damaged one is deleted."""
+        n = len(keys)
+        out: list[MemoryObj | None] = [None] * n
+        objs: list[MemoryObj | None] = [None] * n
+        for i in range(n):
+            obj = self._allocate(layout.meta.shape, layout.meta.dtype, layout.meta.fmt,
+                                 layout.meta.num_tokens)
+            if obj is not None and not self.io.registered(obj.tensor.data_ptr(), obj.nbytes):
+                obj.ref_down()  # outside registered memory (a heap fallback): read whole
+                obj = None
+            objs[i] = obj
+        direct = [i for i in range(n) if objs[i] is not None]
+        hb, gap = layout.header_bytes, layout.stride - layout.layer_nbytes
+        sizes: list[int | bytearray | None] = []
+        if direct:
+            scratch = self.io.scratch(len(direct) * hb + gap)
+            base = scratch.ctypes.data
+            pieces = [layout.pieces(objs[i].tensor.data_ptr(), base + j * hb,
+                                    base + len(direct) * hb) for j, i in enumerate(direct)]
+            sizes = self.io.get_into_many([names[i] for i in direct], pieces)
+        again = [i for i in range(n) if objs[i] is None]
+        for j, (i, size) in enumerate(zip(direct, sizes)):
+            obj, objs[i] = objs[i], None
+            if size is None or size != layout.size:
+                obj.ref_down()
+                if size is None:
+                    if not self.breaker.is_open:
+                        self._miss(names[i])
+                    continue
+                self._count("layout_misses")
+                self._missed += 1
+                if isinstance(size, int):
+                    again.append(i)  # another layout: read it whole
+                else:
+                    out[i] = self._load(keys[i], names[i], size)  # read whole already
+                continue
+            out[i] = self._check_read(keys[i], names[i], obj, layout,
+                                      memoryview(scratch)[j * hb : (j + 1) * hb], again, i)
+        for i in sorted(again):
+            if not self.breaker.is_open:
+                out[i] = self._load(keys[i], names[i], self.io.get(names[i]))
+        return out
+
+    def _check_read(self, key: CacheKey, name: str, obj: MemoryObj, layout: Layout,
+                    head: memoryview, again: list[int], i: int) -> MemoryObj | None:
+        """``obj`` once the header read says it holds ``key``'s layers as ``layout`` placed
+        them and every layer matches its checksum; else released (``None``, or ``i`` appended
+        to ``again`` when the value is laid out otherwise)."""
+        try:
+            if cf.header_size(head[:8]) != layout.header_bytes:
+                obj.ref_down()
+                again.append(i)  # a longer or shorter header: another layout
+                self._count("layout_misses")
+                self._missed += 1
+                return None
+        except ChunkFormatError as exc:
+            obj.ref_down()
+            self._corrupt(name, str(exc))
+            return None
+        header = self._parse(name, lambda off, k: head[off : off + k], layout.size)
+        if header is None or header.key != key or not layout.fits(header):
+            obj.ref_down()
+            if header is not None and header.key != key:
+                self._corrupt(name, "the value holds another key")
+            elif header is not None:
+                again.append(i)
+                self._count("layout_misses")
+                self._missed += 1
+            return None
+        obj.meta = header.meta  # the same shape; its own token count
+        if not cf.verify_layers(header, 0, obj.byte_view.numpy().data):
+            obj.ref_down()
+            self._corrupt(name, f"a checksum of layers 0..{header.num_layers - 1} mismatches")
+            return None
+        self._remember(name, header)
+        self._count("bytes_got", layout.size)
+        self._count("reads_in_place")
+        self._missed = 0
         return obj
 
     @hookimpl

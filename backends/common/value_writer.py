@@ -187,8 +187,10 @@ class ValueWriter:
         encoding a value costs one copy into memory already touched (no fresh allocation and
         page faults per value)."""
         buf = getattr(self._local, "scratch", None)
-        if buf is None or len(buf) < size:
-            buf = self._local.scratch = memoryview(bytearray(size + size // 4))
+        if buf is None or len(buf) < size:  # sized for a whole batch at once: made (and, where
+            # the store sends from registered memory, registered) once per thread
+            want = max(size, self._batch_bytes)
+            buf = self._local.scratch = self._io.new_buffer(want + want // 4)
         return buf
 
     def _encode(self, batch: list[Item]) -> list[tuple[str, bytes | memoryview]]:

@@ -61,4 +61,5 @@ class MooncakeBackend(ValueStoreTier):
     def open_io(self, ctx: TierContext, breaker: CircuitBreaker) -> tuple[ValueIO, str]:
         opts: MooncakeBackend.Options = ctx.options
         shown = f"mooncake://{opts.master} ({opts.protocol})"
-        return MooncakeIO(ctx.name, opts, breaker, Redactor(opts.master, {})), shown
+        return MooncakeIO(ctx.name, opts, breaker, Redactor(opts.master, {}),
+                          ctx.memory_regions), shown

@@ -5,9 +5,12 @@ etcd), so a master that is down when the tier starts is an outage like any other
 not a startup failure. Mooncake reads its time limits from the environment: ``MC_RPC_TIMEOUT_MS``
 and ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (set from ``timeout_s`` unless already set — they are
 process-wide) and ``MC_STORE_CLIENT_SETUP_RETRIES`` (``setup_retries``; its default would retry
-for 90 s). Loads go into a registered buffer of the calling thread (``get_into``: no copy inside
-the client), sized by ``get_size`` first, whose error code tells a missing object (-704) from an
-unreachable master (-900 and below), which a plain ``get`` (``b''`` for both) cannot.
+for 90 s). The client registers L1's pool (``ctx.memory_regions``) and its own buffers: loads go in
+pieces straight into memory objects (``batch_get_into_multi_buffers``: the header into scratch
+memory, the layers into the object, no copy) or whole into a thread's buffer, and stores go from
+the writer threads' registered encoding buffers (``batch_upsert_from``). Error codes tell a
+missing object (-704) from an unreachable master (-900 and below), which a plain ``get`` (``b''``
+for both) cannot.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,10 +47,14 @@ def _store_class() -> Any:
 
 
 class MooncakeIO(ValueIO):
-    """Mooncake Store's primitives: batch existence, sized reads into registered memory, batch
-    upserts (``put`` would keep an older value), batch removes."""
+    """Mooncake Store's primitives: batch existence, reads in pieces into registered memory
+    (L1's pool, this thread's buffers), batch upserts from registered memory (``put`` would keep
+    an older value), batch removes."""
 
-    def __init__(self, name: str, opts: Any, breaker: CircuitBreaker, redact: Redactor) -> None:
+    reads_into = True
+
+    def __init__(self, name: str, opts: Any, breaker: CircuitBreaker, redact: Redactor,
+                 memory_regions: Callable[[], list[tuple[int, int]]] = list) -> None:
         super().__init__(name, breaker, redact)
         self._opts = opts
         self._cls = _store_class()
@@ -57,7 +64,9 @@ class MooncakeIO(ValueIO):
         self._store: Any = None
         self._store_lock = threading.Lock()
         self._local = threading.local()
-        self._slabs: list[np.ndarray] = []  # every registered buffer (kept alive, unregistered)
+        self._memory_regions = memory_regions
+        self._buffers: list[np.ndarray] = []  # this client's own buffers (kept alive)
+        self._regions: list[tuple[int, int]] = []  # registered [start, end)
 
     def store(self) -> Any:
         with self._store_lock:
@@ -69,7 +78,39 @@ class MooncakeIO(ValueIO):
                 if rc != 0:
                     raise MooncakeError(f"setup against master {o.master} failed ({rc})")
                 self._store = store
+                # L1's pool (reads land in it) and buffers made before the client was set up.
+                for address, nbytes in self._memory_regions():
+                    self._register(address, nbytes)
+                for buf in self._buffers:
+                    self._register(buf.ctypes.data, buf.nbytes)
             return self._store
+
+    def _register(self, address: int, nbytes: int) -> None:
+        """Register memory with the client (``_store_lock`` held, client set up); memory that
+        fails to register is used through copies instead."""
+        if self._store.register_buffer(address, nbytes) == 0:
+            self._regions.append((address, address + nbytes))
+
+    def _own(self, nbytes: int) -> np.ndarray:
+        """A buffer of this client's, registered once the client is set up."""
+        buf = np.empty(nbytes, dtype=np.uint8)
+        with self._store_lock:
+            self._buffers.append(buf)
+            if self._store is not None:
+                self._register(buf.ctypes.data, buf.nbytes)
+        return buf
+
+    def registered(self, address: int, nbytes: int) -> bool:
+        return any(a <= address and address + nbytes <= b for a, b in self._regions)
+
+    def new_buffer(self, nbytes: int) -> memoryview:
+        return memoryview(self._own(nbytes))
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._local.scratch = self._own(max(nbytes, 1 << 16))
+        return buf
 
     @staticmethod
     def _check(code: int, what: str) -> None:
@@ -77,22 +118,16 @@ class MooncakeIO(ValueIO):
             raise MooncakeError(f"{what} failed ({code})")
 
     def _exists(self, names: Sequence[str]) -> list[bool | None]:
-        codes = self.store().batch_is_exist(list(names))
-        for c in codes:
-            self._check(c, "batch_is_exist")
+        codes = self.store().batch_is_exist(names if isinstance(names, list) else list(names))
+        if min(codes, default=0) <= RPC_FAILED:
+            self._check(min(codes), "batch_is_exist")
         return [True if c == 1 else False if c == 0 else None for c in codes]
 
     def _slab(self, store: Any, size: int) -> np.ndarray:
-        """This thread's registered read buffer, grown to ``size`` bytes when needed."""
+        """This thread's read buffer for whole values, grown to ``size`` bytes when needed."""
         slab = getattr(self._local, "slab", None)
         if slab is None or slab.nbytes < size:
-            slab = np.empty(1 << max(22, (size - 1).bit_length()), dtype=np.uint8)
-            rc = store.register_buffer(slab.ctypes.data, slab.nbytes)
-            if rc != 0:
-                raise MooncakeError(f"register_buffer of {slab.nbytes} bytes failed ({rc})")
-            with self._store_lock:
-                self._slabs.append(slab)
-            self._local.slab = slab
+            slab = self._local.slab = self._own(1 << max(22, (size - 1).bit_length()))
         return slab
 
     def _get(self, name: str) -> memoryview | None:
@@ -117,8 +152,39 @@ class MooncakeIO(ValueIO):
             return None  # removed or evicted since get_size
         return memoryview(slab)[:n]
 
+    def _get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        out = []
+        for name in names:  # each read reuses the thread's buffer: keep a copy
+            view = self._get(name)
+            out.append(None if view is None else bytes(view))
+        return out
+
+    def _get_into_many(self, names: Sequence[str],
+                       pieces: Sequence[Sequence[tuple[int, int]]]) -> list[int | None]:
+        codes = self.store().batch_get_into_multi_buffers(
+            list(names), [[a for a, _ in p] for p in pieces], [[n for _, n in p] for p in pieces])
+        out: list[int | None] = []
+        for code, p in zip(codes, pieces):
+            if code >= 0:
+                out.append(code if code == sum(n for _, n in p) else -1)
+            elif code == OBJECT_NOT_FOUND:
+                out.append(None)
+            else:  # -600 (pieces too small), -800 (too large): another size; outages raise
+                self._check(code, "batch_get_into_multi_buffers")
+                out.append(-1)
+        return out
+
     def _set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None]:
-        rc = self.store().upsert_batch([n for n, _ in items], [v for _, v in items])
+        store = self.store()
+        names = [n for n, _ in items]
+        where = [_address(v) for _, v in items]
+        if all(a is not None and self.registered(a, len(v)) for a, (_, v) in zip(where, items)):
+            codes = store.batch_upsert_from(names, where, [len(v) for _, v in items])
+            for c in codes:
+                self._check(c, "batch_upsert_from")
+            return [None if c == 0 else StoreRefused(f"batch_upsert_from refused ({c}: full or "
+                                                     "too large)") for c in codes]
+        rc = store.upsert_batch(names, [v for _, v in items])
         if rc == 0:
             return [None] * len(items)
         self._check(rc, "upsert_batch")
@@ -131,14 +197,22 @@ class MooncakeIO(ValueIO):
     def close(self) -> None:
         with self._store_lock:
             store, self._store = self._store, None
-            slabs, self._slabs = self._slabs, []
+            regions, self._regions = self._regions, []
+            self._buffers = []
         if store is not None:
-            for slab in slabs:
+            for address, _ in regions:
                 try:
-                    store.unregister_buffer(slab.ctypes.data)
+                    store.unregister_buffer(address)
                 except Exception:  # noqa: BLE001, S110 - closing anyway
                     pass
             try:
                 store.close()
             except Exception:  # noqa: BLE001, S110 - a master that is gone
                 pass
+
+
+def _address(value: Any) -> int | None:
+    """The address of a writable buffer's bytes (``None`` for bytes: never registered)."""
+    if not isinstance(value, memoryview) or value.readonly:
+        return None
+    return np.frombuffer(value, dtype=np.uint8).ctypes.data

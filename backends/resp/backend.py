@@ -82,4 +82,5 @@ class RespBackend(ValueStoreTier):
                                          backoff_s=opts.breaker_backoff_s,
                                          max_backoff_s=opts.breaker_max_backoff_s)
         return ClusterRespIO(ctx.name, make, breaker, redact, shown=shown,
-                             client_cert="ssl_certfile" in tls, node_breaker=node_breaker), shown
+                             client_cert="ssl_certfile" in tls, node_breaker=node_breaker,
+                             cluster=True), shown

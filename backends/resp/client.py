@@ -23,15 +23,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
 from kvplug.errors import ConfigError
 
 from ..common.breaker import CircuitBreaker
 from ..common.redact import Redactor
 from ..common.value_io import ValueIO
+from .replies import BulkReader, ProtocolError
 
 SCHEMES = ("redis", "rediss", "unix")
 #: The tier's TLS options, passed to redis-py as they are (paths to PEM files).
 TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+#: Values longer than this are sent as they are, not copied into a packed command.
+LARGE_VALUE = 64 << 10
 logger = logging.getLogger("kvplug.backends.resp")
 
 
@@ -148,13 +152,37 @@ def open_client(url: str, *, cluster: bool, password: str | None, timeout_s: flo
 
 
 def _packer() -> Any:
-    """redis-py's pure-Python command packer: it hands a large value to the socket as it is
-    (``sendall`` of the caller's buffer), where the hiredis packer (redis-py's default when
-    hiredis is installed) copies it twice (``bytes(memoryview)``, then into the packed command).
-    Replies are still parsed by hiredis. (A cluster client takes no packer: redis-py's default.)"""
-    from redis.connection import Encoder, PythonRespSerializer
+    """Commands packed by hiredis (redis-py's default with hiredis, fast for the many small
+    commands of a lookup), except those carrying a large value: redis-py's pure-Python packer
+    hands such a value to the socket as it is (``sendall`` of the caller's buffer), where hiredis
+    copies it twice (``bytes(memoryview)``, then into the packed command). Replies are parsed by
+    hiredis either way. (A cluster client takes no packer: redis-py's default.)"""
+    from redis.connection import Encoder, HiredisRespSerializer, PythonRespSerializer
 
-    return PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    small, large = HiredisRespSerializer(), PythonRespSerializer(
+        6000, Encoder("utf-8", "strict", False).encode)
+
+    class Packer:
+        def pack(self, *args: Any) -> list:
+            big = any(isinstance(a, (bytes, bytearray, memoryview)) and len(a) > LARGE_VALUE
+                      for a in args)
+            return (large if big else small).pack(*args)
+
+    try:
+        import hiredis  # noqa: F401 - redis-py's hiredis packer needs it
+    except ImportError:
+        return large
+    return Packer()
+
+
+def _packed(command: str, names: Sequence[str]) -> bytes:
+    """``command name`` for each name, packed as RESP arrays (one pipeline)."""
+    head = f"*2\r\n${len(command)}\r\n{command}\r\n".encode()
+    parts = []
+    for name in names:
+        raw = name.encode()
+        parts += [head, b"$%d\r\n" % len(raw), raw, b"\r\n"]
+    return b"".join(parts)
 
 
 def display_url(url: str) -> str:
@@ -171,8 +199,12 @@ class RespIO(ValueIO):
     type) means the store answered: the value is refused, the breaker is not told."""
 
     def __init__(self, name: str, make_client: Callable[[], Any], breaker: CircuitBreaker,
-                 redact: Redactor, shown: str = "", client_cert: bool = False) -> None:
+                 redact: Redactor, shown: str = "", client_cert: bool = False,
+                 cluster: bool = False) -> None:
         super().__init__(name, breaker, redact)
+        #: A standalone server's replies are read in place (a cluster's go through redis-py).
+        self.reads_into = not cluster
+        self._local = threading.local()
         self._make = make_client
         self._shown = shown  # the URL for log lines (no credentials)
         self._client_cert = client_cert
@@ -206,12 +238,54 @@ class RespIO(ValueIO):
         return pipe.execute(raise_on_error=False)
 
     def _exists(self, names: Sequence[str]) -> list[bool | None]:
+        if self.reads_into:  # standalone: one round trip packed and parsed here
+            return self._raw(_packed("EXISTS", names),
+                             lambda replies: [replies.integer() for _ in names])
         replies = self._pipeline(lambda p: [p.exists(n) for n in names])
         return [None if isinstance(r, Exception) else bool(r) for r in replies]
 
     def _get(self, name: str) -> bytes | None:
         reply = self._pipeline(lambda p: p.get(name))[0]
         return reply if isinstance(reply, bytes) else None
+
+    def _get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        replies = self._pipeline(lambda p: [p.get(n) for n in names])
+        return [r if isinstance(r, bytes) else None for r in replies]
+
+    def registered(self, address: int, nbytes: int) -> bool:
+        return True  # a socket receives into any memory
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._local.scratch = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)
+        return buf
+
+    def _raw(self, payload: bytes, read: Callable[[BulkReader], list]) -> list:
+        """Send ``payload`` (packed commands) on a connection of the client's pool and ``read``
+        the replies straight off its socket (:class:`~.replies.BulkReader`). A failure part way
+        drops the connection (its stream is out of step), then raises."""
+        pool = self.client().connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command([payload])
+            replies = BulkReader(conn._sock)  # redis-py's socket once connected
+            out = read(replies)
+            if not replies.drained():
+                raise ProtocolError("more bytes than the replies of the pipeline")
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        return out
+
+    def _get_into_many(self, names: Sequence[str], pieces: Sequence[Sequence[tuple[int, int]]]
+                       ) -> list[int | bytearray | None]:
+        """One pipelined round trip of ``GET``s whose replies are received straight into the
+        pieces (a value of another size: whole, returned)."""
+        return self._raw(_packed("GET", names),
+                         lambda replies: [replies.bulk_into(p) for p in pieces])
 
     def _get_range(self, name: str, start: int, end: int) -> bytes | None:
         reply = self._pipeline(lambda p: p.getrange(name, start, end - 1))[0]

@@ -94,6 +94,10 @@ class ClusterRespIO(RespIO):
         return self._per_node([name], lambda _idx: [super(ClusterRespIO, self)._get(name)],
                               lambda _node: None)[0]
 
+    def _get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        return self._per_node(names, lambda idx: super(ClusterRespIO, self)._get_many(
+            [names[i] for i in idx]), lambda _node: None)
+
     def _get_range(self, name: str, start: int, end: int) -> bytes | None:
         return self._per_node([name], lambda _idx: [
             super(ClusterRespIO, self)._get_range(name, start, end)], lambda _node: None)[0]

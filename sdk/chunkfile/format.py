@@ -28,6 +28,7 @@ layer checksums cover the encoded bytes, so a damaged payload is caught before a
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from collections.abc import Sequence
@@ -160,6 +161,33 @@ def check_layer_range(header: ChunkHeader, first_layer: int, num_layers: int) ->
         )
 
 
+#: How every header's JSON starts: the metadata object comes first (then the tensor table).
+_BODY_OPEN = '{"__metadata__":'
+_JSON = json.JSONDecoder()
+
+
+@functools.lru_cache(maxsize=256)
+def _tensor_table(layers: int, blocks: int, page_bytes: int) -> str:
+    """The JSON after a header's metadata: the tensor entries and the closing brace (the same
+    for every chunk of one layout, so it is built once per layout)."""
+    layer_nbytes = blocks * page_bytes
+    stride = align_up(layer_nbytes)
+    tensors: dict[str, object] = {}
+    for i in range(layers):
+        base = i * stride
+        tensors[f"layer.{i}"] = {
+            "dtype": "U8", "shape": [blocks, page_bytes],
+            "data_offsets": [base, base + layer_nbytes],
+        }
+        if stride != layer_nbytes:
+            tensors[f"_pad.{i}"] = {
+                "dtype": "U8", "shape": [stride - layer_nbytes],
+                "data_offsets": [base + layer_nbytes, base + stride],
+            }
+    table = json.dumps(tensors, separators=(",", ":"))  # "{...}": its entries follow a comma
+    return ("," + table[1:]) if tensors else "}"
+
+
 def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str]) -> bytes:
     """The padded header (length prefix + JSON) of a chunk holding ``meta``'s bytes."""
     if meta.dtype not in _DTYPE_NAMES:
@@ -171,8 +199,6 @@ def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str]) 
     layers, blocks, page_bytes = chunk_layout(meta)
     if len(checksums) != layers:
         raise ValueError(f"{len(checksums)} checksums for {layers} layers")
-    layer_nbytes = blocks * page_bytes
-    stride = align_up(layer_nbytes)
     metadata = {
         _HDR_CK_FIELD: _ZERO_CK,
         "format": FORMAT_NAME,
@@ -189,19 +215,8 @@ def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str]) 
         "checksum_algo": CHECKSUM_ALGO,
         "checksums": json.dumps(list(checksums)),
     }
-    tensors: dict[str, object] = {"__metadata__": metadata}
-    for i in range(layers):
-        base = i * stride
-        tensors[f"layer.{i}"] = {
-            "dtype": "U8", "shape": [blocks, page_bytes],
-            "data_offsets": [base, base + layer_nbytes],
-        }
-        if stride != layer_nbytes:
-            tensors[f"_pad.{i}"] = {
-                "dtype": "U8", "shape": [stride - layer_nbytes],
-                "data_offsets": [base + layer_nbytes, base + stride],
-            }
-    body = json.dumps(tensors, separators=(",", ":")).encode()
+    meta_json = json.dumps(metadata, separators=(",", ":"))
+    body = (_BODY_OPEN + meta_json + _tensor_table(layers, blocks, page_bytes)).encode()
     total = align_up(8 + len(body))
     raw = bytearray(struct.pack("<Q", total - 8) + body + b" " * (total - 8 - len(body)))
     digest = checksum(raw).encode()
@@ -267,6 +282,21 @@ def _json_list(meta: dict[str, str], name: str) -> list:
     return value
 
 
+def _metadata(raw: bytes) -> object:
+    """The ``__metadata__`` object of a header. Only the metadata is parsed when the JSON starts
+    as every writer starts it: the rest (the tensor table, the padding) is checked byte for byte
+    against the canonical encoding by :func:`decode_header` anyway. Anything else is parsed
+    whole (and then fails that comparison, with the parser's own message on bad JSON)."""
+    try:
+        text = raw[8:].decode("utf-8")
+        if text.startswith(_BODY_OPEN):
+            return _JSON.raw_decode(text, len(_BODY_OPEN))[0]
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # RecursionError: deeply nested JSON
+        raise ChunkFormatError(f"header is not valid JSON: {exc}") from None
+    return doc.get("__metadata__") if isinstance(doc, dict) else None
+
+
 def decode_header(prefix: bytes | memoryview, file_size: int | None = None) -> ChunkHeader:
     """Parse and check a chunk header from the file's leading bytes (at least
     :func:`header_size` of them). Raises :class:`ChunkFormatError` on anything wrong: length,
@@ -278,11 +308,7 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None) -> C
     if file_size is not None and file_size < total:
         raise ChunkFormatError(f"file of {file_size} bytes is shorter than its header ({total})")
     raw = bytes(prefix[:total])
-    try:
-        doc = json.loads(raw[8:])
-    except (ValueError, RecursionError) as exc:  # RecursionError: deeply nested JSON
-        raise ChunkFormatError(f"header is not valid JSON: {exc}") from None
-    meta = doc.get("__metadata__") if isinstance(doc, dict) else None
+    meta = _metadata(raw)
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ChunkFormatError("header has no string-valued __metadata__")
     if meta.get("format") != FORMAT_NAME:

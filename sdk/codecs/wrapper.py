@@ -7,8 +7,9 @@ free and no backend knows about them.
   it like any other object; a chunk-file tier records the codec in the header). The wrapper drops
   its own reference after the call: a backend keeps what it ``ref_up``'d. A chunk the codec does
   not handle (e.g. ``fp8`` on an already-fp8 cache) is stored raw, with one log line.
-* ``get`` / ``get_layers``: an ``ENCODED`` object from the backend is decoded into memory from the
-  manager's ``allocate`` (L1's pool, so promotion stays zero-copy) and the encoded one released.
+* ``get`` / ``batched_get`` / ``get_layers``: an ``ENCODED`` object from the backend is decoded
+  into memory from the manager's ``allocate`` (L1's pool, so promotion stays zero-copy) and the
+  encoded one released.
   Wrong codec metadata, a truncated or corrupt payload, or a codec that is not installed here is
   a miss (``None``) with one log line per kind, never wrong bytes. A plain ``KV_PAGES`` object
   (stored before the codec was configured) passes through.
@@ -137,6 +138,13 @@ class CodecWrapper:
     def get(self, key):  # noqa: ANN001 - signature fixed by the spec
         obj = yield
         return self.decode(key, obj, 0)
+
+    @hookimpl(wrapper=True)
+    def batched_get(self, keys):  # noqa: ANN001 - signature fixed by the spec
+        objs = yield
+        if objs is None or len(objs) != len(keys):
+            return objs  # the StorageManager treats it as a fault (and releases the objects)
+        return [self.decode(k, o, 0) for k, o in zip(keys, objs)]
 
     @hookimpl(wrapper=True)
     def get_layers(self, key, first_layer, num_layers):  # noqa: ANN001

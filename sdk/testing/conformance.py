@@ -231,6 +231,35 @@ class BackendConformance:
         corrupt_entry(manager, make_key(9))
         assert manager.get(make_key(9)) is None, "a corrupt entry was returned"
 
+    def test_batched_get_answers_like_get(self, manager, corrupt_entry):
+        """``StorageManager.batched_get`` (the connector's loads; a tier's own ``batched_get``
+        hook where it has one) gives each key's bytes in order, ``None`` for a key never stored
+        and for a damaged entry, over more keys than one batched call takes."""
+        n = 20
+        data = {}
+        for i in range(n):
+            obj = fill_random(manager, seed=100 + i)
+            data[i] = _bytes(obj)
+            self._put(manager, [make_key(100 + i)], [obj])
+            obj.ref_down()
+        damaged = None
+        if corrupt_entry is not None:
+            damaged = 7
+            corrupt_entry(manager, make_key(100 + damaged))
+        keys = [make_key(100 + i) for i in range(n)]
+        keys.insert(3, make_key(404))  # never stored
+        got = manager.batched_get(keys)
+        assert len(got) == len(keys)
+        assert got[3] is None, "a key never stored was returned"
+        got = got[:3] + got[4:]
+        for i, obj in enumerate(got):
+            if i == damaged:
+                assert obj is None, "a corrupt entry was returned by batched_get"
+                continue
+            assert obj is not None, f"stored chunk {i} was not found by batched_get"
+            assert torch.equal(obj.byte_view, data[i]), f"batched_get gave chunk {i} other bytes"
+            obj.ref_down()
+
     def test_encoded_chunks_round_trip_through_a_codec(self, make_tiers):
         """With ``codec:`` on the tier, the backend stores ``ENCODED`` objects and gives back
         their shape, dtype and format (whole and by layer), so the codec wrapper decodes them
@@ -262,6 +291,11 @@ class BackendConformance:
                     f"tier {name!r} gave back {got.meta}: keep the ENCODED object's meta")
                 assert torch.equal(got.byte_view, want)
                 got.ref_down()
+                mgr.evict([key], tiers=[n for n in mgr.tier_names if n != name])
+                both = mgr.batched_get([key, make_key(404)])
+                assert both[1] is None and both[0] is not None and torch.equal(
+                    both[0].byte_view, want), f"tier {name!r}: batched_get of an encoded chunk"
+                both[0].ref_down()
                 if mgr.reads_layers(name):
                     part = mgr.get_layers(key, 1, 1, tier=name)
                     assert part is not None and torch.equal(part.byte_view, want[8192:16384])

@@ -1,0 +1,133 @@
+"""The resp tier's reads in place (pipelined ``GET`` replies received straight into L1's pool,
+:mod:`kvplug.backends.resp.replies`) against a real redis-server started by the test: the checks
+shared with mooncake (tests/in_place_reads.py), a server that hangs in the middle of a read
+(the connection is dropped, never reused out of step) and a reply stream the reader refuses."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import in_place_reads
+import pytest
+import torch
+from kvplug.storage_manager import StorageManager
+from kvplug.testing.conformance import make_key
+from redis_server import redis_server  # noqa: F401 - fixture
+from tier_workload import HANG
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def tier(url: str, **opts) -> dict:
+    return {"backend": "resp", "timeout_s": 5.0, "options": {
+        "url": url, "timeout_s": 0.5, "negative_cache_s": 0, "breaker_threshold": 2,
+        "breaker_backoff_s": 0.2, "breaker_max_backoff_s": 0.5, **opts}}
+
+
+def test_reads_land_in_the_pool_checked(redis_server):  # noqa: F811 - fixture
+    in_place_reads.reads_land_in_the_pool_checked(lambda: tier(redis_server.url))
+
+
+def test_damaged_short_or_vanished_values_are_misses(redis_server):  # noqa: F811 - fixture
+    in_place_reads.damaged_short_or_vanished_values_are_misses(lambda: tier(redis_server.url))
+
+
+def test_server_hung_in_the_middle_of_a_read_then_exact_again(redis_server):  # noqa: F811
+    """SIGSTOP while a pipelined read of 16 MiB streams into the pool: bounded misses (the
+    socket timeout), the half-read connection is dropped; after SIGCONT every chunk is exact."""
+    writer = StorageManager({"tiers": [tier(redis_server.url)], "chunk_size": 16})
+    reader = StorageManager({"tiers": [in_place_reads.L1, tier(redis_server.url)],
+                             "chunk_size": 16})
+    try:
+        refs = in_place_reads._store(writer, {i: (4, 4, 1 << 18) for i in range(5)})  # 4 MiB
+        keys = [make_key(i) for i in range(5)]
+        first = reader.get(keys[0], promote=False)  # teaches the layout
+        assert first is not None
+        first.ref_down()
+        stop = threading.Timer(0.002, redis_server.pause)
+        stop.start()
+        t0 = time.monotonic()
+        got = reader.batched_get(keys[1:])
+        took = time.monotonic() - t0
+        stop.join()
+        redis_server.resume()
+        assert took < HANG
+        for i, g in enumerate(got, start=1):  # stopped before, during or after the read:
+            if g is not None:  # whatever came back is exact
+                assert torch.equal(g.byte_view, refs[i]), f"chunk {i} differs"
+                g.ref_down()
+        reader.evict(keys, tiers=["l1"])
+        deadline = time.monotonic() + 30
+        while True:
+            got = reader.batched_get(keys)
+            if all(g is not None for g in got):
+                break
+            for g in got:
+                if g is not None:
+                    g.ref_down()
+            assert time.monotonic() < deadline, reader.stats()["resp"]
+            time.sleep(0.3)
+        for i, g in enumerate(got):
+            assert torch.equal(g.byte_view, refs[i]), f"chunk {i} differs after the hang"
+            g.ref_down()
+        assert reader.stats()["resp"]["corrupt"] == 0
+    finally:
+        redis_server.resume()
+        reader.close()
+        writer.close()
+
+
+def test_bulk_reader_places_values_and_refuses_what_is_not_a_get_reply():
+    """Over a real socket pair: a value of the expected length lands in its pieces (split across
+    the reader's line reads), another length is received whole and the stream stays in step, a
+    nil or an error reply is ``None``; ``EXISTS`` replies read as hits and misses; a reply of
+    another kind raises."""
+    import numpy as np
+    from kvplug.backends.resp.replies import BulkReader, ProtocolError
+
+    a, b = socket.socketpair()
+    b.settimeout(HANG)  # only turns a hang into a failure
+    try:
+        value = np.random.default_rng(1).integers(0, 256, 5000, dtype=np.uint8).tobytes()
+        a.sendall(b"$5000\r\n" + value + b"\r\n$3\r\nabc\r\n$-1\r\n_\r\n-WRONGTYPE x\r\n"
+                  + b"$5000\r\n" + value + b"\r\n")
+        dest = np.full(5000, 0xAB, dtype=np.uint8)
+        head = np.full(100, 0xAB, dtype=np.uint8)
+        pieces = [(head.ctypes.data, 100), (dest.ctypes.data + 100, 4900)]
+        reader = BulkReader(b)
+        assert reader.bulk_into(pieces) == 5000
+        assert head.tobytes() == value[:100] and dest[100:].tobytes() == value[100:]
+        assert [reader.bulk_into(pieces) for _ in range(4)] == [bytearray(b"abc"), None, None, None]
+        dest[:] = 0
+        head[:] = 0
+        assert reader.bulk_into(pieces) == 5000 and reader.drained()
+        assert head.tobytes() + dest[100:].tobytes() == value
+        a.sendall(b":1\r\n:0\r\n:2\r\n-NOPERM x\r\n")
+        assert [reader.integer() for _ in range(4)] == [True, False, True, None]
+        assert reader.drained()
+        a.sendall(b"$1\r\n")
+        with pytest.raises(ProtocolError):
+            BulkReader(b).integer()
+        for junk in (b"+OK\r\n", b"$12x\r\n", b"$" + b"9" * 80 + b"\r\n", b"$3\r\nabcXY"):
+            a.sendall(junk)
+            with pytest.raises(ProtocolError):
+                BulkReader(b).bulk_into([(head.ctypes.data, 3)])
+            b.setblocking(False)  # discard what is left of the junk
+            try:
+                b.recv(1024)
+            except BlockingIOError:
+                pass
+            b.settimeout(HANG)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_encoded_chunks_are_read_whole(redis_server):  # noqa: F811 - fixture
+    in_place_reads.encoded_chunks_are_read_whole(lambda: tier(redis_server.url))
+
+
+def test_partial_tails_keep_the_layout(redis_server):  # noqa: F811 - fixture
+    in_place_reads.partial_tails_keep_the_layout(lambda: tier(redis_server.url))
