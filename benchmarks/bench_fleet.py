@@ -250,7 +250,7 @@ def _storage_node(master: str, size: str, ready: Any, stop: Any, log: str) -> No
     _stderr_to(log)
     mgr = StorageManager({"tiers": [{"backend": "mooncake", "options": {
         "master": master, "global_segment_size": size, "local_buffer_size": "16MiB"}}]})
-    mgr.backend(0).io.store()  # the client connects (and lends its memory) on first use
+    mgr.backend(0).io.store()  # wait for the client (set up in the background as the tier starts)
     ready.release()
     stop.wait()
     mgr.close()

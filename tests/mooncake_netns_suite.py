@@ -141,3 +141,20 @@ def test_encoded_chunks_are_read_whole(master):
 
 def test_partial_tails_keep_the_layout(master):
     in_place_reads.partial_tails_keep_the_layout(lambda: tier(master))
+
+
+def test_client_set_up_at_start_before_any_call(master):
+    """The client sets up as the tier starts (so an idle engine lends its segment and the first
+    request does not pay the setup), with no call made; then serves exact hits."""
+    mgr = StorageManager({"tiers": [tier(master)], "chunk_size": 16})
+    try:
+        io = mgr.backend(0).io
+        deadline = time.monotonic() + HANG
+        while not io.set_up:
+            assert time.monotonic() < deadline, "the client was not set up at start"
+            time.sleep(0.05)
+        assert _stats(mgr).get("lookups", 0) == 0 and _stats(mgr).get("bytes_put", 0) == 0
+        ref = _put(mgr, 1)
+        assert mgr.flush(timeout=HANG) and _exact(mgr, 1, ref)
+    finally:
+        mgr.close()

@@ -1,20 +1,22 @@
 """The mooncake tier's client: Mooncake Store's Python client, its calls bounded and classified.
 
-The client is set up on first use (``MooncakeDistributedStore.setup`` with the P2P handshake, no
-etcd), so a master that is down when the tier starts is an outage like any other (the breaker),
-not a startup failure. Mooncake reads its time limits from the environment: ``MC_RPC_TIMEOUT_MS``
-and ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (set from ``timeout_s`` unless already set — they are
-process-wide) and ``MC_STORE_CLIENT_SETUP_RETRIES`` (``setup_retries``; its default would retry
-for 90 s). The client registers L1's pool (``ctx.memory_regions``) and its own buffers: loads go in
-pieces straight into memory objects (``batch_get_into_multi_buffers``: the header into scratch
-memory, the layers into the object, no copy) or whole into a thread's buffer, and stores go from
-the writer threads' registered encoding buffers (``batch_upsert_from``). Error codes tell a
-missing object (-704) from an unreachable master (-900 and below), which a plain ``get`` (``b''``
-for both) cannot.
+The client is set up on a background thread as the tier starts (``MooncakeDistributedStore.setup``
+with the P2P handshake, no etcd), so the process lends its segment to the store and the first
+request does not pay the setup, while a master that is down at start is an outage like any other
+(the first call tries again, behind the breaker), not a startup failure. Mooncake reads its time
+limits from the environment: ``MC_RPC_TIMEOUT_MS`` and ``MC_TCP_PROGRESS_TIMEOUT_SEC`` (set from
+``timeout_s`` unless already set — they are process-wide) and ``MC_STORE_CLIENT_SETUP_RETRIES``
+(``setup_retries``; its default would retry for 90 s). The client registers L1's pool
+(``ctx.memory_regions``) and its own buffers: loads go in pieces straight into memory objects
+(``batch_get_into_multi_buffers``: the header into scratch memory, the layers into the object, no
+copy) or whole into a thread's buffer, and stores go from the writer threads' registered encoding
+buffers (``batch_upsert_from``). Error codes tell a missing object (-704) from an unreachable
+master (-900 and below), which a plain ``get`` (``b''`` for both) cannot.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -27,6 +29,8 @@ from kvplug.errors import ConfigError
 from ..common.breaker import CircuitBreaker
 from ..common.redact import Redactor
 from ..common.value_io import StoreRefused, ValueIO
+
+logger = logging.getLogger("kvplug.backends.mooncake")
 
 #: Mooncake's codes: an object that does not exist; codes at or below RPC_FAILED are outages.
 OBJECT_NOT_FOUND = -704
@@ -67,9 +71,27 @@ class MooncakeIO(ValueIO):
         self._memory_regions = memory_regions
         self._buffers: list[np.ndarray] = []  # this client's own buffers (kept alive)
         self._regions: list[tuple[int, int]] = []  # registered [start, end)
+        self._closed = False
+        threading.Thread(target=self._set_up_early, name=f"kvplug-{name}-setup",
+                         daemon=True).start()
+
+    def _set_up_early(self) -> None:
+        """Set the client up now (see the module docstring); a failure waits for the first call."""
+        try:
+            self.store()
+        except Exception as exc:  # noqa: BLE001 - the first call sets up again and reports
+            logger.info("tier %r: Mooncake client not set up at start (%s); the first call "
+                        "tries again", self.name, self.redact.error(exc))
+
+    @property
+    def set_up(self) -> bool:
+        """Whether the client is set up (lending its segment to the store)."""
+        return self._store is not None
 
     def store(self) -> Any:
         with self._store_lock:
+            if self._closed:
+                raise MooncakeError("the tier is closed")
             if self._store is None:
                 o = self._opts
                 store = self._cls()
@@ -196,6 +218,7 @@ class MooncakeIO(ValueIO):
 
     def close(self) -> None:
         with self._store_lock:
+            self._closed = True
             store, self._store = self._store, None
             regions, self._regions = self._regions, []
             self._buffers = []
