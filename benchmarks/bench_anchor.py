@@ -309,6 +309,12 @@ def report(rows: dict[str, dict], args: argparse.Namespace) -> None:
             print(f"kvplug restart / warm: {med([t for t, _ in k['restart']]) / med([t for t, _ in k['warm']]):.2f}x")
 
 
+def _exit_on_term(signum: int, _frame: object) -> None:
+    """SIGTERM (``timeout``, a CI job's end) unwinds like an error: LMCache's server is stopped and
+    the work directory removed (the default action left the server running)."""
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--one"]:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -331,6 +337,7 @@ def main() -> int:
                     "file as it ends (run the configurations in pieces, then --report)")
     ap.add_argument("--report", default="", help="only print the table of a --save file")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, _exit_on_term)
     if args.quick:
         args.prompt_len, args.prompts, args.blocks = 1024, 2, 24
         args.chat_turns, args.pr_prompts, args.pr_prefixes, args.pr_prefix = 2, 8, 4, 1024
