@@ -47,7 +47,6 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -465,9 +464,6 @@ def report(rows: list[dict]) -> None:
             print(f"\nredis-server commands, N={r['clients']} timeout_s={r['timeout_s']:g}: {cmds}")
 
 
-def _in_private_netns() -> bool:
-    return [n for _, n in socket.if_nameindex()] == ["lo"]
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -499,19 +495,11 @@ def main() -> int:
     ap.add_argument("--keep-logs", help="copy the servers' and clients' logs here")
     args = ap.parse_args()
     stores = args.stores.split(",")
-    if "mooncake" in stores and not _in_private_netns():
-        unshare, ip = shutil.which("unshare"), shutil.which("ip")
-        if os.geteuid() != 0 or unshare is None or ip is None:
-            raise SystemExit("the mooncake part runs in a private network namespace (root, unshare "
-                             "and ip); pass --stores resp elsewhere")
-        script = (f"{ip} link set lo up && exec {sys.executable} {os.path.abspath(__file__)} "
-                  + " ".join(f"'{a}'" for a in sys.argv[1:]))
-        os.execv(unshare, [unshare, "-n", "--", "sh", "-c", script])
     if "mooncake" in stores:
-        from mooncake_store import NETNS_ENV
+        from mooncake_store import rerun_script_in_private_netns
 
+        rerun_script_in_private_netns(os.path.abspath(__file__))
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
-        os.environ[NETNS_ENV] = "1"  # this process runs in the namespace it made (above)
     logging.getLogger("kvplug").setLevel(logging.ERROR)
     trace = fleet_trace.load(args.trace)
     print(f"trace {args.trace}: {json.dumps(fleet_trace.summary(trace))}", flush=True)

@@ -32,7 +32,6 @@ import argparse
 import logging
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -47,7 +46,7 @@ from kvplug import chunkfile as cf
 from kvplug.memory import heap_memory_obj
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import make_key
-from mooncake_store import NETNS_ENV, MooncakeMaster  # noqa: E402 - the tests' server helpers
+from mooncake_store import MooncakeMaster, rerun_script_in_private_netns  # noqa: E402 - the tests' server helpers
 from redis_server import RedisServer  # noqa: E402
 
 MiB = 1 << 20
@@ -200,9 +199,6 @@ def report(store: str, client: str, res: dict[str, list[float]], args: argparse.
               f"{a / med[k]:.2f}x |")
 
 
-def _in_private_netns() -> bool:
-    return [n for _, n in socket.if_nameindex()] == ["lo"]
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -211,14 +207,8 @@ def main() -> None:
     ap.add_argument("--stores", default="resp,mooncake", help="comma-separated: resp, mooncake")
     args = ap.parse_args()
     stores = args.stores.split(",")
-    if "mooncake" in stores and not _in_private_netns():
-        unshare, ip = shutil.which("unshare"), shutil.which("ip")
-        if os.geteuid() != 0 or unshare is None or ip is None:
-            raise SystemExit("the mooncake part runs in a private network namespace (root, unshare "
-                             "and ip); pass --stores resp elsewhere")
-        script = (f"{ip} link set lo up && exec {sys.executable} {os.path.abspath(__file__)} "
-                  f"--chunks {args.chunks} --rounds {args.rounds} --stores {args.stores}")
-        os.execv(unshare, [unshare, "-n", "--", "sh", "-c", script])
+    if "mooncake" in stores:
+        rerun_script_in_private_netns(os.path.abspath(__file__))
     logging.getLogger("kvplug").setLevel(logging.ERROR)
     res: dict[str, list[float]] = {}
     workdir = tempfile.mkdtemp(prefix="kvplug-bench-remote-")
@@ -235,7 +225,6 @@ def main() -> None:
             report("resp", f"redis-py {redis.__version__} (hiredis) on redis-server", res, args)
         if "mooncake" in stores:
             os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
-            os.environ[NETNS_ENV] = "1"  # this process runs in the namespace it made (above)
             master = MooncakeMaster(Path(workdir) / "mooncake")
             raw = _raw_mooncake(master.address)
             try:

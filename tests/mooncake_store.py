@@ -9,6 +9,7 @@ this process is in one, and the fixtures refuse to start a master outside it.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -29,6 +30,21 @@ def master_binary() -> str | None:
 def in_private_netns() -> bool:
     """Whether the only network interface here is loopback (a namespace made by the test)."""
     return os.environ.get(NETNS_ENV) == "1" and [n for _, n in socket.if_nameindex()] == ["lo"]
+
+
+def rerun_script_in_private_netns(script: str) -> None:
+    """For a benchmark with a Mooncake part: unless already in one, replace this process by
+    ``script`` (same arguments) run in a private network namespace with only loopback up; there
+    :data:`NETNS_ENV` is set. Exits with a message naming the way out where that cannot be made."""
+    if in_private_netns():
+        return
+    unshare, ip = shutil.which("unshare"), shutil.which("ip")
+    if os.geteuid() != 0 or unshare is None or ip is None:
+        raise SystemExit("the mooncake part runs in a private network namespace (root, unshare "
+                         "and ip); pass --stores resp elsewhere")
+    args = " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = f"{ip} link set lo up && exec {sys.executable} {shlex.quote(script)} {args}"
+    os.execve(unshare, [unshare, "-n", "--", "sh", "-c", command], {**os.environ, NETNS_ENV: "1"})
 
 
 def run_in_private_netns(test_file: Path, basetemp: Path, timeout: float = 560,

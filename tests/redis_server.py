@@ -81,7 +81,7 @@ class RedisServer(ServerProcess):
     def ready(self) -> bool:
         import redis
 
-        client = redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=1)
+        client = self.client()
         try:
             return bool(client.ping())
         except (redis.ConnectionError, redis.TimeoutError, OSError):
@@ -93,7 +93,7 @@ class RedisServer(ServerProcess):
         """A plain client (the test's independent view of the store)."""
         import redis
 
-        return redis.Redis.from_url(self.url, socket_timeout=5)
+        return redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=1)
 
     def restart(self) -> None:
         self.kill()

@@ -92,17 +92,6 @@ class TlsRedisServer(RedisServer):
                                     ssl_ca_certs=str(c["ca"]), ssl_certfile=str(c["client_crt"]),
                                     ssl_keyfile=str(c["client_key"]))
 
-    def ready(self) -> bool:
-        import redis
-
-        client = self.client()
-        try:
-            return bool(client.ping())
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            return False
-        finally:
-            client.close()
-
 
 @pytest.fixture(scope="module")
 def server(certs, tmp_path_factory):
