@@ -179,3 +179,44 @@ def test_a_pin_holds_against_another_process(tmp_path, how):
     be.unpin(keys=[_key(1)])
     assert be.stats()["pinned_fds"] == 0 and be.get(key=_key(1)) is None
     be.close()
+
+
+def test_two_managers_evicting_the_same_file_keep_the_capacity(tmp_path):
+    """Two processes' views of a shared directory pick the same LRU victim: the second finds it
+    already deleted, so its delete freed nothing, and the other's new file is not in its view. It
+    must look again and evict one more, or the directory stays a chunk over for good (and each
+    such race adds one). Two managers in one process, in a fixed order, with rescans off."""
+    from kvplug.storage_manager import StorageManager
+    from tier_workload import put_random
+
+    def manager(capacity: int) -> StorageManager:
+        return StorageManager({"tiers": [{"backend": "posix", "options": {
+            "path": str(tmp_path / "shared"), "capacity": capacity, "rescan_interval_s": 1e6}}]})
+
+    def files() -> list:
+        return [p for p in (tmp_path / "shared").rglob("*.safetensors")]
+
+    with manager(1 << 30) as probe:
+        put_random(probe, _key(0), 0)
+        assert probe.flush(timeout=60)
+        size = files()[0].stat().st_size
+        probe.evict([_key(0)])
+    a = manager(10 * size)
+    try:
+        for i in range(10):
+            put_random(a, _key(i), i)
+            assert a.flush(timeout=60)
+            time.sleep(0.02)  # distinct mtimes: one LRU order for both views
+        b = manager(10 * size)
+        try:
+            assert b.backend(0).wait_indexed(60) and len(files()) == 10
+            put_random(a, _key(10), 10)  # A evicts the oldest file (chunk 0)
+            assert a.flush(timeout=60) and len(files()) == 10
+            put_random(b, _key(11), 11)  # B's view still has chunk 0, and not chunk 10
+            assert b.flush(timeout=60)
+            assert len(files()) == 10, [p.name for p in files()]
+            assert b.stats()["posix"]["evictions"] == 2  # chunk 0 (already gone), then one more
+        finally:
+            b.close()
+    finally:
+        a.close()

@@ -260,16 +260,30 @@ class PosixBackend(LookupAndPins):
             over = self._index.bytes + self._index.reserved + size > self.capacity
         if over and self._rescans.due():
             self._rescan(only_if_due=True)
+        short = self._reaper.short_batches
         with self._lock:
             victims = self._index.reserve(size, self.capacity)
             if victims is None:
                 return False
             self._unlink_victims(victims)
+        self._wait_deleted(victims)
+        if victims and self._reaper.short_batches > short:
+            # A victim was already gone: another process evicted it too, for a file of its own
+            # that this view lacks. Look again, or each such race leaves the directory a chunk
+            # over for good.
+            self._rescan()
+            with self._lock:
+                more = self._index.take_victims(
+                    self._index.bytes + self._index.reserved - self.capacity)
+                self._unlink_victims(more)
+            self._wait_deleted(more)
+        return True
+
+    def _wait_deleted(self, victims: list[tuple[str, Entry]]) -> None:
         if victims and not self._reaper.wait_gone([rel for rel, _ in victims], REAPER_WAIT_S):
             self._log_once("reaper", "deletes of evicted files lag past %.0f s; writing anyway "
                            "(the directory may exceed its capacity until they are done)",
                            REAPER_WAIT_S)
-        return True
 
     # -- the byte-moving steps (the gds tier overrides these two) ---------------------------------
     def _prepare_write(self, key: CacheKey, rel: str, obj: MemoryObj) -> tuple[int, Callable[[str], int]]:

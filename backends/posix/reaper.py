@@ -30,6 +30,9 @@ class Reaper:
         self._doomed: set[str] = set()  # queued or being deleted
         self._stop = False
         self.deleted = 0  # files deleted (a file already gone is not counted)
+        #: Batches that freed less than their victims' bytes: a file already gone (another process
+        #: sharing the directory evicted it too) or not deletable (see ``PosixBackend._make_room``).
+        self.short_batches = 0
         self._thread = threading.Thread(target=self._run, name=f"kvplug-{name}-reaper",
                                         daemon=True)
         self._thread.start()
@@ -80,12 +83,14 @@ class Reaper:
                 if not self._queue:
                     return
                 batch, self._queue = sorted(self._queue), []
+            freed = 0
             try:
-                _, failed = unlink_entries(self._root, batch)
+                freed, failed = unlink_entries(self._root, batch)
                 for path, exc in failed:
                     self._on_error(path, exc)
             finally:
                 with self._cond:
+                    self.short_batches += freed < sum(e.size for _, e in batch)
                     self.deleted += len(batch)
                     self._doomed.difference_update(rel for rel, _ in batch)
                     self._cond.notify_all()
