@@ -108,7 +108,7 @@ def test_o_direct_is_used_when_aligned_and_falls_back(tmp_path, monkeypatch, cap
     assert any(f & posix_io.O_DIRECT for f in seen), "O_DIRECT was never used"
     be.close()
     # A file system that refuses O_DIRECT: logged once, buffered I/O, still correct.
-    monkeypatch.setattr(posix_mod, "probe_o_direct", lambda root: "EINVAL: not supported")
+    monkeypatch.setattr(posix_io, "probe_o_direct", lambda root: "EINVAL: not supported")
     seen.clear()
     with caplog.at_level(logging.WARNING, "kvplug.backends.posix"):
         be = backend(tmp_path / "e", o_direct=True)

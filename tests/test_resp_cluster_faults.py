@@ -45,97 +45,100 @@ def _round(mgr: StorageManager, refs: dict, down: set[int]) -> dict:
     return hits
 
 
-def test_one_master_killed_its_slots_miss_others_hit(tmp_path):
+@pytest.fixture
+def stored(tmp_path):
+    """A 3-master cluster (no full coverage), a manager on it, N chunks stored: (cluster, mgr,
+    refs); and ``on(victim, ids)``, the ids whose keys live on that master."""
     cluster = RedisClusterServers(tmp_path / "cluster", full_coverage=False)
     mgr = manager(cluster.url, cluster=True)
     try:
         refs = {i: put(mgr, i) for i in range(N)}
         assert mgr.flush(timeout=HANG)
-        probe = cluster.client()
-        port_of = {i: probe.get_node_from_key(mgr.backend(0).name_of(key(i))).port
-                   for i in range(3 * N)}
-        probe.close()
-        victim = cluster.nodes[1]  # not the URL's node: a new client could not start without it
-        on_victim = {i for i, p in port_of.items() if p == victim.port}
-        assert 0 < len(on_victim & set(range(N))) < N, port_of  # not vacuous: both kinds exist
-        late = min(on_victim - set(range(2 * N)))  # stored after the restart, on the victim
-        _round(mgr, refs, set())
-        victim.kill()
-        _round(mgr, refs, on_victim)  # at once: the cluster has not noticed yet
-        deadline = time.monotonic() + 60
-        while not _marked_failed(cluster, victim.port):
-            assert time.monotonic() < deadline, "the cluster never marked the master failed"
-            time.sleep(0.1)
-        _round(mgr, refs, on_victim)  # the cluster knows: the others still serve their slots
-        for i in range(N, 2 * N):  # stores: those to the dead master are dropped
-            refs[i] = put(mgr, i)
-        assert mgr.flush(timeout=HANG)
-        _round(mgr, refs, on_victim)
-        st = mgr.stats()["resp"]
-        assert st["breaker_open"] == 0.0, st  # the tier still serves the other masters
-        assert st["corrupt"] == 0 and st["remote_errors"] + st["socket_timeouts"] >= 1, st
-        assert st["written"] == 2 * N - len(on_victim & set(range(N, 2 * N))), st
-        victim.restart()  # empty (no persistence), back in its slots (nodes.conf)
-        deadline = time.monotonic() + 60
-        while True:  # its slots serve again once its breaker's probe succeeds
-            refs[late] = put(mgr, late)
-            assert mgr.flush(timeout=HANG)
-            if get_exact(mgr, late, refs[late]):
-                break
-            assert time.monotonic() < deadline, ("no hit after the restart", mgr.stats())
-            time.sleep(0.2)
-        _round(mgr, refs, on_victim - {late})  # what it held before is lost: misses
-        end = mgr.stats()["resp"]
-        assert end["breaker_open"] == 0.0 and end["masters_down"] == 0.0, end
-        for node in cluster.nodes:  # the whole cluster down: the tier's breaker opens
-            node.kill()
-        deadline = time.monotonic() + 60
-        while mgr.stats()["resp"]["breaker_open"] == 0.0:  # lookups reach every master
-            assert mgr.lookup_prefix([key(i) for i in range(N)]).num_chunks == 0
-            assert not any(get_exact(mgr, i, refs[i]) for i in range(4))
-            assert time.monotonic() < deadline, ("the tier never gave up", mgr.stats())
-            time.sleep(0.01)
-        assert mgr.lookup_prefix([key(0)]).num_chunks == 0 and mgr_faults(mgr) == 0
-        gone = mgr.stats()["resp"]
-        shown = ("written", "put_errors", "dropped_full", "vanished", "remote_errors",
-                 "masters_down", "master_breaker_trips", "breaker_open", "breaker_trips")
-        print(json.dumps({"on_victim": len(on_victim & set(range(N))), "of": N} | {
-            name: {k: s[k] for k in shown} for name, s in (("down", st), ("end", end),
-                                                           ("all_down", gone))}))
+
+        def on(victim, ids) -> set[int]:
+            probe = cluster.client()
+            try:
+                return {i for i in ids if probe.get_node_from_key(
+                    mgr.backend(0).name_of(key(i))).port == victim.port}
+            finally:
+                probe.close()
+
+        yield cluster, mgr, refs, on
     finally:
         mgr.close()
         cluster.stop()
 
 
-def test_one_master_hung_bounded_misses_others_hit(tmp_path):
+def test_one_master_killed_its_slots_miss_others_hit(stored):
+    cluster, mgr, refs, on = stored
+    victim = cluster.nodes[1]  # not the URL's node: a new client could not start without it
+    on_victim = on(victim, range(3 * N))
+    assert 0 < len(on_victim & set(range(N))) < N, on_victim  # not vacuous: both kinds exist
+    late = min(on_victim - set(range(2 * N)))  # stored after the restart, on the victim
+    _round(mgr, refs, set())
+    victim.kill()
+    _round(mgr, refs, on_victim)  # at once: the cluster has not noticed yet
+    deadline = time.monotonic() + 60
+    while not _marked_failed(cluster, victim.port):
+        assert time.monotonic() < deadline, "the cluster never marked the master failed"
+        time.sleep(0.1)
+    _round(mgr, refs, on_victim)  # the cluster knows: the others still serve their slots
+    for i in range(N, 2 * N):  # stores: those to the dead master are dropped
+        refs[i] = put(mgr, i)
+    assert mgr.flush(timeout=HANG)
+    _round(mgr, refs, on_victim)
+    st = mgr.stats()["resp"]
+    assert st["breaker_open"] == 0.0, st  # the tier still serves the other masters
+    assert st["corrupt"] == 0 and st["remote_errors"] + st["socket_timeouts"] >= 1, st
+    assert st["written"] == 2 * N - len(on_victim & set(range(N, 2 * N))), st
+    victim.restart()  # empty (no persistence), back in its slots (nodes.conf)
+    deadline = time.monotonic() + 60
+    while True:  # its slots serve again once its breaker's probe succeeds
+        refs[late] = put(mgr, late)
+        assert mgr.flush(timeout=HANG)
+        if get_exact(mgr, late, refs[late]):
+            break
+        assert time.monotonic() < deadline, ("no hit after the restart", mgr.stats())
+        time.sleep(0.2)
+    _round(mgr, refs, on_victim - {late})  # what it held before is lost: misses
+    end = mgr.stats()["resp"]
+    assert end["breaker_open"] == 0.0 and end["masters_down"] == 0.0, end
+    for node in cluster.nodes:  # the whole cluster down: the tier's breaker opens
+        node.kill()
+    deadline = time.monotonic() + 60
+    while mgr.stats()["resp"]["breaker_open"] == 0.0:  # lookups reach every master
+        assert mgr.lookup_prefix([key(i) for i in range(N)]).num_chunks == 0
+        assert not any(get_exact(mgr, i, refs[i]) for i in range(4))
+        assert time.monotonic() < deadline, ("the tier never gave up", mgr.stats())
+        time.sleep(0.01)
+    assert mgr.lookup_prefix([key(0)]).num_chunks == 0 and mgr_faults(mgr) == 0
+    gone = mgr.stats()["resp"]
+    shown = ("written", "put_errors", "dropped_full", "vanished", "remote_errors",
+             "masters_down", "master_breaker_trips", "breaker_open", "breaker_trips")
+    print(json.dumps({"on_victim": len(on_victim & set(range(N))), "of": N} | {
+        name: {k: s[k] for k in shown} for name, s in (("down", st), ("end", end),
+                                                       ("all_down", gone))}))
+
+
+def test_one_master_hung_bounded_misses_others_hit(stored):
     """A master stopped with SIGSTOP (accepts connections, never answers): the values in its
     slots are misses within the bound (each call returns), the other masters keep serving exact
     hits; after SIGCONT its values hit again."""
-    cluster = RedisClusterServers(tmp_path / "cluster", full_coverage=False)
-    mgr = manager(cluster.url, cluster=True)
-    try:
-        refs = {i: put(mgr, i) for i in range(N)}
-        assert mgr.flush(timeout=HANG)
-        probe = cluster.client()
-        victim = cluster.nodes[2]
-        on_victim = {i for i in refs
-                     if probe.get_node_from_key(mgr.backend(0).name_of(key(i))).port == victim.port}
-        probe.close()
-        assert 0 < len(on_victim) < N
-        victim.pause()
-        for _ in range(2):  # get_exact and lookup_prefix fail the test if a call hangs
-            _round(mgr, refs, on_victim)
-        st = mgr.stats()["resp"]
-        assert st["masters_down"] == 1.0 and st["socket_timeouts"] >= 1, st
-        assert st["breaker_open"] == 0.0 and mgr_faults(mgr) == 0, st
-        victim.resume()
-        deadline = time.monotonic() + 60
-        while not all(get_exact(mgr, i, refs[i]) for i in on_victim):
-            assert time.monotonic() < deadline, ("no hit after SIGCONT", mgr.stats())
-            time.sleep(0.2)
-        _round(mgr, refs, set())
-        print(json.dumps({"on_victim": len(on_victim), "of": N, "socket_timeouts":
-                          st["socket_timeouts"], "master_breaker_trips": st["master_breaker_trips"]}))
-    finally:
-        mgr.close()
-        cluster.stop()
+    cluster, mgr, refs, on = stored
+    victim = cluster.nodes[2]
+    on_victim = on(victim, refs)
+    assert 0 < len(on_victim) < N
+    victim.pause()
+    for _ in range(2):  # get_exact and lookup_prefix fail the test if a call hangs
+        _round(mgr, refs, on_victim)
+    st = mgr.stats()["resp"]
+    assert st["masters_down"] == 1.0 and st["socket_timeouts"] >= 1, st
+    assert st["breaker_open"] == 0.0 and mgr_faults(mgr) == 0, st
+    victim.resume()
+    deadline = time.monotonic() + 60
+    while not all(get_exact(mgr, i, refs[i]) for i in on_victim):
+        assert time.monotonic() < deadline, ("no hit after SIGCONT", mgr.stats())
+        time.sleep(0.2)
+    _round(mgr, refs, set())
+    print(json.dumps({"on_victim": len(on_victim), "of": N, "socket_timeouts":
+                      st["socket_timeouts"], "master_breaker_trips": st["master_breaker_trips"]}))

@@ -252,8 +252,7 @@ class ValueStoreTier(PinnedStore):
                     if not self.breaker.is_open:
                         self._miss(names[i])
                     continue
-                self._count("layout_misses")
-                self._missed += 1
+                self._layout_missed()
                 if isinstance(size, int):
                     again.append(i)  # another layout: read it whole
                 else:
@@ -266,6 +265,11 @@ class ValueStoreTier(PinnedStore):
                 out[i] = self._load(keys[i], names[i], self.io.get(names[i]))
         return out
 
+    def _layout_missed(self) -> None:
+        """A value laid out otherwise than :attr:`_layout` (counted; see :meth:`_learn`)."""
+        self._count("layout_misses")
+        self._missed += 1
+
     def _check_read(self, key: CacheKey, name: str, obj: MemoryObj, layout: Layout,
                     head: memoryview, again: list[int], i: int) -> MemoryObj | None:
         """``obj`` once the header read says it holds ``key``'s layers as ``layout`` placed
@@ -275,8 +279,7 @@ class ValueStoreTier(PinnedStore):
             if cf.header_size(head[:8]) != layout.header_bytes:
                 obj.ref_down()
                 again.append(i)  # a longer or shorter header: another layout
-                self._count("layout_misses")
-                self._missed += 1
+                self._layout_missed()
                 return None
         except ChunkFormatError as exc:
             obj.ref_down()
@@ -289,8 +292,7 @@ class ValueStoreTier(PinnedStore):
                 self._corrupt(name, "the value holds another key")
             elif header is not None:
                 again.append(i)
-                self._count("layout_misses")
-                self._missed += 1
+                self._layout_missed()
             return None
         obj.meta = header.meta  # the same shape; its own token count
         if not cf.verify_layers(header, 0, obj.byte_view.numpy().data):

@@ -44,8 +44,9 @@ from .io import (
     ForeignChunk,
     Known,
     KnownHeaders,
+    direct_io_usable,
     header_digest,
-    probe_o_direct,
+    layer_range_copy,
     read_chunk,
     remove_if_same,
     writable_dir,
@@ -92,13 +93,8 @@ class PosixBackend(LookupAndPins):
         self._writable = why_not is None
         if why_not:
             self._log_once("dir", "%s", why_not)
-        self.o_direct = False
-        if opts.o_direct and self._writable:
-            why = probe_o_direct(self.root)
-            self.o_direct = why is None
-            if why:
-                logger.warning("tier %r: O_DIRECT is not supported in %s (%s); using buffered "
-                               "I/O through the page cache", self.name, self.root, why)
+        self.o_direct = bool(opts.o_direct and self._writable
+                             and direct_io_usable(self.root, self.name))
         self._rescans = RescanClock(opts.rescan_interval_s)
         self._scan_lock = threading.Lock()
         #: set once the startup scan has indexed the directory (lookups need not wait for it)
@@ -164,12 +160,20 @@ class PosixBackend(LookupAndPins):
                 self._rescans.scanned(cpu0)
                 self._counters["rescans"] += 1
 
-    def _trim_to_capacity(self) -> None:
-        """Rescan the directory and delete LRU files until it is within capacity."""
+    def _trim_to_capacity(self, writer: bool = False) -> None:
+        """Rescan the directory and delete LRU files until it is within capacity (the writes
+        reserved included): at startup and close on this thread (no write lands meanwhile), for
+        a ``writer`` through the reaper, waiting until the files are gone."""
         self._rescan()
-        with self._lock:  # (at startup and close: no write lands meanwhile, so deleted now)
-            victims = self._index.take_victims(self._index.bytes - self.capacity)
-        self._unlink_now(victims)
+        with self._lock:
+            victims = self._index.take_victims(
+                self._index.bytes + self._index.reserved - self.capacity)
+            if writer:
+                self._unlink_victims(victims)
+        if writer:
+            self._wait_deleted(victims)
+        else:
+            self._unlink_now(victims)
 
     def _unlink_victims(self, victims: list[tuple[str, Entry]]) -> int:
         """Under the tier's lock (so no put of a victim slips in before it is doomed): queue the
@@ -271,12 +275,7 @@ class PosixBackend(LookupAndPins):
             # A victim was already gone: another process evicted it too, for a file of its own
             # that this view lacks. Look again, or each such race leaves the directory a chunk
             # over for good.
-            self._rescan()
-            with self._lock:
-                more = self._index.take_victims(
-                    self._index.bytes + self._index.reserved - self.capacity)
-                self._unlink_victims(more)
-            self._wait_deleted(more)
+            self._trim_to_capacity(writer=True)
         return True
 
     def _wait_deleted(self, victims: list[tuple[str, Entry]]) -> None:
@@ -341,20 +340,6 @@ class PosixBackend(LookupAndPins):
             obj.ref_down()
 
     # -- reads ----------------------------------------------------------------------------------
-    def _layers_of(self, queued: MemoryObj, layers: tuple[int, int]) -> MemoryObj | None:
-        """Layers ``[first, first + n)`` of a queued chunk, in ``ctx.allocate`` memory (a
-        layer-wise load of a chunk whose write has not finished: the lookup said hit)."""
-        first, n = layers
-        if first < 0 or n < 1 or first + n > queued.tensor.shape[0]:
-            return None
-        src = queued.tensor[first:first + n]
-        out = self._allocate(tuple(src.shape), src.dtype, queued.meta.fmt, queued.num_tokens)
-        if out is not None:
-            out.tensor.copy_(src)
-            with self._lock:
-                self._counters["pending_hits"] += 1
-        return out
-
     def _read(self, key: CacheKey, layers: tuple[int, int] | None) -> MemoryObj | None:
         rel = cf.relative_chunk_path(key)
         with self._lock:
@@ -369,11 +354,14 @@ class PosixBackend(LookupAndPins):
             else:
                 queued = None
             known = self._headers.get(rel)
-        if queued is not None:
+        if queued is not None:  # a layer-wise load of a chunk whose write has not finished
             try:
-                return self._layers_of(queued, layers)  # type: ignore[arg-type]
+                out = layer_range_copy(queued, layers, self._allocate)  # type: ignore[arg-type]
             finally:
                 queued.ref_down()
+            if out is not None:
+                self._count("pending_hits")
+            return out
         held = self._held.dup(rel)  # pinned: read the file we hold, even if it was unlinked
         try:
             path = self._path(rel) if held is None else fd_path(held)

@@ -11,6 +11,7 @@ library; this module only feeds it page-aligned buffers (what O_DIRECT needs).
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import threading
@@ -23,6 +24,8 @@ from kvplug import chunkfile as cf
 from kvplug.errors import ChunkFormatError, ChunkVersionError
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
+
+logger = logging.getLogger("kvplug.backends.posix")
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 IOV_MAX = 1024
@@ -145,6 +148,15 @@ def probe_o_direct(root: Path) -> str | None:
     return None
 
 
+def direct_io_usable(root: Path, tier: str) -> bool:
+    """Whether O_DIRECT works in ``root`` (:func:`probe_o_direct`); warns why not."""
+    why = probe_o_direct(root)
+    if why:
+        logger.warning("tier %r: O_DIRECT is not supported in %s (%s); using buffered I/O "
+                       "through the page cache", tier, root, why)
+    return why is None
+
+
 def write_chunk(
     path: Path | str,
     obj: MemoryObj,
@@ -256,6 +268,20 @@ def read_chunk(
         return obj, st.st_size, known
     finally:
         os.close(fd)
+
+
+def layer_range_copy(obj: MemoryObj, layers: tuple[int, int],
+                     allocate: Callable[..., MemoryObj | None]) -> MemoryObj | None:
+    """Layers ``[first, first + n)`` of a ``KV_PAGES`` chunk copied into ``allocate`` memory;
+    ``None`` for a range the chunk does not have or no memory."""
+    first, n = layers
+    if first < 0 or n < 1 or first + n > obj.tensor.shape[0]:
+        return None
+    src = obj.tensor[first:first + n]
+    out = allocate(tuple(src.shape), src.dtype, obj.meta.fmt, obj.num_tokens)
+    if out is not None:
+        out.tensor.copy_(src)
+    return out
 
 
 def remove_if_same(path: str, ino: int) -> None:
