@@ -164,6 +164,24 @@ class WrongLayers(GoodStore):
         return super().get_layers(key, first_layer + 1, num_layers)
 
 
+class NoUnpin(GoodStore):
+    """Pins what ``contains(pin=True)`` finds, but has no ``unpin`` hook: a pin is forever."""
+
+    unpin = None
+
+
+class PinsDoNotCount(GoodStore):
+    """A second pin of a key replaces the first, so one ``unpin`` releases both."""
+
+    @hookimpl
+    def contains(self, keys, pin):
+        with self.lock:
+            found = [k in self.entries for k in keys]
+            if pin:
+                self.pins.update((k, 1) for k, hit in zip(keys, found) if hit)
+            return found
+
+
 class IgnoresPinsForRoom(GoodStore):
     """Honours pins when asked to drop named keys, but evicts pinned entries to make room."""
 
@@ -240,6 +258,15 @@ def test_a_wrong_layer_range_fails_the_kit_without_extras(tmp_path):
 
 def test_a_store_that_evicts_pinned_entries_for_room_fails_the_kit(tmp_path):
     assert failed(run_kit(tmp_path, "IgnoresPinsForRoom")) == {"test_pins_hold_under_pressure"}
+
+
+def test_a_store_without_unpin_fails_the_kit(tmp_path):
+    assert failed(run_kit(tmp_path, "NoUnpin")) == {
+        "test_contains_prefix_and_pins", "test_pins_hold_under_pressure"}
+
+
+def test_pins_that_do_not_count_fail_the_kit(tmp_path):
+    assert failed(run_kit(tmp_path, "PinsDoNotCount")) == {"test_contains_prefix_and_pins"}
 
 
 def test_the_doc_lists_exactly_the_kit_tests():

@@ -154,3 +154,11 @@ def test_bad_names_fail_with_a_clear_message(tmp_path, context, message):
     assert out.returncode != 0
     assert f"ERROR: {message}" in out.stderr
     assert not any(tmp_path.iterdir()), "a half-made package was left behind"
+
+
+def test_cli_generates_the_key_value_variant(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvplug.cli", "new-backend", "kvx", "--key-value",
+                          "-o", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    backend = (tmp_path / "kvplug-kvx/src/kvplug_kvx/backend.py").read_text()
+    assert "class KvxBackend(ValueStoreTier):" in backend
