@@ -100,9 +100,10 @@ class BackendConformance:
 
     @pytest.fixture
     def manager(self, make_tiers):
-        mgr = StorageManager({"tiers": make_tiers(self.roomy), "chunk_size": 16})
-        yield mgr
-        mgr.close()
+        """A roomy manager for a subclass's own tests; its teardown fails on any tier fault or
+        timeout, as :meth:`opened` does."""
+        with self.opened(make_tiers) as mgr:
+            yield mgr
 
     @contextmanager
     def opened(self, make_tiers, capacity: int | None = None) -> Iterator[StorageManager]:
