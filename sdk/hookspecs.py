@@ -61,9 +61,10 @@ Rules that hold for every hook:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
 
@@ -228,3 +229,61 @@ class BackendSpec:
     def stats(self) -> dict[str, float]:
         """Optional: counters for logs and metrics (``entries``, ``bytes``, ``dropped_puts``,
         ``corrupt``...). Cheap; called from any thread."""
+
+
+class BackendClass(Protocol):
+    """The class-level contract: what kvplug reads from a backend *class* (the hooks above are
+    what it calls on an instance). Checked when the class is loaded
+    (:func:`class_contract_problems`, from ``kvplug.plugins.validate_backend_class``), so a wrong
+    attribute fails at startup with the backend's name, never a tier that quietly misbehaves.
+
+    * ``__init__(ctx)`` — kvplug builds one instance per tier as ``Backend(ctx)``, with one
+      :class:`TierContext` and nothing else.
+
+    Optional class attributes (a class may leave any out; the default then applies):
+
+    * ``Options`` — a pydantic model of the tier's ``options`` (derive it from
+      ``kvplug.config.BaseOptions``); ``ctx.options`` is then a validated instance of it. Default:
+      none, and ``ctx.options`` is the raw dict. Anything else under this name is an error (it
+      would otherwise be ignored, and the options never validated).
+    * ``never_blocks: bool`` — a promise that no hook ever waits on I/O; kvplug then calls the tier
+      inline, without the ``timeout_s`` bound (``local_cpu``). Default ``False``.
+    * ``unbounded: bool`` — the tier keeps no byte count under a ``capacity`` of its own (its store
+      bounds itself, e.g. a server with its own eviction), so ``stats()`` has no ``bytes``; the
+      conformance kit's capacity test then checks only the tiers beside it. Default ``False``: a
+      bounded tier reports ``bytes`` in ``stats()``.
+
+    Not ``runtime_checkable``: every member but ``__init__`` is optional, so ``isinstance`` could
+    not tell a backend class from any other; :func:`class_contract_problems` checks it instead.
+    """
+
+    def __init__(self, ctx: TierContext) -> None: ...
+
+
+#: The optional class attributes of :class:`BackendClass` and their defaults.
+CLASS_DEFAULTS: dict[str, Any] = {"Options": None, "never_blocks": False, "unbounded": False}
+
+
+def class_contract_problems(cls: type) -> list[str]:
+    """What in ``cls`` breaks the :class:`BackendClass` contract (empty when nothing does)."""
+    from pydantic import BaseModel
+
+    problems = []
+    model = getattr(cls, "Options", None)
+    if model is not None and not (isinstance(model, type) and issubclass(model, BaseModel)):
+        problems.append(f"Options is {model!r}, not a pydantic model class: derive it from "
+                        "kvplug.config.BaseOptions (or remove it to receive the raw dict)")
+    for flag in ("never_blocks", "unbounded"):
+        value = getattr(cls, flag, False)
+        if not isinstance(value, bool):
+            problems.append(f"{flag} is {value!r}; set it to True or False")
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # a class whose signature Python cannot tell: trust it
+        return problems
+    try:
+        signature.bind(object())
+    except TypeError:
+        problems.append(f"__init__{signature} cannot be called as Backend(ctx): kvplug passes "
+                        "one TierContext and nothing else")
+    return problems

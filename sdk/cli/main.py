@@ -104,10 +104,14 @@ def template_dir() -> Path:
 @click.option("--author", help="Author written into pyproject.toml.")
 @click.option("--owns-allocator/--no-owns-allocator", default=None,
               help="Generate an allocate hook over a HostMemoryPool [default: no].")
+@click.option("--key-value/--memory", "key_value", default=None,
+              help="A tier over a key-value store, on kvplug's value-store base, or a bounded "
+                   "in-memory store to replace hook by hook [default: memory].")
 @click.option("--prompt", is_flag=True, help="Ask for every value not given as an option.")
 @click.option("--force", is_flag=True, help="Overwrite an existing package folder.")
 def new_backend_cmd(name: str, output_dir: Path, project_slug: str | None, author: str | None,
-                    owns_allocator: bool | None, prompt: bool, force: bool) -> None:
+                    owns_allocator: bool | None, key_value: bool | None, prompt: bool,
+                    force: bool) -> None:
     """Generate a backend package NAME (a Python identifier) from kvplug's template."""
     from cookiecutter.exceptions import CookiecutterException, FailedHookException
     from cookiecutter.main import cookiecutter
@@ -119,6 +123,8 @@ def new_backend_cmd(name: str, output_dir: Path, project_slug: str | None, autho
         context["author"] = author
     if owns_allocator is not None:
         context["owns_allocator"] = "yes" if owns_allocator else "no"
+    if key_value is not None:
+        context["store_kind"] = "key_value" if key_value else "memory"
     output_dir.mkdir(parents=True, exist_ok=True)
     quiet = logging.getLogger("cookiecutter")  # it logs a traceback for a rejected name
     quiet.addHandler(logging.NullHandler())

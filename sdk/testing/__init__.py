@@ -1,5 +1,5 @@
 """Test kit for backend authors: ``from kvplug.testing import BackendConformance``."""
 
-from .conformance import BackendConformance, fill_random, make_key
+from .conformance import BackendConformance, call_hook, fill_random, implements, make_key, tiers_of
 
-__all__ = ["BackendConformance", "fill_random", "make_key"]
+__all__ = ["BackendConformance", "call_hook", "fill_random", "implements", "make_key", "tiers_of"]

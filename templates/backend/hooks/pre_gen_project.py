@@ -8,9 +8,10 @@ BACKEND_NAME = {{ cookiecutter.backend_name | tojson }}
 PROJECT_SLUG = {{ cookiecutter.project_slug | tojson }}
 MODULE_NAME = {{ cookiecutter.__module_name | tojson }}
 OWNS_ALLOCATOR = {{ cookiecutter.owns_allocator | tojson }}
+STORE_KIND = {{ cookiecutter.store_kind | tojson }}
 
 # Names kvplug itself declares: a second package declaring one is a startup error.
-RESERVED = {"local_cpu", "posix", "gds", "fsspec"}
+RESERVED = {"local_cpu", "posix", "gds", "fsspec", "resp", "mooncake"}
 # PEP 508 distribution names.
 DIST_RE = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]*[A-Za-z0-9])$")
 
@@ -39,6 +40,13 @@ def problems() -> list:
         )
     if OWNS_ALLOCATOR not in ("yes", "no"):
         out.append(f"owns_allocator must be 'yes' or 'no', not {OWNS_ALLOCATOR!r}")
+    if STORE_KIND not in ("memory", "key_value"):
+        out.append(f"store_kind must be 'memory' or 'key_value', not {STORE_KIND!r}")
+    elif STORE_KIND == "key_value" and OWNS_ALLOCATOR == "yes":
+        out.append(
+            "a key_value tier reads into the fastest tier's memory pool and owns none: use "
+            "owns_allocator=no and keep local_cpu in front of it"
+        )
     return out
 
 

@@ -6,6 +6,10 @@ what each one checks. Run: ``pytest``.
 
 from __future__ import annotations
 
+{% if cookiecutter.store_kind == "key_value" -%}
+import uuid
+
+{% endif -%}
 import pytest
 import torch
 from kvplug.plugins import discover_backends, load_backend_class
@@ -15,6 +19,50 @@ from kvplug.testing import BackendConformance, fill_random, make_key
 BACKEND = "{{ cookiecutter.backend_name }}"
 
 
+{%- if cookiecutter.store_kind == "key_value" %}
+def _corrupt(manager: StorageManager, key, tier: str = BACKEND) -> None:
+    """Flip one stored byte of ``key``'s value in the store (inside its last layer; the tier
+    must then miss it), after the tiers in front dropped their copy."""
+    backend = manager.backend(tier)
+    manager.evict([key], tiers=[t for t in manager.tier_names if t != tier])
+    values = backend.io.client.values
+    name = backend.name_of(key)
+    data = bytearray(values[name])
+    data[-100] ^= 0xFF
+    values[name] = bytes(data)
+
+
+def _options(capacity: int) -> dict:
+    """A store of its own for each test (a fresh ``url``), bounded by ``capacity``."""
+    return {"url": f"memory://{uuid.uuid4().hex}", "capacity": capacity, "negative_cache_s": 0}
+
+
+class Test{{ cookiecutter.__class_name }}(BackendConformance):
+    """The tier on its own (reads land in heap memory)."""
+
+    persistent = True  # values outlive a tier: a new manager over the same url reads them
+
+    @pytest.fixture
+    def make_tiers(self):
+        opts = _options(0)
+        return lambda capacity: [{"backend": BACKEND, "options": {**opts, "capacity": capacity}}]
+
+    @pytest.fixture
+    def corrupt_entry(self):
+        return _corrupt
+
+
+class Test{{ cookiecutter.__class_name }}BehindLocalCPU(Test{{ cookiecutter.__class_name }}):
+    """The usual deployment: kvplug's local_cpu in front, this tier second."""
+
+    @pytest.fixture
+    def make_tiers(self):
+        opts = _options(0)
+        return lambda capacity: [
+            {"backend": "local_cpu", "options": {"capacity": capacity}},
+            {"backend": BACKEND, "options": {**opts, "capacity": capacity}},
+        ]
+{%- else %}
 def _corrupt(manager: StorageManager, key, tier: str = BACKEND) -> None:
     """Flip one stored byte of ``key`` in this tier (the backend must then miss it)."""
     backend = manager.backend(tier)
@@ -44,6 +92,7 @@ class Test{{ cookiecutter.__class_name }}BehindLocalCPU(BackendConformance):
             {"backend": "local_cpu", "options": {"capacity": capacity}},
             {"backend": BACKEND, "options": {"capacity": capacity}},
         ]
+{%- endif %}
 
 
 def test_declared_and_valid():
@@ -58,13 +107,18 @@ def test_promotes_into_local_cpu():
     """A hit in this tier is copied into L1, so the next read is served from memory."""
     tiers = [
         {"backend": "local_cpu", "options": {"capacity": 1 << 20}},
+{%- if cookiecutter.store_kind == "key_value" %}
+        {"backend": BACKEND, "options": _options(1 << 20)},
+{%- else %}
         {"backend": BACKEND, "options": {"capacity": 1 << 20}},
+{%- endif %}
     ]
     with StorageManager({"tiers": tiers}) as mgr:
         obj = fill_random(mgr, seed=1)
         expect = obj.byte_view.clone()
         mgr.batched_put([make_key(1)], [obj])
         obj.ref_down()
+        assert mgr.flush(timeout=30), "queued stores were not written within 30 s"
         mgr.evict([make_key(1)], tiers=["local_cpu"])
         assert mgr.contains(make_key(1)) == BACKEND
         got = mgr.get(make_key(1))

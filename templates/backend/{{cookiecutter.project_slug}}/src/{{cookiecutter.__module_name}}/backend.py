@@ -1,3 +1,114 @@
+{% if cookiecutter.store_kind == "key_value" -%}
+"""``{{ cookiecutter.backend_name }}``: a kvplug tier over a key-value store, on kvplug's value-store base.
+
+Everything a tier over a key-value store needs is kvplug's ``ValueStoreTier``
+(``kvplug.backends.common.value_tier``, the base of kvplug's own ``resp`` and ``mooncake`` tiers):
+each chunk is one value in kvplug's chunk format under a name made from its key; stores are queued
+and sent in batches by writer threads (``batched_submit_put`` never blocks); ``contains`` asks for
+many names in one call, with a short negative cache; ``get``/``batched_get`` verify every layer's
+checksum before a byte is returned (a bad value is a miss); ``get_layers`` reads a layer range;
+pins, an optional LRU ``capacity`` and a circuit breaker that turns an outage into misses.
+
+What you write is how to reach your store:
+
+* ``Options``: how to reach it (derive from ``ValueStoreOptions``: it brings ``prefix``,
+  ``capacity``, ``timeout_s``, writer threads, breaker settings).
+* ``{{ cookiecutter.__class_name }}IO``: the store's primitives (``_exists``, ``_get``,
+  ``_get_many``, ``_get_range``, ``_set_many``, ``_delete``), each one bounded round trip or
+  batch that *raises* on a failed or timed-out call: kvplug counts it, feeds the breaker and
+  answers a miss.
+
+Out of the box the "store" is an in-process dict per ``url`` (``_DictClient``), so the package
+works and passes kvplug's conformance suite before you write a line; replace it with your store's
+client. Pass credentials by environment variable name, never in the options (``Redactor`` keeps
+what is there out of logs).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from kvplug.backends.common.breaker import CircuitBreaker
+from kvplug.backends.common.redact import Redactor
+from kvplug.backends.common.value_io import ValueIO
+from kvplug.backends.common.value_tier import ValueStoreOptions, ValueStoreTier
+from kvplug.hookspecs import TierContext
+from pydantic import Field
+
+
+class _DictClient:
+    """A stand-in for your store's client: one dict of values per ``url``, shared by every tier
+    of this process that names it (as a server is shared by its clients)."""
+
+    _stores: dict[str, dict[str, bytes]] = {}
+    _stores_lock = threading.Lock()
+
+    def __init__(self, url: str) -> None:
+        with self._stores_lock:
+            self.values = self._stores.setdefault(url, {})
+        self.lock = threading.Lock()
+
+
+class {{ cookiecutter.__class_name }}IO(ValueIO):
+    """The store's primitives. Each one raises on a failed call; none retries (the breaker
+    decides when to call again)."""
+
+    def __init__(self, name: str, url: str, breaker: CircuitBreaker) -> None:
+        super().__init__(name, breaker, Redactor(url, {}))
+        self.client = _DictClient(url)
+
+    def _exists(self, names: Sequence[str]) -> list[bool | None]:
+        with self.client.lock:
+            return [n in self.client.values for n in names]
+
+    def _get(self, name: str) -> bytes | None:
+        with self.client.lock:
+            return self.client.values.get(name)
+
+    def _get_many(self, names: Sequence[str]) -> list[bytes | None]:
+        with self.client.lock:  # a real store: one pipeline or batch call for all of them
+            return [self.client.values.get(n) for n in names]
+
+    def _get_range(self, name: str, start: int, end: int) -> bytes | None:
+        """Bytes ``[start, end)`` of a value; None when it is missing."""
+        with self.client.lock:
+            value = self.client.values.get(name)
+        return None if value is None else value[start:end]
+
+    def _set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None]:
+        """Store every value (copy it: the writer reuses its buffer); per value ``None``, or why
+        the store refused it (``kvplug.backends.common.value_io.StoreRefused``)."""
+        with self.client.lock:
+            for name, data in items:
+                self.client.values[name] = bytes(data)
+        return [None] * len(items)
+
+    def _delete(self, names: Sequence[str]) -> None:
+        with self.client.lock:
+            for name in names:
+                self.client.values.pop(name, None)
+
+
+class {{ cookiecutter.__class_name }}(ValueStoreTier):
+    """The ``{{ cookiecutter.backend_name }}`` tier: chunks as values in a key-value store."""
+
+    kind = "{{ cookiecutter.backend_name }} store"
+    #: The store is reached over I/O that may wait: kvplug bounds every call by ``timeout_s``.
+    never_blocks = False
+
+    class Options(ValueStoreOptions):
+        """What a tier config may put under ``options:`` (kvplug's base: unknown keys and booleans
+        given for numbers are rejected, naming the key)."""
+
+        url: str = Field(default="memory://default", description="where the store is")
+
+    def open_io(self, ctx: TierContext, breaker: CircuitBreaker) -> tuple[ValueIO, str]:
+        """The store's calls and its name for log lines (never with credentials)."""
+        opts: {{ cookiecutter.__class_name }}.Options = ctx.options
+        io = {{ cookiecutter.__class_name }}IO(ctx.name, opts.url, breaker)
+        return io, io.redact(opts.url)
+{% else -%}
 """``{{ cookiecutter.backend_name }}``: a bounded in-memory store of chunks, LRU-evicted by bytes.
 
 It already honours the whole kvplug contract (``kvplug.hookspecs``), so the package works before
@@ -12,8 +123,18 @@ What the contract asks, and how this store answers:
 * ``get`` returns memory the caller owns: it takes a fresh object from ``ctx.allocate`` (the
   fastest tier's pool, so promotion into L1 is free), fills it and returns it. A checksum mismatch
   is a miss.
-* ``contains(pin=True)`` pins hits; pinned entries are never evicted until ``unpin``.
+* ``get_layers`` (optional) returns a range of layers: in layer-wise mode the connector loads a
+  chunk one layer at a time, each just before the engine needs it.
+* ``contains(pin=True)`` pins hits; pinned entries are never evicted until ``unpin``, not even to
+  make room for a new chunk.
 * Capacity is in bytes; stats report ``bytes`` so kvplug (and its tests) can check the bound.
+* ``never_blocks`` stays ``False``: kvplug calls the tier on threads of its own, each call bounded
+  by the tier's ``timeout_s``, so a slow store degrades to a miss instead of stalling the engine.
+
+A tier over a key-value store (get/set/delete by name: a cache service, a database) does not start
+from this file: generate one with ``store_kind=key_value`` (``kvplug new-backend NAME
+--key-value``), built on kvplug's value-store base, which already does the batching, checksums,
+pins and eviction.
 """
 
 from __future__ import annotations
@@ -53,6 +174,11 @@ def _crc(data: torch.Tensor) -> int:
 
 class {{ cookiecutter.__class_name }}:
     """The ``{{ cookiecutter.backend_name }}`` tier: chunks kept as private byte copies, LRU by bytes."""
+
+    #: ``True`` is a promise that no hook ever waits on I/O: kvplug then calls the tier inline,
+    #: without the ``timeout_s`` bound (kvplug's ``local_cpu`` does). Keep ``False`` for any store
+    #: that may wait (a device, a file system, a network).
+    never_blocks = False
 
     class Options(BaseOptions):
         """What a tier config may put under ``options:`` (kvplug's base: unknown keys and booleans
@@ -140,9 +266,8 @@ class {{ cookiecutter.__class_name }}:
                 self._entries[key] = entry
                 self._bytes += size
 
-    @hookimpl
-    def get(self, key: CacheKey) -> MemoryObj | None:
-        """A fresh object (owned by the caller) holding the chunk, or None on a miss."""
+    def _verified(self, key: CacheKey) -> _Entry | None:
+        """The entry of ``key`` if its checksum holds; a bad entry is dropped and missed."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -155,14 +280,40 @@ class {{ cookiecutter.__class_name }}:
                     self._drop(key)
             self._warn_once("corrupt", "entry %s failed its checksum and was dropped", key.hex)
             return None
-        meta = entry.meta
-        obj = self._allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
-        if obj is None:  # memory is full: a miss, never an error
+        return entry
+
+    def _filled(self, meta: MemoryObjMeta, shape: tuple[int, ...], data: torch.Tensor
+                ) -> MemoryObj | None:
+        """A fresh object of ``shape`` from ``ctx.allocate`` holding ``data``; None when memory
+        is full (a miss, never an error)."""
+        obj = self._allocate(shape, meta.dtype, meta.fmt, meta.num_tokens)
+        if obj is None:
             with self._lock:
                 self._counters["alloc_failures"] += 1
             return None
-        obj.byte_view.copy_(entry.data)
+        obj.byte_view.copy_(data)
         return obj
+
+    @hookimpl
+    def get(self, key: CacheKey) -> MemoryObj | None:
+        """A fresh object (owned by the caller) holding the chunk, or None on a miss."""
+        entry = self._verified(key)
+        if entry is None:
+            return None
+        return self._filled(entry.meta, entry.meta.shape, entry.data)
+
+    @hookimpl
+    def get_layers(self, key: CacheKey, first_layer: int, num_layers: int) -> MemoryObj | None:
+        """Layers ``[first_layer, first_layer + num_layers)`` of the chunk (its layers are the
+        first dimension), as an object of their own; None on a miss or a range it lacks."""
+        entry = self._verified(key)
+        if entry is None:
+            return None
+        layers = entry.meta.shape[0]
+        if first_layer < 0 or num_layers < 1 or first_layer + num_layers > layers:
+            return None
+        rows = entry.data.view(layers, -1)[first_layer : first_layer + num_layers]
+        return self._filled(entry.meta, (num_layers, *entry.meta.shape[1:]), rows.reshape(-1))
 
     @hookimpl
     def contains(self, keys: Sequence[CacheKey], pin: bool) -> list[bool]:
@@ -222,3 +373,4 @@ class {{ cookiecutter.__class_name }}:
             self._entries.clear()
             self._pins.clear()
             self._bytes = 0
+{% endif -%}
