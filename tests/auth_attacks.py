@@ -28,7 +28,7 @@ from kvplug.storage_manager import StorageManager
 SHAPE = (4, 2, 4096)  # 4 layers of 8 KiB: no padding, layer i at header + i * 8 KiB
 LAYER = SHAPE[1] * SHAPE[2]
 #: Environment variables of the secrets the tests use (set by :func:`set_secrets`).
-KEY_A, KEY_B, KEY_C = "KVPLUG_TEST_AUTH_A", "TEST_AUTH_B", "TEST_AUTH_C"
+KEY_A, KEY_B, KEY_C = "TEST_AUTH_A", "TEST_AUTH_B", "TEST_AUTH_C"
 
 
 def set_secrets(setenv: Callable[[str, str], None]) -> dict[str, str]:
@@ -64,7 +64,7 @@ def random_obj(seed: int):  # noqa: ANN201 - MemoryObj
 
 def encoded(k: CacheKey, obj, auth: cf.Keyring | None = None) -> bytes:  # noqa: ANN001
     """The whole chunk file of ``obj`` under ``k`` (what the public library writes)."""
-    header, bufs = cf.encode_chunk(k, obj, auth)
+    header, bufs = cf.encode_chunk(k, obj, auth) if auth else cf.encode_chunk(k, obj)
     return header + b"".join(bytes(b) for b in bufs)
 
 

@@ -83,6 +83,17 @@ def test_secret_never_in_repr_logs_or_stats(secrets, tmp_path, caplog):
         pickle.dumps(mgr.auth)
 
 
+def test_secret_variable_is_no_setting(monkeypatch, tmp_path, caplog):
+    """A secret's variable may carry kvplug's own prefix: it is not read as a setting override
+    nor warned about as an unknown one (that warning would name it, harmless, but noisy)."""
+    monkeypatch.setenv("KVPLUG_DEPLOY_SECRET", os.urandom(32).hex())
+    caplog.set_level(logging.WARNING)
+    posix = {"backend": "posix", "options": {"path": str(tmp_path)}}
+    with StorageManager(_cfg(posix, "KVPLUG_DEPLOY_SECRET")) as mgr:
+        assert mgr.auth is not None
+    assert "KVPLUG_DEPLOY_SECRET" not in caplog.text
+
+
 def test_secret_forms(secrets):
     """Hex and base64 give the same key; either decodes, the key id is public and stable."""
     raw = bytes.fromhex(secrets[aa.KEY_A])
@@ -150,6 +161,10 @@ def _posix(path: Path) -> dict:
 def _posix_raw(mgr: StorageManager) -> aa.Raw:
     backend = mgr.backend(0)
     root = Path(backend.root)
+    auth = getattr(backend, "_auth", None)
+
+    def rel(k) -> str:  # noqa: ANN001
+        return cf.relative_chunk_path(k, auth) if auth else cf.relative_chunk_path(k)
 
     def write(path: str, data: bytes) -> None:  # a new file renamed over the old: new inode
         p = Path(path)
@@ -165,7 +180,8 @@ def _posix_raw(mgr: StorageManager) -> aa.Raw:
             return None
 
     return aa.Raw(
-        name_of=lambda k: backend._path(backend._rel(k)), read=read, write=write,
+        name_of=lambda k: str(root / rel(k)),
+        read=read, write=write,
         names=lambda: [str(p.relative_to(root)) for p in root.rglob("*.safetensors")])
 
 
@@ -179,7 +195,7 @@ def test_without_auth_a_forged_chunk_is_served(tmp_path):
         aa.store(mgr, victim, 2)
         evil = aa.random_obj(666).byte_view.clone()
         for k in (planted, victim):
-            raw.write(raw.name_of(k), aa.forgeries(k)["plain chunk, valid xxh3"])
+            raw.write(raw.name_of(k), aa.encoded(k, aa.random_obj(666)))  # the public library
             assert torch.equal(aa.hit(mgr, k), evil), "the forged chunk was not served"
         assert mgr.stats()["posix"]["corrupt"] == 0 and "auth_failures" not in mgr.stats()["posix"]
 
