@@ -7,13 +7,15 @@ writes without a secret: keyed BLAKE2b (hashlib), HMAC-SHA256 (hashlib/OpenSSL),
 associated data, a fresh per-chunk key as kvplug would need to use it). Median of ``--repeat``
 runs, per call and GB/s.
 
-Part 2 (``--hits``) stores the same random chunks in two StorageManagers, one without
-``auth_key_env`` and one with it, and times in the same run: ``get`` from posix (page cache),
-``batched_get`` from posix, and ``get`` after promotion into L1 (local_cpu). The ratio
-authenticated / plain is the figure the issue bounds (<= 1.10x).
+Part 2 (``--hits``) stores the same random chunks in two posix directories, one without
+``auth_key_env`` and one with it, and times in the same run, alternating: ``get`` and
+``batched_get`` from posix (page cache), ``get`` through an L1 in front (posix read, verified,
+promoted into local_cpu) and the L1 hit after. The ratio authenticated / plain is the figure the
+issue bounds (<= 1.10x).
 
     .venv/bin/python benchmarks/bench_auth.py            # both parts
     .venv/bin/python benchmarks/bench_auth.py --primitives
+    .venv/bin/python benchmarks/bench_auth.py --hits --layers 8 --page 1572864 --chunks 8
 """
 
 from __future__ import annotations
@@ -70,89 +72,86 @@ def primitives(repeat: int) -> None:
         print(f"{name:32s} {row[0]:11.4f} {row[1]:7.2f} {row[2]:11.4f} {row[3]:7.2f}")
 
 
-def _manager(root: str, auth: bool, layers: int, page: int):  # noqa: ANN202
+def _manager(root: str, auth: bool, l1: bool):  # noqa: ANN202 - StorageManager
     from kvplug.storage_manager import StorageManager
 
-    cfg = {
-        "chunk_size": 16,
-        "tiers": [
-            {"backend": "local_cpu", "name": "l1", "options": {"capacity": "512MiB"}},
-            {"backend": "posix", "name": "disk",
-             "options": {"path": root, "capacity": "4GiB"}},
-        ],
-    }
+    tiers = [{"backend": "posix", "name": "disk",
+              "options": {"path": root, "capacity": "8GiB", "io_threads": 2}}]
+    if l1:
+        tiers.insert(0, {"backend": "local_cpu", "name": "l1", "options": {"capacity": "2GiB"}})
+    cfg: dict = {"chunk_size": 16, "tiers": tiers}
     if auth:
-        cfg["auth_key_env"] = "KVPLUG_BENCH_AUTH_KEY"
+        cfg["auth_key_env"] = _ENV
     return StorageManager(cfg)
 
 
+_ENV = "BENCH_AUTH_SECRET"
+
+
+def _timed(fn, keys) -> float:  # noqa: ANN001
+    """Seconds per chunk of ``fn(keys)`` (which returns the objects it got, all hits)."""
+    t0 = time.perf_counter()
+    objs = fn(keys)
+    dt = time.perf_counter() - t0
+    assert all(o is not None for o in objs), "a miss in a hit benchmark"
+    for o in objs:
+        o.ref_down()
+    return dt / len(keys)
+
+
 def hits(repeat: int, chunks: int, layers: int, page: int) -> None:
+    """Plain and authenticated StorageManagers over the same random chunks, timed alternately
+    in one run: whole-chunk ``get`` and ``batched_get`` from posix (page cache), the first
+    ``get`` through an L1 in front (read from posix, verified, promoted) and the L1 hit after."""
     import torch
     from kvplug.keys import CacheKey
     from kvplug.memory import MemoryFormat, heap_memory_obj
 
-    os.environ["KVPLUG_BENCH_AUTH_KEY"] = os.urandom(32).hex()
-    keys = [CacheKey("bench", "m", os.urandom(32)) for _ in range(chunks)]
-    data = [torch.randint(0, 255, (layers, 1, page), dtype=torch.uint8) for _ in keys]
-    results: dict[str, dict[str, float]] = {}
+    os.environ[_ENV] = os.urandom(32).hex()
+    keys = [CacheKey("bench/model", "bfloat16", "LBHNC-bs16", 1, 0, os.urandom(32))
+            for _ in range(chunks)]
+    results: dict[str, dict[str, list[float]]] = {"plain": {}, "auth": {}}
     with tempfile.TemporaryDirectory() as plain_dir, tempfile.TemporaryDirectory() as auth_dir:
-        sms = {"plain": _manager(plain_dir, False, layers, page),
-               "auth": _manager(auth_dir, True, layers, page)}
-        for sm in sms.values():
-            objs = []
-            for d in data:
-                o = heap_memory_obj(tuple(d.shape), d.dtype, MemoryFormat.KV_PAGES, 16)
-                o.tensor.copy_(d)
-                objs.append(o)
-            sm.backend("disk").batched_submit_put(keys=keys, objs=objs)
-            for o in objs:
-                o.ref_down()
-            sm.flush(60)
-        disk = {n: sm.backend("disk") for n, sm in sms.items()}
+        dirs = {"plain": plain_dir, "auth": auth_dir}
+        disk = {n: _manager(d, n == "auth", l1=False) for n, d in dirs.items()}
+        for sm in disk.values():
+            for i, k in enumerate(keys):
+                obj = heap_memory_obj((layers, 1, page), torch.uint8, MemoryFormat.KV_PAGES, 16)
+                obj.byte_view.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8,
+                                                  generator=torch.Generator().manual_seed(i)))
+                sm.batched_put([k], [obj])
+                obj.ref_down()
+            assert sm.flush(120)
+        front = {n: _manager(d, n == "auth", l1=True) for n, d in dirs.items()}
+        paths = {
+            "posix get": lambda n, ks: [disk[n].get(k, promote=False) for k in ks],
+            "posix batched_get": lambda n, ks: disk[n].batched_get(ks),
+            "get via L1 (posix read + promotion)": lambda n, ks: [front[n].get(k) for k in ks],
+            "L1 hit after promotion": lambda n, ks: [front[n].get(k) for k in ks],
+        }
+        for _ in range(2):  # warm the page cache and the header caches
+            for n in dirs:
+                _timed(lambda ks, n=n: paths["posix get"](n, ks), keys)
         for trial in range(repeat):
-            for name in ("plain", "auth") if trial % 2 == 0 else ("auth", "plain"):
-                b = disk[name]
-                t0 = time.perf_counter()
-                for k in keys:
-                    b.get(key=k).ref_down()
-                t1 = time.perf_counter()
-                objs = sms[name].batched_get(keys, tiers=["disk"]) if _has_tiers_arg() else None
-                if objs is None:
-                    objs = [b.get(key=k) for k in keys]
-                for o in objs:
-                    o.ref_down()
-                t2 = time.perf_counter()
-                r = results.setdefault(name, {"posix get": [], "posix batched": []})
-                r["posix get"].append((t1 - t0) / len(keys))
-                r["posix batched"].append((t2 - t1) / len(keys))
-        for name, sm in sms.items():  # promotion into L1, then L1 hits
-            for k in keys:
-                obj = sm.get(k)
-                if obj is not None:
-                    obj.ref_down()
-        for trial in range(repeat):
-            for name in ("plain", "auth") if trial % 2 == 0 else ("auth", "plain"):
-                t0 = time.perf_counter()
-                for k in keys:
-                    sm_obj = sms[name].get(k)
-                    sm_obj.ref_down()
-                results[name].setdefault("manager get (L1 after promotion)", []).append(
-                    (time.perf_counter() - t0) / len(keys))
-        stats = {n: sm.stats()["disk"].get("auth_failures", 0) for n, sm in sms.items()}
-        for sm in sms.values():
+            order = ("plain", "auth") if trial % 2 == 0 else ("auth", "plain")
+            for path, fn in paths.items():
+                for n in order:
+                    if path.startswith("get via L1"):
+                        front[n].evict(keys, tiers=["l1"])
+                    results[n].setdefault(path, []).append(
+                        _timed(lambda ks, fn=fn, n=n: fn(n, ks), keys))
+        failures = {n: sm.stats()["disk"].get("auth_failures", 0) for n, sm in disk.items()}
+        for sm in [*disk.values(), *front.values()]:
             sm.close()
     mib = layers * page / (1 << 20)
-    print(f"\n{chunks} chunks of {layers} layers x {page} B ({mib:.2f} MiB), median of {repeat}")
-    print(f"{'path':36s} {'plain ms':>9s} {'auth ms':>9s} {'ratio':>6s}")
+    print(f"\n{chunks} chunks of {layers} layers x {page} B ({mib:.2f} MiB each), median of "
+          f"{repeat} alternating trials (ms per chunk)")
+    print(f"{'path':40s} {'plain':>9s} {'auth':>9s} {'ratio':>6s}")
     for path in results["plain"]:
         p = statistics.median(results["plain"][path]) * 1e3
         a = statistics.median(results["auth"][path]) * 1e3
-        print(f"{path:36s} {p:9.3f} {a:9.3f} {a / p:6.2f}")
-    print(f"auth_failures during the run: {stats}")
-
-
-def _has_tiers_arg() -> bool:
-    return False
+        print(f"{path:40s} {p:9.3f} {a:9.3f} {a / p:6.2f}")
+    print(f"auth_failures during the run: {failures}")
 
 
 def main() -> None:
@@ -160,7 +159,7 @@ def main() -> None:
     ap.add_argument("--primitives", action="store_true", help="only the primitives")
     ap.add_argument("--hits", action="store_true", help="only the StorageManager hits")
     ap.add_argument("--repeat", type=int, default=15)
-    ap.add_argument("--chunks", type=int, default=32)
+    ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--page", type=int, default=128 << 10, help="bytes per layer of a chunk")
     args = ap.parse_args()

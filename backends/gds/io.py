@@ -151,7 +151,7 @@ def _read_layers(path: str | Path, header: cf.ChunkHeader, ino: int, dest: torch
     if header.mac is not None:  # authenticated: always verified, tag by tag
         sums = layer_sums(flat, count, header.mac, first)
         if not all(header.mac.check(want, got, f"layer {first + i}") for i, (want, got) in
-                   enumerate(zip(header.checksums[first : first + count], sums))):
+                   enumerate(zip(header.checksums[first : first + count], sums, strict=True))):
             raise CorruptChunk("layer MAC mismatch", ino)
     elif verify and layer_sums(flat, count) != header.checksums[first : first + count]:
         raise CorruptChunk("layer checksum mismatch", ino)

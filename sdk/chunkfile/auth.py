@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import hmac
 import logging
@@ -97,6 +98,12 @@ def _normal(secret: bytes) -> bytes:
     return secret if len(secret) <= 64 else hashlib.blake2b(secret, digest_size=64).digest()
 
 
+@functools.lru_cache(maxsize=1024)
+def _nonce(index: int) -> bytes:
+    """The GMAC nonce of layer ``index`` (``"L"`` + 11 bytes big-endian)."""
+    return b"L" + index.to_bytes(11, "big")
+
+
 class ChunkMac:
     """The MACs of one chunk: per-chunk key from the master, the salt and the key string."""
 
@@ -118,7 +125,19 @@ class ChunkMac:
 
     def layer_tag(self, index: int, data) -> str:  # noqa: ANN001 - any buffer
         """Layer ``index``'s tag (32 hex)."""
-        return self._aead.encrypt(b"L" + index.to_bytes(11, "big"), b"", data).hex()
+        return self._aead.encrypt(_nonce(index), b"", data).hex()
+
+    def verify_layer(self, index: int, data, expected: str) -> bool:  # noqa: ANN001 - buffer
+        """Whether ``data`` is layer ``index`` as signed (``expected``: its stored tag);
+        a mismatch is counted and logged once."""
+        try:
+            want = bytes.fromhex(expected)
+        except ValueError:
+            want = b""
+        if hmac.compare_digest(self._aead.encrypt(_nonce(index), b"", data), want):
+            return True
+        self._ring.failed(f"layer {index} MAC mismatch")
+        return False
 
     def header_tag(self, raw: bytes) -> str:
         """The header's tag (32 hex) over its bytes with the tag field zeroed."""

@@ -38,8 +38,7 @@ def verify_layer(header, index: int, data) -> bool:  # noqa: ANN001 - ChunkHeade
     if len(view) != header.layer_nbytes:
         return False
     if header.mac is not None:
-        return header.mac.check(header.checksums[index], header.mac.layer_tag(index, view),
-                                f"layer {index}")
+        return header.mac.verify_layer(index, view, header.checksums[index])
     return checksum(view) == header.checksums[index]
 
 
