@@ -88,15 +88,16 @@ def _manager(root: str, auth: bool, l1: bool):  # noqa: ANN202 - StorageManager
 _ENV = "BENCH_AUTH_SECRET"
 
 
-def _timed(fn, keys) -> float:  # noqa: ANN001
-    """Seconds per chunk of ``fn(keys)`` (which returns the objects it got, all hits)."""
-    t0 = time.perf_counter()
+def _timed(fn, keys) -> tuple[float, float]:  # noqa: ANN001
+    """Wall and CPU (process, all threads) seconds per chunk of ``fn(keys)`` (which returns the
+    objects it got, all hits). CPU time is the steadier figure on a shared machine."""
+    c0, t0 = time.process_time(), time.perf_counter()
     objs = fn(keys)
-    dt = time.perf_counter() - t0
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
     assert all(o is not None for o in objs), "a miss in a hit benchmark"
     for o in objs:
         o.ref_down()
-    return dt / len(keys)
+    return dt / len(keys), dc / len(keys)
 
 
 def hits(repeat: int, chunks: int, layers: int, page: int) -> None:
@@ -110,7 +111,7 @@ def hits(repeat: int, chunks: int, layers: int, page: int) -> None:
     os.environ[_ENV] = os.urandom(32).hex()
     keys = [CacheKey("bench/model", "bfloat16", "LBHNC-bs16", 1, 0, os.urandom(32))
             for _ in range(chunks)]
-    results: dict[str, dict[str, list[float]]] = {"plain": {}, "auth": {}}
+    results: dict[str, dict[str, list[tuple[float, float]]]] = {"plain": {}, "auth": {}}
     with tempfile.TemporaryDirectory() as plain_dir, tempfile.TemporaryDirectory() as auth_dir:
         dirs = {"plain": plain_dir, "auth": auth_dir}
         disk = {n: _manager(d, n == "auth", l1=False) for n, d in dirs.items()}
@@ -146,11 +147,16 @@ def hits(repeat: int, chunks: int, layers: int, page: int) -> None:
     mib = layers * page / (1 << 20)
     print(f"\n{chunks} chunks of {layers} layers x {page} B ({mib:.2f} MiB each), median of "
           f"{repeat} alternating trials (ms per chunk)")
-    print(f"{'path':40s} {'plain':>9s} {'auth':>9s} {'ratio':>6s}")
+    print(f"{'path':40s} {'wall plain':>10s} {'auth':>8s} {'ratio':>6s}   {'cpu plain':>9s} "
+          f"{'auth':>8s} {'ratio':>6s}")
     for path in results["plain"]:
-        p = statistics.median(results["plain"][path]) * 1e3
-        a = statistics.median(results["auth"][path]) * 1e3
-        print(f"{path:40s} {p:9.3f} {a:9.3f} {a / p:6.2f}")
+        row = []
+        for i in (0, 1):
+            p = statistics.median(r[i] for r in results["plain"][path]) * 1e3
+            a = statistics.median(r[i] for r in results["auth"][path]) * 1e3
+            row += [p, a, a / p]
+        print(f"{path:40s} {row[0]:10.3f} {row[1]:8.3f} {row[2]:6.2f}   {row[3]:9.3f} "
+              f"{row[4]:8.3f} {row[5]:6.2f}")
     print(f"auth_failures during the run: {failures}")
 
 

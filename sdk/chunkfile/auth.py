@@ -160,6 +160,11 @@ class Keyring:
     def __init__(self, current: bytes, previous: Sequence[bytes] = (), tier: str = "") -> None:
         if len(current) < MIN_SECRET or any(len(p) < MIN_SECRET for p in previous):
             raise ConfigError(f"auth: secrets need at least {MIN_SECRET} bytes")
+        try:
+            import cryptography.hazmat.primitives.ciphers.aead  # noqa: F401 - checked at start
+        except ImportError:
+            raise ConfigError("auth_key_env needs the 'cryptography' package (a kvplug "
+                              "dependency): pip install 'cryptography>=42'") from None
         current, previous = _normal(current), tuple(_normal(p) for p in previous)
         self._keys = {_key_id(current): current}
         for p in previous:
