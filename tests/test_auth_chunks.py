@@ -354,3 +354,25 @@ def test_resp_redis_rotation(secrets, redis_server):  # noqa: F811 - fixture
 
 def test_mooncake_attacks_in_private_netns(secrets, tmp_path):
     run_in_private_netns(TESTS / "mooncake_auth_netns.py", tmp_path / "inner")
+
+
+def test_posix_codec_chunks_authenticated(secrets, tmp_path):
+    """A tier with a codec stores ENCODED chunks as ``1+codec+mac``: they round-trip, and a
+    plain encoded forgery with a valid xxh3 is a miss, counted."""
+    pytest.importorskip("blosc2")
+    tier = {**_posix(tmp_path), "codec": "lossless"}
+    with StorageManager(_cfg(tier)) as mgr:
+        k = aa.key(7)
+        ref = aa.store(mgr, k, 7)
+        raw = _posix_raw(mgr)
+        real = raw.read(raw.name_of(k))
+        fields = aa.public_fields(real)
+        assert fields["format_version"] == "1+codec+mac" and "codec" in fields
+        assert torch.equal(aa.hit(mgr, k), ref)
+        plain = bytearray(real)  # the attacker re-signs the same header with xxh3: no MAC
+        forged = aa.encoded(aa.key(8), aa.random_obj(8))
+        raw.write(raw.name_of(aa.key(8)), forged)
+        assert aa.hit(mgr, aa.key(8)) is None and aa.failures(mgr, "posix") == 1
+        plain[aa.header_bytes(real) + 10] ^= 1  # the encoded payload's first layer
+        raw.write(raw.name_of(k), bytes(plain))
+        assert aa.hit(mgr, k) is None and aa.failures(mgr, "posix") == 2
