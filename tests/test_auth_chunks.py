@@ -376,3 +376,31 @@ def test_posix_codec_chunks_authenticated(secrets, tmp_path):
         plain[aa.header_bytes(real) + 10] ^= 1  # the encoded payload's first layer
         raw.write(raw.name_of(k), bytes(plain))
         assert aa.hit(mgr, k) is None and aa.failures(mgr, "posix") == 2
+
+
+def test_auth_failures_reach_prometheus_by_tier(secrets, tmp_path):
+    """A real manager's auth_failures, sampled as the connector samples tier stats, become
+    ``vllm:kvplug_auth_failures_total{tier=...}``."""
+    pytest.importorskip("vllm")
+    from functools import partial
+    from types import SimpleNamespace
+
+    from kvplug.connector.prom import KVPlugPromMetrics
+    from kvplug.connector.stats import StatsRecorder
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    rec = StatsRecorder()
+    with StorageManager(_cfg({**_posix(tmp_path), "name": "disk"})) as mgr:
+        rec.sample_tiers(mgr.stats())
+        raw = _posix_raw(mgr)
+        for i in range(3):
+            raw.write(raw.name_of(aa.key(i)), aa.forgeries(aa.key(i))["own secret"])
+            assert aa.hit(mgr, aa.key(i)) is None
+        rec.sample_tiers(mgr.stats())
+    reg = CollectorRegistry()
+    types = {cls: partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
+    prom = KVPlugPromMetrics(SimpleNamespace(kv_transfer_config=None), types,
+                             ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe(rec.take().to_dict(), 0)
+    assert reg.get_sample_value("vllm:kvplug_auth_failures_total",
+                                {"model_name": "m", "engine": "0", "tier": "disk"}) == 3
