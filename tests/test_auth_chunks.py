@@ -404,3 +404,31 @@ def test_auth_failures_reach_prometheus_by_tier(secrets, tmp_path):
     prom.observe(rec.take().to_dict(), 0)
     assert reg.get_sample_value("vllm:kvplug_auth_failures_total",
                                 {"model_name": "m", "engine": "0", "tier": "disk"}) == 3
+
+
+def test_one_header_verifies_from_many_threads(secrets):
+    """A parsed header (cached by tiers, shared by their reader threads) verifies every layer
+    right from several threads at once, and refuses a wrong one in each."""
+    import threading
+
+    ring = cf.Keyring.from_env(aa.KEY_A)
+    k, obj = aa.key(1), aa.random_obj(1)
+    data = aa.encoded(k, obj, ring)
+    head = cf.decode_header(data[: cf.HEADER_PROBE], len(data), ring)
+    layers = [data[off : off + head.layer_nbytes] for off in head.data_offsets]
+    wrong: list[str] = []
+
+    def run() -> None:
+        for _ in range(50):
+            for i, layer in enumerate(layers):
+                if not cf.verify_layer(head, i, layer):
+                    wrong.append(f"layer {i} refused")
+                if cf.verify_layer(head, (i + 1) % len(layers), layer):
+                    wrong.append(f"layer {i} accepted at {(i + 1) % len(layers)}")
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not wrong, wrong[:5]
