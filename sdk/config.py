@@ -42,7 +42,11 @@ from pydantic import (
 from .errors import ConfigError
 
 logger = logging.getLogger("kvplug.config")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+#: What a secret pasted where its variable's name belongs looks like (hex of 16+ bytes).
+_LIKE_SECRET = re.compile(r"[0-9a-fA-F]{32,}")
+#: Config keys whose values are never echoed in an error (they name secrets, or may be one).
+_UNECHOED = ("auth_key_env", "auth_previous_key_envs")
 ENV_PREFIX = "KVPLUG_"
 #: Environment variables with a meaning of their own (not config overrides).
 RESERVED_ENV = {"KVPLUG_CONFIG", "KVPLUG_CACHE_DIR", "KVPLUG_LOG_LEVEL", "KVPLUG_LOAD_BACKENDS",
@@ -149,9 +153,11 @@ class KVPlugConfig(_Strict):
     @classmethod
     def _env_names(cls, value: Any) -> Any:
         for name in [value] if isinstance(value, str) else value or []:
-            if not _ENV_NAME.fullmatch(name):
-                raise ValueError(f"{name!r} is not an environment variable name; give the "
-                                 "variable's NAME (e.g. KVPLUG_AUTH_KEY), never the secret")
+            if not isinstance(name, str) or not _ENV_NAME.fullmatch(name) \
+                    or _LIKE_SECRET.fullmatch(name):
+                raise ValueError("not an environment variable name (shown: never, it may be "
+                                 "a secret); give the NAME of the variable holding the secret, "
+                                 "e.g. KV_CACHE_SECRET, never the secret itself")
         return value
 
     @model_validator(mode="after")
@@ -289,6 +295,8 @@ def _explain(exc: ValidationError, top_level: list[str]) -> str:
                 keys = list(TierConfig.model_fields)
             allowed = ", ".join(keys)
             lines.append(f"unknown config key {loc!r}; allowed keys here: {allowed}")
+        elif err["loc"] and err["loc"][0] in _UNECHOED:
+            lines.append(f"config value {loc!r}: {err['msg']}")
         else:
             lines.append(f"config value {loc!r}={err.get('input')!r}: {err['msg']}")
     return "; ".join(lines)

@@ -57,8 +57,14 @@ def test_config_errors_name_the_variable_never_the_secret(monkeypatch, tmp_path)
             StorageManager(_cfg(posix, var))
         assert var in str(err.value) and words in str(err.value), err.value
         assert short not in str(err.value) and "not a secret" not in str(err.value)
-    with pytest.raises(ConfigError, match="environment variable name"):
-        StorageManager(_cfg(posix, "abc def"))
+    for pasted in ("abc def", os.urandom(32).hex(), "d" + os.urandom(32).hex(),
+                   "a2V5" * 12 + "==="):  # a secret pasted where its variable's name belongs
+        with pytest.raises(ConfigError, match="environment variable name") as err:
+            StorageManager(_cfg(posix, pasted))
+        assert pasted not in str(err.value) and pasted[:12] not in str(err.value)
+        with pytest.raises(ConfigError, match="environment variable name") as err:
+            StorageManager(_cfg(posix, "GOOD_NAME", [pasted]))
+        assert pasted[:12] not in str(err.value)
     with pytest.raises(ConfigError, match="needs auth_key_env"):
         StorageManager({"tiers": [posix], "auth_previous_key_envs": ["X"]})
 
