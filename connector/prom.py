@@ -55,6 +55,8 @@ _TIER_COUNTERS = {
     "tier_dropped_stores.": ("vllm:kvplug_dropped_stores",
                              "stores the tier dropped (full, queue full, write error)"),
     "tier_corrupt.": ("vllm:kvplug_corrupt_entries", "corrupt entries found (treated as misses)"),
+    "tier_auth_failures.": ("vllm:kvplug_auth_failures",
+                            "chunks that failed authentication (auth_key_env): never served"),
     "tier_faults.": ("vllm:kvplug_tier_faults", "tier calls that raised or timed out"),
     "tier_evictions.": ("vllm:kvplug_evictions", "entries the tier evicted"),
 }

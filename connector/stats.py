@@ -47,6 +47,7 @@ TIER_COUNTERS: dict[str, tuple[str, ...]] = {
     "tier_get_seconds": ("get_seconds",),
     "tier_dropped_stores": ("dropped_puts", "skipped_puts", "failed_puts"),
     "tier_corrupt": ("corrupt",),
+    "tier_auth_failures": ("auth_failures",),
     "tier_faults": ("faults",),
     "tier_evictions": ("evictions", "evicted"),
 }

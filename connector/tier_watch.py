@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvplug.connector")
 
 #: Tier counters (``StorageManager.stats()``) whose growth means chunks may have left the tier.
-REMOVAL_COUNTERS = ("evictions", "evicted", "corrupt", "vanished", "other_version", "failed_puts",
+REMOVAL_COUNTERS = ("evictions", "evicted", "corrupt", "auth_failures", "vanished", "other_version", "failed_puts",
                     "dropped_puts", "skipped_puts", "faults")
 #: How long a chunk handed to a tier that may block is re-checked before it counts as dropped.
 PENDING_S = 120.0

@@ -19,6 +19,7 @@ import difflib
 import functools
 import logging
 import os
+import re
 import types
 from collections.abc import Mapping
 from importlib.metadata import entry_points
@@ -35,11 +36,17 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from .errors import ConfigError
 
 logger = logging.getLogger("kvplug.config")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+#: What a secret pasted where its variable's name belongs looks like (hex of 16+ bytes).
+_LIKE_SECRET = re.compile(r"[0-9a-fA-F]{32,}")
+#: Config keys whose values are never echoed in an error (they name secrets, or may be one).
+_UNECHOED = ("auth_key_env", "auth_previous_key_envs")
 ENV_PREFIX = "KVPLUG_"
 #: Environment variables with a meaning of their own (not config overrides).
 RESERVED_ENV = {"KVPLUG_CONFIG", "KVPLUG_CACHE_DIR", "KVPLUG_LOG_LEVEL", "KVPLUG_LOAD_BACKENDS",
@@ -132,6 +139,32 @@ class KVPlugConfig(_Strict):
 
     chunk_size: PositiveInt = Field(default=256, description="tokens per chunk")
     tiers: list[TierConfig] = Field(default_factory=default_tiers, min_length=1)
+    auth_key_env: str | None = Field(
+        default=None,
+        description="name of the environment variable holding the deployment secret (>= 32 "
+                    "bytes, hex or base64): every chunk is then authenticated (MACs) and named "
+                    "by a keyed hash; None = plain chunks (xxh3 checksums, readable names)")
+    auth_previous_key_envs: list[str] = Field(
+        default_factory=list,
+        description="environment variables of earlier secrets, still accepted when verifying "
+                    "(a rotation); names stay keyed by the last (oldest) of them")
+
+    @field_validator("auth_key_env", "auth_previous_key_envs")
+    @classmethod
+    def _env_names(cls, value: Any) -> Any:
+        for name in [value] if isinstance(value, str) else value or []:
+            if not isinstance(name, str) or not _ENV_NAME.fullmatch(name) \
+                    or _LIKE_SECRET.fullmatch(name):
+                raise ValueError("not an environment variable name (shown: never, it may be "
+                                 "a secret); give the NAME of the variable holding the secret, "
+                                 "e.g. KV_CACHE_SECRET, never the secret itself")
+        return value
+
+    @model_validator(mode="after")
+    def _previous_needs_current(self) -> KVPlugConfig:
+        if self.auth_previous_key_envs and not self.auth_key_env:
+            raise ValueError("auth_previous_key_envs needs auth_key_env (the current secret)")
+        return self
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -223,10 +256,19 @@ def _warn_unknown_env(name: str, fields: list[str]) -> None:
     logger.warning("environment variable %s is not a kvplug setting and is ignored%s", name, hint)
 
 
-def _env_overrides(env: Mapping[str, str], fields: list[str]) -> dict[str, Any]:
+def _secret_vars(data: Mapping[str, Any], env: Mapping[str, str]) -> set[str]:
+    """The environment variables the config names as holding secrets (``auth_key_env``...):
+    not settings, so never read as overrides nor warned about, whatever their prefix."""
+    names = [data.get("auth_key_env"), *(data.get("auth_previous_key_envs") or [])]
+    names += [env.get(ENV_PREFIX + "AUTH_KEY_ENV")]
+    return {n for n in names if isinstance(n, str)}
+
+
+def _env_overrides(env: Mapping[str, str], fields: list[str],
+                   skip: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV:
+        if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV or name in skip:
             continue
         path = name[len(ENV_PREFIX) :].lower().split("__")
         if path[0] not in fields:
@@ -253,6 +295,8 @@ def _explain(exc: ValidationError, top_level: list[str]) -> str:
                 keys = list(TierConfig.model_fields)
             allowed = ", ".join(keys)
             lines.append(f"unknown config key {loc!r}; allowed keys here: {allowed}")
+        elif err["loc"] and err["loc"][0] in _UNECHOED:
+            lines.append(f"config value {loc!r}: {err['msg']}")
         else:
             lines.append(f"config value {loc!r}={err.get('input')!r}: {err['msg']}")
     return "; ".join(lines)
@@ -286,7 +330,8 @@ def load_config(
         if "config_file" in given:
             data = _deep_merge(data, _read_yaml(given.pop("config_file")))
         data = _deep_merge(data, given)
-    data = _deep_merge(data, _env_overrides(env, [*schema.model_fields, *foreign]))
+    data = _deep_merge(data, _env_overrides(env, [*schema.model_fields, *foreign],
+                                            _secret_vars(data, env)))
     data = {k: v for k, v in data.items() if k not in foreign}
     try:
         return schema.model_validate(data)

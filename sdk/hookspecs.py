@@ -71,6 +71,7 @@ import pluggy
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from .chunkfile.auth import Keyring
     from .keys import CacheKey
     from .memory import MemoryFormat, MemoryObj
 
@@ -104,6 +105,14 @@ class TierContext:
             register them once, then read into what ``allocate`` returns when it lies inside
             them. Memory outside them (a heap fallback when the pool is full) is not registered.
             Empty when no tier owns a pool.
+        auth: the deployment's :class:`~kvplug.chunkfile.Keyring` when the config sets
+            ``auth_key_env`` (a view for this tier: it counts and logs once the tier's
+            authentication failures), else ``None``. A backend that stores chunks through
+            ``kvplug.chunkfile`` passes it to every call that takes ``auth`` (``encode_chunk``,
+            ``read_header``, ``chunk_name``, ``relative_chunk_path``...): chunks are then
+            MAC'd and keyed-named, and one that fails the check raises
+            :class:`~kvplug.chunkfile.AuthError` (a ``ChunkFormatError``: a miss; delete it so
+            the next store replaces it). Never log it or put it in an exception.
     """
 
     name: str
@@ -112,6 +121,7 @@ class TierContext:
     chunk_size: int = 256
     extra: dict[str, Any] = field(default_factory=dict)
     memory_regions: Callable[[], list[tuple[int, int]]] = list
+    auth: Keyring | None = None
 
 
 class BackendSpec:

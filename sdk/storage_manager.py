@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .chunkfile.auth import Keyring
 from .config import KVPlugConfig, TierConfig, load_config
 from .errors import ConfigError
 from .keys import CacheKey
@@ -31,6 +32,14 @@ from .tier_calls import BATCH_GET_KEYS, MAX_ENCODER_QUEUE, Tier, release
 from .tier_setup import ScopedHooks, build_tier
 
 logger = logging.getLogger("kvplug.storage")
+
+def auth_keyring(config: KVPlugConfig) -> Keyring | None:
+    """The keyring of ``config``'s ``auth_key_env`` (and previous keys), or ``None`` without it;
+    ``ConfigError`` naming a variable that is unset, short or undecodable."""
+    if not config.auth_key_env:
+        return None
+    return Keyring.from_env(config.auth_key_env, config.auth_previous_key_envs)
+
 
 @dataclass
 class PrefixLookup:
@@ -56,6 +65,8 @@ class StorageManager:
         self._closed = False
         self._lock = threading.Lock()
         self.read_heap_fallbacks = 0  # reads that found the pool full (see _allocate_for_reads)
+        #: The deployment's keyring (``auth_key_env``): handed to every tier, never global.
+        self.auth = auth_keyring(self.config)
         # Bounded tier calls run on each tier's own pool; batched_get fans out over this one.
         self._readers = runtime.executor(8, "kvplug-read")
         names = self.config.tier_names()
@@ -78,7 +89,7 @@ class StorageManager:
     # -- construction ---------------------------------------------------------------------------
     def _add_tier(self, index: int, cfg: TierConfig, extra: dict[str, Any]) -> None:
         tier = build_tier(index, cfg, self._allocate_for_reads, self.chunk_size, extra,
-                          self.runtime, self.memory_regions)
+                          self.runtime, self.memory_regions, self.auth)
         self._hooks.register(tier.backend, f"tier:{tier.name}", {tier.name})
         self._hooks.register(tier.metrics, f"metrics:{tier.name}", {tier.name})
         # Registered last, so it wraps the metrics: they count the bytes the tier really moves.
@@ -412,6 +423,8 @@ class StorageManager:
             entry = tier.metrics.snapshot()
             entry["faults"] = tier.faults
             entry["timeouts"] = tier.timeouts
+            if tier.auth is not None:
+                entry["auth_failures"] = tier.auth.failures
             codec = tier.codec.snapshot() if tier.codec is not None else {}
             if tier.codec is not None and (tier.codec.codec is not None or any(codec.values())):
                 entry.update(codec)

@@ -60,6 +60,8 @@ class Tier:
         #: The tier's :class:`~kvplug.codecs.CodecWrapper` (set by the StorageManager); a tier
         #: that encodes gets one thread that runs its puts (encoding) off the caller's thread.
         self.codec: Any = None
+        #: The tier's view of the deployment keyring (``auth_key_env``), or ``None``.
+        self.auth: Any = None
         self.encoder: Executor | None = None
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()

@@ -16,6 +16,7 @@ from typing import Any
 import pluggy
 from pydantic import BaseModel, ValidationError
 
+from .chunkfile.auth import Keyring
 from .codecs.registry import build_codec
 from .codecs.wrapper import CodecWrapper, describe_codec
 from .config import TierConfig
@@ -37,11 +38,13 @@ HOOKS = (
 
 def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | None],
                chunk_size: int, extra: dict[str, Any], runtime: Runtime = THREADS,
-               memory_regions: Callable[[], list[tuple[int, int]]] = list) -> Tier:
-    """Start tier ``index``'s backend (``allocate``, ``memory_regions``: its ``ctx``'s) and its
-    codec wrapper; a bad option or a backend that fails to start is a clear error naming the
-    tier."""
+               memory_regions: Callable[[], list[tuple[int, int]]] = list,
+               auth: Keyring | None = None) -> Tier:
+    """Start tier ``index``'s backend (``allocate``, ``memory_regions``: its ``ctx``'s; ``auth``:
+    the deployment's keyring, the tier gets its own view of it) and its codec wrapper; a bad
+    option or a backend that fails to start is a clear error naming the tier."""
     cls, info = load_backend_class(cfg.backend)
+    tier_auth = auth.for_tier(cfg.tier_name) if auth is not None else None
     ctx = TierContext(
         name=cfg.tier_name,
         options=_validated_options(cls, cfg),
@@ -49,6 +52,7 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
         chunk_size=chunk_size,
         extra=dict(extra),
         memory_regions=memory_regions,
+        auth=tier_auth,
     )
     try:
         backend = cls(ctx)
@@ -60,6 +64,7 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
             f"failed to start: {type(exc).__name__}: {exc}"
         ) from exc
     tier = Tier(index, cfg, backend, info.package, runtime)
+    tier.auth = tier_auth
     tier.codec = CodecWrapper(tier.name, *codec_of(cfg, tier.inline), allocate)
     return tier
 

@@ -96,6 +96,7 @@ class ValueStoreTier(PinnedStore):
                                       max_backoff_s=opts.breaker_max_backoff_s)
         self.io, self.url = self.open_io(ctx, self.breaker)
         self._allocate = ctx.allocate
+        self._auth = ctx.auth  # keyed names and MACs (auth_key_env), or None
         self._log_once = LogOnce(logger)
         self._lock = threading.Lock()  # pins, negative cache, counters
         self._pins: PinCounts[str] = PinCounts()
@@ -114,7 +115,7 @@ class ValueStoreTier(PinnedStore):
             ctx.name, self.io, self._index, self._log_once, pinned=self._pinned,
             delete=self._delete, stored=self._stored, max_pending=opts.max_pending_writes,
             threads=opts.io_threads, batch_bytes=int(opts.batch_bytes),
-            written_ttl_s=max(opts.negative_cache_s, 1.0))
+            written_ttl_s=max(opts.negative_cache_s, 1.0), auth=ctx.auth)
         logger.info("tier %r: %s at %s", self.name, self.kind, self.url)
 
     def store_name(self, key: CacheKey) -> str:
@@ -127,7 +128,7 @@ class ValueStoreTier(PinnedStore):
         if name is None:
             if len(self._names) >= _NAME_CACHE:
                 self._names.clear()
-            name = self._names[key] = self.opts.prefix + cf.chunk_name(key)
+            name = self._names[key] = self.opts.prefix + cf.chunk_name(key, self._auth)
         return name
 
     # -- store ----------------------------------------------------------------------------------
@@ -341,7 +342,7 @@ class ValueStoreTier(PinnedStore):
 
     def _parse(self, name: str, read: cf.ReadAt, size: int | None) -> cf.ChunkHeader | None:
         try:
-            return cf.read_header(read, size)[0]
+            return cf.read_header(read, size, self._auth)[0]
         except ChunkVersionError as exc:  # another version's value: a miss, left in place
             self._count("other_version")
             self._log_once("other_version", "tier %r: %s is of another format version (%s); "

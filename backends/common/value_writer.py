@@ -44,8 +44,10 @@ class ValueWriter:
                  pinned: Callable[[str], bool], delete: Callable[[Sequence[str]], None],
                  stored: Callable[[str], None], max_pending: int, threads: int,
                  batch_bytes: int, written_ttl_s: float, skip_indexed: bool = False,
-                 reuse_buffer: bool = True, thread_prefix: str | None = None) -> None:
+                 reuse_buffer: bool = True, thread_prefix: str | None = None,
+                 auth: cf.Keyring | None = None) -> None:
         self._name = name
+        self._auth = auth  # the tier's keyring (auth_key_env): chunks are MAC'd
         self._io = io
         self._index = index
         self._log_once = log_once
@@ -197,7 +199,7 @@ class ValueWriter:
         """Each chunk as one value, copied into this thread's scratch buffer (valid until this
         thread's next batch); every object is released, also on a failure."""
         try:
-            parts = [(name, cf.encode_chunk(key, obj)) for name, key, obj in batch]
+            parts = [(name, cf.encode_chunk(key, obj, self._auth)) for name, key, obj in batch]
             if not self._reuse_buffer:
                 return [(name, b"".join([h, *bufs])) for name, (h, bufs) in parts]
             sizes = [len(h) + sum(len(b) for b in bufs) for _, (h, bufs) in parts]

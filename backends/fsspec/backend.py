@@ -95,12 +95,14 @@ class FsspecBackend(PinnedStore):
         self._pins: PinCounts[str] = PinCounts()
         self._index = CapacityIndex(int(opts.capacity) if opts.capacity is not None else None)
         parts = TierParts(ctx.name, self._remote, self._index, self._log_once)
-        self._reader = ChunkReader(parts, ctx.allocate, self._lost, opts.negative_cache_s)
+        self._auth = ctx.auth  # keyed names and MACs (auth_key_env), or None
+        self._reader = ChunkReader(parts, ctx.allocate, self._lost, opts.negative_cache_s,
+                                   ctx.auth)
         self._writer = ValueWriter(  # one whole-object upload per batch, into fresh bytes
             ctx.name, self._remote, self._index, self._log_once, pinned=self._pinned,
             delete=self._delete, stored=self._reader.forget, max_pending=opts.max_pending_writes,
             threads=opts.io_threads, batch_bytes=1, written_ttl_s=max(opts.negative_cache_s, 1.0),
-            skip_indexed=True, reuse_buffer=False, thread_prefix="fsspec")
+            skip_indexed=True, reuse_buffer=False, thread_prefix="fsspec", auth=ctx.auth)
         if self.io.is_local:  # crashed local writers' temporary files (object stores have none)
             removed = remove_stale_local_temps(self.root)
             if removed:
@@ -116,10 +118,9 @@ class FsspecBackend(PinnedStore):
 
     def path_of(self, key: CacheKey) -> str:
         """The object name of ``key``: built only from the key's safe string form and hex."""
-        rel = cf.relative_chunk_path(key)
+        rel = cf.relative_chunk_path(key, self._auth)
         if self.opts.namespace_dirs:
-            ns = key.namespace if len(key.namespace) <= 120 else cf.chunk_name(key).split(".")[0]
-            rel = f"{ns}/{rel}"
+            rel = f"{cf.namespace_dir(key, self._auth)}/{rel}"
         if any(part in ("", ".", "..") for part in rel.split("/")) or "\\" in rel:
             raise KVPlugError(f"refusing object name {rel!r}: it would leave the tier's prefix")
         return f"{self.root}/{rel}"

@@ -38,8 +38,9 @@ class ChunkReader:
     object is corrupt (and should be deleted when the whole file is damaged)."""
 
     def __init__(self, tier: TierParts, allocate: Allocate, lost: Callable[[str, bool], None],
-                 negative_cache_s: float) -> None:
+                 negative_cache_s: float, auth: cf.Keyring | None = None) -> None:
         self._tier = tier
+        self._auth = auth  # the tier's keyring (auth_key_env): headers must be authenticated
         self._allocate = allocate
         self._lost = lost
         self._lock = threading.Lock()
@@ -151,7 +152,7 @@ class ChunkReader:
     def _parse(self, path: str, read: cf.ReadAt, size: int | None) -> cf.ChunkHeader | None:
         """The checked header through ``read``; ``None`` when unavailable or corrupt."""
         try:
-            return cf.read_header(read, size)[0]
+            return cf.read_header(read, size, self._auth)[0]
         except _Unavailable:
             return None
         except ChunkVersionError as exc:  # a node of another version wrote it: not ours to judge

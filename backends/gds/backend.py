@@ -100,8 +100,8 @@ class GDSBackend(PosixBackend):
     def _prepare_write(self, key: CacheKey, rel: str, obj: MemoryObj) -> tuple[int, Callable[[str], int]]:
         if self.mode is Mode.POSIX:
             return super()._prepare_write(key, rel, obj)
-        return _file_size(key, obj), lambda path: gds_io.write_chunk(
-            path, key, obj, fsync=self.opts.fsync
+        return _file_size(key, obj, self._auth), lambda path: gds_io.write_chunk(
+            path, key, obj, fsync=self.opts.fsync, auth=self._auth
         )
 
     def _read_file(self, path: str, key: CacheKey, layers: tuple[int, int] | None,
@@ -109,7 +109,7 @@ class GDSBackend(PosixBackend):
         if self.mode is Mode.POSIX:
             return super()._read_file(path, key, layers, known)
         obj, size = gds_io.read_chunk(path, key, self._allocate, layers,
-                                      verify_device=self.opts.verify_device)
+                                      verify_device=self.opts.verify_device, auth=self._auth)
         return obj, size, None
 
     @hookimpl
@@ -121,8 +121,10 @@ class GDSBackend(PosixBackend):
         return out
 
 
-def _file_size(key: CacheKey, obj: MemoryObj) -> int:
+def _file_size(key: CacheKey, obj: MemoryObj, auth: cf.Keyring | None = None) -> int:
     """Size of the chunk file of ``obj`` (known before its checksums are: they have a fixed
-    length, so placeholders give the same header size)."""
-    sums = ["0" * 16] * cf.chunk_layout(obj.meta)[0]
-    return cf.make_header(key, obj.meta, sums, len(cf.encode_header(key, obj.meta, sums))).file_size
+    length, so placeholders give the same header size; with ``auth``, tags and a MAC)."""
+    mac = auth.seal(key) if auth is not None else None
+    sums = ["0" * (16 if mac is None else cf.auth.TAG_HEX)] * cf.chunk_layout(obj.meta)[0]
+    header = cf.encode_header(key, obj.meta, sums, mac)
+    return cf.make_header(key, obj.meta, sums, len(header)).file_size

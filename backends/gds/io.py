@@ -51,17 +51,23 @@ def _scratch(nbytes: int) -> torch.Tensor:
     return buf[:nbytes]
 
 
-def layer_sums(flat: torch.Tensor, num_layers: int) -> list[str]:
-    """The format's per-layer checksums of a flat uint8 tensor (all layers back to back): a host
-    tensor through :func:`kvplug.chunkfile.split_layers`, a device tensor layer by layer from a
-    pinned host copy (the only host copy on the device path)."""
+def layer_sums(flat: torch.Tensor, num_layers: int, mac: cf.ChunkMac | None = None,
+               first: int = 0) -> list[str]:
+    """The format's per-layer checksums (with ``mac``: tags, layer indices from ``first``) of a
+    flat uint8 tensor (all layers back to back): a host tensor through
+    :func:`kvplug.chunkfile.split_layers`, a device tensor layer by layer from a pinned host
+    copy (the only host copy on the device path)."""
+    def one(i: int, view) -> str:  # noqa: ANN001 - a buffer
+        return cf.checksum(view) if mac is None else mac.layer_tag(first + i, view)
+
     if not flat.is_cuda:
-        return [cf.checksum(v) for v in cf.split_layers(flat.numpy(), num_layers)]
+        return [one(i, v) for i, v in enumerate(cf.split_layers(flat.numpy(), num_layers))]
     out: list[str] = []
-    for layer in flat.view(num_layers, flat.numel() // num_layers) if num_layers else ():
+    for i, layer in enumerate(flat.view(num_layers, flat.numel() // num_layers)
+                              if num_layers else ()):
         host = _scratch(layer.numel())
         host.copy_(layer)  # synchronous D2H
-        out.append(cf.checksum(memoryview(host.numpy())))
+        out.append(one(i, memoryview(host.numpy())))
     return out
 
 
@@ -98,13 +104,15 @@ def _wait(futures: list[tuple[Any, int]], what: str) -> None:
         raise problem
 
 
-def write_chunk(path: str | Path, key: CacheKey, obj: MemoryObj, *, fsync: bool = False) -> int:
+def write_chunk(path: str | Path, key: CacheKey, obj: MemoryObj, *, fsync: bool = False,
+                auth: cf.Keyring | None = None) -> int:
     """Write ``obj`` (host or device) as ``key``'s chunk file at ``path`` atomically (temporary
     name + rename, as the posix tier does); returns the file size. Raises ``OSError``."""
     flat = obj.byte_view
-    sums = layer_sums(flat, cf.chunk_layout(obj.meta)[0])
-    header = cf.encode_header(key, obj.meta, sums)
-    head = cf.make_header(key, obj.meta, sums, len(header))
+    mac = auth.seal(key) if auth is not None else None
+    sums = layer_sums(flat, cf.chunk_layout(obj.meta)[0], mac)
+    header = cf.encode_header(key, obj.meta, sums, mac)
+    head = cf.make_header(key, obj.meta, sums, len(header), mac)
     header_buf = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     with cf.atomic_file(path, fsync=fsync) as tmp:
         with _kvikio().CuFile(tmp, "w") as f:
@@ -114,13 +122,14 @@ def write_chunk(path: str | Path, key: CacheKey, obj: MemoryObj, *, fsync: bool 
     return head.file_size
 
 
-def _read_header(path: str | Path, key: CacheKey) -> tuple[cf.ChunkHeader, int]:
+def _read_header(path: str | Path, key: CacheKey,
+                 auth: cf.Keyring | None = None) -> tuple[cf.ChunkHeader, int]:
     """The checked header of ``key``'s file and its inode. ``FileNotFoundError`` if absent,
     :class:`CorruptChunk` if it is damaged or holds another key."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
-        return read_checked_header(fd, st, key)[1], st.st_ino
+        return read_checked_header(fd, st, key, auth=auth)[1], st.st_ino
     finally:
         os.close(fd)
 
@@ -139,15 +148,21 @@ def _read_layers(path: str | Path, header: cf.ChunkHeader, ino: int, dest: torch
             _wait(_layer_jobs(f.pread, flat, header, first, count), "read")
         except ShortIO:
             raise CorruptChunk("file ended early (truncated while reading)", ino) from None
-    if verify and layer_sums(flat, count) != header.checksums[first : first + count]:
+    if header.mac is not None:  # authenticated: always verified, tag by tag
+        sums = layer_sums(flat, count, header.mac, first)
+        if not all(header.mac.check(want, got, f"layer {first + i}") for i, (want, got) in
+                   enumerate(zip(header.checksums[first : first + count], sums, strict=True))):
+            raise CorruptChunk("layer MAC mismatch", ino)
+    elif verify and layer_sums(flat, count) != header.checksums[first : first + count]:
         raise CorruptChunk("layer checksum mismatch", ino)
 
 
 def read_chunk(path: str | Path, key: CacheKey, allocate: Callable[..., MemoryObj | None],
                layers: tuple[int, int] | None = None, *, verify_device: bool = True,
-               ) -> tuple[MemoryObj | None, int]:
-    """Same contract as the posix tier's ``read_chunk``, through kvikio: ``(obj, file_size)``."""
-    header, ino = _read_header(path, key)
+               auth: cf.Keyring | None = None) -> tuple[MemoryObj | None, int]:
+    """Same contract as the posix tier's ``read_chunk``, through kvikio: ``(obj, file_size)``
+    (with ``auth``, every read is verified, ``verify_device`` or not)."""
+    header, ino = _read_header(path, key, auth)
     first, count, meta = header.select(layers)
     obj = allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
     if obj is None:

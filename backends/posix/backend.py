@@ -73,6 +73,8 @@ class PosixBackend(LookupAndPins):
         self.name = ctx.name
         self.opts = opts
         self._allocate = ctx.allocate
+        #: The deployment's keyring (``auth_key_env``): MACs and keyed names; None = plain.
+        self._auth = ctx.auth
         self.root = Path(opts.path).expanduser().resolve()
         self._root_s = str(self.root) + os.sep
         self.capacity = int(opts.capacity)
@@ -114,6 +116,10 @@ class PosixBackend(LookupAndPins):
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counters[name] += n
+
+    def _rel(self, key: CacheKey) -> str:
+        """The chunk file of ``key`` relative to the root (keyed names with ``auth``)."""
+        return cf.relative_chunk_path(key, self._auth)
 
     def _path(self, rel: str) -> str:
         return self._root_s + rel
@@ -233,7 +239,7 @@ class PosixBackend(LookupAndPins):
     @hookimpl
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         for key, obj in zip(keys, objs, strict=False):
-            rel = cf.relative_chunk_path(key)
+            rel = self._rel(key)
             with self._lock:
                 if self._closed or not self._writable:
                     self._counters["dropped_puts"] += 1
@@ -287,12 +293,12 @@ class PosixBackend(LookupAndPins):
     # -- the byte-moving steps (the gds tier overrides these two) ---------------------------------
     def _prepare_write(self, key: CacheKey, rel: str, obj: MemoryObj) -> tuple[int, Callable[[str], int]]:
         """The file's size and a function that writes it at a path (returns bytes written)."""
-        header, bufs, head = cf.encode_chunk_with_header(key, obj)
+        header, bufs, head = cf.encode_chunk_with_header(key, obj, self._auth)
 
         def write_file(path: str) -> int:
             written = write_chunk(path, obj, header, bufs, fsync=self.opts.fsync,
                                   direct=self.o_direct)
-            self._remember(rel, (header_digest(header), head))
+            self._remember(rel, (header_digest(header, self._auth), head))
             return written
 
         return len(header) + sum(len(b) for b in bufs), write_file
@@ -300,7 +306,8 @@ class PosixBackend(LookupAndPins):
     def _read_file(self, path: str, key: CacheKey, layers: tuple[int, int] | None,
                    known: Known | None) -> tuple[MemoryObj | None, int, Known | None]:
         """Read (a layer range of) one chunk file into ``ctx.allocate`` memory, verified."""
-        return read_chunk(path, key, self._allocate, layers, direct=self.o_direct, known=known)
+        return read_chunk(path, key, self._allocate, layers, direct=self.o_direct, known=known,
+                          auth=self._auth)
 
     def _write(self, key: CacheKey, rel: str, obj: MemoryObj) -> None:
         path = self._path(rel)
@@ -341,7 +348,7 @@ class PosixBackend(LookupAndPins):
 
     # -- reads ----------------------------------------------------------------------------------
     def _read(self, key: CacheKey, layers: tuple[int, int] | None) -> MemoryObj | None:
-        rel = cf.relative_chunk_path(key)
+        rel = self._rel(key)
         with self._lock:
             queued = self._pending.get(rel)
             if queued is not None and layers is None:  # not on disk yet: the bytes being written

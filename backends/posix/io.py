@@ -11,6 +11,7 @@ library; this module only feeds it page-aligned buffers (what O_DIRECT needs).
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import mmap
 import os
@@ -72,7 +73,11 @@ class KnownHeaders:
             self._items.popitem(last=False)
 
 
-def header_digest(data) -> str:  # noqa: ANN001 - any buffer
+def header_digest(data, auth: cf.Keyring | None = None) -> str:  # noqa: ANN001 - any buffer
+    """What identifies a header already checked: xxh3_128, or with ``auth`` a BLAKE2b (a header
+    forged to match an authenticated one's digest would skip its MAC check)."""
+    if auth is not None:
+        return hashlib.blake2b(data, digest_size=16).hexdigest()
     return xxhash.xxh3_128_hexdigest(data)
 
 
@@ -202,7 +207,7 @@ def _aligned_reader(fd: int) -> Callable[[int, int], memoryview]:
 
 
 def read_checked_header(fd: int, st: os.stat_result, key: CacheKey,
-                        known: Known | None = None) -> Known:
+                        known: Known | None = None, auth: cf.Keyring | None = None) -> Known:
     """``(digest, header)`` of the open chunk file ``fd``, checked to hold ``key``. ``known``
     from an earlier read or write of the same path is reused when the file's header bytes still
     hash to its digest. Raises :class:`CorruptChunk` for a damaged file or one of another key,
@@ -210,16 +215,16 @@ def read_checked_header(fd: int, st: os.stat_result, key: CacheKey,
     header = None
     if known is not None and known[1].file_size == st.st_size:
         need = known[1].header_bytes
-        if header_digest(_aligned_reader(fd)(0, need)) == known[0]:
+        if header_digest(_aligned_reader(fd)(0, need), auth) == known[0]:
             digest, header = known
     if header is None:
         try:
-            header, raw = cf.read_header(_aligned_reader(fd), st.st_size)
+            header, raw = cf.read_header(_aligned_reader(fd), st.st_size, auth)
         except ChunkVersionError as exc:
             raise ForeignChunk(str(exc), st.st_ino) from None
         except ChunkFormatError as exc:
             raise CorruptChunk(str(exc), st.st_ino) from None
-        digest = header_digest(raw)
+        digest = header_digest(raw, auth)
     if header.key != key:
         raise CorruptChunk(f"file holds key {header.key}, not {key}", st.st_ino)
     return digest, header
@@ -233,6 +238,7 @@ def read_chunk(
     *,
     direct: bool = False,
     known: Known | None = None,
+    auth: cf.Keyring | None = None,
 ) -> tuple[MemoryObj | None, int, Known]:
     """Read the chunk of ``key`` (or ``layers=(first, count)`` of it) into memory from ``allocate``.
 
@@ -244,7 +250,7 @@ def read_chunk(
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
     try:
         st = os.fstat(fd)
-        known = read_checked_header(fd, st, key, known)
+        known = read_checked_header(fd, st, key, known, auth)
         header = known[1]
         first, count, meta = header.select(layers)
         obj = allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)

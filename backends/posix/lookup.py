@@ -12,7 +12,6 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvplug import chunkfile as cf
 from kvplug.hookspecs import hookimpl
 from kvplug.keys import CacheKey
 
@@ -50,7 +49,7 @@ class LookupAndPins:
 
     @hookimpl
     def contains(self, keys: Sequence[CacheKey], pin: bool) -> list[bool]:
-        rels = [cf.relative_chunk_path(k) for k in keys]
+        rels = [self._rel(k) for k in keys]
         with self._lock:
             # a chunk still being written is a hit too: get() serves it from the queued object
             found = [rel in self._index or rel in self._pending for rel in rels]
@@ -106,7 +105,7 @@ class LookupAndPins:
 
     @hookimpl
     def unpin(self, keys: Sequence[CacheKey]) -> None:
-        rels = [cf.relative_chunk_path(key) for key in keys]
+        rels = [self._rel(key) for key in keys]
         with self._lock:
             self._index.pins.unpin_all(rels)
         for rel in rels:
@@ -123,7 +122,7 @@ class LookupAndPins:
             else:
                 victims = []
                 for key in keys:
-                    rel = cf.relative_chunk_path(key)
+                    rel = self._rel(key)
                     if rel in self._index.pins:
                         continue
                     if rel in self._pending:

@@ -4,13 +4,15 @@ posix, gds, fsspec and ``kvplug inspect`` all read and write chunks through this
 directory or bucket written by one is read by the others:
 
 * :mod:`.format`    — the safetensors-compatible layout: header encoding and checking, layer ranges;
-* :mod:`.checksums` — xxh3_64 per layer, verification of what was read;
+* :mod:`.checksums` — xxh3_64 (or a MAC) per layer, verification of what was read;
+* :mod:`.auth`      — the deployment secret's keyring: chunk MACs and keyed names;
 * :mod:`.names`     — chunk paths from keys, temporary names and :func:`is_temp`;
 * :mod:`.atomic`    — temporary file + rename + fsync of file and directory;
 * :mod:`.reader`    — the header of a file through any ``read(offset, length)``.
 """
 
 from .atomic import atomic_file, discard_on_failure, fsync_path
+from .auth import MAC_ALGO, AuthError, ChunkMac, Keyring, decode_secret
 from .checksums import CHECKSUM_ALGO, checksum, layer_checksums, split_layers, verify_layer, verify_layers
 from .format import (
     ALIGN,
@@ -18,6 +20,7 @@ from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     HEADER_PROBE,
+    MAC_VERSION_SUFFIX,
     MAX_HEADER,
     ChunkHeader,
     align_up,
@@ -29,6 +32,7 @@ from .format import (
     encode_header,
     format_version,
     header_size,
+    layer_sums,
     make_header,
     read_buffers,
 )
@@ -41,6 +45,7 @@ from .names import (
     is_chunk_file,
     is_stale_temp,
     is_temp,
+    namespace_dir,
     relative_chunk_path,
     shard_of,
     temp_name,
@@ -48,7 +53,9 @@ from .names import (
 from .reader import ReadAt, read_header, read_header_fd
 
 __all__ = [
-    "ALIGN", "CHECKSUM_ALGO", "CODEC_VERSION_SUFFIX", "FILE_SUFFIX", "FORMAT_NAME", "FORMAT_VERSION",
+    "MAC_ALGO", "MAC_VERSION_SUFFIX", "AuthError", "ChunkMac", "Keyring", "decode_secret",
+    "layer_sums", "namespace_dir", "ALIGN", "CHECKSUM_ALGO", "CODEC_VERSION_SUFFIX",
+    "FILE_SUFFIX", "FORMAT_NAME", "FORMAT_VERSION",
     "HEADER_PROBE", "MAX_HEADER", "TEMP_MAX_AGE_S", "TEMP_SUFFIX", "ChunkHeader", "ReadAt",
     "align_up", "atomic_file", "check_layer_range", "checksum", "chunk_layout", "chunk_name",
     "chunk_path", "decode_header", "discard_on_failure", "encode_chunk", "encode_chunk_with_header",

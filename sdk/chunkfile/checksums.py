@@ -1,4 +1,5 @@
-"""Checksums of chunk files: xxh3_64 per layer (a layer-wise read verifies only what it read)."""
+"""Checksums of chunk files: xxh3_64 per layer (a layer-wise read verifies only what it read),
+or, for an authenticated chunk (its header carries a :class:`~.auth.ChunkMac`), a MAC per layer."""
 
 from __future__ import annotations
 
@@ -21,19 +22,24 @@ def split_layers(data, num_layers: int) -> list[memoryview]:  # noqa: ANN001 - a
     return [view[i * n : (i + 1) * n] for i in range(num_layers)]
 
 
-def layer_checksums(obj: MemoryObj) -> list[str]:
-    """One checksum per layer of ``obj`` (a CPU object)."""
-    from .format import chunk_layout
+def layer_checksums(obj: MemoryObj, mac=None) -> list[str]:  # noqa: ANN001 - ChunkMac | None
+    """One checksum per layer of ``obj`` (a CPU object); with ``mac``, one tag per layer."""
+    from .format import chunk_layout, layer_sums
 
-    return [checksum(v) for v in split_layers(obj.byte_view.numpy(), chunk_layout(obj.meta)[0])]
+    return layer_sums(split_layers(obj.byte_view.numpy(), chunk_layout(obj.meta)[0]), mac)
 
 
 def verify_layer(header, index: int, data) -> bool:  # noqa: ANN001 - ChunkHeader, any buffer
-    """Whether ``data`` (one layer's bytes) matches the header's checksum for layer ``index``."""
+    """Whether ``data`` (one layer's bytes) matches the header's checksum for layer ``index``
+    (its MAC, for an authenticated chunk: a mismatch is counted as an auth failure)."""
     if not 0 <= index < header.num_layers:
         return False
     view = memoryview(data).cast("B")
-    return len(view) == header.layer_nbytes and checksum(view) == header.checksums[index]
+    if len(view) != header.layer_nbytes:
+        return False
+    if header.mac is not None:
+        return header.mac.verify_layer(index, view, header.checksums[index])
+    return checksum(view) == header.checksums[index]
 
 
 def verify_layers(header, first_layer: int, data) -> bool:  # noqa: ANN001 - ChunkHeader, buffer

@@ -24,6 +24,13 @@ a ``codec`` entry (JSON: codec name, package, version, parameters) and the forma
 ``"1+codec"``. Files written before codecs existed (version ``"1"``, no ``codec``) read exactly
 as before; a reader that predates codecs sees another format version: a miss, never bytes. The
 layer checksums cover the encoded bytes, so a damaged payload is caught before any decoding.
+
+An *authenticated* chunk (written with a :class:`~.auth.Keyring`, see :mod:`.auth`) has the format
+version ``"1+mac"`` (``"1+codec+mac"``), ``checksum_algo`` ``"aes256-gmac"`` with one 32-hex tag
+per layer, ``mac_key_id`` and ``mac_salt`` entries, and ``header_mac`` (32 hex) in place of
+``header_xxh3``. A reader without a keyring sees another format version (a miss, left in place);
+a reader with one refuses any chunk that is not authenticated under one of its keys
+(:class:`~.auth.AuthError`). Without a keyring nothing here changes.
 """
 
 from __future__ import annotations
@@ -32,19 +39,26 @@ import functools
 import json
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import ChunkFormatError, ChunkVersionError, ConfigError
 from ..keys import CacheKey
 from ..memory import MemoryFormat, MemoryObj, MemoryObjMeta
+from .auth import MAC_ALGO, TAG_HEX
 from .checksums import CHECKSUM_ALGO, checksum, split_layers
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .auth import ChunkMac, Keyring
 
 FORMAT_NAME = "kvplug-chunk"
 FORMAT_VERSION = "1"
 #: Suffix of the format version of a chunk stored through a codec (``"1+codec"``).
 CODEC_VERSION_SUFFIX = "+codec"
+#: Suffix of the format version of an authenticated chunk (``"1+mac"``, ``"1+codec+mac"``).
+MAC_VERSION_SUFFIX = "+mac"
 ALIGN = 4096
 #: Reading this many leading bytes gives :func:`header_size`; headers of up to ~60 layers fit in
 #: it entirely (check ``header_size(prefix) <= len(prefix)`` and read the rest otherwise).
@@ -53,6 +67,8 @@ HEADER_PROBE = 4096
 MAX_HEADER = 16 << 20
 _HDR_CK_FIELD = "header_xxh3"
 _ZERO_CK = "0" * 16
+_HDR_MAC_FIELD = "header_mac"
+_ZERO_MAC = "0" * TAG_HEX
 _ZEROS = memoryview(bytes(ALIGN))
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -74,9 +90,17 @@ def align_up(n: int, align: int = ALIGN) -> int:
 _LAYERED = (MemoryFormat.KV_PAGES, MemoryFormat.ENCODED)
 
 
-def format_version(encoded: bool) -> str:
-    """The format version written for a plain chunk, or for one stored through a codec."""
-    return FORMAT_VERSION + CODEC_VERSION_SUFFIX if encoded else FORMAT_VERSION
+def format_version(encoded: bool, mac: bool = False) -> str:
+    """The format version written for a plain chunk, or for one stored through a codec (and
+    for an authenticated one: ``+mac``)."""
+    out = FORMAT_VERSION + CODEC_VERSION_SUFFIX if encoded else FORMAT_VERSION
+    return out + MAC_VERSION_SUFFIX if mac else out
+
+
+def _version(encoded: bool, mac: bool) -> str:
+    """:func:`format_version`, asked with one argument for a plain chunk (so a test that
+    stands in an older format_version(encoded) still sees the plain format unchanged)."""
+    return format_version(encoded, True) if mac else format_version(encoded)
 
 
 def chunk_layout(meta: MemoryObjMeta) -> tuple[int, int, int]:
@@ -114,6 +138,9 @@ class ChunkHeader:
     #: Canonical JSON of the codec of an ``ENCODED`` chunk (name, package, version, params);
     #: empty for a plain chunk.
     codec: str = ""
+    #: The MACs of an authenticated chunk (:class:`~.auth.ChunkMac`): ``checksums`` are its
+    #: layer tags and :func:`~.checksums.verify_layer` checks them; ``None`` for a plain chunk.
+    mac: ChunkMac | None = field(default=None, compare=False, repr=False)
 
     @property
     def codec_info(self) -> dict:
@@ -188,8 +215,10 @@ def _tensor_table(layers: int, blocks: int, page_bytes: int) -> str:
     return ("," + table[1:]) if tensors else "}"
 
 
-def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str]) -> bytes:
-    """The padded header (length prefix + JSON) of a chunk holding ``meta``'s bytes."""
+def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
+                  mac: ChunkMac | None = None) -> bytes:
+    """The padded header (length prefix + JSON) of a chunk holding ``meta``'s bytes; with
+    ``mac``, an authenticated one (``checksums`` are then its layer tags)."""
     if meta.dtype not in _DTYPE_NAMES:
         raise ConfigError(f"dtype {meta.dtype} cannot be stored in a chunk file")
     encoded = meta.fmt is MemoryFormat.ENCODED
@@ -199,10 +228,12 @@ def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str]) 
     layers, blocks, page_bytes = chunk_layout(meta)
     if len(checksums) != layers:
         raise ValueError(f"{len(checksums)} checksums for {layers} layers")
+    field_name, zero = (_HDR_MAC_FIELD, _ZERO_MAC) if mac is not None else (_HDR_CK_FIELD,
+                                                                          _ZERO_CK)
     metadata = {
-        _HDR_CK_FIELD: _ZERO_CK,
+        field_name: zero,
         "format": FORMAT_NAME,
-        "format_version": format_version(encoded),
+        "format_version": _version(encoded, mac is not None),
         **key.fields(),
         "num_layers": str(layers),
         "num_blocks": str(blocks),
@@ -212,43 +243,54 @@ def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str]) 
         "dtype": _DTYPE_NAMES[meta.dtype],
         "fmt": meta.fmt.value,
         **({"codec": meta.codec} if encoded else {}),
-        "checksum_algo": CHECKSUM_ALGO,
+        **({"mac_key_id": mac.key_id, "mac_salt": mac.salt.hex()} if mac is not None else {}),
+        "checksum_algo": CHECKSUM_ALGO if mac is None else MAC_ALGO,
         "checksums": json.dumps(list(checksums)),
     }
     meta_json = json.dumps(metadata, separators=(",", ":"))
     body = (_BODY_OPEN + meta_json + _tensor_table(layers, blocks, page_bytes)).encode()
     total = align_up(8 + len(body))
     raw = bytearray(struct.pack("<Q", total - 8) + body + b" " * (total - 8 - len(body)))
-    digest = checksum(raw).encode()
-    at = raw.index(f'"{_HDR_CK_FIELD}":"{_ZERO_CK}"'.encode()) + len(_HDR_CK_FIELD) + 4
-    raw[at : at + 16] = digest
+    digest = (checksum(raw) if mac is None else mac.header_tag(bytes(raw))).encode()
+    at = raw.index(f'"{field_name}":"{zero}"'.encode()) + len(field_name) + 4
+    raw[at : at + len(zero)] = digest
     return bytes(raw)
 
 
-def encode_chunk(key: CacheKey, obj: MemoryObj) -> tuple[bytes, list[memoryview]]:
-    """Header bytes and the buffers to write after it, in order (layers and padding).
+def encode_chunk(key: CacheKey, obj: MemoryObj,
+                 auth: Keyring | None = None) -> tuple[bytes, list[memoryview]]:
+    """Header bytes and the buffers to write after it, in order (layers and padding); with
+    ``auth`` (the tier's keyring), an authenticated chunk.
 
     The layer buffers are zero-copy views of ``obj`` (a CPU object): keep ``obj`` referenced until
     they are written. ``header + b"".join(buffers)`` is the whole file.
     """
-    header, bufs, _ = encode_chunk_with_header(key, obj)
+    header, bufs, _ = encode_chunk_with_header(key, obj, auth)
     return header, bufs
 
 
+def layer_sums(views: Sequence, mac: ChunkMac | None) -> list[str]:
+    """The ``checksums`` of a chunk's layers: xxh3 each, or with ``mac`` their tags."""
+    if mac is None:
+        return [checksum(v) for v in views]
+    return [mac.layer_tag(i, v) for i, v in enumerate(views)]
+
+
 def encode_chunk_with_header(
-    key: CacheKey, obj: MemoryObj
+    key: CacheKey, obj: MemoryObj, auth: Keyring | None = None
 ) -> tuple[bytes, list[memoryview], ChunkHeader]:
     """:func:`encode_chunk` plus the :class:`ChunkHeader` describing the file (no parsing)."""
     layer_views = split_layers(obj.byte_view.numpy(), chunk_layout(obj.meta)[0])
-    sums = [checksum(v) for v in layer_views]
-    header = encode_header(key, obj.meta, sums)
+    mac = auth.seal(key) if auth is not None else None
+    sums = layer_sums(layer_views, mac)
+    header = encode_header(key, obj.meta, sums, mac)
     pad = align_up(len(layer_views[0])) - len(layer_views[0]) if layer_views else 0
     bufs: list[memoryview] = []
     for v in layer_views:
         bufs.append(v)
         if pad:
             bufs.append(_ZEROS[:pad])
-    return header, bufs, make_header(key, obj.meta, sums, len(header))
+    return header, bufs, make_header(key, obj.meta, sums, len(header), mac)
 
 
 def header_size(prefix8: bytes | memoryview) -> int:
@@ -297,11 +339,14 @@ def _metadata(raw: bytes) -> object:
     return doc.get("__metadata__") if isinstance(doc, dict) else None
 
 
-def decode_header(prefix: bytes | memoryview, file_size: int | None = None) -> ChunkHeader:
+def decode_header(prefix: bytes | memoryview, file_size: int | None = None,
+                  auth: Keyring | None = None) -> ChunkHeader:
     """Parse and check a chunk header from the file's leading bytes (at least
     :func:`header_size` of them). Raises :class:`ChunkFormatError` on anything wrong: length,
     JSON, header checksum, format version, key fields, layout, or a ``file_size`` that differs
-    from what the header implies."""
+    from what the header implies. With ``auth`` (a keyring), the chunk must be authenticated
+    under one of its keys: anything else is an :class:`~.auth.AuthError` (counted there), and
+    the header returned verifies its layers by their tags."""
     total = header_size(prefix)
     if len(prefix) < total:
         raise ChunkFormatError(f"need {total} header bytes, got {len(prefix)}")
@@ -314,9 +359,12 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None) -> C
     if meta.get("format") != FORMAT_NAME:
         raise ChunkFormatError(f"format {meta.get('format')!r} is not {FORMAT_NAME!r}")
     encoded = "codec" in meta
-    if meta.get("format_version") != format_version(encoded):
+    version = meta.get("format_version")
+    if auth is not None and not (isinstance(version, str) and version.endswith(MAC_VERSION_SUFFIX)):
+        raise auth.failure(f"chunk of format version {version!r} carries no MAC")
+    if version != _version(encoded, auth is not None):
         raise ChunkVersionError(
-            f"format version {meta.get('format_version')!r} is not {format_version(encoded)!r}"
+            f"format version {version!r} is not {_version(encoded, auth is not None)!r}"
         )
     try:
         key = CacheKey.from_fields(meta)
@@ -345,10 +393,23 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None) -> C
     ):
         raise ChunkFormatError("shape/dtype disagree with num_layers/num_blocks/page_bytes")
     sums = _json_list(meta, "checksums")
-    if meta.get("checksum_algo") != CHECKSUM_ALGO or len(sums) != layers or not all(
-        isinstance(s, str) and len(s) == 16 for s in sums
+    algo, width = (CHECKSUM_ALGO, 16) if auth is None else (MAC_ALGO, TAG_HEX)
+    if meta.get("checksum_algo") != algo or len(sums) != layers or not all(
+        isinstance(s, str) and len(s) == width for s in sums
     ):
+        if auth is not None:
+            raise auth.failure("layer tags are missing or malformed")
         raise ChunkFormatError("layer checksums are missing or malformed")
+    if auth is not None:
+        mac = auth.opener(meta.get("mac_key_id", ""), meta.get("mac_salt", ""), key)
+        expect = encode_header(key, obj_meta, sums, mac)
+        if expect != raw:
+            raise auth.failure("header MAC mismatch or a header not in canonical form")
+        head = make_header(key, obj_meta, sums, total, mac)
+        if file_size is not None and file_size != head.file_size:
+            raise ChunkFormatError(f"file is {file_size} bytes, its header describes "
+                                   f"{head.file_size}")
+        return head
     # The header must be byte for byte what this module writes for these values: that checks
     # every tensor entry, the padding and the header checksum (an xxh3 of the canonical bytes)
     # in one comparison.
@@ -376,7 +437,8 @@ def _codec_ok(codec: str) -> bool:
 
 
 def make_header(
-    key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str], header_bytes: int
+    key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str], header_bytes: int,
+    mac: ChunkMac | None = None,
 ) -> ChunkHeader:
     """The :class:`ChunkHeader` of a chunk whose encoded header (:func:`encode_header`) is
     ``header_bytes`` long, without parsing it (writers use it to remember what they wrote)."""
@@ -390,7 +452,8 @@ def make_header(
         layer_nbytes=layer_nbytes, checksums=[str(s) for s in checksums],
         file_size=header_bytes + layers * stride, header_bytes=header_bytes,
         shape=tuple(meta.shape), dtype=meta.dtype, fmt=meta.fmt,
-        version=format_version(meta.fmt is MemoryFormat.ENCODED), codec=meta.codec,
+        version=_version(meta.fmt is MemoryFormat.ENCODED, mac is not None),
+        codec=meta.codec, mac=mac,
     )
 
 

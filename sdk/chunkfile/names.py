@@ -4,6 +4,10 @@ A chunk of key ``k`` is ``<root>/<2 hex of the hash>/<k's safe name>.safetensors
 written is ``.<final name>.<pid>.<8 hex>.tmp`` in the same directory and becomes visible only by
 rename (:mod:`kvplug.chunkfile.atomic`); :func:`is_temp` recognises such a name for every tier, so
 any process can tell a write in progress (or one a crash left behind) from a chunk.
+
+With a keyring (``auth_key_env``, :mod:`.auth`) a chunk's name is instead 64 hex of a keyed hash
+of the key string, and its shard the first two of them: a reader of the store cannot confirm a
+guessed prompt (or model) from a name. Every function below takes the tier's keyring as ``auth``.
 """
 
 from __future__ import annotations
@@ -11,10 +15,14 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from ..keys import CacheKey
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .auth import Keyring
 
 FILE_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
@@ -24,9 +32,12 @@ _MAX_HEX = 128
 _MAX_NAME = 200
 
 
-def chunk_name(key: CacheKey) -> str:
+def chunk_name(key: CacheKey, auth: Keyring | None = None) -> str:
     """The file name of a chunk: the key's safe string form (``[A-Za-z0-9._-]`` only), with long
-    parts replaced by digests so the name stays below file-system limits."""
+    parts replaced by digests so the name stays below file-system limits; with ``auth``, 64 hex
+    of a keyed hash of the key string."""
+    if auth is not None:
+        return auth.name_digest(key.to_string()) + FILE_SUFFIX
     hexpart = key.hex if len(key.hex) <= _MAX_HEX else xxhash.xxh3_128_hexdigest(key.chunk_hash)
     name = f"{key.namespace}.{hexpart}"
     if len(name) > _MAX_NAME:
@@ -34,20 +45,34 @@ def chunk_name(key: CacheKey) -> str:
     return name + FILE_SUFFIX
 
 
-def shard_of(key: CacheKey) -> str:
-    """Two hex digits from the chunk hash (uniform for sha256 hashes): 256 shard directories."""
+def shard_of(key: CacheKey, auth: Keyring | None = None) -> str:
+    """Two hex digits from the chunk hash (uniform for sha256 hashes): 256 shard directories;
+    with ``auth``, the first two of the keyed name."""
+    if auth is not None:
+        return chunk_name(key, auth)[:2]
     return key.hex[:2] if len(key.hex) >= 2 else "00"
 
 
-def chunk_path(root: Path | str, key: CacheKey) -> Path:
+def chunk_path(root: Path | str, key: CacheKey, auth: Keyring | None = None) -> Path:
     """``root/<2 hex of the hash>/<safe key name>.safetensors``; built only from hex and the key's
     safe string form, so no input can escape ``root``."""
-    return Path(root) / shard_of(key) / chunk_name(key)
+    return Path(root) / relative_chunk_path(key, auth)
 
 
-def relative_chunk_path(key: CacheKey) -> str:
+def relative_chunk_path(key: CacheKey, auth: Keyring | None = None) -> str:
     """``chunk_path`` relative to the root, with ``/`` separators (object-store keys)."""
+    if auth is not None:
+        name = chunk_name(key, auth)
+        return f"{name[:2]}/{name}"
     return f"{shard_of(key)}/{chunk_name(key)}"
+
+
+def namespace_dir(key: CacheKey, auth: Keyring | None = None) -> str:
+    """A directory name per model namespace (where a tier groups chunks so): the namespace
+    (a digest of it when long); with ``auth``, 32 hex of a keyed hash of it."""
+    if auth is not None:
+        return auth.name_digest(key.namespace, 16)
+    return key.namespace if len(key.namespace) <= 120 else chunk_name(key).split(".")[0]
 
 
 def is_chunk_file(name: str) -> bool:

@@ -4,7 +4,9 @@ Chunk files are found anywhere below the root (the tiers write ``root/<2 hex>/<k
 and told from temporary files by :mod:`kvplug.chunkfile`'s one naming rule; each header is read and
 checked by :func:`kvplug.chunkfile.read_header` (local files through ``os.pread``, fsspec URLs
 through ranged reads). ``--verify`` also reads every layer and checks it with
-:func:`kvplug.chunkfile.verify_layer`.
+:func:`kvplug.chunkfile.verify_layer`. With a config (``--config``, else ``$KVPLUG_CONFIG``) that
+sets ``auth_key_env``, every header and layer is checked against the deployment's keyring: a
+chunk not authenticated under one of its keys is reported, never counted as healthy.
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ class FileInfo:
 
 
 class Store:
-    """A read-only view of a chunk store: a local directory, or a root on an fsspec filesystem."""
+    """A read-only view of a chunk store: a local directory, or a root on an fsspec filesystem
+    (``auth``: the deployment's keyring, to authenticate every chunk; ``None``: plain chunks)."""
 
-    def __init__(self, target: str, storage_options: dict[str, Any]) -> None:
+    def __init__(self, target: str, storage_options: dict[str, Any],
+                 auth: cf.Keyring | None = None) -> None:
         self.target = target
+        self.auth = auth
         if "://" in target and not target.startswith("file://"):
             try:
                 import fsspec
@@ -124,12 +129,13 @@ def check_file(store: Store, f: FileInfo, verify: bool) -> tuple[cf.ChunkHeader,
     """The file's checked header, and (with ``verify``) which layers fail their checksum, or None.
     Raises ChunkFormatError/OSError/ValueError for a file whose header cannot be read."""
     with store.opened(f) as read:
-        header, _ = cf.read_header(read, f.size)
+        header, _ = cf.read_header(read, f.size, store.auth)
         if not verify:
             return header, None
         bad = [i for i in range(header.num_layers)
                if not cf.verify_layer(header, i, read(header.data_offsets[i], header.layer_nbytes))]
-    return header, None if not bad else f"layer(s) {bad} fail their {cf.CHECKSUM_ALGO} checksum"
+    algo = cf.CHECKSUM_ALGO if header.mac is None else cf.MAC_ALGO
+    return header, None if not bad else f"layer(s) {bad} fail their {algo} checksum"
 
 
 @dataclass
@@ -218,6 +224,21 @@ def _codec_label(header: cf.ChunkHeader) -> str:
     return f"{info.get('name')} ({info.get('package')} {info.get('version')}; {params})"
 
 
+def _keyring(config_path: str | None) -> cf.Keyring | None:
+    """The keyring of the config's ``auth_key_env`` (a view named ``inspect``), or ``None``."""
+    from ..config import load_config, widest_schema
+    from ..errors import ConfigError
+    from ..storage_manager import auth_keyring
+
+    if config_path is None and not os.environ.get("KVPLUG_CONFIG"):
+        return None
+    try:
+        ring = auth_keyring(load_config(config_path, schema=widest_schema()))
+    except ConfigError as exc:
+        fail(str(exc))
+    return ring.for_tier("inspect") if ring is not None else None
+
+
 def _parse_options(pairs: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -257,9 +278,13 @@ def _print(report: dict[str, Any]) -> None:
 @click.option("-s", "--storage-option", "options", multiple=True, metavar="KEY=VALUE",
               help="fsspec storage option (value parsed as YAML), e.g. "
                    "-s 'client_kwargs={endpoint_url: http://127.0.0.1:9000}'.")
-def inspect_cmd(target: str, verify: bool, as_json: bool, options: tuple[str, ...]) -> None:
+@click.option("-c", "--config", "config_path", default=None, metavar="FILE",
+              help="kvplug config (default $KVPLUG_CONFIG): with auth_key_env, chunks are "
+                   "authenticated with the deployment's secret.")
+def inspect_cmd(target: str, verify: bool, as_json: bool, options: tuple[str, ...],
+                config_path: str | None) -> None:
     """Show what a posix/gds directory or an fsspec URL holds: chunks, models, bytes, age."""
-    report = scan(Store(target, dict(_parse_options(options))), verify)
+    report = scan(Store(target, dict(_parse_options(options)), _keyring(config_path)), verify)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
     else:
