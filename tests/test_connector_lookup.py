@@ -19,8 +19,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from kvplug.connector import lookup as lookup_mod
 from kvplug.connector.lookup import (
+    MAX_LOOKUP_CHUNKS,
     Lookup,
     LookupClient,
     LookupService,
@@ -401,7 +401,6 @@ def test_two_ranks_behind_a_squatted_directory_are_both_found(engine_id, short_t
 
 
 def test_pins_per_request_are_bounded(engine_id):
-    MAX_LOOKUP_CHUNKS = getattr(lookup_mod, "MAX_LOOKUP_CHUNKS", 16384)  # noqa: N806
     worker = FakeWorker(256)
     (service,) = start(engine_id, [worker])
     client = LookupClient([socket_path(engine_id, 0)], timeout_s=5)
