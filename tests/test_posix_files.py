@@ -286,3 +286,18 @@ def test_another_user_cannot_read_a_chunk(open_base):
     ok = subprocess.run(["runuser", "-u", "nobody", "--", "cat", str(public)],
                         capture_output=True, timeout=HANG_S)
     assert ok.returncode == 0 and ok.stdout == b"hello"
+
+
+def test_the_default_root_is_private(open_base, monkeypatch):
+    monkeypatch.delenv("KVPLUG_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(open_base / "xdg"))
+    from kvplug.config import default_cache_dir, default_tiers
+
+    (disk,) = [t for t in default_tiers() if t.backend == "posix"]
+    be = backend(disk.options["path"])
+    put(be, 1)
+    be.close()
+    assert Path(disk.options["path"]).parent == default_cache_dir() == open_base / "xdg" / "kvplug"
+    for d in (default_cache_dir(), default_cache_dir() / "chunks"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    assert modes(default_cache_dir() / "chunks")["file"] == 0o600

@@ -18,6 +18,11 @@
   counted. A file of another format version is a miss left in place (rolling upgrades share a
   directory), counted as ``other_version``. A full disk or read-only directory makes stores fail
   soft; loads go on.
+* Files are private (directories 0700, files 0600; ``file_mode``/``group`` for a group-shared
+  directory) and every access under the root goes through :mod:`.fs`: no link followed (the
+  shard directory's included), no open that can block, nothing deleted outside the root; an
+  entry that is not a regular file is a miss (``not_regular``), left in place. Every wait is
+  bounded (a hung file system delays a store or ``close``, never stops serving).
 """
 
 from __future__ import annotations
@@ -252,7 +257,7 @@ class PosixBackend(LookupAndPins):
             due = self._index.touch(rel, now, size, _TOUCH_EVERY_S)
         try:
             if due:
-                os.utime(self._path(rel), (now, now))
+                fs.touch_chunk(self._path(rel), now)
         except FileNotFoundError:
             return False
         except OSError:

@@ -111,3 +111,14 @@ def unlink_chunk(path: str, ino: int | None = None) -> bool:
         return True
     finally:
         os.close(dfd)
+
+
+def touch_chunk(path: str, stamp: float) -> None:
+    """Set a chunk file's times to ``stamp`` (the LRU shared by processes), never through a link.
+    ``FileNotFoundError`` if it is gone; other ``OSError`` (read-only...) as it comes."""
+    parent, name = _split(path)
+    dfd = open_dir(parent)
+    try:
+        os.utime(name, (stamp, stamp), dir_fd=dfd, follow_symlinks=False)
+    finally:
+        os.close(dfd)
