@@ -301,3 +301,30 @@ def test_the_default_root_is_private(open_base, monkeypatch):
     for d in (default_cache_dir(), default_cache_dir() / "chunks"):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
     assert modes(default_cache_dir() / "chunks")["file"] == 0o600
+
+
+def test_a_hung_startup_scan_delays_stores_never_hangs_close(tmp_path, monkeypatch):
+    """Every wait of the tier is bounded: a scan stuck on a hung file system makes the writer
+    skip its store (counted) and ``close`` go on without it."""
+    from kvplug.backends.posix import backend as posix_mod
+
+    gate = threading.Event()
+    real_scan = posix_mod.scan
+
+    def stuck(root, *a, **kw):
+        gate.wait(HANG_S)
+        return real_scan(root, *a, **kw)
+
+    monkeypatch.setattr(posix_mod, "scan", stuck)
+    monkeypatch.setattr(posix_mod, "INDEX_WAIT_S", 0.5, raising=False)
+    monkeypatch.setattr(posix_mod, "CLOSE_WAIT_S", 0.5, raising=False)
+    be = backend(tmp_path, wait=False)
+    try:
+        obj = obj_for(1)
+        be.batched_submit_put(keys=[key(1)], objs=[obj])
+        assert be.flush(HANG_S / 2), "a write waited for the stuck scan without a bound"
+        obj.ref_down()
+        assert be.stats()["skipped_puts"] == 1 and be.stats()["indexed"] == 0
+        finishes(be.close)
+    finally:
+        gate.set()

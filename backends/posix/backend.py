@@ -174,7 +174,11 @@ class PosixBackend(LookupAndPins):
 
     def _rescan(self, only_if_due: bool = False) -> None:
         """Merge a fresh scan into the index; the scan and the sort run without the lock."""
-        with self._scan_lock:  # one at a time (a second caller finds it done)
+        if not self._scan_lock.acquire(timeout=INDEX_WAIT_S):  # one at a time (bounded)
+            self._log_once("rescan_wait", "a scan of %s has run for over %.0f s (a hung file "
+                           "system?); this rescan is skipped", self.root, INDEX_WAIT_S)
+            return
+        try:
             if only_if_due and not self._rescans.due():
                 return
             cpu0 = time.thread_time()
@@ -194,6 +198,8 @@ class PosixBackend(LookupAndPins):
                 self._index.finish_merge(prepared)
                 self._rescans.scanned(cpu0)
                 self._counters["rescans"] += 1
+        finally:
+            self._scan_lock.release()
 
     def _trim_to_capacity(self, writer: bool = False) -> None:
         """Rescan the directory and delete LRU files until it is within capacity (the writes
