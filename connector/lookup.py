@@ -8,6 +8,12 @@ the client answers ``None`` ("ask again") until every rank replied, and a miss o
 deadline passed, so the scheduler never blocks on a slow tier. Each lookup carries its deadline;
 a worker skips lookups whose caller already gave up. Messages are msgspec/msgpack structs; nothing
 is pickled, and a malformed message is dropped and counted, never fatal to the service.
+
+The directory is ``$TMPDIR/kvplug-<uid>``; if another local user created that name first (or it
+is a link, or open to others), a fresh private ``kvplug-<uid>-XXXXXXXX`` beside it is used instead
+(logged), and the scheduler finds each socket in whichever of this user's private directories
+holds it, so a squatter is never an outage. Any process of the user can reach the socket, so one
+lookup looks up and pins at most :data:`MAX_LOOKUP_CHUNKS` chunks (the excess refused, counted).
 """
 
 from __future__ import annotations
@@ -33,6 +39,14 @@ logger = logging.getLogger("kvplug.connector")
 
 #: zmq's ipc:// limit (sockaddr_un.sun_path minus the NUL).
 MAX_IPC_PATH = 107
+#: the longest socket name under the directory, and what a fresh directory adds to its name
+_SOCKET_NAME_LEN = len("/lookup-0123456789abcdef0123.sock")
+_FRESH_SUFFIX_LEN = len("-XXXXXXXX")
+#: chunks one lookup may look up and pin (4M tokens at chunk_size 256); the rest are refused
+MAX_LOOKUP_CHUNKS = 16384
+#: partial-chunk tails one lookup may try (one per block of a chunk in practice)
+MAX_LOOKUP_TAILS = 256
+_dir_warnings = LogOnce(logger)
 
 
 class Lookup(msgspec.Struct, tag=True):
@@ -70,32 +84,70 @@ _decode_msg = msgspec.msgpack.Decoder(Lookup | Release).decode
 _decode_reply = msgspec.msgpack.Decoder(Reply).decode
 
 
-def _checked_dir(d: Path) -> Path:
-    """Create ``d`` 0700; refuse it if another user owns it or it is not a directory."""
-    d.mkdir(mode=0o700, exist_ok=True)
-    st = d.lstat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise PermissionError(f"{d} is not a directory owned by uid {os.getuid()}")
-    if st.st_mode & 0o077:
-        os.chmod(d, 0o700)
-    return d
+def _is_private(d: Path) -> bool:
+    """Whether ``d`` is a real directory (not a link) of this user that no one else can use."""
+    try:
+        st = d.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
+def _base_and_name() -> tuple[Path, str]:
+    """Where the socket directories go (``$TMPDIR``, or ``/tmp`` when ``$TMPDIR`` is too long
+    for an ipc socket path: zmq's 107 characters) and the directory's name."""
+    name = f"kvplug-{os.getuid()}"
+    base = Path(tempfile.gettempdir())
+    if len(str(base / name)) + _FRESH_SUFFIX_LEN + _SOCKET_NAME_LEN > MAX_IPC_PATH:
+        base = Path("/tmp")
+    return base, name
+
+
+def _fresh_dirs(base: Path, name: str) -> list[Path]:
+    """This user's private ``<name>-XXXXXXXX`` directories under ``base`` (made when ``name``
+    was taken), by name; others' entries of that shape are ignored."""
+    try:
+        found = [base / n for n in os.listdir(base) if n.startswith(f"{name}-")]
+    except OSError:
+        return []
+    return sorted(d for d in found if _is_private(d))
 
 
 def private_dir() -> Path:
-    """``$TMPDIR/kvplug-<uid>`` (0700, ours). When ``$TMPDIR`` is too long for an ipc socket path
-    (zmq's 107 characters), ``/tmp/kvplug-<uid>`` (same checks) instead of failing to bind."""
-    name = f"kvplug-{os.getuid()}"
-    d = Path(tempfile.gettempdir()) / name
-    if len(str(d)) + len("/lookup-0123456789abcdef0123.sock") > MAX_IPC_PATH:
-        d = Path("/tmp") / name
-    return _checked_dir(d)
+    """A directory for lookup sockets that only this user can use: ``$TMPDIR/kvplug-<uid>``
+    (0700, created if missing). If that name is taken by something this user cannot trust
+    (another user's directory, a link, a file, a directory others may write), an earlier fresh
+    directory of this user is reused, else a fresh private one is made beside it (logged);
+    never an error, so a squatter cannot stop the worker."""
+    base, name = _base_and_name()
+    d = base / name
+    try:
+        d.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    if _is_private(d):
+        return d
+    fresh = _fresh_dirs(base, name)
+    chosen = fresh[0] if fresh else Path(tempfile.mkdtemp(prefix=f"{name}-", dir=base))
+    _dir_warnings(str(d), "kvplug: %s is not a private directory of uid %d (another local user "
+                  "may have created it, or it is a link or open to others); lookup sockets go "
+                  "to %s instead. Remove %s to go back to it", d, os.getuid(), chosen, d)
+    return chosen
 
 
 def socket_path(engine_id: str, rank: int, pp_rank: int = 0, dp_rank: int = 0) -> Path:
     """The lookup socket of one worker: TP ``rank`` of PP stage ``pp_rank`` of DP replica
-    ``dp_rank`` of engine ``engine_id``. A hash, so long ids never collide by truncation."""
+    ``dp_rank`` of engine ``engine_id``. A hash, so long ids never collide by truncation.
+
+    Where a socket of that name already is, in one of this user's private directories (a
+    worker bound it; the scheduler is asking), that one; else in :func:`private_dir`."""
     ident = f"{engine_id}\0dp{dp_rank}\0pp{pp_rank}\0tp{rank}".encode()
-    return private_dir() / f"lookup-{hashlib.sha256(ident).hexdigest()[:20]}.sock"
+    sock = f"lookup-{hashlib.sha256(ident).hexdigest()[:20]}.sock"
+    base, name = _base_and_name()
+    for d in [base / name, *_fresh_dirs(base, name)]:
+        if _is_private(d) and os.path.lexists(d / sock):
+            return d / sock
+    return private_dir() / sock
 
 
 def _is_live(path: Path) -> bool:
@@ -114,19 +166,24 @@ class LookupService:
     """A worker-side thread answering :class:`Lookup` and :class:`Release` messages.
 
     ``dropped`` counts malformed messages, ``expired`` lookups skipped (or answered too late)
-    because their caller had given up."""
+    because their caller had given up, ``refused`` chunks (and tails) past ``max_chunks`` (and
+    :data:`MAX_LOOKUP_TAILS`) of one lookup: never looked up nor pinned (the hit is the prefix
+    within the bound)."""
 
     def __init__(
         self,
         path: Path,
         on_lookup: Callable[[Lookup], int | tuple[int, list[int]]],
         on_release: Callable[[list[str]], None],
+        max_chunks: int = MAX_LOOKUP_CHUNKS,
     ) -> None:
         self.path = path
         self._on_lookup = on_lookup
         self._on_release = on_release
+        self.max_chunks = max_chunks
         self.dropped = 0
         self.expired = 0
+        self.refused = 0
         self._log_once = LogOnce(logger)
         self._stop = threading.Event()
         if path.exists() or path.is_symlink():
@@ -176,6 +233,7 @@ class LookupService:
         if time.monotonic() >= msg.deadline:  # the caller gave up: do not spend a tier on it
             self.expired += 1
             return None
+        self._bound(msg)
         try:
             res = self._on_lookup(msg)  # tokens, or (tokens, slow chunks)
             tokens, slow = res if isinstance(res, tuple) else (res, [])
@@ -188,6 +246,21 @@ class LookupService:
             return None
         self._sock.send_multipart([ident, _encode(Reply(msg.id, tokens, slow))])
         return None
+
+    def _bound(self, msg: Lookup) -> None:
+        """Cut a lookup to ``max_chunks`` chunks and :data:`MAX_LOOKUP_TAILS` tails (tails only
+        follow a complete run of chunks, so a cut drops them all); counted, logged once."""
+        over = len(msg.hashes) - self.max_chunks
+        tails = len(msg.tails) if over > 0 else max(0, len(msg.tails) - MAX_LOOKUP_TAILS)
+        if over <= 0 and not tails:
+            return
+        self._log_once("bound", "kvplug lookup of %s asked for %d chunks and %d tails; only %d "
+                       "and %d are looked up and pinned (further cuts are counted, not logged)",
+                       msg.req_id, len(msg.hashes), len(msg.tails), self.max_chunks,
+                       MAX_LOOKUP_TAILS)
+        msg.hashes = msg.hashes[: self.max_chunks]
+        msg.tails = [] if over > 0 else msg.tails[:MAX_LOOKUP_TAILS]
+        self.refused += max(0, over) + tails
 
     def close(self) -> None:
         self._stop.set()

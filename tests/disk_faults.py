@@ -89,7 +89,9 @@ def _tier(root: str, capacity: str):
     from kvplug.hookspecs import TierContext
     from kvplug.memory import heap_memory_obj
 
-    opts = PosixBackend.Options(path=root, capacity=capacity, io_threads=2)
+    # world-readable on purpose: the ``nobody`` step reads what root stored (files are private,
+    # 0600 in 0700 directories, unless the operator shares them like this)
+    opts = PosixBackend.Options(path=root, capacity=capacity, io_threads=2, file_mode="0644")
     tier = PosixBackend(TierContext("disk", opts, heap_memory_obj))
     assert tier.wait_indexed(60), "startup scan hung"
     return tier

@@ -5,18 +5,22 @@ the scheduler never blocks on a stalled lookup."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import socket
 import stat
 import tempfile
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import msgspec
 import pytest
 import zmq
 from kvplug.connector.lookup import (
+    MAX_LOOKUP_CHUNKS,
     Lookup,
     LookupClient,
     LookupService,
@@ -333,4 +337,81 @@ def test_a_hit_vllm_does_not_take_releases_its_pins_at_once(model_dir, engine_id
         assert "n" not in worker.released and worker.pins["n"] == 4
     finally:
         side.lookup.close()
+        service.close()
+
+
+# -- a hostile local user: a pre-created directory, a flood of pins (issue #32, finding 9) ------
+
+@pytest.fixture
+def short_tmp(monkeypatch):
+    """A private, short ``$TMPDIR`` of this test (the real ``/tmp/kvplug-<uid>`` is shared with
+    every other test run on the machine): ``tempfile`` and the lookup module both use it."""
+    base = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+    os.chmod(base, 0o1777)  # like /tmp: anyone may create entries in it
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("hostile", ["other-owner", "world-writable", "symlink", "file"])
+def test_a_precreated_socket_directory_is_not_an_outage(engine_id, short_tmp, hostile, caplog):
+    squatted = short_tmp / f"kvplug-{os.getuid()}"
+    elsewhere = short_tmp / "elsewhere"
+    elsewhere.mkdir(mode=0o777)
+    if hostile == "other-owner":  # another local user made it first (uid 65534: nobody)
+        squatted.mkdir(mode=0o700)
+        os.chown(squatted, 65534, 65534)
+    elif hostile == "world-writable":
+        squatted.mkdir()
+        os.chmod(squatted, 0o777)
+    elif hostile == "symlink":
+        os.symlink(elsewhere, squatted)
+    else:
+        squatted.write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="kvplug.connector"):
+        (service,) = start(engine_id, [FakeWorker(256)])
+    # the scheduler (another process: it shares nothing but the file system) finds the socket
+    client = LookupClient([socket_path(engine_id, 0)], timeout_s=5)
+    try:
+        assert ask(client, "a", [b"x" * 32]) == 256
+        d = service.path.parent
+        assert d != squatted and d.parent == short_tmp
+        st = d.lstat()
+        assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+        assert stat.S_IMODE(st.st_mode) == 0o700
+        assert not any(elsewhere.iterdir()), "a socket was made through the squatted path"
+        assert any(str(squatted) in r.getMessage() for r in caplog.records), "not logged"
+    finally:
+        client.close()
+        service.close()
+
+
+def test_two_ranks_behind_a_squatted_directory_are_both_found(engine_id, short_tmp):
+    squatted = short_tmp / f"kvplug-{os.getuid()}"
+    squatted.mkdir(mode=0o700)
+    os.chown(squatted, 65534, 65534)
+    services = start(engine_id, [FakeWorker(256), FakeWorker(512)])
+    client = LookupClient([socket_path(engine_id, r) for r in range(2)], timeout_s=5)
+    try:
+        assert ask(client, "a", [b"x" * 32, b"y" * 32]) == 512  # the minimum over both ranks
+    finally:
+        client.close()
+        for s in services:
+            s.close()
+
+
+def test_pins_per_request_are_bounded(engine_id):
+    worker = FakeWorker(256)
+    (service,) = start(engine_id, [worker])
+    client = LookupClient([socket_path(engine_id, 0)], timeout_s=5)
+    flood = [os.urandom(32) for _ in range(MAX_LOOKUP_CHUNKS + 1000)]
+    try:
+        got = ask(client, "flood", flood, tails=[(1, os.urandom(32))])
+        assert worker.pins["flood"] == MAX_LOOKUP_CHUNKS, "a request pinned past the bound"
+        assert got == 256 * MAX_LOOKUP_CHUNKS
+        assert service.refused == 1000 + 1
+        assert ask(client, "small", [b"x" * 32]) == 256  # a normal request is untouched
+        assert worker.pins["small"] == 1 and service.refused == 1001
+    finally:
+        client.close()
         service.close()

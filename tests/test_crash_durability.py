@@ -102,9 +102,12 @@ def _record_syscalls(monkeypatch):
     fds: dict[int, str] = {}
     real_open, real_fsync, real_replace, real_mkdir = os.open, os.fsync, os.replace, os.mkdir
 
+    def at(path, dir_fd):  # a path relative to a directory descriptor, as a full path
+        return os.fspath(path) if dir_fd is None else os.path.join(fds[dir_fd], path)
+
     def op(path, flags, mode=0o777, *, dir_fd=None):
         fd = real_open(path, flags, mode, dir_fd=dir_fd)
-        fds[fd] = os.fspath(path)
+        fds[fd] = at(path, dir_fd)
         return fd
 
     def fsync(fd):
@@ -112,7 +115,7 @@ def _record_syscalls(monkeypatch):
         return real_fsync(fd)
 
     def replace(src, dst, **kw):
-        calls.append(("replace", os.fspath(dst)))
+        calls.append(("replace", at(dst, kw.get("dst_dir_fd"))))
         return real_replace(src, dst, **kw)
 
     def mkdir(path, mode=0o777, **kw):

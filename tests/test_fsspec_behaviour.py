@@ -195,9 +195,9 @@ def test_file_url_writes_through_the_shared_temp_name_rule(tmp_path, monkeypatch
     renamed: list[str] = []
     real_replace = os.replace
 
-    def replace(src, dst):
+    def replace(src, dst, **kw):  # (relative to the directory's descriptor: kw has it)
         renamed.append(os.path.basename(src))
-        real_replace(src, dst)
+        real_replace(src, dst, **kw)
 
     monkeypatch.setattr("kvplug.chunkfile.atomic.os.replace", replace)
     with _mgr(f"file://{tmp_path}", namespace_dirs=False) as mgr:

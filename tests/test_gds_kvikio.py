@@ -171,3 +171,49 @@ def test_gds_is_active_where_the_machine_has_it():
     if not FOUND.gds:
         pytest.skip("cuFile reports GDS unavailable on this machine: compat mode only")
     assert FOUND.gds
+
+
+def test_hostile_entries_and_private_files_through_kvikio(tmp_path):
+    """The gds tier's own open paths (kvikio reads the file a checked descriptor holds): a FIFO
+    and a symlink at chunk paths are misses that never hang nor follow; files are 0600/0700."""
+    import stat
+    import threading
+
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    with StorageManager({"tiers": [_tier(elsewhere)]}) as m:  # a valid chunk of key 2
+        obj = fill_random(m, shape=(3, 2, 1000), seed=3)
+        m.batched_put([make_key(2)], [obj])
+        assert m.flush(10)
+        obj.ref_down()
+    fifo, link = cf.chunk_path(root, make_key(1)), cf.chunk_path(root, make_key(2))
+    for p in (fifo, link):
+        p.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    os.symlink(cf.chunk_path(elsewhere, make_key(2)), link)
+    with StorageManager({"tiers": [_tier(root)]}) as m:
+        backend = m.backend(0)
+        out: list = []
+
+        def ask():
+            for k in (make_key(1), make_key(2)):
+                out.append((backend.contains([k], pin=True), backend.get(k),
+                            backend.get_layers(k, 0, 1)))
+                backend.unpin([k])
+
+        t = threading.Thread(target=ask, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "a FIFO or a link at a chunk path hung the gds tier"
+        assert out == [([False], None, None)] * 2
+        obj = fill_random(m, shape=(3, 2, 1000), seed=4)
+        m.batched_put([make_key(3)], [obj])
+        assert m.flush(10)
+        obj.ref_down()
+        got = backend.get(make_key(3))
+        assert got is not None
+        got.ref_down()
+    assert stat.S_IMODE(cf.chunk_path(root, make_key(3)).stat().st_mode) == 0o600
+    made = cf.chunk_path(elsewhere, make_key(2))  # root and shard made by the tier
+    assert [stat.S_IMODE(p.stat().st_mode) for p in (made, made.parent, elsewhere)] == [
+        0o600, 0o700, 0o700]
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.path.islink(link)

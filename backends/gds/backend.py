@@ -101,14 +101,15 @@ class GDSBackend(PosixBackend):
         if self.mode is Mode.POSIX:
             return super()._prepare_write(key, rel, obj)
         return _file_size(key, obj, self._auth), lambda path: gds_io.write_chunk(
-            path, key, obj, fsync=self.opts.fsync, auth=self._auth
+            path, key, obj, fsync=self.opts.fsync, auth=self._auth, file_mode=self.opts.mode,
+            gid=self._gid
         )
 
-    def _read_file(self, path: str, key: CacheKey, layers: tuple[int, int] | None,
+    def _read_file(self, fd: int, key: CacheKey, layers: tuple[int, int] | None,
                    known: Known | None) -> tuple[MemoryObj | None, int, Known | None]:
         if self.mode is Mode.POSIX:
-            return super()._read_file(path, key, layers, known)
-        obj, size = gds_io.read_chunk(path, key, self._allocate, layers,
+            return super()._read_file(fd, key, layers, known)
+        obj, size = gds_io.read_chunk(fd, key, self._allocate, layers,
                                       verify_device=self.opts.verify_device, auth=self._auth)
         return obj, size, None
 

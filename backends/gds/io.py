@@ -21,9 +21,11 @@ from typing import Any
 
 import torch
 from kvplug import chunkfile as cf
+from kvplug.chunkfile.atomic import FILE_MODE
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
 
+from ..posix.held import fd_path
 from ..posix.io import CorruptChunk, read_checked_header
 
 _local = threading.local()
@@ -105,16 +107,18 @@ def _wait(futures: list[tuple[Any, int]], what: str) -> None:
 
 
 def write_chunk(path: str | Path, key: CacheKey, obj: MemoryObj, *, fsync: bool = False,
-                auth: cf.Keyring | None = None) -> int:
+                auth: cf.Keyring | None = None, file_mode: int = FILE_MODE,
+                gid: int | None = None) -> int:
     """Write ``obj`` (host or device) as ``key``'s chunk file at ``path`` atomically (temporary
-    name + rename, as the posix tier does); returns the file size. Raises ``OSError``."""
+    name + rename, as the posix tier does, ``file_mode`` and group ``gid``, never through a
+    symlinked shard); returns the file size. Raises ``OSError``."""
     flat = obj.byte_view
     mac = auth.seal(key) if auth is not None else None
     sums = layer_sums(flat, cf.chunk_layout(obj.meta)[0], mac)
     header = cf.encode_header(key, obj.meta, sums, mac)
     head = cf.make_header(key, obj.meta, sums, len(header), mac)
     header_buf = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    with cf.atomic_file(path, fsync=fsync) as tmp:
+    with cf.atomic_file(path, fsync=fsync, file_mode=file_mode, gid=gid, no_follow=True) as tmp:
         with _kvikio().CuFile(tmp, "w") as f:
             jobs = [(f.pwrite(as_buffer(header_buf), file_offset=0), len(header))]
             _wait(jobs + _layer_jobs(f.pwrite, flat, head, 0, head.num_layers), "write")
@@ -122,19 +126,15 @@ def write_chunk(path: str | Path, key: CacheKey, obj: MemoryObj, *, fsync: bool 
     return head.file_size
 
 
-def _read_header(path: str | Path, key: CacheKey,
+def _read_header(fd: int, key: CacheKey,
                  auth: cf.Keyring | None = None) -> tuple[cf.ChunkHeader, int]:
-    """The checked header of ``key``'s file and its inode. ``FileNotFoundError`` if absent,
-    :class:`CorruptChunk` if it is damaged or holds another key."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        return read_checked_header(fd, st, key, auth=auth)[1], st.st_ino
-    finally:
-        os.close(fd)
+    """The checked header of ``key``'s open file and its inode. :class:`CorruptChunk` if it is
+    damaged or holds another key."""
+    st = os.fstat(fd)
+    return read_checked_header(fd, st, key, auth=auth)[1], st.st_ino
 
 
-def _read_layers(path: str | Path, header: cf.ChunkHeader, ino: int, dest: torch.Tensor,
+def _read_layers(fd: int, header: cf.ChunkHeader, ino: int, dest: torch.Tensor,
                  first: int, count: int, *, verify: bool = True) -> None:
     """Read layers ``[first, first + count)`` into ``dest`` (host or device, their bytes back to
     back), then verify their checksums. Raises :class:`CorruptChunk` on a short read or a
@@ -143,7 +143,7 @@ def _read_layers(path: str | Path, header: cf.ChunkHeader, ino: int, dest: torch
     if flat.numel() != header.layer_nbytes * count:
         raise ValueError(f"destination holds {flat.numel()} bytes, layers need "
                          f"{header.layer_nbytes * count}")
-    with _kvikio().CuFile(path, "r") as f:
+    with _kvikio().CuFile(fd_path(fd), "r") as f:  # the file ``fd`` is, never a path's link
         try:
             _wait(_layer_jobs(f.pread, flat, header, first, count), "read")
         except ShortIO:
@@ -157,19 +157,20 @@ def _read_layers(path: str | Path, header: cf.ChunkHeader, ino: int, dest: torch
         raise CorruptChunk("layer checksum mismatch", ino)
 
 
-def read_chunk(path: str | Path, key: CacheKey, allocate: Callable[..., MemoryObj | None],
+def read_chunk(fd: int, key: CacheKey, allocate: Callable[..., MemoryObj | None],
                layers: tuple[int, int] | None = None, *, verify_device: bool = True,
                auth: cf.Keyring | None = None) -> tuple[MemoryObj | None, int]:
-    """Same contract as the posix tier's ``read_chunk``, through kvikio: ``(obj, file_size)``
-    (with ``auth``, every read is verified, ``verify_device`` or not)."""
-    header, ino = _read_header(path, key, auth)
+    """Same contract as the posix tier's ``read_chunk`` (an open chunk file ``fd``, opened by
+    :func:`kvplug.backends.posix.fs.open_chunk`), through kvikio: ``(obj, file_size)`` (with
+    ``auth``, every read is verified, ``verify_device`` or not)."""
+    header, ino = _read_header(fd, key, auth)
     first, count, meta = header.select(layers)
     obj = allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
     if obj is None:
         return None, header.file_size
     try:
         dest = obj.byte_view
-        _read_layers(path, header, ino, dest, first, count, verify=verify_device or not dest.is_cuda)
+        _read_layers(fd, header, ino, dest, first, count, verify=verify_device or not dest.is_cuda)
     except BaseException:
         obj.ref_down()
         raise

@@ -18,6 +18,11 @@
   counted. A file of another format version is a miss left in place (rolling upgrades share a
   directory), counted as ``other_version``. A full disk or read-only directory makes stores fail
   soft; loads go on.
+* Files are private (directories 0700, files 0600; ``file_mode``/``group`` for a group-shared
+  directory) and every access under the root goes through :mod:`.fs`: no link followed (the
+  shard directory's included), no open that can block, nothing deleted outside the root; an
+  entry that is not a regular file is a miss (``not_regular``), left in place. Every wait is
+  bounded (a hung file system delays a store or ``close``, never stops serving).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from kvplug.keys import CacheKey
 from kvplug.logs import LogOnce
 from kvplug.memory import MemoryFormat, MemoryObj
 
+from . import fs
 from .held import HeldFiles, fd_limit, fd_path
 from .index import Entry, PosixIndex, RescanClock, pack_rel, scan, stat_entry, unlink_entries
 from .io import (
@@ -49,6 +55,7 @@ from .io import (
     layer_range_copy,
     read_chunk,
     remove_if_same,
+    wider_than,
     writable_dir,
     write_chunk,
 )
@@ -61,6 +68,10 @@ _MAX_CORRUPT_LOGS = 20
 _TOUCH_EVERY_S = 1.0  # an LRU stamp younger than this is not bumped again (saves a syscall)
 #: how long a write waits for its victims' files to be deleted before it goes on (a stuck disk)
 REAPER_WAIT_S = 60.0
+#: how long a write waits for the startup scan (a hung file system) before its store is skipped
+INDEX_WAIT_S = 60.0
+#: how long ``close`` waits for the scan, the writes and the deletes (each) before it goes on
+CLOSE_WAIT_S = 60.0
 
 
 class PosixBackend(LookupAndPins):
@@ -81,7 +92,8 @@ class PosixBackend(LookupAndPins):
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._index = PosixIndex()
-        self._held = HeldFiles(fd_limit(opts.max_pinned_fds))
+        self._gid = opts.gid
+        self._held = HeldFiles(fd_limit(opts.max_pinned_fds), self._open_held)
         self._pending: dict[str, MemoryObj] = {}
         self._headers = KnownHeaders()
         self._cancelled: set[str] = set()
@@ -90,11 +102,14 @@ class PosixBackend(LookupAndPins):
         self._counters = dict.fromkeys(
             ("writes", "disk_bytes_written", "reads", "disk_bytes_read", "pending_hits", "dropped_puts",
              "failed_puts", "skipped_puts", "corrupt", "read_errors", "alloc_failures",
-             "evictions", "vanished", "rescans", "other_version"), 0)
-        why_not = writable_dir(self.root)
+             "evictions", "vanished", "rescans", "other_version", "not_regular"), 0)
+        existed = os.path.lexists(self.root)
+        why_not = writable_dir(self.root, opts.mode, self._gid)
         self._writable = why_not is None
         if why_not:
             self._log_once("dir", "%s", why_not)
+        elif existed and (wider := wider_than(self.root, opts.mode)):
+            logger.warning("tier %r: %s", self.name, wider)
         self.o_direct = bool(opts.o_direct and self._writable
                              and direct_io_usable(self.root, self.name))
         self._rescans = RescanClock(opts.rescan_interval_s)
@@ -124,6 +139,26 @@ class PosixBackend(LookupAndPins):
     def _path(self, rel: str) -> str:
         return self._root_s + rel
 
+    def _not_regular(self, rel: str, exc: OSError) -> None:
+        """An entry at a chunk path that is not a regular file in a real shard directory (a
+        link, a FIFO...): a miss, counted, logged once, left in place (the next store of the
+        key replaces it)."""
+        with self._lock:
+            self._index.remove(rel)
+            self._counters["not_regular"] += 1
+        self._log_once("not_regular", "%s is not a chunk file (%s); treated as a miss, never "
+                       "followed nor opened for I/O", self._path(rel), exc.strerror or exc)
+
+    def _open_held(self, rel: str) -> int | None:
+        """Open ``rel``'s file to hold it pinned (:mod:`.held`); None if missing or unusable."""
+        try:
+            return fs.open_chunk(self._path(rel))
+        except FileNotFoundError:
+            return None
+        except fs.NotRegular as exc:
+            self._not_regular(rel, exc)
+            return None
+
     def _remember(self, rel: str, known: Known | None) -> None:
         """Remember (or with ``None`` forget) the parsed header of a file (see KnownHeaders)."""
         with self._lock:
@@ -145,7 +180,11 @@ class PosixBackend(LookupAndPins):
 
     def _rescan(self, only_if_due: bool = False) -> None:
         """Merge a fresh scan into the index; the scan and the sort run without the lock."""
-        with self._scan_lock:  # one at a time (a second caller finds it done)
+        if not self._scan_lock.acquire(timeout=INDEX_WAIT_S):  # one at a time (bounded)
+            self._log_once("rescan_wait", "a scan of %s has run for over %.0f s (a hung file "
+                           "system?); this rescan is skipped", self.root, INDEX_WAIT_S)
+            return
+        try:
             if only_if_due and not self._rescans.due():
                 return
             cpu0 = time.thread_time()
@@ -165,6 +204,8 @@ class PosixBackend(LookupAndPins):
                 self._index.finish_merge(prepared)
                 self._rescans.scanned(cpu0)
                 self._counters["rescans"] += 1
+        finally:
+            self._scan_lock.release()
 
     def _trim_to_capacity(self, writer: bool = False) -> None:
         """Rescan the directory and delete LRU files until it is within capacity (the writes
@@ -228,7 +269,7 @@ class PosixBackend(LookupAndPins):
             due = self._index.touch(rel, now, size, _TOUCH_EVERY_S)
         try:
             if due:
-                os.utime(self._path(rel), (now, now))
+                fs.touch_chunk(self._path(rel), now)
         except FileNotFoundError:
             return False
         except OSError:
@@ -265,7 +306,10 @@ class PosixBackend(LookupAndPins):
         The writer (a background thread) waits until its victims' files are deleted, so the
         directory never holds more than the capacity plus the writes in flight, however far the
         reaper lags on a busy machine; only ``evict`` (the caller's hot path) leaves them queued."""
-        self._indexed.wait()  # capacity is known once the startup scan is done
+        if not self._indexed.wait(INDEX_WAIT_S):  # capacity is known once the scan is done
+            self._log_once("scan_wait", "the startup scan of %s is not done after %.0f s; stores "
+                           "skipped meanwhile", self.root, INDEX_WAIT_S)
+            return False
         with self._lock:
             over = self._index.bytes + self._index.reserved + size > self.capacity
         if over and self._rescans.due():
@@ -297,17 +341,26 @@ class PosixBackend(LookupAndPins):
 
         def write_file(path: str) -> int:
             written = write_chunk(path, obj, header, bufs, fsync=self.opts.fsync,
-                                  direct=self.o_direct)
+                                  direct=self.o_direct, file_mode=self.opts.mode, gid=self._gid)
             self._remember(rel, (header_digest(header, self._auth), head))
             return written
 
         return len(header) + sum(len(b) for b in bufs), write_file
 
-    def _read_file(self, path: str, key: CacheKey, layers: tuple[int, int] | None,
+    def _read_file(self, fd: int, key: CacheKey, layers: tuple[int, int] | None,
                    known: Known | None) -> tuple[MemoryObj | None, int, Known | None]:
-        """Read (a layer range of) one chunk file into ``ctx.allocate`` memory, verified."""
-        return read_chunk(path, key, self._allocate, layers, direct=self.o_direct, known=known,
+        """Read (a layer range of) the open chunk file ``fd`` (a private open file description,
+        opened by :meth:`_open_for_read`) into ``ctx.allocate`` memory, verified."""
+        return read_chunk(fd, key, self._allocate, layers, direct=self.o_direct, known=known,
                           auth=self._auth)
+
+    def _open_for_read(self, rel: str, held: int | None) -> int:
+        """A private descriptor of ``rel``'s file: a fresh open of the ``held`` one (the file a
+        pin keeps, even if unlinked since), else of the path (:func:`.fs.open_chunk`: no link
+        followed, no blocking open, a regular file)."""
+        if held is not None:
+            return fs.reopen(fd_path(held))
+        return fs.open_chunk(self._path(rel))
 
     def _write(self, key: CacheKey, rel: str, obj: MemoryObj) -> None:
         path = self._path(rel)
@@ -370,14 +423,19 @@ class PosixBackend(LookupAndPins):
                 self._count("pending_hits")
             return out
         held = self._held.dup(rel)  # pinned: read the file we hold, even if it was unlinked
+        fd = None
         try:
-            path = self._path(rel) if held is None else fd_path(held)
-            obj, size, known = self._read_file(path, key, layers, known)
+            fd = self._open_for_read(rel, held)
+            obj, size, known = self._read_file(fd, key, layers, known)
         except FileNotFoundError:
             self._remember(rel, None)
             with self._lock:
                 if self._index.remove(rel) is not None:
                     self._counters["vanished"] += 1
+            return None
+        except fs.NotRegular as exc:  # a link, a FIFO...: never followed, never blocks
+            self._remember(rel, None)
+            self._not_regular(rel, exc)
             return None
         except ForeignChunk as exc:  # another version's file: not ours to judge or delete
             self._other_version(rel, exc)
@@ -395,8 +453,9 @@ class PosixBackend(LookupAndPins):
             self._log_once("read", "read of %s failed: %r", self._path(rel), exc)
             return None
         finally:
-            if held is not None:
-                os.close(held)
+            for d in (fd, held):
+                if d is not None:
+                    os.close(d)
         self._remember(rel, known)
         if obj is None:
             self._count("alloc_failures")
@@ -432,15 +491,26 @@ class PosixBackend(LookupAndPins):
             already_closed, self._closed = self._closed, True
         if already_closed:
             return
-        self._scanner.join()
-        self._pool.shutdown(wait=True)
+        self._scanner.join(CLOSE_WAIT_S)
+        if self._scanner.is_alive():
+            self._log_once("close_scan", "the startup scan of %s is still running after %.0f s "
+                           "(a hung file system?); closing without it", self.root, CLOSE_WAIT_S)
+        with self._idle:
+            written = self._idle.wait_for(lambda: not self._pending, CLOSE_WAIT_S)
+        if not written:
+            self._log_once("close_writes", "%d writes still running after %.0f s (a hung file "
+                           "system?); closing without them", len(self._pending), CLOSE_WAIT_S)
+        self._pool.shutdown(wait=written, cancel_futures=not written)
         self._held.close()
-        if self._writable:  # other processes may have written meanwhile: leave the bound kept
+        if self._writable and written and not self._scanner.is_alive():
+            # other processes may have written meanwhile: leave the bound kept
             try:
                 self._trim_to_capacity()
             except OSError as exc:
                 self._log_once("close", "final capacity check of %s failed: %s", self.root, exc)
-        self._reaper.close()  # every queued delete done
+        if not self._reaper.close(CLOSE_WAIT_S):  # every queued delete done
+            self._log_once("close_deletes", "deletes of evicted files still running after %.0f "
+                           "s; closing without them", CLOSE_WAIT_S)
 
     @hookimpl
     def stats(self) -> dict[str, float]:

@@ -6,7 +6,9 @@ pinned file is held open and reads of a pinned key go through that descriptor (r
 ``/proc/self/fd/N``: a fresh open file of the same inode, usable by any reader, kvikio included).
 
 Descriptors are bounded (``limit``): past the bound a pin is still taken, but only in this process
-(this process never evicts it; another one may), counted as ``pins_without_fd``.
+(this process never evicts it; another one may), counted as ``pins_without_fd``. Files are opened
+by the owner's ``opener`` (never following a link, never blocking: :mod:`.fs`) and never under
+this class's lock, so a slow or hostile entry cannot stall every other pin and unpin.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import resource
 import threading
+from collections.abc import Callable
 
 _FD_DIR = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
 
@@ -33,41 +36,72 @@ def fd_limit(wanted: int) -> int:
 
 
 class HeldFiles:
-    """Open descriptors of pinned chunk files, by relative path, with a pin count each."""
+    """Open descriptors of pinned chunk files, by relative path, with a pin count each.
 
-    def __init__(self, limit: int) -> None:
+    ``opener(rel)`` opens the file of ``rel`` for reading: a descriptor, or None when there is
+    no usable file (missing, or not a regular file); other ``OSError`` (EMFILE...) is a pin
+    without a descriptor."""
+
+    def __init__(self, limit: int, opener: Callable[[str], int | None]) -> None:
         self.limit = limit
+        self._open = opener
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
         self._counts: dict[str, int] = {}
         self.without_fd = 0  # pins taken past the bound (or when an open failed)
 
-    def hold(self, rel: str, path: str | None) -> bool:
-        """Count one pin of ``rel`` and open ``path`` if it is not held yet (``None``: the file
-        is still being written; :meth:`attach` opens it when it lands). False, counting nothing,
-        when the file is gone."""
+    def _try_open(self, rel: str) -> tuple[bool, int | None]:
+        """Outside the lock: ``(usable, fd)`` for ``rel`` if it is not held and there is room
+        (``fd`` None: not opened, past the bound or the open failed)."""
         with self._lock:
-            if path is not None and rel not in self._fds:
-                if len(self._fds) < self.limit:
-                    try:
-                        self._fds[rel] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                    except FileNotFoundError:
-                        return False
-                    except OSError:  # EMFILE, ENFILE...: a pin of this process only
-                        self.without_fd += 1
-                else:
-                    self.without_fd += 1
+            if rel in self._fds or len(self._fds) >= self.limit:
+                return True, None
+        try:
+            fd = self._open(rel)
+        except OSError:  # EMFILE, ENFILE...: a pin of this process only
+            return True, None
+        return fd is not None, fd
+
+    def _keep(self, rel: str, fd: int | None) -> int | None:
+        """Under the lock: hold ``fd`` for ``rel``; the descriptor to close (one held already,
+        by a racing pin, or none)."""
+        if rel in self._fds:
+            return fd
+        if fd is None or len(self._fds) >= self.limit:
+            self.without_fd += 1
+            return fd
+        self._fds[rel] = fd
+        return None
+
+    def hold(self, rel: str, path: str | None) -> bool:
+        """Count one pin of ``rel`` and open its file if it is not held yet (``path`` ``None``:
+        the file is still being written; :meth:`attach` opens it when it lands). False,
+        counting nothing, when the file is gone or not a regular file."""
+        fd = None
+        if path is not None:
+            usable, fd = self._try_open(rel)
+            if not usable:
+                return False
+        with self._lock:
+            extra = self._keep(rel, fd) if path is not None else None
             self._counts[rel] = self._counts.get(rel, 0) + 1
-            return True
+        if extra is not None:
+            os.close(extra)
+        return True
 
     def attach(self, rel: str, path: str) -> None:
         """The file of a pinned key was just written: hold it open (if there is room)."""
         with self._lock:
+            if rel not in self._counts:
+                return
+        fd = self._try_open(rel)[1]
+        if fd is None:
+            return
+        with self._lock:
             if rel in self._counts and rel not in self._fds and len(self._fds) < self.limit:
-                try:
-                    self._fds[rel] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-                except OSError:
-                    pass
+                self._fds[rel], fd = fd, None
+        if fd is not None:
+            os.close(fd)
 
     def release(self, rel: str) -> None:
         """One pin of ``rel`` released; the last one closes its descriptor."""

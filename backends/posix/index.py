@@ -19,6 +19,8 @@ from pathlib import Path
 from kvplug import chunkfile as cf
 from kvplug.pins import PinCounts
 
+from . import fs
+
 
 class RescanClock:
     """When a rescan of a (shared) directory is due: after ``interval_s``, and never sooner than
@@ -130,28 +132,42 @@ def _is_shard(name: str) -> bool:
 
 def scan(root: Path, tmp_max_age_s: float = cf.TEMP_MAX_AGE_S) -> ScanResult:
     """Every chunk file under ``root`` (``"shard/name"`` -> size, mtime). Temporary files older
-    than ``tmp_max_age_s`` (left by a writer that crashed, in any process) are deleted."""
+    than ``tmp_max_age_s`` (left by a writer that crashed, in any process) are deleted.
+
+    Only real directories and regular files count: a symlinked shard directory is never entered
+    and a link, FIFO or device at a chunk name never indexed (:mod:`.fs`), so no eviction can
+    reach outside ``root``. Each shard is read through its own descriptor, so what is listed and
+    deleted is what that descriptor holds even if the name is swapped meanwhile."""
     started = time.time()
     entries: dict[int | str, int] = {}
     try:
-        shards = [d for d in os.scandir(root) if _is_shard(d.name) and d.is_dir()]
+        with os.scandir(root) as it:
+            shards = [d.name for d in it if _is_shard(d.name) and d.is_dir(follow_symlinks=False)]
     except OSError:  # missing, not a directory, unreadable: nothing to index
         return ScanResult(entries, started)
     for shard in shards:
         try:
-            files = list(os.scandir(shard.path))
+            dfd = fs.open_dir(os.path.join(root, shard))
+        except OSError:  # gone, or swapped for a link since it was listed
+            continue
+        try:
+            with os.scandir(dfd) as it:
+                files = list(it)
+            for f in files:
+                try:
+                    if cf.is_chunk_file(f.name):
+                        if f.is_file(follow_symlinks=False):
+                            st = f.stat(follow_symlinks=False)
+                            entries[pack_rel(f"{shard}/{f.name}")] = _pack(st.st_size, st.st_mtime)
+                    elif cf.is_temp(f.name) and cf.is_stale_temp(
+                            f.name, f.stat(follow_symlinks=False).st_mtime, started, tmp_max_age_s):
+                        os.unlink(f.name, dir_fd=dfd)
+                except OSError:  # removed by another process meanwhile, or not ours to delete
+                    continue
         except OSError:
             continue
-        for f in files:
-            try:
-                if cf.is_chunk_file(f.name):
-                    st = f.stat()
-                    entries[pack_rel(f"{shard.name}/{f.name}")] = _pack(st.st_size, st.st_mtime)
-                elif cf.is_temp(f.name) and cf.is_stale_temp(f.name, f.stat().st_mtime, started,
-                                                             tmp_max_age_s):
-                    os.unlink(f.path)
-            except OSError:  # removed by another process meanwhile, or not ours to delete
-                continue
+        finally:
+            os.close(dfd)
     return ScanResult(entries, started)
 
 
@@ -303,22 +319,21 @@ class PosixIndex:
 
 
 def stat_entry(path: str) -> Entry | None:
-    """An index entry (size, mtime stamp) for a file, or None if it is gone."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return Entry(st.st_size, st.st_mtime)
+    """An index entry (size, mtime stamp) for a chunk file, or None if it is gone or not a
+    regular file in a real shard directory (no link followed: :func:`.fs.lstat_chunk`)."""
+    st = fs.lstat_chunk(path)
+    return None if st is None else Entry(st.st_size, st.st_mtime)
 
 
 def unlink_entries(root: str, victims: list[tuple[str, Entry]]) -> tuple[int, list[tuple[str, OSError]]]:
     """Delete the files of evicted entries (``root`` ends with a separator): ``(bytes freed,
-    [(path, error)])``. A file already gone (another process evicted it) frees nothing."""
+    [(path, error)])``. A file already gone (another process evicted it) frees nothing. Deleted
+    through the shard's descriptor (:func:`.fs.unlink_chunk`): never anything outside ``root``."""
     freed = 0
     failed: list[tuple[str, OSError]] = []
     for rel, entry in victims:
         try:
-            os.unlink(root + rel)
+            fs.unlink_chunk(root + rel)
             freed += entry.size
         except FileNotFoundError:
             pass

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import mmap
 import os
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -22,9 +23,12 @@ from pathlib import Path
 
 import xxhash
 from kvplug import chunkfile as cf
+from kvplug.chunkfile.atomic import FILE_MODE, dir_mode_for, make_dirs
 from kvplug.errors import ChunkFormatError, ChunkVersionError
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
+
+from . import fs
 
 logger = logging.getLogger("kvplug.backends.posix")
 
@@ -119,15 +123,35 @@ def _io_all(op: Callable, fd: int, bufs: Sequence[memoryview], offset: int) -> i
     return total
 
 
-def writable_dir(root: Path) -> str | None:
-    """Create ``root`` if missing; ``None`` if stores can go there, else why not."""
+def writable_dir(root: Path, file_mode: int = FILE_MODE, gid: int | None = None) -> str | None:
+    """Create ``root`` if missing (exactly the directory mode of ``file_mode``: 0700 by default,
+    and group ``gid``); ``None`` if stores can go there, else why not."""
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        make_dirs(root, dir_mode_for(file_mode), gid)
     except OSError as exc:
         return f"cannot create {root} ({exc}): stores are disabled"
+    if not root.is_dir():
+        return f"{root} is not a directory: stores are disabled"
     if not os.access(root, os.W_OK):
         return f"directory {root} is not writable: stores are dropped, loads go on"
     return None
+
+
+def wider_than(root: Path, file_mode: int) -> str | None:
+    """Why an existing ``root`` is more open than ``file_mode`` asks (other users may list it
+    or reach files in it), with the fix; None if it is not. kvplug never chmods a directory it
+    did not create: the operator decides."""
+    try:
+        have = stat.S_IMODE(root.stat().st_mode)
+    except OSError:
+        return None
+    want = dir_mode_for(file_mode)
+    if not have & 0o077 & ~want:
+        return None
+    return (f"directory {root} is mode {have:04o}, wider than {want:04o} (file_mode "
+            f"{file_mode:04o}): other local users may list it and read chunk files there (cached "
+            f"KV reveals prompts); run `chmod {want & 0o777:o} {root}`, or set file_mode and group "
+            "for a directory shared by one group")
 
 
 def probe_o_direct(root: Path) -> str | None:
@@ -170,9 +194,12 @@ def write_chunk(
     *,
     fsync: bool = False,
     direct: bool = False,
+    file_mode: int = FILE_MODE,
+    gid: int | None = None,
 ) -> int:
     """Write a chunk (``header, bufs = chunkfile.encode_chunk(key, obj)``) at ``path``
-    atomically; returns the file size. ``obj`` must stay referenced until this returns.
+    atomically; returns the file size. ``obj`` must stay referenced until this returns. The file
+    gets ``file_mode`` and group ``gid``; a shard directory that is a symlink is refused.
 
     Raises ``OSError`` (full disk, read-only directory...) after removing the temporary file."""
     size = len(header) + sum(len(b) for b in bufs)
@@ -180,14 +207,14 @@ def write_chunk(
     whole = memoryview(obj.byte_view.numpy()) if obj.nbytes else None
     if whole is not None and len(bufs) == layers:  # no padding: one buffer for all layers
         bufs = [whole]
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC  # atomic_file created it (its mode)
     if direct and whole is not None and len(bufs) == 1 and _address(obj) % cf.ALIGN == 0:
         flags |= O_DIRECT
         head = _aligned_buffer("header", len(header))[: len(header)]
         head[:] = header
         header = head
-    with cf.atomic_file(path, fsync=fsync) as tmp:
-        fd = os.open(tmp, flags, 0o644)
+    with cf.atomic_file(path, fsync=fsync, file_mode=file_mode, gid=gid, no_follow=True) as tmp:
+        fd = os.open(tmp, flags)
         try:
             _io_all(os.pwritev, fd, [memoryview(header), *bufs], 0)
         finally:
@@ -231,7 +258,7 @@ def read_checked_header(fd: int, st: os.stat_result, key: CacheKey,
 
 
 def read_chunk(
-    path: Path | str,
+    fd: int,
     key: CacheKey,
     allocate: Callable[..., MemoryObj | None],
     layers: tuple[int, int] | None = None,
@@ -240,40 +267,40 @@ def read_chunk(
     known: Known | None = None,
     auth: cf.Keyring | None = None,
 ) -> tuple[MemoryObj | None, int, Known]:
-    """Read the chunk of ``key`` (or ``layers=(first, count)`` of it) into memory from ``allocate``.
+    """Read the chunk of ``key`` (or ``layers=(first, count)`` of it) from the open chunk file
+    ``fd`` (:func:`.fs.open_chunk`; the caller closes it, and must not share its open file
+    description: ``direct`` sets ``O_DIRECT`` on it) into memory from ``allocate``.
 
     ``known`` is ``(digest, header)`` from an earlier read or write of this path (see
     :func:`read_checked_header`). Returns ``(obj, file_size, (digest, header))``; ``obj`` is
-    ``None`` when ``allocate`` had no memory. Raises ``FileNotFoundError`` if there is no file,
-    :class:`CorruptChunk` if the file is damaged or holds another key (:class:`ForeignChunk`:
-    of another format version), ``ValueError`` for a bad layer range."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
+    ``None`` when ``allocate`` had no memory. Raises :class:`CorruptChunk` if the file is
+    damaged or holds another key (:class:`ForeignChunk`: of another format version),
+    ``ValueError`` for a bad layer range."""
+    if direct:
+        _set_direct(fd, True)
+    st = os.fstat(fd)
+    known = read_checked_header(fd, st, key, known, auth)
+    header = known[1]
+    first, count, meta = header.select(layers)
+    obj = allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
+    if obj is None:
+        return None, st.st_size, known
     try:
-        st = os.fstat(fd)
-        known = read_checked_header(fd, st, key, known, auth)
-        header = known[1]
-        first, count, meta = header.select(layers)
-        obj = allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
-        if obj is None:
-            return None, st.st_size, known
-        try:
-            if count and header.layer_nbytes:
-                dest = memoryview(obj.byte_view.numpy())
-                pad = _aligned_buffer("pad", cf.ALIGN)
-                offset, bufs = cf.read_buffers(header, dest, first, count, pad)
-                want = sum(len(b) for b in bufs)
-                if direct and (len(bufs) > 1 or (_address(obj) | want | offset) % cf.ALIGN):
-                    _clear_direct(fd)  # unaligned: this read goes through the page cache
-                if _io_all(os.preadv, fd, bufs, offset) != want:
-                    raise CorruptChunk("file ended early (truncated while reading)", st.st_ino)
-                if not cf.verify_layers(header, first, dest):
-                    raise CorruptChunk("layer checksum mismatch", st.st_ino)
-        except BaseException:
-            obj.ref_down()
-            raise
-        return obj, st.st_size, known
-    finally:
-        os.close(fd)
+        if count and header.layer_nbytes:
+            dest = memoryview(obj.byte_view.numpy())
+            pad = _aligned_buffer("pad", cf.ALIGN)
+            offset, bufs = cf.read_buffers(header, dest, first, count, pad)
+            want = sum(len(b) for b in bufs)
+            if direct and (len(bufs) > 1 or (_address(obj) | want | offset) % cf.ALIGN):
+                _set_direct(fd, False)  # unaligned: this read goes through the page cache
+            if _io_all(os.preadv, fd, bufs, offset) != want:
+                raise CorruptChunk("file ended early (truncated while reading)", st.st_ino)
+            if not cf.verify_layers(header, first, dest):
+                raise CorruptChunk("layer checksum mismatch", st.st_ino)
+    except BaseException:
+        obj.ref_down()
+        raise
+    return obj, st.st_size, known
 
 
 def layer_range_copy(obj: MemoryObj, layers: tuple[int, int],
@@ -292,15 +319,15 @@ def layer_range_copy(obj: MemoryObj, layers: tuple[int, int],
 
 def remove_if_same(path: str, ino: int) -> None:
     """Delete ``path`` if it is still the file (inode ``ino``) that was read; a file written
-    there since, or none, is left alone."""
+    there since, or none, is left alone (through its shard's descriptor: :mod:`.fs`)."""
     try:
-        if os.stat(path).st_ino == ino:
-            os.unlink(path)
+        fs.unlink_chunk(path, ino)
     except OSError:
         pass
 
 
-def _clear_direct(fd: int) -> None:
+def _set_direct(fd: int, on: bool) -> None:
     import fcntl
 
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, (flags | O_DIRECT) if on else (flags & ~O_DIRECT))

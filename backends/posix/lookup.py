@@ -115,20 +115,25 @@ class LookupAndPins:
     def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
         """LRU victims (``keys`` None): their files are deleted in the background (.reaper);
         named keys: deleted now (the caller wants those files gone, as other processes see)."""
+        victims, unindexed = [], []
         with self._lock:
             if keys is None:
                 victims = self._index.take_victims(nbytes) if nbytes > 0 else []
                 return self._unlink_victims(victims)
-            else:
-                victims = []
-                for key in keys:
-                    rel = self._rel(key)
-                    if rel in self._index.pins:
-                        continue
-                    if rel in self._pending:
-                        self._cancelled.add(rel)
-                    entry = self._index.remove(rel) or stat_entry(self._path(rel))
-                    if entry is not None:
-                        victims.append((rel, entry))
+            for key in keys:
+                rel = self._rel(key)
+                if rel in self._index.pins:
+                    continue
+                if rel in self._pending:
+                    self._cancelled.add(rel)
+                entry = self._index.remove(rel)
+                if entry is not None:
+                    victims.append((rel, entry))
+                else:
+                    unindexed.append(rel)
+        for rel in unindexed:  # another process's file, maybe: a stat, never under the lock
+            entry = stat_entry(self._path(rel))
+            if entry is not None:
+                victims.append((rel, entry))
         return self._unlink_now(victims)
 

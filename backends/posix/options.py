@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import grp
+
 from kvplug.config import BaseOptions
-from pydantic import ByteSize, ConfigDict, Field
+from pydantic import ByteSize, ConfigDict, Field, field_validator
 
 
 class PosixOptions(BaseOptions):
@@ -28,3 +30,63 @@ class PosixOptions(BaseOptions):
         default=1024, ge=0, description="pinned files held open (at most 1/4 of the fd "
         "limit); pins past it protect against this process's eviction only",
     )
+    file_mode: str = Field(
+        default="0600", description="octal mode of chunk files (directories get the matching "
+        "mode: 0600 -> 0700, 0640 -> 0750); widen it only for a group-shared directory",
+    )
+    group: str | int | None = Field(
+        default=None, description="group (name or gid) of the files and directories kvplug "
+        "creates, for a directory shared by the users of one group (with file_mode 0640/0660)",
+    )
+
+    @field_validator("file_mode", mode="before")
+    @classmethod
+    def _octal_mode(cls, v: object) -> str:
+        """An octal string of permission bits the owner can read and write, without execute
+        or set-id bits (``0600``, ``0640``, ``0660``)."""
+        text = str(v).strip()
+        try:
+            mode = int(text, 8)
+        except ValueError:
+            raise ValueError(f"file_mode {text!r} is not an octal mode: write it like '0600' "
+                             "or '0640'") from None
+        if mode & ~0o777:
+            raise ValueError(f"file_mode {text!r} has bits beyond the permission bits (0777): "
+                             "set-id and sticky bits are not allowed; use e.g. '0640'")
+        if mode & 0o600 != 0o600:
+            raise ValueError(f"file_mode {text!r} does not let the owner read and write its "
+                             "files: it must include 0600 (e.g. '0600' or '0640')")
+        if mode & 0o111:
+            raise ValueError(f"file_mode {text!r} has execute bits: chunk files are data; use "
+                             "e.g. '0640'")
+        return f"0{mode:03o}"
+
+    @field_validator("group", mode="before")
+    @classmethod
+    def _known_group(cls, v: object) -> str | int | None:
+        """A group that exists on this machine (by name), or a gid."""
+        if v is None or isinstance(v, int):
+            if isinstance(v, int) and v < 0:
+                raise ValueError(f"group {v} is not a gid: use a group name or a gid >= 0")
+            return v
+        name = str(v).strip()
+        if name.isdigit():
+            return int(name)
+        try:
+            grp.getgrnam(name)
+        except KeyError:
+            raise ValueError(f"group {name!r} does not exist on this machine: name an existing "
+                             "group (see `getent group`) or give a numeric gid") from None
+        return name
+
+    @property
+    def mode(self) -> int:
+        """:attr:`file_mode` as a number."""
+        return int(self.file_mode, 8)
+
+    @property
+    def gid(self) -> int | None:
+        """:attr:`group` as a gid (None: the creating process's group)."""
+        if self.group is None or isinstance(self.group, int):
+            return self.group
+        return grp.getgrnam(self.group).gr_gid

@@ -69,12 +69,14 @@ class Reaper:
         with self._cond:
             return self._cond.wait_for(lambda: not self._doomed, timeout)
 
-    def close(self) -> None:
-        """Delete what is queued, then stop the thread."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Delete what is queued, then stop the thread; False if it is still deleting after
+        ``timeout`` seconds (a hung file system: the daemon thread is left to finish)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while True:

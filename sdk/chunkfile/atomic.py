@@ -7,6 +7,13 @@ directory the write created, in its parent), so a store reported done survives a
 write that fails removes its temporary file; one that a crash cut short leaves a name
 :func:`~.names.is_temp` recognises, which the tier's scan deletes once it is stale
 (:func:`~.names.is_stale_temp`).
+
+Cached KV reveals the prompts that made it, so files are private by default: the temporary file
+is created here, ``0600`` (or the tier's ``file_mode``, exactly, whatever the umask, and its
+``group``), and directories a write creates get the matching directory mode (``0700``). The
+temporary file is created and renamed relative to its directory's descriptor; with
+``no_follow`` that directory (a tier's shard) is never a symlink, so nothing is written outside
+the tier's root.
 """
 
 from __future__ import annotations
@@ -17,6 +24,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .names import temp_name
+
+#: chunk files: read and written by their owner only (the tier's ``file_mode`` widens it)
+FILE_MODE = 0o600
+
+
+def dir_mode_for(file_mode: int) -> int:
+    """The mode of directories holding files of ``file_mode``: whoever may read (write) the files
+    may also list (add to) the directory: 0600 -> 0700, 0640 -> 0750, 0660 -> 0770."""
+    mode = 0o700
+    for shift in (3, 0):  # group, others
+        bits = (file_mode >> shift) & 0o7
+        if bits:
+            mode |= (bits | 0o1) << shift
+    return mode
 
 
 def fsync_path(path: str | os.PathLike[str], *, directory: bool = False) -> None:
@@ -40,34 +61,77 @@ def discard_on_failure(tmp: str | os.PathLike[str]) -> Iterator[None]:
         raise
 
 
-@contextlib.contextmanager
-def atomic_file(path: str | os.PathLike[str], *, fsync: bool = False) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; the block writes the whole file there. On normal
-    exit the file is (optionally fsynced and) renamed over ``path``, then the directory is
-    fsynced, and with it the parent of each directory this call created; on any exception the
-    temporary file is removed and the exception propagates.
+def make_dirs(d: Path, mode: int, gid: int | None = None) -> list[Path]:
+    """Create ``d`` and its missing ancestors with exactly ``mode`` (and group ``gid``); the
+    directories created, deepest first. A directory that exists is left as it is."""
+    missing: list[Path] = []
+    while not os.path.lexists(d) and d.parent != d:
+        missing.append(d)
+        d = d.parent
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, mode)
+        except FileExistsError:  # another writer made it meanwhile: theirs, same rules
+            continue
+        set_mode(p, mode, gid)
+    return missing
 
-    The parent directory is created if missing. ``OSError`` (full disk, read-only directory...)
-    reaches the caller, which decides whether that is a dropped store."""
+
+def set_mode(path: str | os.PathLike[str] | int, mode: int, gid: int | None = None) -> None:
+    """Give a file (path or descriptor) kvplug just created exactly ``mode`` (the umask only
+    narrows a create) and group ``gid``."""
+    if isinstance(path, int):
+        if gid is not None:
+            os.fchown(path, -1, gid)
+        os.fchmod(path, mode)  # after chown: a chown may clear set-id bits
+    else:
+        if gid is not None:
+            os.chown(path, -1, gid, follow_symlinks=False)
+        os.chmod(path, mode)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str], *, fsync: bool = False, file_mode: int = FILE_MODE,
+                gid: int | None = None, no_follow: bool = False) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``, an empty file of ``file_mode`` (and group
+    ``gid``) that the block opens for writing and fills (without ``O_EXCL``). On normal exit the
+    file is (optionally fsynced and) renamed over ``path``, then the directory is fsynced, and
+    with it the parent of each directory this call created; on any exception the temporary file
+    is removed and the exception propagates.
+
+    Missing directories are created with :func:`dir_mode_for` ``(file_mode)``. With
+    ``no_follow`` the parent directory must not be a symlink (``OSError`` ``ELOOP``). ``OSError``
+    (full disk, read-only directory...) reaches the caller, which decides whether that is a
+    dropped store."""
     path = Path(path)
-    tmp = path.parent / temp_name(path.name)
-    created = _missing_dirs(path.parent) if fsync else []
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with discard_on_failure(tmp):
-        yield tmp
+    created = make_dirs(path.parent, dir_mode_for(file_mode), gid)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+                  | (os.O_NOFOLLOW if no_follow else 0))
+    try:
+        name = temp_name(path.name)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     file_mode, dir_fd=dfd)
+        try:
+            try:
+                set_mode(fd, file_mode, gid)  # exactly: the umask may have narrowed the create
+            finally:
+                os.close(fd)
+            yield path.parent / name
+            if fsync:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            os.replace(name, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:  # never a partial file left behind (through the directory's fd)
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dfd)
+            raise
         if fsync:
-            fsync_path(tmp)
-        os.replace(tmp, path)
+            os.fsync(dfd)
+    finally:
+        os.close(dfd)
     if fsync:
-        fsync_path(path.parent, directory=True)
         for d in created:  # a directory this write created: its own entry, in its parent
             fsync_path(d.parent, directory=True)
-
-
-def _missing_dirs(d: Path) -> list[Path]:
-    """``d`` and its ancestors that do not exist yet, deepest first."""
-    out: list[Path] = []
-    while not d.exists() and d.parent != d:
-        out.append(d)
-        d = d.parent
-    return out

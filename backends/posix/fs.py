@@ -1,0 +1,124 @@
+"""Every file-system call of the posix tier under its root: no link followed, no open that can
+block, nothing deleted or written outside the root.
+
+Whoever can write the tier's directory (a shared cache, a group-writable root) may put a symlink,
+a FIFO or a device where a chunk file or a shard directory should be. So a chunk path
+``<root>/<shard>/<name>`` is never resolved as a whole: the shard directory is opened with
+``O_DIRECTORY | O_NOFOLLOW`` and the file is opened, stat-ed or unlinked relative to that
+descriptor (``openat``-style), with ``O_NOFOLLOW | O_NONBLOCK`` and an ``fstat`` that requires a
+regular file. An entry that is a link, a FIFO or anything but a regular file raises
+:class:`NotRegular` (a miss: counted, logged once, left in place); the root itself is the
+operator's, resolved once at start.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+#: how every chunk file is opened for reading
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: how a shard directory is opened (a symlink there fails with ELOOP)
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class NotRegular(OSError):
+    """The entry at a chunk path (or its shard directory) is not a regular file (directory):
+    a symlink, a FIFO, a socket, a device. Never opened for I/O, never followed."""
+
+
+def _split(path: str) -> tuple[str, str]:
+    parent, _, name = path.rpartition(os.sep)
+    return parent or os.sep, name
+
+
+def open_dir(path: str) -> int:
+    """A descriptor of the directory ``path``; :class:`NotRegular` if its last component is a
+    symlink or not a directory, ``FileNotFoundError`` if it is missing."""
+    try:
+        return os.open(path, DIR_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotRegular(exc.errno, "not a directory (a symlink or a file)", path) from None
+        raise
+
+
+def open_chunk(path: str, flags: int = 0) -> int:
+    """Open the chunk file ``<root>/<shard>/<name>`` for reading (``flags`` added), neither the
+    shard nor the file followed if a link, never blocking; a regular file or :class:`NotRegular`.
+    ``FileNotFoundError`` if it is missing."""
+    parent, name = _split(path)
+    dfd = open_dir(parent)
+    try:
+        fd = os.open(name, READ_FLAGS | flags, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotRegular(exc.errno, "a symlink, not a chunk file", path) from None
+        raise
+    finally:
+        os.close(dfd)
+    return require_regular(fd, path)
+
+
+def reopen(fd_path: str, flags: int = 0) -> int:
+    """Open again a file this process holds (``/proc/self/fd/N``, a link by nature, so followed)
+    for reading, never blocking; still checked to be a regular file."""
+    return require_regular(os.open(fd_path, (READ_FLAGS & ~os.O_NOFOLLOW) | flags), fd_path)
+
+
+def require_regular(fd: int, path: str) -> int:
+    """``fd`` if it is a regular file; else closes it and raises :class:`NotRegular`."""
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegular(errno.EINVAL, f"not a regular file ({stat.filemode(mode)})", path)
+    return fd
+
+
+def lstat_chunk(path: str) -> os.stat_result | None:
+    """The ``stat`` of a chunk file, or None when it is missing or not a regular file (no link
+    followed, the shard's included)."""
+    parent, name = _split(path)
+    try:
+        dfd = open_dir(parent)
+    except OSError:
+        return None
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        return None
+    finally:
+        os.close(dfd)
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
+def unlink_chunk(path: str, ino: int | None = None) -> bool:
+    """Delete the entry at a chunk path (a link itself, never its target) through its shard
+    directory's descriptor, so nothing outside the root is ever deleted; with ``ino`` only if
+    it is still that file. True if deleted; ``FileNotFoundError`` if it was gone, other
+    ``OSError`` (a linked shard: :class:`NotRegular`) if it could not be."""
+    parent, name = _split(path)
+    dfd = open_dir(parent)
+    try:
+        if ino is not None and os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino != ino:
+            return False
+        os.unlink(name, dir_fd=dfd)
+        return True
+    finally:
+        os.close(dfd)
+
+
+def touch_chunk(path: str, stamp: float) -> None:
+    """Set a chunk file's times to ``stamp`` (the LRU shared by processes), never through a link.
+    ``FileNotFoundError`` if it is gone; other ``OSError`` (read-only...) as it comes."""
+    parent, name = _split(path)
+    dfd = open_dir(parent)
+    try:
+        os.utime(name, (stamp, stamp), dir_fd=dfd, follow_symlinks=False)
+    finally:
+        os.close(dfd)
