@@ -38,6 +38,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
+from .redact import Redactor, is_secret_name, scrub
 
 logger = logging.getLogger("kvplug.config")
 ENV_PREFIX = "KVPLUG_"
@@ -207,7 +208,7 @@ def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {scrub(str(exc))}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping, got {type(data).__name__}")
     return data
@@ -243,7 +244,8 @@ def _env_overrides(env: Mapping[str, str], fields: list[str]) -> dict[str, Any]:
     return out
 
 
-def _explain(exc: ValidationError, top_level: list[str]) -> str:
+def _explain(exc: ValidationError, top_level: list[str], redact: Redactor) -> str:
+    """Every error of ``exc``, naming the key and (never a secret, :mod:`kvplug.redact`) the value."""
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
@@ -254,7 +256,9 @@ def _explain(exc: ValidationError, top_level: list[str]) -> str:
             allowed = ", ".join(keys)
             lines.append(f"unknown config key {loc!r}; allowed keys here: {allowed}")
         else:
-            lines.append(f"config value {loc!r}={err.get('input')!r}: {err['msg']}")
+            secret = any(is_secret_name(str(p)) for p in err["loc"])
+            shown = "=***" if secret else f"={err.get('input')!r}"
+            lines.append(redact(f"config value {loc!r}{shown}: {err['msg']}"))
     return "; ".join(lines)
 
 
@@ -291,4 +295,4 @@ def load_config(
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_explain(exc, [*schema.model_fields, *foreign])) from None
+        raise ConfigError(_explain(exc, [*schema.model_fields, *foreign], Redactor(data))) from None

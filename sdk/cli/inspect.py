@@ -26,6 +26,7 @@ from rich.table import Table
 
 from .. import chunkfile as cf
 from ..errors import ChunkFormatError
+from ..redact import Redactor, scrub
 from .common import age_of, console, err_console, escape, fail, human_bytes
 
 
@@ -42,7 +43,9 @@ class Store:
     """A read-only view of a chunk store: a local directory, or a root on an fsspec filesystem."""
 
     def __init__(self, target: str, storage_options: dict[str, Any]) -> None:
-        self.target = target
+        #: masks the URL's and the storage options' credentials in all it prints
+        self.redact = Redactor(target, storage_options)
+        self.target = self.redact(target)
         if "://" in target and not target.startswith("file://"):
             try:
                 import fsspec
@@ -51,7 +54,7 @@ class Store:
             try:
                 self.fs, self.root = fsspec.core.url_to_fs(target, **storage_options)
             except (ImportError, ValueError) as exc:
-                fail(f"cannot open {target}: {exc}")
+                fail(f"cannot open {self.target}: {self.redact(str(exc))}")
         else:  # a local directory: plain os calls, so inspecting needs no fsspec
             self.fs = None
             self.root = os.path.abspath(target.removeprefix("file://"))
@@ -79,7 +82,7 @@ class Store:
         except FileNotFoundError:
             fail(f"{self.target} does not exist")
         except Exception as exc:  # noqa: BLE001 - remote errors: one clear line
-            fail(f"cannot list {self.target}: {type(exc).__name__}: {exc}")
+            fail(f"cannot list {self.target}: {self.redact.error(exc)}")
         chunks, temps = [], []
         for path, info in sorted(listing.items()):
             name = path.rsplit("/", 1)[-1]
@@ -186,7 +189,7 @@ def scan(store: Store, verify: bool) -> dict[str, Any]:
                                         strict=True):
             progress.advance(task)
             if problem:
-                corrupt.append({"path": f.path, "problem": problem})
+                corrupt.append({"path": f.path, "problem": store.redact(problem)})
                 continue
             assert header is not None
             key = header.key
@@ -222,7 +225,7 @@ def _parse_options(pairs: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            fail(f"--storage-option {pair!r} is not KEY=VALUE")
+            fail(f"--storage-option {scrub(pair)!r} is not KEY=VALUE")
         yield key, yaml.safe_load(value)
 
 
@@ -259,10 +262,11 @@ def _print(report: dict[str, Any]) -> None:
                    "-s 'client_kwargs={endpoint_url: http://127.0.0.1:9000}'.")
 def inspect_cmd(target: str, verify: bool, as_json: bool, options: tuple[str, ...]) -> None:
     """Show what a posix/gds directory or an fsspec URL holds: chunks, models, bytes, age."""
-    report = scan(Store(target, dict(_parse_options(options))), verify)
+    store = Store(target, dict(_parse_options(options)))
+    report = scan(store, verify)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
     else:
         _print(report)
     if verify and report["corrupt"]:
-        fail(f"{len(report['corrupt'])} corrupt chunk file(s) in {target}")
+        fail(f"{len(report['corrupt'])} corrupt chunk file(s) in {store.target}")
