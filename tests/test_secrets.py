@@ -207,6 +207,25 @@ def test_serve_never_echoes_the_api_key(sec, tmp_path):
     assert got[got.index("--api-key") + 1] == sec.api_key  # vLLM was given the real key
 
 
+def test_serve_and_inspect_errors_print_no_secret(sec, tmp_path):
+    """``kvplug serve`` refusing a bad config before vLLM starts, and ``kvplug inspect`` of a URL
+    with credentials that holds nothing."""
+    tiers, _ = _tiers(sec, tmp_path)
+    tiers[0]["options"]["url"] = f"http://{sec.resp_user}:{sec.resp_url_password}@h/"
+    cfg = _write(tmp_path / "bad.yaml", {"tiers": [{"backend": "local_cpu"}, *tiers]})
+    out = _cli("serve", "m", "--kvplug-config", str(cfg), "--api-key", sec.api_key)
+    assert out.returncode == 1 and "not a Valkey/Redis URL" in out.stderr
+    assert not (leaked := sec.found_in(out.stdout + out.stderr)), leaked
+    url = f"memory://{sec.resp_user}:{sec.resp2_password}@kvt/none?token={sec.s3_token}"
+    out = _cli("inspect", url, "-s", f"key={sec.s3_key}", "-s", f"secret={sec.s3_secret}")
+    assert "0 chunks" in out.stdout, out.stderr
+    assert not (leaked := sec.found_in(out.stdout + out.stderr)), leaked
+    bad = _cli("inspect", url, "-s", f"key={sec.s3_key}", "-s", f"secret={sec.s3_secret}",
+               "-s", f"nonsense-{sec.nested_secret}")
+    assert bad.returncode == 1 and "KEY=VALUE" in bad.stderr
+    assert not (leaked := sec.found_in(bad.stdout + bad.stderr)), leaked
+
+
 class LeakyBackend(LocalCPUBackend):
     """A third-party backend whose start-up error names its URL, credentials included."""
 

@@ -26,7 +26,7 @@ from rich.table import Table
 
 from .. import chunkfile as cf
 from ..errors import ChunkFormatError
-from ..redact import Redactor, scrub
+from ..redact import Redactor
 from .common import age_of, console, err_console, escape, fail, human_bytes
 
 
@@ -222,10 +222,11 @@ def _codec_label(header: cf.ChunkHeader) -> str:
 
 
 def _parse_options(pairs: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
-    for pair in pairs:
+    for n, pair in enumerate(pairs, 1):
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            fail(f"--storage-option {scrub(pair)!r} is not KEY=VALUE")
+            fail(f"--storage-option number {n} is not KEY=VALUE (not shown: it may hold a "
+                 "secret)")
         yield key, yaml.safe_load(value)
 
 
