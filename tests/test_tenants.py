@@ -188,3 +188,21 @@ def test_events_carry_a_keyed_hash_of_the_salt_never_the_salt():
     book = TierEventBook(BS, CS, num_workers=1, salt_key=b"k" * 32, salted_tokens=True)
     raw, (ev,) = _announce(book, _event_request("e", tokens, salt=salt))
     assert ev.token_ids == tokens and salt.encode() not in raw
+
+
+def test_event_key_comes_from_the_deployment_secret(monkeypatch):
+    """Engines sharing ``auth_key_env``'s secret hash a salt alike; without one, a key per
+    process (never a fixed, guessable one)."""
+    from types import SimpleNamespace
+
+    from kvplug.connector.events import event_key
+
+    cfg = SimpleNamespace(auth_key_env="KVT_SECRET")
+    monkeypatch.setenv("KVT_SECRET", secrets.token_hex(32))
+    assert event_key(cfg) == event_key(cfg) and len(event_key(cfg)) == 32
+    other = event_key(cfg)
+    monkeypatch.setenv("KVT_SECRET", secrets.token_hex(32))
+    assert event_key(cfg) != other
+    monkeypatch.delenv("KVT_SECRET")
+    assert event_key(cfg) != event_key(cfg)
+    assert event_key(None) != event_key(None)
