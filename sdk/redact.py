@@ -67,7 +67,8 @@ def redact_data(value: Any) -> Any:
     """A copy of ``value`` (options, settings) fit to print: values under secret names masked,
     every string scrubbed (:func:`scrub`)."""
     if isinstance(value, Mapping):
-        return {k: (MASK if is_secret_name(k) and not _env_name(k, v) and v not in (None, "")
+        return {k: (MASK if is_secret_name(k) and not _env_name(k, v)
+                    and v not in (None, "") and not isinstance(v, bool)
                     else redact_data(v)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(redact_data(v) for v in value)
@@ -113,9 +114,6 @@ class Redactor:
         self._patterns = [re.compile(re.escape(s) if len(s) >= SHORT else
                                      rf"(?<![A-Za-z0-9]){re.escape(s)}(?![A-Za-z0-9])")
                           for s in self._secrets]
-
-    def __bool__(self) -> bool:
-        return True  # a Redactor with nothing to mask is still a Redactor (``redact or ...``)
 
     def __call__(self, text: str) -> str:
         text = scrub(str(text))

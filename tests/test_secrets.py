@@ -304,10 +304,10 @@ def test_redactor_replaces_known_values_short_ones_as_whole_tokens():
 def test_redact_data_masks_secret_keys_keeps_env_names():
     out = redact_data({"password_env": "REDIS_PW", "storage_options": {"key": "k", "anon": False,
                        "client_kwargs": {"endpoint_url": "http://u:p@h"}}, "ssl_keyfile": "/k",
-                       "url": "redis://u:p@h?password=p", "token": 7})
+                       "url": "redis://u:p@h?password=p", "token": 7, "use_auth": True})
     assert out == {"password_env": "REDIS_PW", "storage_options": {
         "key": "***", "anon": False, "client_kwargs": {"endpoint_url": "http://***@h"}},
-        "ssl_keyfile": "/k", "url": "redis://***@h?password=***", "token": "***"}
+        "ssl_keyfile": "/k", "url": "redis://***@h?password=***", "token": "***", "use_auth": True}
 
 
 def test_redact_argv():
