@@ -60,6 +60,18 @@ class ConnectorConfig(KVPlugConfig):
         "model files (load_format=dummy then synced by a trainer); every reset_cache draws a "
         "new epoch either way",
     )
+    require_cache_salt: bool = Field(
+        default=False,
+        description="multi-tenant: a request without a cache_salt is neither loaded nor stored "
+        "(vLLM computes it; counted as refused_no_salt), so salt-less requests of different "
+        "tenants never share KV",
+    )
+    kv_events_salted_tokens: bool = Field(
+        default=False,
+        description="KV events of a request with a cache_salt carry its token ids (off: an "
+        "empty token list; the block hashes, a keyed hash of the salt and of its multimodal "
+        "ids only)",
+    )
     report_to_client: bool = Field(
         default=False,
         description="return the per-request report (hit tokens, tiers) in kv_transfer_params; "

@@ -24,7 +24,7 @@ from vllm.platforms import current_platform
 
 from .compat import drops_last_block, event_group_fields
 from .config import load_connector_config
-from .events import TierEventBook, events_enabled
+from .events import TierEventBook, event_key, events_enabled
 from .groups import layout_of
 from .identity import build_identity
 from .lookup import LookupClient, socket_path
@@ -121,7 +121,9 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
                 fields = event_group_fields(kv_cache_config)
                 self._book = TierEventBook(
                     block_size, self.config.chunk_size, tp * pp, self.config.kv_events_max_chunks,
-                    [fields[g.index] for g in self.layout.full if g.index < len(fields)])
+                    [fields[g.index] for g in self.layout.full if g.index < len(fields)],
+                    salt_key=event_key(self.config),
+                    salted_tokens=self.config.kv_events_salted_tokens)
                 self._sched.on_chunks = self._book.record
                 logger.info("kvplug KV events on: BlockStored/BlockRemoved per tier (media %s)",
                             ",".join(self.config.tier_names()))

@@ -21,6 +21,17 @@ and the full chunk that later covers the same blocks), so the book counts refere
 its parent) and ``BlockRemoved`` only for blocks no chunk in the tier covers any more. A router
 that matches vLLM's block hashes can use them as they are.
 
+Tenants: a request with a ``cache_salt`` asked to be kept apart, and anyone who can subscribe to
+the event endpoint reads what the events carry. For such a request the salt and its multimodal
+identifiers (content hashes, which confirm a guessed image) are replaced by a keyed hash,
+``kvplug-hmac:<hex>`` (BLAKE2b keyed by :func:`event_key`: the same salt gives the same value
+across a deployment that shares ``auth_key_env``, a value per process otherwise), and its token
+ids are left out (an empty list; ``kv_events_salted_tokens: true`` keeps them). vLLM's block
+hashes are unchanged, so a router matches blocks as before. A request without a salt is
+described as vLLM's own events describe it: it shares with every other salt-less request anyway.
+vLLM's own events for the GPU (``medium`` GPU) are vLLM's and still carry bare salts and token
+ids: bind ``--kv-events-config``'s endpoint to loopback (README, multi-tenant section).
+
 Bounded: each tier tracks at most ``kv_events_max_chunks`` chunks (past it the oldest is announced
 as removed and forgotten: a router loses a possible hit, never gains a false one); the book keeps
 the blocks of at most that many chunks it has not announced.
@@ -28,7 +39,9 @@ the blocks of at most that many chunks it has not announced.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -47,6 +60,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from .tier_watch import KVPlugKVEvents, TierEvent
+from ..chunkfile.auth import decode_secret, subkey
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -72,24 +86,62 @@ class ChunkBlocks:
     extra_keys: list[tuple[Any, ...] | None] | None
 
 
-def chunk_blocks(request: Request, start: int, end: int, block_size: int) -> ChunkBlocks | None:
+def event_key(cfg: Any = None) -> bytes:
+    """The key of the salts' hashes in events: derived from the deployment secret named by
+    ``auth_key_env`` when the config has one (every engine of the deployment agrees; an unset or
+    short secret already stopped the engine at start-up), else drawn per process."""
+    name = getattr(cfg, "auth_key_env", None)
+    if name and os.environ.get(name):
+        return subkey(decode_secret(name), b"kvplug-events")
+    return os.urandom(32)
+
+
+def _veil(keys: tuple[Any, ...] | None, key: bytes) -> tuple[Any, ...] | None:
+    """vLLM's tagged extra keys of a salted request's block, its salt and multimodal
+    identifiers replaced by keyed hashes (module docstring)."""
+    if keys is None:
+        return None
+
+    def digest(value: Any) -> str:
+        mac = hashlib.blake2b(str(value).encode(), key=key, digest_size=16)
+        return "kvplug-hmac:" + mac.hexdigest()
+
+    out: list[Any] = []
+    for k in keys:
+        if k[0] == "cache_salt":
+            k = (k[0], digest(k[1]))
+        elif k[0] == "mm":
+            k = (k[0], digest(k[1]), *k[2:])
+        out.append(k)
+    return tuple(out)
+
+
+def chunk_blocks(request: Request, start: int, end: int, block_size: int,
+                 salt_key: bytes | None = None, salted_tokens: bool = False
+                 ) -> ChunkBlocks | None:
     """The blocks covering tokens ``[start, end)`` (block aligned) of ``request``; None when
-    vLLM has not hashed them (only full blocks have hashes)."""
+    vLLM has not hashed them (only full blocks have hashes). A salted request's salt and
+    multimodal ids are hashed with ``salt_key`` (a fresh key when None) and its token ids left
+    out unless ``salted_tokens`` (module docstring)."""
     first, last = start // block_size, end // block_size
     hashes = request.block_hashes
     if last <= first or len(hashes) < last:
         return None
+    salted = bool(getattr(request, "cache_salt", None))
+    key = (salt_key or os.urandom(32)) if salted else b""
     extra: list[tuple[Any, ...] | None] = []
     mm_idx = 0
     for b in range(first, last):
         keys, mm_idx = generate_block_hash_extra_keys(request, b * block_size,
                                                       (b + 1) * block_size, mm_idx)
-        extra.append(keys)
+        extra.append(_veil(keys, key) if salted else keys)
     lora = getattr(request, "lora_request", None)
+    shown = not salted or salted_tokens
     return ChunkBlocks(
         hashes=[maybe_convert_block_hash(h) for h in hashes[first:last]],
         parent=maybe_convert_block_hash(hashes[first - 1]) if first else None,
-        tokens=array("q", request.all_token_ids[first * block_size:last * block_size]),
+        tokens=array("q", request.all_token_ids[first * block_size:last * block_size]
+                     if shown else ()),
         lora_id=lora.adapter_id if lora is not None else None,
         lora_name=lora.name if lora is not None else None,
         extra_keys=to_event_extra_keys(extra) if any(e is not None for e in extra) else None,
@@ -100,8 +152,12 @@ class TierEventBook:
     """Scheduler side: worker news -> vLLM ``BlockStored``/``BlockRemoved`` (module docstring)."""
 
     def __init__(self, block_size: int, chunk_size: int, num_workers: int,
-                 max_chunks: int = 16384, groups: Sequence[dict[str, Any]] = ()) -> None:
+                 max_chunks: int = 16384, groups: Sequence[dict[str, Any]] = (),
+                 salt_key: bytes | None = None, salted_tokens: bool = False) -> None:
         self.bs, self.cs = block_size, chunk_size
+        #: the key of salted requests' hashed salts and multimodal ids (:func:`event_key`)
+        self.salt_key = salt_key or event_key()
+        self.salted_tokens = salted_tokens  # a salted request's token ids in its events
         #: per KV cache group holding every block of a stored chunk, the fields saying which
         #: group and what kind of KV (``compat.event_group_fields``): one event per group
         self.groups = list(groups) or [{"group_idx": 0}]
@@ -123,7 +179,7 @@ class TierEventBook:
                 continue
             s = start + i * self.cs
             e = min(s + self.cs, end) // self.bs * self.bs
-            blocks = chunk_blocks(request, s, e, self.bs)
+            blocks = chunk_blocks(request, s, e, self.bs, self.salt_key, self.salted_tokens)
             if blocks is None:
                 continue
             self._named[h] = blocks
@@ -181,7 +237,7 @@ class TierEventBook:
         self._events.extend(BlockStored(
             block_hashes=b.hashes[lo:hi],
             parent_block_hash=b.hashes[lo - 1] if lo else b.parent,
-            token_ids=b.tokens[lo * self.bs:hi * self.bs].tolist(),
+            token_ids=b.tokens[lo * self.bs:hi * self.bs].tolist(),  # empty: a salted request
             block_size=self.bs,
             lora_id=b.lora_id,
             medium=tier,

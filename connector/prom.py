@@ -41,6 +41,10 @@ _COUNTERS = {
     "failed_blocks": ("vllm:kvplug_failed_blocks", "blocks vLLM recomputed after a load error"),
     "store_tokens": ("vllm:kvplug_stored_tokens", "tokens the connector handed to the tiers"),
     "store_failures": ("vllm:kvplug_store_failures", "stores the connector could not stage"),
+    "refused_no_salt": ("vllm:kvplug_refused_no_salt",
+                        "requests without cache_salt not cached (require_cache_salt)"),
+    "refused_mm_ids": ("vllm:kvplug_refused_mm_ids",
+                       "multimodal requests not cached: identifiers not content hashes"),
 }
 #: per-tier stats key prefix -> (metric name, help).
 _TIER_COUNTERS = {

@@ -40,6 +40,7 @@ from .config import ConnectorConfig
 from .groups import GroupLayout
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta, LoadSpec, ReqMeta, SaveSpec
 from .stats import StatsRecorder
+from .tenants import TenantGate
 from .tracker import RequestTracker
 from .unwritten import UnwrittenBlocks
 
@@ -78,6 +79,8 @@ class SchedulerSide:
         self.role = role
         self.lookup = lookup
         self.stats = StatsRecorder()
+        #: requests that may not use the cache at all (require_cache_salt, multimodal ids)
+        self.tenants = TenantGate(config.require_cache_salt, self.stats)
         self.trackers: dict[str, RequestTracker] = {}
         self._background: list[str] = []  # requests whose background load starts this step
         self._finishing: list[ReqMeta] = []  # saves of finished requests (see finish_save)
@@ -152,8 +155,10 @@ class SchedulerSide:
     def _allow(self, t: RequestTracker) -> None:
         """What the request may do: load and store unless its role or its params say no."""
         params: dict[str, Any] = t.request.kv_transfer_params or {}
-        # prompt embeddings are not cached; nor is a model with a group kvplug cannot restore
-        keyed = t.request.prompt_token_ids is not None and self.layout.servable
+        # prompt embeddings are not cached; nor is a model with a group kvplug cannot restore,
+        # nor a request that could share with another tenant (.tenants)
+        keyed = t.request.prompt_token_ids is not None and self.layout.servable \
+            and self.tenants.admits(t.request)
         t.can_load = keyed and self.role != "kv_producer" and bool(params.get("kvplug_load", True))
         t.can_save = keyed and self.role != "kv_consumer" and bool(params.get("kvplug_save", True))
 

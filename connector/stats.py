@@ -33,6 +33,8 @@ COUNTERS = (
     "store_seconds",
     "store_failures",
     "weight_resets",
+    "refused_no_salt",
+    "refused_mm_ids",
 )
 TIER_PREFIX = "tier_hit_tokens."
 LOAD_BYTES_PREFIX = "tier_load_bytes."

@@ -40,6 +40,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
+from .redact import Redactor, is_secret_name, scrub
 
 logger = logging.getLogger("kvplug.config")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
@@ -240,7 +241,7 @@ def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {scrub(str(exc))}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping, got {type(data).__name__}")
     return data
@@ -285,7 +286,8 @@ def _env_overrides(env: Mapping[str, str], fields: list[str],
     return out
 
 
-def _explain(exc: ValidationError, top_level: list[str]) -> str:
+def _explain(exc: ValidationError, top_level: list[str], redact: Redactor) -> str:
+    """Every error of ``exc``, naming the key and (never a secret, :mod:`kvplug.redact`) the value."""
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
@@ -298,7 +300,9 @@ def _explain(exc: ValidationError, top_level: list[str]) -> str:
         elif err["loc"] and err["loc"][0] in _UNECHOED:
             lines.append(f"config value {loc!r}: {err['msg']}")
         else:
-            lines.append(f"config value {loc!r}={err.get('input')!r}: {err['msg']}")
+            secret = any(is_secret_name(str(p)) for p in err["loc"])
+            shown = "=***" if secret else f"={err.get('input')!r}"
+            lines.append(redact(f"config value {loc!r}{shown}: {err['msg']}"))
     return "; ".join(lines)
 
 
@@ -336,4 +340,4 @@ def load_config(
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_explain(exc, [*schema.model_fields, *foreign])) from None
+        raise ConfigError(_explain(exc, [*schema.model_fields, *foreign], Redactor(data))) from None

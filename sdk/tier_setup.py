@@ -24,6 +24,7 @@ from .errors import BackendLoadError, ConfigError, KVPlugError
 from .hookspecs import PROJECT, BackendSpec, TierContext
 from .memory import MemoryObj
 from .plugins import load_backend_class
+from .redact import Redactor, describe_validation_error
 from .runtime import THREADS, Runtime
 from .tier_calls import Tier
 
@@ -54,15 +55,17 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
         memory_regions=memory_regions,
         auth=tier_auth,
     )
+    redact = Redactor(cfg.options)
     try:
         backend = cls(ctx)
-    except KVPlugError:
-        raise
     except Exception as exc:
-        raise BackendLoadError(
+        # the message without the tier's secrets; the chained causes only where none holds one
+        leaks = _chain_holds_secret(exc, redact)
+        if isinstance(exc, KVPlugError) and not leaks:
+            raise
+        raise (type(exc)(redact(str(exc))) if isinstance(exc, KVPlugError) else BackendLoadError(
             f"tier {cfg.tier_name!r}: backend {cfg.backend!r} from package {info.package} "
-            f"failed to start: {type(exc).__name__}: {exc}"
-        ) from exc
+            f"failed to start: {redact.error(exc)}")) from (None if leaks else exc)
     tier = Tier(index, cfg, backend, info.package, runtime)
     tier.auth = tier_auth
     tier.codec = CodecWrapper(tier.name, *codec_of(cfg, tier.inline), allocate)
@@ -77,7 +80,8 @@ def _validated_options(cls: type, cfg: TierConfig) -> Any:
     try:
         return model.model_validate(cfg.options)
     except ValidationError as exc:
-        problems = "; ".join(_describe_option_error(e) for e in exc.errors())
+        redact = Redactor(cfg.options)
+        problems = "; ".join(describe_validation_error(e, redact) for e in exc.errors())
         raise ConfigError(
             f"tier {cfg.tier_name!r} (backend {cfg.backend!r}): bad options: {problems}. "
             f"Allowed options: {', '.join(model.model_fields)}"
@@ -124,12 +128,12 @@ class ScopedHooks:
             tier.hooks = {h: self.pm.subset_hook_caller(h, foreign) for h in HOOKS}
 
 
-def _describe_option_error(err: dict) -> str:
-    """One option error; echoes the input only when it is a plain scalar (never a mapping that
-    could hold credentials)."""
-    where = ".".join(map(str, err["loc"])) or "options"
-    value = err.get("input")
-    shown = f" (got {value!r})" if isinstance(value, (int, float, bool)) or (
-        isinstance(value, str) and len(value) < 80 and err["type"] != "missing"
-    ) else ""
-    return f"{where}: {err['msg']}{shown}"
+def _chain_holds_secret(exc: BaseException | None, redact: Redactor) -> bool:
+    """Whether ``exc`` or an exception it was raised from or during names a secret."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if redact.holds_secret(str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False

@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from kvplug.redact import Redactor
 
 from .breaker import CircuitBreaker
-from .redact import Redactor
 
 
 class StoreRefused(Exception):

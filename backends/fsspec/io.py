@@ -26,10 +26,10 @@ from fsspec.asyn import AsyncFileSystem, get_loop
 from kvplug import chunkfile as cf
 from kvplug.errors import ConfigError
 from kvplug.logs import LogOnce
+from kvplug.redact import Redactor
 
 from ..common.breaker import CircuitBreaker
 from ..common.index import CapacityIndex
-from ..common.redact import Redactor
 from ..common.value_io import GuardedCalls
 
 T = TypeVar("T")

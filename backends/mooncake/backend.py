@@ -11,10 +11,10 @@ tier serves whole chunks (no ``get_layers``).
 from __future__ import annotations
 
 from kvplug.hookspecs import TierContext
+from kvplug.redact import Redactor
 from pydantic import ByteSize, Field, field_validator
 
 from ..common.breaker import CircuitBreaker
-from ..common.redact import Redactor
 from ..common.value_io import ValueIO
 from ..common.value_tier import ValueStoreOptions, ValueStoreTier
 from .client import MooncakeIO
@@ -61,5 +61,5 @@ class MooncakeBackend(ValueStoreTier):
     def open_io(self, ctx: TierContext, breaker: CircuitBreaker) -> tuple[ValueIO, str]:
         opts: MooncakeBackend.Options = ctx.options
         shown = f"mooncake://{opts.master} ({opts.protocol})"
-        return MooncakeIO(ctx.name, opts, breaker, Redactor(opts.master, {}),
+        return MooncakeIO(ctx.name, opts, breaker, Redactor(opts.model_dump()),
                           ctx.memory_regions), shown

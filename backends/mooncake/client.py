@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 from kvplug.errors import ConfigError
+from kvplug.redact import Redactor
 
 from ..common.breaker import CircuitBreaker
-from ..common.redact import Redactor
 from ..common.value_io import StoreRefused, ValueIO
 
 logger = logging.getLogger("kvplug.backends.mooncake")

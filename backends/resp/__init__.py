@@ -5,8 +5,8 @@
 * :mod:`.client`  — the client (timeouts, no retries, auth) and the store's primitives as pipelines.
 
 The hooks (naming, verified loads, batched lookups and stores, pins, eviction) are the value-store
-tier in :mod:`kvplug.backends.common` (shared with mooncake), with the breaker, lookup caches and
-redaction (shared with fsspec too).
+tier in :mod:`kvplug.backends.common` (shared with mooncake), with the breaker and lookup caches
+(shared with fsspec too); credentials are masked by :mod:`kvplug.redact`.
 Needs the ``redis`` package: ``pip install 'kvplug[resp]'``.
 """
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import functools
 
 from kvplug.hookspecs import TierContext
+from kvplug.redact import Redactor
 from pydantic import Field, field_validator, model_validator
 
 from ..common.breaker import CircuitBreaker
-from ..common.redact import Redactor
 from ..common.value_io import ValueIO
 from ..common.value_tier import ValueStoreOptions, ValueStoreTier
 from .client import (
@@ -69,7 +69,7 @@ class RespBackend(ValueStoreTier):
     def open_io(self, ctx: TierContext, breaker: CircuitBreaker) -> tuple[ValueIO, str]:
         opts: RespBackend.Options = ctx.options
         password = password_from_env(opts.password_env)
-        redact = Redactor(opts.url, {"password": password} if password else {})
+        redact = Redactor(opts.model_dump(), {"password": password} if password else {})
         tls = check_tls(opts.url, {k: getattr(opts, k) for k in TLS_OPTIONS})
         make = functools.partial(open_client, opts.url, cluster=opts.cluster, password=password,
                                  timeout_s=opts.timeout_s, max_connections=opts.max_connections,

@@ -93,6 +93,13 @@ def _sub(master: bytes, person: bytes) -> bytes:
     return hashlib.blake2b(b"", key=master, digest_size=32, person=person).digest()
 
 
+def subkey(secret: bytes, purpose: bytes) -> bytes:
+    """A 32-byte key for one ``purpose`` (a BLAKE2b personalisation, at most 16 bytes) derived
+    from a deployment secret: every engine with the same secret derives the same key, and no
+    purpose's key reveals the secret or another purpose's key."""
+    return _sub(_normal(secret), purpose)
+
+
 def _normal(secret: bytes) -> bytes:
     """A secret as a BLAKE2b key (at most 64 bytes: a longer one is hashed down)."""
     return secret if len(secret) <= 64 else hashlib.blake2b(secret, digest_size=64).digest()

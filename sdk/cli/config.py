@@ -1,4 +1,7 @@
-"""``kvplug config check FILE``: validate a config and print the tiers it resolves to."""
+"""``kvplug config check FILE``: validate a config and print the tiers it resolves to.
+
+Nothing it prints holds a secret: options and settings go through :func:`kvplug.redact.redact_data`,
+problems through a :class:`~kvplug.redact.Redactor` of the tier's options."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from ..codecs.registry import build_codec
 from ..config import ENV_PREFIX, RESERVED_ENV, KVPlugConfig, TierConfig, load_config, widest_schema
 from ..errors import KVPlugError
 from ..plugins import load_backend_class
+from ..redact import Redactor, describe_validation_error, redact_data
 from .common import console, escape, fail
 
 
@@ -35,10 +39,8 @@ def resolve_tier(tier: TierConfig) -> dict[str, Any]:
         try:
             parsed = model.model_validate(tier.options)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})"
-                for e in exc.errors()
-            )
+            problems = "; ".join(describe_validation_error(e, Redactor(tier.options))
+                                 for e in exc.errors())
             raise KVPlugError(
                 f"tier {tier.tier_name!r} (backend {tier.backend!r}): bad options: {problems}. "
                 f"Allowed options: {', '.join(model.model_fields)}"
@@ -47,7 +49,7 @@ def resolve_tier(tier: TierConfig) -> dict[str, Any]:
     codec, codec_info = build_codec(tier, bool(getattr(cls, "never_blocks", False)))
     out = {"name": tier.tier_name, "backend": tier.backend, "package": info.package,
            "version": info.version, "class": f"{cls.__module__}:{cls.__qualname__}",
-           "options": options, "timeout_s": tier.timeout_s}
+           "options": redact_data(options), "timeout_s": tier.timeout_s}
     if codec is not None and codec_info is not None:
         out["codec"] = {"name": codec_info.name, "package": codec_info.package,
                         "lossy": codec.lossy, "options": codec.describe()}
@@ -70,7 +72,7 @@ def check_config(path: Path) -> tuple[KVPlugConfig, list[dict[str, Any]], list[s
         try:
             tiers.append(resolve_tier(tier))
         except Exception as exc:  # noqa: BLE001 - every tier's problem is reported, then exit 1
-            problems.append(str(exc))
+            problems.append(Redactor(tier.options)(str(exc)))
     return cfg, tiers, problems
 
 
@@ -87,7 +89,7 @@ def check_cmd(file: Path, as_json: bool) -> None:
     cfg, tiers, problems = check_config(file)
     overrides = sorted(k for k in os.environ if k.startswith(ENV_PREFIX) and k not in RESERVED_ENV)
     if as_json:
-        settings = cfg.model_dump(exclude={"tiers"})
+        settings = redact_data(cfg.model_dump(exclude={"tiers"}))
         click.echo(json.dumps({"valid": not problems, "settings": settings, "tiers": tiers,
                                "problems": problems, "env_overrides": overrides},
                               indent=2, default=_show))
@@ -101,7 +103,8 @@ def check_cmd(file: Path, as_json: bool) -> None:
                      f"{t['timeout_s']:g}s")
             table.add_row(*(escape(c) for c in cells))
         console.print(table)
-        settings = ", ".join(f"{k}={v}" for k, v in cfg.model_dump(exclude={"tiers"}).items())
+        shown = redact_data(cfg.model_dump(exclude={"tiers"}))
+        settings = ", ".join(f"{k}={v}" for k, v in shown.items())
         console.print(f"settings: {settings}", markup=False, highlight=False)
         if overrides:
             console.print(f"environment overrides applied: {', '.join(overrides)}")

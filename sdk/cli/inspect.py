@@ -28,6 +28,7 @@ from rich.table import Table
 
 from .. import chunkfile as cf
 from ..errors import ChunkFormatError
+from ..redact import Redactor
 from .common import age_of, console, err_console, escape, fail, human_bytes
 
 
@@ -46,7 +47,9 @@ class Store:
 
     def __init__(self, target: str, storage_options: dict[str, Any],
                  auth: cf.Keyring | None = None) -> None:
-        self.target = target
+        #: masks the URL's and the storage options' credentials in all it prints
+        self.redact = Redactor(target, storage_options)
+        self.target = self.redact(target)
         self.auth = auth
         if "://" in target and not target.startswith("file://"):
             try:
@@ -56,7 +59,7 @@ class Store:
             try:
                 self.fs, self.root = fsspec.core.url_to_fs(target, **storage_options)
             except (ImportError, ValueError) as exc:
-                fail(f"cannot open {target}: {exc}")
+                fail(f"cannot open {self.target}: {self.redact(str(exc))}")
         else:  # a local directory: plain os calls, so inspecting needs no fsspec
             self.fs = None
             self.root = os.path.abspath(target.removeprefix("file://"))
@@ -84,7 +87,7 @@ class Store:
         except FileNotFoundError:
             fail(f"{self.target} does not exist")
         except Exception as exc:  # noqa: BLE001 - remote errors: one clear line
-            fail(f"cannot list {self.target}: {type(exc).__name__}: {exc}")
+            fail(f"cannot list {self.target}: {self.redact.error(exc)}")
         chunks, temps = [], []
         for path, info in sorted(listing.items()):
             name = path.rsplit("/", 1)[-1]
@@ -192,7 +195,7 @@ def scan(store: Store, verify: bool) -> dict[str, Any]:
                                         strict=True):
             progress.advance(task)
             if problem:
-                corrupt.append({"path": f.path, "problem": problem})
+                corrupt.append({"path": f.path, "problem": store.redact(problem)})
                 continue
             assert header is not None
             key = header.key
@@ -240,10 +243,11 @@ def _keyring(config_path: str | None) -> cf.Keyring | None:
 
 
 def _parse_options(pairs: tuple[str, ...]) -> Iterator[tuple[str, Any]]:
-    for pair in pairs:
+    for n, pair in enumerate(pairs, 1):
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            fail(f"--storage-option {pair!r} is not KEY=VALUE")
+            fail(f"--storage-option number {n} is not KEY=VALUE (not shown: it may hold a "
+                 "secret)")
         yield key, yaml.safe_load(value)
 
 
@@ -284,10 +288,11 @@ def _print(report: dict[str, Any]) -> None:
 def inspect_cmd(target: str, verify: bool, as_json: bool, options: tuple[str, ...],
                 config_path: str | None) -> None:
     """Show what a posix/gds directory or an fsspec URL holds: chunks, models, bytes, age."""
-    report = scan(Store(target, dict(_parse_options(options)), _keyring(config_path)), verify)
+    store = Store(target, dict(_parse_options(options)), _keyring(config_path))
+    report = scan(store, verify)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
     else:
         _print(report)
     if verify and report["corrupt"]:
-        fail(f"{len(report['corrupt'])} corrupt chunk file(s) in {target}")
+        fail(f"{len(report['corrupt'])} corrupt chunk file(s) in {store.target}")

@@ -7,6 +7,8 @@ point, ``python -m vllm.entrypoints.openai.api_server``, which works with both w
 point registers it), role ``kv_both``, load-failure policy ``recompute``, and kvplug's settings from
 ``--kvplug-config FILE`` (validated here first) or kvplug's defaults. Every other argument goes to
 vLLM unchanged. vLLM is never imported in this process: the server replaces it (``os.execv``).
+What it prints (``--print-command``, the ``starting:`` line) shows ``--api-key ***``
+(:func:`kvplug.redact.redact_argv`); vLLM is given the key itself.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import click
 
+from ..redact import redact_argv
 from .common import err_console, fail
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -82,12 +85,12 @@ def serve_cmd(model: str, kvplug_config: Path | None, print_command: bool,
     if kvplug_config is not None:
         _check_kvplug_config(kvplug_config)
     argv = server_command(model, vllm_args, kvplug_config)
-    if print_command:
-        click.echo(shlex.join(argv))
+    if print_command:  # shown, never the secrets it passes (vLLM too masks --api-key)
+        click.echo(shlex.join(redact_argv(argv)))
         return
     _check_vllm()
-    err_console.print("starting: python " + shlex.join(argv[1 + len(_QUIET):]), markup=False, highlight=False,
-                      soft_wrap=True)
+    err_console.print("starting: python " + shlex.join(redact_argv(argv[1 + len(_QUIET):])),
+                      markup=False, highlight=False, soft_wrap=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(argv[0], argv)
