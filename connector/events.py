@@ -59,8 +59,8 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 
-from .tier_watch import KVPlugKVEvents, TierEvent
 from ..chunkfile.auth import decode_secret, subkey
+from .tier_watch import KVPlugKVEvents, TierEvent
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
