@@ -132,6 +132,9 @@ class KVPlugConfig(_Strict):
 
     chunk_size: PositiveInt = Field(default=256, description="tokens per chunk")
     tiers: list[TierConfig] = Field(default_factory=default_tiers, min_length=1)
+    max_heap_fallback: ByteSize | None = Field(
+        default=None, description="heap bytes reads may hold at once when L1 has no room "
+        "(e.g. '1GiB', the default); past it a read is a miss (kvplug.read_memory)")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

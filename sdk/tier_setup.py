@@ -37,9 +37,10 @@ HOOKS = (
 
 def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | None],
                chunk_size: int, extra: dict[str, Any], runtime: Runtime = THREADS,
-               memory_regions: Callable[[], list[tuple[int, int]]] = list) -> Tier:
-    """Start tier ``index``'s backend (``allocate``, ``memory_regions``: its ``ctx``'s) and its
-    codec wrapper; a bad option or a backend that fails to start is a clear error naming the
+               memory_regions: Callable[[], list[tuple[int, int]]] = list,
+               read_limit: Callable[[], int | None] = lambda: None) -> Tier:
+    """Start tier ``index``'s backend (``allocate``, ``memory_regions``, ``read_limit``: its
+    ``ctx``'s) and its codec wrapper; a bad option or a backend that fails to start is a clear error naming the
     tier."""
     cls, info = load_backend_class(cfg.backend)
     ctx = TierContext(
@@ -49,6 +50,7 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
         chunk_size=chunk_size,
         extra=dict(extra),
         memory_regions=memory_regions,
+        read_limit=read_limit,
     )
     try:
         backend = cls(ctx)
