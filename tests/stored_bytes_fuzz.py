@@ -152,7 +152,7 @@ def mutate_chunk(data: bytes, seed: int, ops: Sequence[int]) -> bytes:
         if op == 0 and parsable:
             try:
                 data = mutate(data, rng)
-            except (ValueError, RecursionError, KeyError, TypeError):
+            except (ValueError, RecursionError, KeyError, TypeError, IndexError, AttributeError):
                 pass  # that mutation needs a header it can parse: keep the bytes
         elif op == 1 and data:
             b = bytearray(data)
@@ -348,7 +348,14 @@ class Campaign:
         dest = torch.zeros(len(data) + 1, dtype=torch.uint8)
         a, b = socket.socketpair()
         a.settimeout(2)
-        t = threading.Thread(target=lambda: (b.sendall(reply), b.shutdown(socket.SHUT_WR)))
+        def send() -> None:
+            try:
+                b.sendall(reply)
+                b.shutdown(socket.SHUT_WR)
+            except OSError:  # the parser stopped reading (and closed its end) first
+                pass
+
+        t = threading.Thread(target=send)
         t.start()
         try:
             try:
@@ -360,8 +367,8 @@ class Campaign:
                 return False
             return got == len(data) and bytes(dest[: len(data)].numpy()) == data == good
         finally:
-            t.join(5)
             a.close()
+            t.join(5)
             b.close()
 
 
