@@ -27,6 +27,7 @@ from functools import partial
 import torch
 from kvplug.gpu import PagedKV
 from kvplug.keys import CacheKey
+from kvplug.read_memory import ChunkGeometry
 from kvplug.runtime import THREADS, Runtime
 from kvplug.storage_manager import StorageManager
 
@@ -82,7 +83,10 @@ class WorkerSide:
         self._kv_caches = dict(kv_caches)
         self.kv = PagedKV.from_kv_caches(kv_caches)
         self.kv_dtype = str(self.kv.kv_dtype).removeprefix("torch.")
-        self.storage = StorageManager(self.cfg, runtime=self.runtime)
+        bs = self.layout.block_size or 1  # unknown: a chunk of single-token pages bounds it
+        self.storage = StorageManager(self.cfg, runtime=self.runtime, geometry=ChunkGeometry(
+            self.kv.num_layers, -(-self.cfg.chunk_size // bs), self.kv.page_bytes,
+            self.cfg.chunk_size))  # reads of any other shape are refused before allocating
         self._loads = Loads(self.kv, self.storage, self.layout, self.key, self.cfg.layerwise,
                             self._reports,
                             BackgroundLoads(self.storage.batched_get, runtime=self.runtime),

@@ -140,6 +140,9 @@ class KVPlugConfig(_Strict):
 
     chunk_size: PositiveInt = Field(default=256, description="tokens per chunk")
     tiers: list[TierConfig] = Field(default_factory=default_tiers, min_length=1)
+    max_heap_fallback: ByteSize | None = Field(
+        default=None, description="heap bytes reads may hold at once when L1 has no room "
+        "(e.g. '1GiB', the default); past it a read is a miss (kvplug.read_memory)")
     auth_key_env: str | None = Field(
         default=None,
         description="name of the environment variable holding the deployment secret (>= 32 "

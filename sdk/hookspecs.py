@@ -95,8 +95,13 @@ class TierContext:
             key), it is an instance of that model, validated; otherwise the raw dict.
         allocate: ``allocate(shape, dtype, fmt, num_tokens) -> MemoryObj | None`` — memory for a
             chunk being read, from the fastest tier that owns a pool (so a later promotion into
-            L1 is zero-copy), or from the heap when none does. ``None`` when memory is full: treat
-            the read as a miss.
+            L1 is zero-copy), from the heap when none does or when the pool is full (up to the
+            config's ``max_heap_fallback`` bytes held at once). ``None`` when memory is full, or
+            when the shape does not fit this engine's chunks (the sizes in a stored header are
+            the writer's to choose; :mod:`kvplug.read_memory` checks them): treat the read as a
+            miss. Call it with the stored meta **before** fetching or allocating anything sized
+            by the stored bytes (a body, a layer range), so a header claiming 512 MiB costs
+            nothing.
         chunk_size: tokens per chunk (for sizing; chunk objects carry their own token count).
         extra: anything else the host passes (the connector puts ``role``, ``rank``...).
         memory_regions: ``memory_regions() -> [(address, nbytes), ...]`` — the host buffers
@@ -113,6 +118,9 @@ class TierContext:
             MAC'd and keyed-named, and one that fails the check raises
             :class:`~kvplug.chunkfile.AuthError` (a ``ChunkFormatError``: a miss; delete it so
             the next store replaces it). Never log it or put it in an exception.
+        read_limit: ``read_limit() -> int | None`` — the most bytes of one stored chunk a tier
+            may receive before it can parse the header (a value read whole); a longer value is
+            a miss. ``None`` when the host sets no bound.
     """
 
     name: str
@@ -122,6 +130,7 @@ class TierContext:
     extra: dict[str, Any] = field(default_factory=dict)
     memory_regions: Callable[[], list[tuple[int, int]]] = list
     auth: Keyring | None = None
+    read_limit: Callable[[], int | None] = lambda: None
 
 
 class BackendSpec:

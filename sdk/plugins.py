@@ -91,7 +91,8 @@ MOVED_PATHS = {
 def import_object(target: str) -> object:
     """The object a ``"package.module:attr.sub"`` path names (a moved kvplug path is followed,
     with a :class:`DeprecationWarning`). Import errors propagate to the caller, which names what
-    it was loading."""
+    it was loading. Only for paths an operator wrote (a config, an entry point): never a name
+    read from a store (:func:`kvplug.codecs.registry.decoder_for` resolves those)."""
     if target in MOVED_PATHS:
         warnings.warn(
             f"{target!r} moved to {MOVED_PATHS[target]!r}; update the config (the old path will "

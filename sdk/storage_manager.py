@@ -7,7 +7,8 @@ the tier's ``timeout_s`` so a stalled tier degrades to a miss instead of hanging
 tiers whose class sets ``never_blocks = True``, like ``local_cpu``, are called inline). Each tier
 that may block has its own bounded pool (:mod:`.tier_calls`): a stalled tier starves no other, and
 late results release what they hold (objects, pins). The tiers are built, and their hooks scoped,
-by :mod:`.tier_setup`.
+by :mod:`.tier_setup`. What a tier's read may allocate (``ctx.allocate``, ``ctx.read_limit``) is
+decided by :mod:`.read_memory`, before any allocation.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .errors import ConfigError
 from .keys import CacheKey
 from .logs import LogOnce
 from .memory import MemoryFormat, MemoryObj, heap_memory_obj
+from .read_memory import DEFAULT_MAX_HEAP_FALLBACK, ChunkGeometry, ReadMemory
 from .runtime import THREADS, Runtime
 from .tier_calls import BATCH_GET_KEYS, MAX_ENCODER_QUEUE, Tier, release
 from .tier_setup import ScopedHooks, build_tier
@@ -54,7 +56,10 @@ class StorageManager:
     """Tiers of storage behind one API: allocate, put, get, prefix lookup, evict, close."""
 
     def __init__(self, config: KVPlugConfig | dict | str | None = None, *,
-                 runtime: Runtime = THREADS, **extra: Any) -> None:
+                 runtime: Runtime = THREADS, geometry: ChunkGeometry | None = None,
+                 **extra: Any) -> None:
+        """``geometry``: the engine's chunk objects (the connector's); reads of any other shape
+        are refused before allocating (:mod:`.read_memory`). ``extra`` goes to ``ctx.extra``."""
         self.config = load_config(config)
         self.runtime = runtime  # every pool below comes from it (kvplug.runtime)
         self.chunk_size = self.config.chunk_size
@@ -64,7 +69,9 @@ class StorageManager:
         self._log_once = LogOnce(logger)
         self._closed = False
         self._lock = threading.Lock()
-        self.read_heap_fallbacks = 0  # reads that found the pool full (see _allocate_for_reads)
+        cap = self.config.max_heap_fallback
+        self.reads = ReadMemory(self.allocate, self._pool_sizes,
+                                DEFAULT_MAX_HEAP_FALLBACK if cap is None else int(cap), geometry)
         #: The deployment's keyring (``auth_key_env``): handed to every tier, never global.
         self.auth = auth_keyring(self.config)
         # Bounded tier calls run on each tier's own pool; batched_get fans out over this one.
@@ -88,8 +95,8 @@ class StorageManager:
 
     # -- construction ---------------------------------------------------------------------------
     def _add_tier(self, index: int, cfg: TierConfig, extra: dict[str, Any]) -> None:
-        tier = build_tier(index, cfg, self._allocate_for_reads, self.chunk_size, extra,
-                          self.runtime, self.memory_regions, self.auth)
+        tier = build_tier(index, cfg, self.reads.allocate, self.chunk_size, extra,
+                          self.runtime, self.memory_regions, self.reads.read_limit, self.auth)
         self._hooks.register(tier.backend, f"tier:{tier.name}", {tier.name})
         self._hooks.register(tier.metrics, f"metrics:{tier.name}", {tier.name})
         # Registered last, so it wraps the metrics: they count the bytes the tier really moves.
@@ -182,27 +189,22 @@ class StorageManager:
             return None
         return heap_memory_obj(tuple(shape), dtype, fmt, num_tokens)
 
-    def _allocate_for_reads(
-        self,
-        shape: tuple[int, ...],
-        dtype: torch.dtype = torch.uint8,
-        fmt: MemoryFormat = MemoryFormat.KV_PAGES,
-        num_tokens: int = 0,
-    ) -> MemoryObj | None:
-        """Memory for a chunk a tier reads (``ctx.allocate``): the pool first, else the heap.
+    @property
+    def geometry(self) -> ChunkGeometry | None:
+        """The engine's chunk geometry reads are checked against (``None``: not known)."""
+        return self.reads.geometry
 
-        A load holds a request's whole hit until it scatters it, so a hit larger than L1 fills
-        the pool with objects in use; a read must not then fail (a promised hit would become a
-        load error and a recompute). The heap buffer goes with its last reference; counted in
-        ``read_heap_fallbacks``."""
-        obj = self.allocate(shape, dtype, fmt, num_tokens)
-        if obj is None:
-            with self._lock:
-                self.read_heap_fallbacks += 1
-            self._log_once("read-heap", "L1 has no room for a read (full of chunks in use); "
-                           "reading into heap memory instead (counted in read_heap_fallbacks)")
-            obj = heap_memory_obj(tuple(shape), dtype, fmt, num_tokens)
-        return obj
+    @geometry.setter
+    def geometry(self, value: ChunkGeometry | None) -> None:
+        self.reads.geometry = value
+
+    @property
+    def read_heap_fallbacks(self) -> int:
+        """Reads that found the pool full and went to the heap (:mod:`.read_memory`)."""
+        return self.reads.counts["read_heap_fallbacks"]
+
+    def _pool_sizes(self) -> list[int]:
+        return [n for _, n in self.memory_regions()]
 
     # -- store ----------------------------------------------------------------------------------
     def batched_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
@@ -432,6 +434,8 @@ class StorageManager:
                 for part in self._call(tier, "stats") or []:
                     entry.update(part or {})
             out[tier.name] = entry
+        if self._tiers:  # reads refused or sent to the heap: the manager's, shown with L1
+            out[self._tiers[0].name].update(self.reads.stats())
         return out
 
     def close(self) -> None:

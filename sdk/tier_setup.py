@@ -40,10 +40,11 @@ HOOKS = (
 def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | None],
                chunk_size: int, extra: dict[str, Any], runtime: Runtime = THREADS,
                memory_regions: Callable[[], list[tuple[int, int]]] = list,
+               read_limit: Callable[[], int | None] = lambda: None,
                auth: Keyring | None = None) -> Tier:
-    """Start tier ``index``'s backend (``allocate``, ``memory_regions``: its ``ctx``'s; ``auth``:
-    the deployment's keyring, the tier gets its own view of it) and its codec wrapper; a bad
-    option or a backend that fails to start is a clear error naming the tier."""
+    """Start tier ``index``'s backend (``allocate``, ``memory_regions``, ``read_limit``: its
+    ``ctx``'s; ``auth``: the deployment's keyring, the tier gets its own view of it) and its codec
+    wrapper; a bad option or a backend that fails to start is a clear error naming the tier."""
     cls, info = load_backend_class(cfg.backend)
     tier_auth = auth.for_tier(cfg.tier_name) if auth is not None else None
     ctx = TierContext(
@@ -54,6 +55,7 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
         extra=dict(extra),
         memory_regions=memory_regions,
         auth=tier_auth,
+        read_limit=read_limit,
     )
     redact = Redactor(cfg.options)
     try:

@@ -111,6 +111,10 @@ class ValueIO(GuardedCalls):
     #: Whether the store reads a value in pieces straight into caller memory
     #: (:meth:`get_into_many`; the tier then reads chunks into its memory objects).
     reads_into = False
+    #: ``read_limit() -> int | None``: the most bytes of one value a read may receive (the
+    #: tier's ``ctx.read_limit``, set by the tier); a store receives at most one byte more, so
+    #: the tier sees a longer value is too long without it costing its length.
+    read_limit: Callable[[], int | None] = staticmethod(lambda: None)
 
     # -- what subclasses implement (raise on a failed call) -------------------------------------
     def _exists(self, names: Sequence[str]) -> list[bool | None]:

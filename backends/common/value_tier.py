@@ -95,6 +95,7 @@ class ValueStoreTier(PinnedStore):
                                       backoff_s=opts.breaker_backoff_s,
                                       max_backoff_s=opts.breaker_max_backoff_s)
         self.io, self.url = self.open_io(ctx, self.breaker)
+        self.io.read_limit = ctx.read_limit  # a value longer than one chunk is never received
         self._allocate = ctx.allocate
         self._auth = ctx.auth  # keyed names and MACs (auth_key_env), or None
         self._log_once = LogOnce(logger)
@@ -108,7 +109,8 @@ class ValueStoreTier(PinnedStore):
         self._into_pool = self.io.reads_into and bool(ctx.memory_regions())
         self._absent = TTLSet(opts.negative_cache_s)
         self._counts = dict.fromkeys(("corrupt", "other_version", "negative_hits", "vanished",
-                                      "bytes_got", "reads_in_place", "layout_misses"), 0)
+                                      "bytes_got", "reads_in_place", "layout_misses",
+                                      "oversized"), 0)
         self._names: dict[CacheKey, str] = {}
         self._index = CapacityIndex(int(opts.capacity) if opts.capacity is not None else None)
         self._writer = ValueWriter(
@@ -193,6 +195,13 @@ class ValueStoreTier(PinnedStore):
         """The verified chunk of one value read whole (``None``: missing or unavailable)."""
         if data is None:
             return None if self.breaker.is_open else self._miss(name)
+        limit = self.io.read_limit()
+        if limit is not None and len(data) > limit:  # longer than any chunk of this engine
+            self._count("oversized")
+            self._log_once("oversized", "tier %r: value %s is longer than any chunk of this "
+                           "engine (%d bytes); treated as a miss (further ones are counted in "
+                           "stats as oversized)", self.name, name, limit)
+            return None
         view = memoryview(data)
         header = self._parse(name, lambda off, n: view[off : off + n], len(data))
         if header is None:
@@ -316,11 +325,15 @@ class ValueStoreTier(PinnedStore):
             meta, start, end = layer_range(header, first_layer, num_layers)
         except ChunkFormatError:
             return None
+        obj = self._allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
+        if obj is None:  # no memory, or sizes this engine refuses: nothing fetched
+            return None
         data = self.io.get_range(name, start, end)
         if data is None or len(data) != end - start:
+            obj.ref_down()
             return self._miss(name)
         return self._fill(name, header, meta, memoryview(data), first_layer, num_layers,
-                          base=start)
+                          base=start, obj=obj)
 
     def _header(self, name: str) -> cf.ChunkHeader | None:
         cached = self._headers.get(name)
@@ -353,10 +366,12 @@ class ValueStoreTier(PinnedStore):
             return None
 
     def _fill(self, name: str, header: cf.ChunkHeader, meta: MemoryObjMeta, view: memoryview,
-              first: int, count: int, base: int) -> MemoryObj | None:
-        """:func:`~.chunks.copy_verified`; a mismatch is a corrupt value (deleted)."""
+              first: int, count: int, base: int, obj: MemoryObj | None = None) -> MemoryObj | None:
+        """:func:`~.chunks.copy_verified` (into ``obj`` when it was allocated before the read;
+        consumed); a mismatch is a corrupt value (deleted)."""
+        allocate = self._allocate if obj is None else (lambda *_: obj)
         try:
-            return copy_verified(self._allocate, header, meta, view, first, count, base)
+            return copy_verified(allocate, header, meta, view, first, count, base)
         except ChunkFormatError as exc:
             self._corrupt(name, str(exc))
             return None

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from kvplug import chunkfile as cf
 from kvplug.errors import ChunkFormatError, ChunkVersionError
 from kvplug.keys import CacheKey
-from kvplug.memory import MemoryObj, MemoryObjMeta
+from kvplug.memory import MemoryObj
 
 from ..common.chunks import Allocate, HeaderCache, copy_verified, layer_range
 from ..common.index import TTLSet
@@ -100,13 +100,18 @@ class ChunkReader:
         if header.key != key:
             self._corrupt(path, "the file holds another key", delete=True)
             return None
+        meta = header.meta
+        obj = self._allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
+        if obj is None:
+            return None  # no memory, or sizes this engine refuses: nothing fetched
         body = b""
         if header.file_size > header.header_bytes:
             body = self._tier.remote.fetch(path, header.header_bytes, header.file_size)
             if body is None or len(body) != header.file_size - header.header_bytes:
+                obj.ref_down()
                 return None  # gone or replaced since the header was read: a plain miss
         self._remember(path, header, size)  # forgotten again if a layer turns out corrupt
-        return self._fill(path, header, header.meta, memoryview(body), 0, header.num_layers,
+        return self._fill(path, header, obj, memoryview(body), 0, header.num_layers,
                           base=header.header_bytes, delete=True)
 
     def get_layers(self, path: str, first_layer: int, num_layers: int) -> MemoryObj | None:
@@ -118,10 +123,14 @@ class ChunkReader:
             meta, start, end = layer_range(header, first_layer, num_layers)
         except ChunkFormatError:
             return None
+        obj = self._allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
+        if obj is None:
+            return None  # no memory, or sizes this engine refuses: nothing fetched
         data = self._tier.remote.fetch(path, start, end)
-        if data is None:
+        if data is None or len(data) != end - start:
+            obj.ref_down()
             return None
-        return self._fill(path, header, meta, memoryview(data), first_layer, num_layers,
+        return self._fill(path, header, obj, memoryview(data), first_layer, num_layers,
                           base=start, delete=False)
 
     def _header(self, path: str) -> cf.ChunkHeader | None:
@@ -168,15 +177,20 @@ class ChunkReader:
             self._corrupt(path, str(exc), delete=True)
             return None
 
-    def _fill(self, path: str, header: cf.ChunkHeader, meta: MemoryObjMeta, view: memoryview,
+    def _fill(self, path: str, header: cf.ChunkHeader, obj: MemoryObj, view: memoryview,
               first: int, count: int, base: int, delete: bool) -> MemoryObj | None:
-        """:func:`~kvplug.backends.common.chunks.copy_verified`; a mismatch is a corrupt object
-        (deleted when ``delete``: the whole file was read)."""
+        """:func:`~kvplug.backends.common.chunks.copy_verified` into ``obj`` (allocated before
+        the fetch; consumed); a mismatch is a corrupt object (deleted when ``delete``: the whole
+        file was read)."""
         try:
-            return copy_verified(self._allocate, header, meta, view, first, count, base)
+            return copy_verified(lambda *_: obj, header, obj.meta, view, first, count, base)
         except ChunkFormatError as exc:
             self._corrupt(path, str(exc), delete=delete)
             return None
+        except BaseException:
+            if not obj.is_freed:
+                obj.ref_down()
+            raise
 
     def _remember(self, path: str, header: cf.ChunkHeader, size: int) -> None:
         self._headers.put(path, header)

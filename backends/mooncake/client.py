@@ -167,6 +167,9 @@ class MooncakeIO(ValueIO):
         if size < 0:
             self._check(size, "get_size")
             return None
+        limit = self.read_limit()
+        if limit is not None and size > limit:  # never sized by the store: a miss
+            return None
         slab = self._slab(store, size)
         n = store.get_into(name, slab.ctypes.data, slab.nbytes)
         if n < 0:

@@ -175,13 +175,14 @@ def _packer() -> Any:
     return Packer()
 
 
-def _packed(command: str, names: Sequence[str]) -> bytes:
-    """``command name`` for each name, packed as RESP arrays (one pipeline)."""
-    head = f"*2\r\n${len(command)}\r\n{command}\r\n".encode()
+def _packed(command: str, names: Sequence[str], *args: bytes) -> bytes:
+    """``command name *args`` for each name, packed as RESP arrays (one pipeline)."""
+    head = f"*{2 + len(args)}\r\n${len(command)}\r\n{command}\r\n".encode()
+    tail = b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
     parts = []
     for name in names:
         raw = name.encode()
-        parts += [head, b"$%d\r\n" % len(raw), raw, b"\r\n"]
+        parts += [head, b"$%d\r\n" % len(raw), raw, b"\r\n", tail]
     return b"".join(parts)
 
 
@@ -245,12 +246,17 @@ class RespIO(ValueIO):
         return [None if isinstance(r, Exception) else bool(r) for r in replies]
 
     def _get(self, name: str) -> bytes | None:
-        reply = self._pipeline(lambda p: p.get(name))[0]
-        return reply if isinstance(reply, bytes) else None
+        return self._get_many([name])[0]
 
     def _get_many(self, names: Sequence[str]) -> list[bytes | None]:
-        replies = self._pipeline(lambda p: [p.get(n) for n in names])
-        return [r if isinstance(r, bytes) else None for r in replies]
+        """Whole values; with a read limit, ``GETRANGE name 0 limit`` (at most ``limit + 1``
+        bytes come back, so a longer value costs no more: the tier sees it is too long)."""
+        limit = self.read_limit()
+        if limit is None:
+            replies = self._pipeline(lambda p: [p.get(n) for n in names])
+        else:
+            replies = self._pipeline(lambda p: [p.getrange(n, 0, limit) for n in names])
+        return [r if isinstance(r, bytes) and (limit is None or r) else None for r in replies]
 
     def registered(self, address: int, nbytes: int) -> bool:
         return True  # a socket receives into any memory
@@ -284,8 +290,12 @@ class RespIO(ValueIO):
                        ) -> list[int | bytearray | None]:
         """One pipelined round trip of ``GET``s whose replies are received straight into the
         pieces (a value of another size: whole, returned)."""
-        return self._raw(_packed("GET", names),
-                         lambda replies: [replies.bulk_into(p) for p in pieces])
+        limit = self.read_limit()
+        if limit is None:
+            return self._raw(_packed("GET", names),
+                             lambda replies: [replies.bulk_into(p) for p in pieces])
+        return self._raw(_packed("GETRANGE", names, b"0", b"%d" % limit),
+                         lambda replies: [replies.bulk_into(p, limit + 1) for p in pieces])
 
     def _get_range(self, name: str, start: int, end: int) -> bytes | None:
         reply = self._pipeline(lambda p: p.getrange(name, start, end - 1))[0]

@@ -2,7 +2,10 @@
 caller memory (RESP bulk strings, ``$<len>\\r\\n<bytes>\\r\\n``) for the resp tier's reads in
 place: a value whose length is what the caller expects is received into its pieces (a chunk's
 header into scratch memory, its layers into a memory object of L1's pool) with no copy in
-between; a value of any other length is received whole and returned; a nil is a miss. redis-py with hiredis
+between; a value of any other length is received whole and returned; a nil is a miss. The
+value's length comes from the server, so it is never trusted for an allocation: the tier reads
+with ``GETRANGE name 0 <limit>`` and :meth:`BulkReader.bulk_into` refuses a longer reply (a
+server out of protocol) before allocating anything for it. redis-py with hiredis
 would copy every value twice (into the parser's buffer, then into a new ``bytes``) before the
 tier copies it once more, and spends more Python per reply than the round trip costs for a
 lookup of 64 keys."""
@@ -56,21 +59,28 @@ class BulkReader:
                 raise ConnectionError("the server closed the connection in the middle of a value")
             take += got
 
-    def bulk_into(self, pieces: Sequence[tuple[int, int]]) -> int | bytearray | None:
+    def bulk_into(self, pieces: Sequence[tuple[int, int]],
+                  limit: int | None = None) -> int | bytearray | None:
         """The next reply into ``pieces`` (``(address, nbytes)``, in order): the value's length
         when it filled them exactly; the value itself (a new ``bytearray``) when its length
-        differs; ``None`` for a nil or an error reply (a missing or foreign value)."""
+        differs; ``None`` for a nil or an error reply (a missing or foreign value). With
+        ``limit`` (the reply of ``GETRANGE name 0 limit - 1``): an empty reply is a missing
+        value, and one longer than ``limit`` a :class:`ProtocolError`, before any allocation."""
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind in (b"_", b"-"):
             return None
-        if kind != b"$" or not rest.lstrip(b"-").isdigit() or len(rest) > 12:
+        if kind != b"$" or not (rest.isdigit() or rest == b"-1") or len(rest) > 12:
             raise ProtocolError(f"not a GET reply: {line[:LINE_MAX]!r}")
         n = int(rest)
         if n < 0:
             return None
-        out: int | bytearray = n
-        if n != sum(size for _, size in pieces):
+        if limit is not None and n > limit:
+            raise ProtocolError(f"a reply of {n} bytes to a read of at most {limit}")
+        out: int | bytearray | None = n
+        if limit is not None and n == 0:
+            out = None  # GETRANGE of a missing value
+        elif n != sum(size for _, size in pieces):
             out = bytearray(n)
             self._fill(memoryview(out))
         else:

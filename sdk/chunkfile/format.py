@@ -431,7 +431,7 @@ def _codec_ok(codec: str) -> bool:
     """Whether a header's ``codec`` entry is a JSON object naming a codec."""
     try:
         doc = json.loads(codec)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: deeply nested JSON
         return False
     return isinstance(doc, dict) and isinstance(doc.get("name"), str) and bool(doc["name"])
 

@@ -3,6 +3,10 @@
 names. A codec named in a config but not installed is a :class:`CodecNotFoundError` listing the
 installed ones; a codec met in a stored chunk but not installed is a :class:`CodecMissingError`
 (a miss) naming the package that wrote it.
+
+Stored bytes never choose code: :func:`decoder_for` (a name read from a store) resolves only the
+tier's own configured codec and the installed entry points, by name, never a ``module:Class``
+path; only a config (the operator) may name a class by its path (:func:`load_codec_class`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from ..errors import BackendLoadError, CodecMissingError, CodecNotFoundError, ConfigError, KVPlugError
+from ..errors import (
+    BackendConflictError,
+    BackendLoadError,
+    CodecMissingError,
+    CodecNotFoundError,
+    ConfigError,
+    KVPlugError,
+)
 from ..plugins import BackendInfo, discover_entry_points
 from .base import Codec
 
@@ -66,17 +77,31 @@ def load_codec_class(name: str) -> tuple[type[Codec], BackendInfo]:
     return found
 
 
-def decoder_for(name: str, package: str, version: str) -> type[Codec]:
-    """The class that decodes frames written by codec ``name`` of ``package`` ``version``; a
-    :class:`CodecMissingError` naming the package to install when it is not here."""
+def decoder_for(name: str, package: str, version: str,
+                configured: tuple[type[Codec], BackendInfo] | None = None) -> type[Codec]:
+    """The class that decodes frames written by codec ``name`` of ``package`` ``version``: the
+    tier's ``configured`` codec when ``name`` is its name, else an installed ``kvplug.codecs``
+    entry point of that name. ``name`` comes from a store, so it never names a module to import:
+    anything else is a :class:`CodecMissingError` (a miss) naming the package to install."""
+    if configured is not None and configured[1].name == name:
+        return configured[0]
+    with _lock:
+        hit = _cache.get(name)
+    if isinstance(hit, tuple) and ":" not in name:  # an entry point loaded before
+        return hit[0]
     try:
-        return load_codec_class(name)[0]
-    except (CodecNotFoundError, BackendLoadError) as exc:
-        what = package or "the package declaring that codec"
-        raise CodecMissingError(
-            f"chunk stored through codec {name!r} (package {package or '?'} {version}) which "
-            f"this process cannot load ({exc}); install {what} to read such chunks"
-        ) from None
+        installed = ":" not in name and name in discover_codecs()
+        if installed:
+            return load_codec_class(name)[0]
+        what = "not installed here"
+    except (CodecNotFoundError, BackendLoadError, BackendConflictError) as exc:
+        what = f"not loadable here: {exc}"
+    raise CodecMissingError(
+        f"chunk stored through codec {name[:80]!r} (package {package[:80] or '?'} "
+        f"{version[:40]}) which is {what}; only installed kvplug.codecs entry points and the "
+        f"tier's own codec decode chunks: install {package[:80] or 'the package declaring that codec'} "
+        "to read such chunks"
+    ) from None
 
 
 def clear_cache() -> None:

@@ -11,7 +11,9 @@ free and no backend knows about them.
   into memory from the manager's ``allocate`` (L1's pool, so promotion stays zero-copy) and the
   encoded one released.
   Wrong codec metadata, a truncated or corrupt payload, or a codec that is not installed here is
-  a miss (``None``) with one log line per kind, never wrong bytes. A plain ``KV_PAGES`` object
+  a miss (``None``) with one log line per kind, never wrong bytes. The codec a frame names is
+  resolved only among installed entry points and the tier's own codec, never imported by the
+  stored name (:func:`~.registry.decoder_for`). A plain ``KV_PAGES`` object
   (stored before the codec was configured) passes through.
 
 Every tier gets a wrapper, even one without a codec: it never encodes, but it still decodes a
@@ -57,6 +59,8 @@ class CodecWrapper:
         self.info = info
         self.allocate = allocate
         self.description = describe_codec(codec, info) if codec and info else ""
+        #: The configured codec: besides installed entry points, the only class that decodes.
+        self._own = (type(codec), info) if codec is not None and info is not None else None
         self._log_once = LogOnce(logger)
         self._lock = threading.Lock()
         self.counters: dict[str, float] = {
@@ -159,8 +163,9 @@ class CodecWrapper:
         try:
             out = self._decode(key, obj, first_layer)
         except CodecMissingError as exc:
-            self._add(codec_missing=1)
-            self._log_once(("missing", str(exc)), "tier %r: %s; treated as a miss", self.tier, exc)
+            self._add(codec_missing=1)  # logged once per tier: the name is the store's to choose
+            self._log_once(("missing",), "tier %r: %s; treated as a miss (further ones are "
+                           "counted in stats as codec_missing)", self.tier, exc)
             return None
         except Exception as exc:  # noqa: BLE001 - anything wrong with stored bytes is a miss
             self._add(codec_decode_failures=1)
@@ -188,7 +193,7 @@ class CodecWrapper:
         if any((f.blocks, f.page_bytes, f.codec) != (blocks, page_bytes, frames[0].codec)
                for f in frames):
             raise CodecError("the layers of one chunk disagree on codec or page geometry")
-        cls = decoder_for(frames[0].codec, frames[0].package, frames[0].version)
+        cls = decoder_for(frames[0].codec, frames[0].package, frames[0].version, self._own)
         out = self.allocate((len(frames), blocks, page_bytes), torch.uint8, MemoryFormat.KV_PAGES,
                             obj.num_tokens)
         if out is None:
