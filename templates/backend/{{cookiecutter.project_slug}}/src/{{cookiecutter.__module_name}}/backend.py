@@ -30,7 +30,7 @@ import threading
 from collections.abc import Sequence
 
 from kvplug.backends.common.breaker import CircuitBreaker
-from kvplug.backends.common.redact import Redactor
+from kvplug.redact import Redactor
 from kvplug.backends.common.value_io import ValueIO
 from kvplug.backends.common.value_tier import ValueStoreOptions, ValueStoreTier
 from kvplug.hookspecs import TierContext
