@@ -30,10 +30,10 @@ import threading
 from collections.abc import Sequence
 
 from kvplug.backends.common.breaker import CircuitBreaker
-from kvplug.redact import Redactor
 from kvplug.backends.common.value_io import ValueIO
 from kvplug.backends.common.value_tier import ValueStoreOptions, ValueStoreTier
 from kvplug.hookspecs import TierContext
+from kvplug.redact import Redactor
 from pydantic import Field
 
 
