@@ -50,6 +50,18 @@ SCHEDULES = {
          ("arrive", _A, (10,), 3), ("step",), ("step",)],  # A again: vLLM's cache has them
         "forget_unwritten"),
 }
+#: issue 33, defect 1: the same, with an 11-token suffix after the prefix-cache hit: the step
+#: that reads the unwritten blocks also computes chunk [16, 24) over them, which must not be
+#: stored (kvplug.connector.load.Loads.read_unwritten); asynchronous and synchronous saves, and
+#: vLLM 0.32's call order
+_UNWRITTEN_CFG, _UNWRITTEN_EVENTS, _ = SCHEDULES["failed load, aborted, then a prefix-cache hit"]
+for _name, _kw in (("async saves", {}), ("sync saves", {"async_save": False}),
+                   ("vLLM 0.32's order", {"order": "0.32"})):
+    SCHEDULES[f"a step computes over an unwritten prefix-cache hit ({_name})"] = (
+        replace(_UNWRITTEN_CFG, **_kw),
+        [*_UNWRITTEN_EVENTS[:-3], ("arrive", _A, tuple(range(300, 311)), 3), ("step",),
+         *[("task", 0)] * 4, ("step",)],
+        "store_over_unwritten")
 
 
 def _explain(failures: list[tuple[int, str]]) -> str:

@@ -22,11 +22,12 @@ FAULTS = {
 #: faults only a directed schedule reaches (tests/test_simulation.py, SCHEDULES) -> invariant
 DIRECTED_FAULTS = {
     "forget_unwritten": "I2",  # a failed load's blocks are not followed until written
+    "store_over_unwritten": "I1",  # a step that reads an unwritten block still stores (#33)
 }
 
 
 def _patches(name: str) -> list[tuple[Any, str, Any]]:
-    from kvplug.connector import save, store, unwritten, worker
+    from kvplug.connector import load, save, store, unwritten, worker
 
     if name == "store_after_failed_load":
         return [(store.StoreBatch, "without", lambda self, skip: (self, []))]
@@ -46,6 +47,9 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
         return [(save.AsyncSaves, "wait_window", lambda self: None)]
     if name == "leak_pins":
         return [(worker.WorkerSide, "release", lambda self, req_ids: None)]
+    if name == "store_over_unwritten":
+        return [(load.Loads, "read_unwritten",
+                 lambda self, md: self.reports.unwritten(md.unwritten, {}))]
     if name == "forget_unwritten":
         return [(unwritten.UnwrittenBlocks, "failed", lambda self, block_ids: None)]
     raise ValueError(f"unknown fault {name!r}; known: {sorted(FAULTS | DIRECTED_FAULTS)}")
