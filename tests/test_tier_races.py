@@ -21,6 +21,7 @@ from kvplug.backends.posix import backend as posix_mod
 from kvplug.hookspecs import TierContext
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, heap_memory_obj
+from redis_server import redis_server  # noqa: F401 - fixture
 
 HANG_S = 30  # only catches a hang
 
@@ -105,3 +106,68 @@ def test_posix_flush_is_true_only_once_the_writer_holds_nothing(tmp_path, monkey
     refs = [o.ref_count for o in objs]
     assert refs == [1, 1, 1], f"flush() returned while the writer held objects (refs {refs})"
     be.close()
+
+
+def test_value_tier_a_read_without_scratch_gives_back_its_objects(redis_server):  # noqa: F811
+    """resp against a real redis-server, reads in place into L1's pool: when the thread's
+    scratch buffer cannot be had (``io.scratch`` raises), the pool objects already allocated for
+    the read are given back (before: leaked; L1's pool stayed in use with every entry evicted)."""
+    from in_place_reads import L1, _store
+    from kvplug.storage_manager import StorageManager
+    from kvplug.testing.conformance import make_key
+
+    def tier() -> dict:
+        return {"backend": "resp", "timeout_s": 5.0,
+                "options": {"url": redis_server.url, "timeout_s": 2.0, "negative_cache_s": 0}}
+
+    writer = StorageManager({"tiers": [tier()], "chunk_size": 16})
+    reader = StorageManager({"tiers": [L1, tier()], "chunk_size": 16})
+    try:
+        refs = _store(writer, {i: (4, 2, 12288) for i in range(4)})
+        first = reader.get(make_key(0), promote=False)  # teaches the layout
+        assert first is not None and torch.equal(first.byte_view, refs[0])
+        first.ref_down()
+        resp = reader.backend(1)
+
+        def no_scratch(nbytes):
+            raise MemoryError(f"no scratch of {nbytes} B")
+
+        resp.io.scratch = no_scratch
+        got = reader.batched_get([make_key(i) for i in range(1, 4)])
+        for i, g in enumerate(got, start=1):  # read whole instead
+            assert g is not None and torch.equal(g.byte_view, refs[i]), f"chunk {i}"
+            g.ref_down()
+        reader.evict(tiers=["l1"], nbytes=1 << 30)
+        used = reader.stats()["l1"]["pool_used"]
+        assert used == 0, f"{used} B of L1's pool still in use after a read without scratch"
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_value_writer_a_put_whose_ref_up_raises_leaves_flush_reachable(redis_server):  # noqa: F811
+    """A store of an object that cannot be referenced any more (``ref_up`` raises: it was freed)
+    is refused without leaving its name counted as in flight: ``flush()`` becomes true, and the
+    next store of that key is written (before: flush() false forever)."""
+    from kvplug.backends.resp import RespBackend
+    from kvplug.memory import MemoryObjFreedError
+
+    opts = RespBackend.Options(url=redis_server.url, timeout_s=2.0, negative_cache_s=0)
+    be = RespBackend(TierContext("resp", opts, heap_memory_obj, chunk_size=16))
+    try:
+        freed = obj_for(1)
+        freed.ref_down()  # freed: ref_up raises
+        try:
+            be.batched_submit_put(keys=[key(1)], objs=[freed])
+        except MemoryObjFreedError:
+            pass  # the StorageManager counts a tier's exception as a fault
+        assert be.flush(5), "a put whose ref_up raised left flush() false"
+        good = obj_for(1)
+        be.batched_submit_put(keys=[key(1)], objs=[good])
+        assert be.flush(HANG_S)
+        assert be.contains(keys=[key(1)], pin=False) == [True]
+        got = be.get(key=key(1))
+        assert got is not None and torch.equal(got.byte_view, good.byte_view)
+        got.ref_down()
+    finally:
+        be.close()
