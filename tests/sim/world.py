@@ -42,6 +42,19 @@ from .faults import Faults
 from .oracle import SLOT, Oracle, digest, prefix_hashes, slot_value
 from .runtime import SimRuntime
 
+_STEP = "step"  # a step's part of the trace (folded into its event's digest)
+
+
+class Sorted(set):
+    """A set of request ids that iterates in sorted order. vLLM iterates the sets of request
+    ids it is handed (``_update_from_kv_xfer_finished`` frees blocks in ``finished_sending``'s
+    order, which orders its free queue, so later block ids and prefix-cache evictions), and a
+    set of strings iterates in an order that depends on ``PYTHONHASHSEED``: the simulation hands
+    vLLM and kvplug these instead, so a seed replays the same in any process."""
+
+    def __iter__(self):  # type: ignore[override]
+        return iter(sorted(set.__iter__(self)))
+
 
 class World(Checks, Faults):
     """One seed's engine (see the module docstring)."""
@@ -122,6 +135,9 @@ class World(Checks, Faults):
         self.next_req = 0
         self.threads0 = threading.active_count()
         self.closed = False
+        #: a digest of everything the schedule made happen, one per event (replay checks)
+        self.trace: list[str] = []
+        self._trace = hashlib.blake2b(digest_size=12)
 
     # -- model -----------------------------------------------------------------------------------
     def _attends(self, layer: int, p: int) -> range:
@@ -209,8 +225,15 @@ class World(Checks, Faults):
                 self.reset()
             else:  # pragma: no cover
                 raise ValueError(f"unknown event {ev!r}")
+        self.note(ev, self.rt.ran)
         if self.violation is not None:
             raise self.violation
+
+    def note(self, *what: Any) -> None:
+        """Fold ``what`` (plain values, in a fixed order) into the trace of this event."""
+        self._trace.update(repr(what).encode())
+        if what and what[0] is not _STEP:
+            self.trace.append(self._trace.hexdigest())
 
     def arrive(self, prefix: tuple[int, ...], suffix: tuple[int, ...], max_tokens: int) -> None:
         from vllm import SamplingParams
@@ -259,7 +282,7 @@ class World(Checks, Faults):
             for w in self.workers:
                 self._crashing("start_load_kv", lambda w=w: w.start_load_kv(md))
         outs = []
-        finished = set(so.finished_req_ids)
+        finished = Sorted(so.finished_req_ids)
         for w in self.workers:
             if self.cfg.order == "0.32":
                 self._crashing("wait_for_save", lambda w=w: w.wait_for_save(md))
@@ -284,6 +307,9 @@ class World(Checks, Faults):
             runner.append(o)
         out = self.agg.aggregate(runner)
         ko: KVConnectorOutput = out.kv_connector_output
+        for name in ("finished_sending", "finished_recving"):  # vLLM iterates them: see Sorted
+            if getattr(ko, name):
+                setattr(ko, name, Sorted(getattr(ko, name)))
         blocks = {r: {b for t in self.s.kv_cache_manager.get_block_ids(r) for b in t}
                   for r in tainted if r in self.s.requests}
         for r in tainted:  # I2: wrong KV read, and vLLM told in this step
@@ -292,6 +318,12 @@ class World(Checks, Faults):
             if not told:
                 raise Violation("I2", f"{r}'s forward read KV that is not its oracle and no "
                                       "load error reached vLLM in that step")
+        mgr = self.s.kv_cache_manager
+        self.note(_STEP, sorted(so.num_scheduled_tokens.items()), sorted(so.finished_req_ids),
+                  [(r, mgr.get_block_ids(r)) for r in sorted(so.num_scheduled_tokens)],
+                  *(sorted(x or ()) for x in (ko.finished_sending, ko.finished_recving,
+                                              ko.failed_recving, ko.invalid_block_ids)),
+                  sorted(tainted))
         c["load errors"] += bool(ko.invalid_block_ids) + len(ko.failed_recving or ())
         c["tainted forwards"] += len(tainted)
         self._check_reports(ko)
