@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from sim.controls import DIRECTED_FAULTS, FAULTS  # noqa: E402
+from sim.controls import DIRECTED_FAULTS, FAULTS, WHERE  # noqa: E402
 from sim.engine import SimConfig  # noqa: E402
 from sim.schedule import config_for, events_for, reproduce, run, run_seed, shrink  # noqa: E402
 from sim.search import search  # noqa: E402
@@ -99,15 +99,15 @@ def test_directed_schedule(name):
 def test_negative_control_is_caught(fault):
     """Each invariant's check can fail: with one kvplug rule patched out, some CI seed fails
     with that invariant."""
-    want = FAULTS[fault]
+    want, where = FAULTS[fault], WHERE.get(fault, "")
     seen = []
     for seed in range(CONTROL_SEEDS):
         out = run_seed(seed, frozenset([fault]))
         if out.violation is not None:
-            seen.append((seed, out.violation.inv))
-            if out.violation.inv == want:
+            seen.append((seed, str(out.violation)))
+            if out.violation.inv == want and where in str(out.violation):
                 return
-    raise AssertionError(f"{fault}: no CI seed caught it as {want} (caught: {seen})")
+    raise AssertionError(f"{fault}: no CI seed caught it as {want}{where} (caught: {seen})")
 
 
 def test_failing_seed_shrinks_to_a_short_reproduction():

@@ -150,11 +150,13 @@ class World(Checks, Faults):
         return 3 + int.from_bytes(hashlib.blake2b(f"{req_id}:{p}".encode(),
                                                   digest_size=4).digest(), "little") % 997
 
-    def forward(self, so: Any) -> set[str]:
+    def forward(self, so: Any) -> dict[str, int]:
         """The fake model: layer by layer (every request's tokens of a layer, then the next
-        layer, as a real forward pass), on every rank, write every scheduled token's KV; the
-        requests whose KV read something other than the oracle (tainted)."""
-        tainted: set[str] = set()
+        layer, as a real forward pass), on every rank, write every scheduled token's KV, then
+        read the last layer's (as the logits would), so every layer's KV is read by some
+        computation. Returns the requests that read KV other than the oracle's (tainted), each
+        with the first position (any layer, any rank) whose read was wrong."""
+        tainted: dict[str, int] = {}
         reqs = []
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.s.requests[req_id]
@@ -163,10 +165,23 @@ class World(Checks, Faults):
             reqs.append((req_id, end - n, end, tokens, prefix_hashes(tokens),
                          self.s.kv_cache_manager.get_block_ids(req_id)))
         layerwise = self.cfg.layerwise and not self.cfg.hybrid
+        last = len(self.layers) - 1
+
+        def check_read(req_id: str, m: int, start: int, end: int, got: list[bytes],
+                       want: list[bytes]) -> None:
+            """The step's tokens ``[start, end)`` read layer ``m`` at the positions it attends
+            to: note the first one that is not the oracle's."""
+            if start >= end:
+                return
+            for q in range(self._attends(m, start).start, end):
+                if got[q] != want[q]:
+                    tainted[req_id] = min(q, tainted.get(req_id, q))
+                    return
+
         for rank in range(RANKS):
             buf = self.kv[rank].numpy()
             w = self.workers[rank]
-            prev: dict[str, list[bytes]] = {}
+            prev: dict[str, tuple[list[bytes], list[bytes]]] = {}
             for m, (g, j) in enumerate(self.layers):
                 if layerwise:
                     w.wait_for_layer_load(f"f{j}")
@@ -174,21 +189,22 @@ class World(Checks, Faults):
                     want = self.oracle.slots(rank, m, tokens, end, ph)
                     table = tables[g]
                     cur = self._read(buf, j, table, end)
-                    before = prev.get(req_id)
+                    if m > 0:
+                        before, before_want = prev[req_id]
+                        check_read(req_id, m - 1, start, end, before, before_want)
                     for p in range(start, end):
                         if m == 0:
                             v = slot_value(rank, 0, ph[p], b"")
                         else:
-                            assert before is not None
                             v = slot_value(rank, m, ph[p],
                                            digest([before[q] for q in self._attends(m - 1, p)]))
                         buf[j, table[p // BS], p % BS] = np.frombuffer(v, dtype=np.uint8)
                         cur[p] = v
-                        if v != want[p]:
-                            tainted.add(req_id)
-                    prev[req_id] = cur
+                    prev[req_id] = (cur, want)
                 if layerwise:
                     w.save_kv_layer(f"f{j}", self._md)
+            for req_id, start, end, *_ in reqs:  # the logits' read of the last layer
+                check_read(req_id, last, start, end, *prev[req_id])
         return tainted
 
     @staticmethod
@@ -310,20 +326,23 @@ class World(Checks, Faults):
         for name in ("finished_sending", "finished_recving"):  # vLLM iterates them: see Sorted
             if getattr(ko, name):
                 setattr(ko, name, Sorted(getattr(ko, name)))
-        blocks = {r: {b for t in self.s.kv_cache_manager.get_block_ids(r) for b in t}
-                  for r in tainted if r in self.s.requests}
-        for r in tainted:  # I2: wrong KV read, and vLLM told in this step
-            told = r in (ko.failed_recving or ()) or bool(blocks.get(r, set())
-                                                         & set(ko.invalid_block_ids or ()))
+        invalid = set(ko.invalid_block_ids or ())
+        for r, q in sorted(tainted.items()):  # I2: wrong KV read, and vLLM told in this step
+            if self.layout.multi:  # several groups: vLLM takes failed requests, not blocks
+                told = r in (ko.failed_recving or ())
+            else:  # the first block read wrong (or one before it): vLLM recomputes from there
+                table = self.s.kv_cache_manager.get_block_ids(r)[0]
+                told = bool(invalid.intersection(table[:q // BS + 1]))
             if not told:
-                raise Violation("I2", f"{r}'s forward read KV that is not its oracle and no "
-                                      "load error reached vLLM in that step")
+                raise Violation("I2", f"{r}'s forward read KV that is not its oracle from token "
+                                      f"{q} (block {q // BS}) and no load error for that block "
+                                      "or an earlier one reached vLLM in that step")
         mgr = self.s.kv_cache_manager
         self.note(_STEP, sorted(so.num_scheduled_tokens.items()), sorted(so.finished_req_ids),
                   [(r, mgr.get_block_ids(r)) for r in sorted(so.num_scheduled_tokens)],
                   *(sorted(x or ()) for x in (ko.finished_sending, ko.finished_recving,
                                               ko.failed_recving, ko.invalid_block_ids)),
-                  sorted(tainted))
+                  sorted(tainted.items()))
         c["load errors"] += bool(ko.invalid_block_ids) + len(ko.failed_recving or ())
         c["tainted forwards"] += len(tainted)
         self._check_reports(ko)
