@@ -52,6 +52,7 @@ def _put_check_plugin(world: Any, rank: int) -> Any:
     def loaded(key: Any, obj: Any, first_layer: int = 0) -> Any:
         """I1 on what a tier returns: the oracle of its key (its layers from ``first_layer``)."""
         if obj is not None:
+            world.counts["tier objects checked"] += 1
             try:
                 world.check_chunk(rank, key, obj, "get", first_layer)
             except Violation as v:

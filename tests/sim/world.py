@@ -218,6 +218,8 @@ class World(Checks, Faults):
         self.n_events += 1
         self.events.append(ev)
         kind = ev[0]
+        self.counts[f"event {kind}" + (f" ({ev[1][0]} mid-step)" if kind == "step" and len(ev) > 1
+                                       and ev[1] else "")] += 1
         with torch.inference_mode():
             if kind == "arrive":
                 self.arrive(*ev[1:])
@@ -277,6 +279,7 @@ class World(Checks, Faults):
         c = self.counts
         c["steps"] += 1
         c["preempted"] += len(md.preempted)
+        c["unwritten blocks read"] += len(md.unwritten)
         for r in md.requests:
             if r.load is not None:
                 c["background loads" if r.load.background else "sync loads"] += 1
