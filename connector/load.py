@@ -11,7 +11,8 @@
 * **scatter**: into the blocks (:mod:`kvplug.gpu`), in bulk or layer by layer;
 * **report**: the pins are dropped and the outcome recorded (:mod:`.load_report`: load errors
   vLLM recomputes, the per-request result, stats); a request whose load failed before the step's
-  forward is remembered so nothing computed over it is stored (:meth:`Loads.tainted`).
+  forward is remembered so nothing computed over it is stored (:meth:`Loads.tainted`); so is a
+  step that reads a block a failed load left unwritten (:meth:`Loads.read_unwritten`).
 
 :class:`Loads` runs the path for both kinds of job: an inline load (``start_load_kv``: all five
 steps in the step, :meth:`Loads.start`), and a background load (a chunk is in a tier that may
@@ -275,9 +276,24 @@ class Loads:
             self._failed_blocks.update(ld.error_blocks())
         self.reports.record(ld, self.kv, self.storage.tier_names)
 
+    def read_unwritten(self, md: KVPlugMetadata) -> None:
+        """This step's forward reads blocks a failed load left unwritten (``md.unwritten``,
+        :mod:`.unwritten`): they fail like a load into them, so the one rule of :meth:`tainted`
+        keeps what is computed over them out of storage, vLLM recomputes them (load errors), and
+        each request that reads one is stored again from its first such token."""
+        bad = set(md.unwritten)
+        self._failed_blocks |= bad
+        first = {}
+        for r in md.requests:
+            at = next((i for i, b in enumerate(r.block_ids) if b in bad), None)
+            if at is not None:
+                first[r.req_id] = at * md.block_size
+        self.reports.unwritten(md.unwritten, first)
+
     def tainted(self, md: KVPlugMetadata | None) -> set[str]:
         """The requests whose KV this step computed over a failed load (theirs, or a block of
-        theirs that failed), so nothing of theirs is stored; forgets the step's failures."""
+        theirs that failed, or an unwritten block it read: :meth:`read_unwritten`), so nothing
+        of theirs is stored; forgets the step's failures."""
         out, self._failed_reqs = self._failed_reqs, set()
         bad, self._failed_blocks = self._failed_blocks, set()
         if md is not None and bad:

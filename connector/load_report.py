@@ -96,9 +96,13 @@ class LoadReports:
         out, self._failed = self._failed, set()
         return out
 
-    def unwritten(self, blocks: list[int]) -> None:
-        """Blocks a step reads that a failed load left unwritten: load errors of the step."""
+    def unwritten(self, blocks: list[int], failed_from: dict[str, int]) -> None:
+        """Blocks a step reads that a failed load left unwritten: load errors of the step;
+        ``failed_from``: per request that reads one, its first such token (the scheduler stores
+        from there again, as after a failed load)."""
         self._errors.update(blocks)
+        for req_id, tok in failed_from.items():
+            self._meta.failed_from[req_id] = min(tok, self._meta.failed_from.get(req_id, tok))
         self.stats.add("unwritten_reads", len(blocks))
         logger.warning("kvplug: blocks %s hold no KV (a failed load's, freed before vLLM "
                        "recomputed them) and were hit in vLLM's prefix cache: reported as load "

@@ -119,4 +119,4 @@ class KVPlugWorkerMeta(KVConnectorWorkerMetadata):
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.loaded or self.failed_blocks)
+        return bool(self.loaded or self.failed_blocks or self.failed_from)

@@ -248,9 +248,13 @@ class WorkerSide:
     def bind(self, md: KVPlugMetadata | None) -> None:
         """vLLM bound the coming step's metadata (before its forward, before any ``get_finished``
         of the step): the saves it names are expected (:meth:`.save.AsyncSaves.expect`), and
-        the unwritten blocks it reads are this step's load errors (:mod:`.unwritten`)."""
+        the unwritten blocks it reads are this step's load errors and taint it like a failed
+        load (:meth:`.load.Loads.read_unwritten`)."""
         if md is not None and md.unwritten:
-            self._reports.unwritten(md.unwritten)
+            if self._loads is not None:
+                self._loads.read_unwritten(md)
+            else:
+                self._reports.unwritten(md.unwritten, {})
         if self._saves is not None and md is not None:
             self._saves.expect(md)
 

@@ -377,9 +377,9 @@ STORE: dict[str, bytes] = {}
 
 
 def _dict_value_tier():  # noqa: ANN202 - a class made once the backends import
-    from kvplug.redact import Redactor
     from kvplug.backends.common.value_io import ValueIO
     from kvplug.backends.common.value_tier import ValueStoreTier
+    from kvplug.redact import Redactor
 
     class DictIO(ValueIO):
         def _exists(self, names):

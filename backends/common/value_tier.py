@@ -248,7 +248,16 @@ class ValueStoreTier(PinnedStore):
         hb, gap = layout.header_bytes, layout.stride - layout.layer_nbytes
         sizes: list[int | bytearray | None] = []
         if direct:
-            scratch = self.io.scratch(len(direct) * hb + gap)
+            try:
+                scratch = self.io.scratch(len(direct) * hb + gap)
+            except Exception as exc:  # noqa: BLE001 - no scratch memory: give back, read whole
+                self._log_once("scratch", "tier %r: no scratch memory for reads in place (%r); "
+                               "reading whole", self.name, exc)
+                for i in direct:
+                    objs[i].ref_down()  # type: ignore[union-attr]
+                    objs[i] = None
+                direct = []
+        if direct:
             base = scratch.ctypes.data
             pieces = [layout.pieces(objs[i].tensor.data_ptr(), base + j * hb,
                                     base + len(direct) * hb) for j, i in enumerate(direct)]

@@ -102,7 +102,12 @@ class ValueWriter:
                 return
             self._pending[name] = self._pending.get(name, 0) + 1
         try:
-            self._queue.put_nowait((name, key, obj.ref_up()))
+            obj.ref_up()
+        except BaseException:  # a freed object: not in flight after all (flush() can be true)
+            self._done([name])
+            raise
+        try:
+            self._queue.put_nowait((name, key, obj))
         except queue.Full:
             obj.ref_down()
             self._done([name])

@@ -74,6 +74,15 @@ INDEX_WAIT_S = 60.0
 CLOSE_WAIT_S = 60.0
 
 
+def _open_quietly(path: str) -> int | None:
+    """A read-only descriptor of ``path`` (a chunk file just written), or None (gone, or no
+    longer a regular file: the same open as every read, :func:`.fs.open_chunk`)."""
+    try:
+        return fs.open_chunk(path)
+    except OSError:
+        return None
+
+
 class PosixBackend(LookupAndPins):
     """A directory of chunk files with an LRU byte capacity."""
 
@@ -95,6 +104,7 @@ class PosixBackend(LookupAndPins):
         self._gid = opts.gid
         self._held = HeldFiles(fd_limit(opts.max_pinned_fds), self._open_held)
         self._pending: dict[str, MemoryObj] = {}
+        self._releasing = 0  # writes out of the queue whose object the writer still holds
         self._headers = KnownHeaders()
         self._cancelled: set[str] = set()
         self._warnings = LogOnce(logger)
@@ -390,14 +400,22 @@ class PosixBackend(LookupAndPins):
             kind = errno.errorcode.get(getattr(exc, "errno", None) or 0, type(exc).__name__)
             self._log_once(f"write:{kind}", "store into %s failed: %s", self.root, exc)
         finally:
-            self._held.attach(rel, path)  # pinned while it was queued: hold the file now
+            fd = _open_quietly(path)  # opened before the lock (no I/O under it)
             with self._lock:
+                # pinned while it was queued: held now, under the lock the pin looked at the
+                # queue under (.lookup._pin), so no pin falls between the two
+                taken = self._held.attach(rel, fd)
                 self._index.reserved -= reserved
                 self._pending.pop(rel, None)
                 self._cancelled.discard(rel)
-                if not self._pending:
-                    self._idle.notify_all()
+                self._releasing += 1
+            if fd is not None and not taken:
+                os.close(fd)
             obj.ref_down()
+            with self._lock:  # flush() is true only once the writer holds nothing
+                self._releasing -= 1
+                if not self._pending and not self._releasing:
+                    self._idle.notify_all()
 
     # -- reads ----------------------------------------------------------------------------------
     def _read(self, key: CacheKey, layers: tuple[int, int] | None) -> MemoryObj | None:
@@ -478,10 +496,11 @@ class PosixBackend(LookupAndPins):
     # -- lifecycle ------------------------------------------------------------------------------
     @hookimpl
     def flush(self, timeout: float) -> bool:
-        """Wait until every queued write and delete is done."""
+        """Wait until every queued write and delete is done (the writer holds no object)."""
         deadline = time.monotonic() + timeout
         with self._idle:
-            if not self._idle.wait_for(lambda: not self._pending, timeout):
+            if not self._idle.wait_for(lambda: not self._pending and not self._releasing,
+                                       timeout):
                 return False
         return self._reaper.drain(max(0.0, deadline - time.monotonic()))
 

@@ -89,19 +89,17 @@ class HeldFiles:
             os.close(extra)
         return True
 
-    def attach(self, rel: str, path: str) -> None:
-        """The file of a pinned key was just written: hold it open (if there is room)."""
+    def attach(self, rel: str, fd: int | None) -> bool:
+        """The file of a key that may have been pinned while it was written just landed,
+        opened as ``fd`` by the writer: hold it if ``rel`` is pinned and not held yet (and
+        there is room). False: not taken (the caller closes ``fd``). No I/O, so the writer
+        calls it under its tier lock, atomically with the pin's look at the write queue."""
         with self._lock:
-            if rel not in self._counts:
-                return
-        fd = self._try_open(rel)[1]
-        if fd is None:
-            return
-        with self._lock:
-            if rel in self._counts and rel not in self._fds and len(self._fds) < self.limit:
-                self._fds[rel], fd = fd, None
-        if fd is not None:
-            os.close(fd)
+            if (fd is not None and rel in self._counts and rel not in self._fds
+                    and len(self._fds) < self.limit):
+                self._fds[rel] = fd
+                return True
+            return False
 
     def release(self, rel: str) -> None:
         """One pin of ``rel`` released; the last one closes its descriptor."""

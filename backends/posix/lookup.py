@@ -92,11 +92,13 @@ class LookupAndPins:
         """Pin ``rel``: never evicted by this process, held open against others (see .held),
         newest in the shared LRU. False (nothing pinned) when its file is gone."""
         with self._lock:
-            pending = rel in self._pending
             self._index.pins.pin(rel)
-        if self._held.hold(rel, None if pending else self._path(rel)):
-            if not pending:
-                self._touch(rel)  # newest in the shared LRU: other processes evict it last
+            if rel in self._pending:
+                # counted under the tier lock, so the writer (which hands its file to the held
+                # pins under the same lock, .backend._write) holds the file once it lands
+                return self._held.hold(rel, None)
+        if self._held.hold(rel, self._path(rel)):
+            self._touch(rel)  # newest in the shared LRU: other processes evict it last
             return True
         with self._lock:
             self._index.pins.unpin(rel)

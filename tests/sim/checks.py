@@ -35,12 +35,30 @@ def _put_check_plugin(world: Any, rank: int) -> Any:
         @hookimpl(wrapper=True)
         def get(self, key: Any) -> Any:
             res = yield
-            return world.lose_once(rank, key, res)
+            return loaded(key, world.lose_once(rank, key, res))
+
+        @hookimpl(wrapper=True)
+        def batched_get(self, keys: Any) -> Any:
+            res = yield
+            if not isinstance(res, list):
+                return res
+            return [loaded(k, world.lose_once(rank, k, r)) for k, r in zip(keys, res, strict=False)]
 
         @hookimpl(wrapper=True)
         def get_layers(self, key: Any, first_layer: int, num_layers: int) -> Any:
             res = yield
-            return world.lose_once(rank, key, res)
+            return loaded(key, world.lose_once(rank, key, res), first_layer)
+
+    def loaded(key: Any, obj: Any, first_layer: int = 0) -> Any:
+        """I1 on what a tier returns: the oracle of its key (its layers from ``first_layer``)."""
+        if obj is not None:
+            world.counts["tier objects checked"] += 1
+            try:
+                world.check_chunk(rank, key, obj, "get", first_layer)
+            except Violation as v:
+                world.violation = world.violation or v
+                raise
+        return obj
 
     return _Check()
 
@@ -92,21 +110,27 @@ class Checks:
             out[j].reshape(-1)[: flat.size] = flat
         return torch.from_numpy(out)
 
-    def check_chunk(self, rank: int, key: Any, obj: Any, where: str) -> None:
+    def check_chunk(self, rank: int, key: Any, obj: Any, where: str,
+                    first_layer: int | None = None) -> None:
+        """``obj`` holds the oracle's chunk of ``key`` (``first_layer``: a layer range of it
+        from there, as ``get_layers`` returns)."""
         want = self.expected(rank, key)
         if want is None:
             raise Violation("I1", f"rank {rank} {where}: a chunk no save planned ({key})")
         got = obj.tensor
+        if first_layer is not None and tuple(got.shape[1:]) == tuple(want.shape[1:]) \
+                and first_layer + got.shape[0] <= want.shape[0]:
+            want = want[first_layer:first_layer + got.shape[0]]
         if tuple(got.shape) != tuple(want.shape):
             raise Violation("I1", f"rank {rank} {where}: shape {tuple(got.shape)} != "
                                   f"{tuple(want.shape)}")
         g, s, e, _ = self.registry[rank][key]
         n = (e - s) * SLOT
-        for j in range(TENSORS):
+        for j in range(got.shape[0]):
             a = got[j].reshape(-1)[:n]
             if not torch.equal(a, want[j].reshape(-1)[:n]):
                 raise Violation("I1", f"rank {rank} {where}: chunk [{s},{e}) group {g} tensor "
-                                      f"{j} differs from the oracle")
+                                      f"{j + (first_layer or 0)} differs from the oracle")
         seen = self.registry_seen(rank)
         if key not in seen:
             seen.add(key)

@@ -18,15 +18,25 @@ FAULTS = {
     "report_finished_twice": "I3",  # report a request in finished_sending again next step
     "skip_window_wait": "I4",  # no sliding-window liveness ordering (defect 2's rule)
     "leak_pins": "I5",  # lookups' pins are never released
+    # issue 33: the oracle's new eyes
+    "corrupt_last_layer_loaded": "I2",  # a bulk load writes a wrong last layer (read by logits)
+    "corrupt_l1_object": "I1",  # L1 returns a wrong copy of a chunk (I1 on what tiers return)
+    # a failed load's first block is left out of its load errors: caught in that step (the
+    # first block read wrong must be reported; before, any block of the request passed, and it
+    # was caught a step later, when vLLM had recomputed from the second and read the first)
+    "report_a_later_block": "I2",
 }
+#: fault -> what the violation must say besides its invariant (the check that must catch it)
+WHERE = {"corrupt_l1_object": " get: "}
 #: faults only a directed schedule reaches (tests/test_simulation.py, SCHEDULES) -> invariant
 DIRECTED_FAULTS = {
     "forget_unwritten": "I2",  # a failed load's blocks are not followed until written
+    "store_over_unwritten": "I1",  # a step that reads an unwritten block still stores (#33)
 }
 
 
 def _patches(name: str) -> list[tuple[Any, str, Any]]:
-    from kvplug.connector import save, store, unwritten, worker
+    from kvplug.connector import load, save, store, unwritten, worker
 
     if name == "store_after_failed_load":
         return [(store.StoreBatch, "without", lambda self, skip: (self, []))]
@@ -46,6 +56,49 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
         return [(save.AsyncSaves, "wait_window", lambda self: None)]
     if name == "leak_pins":
         return [(worker.WorkerSide, "release", lambda self, req_ids: None)]
+    if name == "corrupt_last_layer_loaded":  # one KV cache group: a job's last layer is the
+        real_scatter = load.Loads._scatter  # model's last (with two, it is group 0's, read on)
+
+        def scatter(self: Any, jobs: list, reads: Any) -> Any:
+            if not self.layout.multi:
+                for i, j in enumerate(jobs):
+                    pages = j.pages.clone()
+                    pages[-1] ^= 0x5A
+                    jobs[i] = j._replace(pages=pages)
+            return real_scatter(self, jobs, reads)
+
+        return [(load.Loads, "_scatter", scatter)]
+    if name == "corrupt_l1_object":
+        from kvplug.backends.local_cpu import LocalCPUBackend
+        from kvplug.hookspecs import hookimpl
+        from kvplug.memory import heap_memory_obj
+
+        real_get = LocalCPUBackend.get
+
+        def get(self: Any, key: Any) -> Any:
+            obj = real_get(self, key)
+            if obj is None:
+                return None
+            t = obj.tensor
+            copy = heap_memory_obj(tuple(t.shape), t.dtype, obj.meta.fmt, obj.num_tokens)
+            copy.tensor.copy_(t)
+            copy.byte_view[-1:] ^= 0x5A
+            obj.ref_down()
+            return copy
+
+        get.__qualname__ = "LocalCPUBackend.get"  # pluggy: a method (its first argument is self)
+        return [(LocalCPUBackend, "get", hookimpl(get))]
+    if name == "report_a_later_block":
+        real_blocks = load.RequestLoad.error_blocks
+
+        def later(self: Any) -> list[int]:
+            blocks = real_blocks(self)
+            return blocks[1:] if len(blocks) > 1 else blocks
+
+        return [(load.RequestLoad, "error_blocks", later)]
+    if name == "store_over_unwritten":
+        return [(load.Loads, "read_unwritten",
+                 lambda self, md: self.reports.unwritten(md.unwritten, {}))]
     if name == "forget_unwritten":
         return [(unwritten.UnwrittenBlocks, "failed", lambda self, block_ids: None)]
     raise ValueError(f"unknown fault {name!r}; known: {sorted(FAULTS | DIRECTED_FAULTS)}")

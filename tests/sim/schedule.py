@@ -74,6 +74,7 @@ class Outcome:
     at: int = -1  # index of the event that failed (len(events): at quiescence)
     schedule: list[tuple] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)  # what it exercised (World.counts)
+    trace: list[str] = field(default_factory=list)  # a digest after every event (World.trace)
 
 
 def run(cfg: SimConfig, events: list[tuple]) -> Outcome:
@@ -99,6 +100,8 @@ def _run(cfg: SimConfig, events: list[tuple]) -> Outcome:
         out.events = w.n_events
         w.close()
         out.counts = dict(w.counts)
+        w.note("end", out.at, str(out.violation), sorted(out.counts.items()))
+        out.trace = w.trace
     return out
 
 
@@ -144,3 +147,12 @@ def reproduce(seed: int, faults: frozenset[str] = frozenset(), budget: int = 300
     small = shrink(cfg, out.schedule, out.violation.inv, budget)
     again = run(cfg, small)
     return describe(seed, replace(cfg), small, again.violation)
+
+
+def trace_digests(start: int, stop: int, n: int = 40) -> dict[int, str]:
+    """Per seed of ``[start, stop)`` (``n`` events each): a digest of its every event's trace
+    (:attr:`World.trace`), to compare runs in other processes (another ``PYTHONHASHSEED``)."""
+    import hashlib
+
+    return {seed: hashlib.blake2b(" ".join(run_seed(seed, n=n).trace).encode(),
+                                  digest_size=12).hexdigest() for seed in range(start, stop)}

@@ -42,6 +42,19 @@ from .faults import Faults
 from .oracle import SLOT, Oracle, digest, prefix_hashes, slot_value
 from .runtime import SimRuntime
 
+_STEP = "step"  # a step's part of the trace (folded into its event's digest)
+
+
+class Sorted(set):
+    """A set of request ids that iterates in sorted order. vLLM iterates the sets of request
+    ids it is handed (``_update_from_kv_xfer_finished`` frees blocks in ``finished_sending``'s
+    order, which orders its free queue, so later block ids and prefix-cache evictions), and a
+    set of strings iterates in an order that depends on ``PYTHONHASHSEED``: the simulation hands
+    vLLM and kvplug these instead, so a seed replays the same in any process."""
+
+    def __iter__(self):  # type: ignore[override]
+        return iter(sorted(set.__iter__(self)))
+
 
 class World(Checks, Faults):
     """One seed's engine (see the module docstring)."""
@@ -122,6 +135,9 @@ class World(Checks, Faults):
         self.next_req = 0
         self.threads0 = threading.active_count()
         self.closed = False
+        #: a digest of everything the schedule made happen, one per event (replay checks)
+        self.trace: list[str] = []
+        self._trace = hashlib.blake2b(digest_size=12)
 
     # -- model -----------------------------------------------------------------------------------
     def _attends(self, layer: int, p: int) -> range:
@@ -134,11 +150,13 @@ class World(Checks, Faults):
         return 3 + int.from_bytes(hashlib.blake2b(f"{req_id}:{p}".encode(),
                                                   digest_size=4).digest(), "little") % 997
 
-    def forward(self, so: Any) -> set[str]:
+    def forward(self, so: Any) -> dict[str, int]:
         """The fake model: layer by layer (every request's tokens of a layer, then the next
-        layer, as a real forward pass), on every rank, write every scheduled token's KV; the
-        requests whose KV read something other than the oracle (tainted)."""
-        tainted: set[str] = set()
+        layer, as a real forward pass), on every rank, write every scheduled token's KV, then
+        read the last layer's (as the logits would), so every layer's KV is read by some
+        computation. Returns the requests that read KV other than the oracle's (tainted), each
+        with the first position (any layer, any rank) whose read was wrong."""
+        tainted: dict[str, int] = {}
         reqs = []
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.s.requests[req_id]
@@ -147,10 +165,23 @@ class World(Checks, Faults):
             reqs.append((req_id, end - n, end, tokens, prefix_hashes(tokens),
                          self.s.kv_cache_manager.get_block_ids(req_id)))
         layerwise = self.cfg.layerwise and not self.cfg.hybrid
+        last = len(self.layers) - 1
+
+        def check_read(req_id: str, m: int, start: int, end: int, got: list[bytes],
+                       want: list[bytes]) -> None:
+            """The step's tokens ``[start, end)`` read layer ``m`` at the positions it attends
+            to: note the first one that is not the oracle's."""
+            if start >= end:
+                return
+            for q in range(self._attends(m, start).start, end):
+                if got[q] != want[q]:
+                    tainted[req_id] = min(q, tainted.get(req_id, q))
+                    return
+
         for rank in range(RANKS):
             buf = self.kv[rank].numpy()
             w = self.workers[rank]
-            prev: dict[str, list[bytes]] = {}
+            prev: dict[str, tuple[list[bytes], list[bytes]]] = {}
             for m, (g, j) in enumerate(self.layers):
                 if layerwise:
                     w.wait_for_layer_load(f"f{j}")
@@ -158,21 +189,22 @@ class World(Checks, Faults):
                     want = self.oracle.slots(rank, m, tokens, end, ph)
                     table = tables[g]
                     cur = self._read(buf, j, table, end)
-                    before = prev.get(req_id)
+                    if m > 0:
+                        before, before_want = prev[req_id]
+                        check_read(req_id, m - 1, start, end, before, before_want)
                     for p in range(start, end):
                         if m == 0:
                             v = slot_value(rank, 0, ph[p], b"")
                         else:
-                            assert before is not None
                             v = slot_value(rank, m, ph[p],
                                            digest([before[q] for q in self._attends(m - 1, p)]))
                         buf[j, table[p // BS], p % BS] = np.frombuffer(v, dtype=np.uint8)
                         cur[p] = v
-                        if v != want[p]:
-                            tainted.add(req_id)
-                    prev[req_id] = cur
+                    prev[req_id] = (cur, want)
                 if layerwise:
                     w.save_kv_layer(f"f{j}", self._md)
+            for req_id, start, end, *_ in reqs:  # the logits' read of the last layer
+                check_read(req_id, last, start, end, *prev[req_id])
         return tainted
 
     @staticmethod
@@ -186,6 +218,8 @@ class World(Checks, Faults):
         self.n_events += 1
         self.events.append(ev)
         kind = ev[0]
+        self.counts[f"event {kind}" + (f" ({ev[1][0]} mid-step)" if kind == "step" and len(ev) > 1
+                                       and ev[1] else "")] += 1
         with torch.inference_mode():
             if kind == "arrive":
                 self.arrive(*ev[1:])
@@ -209,8 +243,15 @@ class World(Checks, Faults):
                 self.reset()
             else:  # pragma: no cover
                 raise ValueError(f"unknown event {ev!r}")
+        self.note(ev, self.rt.ran)
         if self.violation is not None:
             raise self.violation
+
+    def note(self, *what: Any) -> None:
+        """Fold ``what`` (plain values, in a fixed order) into the trace of this event."""
+        self._trace.update(repr(what).encode())
+        if what and what[0] is not _STEP:
+            self.trace.append(self._trace.hexdigest())
 
     def arrive(self, prefix: tuple[int, ...], suffix: tuple[int, ...], max_tokens: int) -> None:
         from vllm import SamplingParams
@@ -238,6 +279,7 @@ class World(Checks, Faults):
         c = self.counts
         c["steps"] += 1
         c["preempted"] += len(md.preempted)
+        c["unwritten blocks read"] += len(md.unwritten)
         for r in md.requests:
             if r.load is not None:
                 c["background loads" if r.load.background else "sync loads"] += 1
@@ -259,7 +301,7 @@ class World(Checks, Faults):
             for w in self.workers:
                 self._crashing("start_load_kv", lambda w=w: w.start_load_kv(md))
         outs = []
-        finished = set(so.finished_req_ids)
+        finished = Sorted(so.finished_req_ids)
         for w in self.workers:
             if self.cfg.order == "0.32":
                 self._crashing("wait_for_save", lambda w=w: w.wait_for_save(md))
@@ -284,14 +326,26 @@ class World(Checks, Faults):
             runner.append(o)
         out = self.agg.aggregate(runner)
         ko: KVConnectorOutput = out.kv_connector_output
-        blocks = {r: {b for t in self.s.kv_cache_manager.get_block_ids(r) for b in t}
-                  for r in tainted if r in self.s.requests}
-        for r in tainted:  # I2: wrong KV read, and vLLM told in this step
-            told = r in (ko.failed_recving or ()) or bool(blocks.get(r, set())
-                                                         & set(ko.invalid_block_ids or ()))
+        for name in ("finished_sending", "finished_recving"):  # vLLM iterates them: see Sorted
+            if getattr(ko, name):
+                setattr(ko, name, Sorted(getattr(ko, name)))
+        invalid = set(ko.invalid_block_ids or ())
+        for r, q in sorted(tainted.items()):  # I2: wrong KV read, and vLLM told in this step
+            if self.layout.multi:  # several groups: vLLM takes failed requests, not blocks
+                told = r in (ko.failed_recving or ())
+            else:  # the first block read wrong (or one before it): vLLM recomputes from there
+                table = self.s.kv_cache_manager.get_block_ids(r)[0]
+                told = bool(invalid.intersection(table[:q // BS + 1]))
             if not told:
-                raise Violation("I2", f"{r}'s forward read KV that is not its oracle and no "
-                                      "load error reached vLLM in that step")
+                raise Violation("I2", f"{r}'s forward read KV that is not its oracle from token "
+                                      f"{q} (block {q // BS}) and no load error for that block "
+                                      "or an earlier one reached vLLM in that step")
+        mgr = self.s.kv_cache_manager
+        self.note(_STEP, sorted(so.num_scheduled_tokens.items()), sorted(so.finished_req_ids),
+                  [(r, mgr.get_block_ids(r)) for r in sorted(so.num_scheduled_tokens)],
+                  *(sorted(x or ()) for x in (ko.finished_sending, ko.finished_recving,
+                                              ko.failed_recving, ko.invalid_block_ids)),
+                  sorted(tainted.items()))
         c["load errors"] += bool(ko.invalid_block_ids) + len(ko.failed_recving or ())
         c["tainted forwards"] += len(tainted)
         self._check_reports(ko)
