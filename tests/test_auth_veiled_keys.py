@@ -67,11 +67,12 @@ def _redis_bytes(srv: RedisServer) -> list[bytes]:
                 out.append(client.get(name) or b"")
             elif kind == "hash":
                 out.extend(b for kv in client.hgetall(name).items() for b in kv)
-            elif kind in ("set", "list", "zset"):
-                members = {"set": lambda: client.smembers(name),
-                           "list": lambda: client.lrange(name, 0, -1),
-                           "zset": lambda: client.zrange(name, 0, -1)}[kind]()
-                out.extend(members)
+            elif kind == "set":
+                out.extend(client.smembers(name))
+            elif kind == "list":
+                out.extend(client.lrange(name, 0, -1))
+            elif kind == "zset":
+                out.extend(client.zrange(name, 0, -1))
             else:
                 out.append(client.dump(name) or b"")
     finally:
