@@ -119,6 +119,31 @@ def test_directory_is_shared_with_posix(tmp_path, first):
         part.ref_down()
 
 
+@pytest.mark.parametrize("first", ["posix", "gds"])
+def test_authenticated_directory_shared_with_posix_holds_no_chunk_hash(tmp_path, monkeypatch,
+                                                                         first):
+    """With ``auth_key_env`` too: a chunk kvikio wrote (its own header encoder) is read by
+    posix and the other way round, and its header records the veiled key
+    (:func:`kvplug.chunkfile.stored_key`), never the chunk hash a guessed prompt gives."""
+    monkeypatch.setenv("KVPLUG_TEST_GDS_AUTH", os.urandom(32).hex())
+    root, key = tmp_path / "shared", make_key(3)
+    writer, reader = (_posix(root), _tier(root)) if first == "posix" else (_tier(root), _posix(root))
+    with StorageManager({"tiers": [writer], "auth_key_env": "KVPLUG_TEST_GDS_AUTH"}) as m:
+        obj = fill_random(m, shape=(3, 2, 1000), seed=6, num_tokens=7)
+        want = obj.byte_view.clone()
+        m.batched_put([key], [obj])
+        assert m.flush(10)
+        obj.ref_down()
+        (path,) = root.rglob("*.safetensors")
+        data = path.read_bytes()
+        assert key.hex.encode() not in data and key.chunk_hash not in data
+    with StorageManager({"tiers": [reader], "auth_key_env": "KVPLUG_TEST_GDS_AUTH"}) as m:
+        got = m.get(key)
+        assert got is not None and torch.equal(got.byte_view, want)
+        got.ref_down()
+        assert m.stats()[reader["backend"]]["auth_failures"] == 0
+
+
 def test_layer_by_layer_host_load(tmp_path):
     """``get_layers`` one layer per call (layer-wise loading), into host memory here."""
     with StorageManager({"tiers": [_tier(tmp_path)]}) as m:

@@ -206,7 +206,7 @@ class ValueStoreTier(PinnedStore):
         header = self._parse(name, lambda off, n: view[off : off + n], len(data))
         if header is None:
             return None
-        if header.key != key:
+        if header.key != cf.stored_key(key, self._auth):
             self._corrupt(name, "the value holds another key")
             return None
         self._remember(name, header)
@@ -305,9 +305,10 @@ class ValueStoreTier(PinnedStore):
             self._corrupt(name, str(exc))
             return None
         header = self._parse(name, lambda off, k: head[off : off + k], layout.size)
-        if header is None or header.key != key or not layout.fits(header):
+        other = header is not None and header.key != cf.stored_key(key, self._auth)
+        if header is None or other or not layout.fits(header):
             obj.ref_down()
-            if header is not None and header.key != key:
+            if other:
                 self._corrupt(name, "the value holds another key")
             elif header is not None:
                 again.append(i)

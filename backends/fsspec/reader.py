@@ -97,7 +97,7 @@ class ChunkReader:
         header = self._parse(path, self._reader(path, prefix), size)
         if header is None:
             return None
-        if header.key != key:
+        if header.key != cf.stored_key(key, self._auth):
             self._corrupt(path, "the file holds another key", delete=True)
             return None
         meta = header.meta

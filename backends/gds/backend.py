@@ -125,6 +125,7 @@ class GDSBackend(PosixBackend):
 def _file_size(key: CacheKey, obj: MemoryObj, auth: cf.Keyring | None = None) -> int:
     """Size of the chunk file of ``obj`` (known before its checksums are: they have a fixed
     length, so placeholders give the same header size; with ``auth``, tags and a MAC)."""
+    key = cf.stored_key(key, auth)  # the header's key: its length sizes the header
     mac = auth.seal(key) if auth is not None else None
     sums = ["0" * (16 if mac is None else cf.auth.TAG_HEX)] * cf.chunk_layout(obj.meta)[0]
     header = cf.encode_header(key, obj.meta, sums, mac)

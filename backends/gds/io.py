@@ -113,6 +113,7 @@ def write_chunk(path: str | Path, key: CacheKey, obj: MemoryObj, *, fsync: bool 
     name + rename, as the posix tier does, ``file_mode`` and group ``gid``, never through a
     symlinked shard); returns the file size. Raises ``OSError``."""
     flat = obj.byte_view
+    key = cf.stored_key(key, auth)  # what the header records (a veiled hash with auth)
     mac = auth.seal(key) if auth is not None else None
     sums = layer_sums(flat, cf.chunk_layout(obj.meta)[0], mac)
     header = cf.encode_header(key, obj.meta, sums, mac)

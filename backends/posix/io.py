@@ -252,7 +252,7 @@ def read_checked_header(fd: int, st: os.stat_result, key: CacheKey,
         except ChunkFormatError as exc:
             raise CorruptChunk(str(exc), st.st_ino) from None
         digest = header_digest(raw, auth)
-    if header.key != key:
+    if header.key != cf.stored_key(key, auth):
         raise CorruptChunk(f"file holds key {header.key}, not {key}", st.st_ino)
     return digest, header
 

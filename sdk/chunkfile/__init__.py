@@ -35,6 +35,7 @@ from .format import (
     layer_sums,
     make_header,
     read_buffers,
+    stored_key,
 )
 from .names import (
     FILE_SUFFIX,
@@ -61,6 +62,6 @@ __all__ = [
     "chunk_path", "decode_header", "discard_on_failure", "encode_chunk", "encode_chunk_with_header",
     "encode_header", "format_version", "fsync_path", "header_size", "is_chunk_file",
     "is_stale_temp", "is_temp", "layer_checksums", "make_header", "read_buffers", "read_header",
-    "read_header_fd", "relative_chunk_path", "shard_of", "split_layers", "temp_name",
+    "read_header_fd", "relative_chunk_path", "shard_of", "split_layers", "stored_key", "temp_name",
     "verify_layer", "verify_layers",
 ]

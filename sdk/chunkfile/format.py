@@ -30,7 +30,9 @@ version ``"1+mac"`` (``"1+codec+mac"``), ``checksum_algo`` ``"aes256-gmac"`` wit
 per layer, ``mac_key_id`` and ``mac_salt`` entries, and ``header_mac`` (32 hex) in place of
 ``header_xxh3``. A reader without a keyring sees another format version (a miss, left in place);
 a reader with one refuses any chunk that is not authenticated under one of its keys
-(:class:`~.auth.AuthError`). Without a keyring nothing here changes.
+(:class:`~.auth.AuthError`). Its key fields record :func:`stored_key`: the chunk hash, which
+anyone computes from a guessed prompt, is replaced by the chunk's keyed name digest, so no header
+confirms a guess. Without a keyring nothing here changes.
 """
 
 from __future__ import annotations
@@ -215,10 +217,23 @@ def _tensor_table(layers: int, blocks: int, page_bytes: int) -> str:
     return ("," + table[1:]) if tensors else "}"
 
 
+def stored_key(key: CacheKey, auth: Keyring | None = None) -> CacheKey:
+    """The key a chunk's header records for ``key``: ``key`` itself without a keyring; with
+    one, ``key`` with its ``chunk_hash`` *veiled*: replaced by the keyed digest that names the
+    chunk (:meth:`~.auth.Keyring.name_digest` of the key string, 32 bytes). A chunk hash is
+    computable from a guessed prompt, so a header recording it would let any reader of the
+    store confirm the guess. Writers encode this key (the MAC is bound to it) and every reader
+    compares a header's key with it: the one place of the rule."""
+    if auth is None:
+        return key
+    return key.with_hash(bytes.fromhex(auth.name_digest(key.to_string())))
+
+
 def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
                   mac: ChunkMac | None = None) -> bytes:
     """The padded header (length prefix + JSON) of a chunk holding ``meta``'s bytes; with
-    ``mac``, an authenticated one (``checksums`` are then its layer tags)."""
+    ``mac``, an authenticated one (``checksums`` are then its layer tags). ``key`` is recorded
+    as given: an authenticated writer passes :func:`stored_key` (and seals the MAC to it)."""
     if meta.dtype not in _DTYPE_NAMES:
         raise ConfigError(f"dtype {meta.dtype} cannot be stored in a chunk file")
     encoded = meta.fmt is MemoryFormat.ENCODED
@@ -279,7 +294,9 @@ def layer_sums(views: Sequence, mac: ChunkMac | None) -> list[str]:
 def encode_chunk_with_header(
     key: CacheKey, obj: MemoryObj, auth: Keyring | None = None
 ) -> tuple[bytes, list[memoryview], ChunkHeader]:
-    """:func:`encode_chunk` plus the :class:`ChunkHeader` describing the file (no parsing)."""
+    """:func:`encode_chunk` plus the :class:`ChunkHeader` describing the file (no parsing);
+    with ``auth`` the header records :func:`stored_key` (and so does the returned header)."""
+    key = stored_key(key, auth)
     layer_views = split_layers(obj.byte_view.numpy(), chunk_layout(obj.meta)[0])
     mac = auth.seal(key) if auth is not None else None
     sums = layer_sums(layer_views, mac)
