@@ -125,7 +125,8 @@ def run_threads(threads: int, seconds: float, budget: Budget,
                 work: Callable[[int, int], tuple[int, int, int, int]]) -> Phase:
     """Call ``work(thread, op)`` from ``threads`` threads until ``seconds`` pass (every thread does
     at least one op); ``work`` returns ``(keys, bytes, bytes verified, misses, seconds spent
-    comparing)``, raises :class:`Mismatch` for wrong bytes and :class:`StopPhase` to stop. Time spent comparing is left out of the figures."""
+    comparing)``, raises :class:`Mismatch` for wrong bytes and :class:`StopPhase` to stop.
+    Time spent comparing is left out of the figures."""
     phase = Phase()
     lock = threading.Lock()
     deadline = time.monotonic() + max(0.0, min(seconds, budget.left()))
@@ -481,7 +482,11 @@ def bench_cell(target: TierTarget | RawTarget, cell: Cell, values: Values, run: 
             raise StopPhase
         ids = next_ids()
         objs = [values.obj(i, chunk_size) for i in ids]
-        target.store([bench_key(run, i) for i in ids], objs)
+        try:
+            target.store([bench_key(run, i) for i in ids], objs)
+        finally:
+            for obj in objs:  # the tier holds its own references, as after an engine's store
+                obj.ref_down()
         written[t].extend(ids)
         return len(ids), len(ids) * cell.size, 0, 0, 0.0
 
@@ -551,7 +556,8 @@ def parse_list(text: str, what: str, conv: Callable[[str], int]) -> list[int]:
     try:
         values = [conv(v.strip()) for v in text.split(",") if v.strip()]
     except (ValueError, TypeError, KVPlugError) as exc:
-        raise click.BadParameter(f"{text!r} is not a comma-separated list of {what} ({exc})")
+        raise click.BadParameter(
+            f"{text!r} is not a comma-separated list of {what} ({exc})") from None
     if not values or any(v <= 0 for v in values):
         raise click.BadParameter(f"{text!r}: give one or more positive {what}")
     return values
@@ -608,7 +614,7 @@ def _rows(report: dict[str, Any]) -> Iterator[list[str]]:
             ratio = (f"{k[rate] / r[rate]:.2f}x" if r and k[rate] and r[rate] else "-")
             errors = k["error_count"] + (r["error_count"] if r else 0)
             yield [human_bytes(c["size"]), str(c["batch"]), str(c["threads"]), phase,
-                   f(k["mb_s"]), f(k["keys_s"]), f(k["p50_ms"], "{:.2f}"),
+                   f(k["mb_s"]), f(k["ops_s"]), f(k["keys_s"]), f(k["p50_ms"], "{:.2f}"),
                    f(k["p99_ms"], "{:.2f}"), human_bytes(k["bytes_verified"]) if phase == "load"
                    else "", f(r[rate]) if r else "-", ratio,
                    f"[red]{errors}[/]" if errors else str(k["misses"] + k["dropped"])]
@@ -617,7 +623,7 @@ def _rows(report: dict[str, Any]) -> Iterator[list[str]]:
 def print_table(report: dict[str, Any]) -> None:
     table = Table(title=f"kvplug bench: tier {escape(report['tier'])} "
                         f"(backend {escape(report['backend'])}), alone in a StorageManager")
-    for col in ("Value", "Batch", "Threads", "Op", "MB/s", "Keys/s", "p50 ms", "p99 ms",
+    for col in ("Value", "Batch", "Threads", "Op", "MB/s", "Ops/s", "Keys/s", "p50 ms", "p99 ms",
                 "Verified", "Raw MB/s|keys/s", "Ratio", "Miss/err"):
         table.add_column(col, justify="right" if col not in ("Op",) else "left")
     for row in _rows(report):
@@ -719,7 +725,7 @@ def bench_cmd(config: Path | None, tier: str | None, backend: str | None, option
             "note": "the tier alone in a StorageManager; MB/s over each phase's wall time "
                     "(comparing loaded bytes left out); lookup rates in keys/s",
         }
-        run = uuid.uuid4().bytes[:8]
+        run = uuid.uuid4().bytes[:7]
         per_cell = 2 if raw_target_ is not None else 1
         with _progress(len(cells) * per_cell) as step:
             for n, cell in enumerate(cells):
@@ -731,11 +737,11 @@ def bench_cmd(config: Path | None, tier: str | None, backend: str | None, option
                 entry: dict[str, Any] = {"size": cell.size, "batch": cell.batch,
                                          "threads": cell.threads}
                 step(f"{label}: kvplug")
-                entry["kvplug"] = bench_cell(target, cell, values, run + b"k", seconds,
+                entry["kvplug"] = bench_cell(target, cell, values, run + bytes([n % 256]), seconds,
                                              budget_bytes, budget, chunk_size)
                 if raw_target_ is not None:
                     step(f"{label}: raw")
-                    entry["raw"] = bench_cell(raw_target_, cell, values, run + b"r", seconds,
+                    entry["raw"] = bench_cell(raw_target_, cell, values, run + bytes([n % 256]), seconds,
                                               budget_bytes, budget, chunk_size)
                 report["cells"].append(entry)
         report["tier_stats"] = {k: v for k, v in target.mgr.stats()[target.name].items()
@@ -771,7 +777,9 @@ def _preflight(target: TierTarget, tier: TierConfig) -> None:
     values = Values(LAYERS * BLOCKS * 64, seed=12345)
     key = bench_key(uuid.uuid4().bytes[:8], 0)
     try:
-        target.store([key], [values.obj(0, 1)])
+        obj = values.obj(0, 1)
+        target.store([key], [obj])
+        obj.ref_down()
         kept = target.mgr.holds(target.name, [key])
     finally:
         target.remove([key])
