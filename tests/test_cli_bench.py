@@ -23,8 +23,8 @@ from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj, heap_memory_obj
 
 HERE = Path(__file__).resolve().parent
-SMALL = ["--sizes", "64KiB,128KiB", "--batches", "1,4", "--threads", "1,2", "--seconds", "0.05",
-         "--max-bytes", "2MiB", "--max-seconds", "120"]
+SMALL = ["--batches", "1,4", "--threads", "1,2", "--seconds", "0.05", "--max-bytes", "2MiB",
+         "--max-seconds", "120"]
 
 
 class CorruptingCPU(LocalCPUBackend):
@@ -53,10 +53,10 @@ def report_of(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     return json.loads(proc.stdout)
 
 
-def check_cells(report: dict[str, Any], raw: bool) -> None:
+def check_cells(report: dict[str, Any], raw: bool, sizes: tuple[int, ...] = (64 << 10,)) -> None:
     """Every requested cell, each phase with calls made and every loaded byte verified."""
     got = {(c["size"], c["batch"], c["threads"]) for c in report["cells"]}
-    assert got == {(s, b, t) for s in (64 << 10, 128 << 10) for b in (1, 4) for t in (1, 2)}
+    assert got == {(s, b, t) for s in sizes for b in (1, 4) for t in (1, 2)}
     assert not report["skipped"]
     for cell in report["cells"]:
         for who in ("kvplug", "raw") if raw else ("kvplug",):
@@ -73,11 +73,12 @@ def check_cells(report: dict[str, Any], raw: bool) -> None:
 
 
 def test_bench_local_cpu() -> None:
-    proc = bench("--backend", "local_cpu", "--options", '{"capacity": "64MiB"}', *SMALL, "--json")
+    proc = bench("--backend", "local_cpu", "--options", '{"capacity": "64MiB"}', "--sizes",
+                 "64KiB,128KiB", *SMALL, "--json")
     assert proc.returncode == 0, proc.stderr
     report = report_of(proc)
     assert report["backend"] == "local_cpu" and "no medium" in report["raw"]
-    check_cells(report, raw=False)
+    check_cells(report, raw=False, sizes=(64 << 10, 128 << 10))
     assert report["tier_stats"]["faults"] == 0
 
 
@@ -86,7 +87,7 @@ def test_bench_posix_from_config_file(tmp_path: Path) -> None:
     cfg = tmp_path / "kvplug.yaml"
     cfg.write_text(f"tiers:\n  - backend: local_cpu\n  - backend: posix\n    name: disk\n"
                    f"    options: {{path: '{root}', fsync: true}}\n")
-    proc = bench("--config", str(cfg), "--tier", "disk", *SMALL, "--json")
+    proc = bench("--config", str(cfg), "--tier", "disk", "--sizes", "64KiB", *SMALL, "--json")
     assert proc.returncode == 0, proc.stderr
     report = report_of(proc)
     assert report["tier"] == "disk" and "fsync" in report["raw"]
@@ -101,8 +102,8 @@ def test_bench_resp_beside_redis_py(tmp_path: Path) -> None:
 
     srv = RedisServer(tmp_path / "redis")
     try:
-        proc = bench("--backend", "resp", "--options", json.dumps({"url": srv.url}), *SMALL,
-                     "--json")
+        proc = bench("--backend", "resp", "--options", json.dumps({"url": srv.url}), "--sizes",
+                     "64KiB", *SMALL, "--json")
         assert proc.returncode == 0, proc.stderr
         report = report_of(proc)
         assert "redis-py" in report["raw"]
@@ -142,6 +143,15 @@ def test_bench_bad_arguments(args: list[str], words: list[str]) -> None:
     assert proc.returncode == 2, proc.stderr
     for w in words:
         assert w in proc.stderr, proc.stderr
+
+
+def test_bench_total_bound_skips_cells() -> None:
+    """--max-seconds bounds the run: cells not started by then are listed, not run."""
+    proc = bench("--backend", "local_cpu", "--sizes", "64KiB", "--batches", "1,2", "--threads", "1",
+                 "--max-seconds", "0", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = report_of(proc)
+    assert report["cells"] == [] and len(report["skipped"]) == 2
 
 
 def test_bench_unreachable_server() -> None:

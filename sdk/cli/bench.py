@@ -7,8 +7,9 @@ key and ``batched_get`` for a batch (the tier's ``batched_get`` hook where it ha
 random bytes; every load is compared byte for byte with what was stored: a mismatch is an error,
 reported, never a figure. Where the tier has a raw medium (``posix``/``gds``: plain files in the
 same directory; ``resp``: redis-py against the same server; ``fsspec``: the same filesystem's
-``pipe``/``cat``), the same bytes are moved through it in the same run, so each row has a ratio.
-What the bench stored is evicted at the end of each cell (and on an interrupt).
+``pipe``/``cat``; ``mooncake``: a second client of the same master), the same bytes are moved
+through it in the same run, so each row has a ratio. What the bench stored is evicted at the end
+of each cell (and on an interrupt).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import shutil
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -99,12 +101,13 @@ class Phase:
         lat = sorted(self.latencies)
         q = (lambda p: lat[min(len(lat) - 1, math.ceil(p * len(lat)) - 1)] * 1e3) if lat else (
             lambda p: None)
-        s = self.seconds or float("nan")
+        s = self.seconds if self.ops and self.seconds > 0 else None
         return {
             "ops": self.ops, "keys": self.keys, "bytes": self.nbytes,
             "seconds": round(self.seconds, 6),
-            "mb_s": round(self.nbytes / s / 1e6, 1) if self.nbytes else None,
-            "ops_s": round(self.ops / s, 1), "keys_s": round(self.keys / s, 1),
+            "mb_s": round(self.nbytes / s / 1e6, 1) if s and self.nbytes else None,
+            "ops_s": round(self.ops / s, 1) if s else None,
+            "keys_s": round(self.keys / s, 1) if s else None,
             "p50_ms": q(0.5), "p99_ms": q(0.99),
             "bytes_verified": self.bytes_verified, "misses": self.misses, "dropped": self.dropped,
             "errors": self.errors[:5], "error_count": len(self.errors),
@@ -185,7 +188,9 @@ def compare(got: torch.Tensor | bytes | memoryview, want: torch.Tensor, what: st
     """Seconds spent checking that ``got`` holds exactly ``want``'s bytes; raises Mismatch."""
     t0 = time.perf_counter()
     if not isinstance(got, torch.Tensor):
-        got = torch.frombuffer(bytearray(got) if isinstance(got, bytes) else got, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            got = torch.frombuffer(got, dtype=torch.uint8)
     got = got.reshape(-1)
     if got.numel() != want.numel():
         raise Mismatch(f"{what}: loaded {got.numel()} bytes, stored {want.numel()}")
@@ -287,7 +292,9 @@ class RawTarget:
         """The layers of a whole chunk file read back (its header says where they are)."""
         data = memoryview(got)
         header = cf.decode_header(data, len(data))
-        t = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0)
+        with warnings.catch_warnings():  # bytes from a client are read-only; only compared here
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(data, dtype=torch.uint8)
         return torch.cat([t[o : o + header.layer_nbytes] for o in header.data_offsets])
 
     def remove(self, keys: list[CacheKey]) -> None:
@@ -433,11 +440,48 @@ class RawFsspec(RawTarget):
             pass
 
 
+class RawMooncake(RawTarget):
+    """A second Mooncake client of the tier's master (same protocol and sizes): ``upsert`` and
+    ``get`` one value at a time, ``batch_is_exist`` for a lookup."""
+
+    def __init__(self, options: Any) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        super().__init__(f"Mooncake's MooncakeDistributedStore upsert/get ({options.protocol}), "
+                         "a second client of the same master")
+        self.client = MooncakeDistributedStore()
+        rc = self.client.setup(options.local_hostname, options.metadata_server,
+                              int(options.global_segment_size), int(options.local_buffer_size),
+                              options.protocol, options.device_name, options.master)
+        if rc != 0:
+            raise BenchError(f"a raw Mooncake client could not reach the master {options.master} "
+                             f"(setup returned {rc}); check the tier's master option, or pass "
+                             "--no-raw")
+
+    def put(self, names: list[str], parts: list[list[Any]]) -> None:
+        for n, p in zip(names, parts):
+            rc = self.client.upsert(n, b"".join(p))
+            if rc != 0:
+                raise RuntimeError(f"Mooncake upsert of {n} returned {rc}")
+
+    def get(self, names: list[str]) -> list[Any]:
+        return [self.client.get(n) or None for n in names]
+
+    def has(self, names: list[str]) -> list[bool]:
+        return [c == 1 for c in self.client.batch_is_exist(names)]
+
+    def delete(self, names: list[str]) -> None:
+        for n in names:
+            self.client.remove(n)
+
+    def close(self) -> None:
+        self.client.close()
+
+
 #: Why a tier has no raw row (shown in the report).
 NO_RAW = {
     "local_cpu": "local_cpu is memory itself: there is no medium under it",
-    "mooncake": "not measured here: a second Mooncake client needs its own segments and a "
-                "private network namespace (benchmarks/bench_remote_tiers.py compares it)",
+    "resp": "not measured for a cluster (redis-py's cluster client differs from the tier's)",
 }
 
 
@@ -451,6 +495,8 @@ def raw_target(tier: TierConfig, options: Any) -> RawTarget | None:
         return RawRedis(options.url, password)
     if backend == "fsspec":
         return RawFsspec(options.url, dict(options.storage_options))
+    if backend == "mooncake":
+        return RawMooncake(options)
     return None
 
 
@@ -690,8 +736,8 @@ def bench_cmd(config: Path | None, tier: str | None, backend: str | None, option
     one key and batched_get for a batch. Values are random bytes; every loaded byte is compared
     with what was stored (a mismatch is an error, exit 1, never a figure). Beside each row the
     same bytes go through the raw medium where there is one (posix/gds: plain files in the same
-    directory; resp: redis-py on the same server; fsspec: the same filesystem's pipe/cat), and
-    the ratio is tier/raw. Everything stored is evicted again.
+    directory; resp: redis-py on the same server; fsspec: the same filesystem's pipe/cat;
+    mooncake: a second client of the same master), and the ratio is tier/raw. Everything stored is evicted again.
     """
     size_list = parse_list(sizes, "sizes (e.g. 256KiB,1MiB)", parse_size)
     batch_list = parse_list(batches, "batch sizes", int)
