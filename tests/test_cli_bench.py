@@ -127,9 +127,10 @@ def test_bench_reports_wrong_bytes() -> None:
 
 
 def test_bench_bad_options_json() -> None:
-    proc = bench("--backend", "posix", "--options", "{path: /tmp}")
+    proc = bench("--backend", "resp", "--options", '{"url": "redis://:hunter22pw@h:1/0",}')
     assert proc.returncode == 2
     assert "--options" in proc.stderr and "not valid JSON" in proc.stderr
+    assert "hunter22pw" not in proc.stderr + proc.stdout, "the options (a password) were echoed"
 
 
 @pytest.mark.parametrize("args, words", [
@@ -156,6 +157,9 @@ def test_bench_total_bound_skips_cells() -> None:
 
 def test_bench_unreachable_server() -> None:
     proc = bench("--backend", "resp", "--options",
-                 '{"url": "redis://127.0.0.1:1/0", "timeout_s": 0.5}', "--seconds", "0.05")
+                 '{"url": "redis://:hunter22pw@127.0.0.1:1/0", "timeout_s": 0.5}', "--seconds",
+                 "0.05")
     assert proc.returncode == 1
     assert "did not keep a test value" in proc.stderr and "reachable" in proc.stderr
+    assert "127.0.0.1:1" in proc.stderr  # names where it looked
+    assert "hunter22pw" not in proc.stderr + proc.stdout, "a password reached the output"

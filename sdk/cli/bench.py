@@ -42,6 +42,11 @@ from ..memory import MemoryFormat, MemoryObj, MemoryObjMeta
 from ..storage_manager import StorageManager
 from .common import console, err_console, escape, fail, human_bytes
 
+try:  # kvplug.redact: the one redaction rule, from the secrets work (merge: keep only this import)
+    from ..redact import Redactor
+except ImportError:  # pragma: no cover - before that merge, the remote tiers' scrubber
+    from ..backends.common.redact import Redactor  # type: ignore[no-redef]
+
 #: Layers of every benchmark value (``[layers, 2 blocks, page bytes]``, layer major, like a chunk).
 LAYERS = 32
 BLOCKS = 2
@@ -621,15 +626,15 @@ def resolve_tier(config: Path | None, tier: str | None, backend: str | None,
         try:
             opts = json.loads(options) if options else {}
         except json.JSONDecodeError as exc:
-            fail(f"--options {options!r} is not valid JSON ({exc.msg} at character {exc.pos}); "
+            fail(f"--options is not valid JSON ({exc.msg} at character {exc.pos}); "
                  "give an object, e.g. --options '{\"path\": \"/tmp/kvplug-bench\"}'", code=2)
         if not isinstance(opts, dict):
-            fail(f"--options {options!r} is a JSON {type(opts).__name__}, not an object; give "
+            fail(f"--options is a JSON {type(opts).__name__}, not an object; give "
                  "e.g. --options '{\"path\": \"/tmp/kvplug-bench\"}'", code=2)
         try:
             return TierConfig(backend=backend, options=opts, timeout_s=600.0), 256
         except Exception as exc:  # noqa: BLE001 - pydantic's message names the field
-            fail(f"bad tier: {exc}", code=2)
+            fail(f"bad tier: {Redactor('', opts)(str(exc))}", code=2)
     if options is not None:
         fail("--options goes with --backend; with --config the options are in the file", code=2)
     try:
@@ -746,19 +751,23 @@ def bench_cmd(config: Path | None, tier: str | None, backend: str | None, option
     tier_cfg, chunk_size = resolve_tier(config, tier, backend, options)
     budget = Budget(max_seconds)
     logging.getLogger("kvplug").setLevel(logging.ERROR)  # faults are counted and reported here
+    redact = Redactor(str(tier_cfg.options.get("url", "")), tier_cfg.options)
     try:
         target = TierTarget(tier_cfg)
     except KVPlugError as exc:
-        fail(str(exc), code=2)
+        fail(redact(str(exc)), code=2)
     raw_target_: RawTarget | None = None
     raw_note = NO_RAW.get(tier_cfg.backend, "none known for this backend")
     try:
-        _preflight(target, tier_cfg)
+        _preflight(target, tier_cfg, redact)
         if raw:
             try:
                 raw_target_ = raw_target(tier_cfg, _options_of(tier_cfg))
             except BenchError as exc:
-                fail(str(exc))
+                fail(redact(str(exc)))
+            except Exception as exc:  # noqa: BLE001 - a missing client library, a refused login
+                fail(f"the raw medium of tier {target.name!r} could not be opened: "
+                     f"{redact.error(exc)}; pass --no-raw to qualify the tier alone")
             if raw_target_ is not None:
                 raw_note = raw_target_.what
         else:
@@ -796,6 +805,10 @@ def bench_cmd(config: Path | None, tier: str | None, backend: str | None, option
         if raw_target_ is not None:
             raw_target_.close()
         target.close()
+    for c in report["cells"]:  # a client's error text may quote a URL with its password
+        for who in ("kvplug", "raw"):
+            for phase in (c.get(who) or {}).values():
+                phase["errors"] = [redact(e) for e in phase["errors"]]
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
@@ -817,7 +830,7 @@ def _options_of(tier: TierConfig) -> Any:
     return model.model_validate(tier.options)
 
 
-def _preflight(target: TierTarget, tier: TierConfig) -> None:
+def _preflight(target: TierTarget, tier: TierConfig, redact: Redactor) -> None:
     """Store, find and remove one small value, so an unreachable server or a tier that keeps
     nothing is one clear error before any figure."""
     values = Values(LAYERS * BLOCKS * 64, seed=12345)
@@ -831,6 +844,6 @@ def _preflight(target: TierTarget, tier: TierConfig) -> None:
         target.remove([key])
     if not kept or not kept[0]:
         where = {k: v for k, v in tier.options.items() if k in ("url", "path", "master")}
-        fail(f"tier {target.name!r} (backend {tier.backend!r}) did not keep a test value "
+        fail(redact(f"tier {target.name!r} (backend {tier.backend!r}) did not keep a test value "
              f"({target.fault_hint()}); is its medium reachable and writable? {where or ''} "
-             "Check the server address / directory in the tier's options.")
+             "Check the server address / directory in the tier's options."))
