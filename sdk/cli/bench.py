@@ -548,7 +548,7 @@ def bench_cell(target: TierTarget | RawTarget, cell: Cell, values: Values, run: 
         keys_all = [bench_key(run, i) for i in ids_all]
         held = [i for i, h in zip(ids_all, _held(target, keys_all)) if h] if keys_all else []
         st.dropped = len(ids_all) - len(held)
-        st.nbytes = len(held) * cell.size  # only what the tier kept counts as stored
+        st.keys, st.nbytes = len(held), len(held) * cell.size  # only what the tier kept counts
         out["store"] = st.figures()
         if not held:
             out["lookup"] = out["load"] = Phase(errors=["the tier kept none of the values stored "
