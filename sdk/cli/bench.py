@@ -742,7 +742,9 @@ def bench_cmd(config: Path | None, tier: str | None, backend: str | None, option
     with what was stored (a mismatch is an error, exit 1, never a figure). Beside each row the
     same bytes go through the raw medium where there is one (posix/gds: plain files in the same
     directory; resp: redis-py on the same server; fsspec: the same filesystem's pipe/cat;
-    mooncake: a second client of the same master), and the ratio is tier/raw. Everything stored is evicted again.
+    mooncake: a second client of the same master), and the ratio is tier/raw. A store the tier
+    dropped (its write queue full) is counted as dropped, not as stored. Everything stored is
+    evicted again.
     """
     size_list = parse_list(sizes, "sizes (e.g. 256KiB,1MiB)", parse_size)
     batch_list = parse_list(batches, "batch sizes", int)
