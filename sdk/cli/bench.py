@@ -58,8 +58,9 @@ PHASES = ("store", "lookup", "load")
 # -- values --------------------------------------------------------------------------------------
 class Values:
     """Random values of one size: key ``i``'s bytes are a window of one random buffer at an offset
-    drawn for that key, so every key has its own bytes (a tier answering with another key's value
-    is caught) without holding a copy per key."""
+    of its own (a random 4 KiB slot, shifted by 64 bytes per lap over the slots: distinct for the
+    first million keys), so a tier answering with another key's value is caught without holding a
+    copy per key."""
 
     def __init__(self, nbytes: int, seed: int) -> None:
         if nbytes % (LAYERS * BLOCKS):
@@ -69,11 +70,11 @@ class Values:
         gen = torch.Generator().manual_seed(seed)
         self.buffer = torch.randint(0, 256, (POOL_BYTES + nbytes,), dtype=torch.uint8,
                                     generator=gen)
-        self._offsets = torch.randint(0, POOL_BYTES // 4096 + 1, (1 << 16,), generator=gen) * 4096
+        self._slots = torch.randperm(POOL_BYTES // 4096, generator=gen).tolist()
 
     def view(self, i: int) -> torch.Tensor:
-        off = int(self._offsets[i % len(self._offsets)]) + (i // len(self._offsets)) % 4096
-        off = min(off, POOL_BYTES)
+        n = len(self._slots)
+        off = self._slots[i % n] * 4096 + (i // n) * 64 % 4096
         return self.buffer[off : off + self.nbytes]
 
     def obj(self, i: int, num_tokens: int) -> MemoryObj:
