@@ -42,6 +42,16 @@ class CorruptingCPU(LocalCPUBackend):
         return bad
 
 
+class SwappingCPU(LocalCPUBackend):
+    """local_cpu whose loads hand back another key's (intact) value."""
+
+    @hookimpl
+    def get(self, key: CacheKey) -> MemoryObj | None:
+        with self._lock:
+            other = next((k for k in self._entries if k != key), None)
+        return super().get(other) if other is not None else None
+
+
 def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-m", "kvplug.cli", "bench", *args], capture_output=True,
@@ -115,9 +125,11 @@ def test_bench_resp_beside_redis_py(tmp_path: Path) -> None:
         srv.stop()
 
 
-def test_bench_reports_wrong_bytes() -> None:
-    """Negative control: a tier that loads other bytes than it stored is an error, not a figure."""
-    proc = bench("--backend", "test_cli_bench:CorruptingCPU", "--sizes", "64KiB", "--batches",
+@pytest.mark.parametrize("backend", ["CorruptingCPU", "SwappingCPU"])
+def test_bench_reports_wrong_bytes(backend: str) -> None:
+    """Negative control: a tier that loads other bytes than it stored (a flipped byte, another
+    key's value) is an error, not a figure."""
+    proc = bench("--backend", f"test_cli_bench:{backend}", "--sizes", "64KiB", "--batches",
                  "1", "--threads", "1", "--seconds", "0.05", "--json")
     assert proc.returncode == 1, proc.stderr
     load = report_of(proc)["cells"][0]["kvplug"]["load"]
