@@ -490,6 +490,23 @@ class PosixBackend(LookupAndPins):
         return self._read(key, None)
 
     @hookimpl
+    def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        """:meth:`get` of each key in turn, in the calling thread: a read from the page cache
+        costs less than handing it to another thread (``kvplug bench``: 96 keys of 256 KiB in
+        one call ~2.5 GB/s, one bounded call per key ~0.5 GB/s on 2 cores). The StorageManager
+        still spreads a large batch over its readers, one call per group of keys."""
+        out: list[MemoryObj | None] = []
+        try:
+            for key in keys:
+                out.append(self._read(key, None))
+        except BaseException:  # the caller gets nothing: give back what was read so far
+            for obj in out:
+                if obj is not None:
+                    obj.ref_down()
+            raise
+        return out
+
+    @hookimpl
     def get_layers(self, key: CacheKey, first_layer: int, num_layers: int) -> MemoryObj | None:
         return self._read(key, (first_layer, num_layers))
 

@@ -1,6 +1,6 @@
 """The ``kvplug`` click group and its small commands: ``backends``, ``new-backend``, ``demo``.
 
-``inspect``, ``config check`` and ``serve`` live in their own modules and are added to the group
+``bench``, ``inspect``, ``config check`` and ``serve`` live in their own modules and are added to the group
 here.
 
 Every user error (bad name, bad config, missing file, vLLM not installed) prints one ``Error:`` line
@@ -21,6 +21,7 @@ import click
 from rich.table import Table
 
 from ..plugins import discover_backends, validate_backend_class
+from .bench import bench_cmd
 from .common import console, err_console, escape, fail
 from .config import config_group
 from .inspect import inspect_cmd
@@ -37,6 +38,7 @@ def main() -> None:
     """kvplug: pluggable KV-cache storage tiers for vLLM."""
 
 
+main.add_command(bench_cmd)
 main.add_command(config_group)
 main.add_command(inspect_cmd)
 main.add_command(serve_cmd)
