@@ -131,7 +131,7 @@ def test_a_seed_replays_exactly():
 
 
 #: seeds of 20 events each (before the fix, 13 of them differed between hash seeds; issue 33)
-REPLAY_SEEDS = 200
+REPLAY_SEEDS = 120
 
 
 def test_seeds_replay_in_other_processes_with_other_hash_seeds():
