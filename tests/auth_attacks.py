@@ -88,25 +88,24 @@ def store(mgr: StorageManager, k: CacheKey, seed: int) -> torch.Tensor:
     return ref
 
 
-def hit(mgr: StorageManager, k: CacheKey) -> torch.Tensor | None:
-    """The bytes a whole-chunk get serves (``None``: a miss), not promoted."""
-    got = mgr.get(k, promote=False)
+def _copied(got) -> torch.Tensor | None:  # noqa: ANN001 - a MemoryObj or None
+    """The bytes of what a read served (released), or ``None`` for a miss."""
     if got is None:
         return None
     try:
         return got.byte_view.clone()
     finally:
         got.ref_down()
+
+
+def hit(mgr: StorageManager, k: CacheKey) -> torch.Tensor | None:
+    """The bytes a whole-chunk get serves (``None``: a miss), not promoted."""
+    return _copied(mgr.get(k, promote=False))
 
 
 def layer_hit(mgr: StorageManager, k: CacheKey, layer: int) -> torch.Tensor | None:
-    got = mgr.get_layers(k, layer, 1)
-    if got is None:
-        return None
-    try:
-        return got.byte_view.clone()
-    finally:
-        got.ref_down()
+    """The bytes a one-layer read serves (``None``: a miss)."""
+    return _copied(mgr.get_layers(k, layer, 1))
 
 
 def failures(mgr: StorageManager, tier: str) -> float:
