@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from kvplug import chunkfile as cf
@@ -36,6 +37,9 @@ from kvplug.errors import ChunkFormatError, CodecError
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj, MemoryObjMeta, heap_memory_obj
 from kvplug.read_memory import ChunkGeometry
+
+if TYPE_CHECKING:  # imported where the tiers are built (the backends import torch's world)
+    from kvplug.storage_manager import StorageManager
 
 LAYERS, PAGES, PAGE = 2, 2, 4096
 GEOMETRY = ChunkGeometry(LAYERS, PAGES, PAGE, tokens=32)
@@ -289,33 +293,27 @@ class Campaign:
                 pass
         return check_served(self.frames.decode(k, obj, 0), pages)
 
-    def _posix(self, k: CacheKey, data: bytes, pages: torch.Tensor, good: bytes) -> bool:
-        path = self.root / "p" / cf.relative_chunk_path(k)
+    def _file_tier(self, mgr: StorageManager, folder: str, layer: int, k: CacheKey,
+                   data: bytes, pages: torch.Tensor) -> bool:
+        """Plant ``data`` as ``k``'s chunk file of a file tier and read it whole and one layer."""
+        path = self.root / folder / cf.relative_chunk_path(k)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-        self.posix.lookup_prefix([k])
-        got = self.posix.get(k)
-        part = self.posix.get_layers(k, 1, 1)
+        mgr.lookup_prefix([k])
+        got = mgr.get(k)
+        part = mgr.get_layers(k, layer, 1)
         if part is not None:
-            check_served(part, pages.view(LAYERS, -1)[1])
+            check_served(part, pages.view(LAYERS, -1)[layer])
         served = check_served(got, pages)
-        self.posix.evict([k])
+        mgr.evict([k])
         path.unlink(missing_ok=True)
         return served
 
+    def _posix(self, k: CacheKey, data: bytes, pages: torch.Tensor, good: bytes) -> bool:
+        return self._file_tier(self.posix, "p", 1, k, data, pages)
+
     def _fsspec(self, k: CacheKey, data: bytes, pages: torch.Tensor, good: bytes) -> bool:
-        path = self.root / "f" / cf.relative_chunk_path(k)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        self.fsspec.lookup_prefix([k])
-        got = self.fsspec.get(k)
-        part = self.fsspec.get_layers(k, 0, 1)
-        if part is not None:
-            check_served(part, pages.view(LAYERS, -1)[0])
-        served = check_served(got, pages)
-        path.unlink(missing_ok=True)
-        self.fsspec.evict([k])
-        return served
+        return self._file_tier(self.fsspec, "f", 0, k, data, pages)
 
     def _value(self, k: CacheKey, data: bytes, pages: torch.Tensor, good: bytes) -> bool:
         be = self.value.backend("t")
