@@ -111,6 +111,9 @@ def main() -> int:
 
         print(f"gds tier     store {_gbps(total, timed(gds_store))}   load "
               f"{_gbps(total, timed(gds_load))}   (checksums on: one D2H per layer)")
+        backend.opts = backend.opts.model_copy(update={"verify_device": False})
+        print(f"raw kvikio   load  {_gbps(total, timed(raw_load))}   (again, beside the next row)")
+        print(f"gds tier     load  {_gbps(total, timed(gds_load))}   (verify_device: false)")
         for o in objs:
             o.ref_down()
 

@@ -5,7 +5,9 @@ Transfers: store (gather, device -> pinned host) and load (scatter, pinned host 
 16: 64 KiB pages; FlashAttention's LBNHC order by default), bulk and layer-wise, for contiguous,
 runs-of-4 and random block ids. Each row gives GB/s and the ratio against one pinned
 ``tensor.copy_(non_blocking=True)`` (a cudaMemcpyAsync) of the same bytes, timed alternately in
-the same run. Goal: >= 0.9x and >= 40 GB/s each way.
+the same run. Goal: >= 0.9x and >= 40 GB/s each way. ``both``: a store of one request and a load of
+another at once (the store and load streams), against a device-to-host and a host-to-device
+memcpy of the same bytes on two streams; GB/s counts both directions.
 
 Overlap: a forward pass of Llama-3-8B-shaped layers at 4k tokens (the matmuls of QKV, O, gate/up
 and down projections; attention's own kernel left out, so the compute is if anything smaller than
@@ -32,7 +34,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from bench_gpu_transfer import paired, row, timed  # noqa: E402
 from gpu_kv_fixture import vllm_kv_views  # noqa: E402
 from kv_harness import BLOCK_SIZE, HARNESS_LAYOUTS, scenarios  # noqa: E402
-from kvplug.gpu import PagedKV, alloc_host, gather, layerwise_load, layerwise_store, scatter  # noqa: E402
+from kvplug.gpu import (  # noqa: E402
+    PagedKV,
+    alloc_host,
+    gather,
+    gather_many_async,
+    layerwise_load,
+    layerwise_store,
+    scatter,
+)
 
 
 class Shape(NamedTuple):
@@ -91,6 +101,8 @@ def bench_transfers(kv: PagedKV, s: Shape, repeats: int, sync: Callable[[], None
     def h2d() -> None:
         dev_flat.copy_(host_flat, non_blocking=True)
 
+    if cuda:
+        both, both_base = bidirectional(kv, out, dev_flat, host_flat)
     print(f"transfers: {s.tokens} tokens = {n} blocks x {kv.num_layers} layers, page "
           f"{kv.page_bytes // 1024} KiB, {nbytes / 2**20:.0f} MiB each way; ratio = kvplug speed / "
           "one pinned copy_(non_blocking=True) of the same bytes (goal >= 0.9x, >= 40 GB/s)")
@@ -104,6 +116,32 @@ def bench_transfers(kv: PagedKV, s: Shape, repeats: int, sync: Callable[[], None
         ]
         for label, fn, base in rows:
             print(row(label, nbytes, *paired(fn, base, repeats, sync)))
+        if cuda:
+            print(row(f"both   bulk       {name}", 2 * nbytes,
+                      *paired(lambda sc=sc: both(sc), both_base, repeats, sync)))
+
+
+def bidirectional(kv: PagedKV, out: torch.Tensor, dev_flat: torch.Tensor,
+                  host_flat: torch.Tensor) -> tuple[Callable[..., None], Callable[[], None]]:
+    """Store one request while loading another (kvplug's store and load streams), and the
+    baseline: one device-to-host and one host-to-device memcpy of the same bytes on two streams."""
+    src = alloc_host(kv, out.shape[1]).copy_(out)
+    host2 = torch.empty_like(host_flat, pin_memory=True)
+    dev2 = torch.empty_like(dev_flat)
+    s1, s2 = torch.cuda.Stream(kv.device), torch.cuda.Stream(kv.device)
+
+    def both(sc) -> None:
+        ev = gather_many_async(kv, [(sc.store_ids, out)])
+        scatter(kv, src, sc.dst_ids)
+        ev.synchronize()
+
+    def both_base() -> None:
+        with torch.cuda.stream(s1):
+            host_flat.copy_(dev_flat, non_blocking=True)
+        with torch.cuda.stream(s2):
+            dev2.copy_(host2, non_blocking=True)
+
+    return both, both_base
 
 
 def bench_overlap(kv: PagedKV, s: Shape, repeats: int, sync: Callable[[], None]) -> None:

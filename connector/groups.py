@@ -52,6 +52,10 @@ class GroupLayout:
 
     groups: list[GroupInfo] = field(default_factory=lambda: [GroupInfo(0, FULL, "single")])
     block_size: int = 0  # vLLM's block size in tokens (every group's)
+    #: vLLM zeroes newly allocated blocks (mixed-precision caches, Mamba: its
+    #: ``needs_kv_cache_zeroing``); its V2 model runner does so *before* ``handle_preemptions``,
+    #: so a block a preemption freed can be rewritten before kvplug's wait (see connector/save.py)
+    zeroes_new_blocks: bool = False
 
     @property
     def multi(self) -> bool:
@@ -105,9 +109,10 @@ def layout_of(kv_cache_config: Any, block_size: int) -> GroupLayout:
     """The group layout of vLLM's ``KVCacheConfig`` (one full group when it is missing). Groups
     whose block size is not ``block_size`` are unsupported (kvplug's chunks count one size)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    zeroes = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
     if len(groups) <= 1:
         n = len(groups[0].layer_names) if groups else 0
-        return GroupLayout([GroupInfo(0, FULL, "single", num_layers=n)], block_size)
+        return GroupLayout([GroupInfo(0, FULL, "single", num_layers=n)], block_size, zeroes)
     out = []
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
@@ -115,7 +120,7 @@ def layout_of(kv_cache_config: Any, block_size: int) -> GroupLayout:
         if getattr(spec, "block_size", block_size) != block_size:
             kind = UNSUPPORTED
         out.append(GroupInfo(i, kind, type(spec).__name__, window, len(g.layer_names)))
-    return GroupLayout(out, block_size)
+    return GroupLayout(out, block_size, zeroes)
 
 
 def group_hash(chunk_hash: bytes, group: GroupInfo) -> bytes:

@@ -26,6 +26,13 @@ vLLM's blocks must outlive every copy that reads them (vLLM 0.32's rules):
   except a sliding-window group's: vLLM frees them as the window moves on. A save that reads them
   is ordered before the next step (:meth:`AsyncSaves.wait_window`, from ``handle_preemptions``,
   which vLLM calls before every step's loads and forward).
+* vLLM's V2 model runner zeroes newly allocated blocks and applies copy-on-write block copies
+  *before* it calls ``handle_preemptions`` (``update_requests``, then ``pre_forward``). Where the
+  engine does that (``needs_kv_cache_zeroing``: mixed-precision caches), a block a preemption freed
+  can be rewritten before :meth:`wait_for` runs, so each step's copies are ordered before the next
+  step right away (``order_at_submit``; CUDA: the engine's stream waits on the copy's event, no
+  host wait; CPU: the copy is done on vLLM's thread). Found and checked on an H100 with
+  ``tests/test_gpu_cuda.py::test_a_block_zeroed_before_the_wait_races_the_store``.
 """
 
 from __future__ import annotations
@@ -88,8 +95,11 @@ class AsyncSaves:
     blocks no copy reads any more, :meth:`wait_for` orders a preemption after the copies."""
 
     def __init__(self, kv: PagedKV, storage: StorageManager, stats: StatsRecorder,
-                 runtime: Runtime = THREADS) -> None:
+                 runtime: Runtime = THREADS, order_at_submit: bool = False) -> None:
         self.kv = kv
+        #: the engine may rewrite freed blocks before ``handle_preemptions``: order every step's
+        #: copies before the next step when they are submitted (see the module docstring)
+        self.order_at_submit = order_at_submit
         self.storage = storage
         self.stats = stats
         self.on_cuda = kv.device.type == "cuda"
@@ -171,6 +181,8 @@ class AsyncSaves:
             self._release(job)
             return
         self._pool.submit(self._run, job)
+        if self.order_at_submit:
+            self._copy_now([job])
 
     def _unbind(self, md: KVPlugMetadata) -> None:
         """``md``'s saves are submitted (or dropped): its requests are no longer expected."""

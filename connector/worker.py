@@ -92,7 +92,8 @@ class WorkerSide:
                             BackgroundLoads(self.storage.batched_get, runtime=self.runtime),
                             self._tier_of, self.release)
         if async_save_enabled(self.cfg, self.kv.device.type):
-            self._saves = AsyncSaves(self.kv, self.storage, self.stats, self.runtime)
+            self._saves = AsyncSaves(self.kv, self.storage, self.stats, self.runtime,
+                                     order_at_submit=self.layout.zeroes_new_blocks)
         self._stores = WorkerStore(self.kv, self.storage, self.layout, self.key, self.stats,
                                    self._saves)
         path = socket_path(self.ident.engine_id, self.ident.rank, self.ident.pp_rank)

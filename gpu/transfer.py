@@ -120,11 +120,28 @@ def plan_jobs(
     return out
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (uint8 pages) viewed as 8-byte words where its strides allow, else ``t``: the index
+    kernels move one element per thread, and bytes made them ~20% slower than one memcpy of the
+    same size on an H100 (benchmarks/bench_gpu_harness.py, RESULTS.md)."""
+    if t.shape[-1] % 8 or t.stride(-1) != 1 or t.storage_offset() % 8 or t.data_ptr() % 8:
+        return t
+    if any(st % 8 for st, n in zip(t.stride()[:-1], t.shape[:-1], strict=True) if n > 1):
+        return t
+    try:
+        return t.view(torch.int64)
+    except RuntimeError:
+        return t
+
+
 def _copy(engine: torch.Tensor, dim: int, plan: Plan, pages: torch.Tensor, to_engine: bool,
           nb: bool) -> None:
     """Move ``plan``'s pages between ``engine`` (blocks along ``dim``) and ``pages``."""
     if plan.use_index:
         idx = plan.index(engine.device)
+        wide_engine, wide_pages = _wide(engine), _wide(pages)
+        if wide_engine.dtype == wide_pages.dtype:  # both or neither
+            engine, pages = wide_engine, wide_pages
         if to_engine:
             engine.index_copy_(dim, idx, pages.to(engine.device, non_blocking=nb))
         elif pages.device == engine.device and pages.is_contiguous():

@@ -13,7 +13,7 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manyl
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${plat[@]}" -d .whl \
   'pydantic==2.*' 'pydantic-core' 'annotated-types' 'typing-inspection' 'typing-extensions>=4.16' \
-  'cbor2' 'pyzmq' 'msgspec' 'kvikio-cu13==26.10.*' 'libkvikio-cu13==26.10.*' 'rapids-logger==0.3.*'
+  'cbor2' 'pyzmq' 'msgspec' 'cryptography' 'cffi' 'pycparser' 'kvikio-cu13==26.10.*' 'libkvikio-cu13==26.10.*' 'rapids-logger==0.3.*'
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w .whl .
 du -sh .whl
 ls .whl

@@ -9,9 +9,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi -L | tee "$OUT/device.txt"
-python3 -c "import kvikio, kvikio.defaults as d; print('kvikio', kvikio.__version__, 'compat', d.compat_mode())" \
+python3 -c "import kvikio, kvikio.defaults as d; print('kvikio', kvikio.__version__, 'compat', d.get('compat_mode'))" \
   | tee -a "$OUT/device.txt"
-python3 -m pytest -q -ra -p no:cacheprovider tests/test_gpu_cuda.py tests/test_gpu_paged.py tests/test_kv_harness.py \
+python3 -m pytest -q -ra -p no:cacheprovider tests/test_gpu_cuda.py tests/test_gpu_blocks.py tests/test_gpu_paged.py tests/test_kv_harness.py \
   tests/test_gds_kvikio.py tests/test_gds_logic.py tests/test_posix_conformance.py 2>&1 | tee "$OUT/tests.log"
 for b in benchmarks/bench_gpu_transfer.py benchmarks/bench_gpu_harness.py benchmarks/bench_gds.py; do
   echo "== $b"; python3 "$b" 2>&1

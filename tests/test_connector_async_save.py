@@ -25,6 +25,7 @@ from vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_
 pytest.importorskip("vllm")
 
 from kvplug.connector.config import ConnectorConfig  # noqa: E402
+from kvplug.connector.groups import GroupLayout  # noqa: E402
 from kvplug.connector.metadata import KVPlugMetadata, ReqMeta, SaveSpec  # noqa: E402
 from kvplug.connector.save import AsyncSaves  # noqa: E402
 from kvplug.connector.worker import WorkerSide, _Identity  # noqa: E402
@@ -49,7 +50,11 @@ def pattern(req_id: str, block: int, layers: int, page: int) -> torch.Tensor:
 class Steps:
     """vLLM's scheduler and one kvplug worker, stepped as vLLM's engine and model runner do."""
 
-    def __init__(self, model_dir, tmp_path, num_blocks: int) -> None:
+    def __init__(self, model_dir, tmp_path, num_blocks: int, v2_order: bool = False,
+                 zeroes_new_blocks: bool = False) -> None:
+        #: vLLM's V2 model runner: blocks the step allocates are zeroed (here: poisoned) before
+        #: ``handle_preemptions`` runs, where the engine zeroes new blocks
+        self.v2_order = v2_order
         self.gate = tmp_path / f"gate-{uuid.uuid4().hex[:6]}"
         self.gate.mkdir()
         extra = {"chunk_size": CHUNK, "async_save": True, "report_to_client": False}
@@ -62,7 +67,8 @@ class Steps:
                                       "options": {"gate": str(self.gate)}}])
         self.fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=num_blocks)
         self.w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0,
-                                           f"t-{uuid.uuid4().hex[:8]}"))
+                                           f"t-{uuid.uuid4().hex[:8]}"),
+                            GroupLayout(block_size=BS, zeroes_new_blocks=zeroes_new_blocks))
         self.w.register_kv_caches(self.fx.caches)
         self.saves: AsyncSaves = self.w._saves  # type: ignore[assignment]
         assert self.saves is not None
@@ -103,6 +109,8 @@ class Steps:
         md = so.kv_connector_metadata
         for r in md.preempted:
             self.events.append(("preempted", r, self.saves._busy.get(r, 0)))
+        if self.v2_order:  # update_requests zeroes the step's new blocks, then pre_forward
+            self.poison_free()
         self.w.handle_preemptions(md)
         self.poison_free()  # the coming forward pass may rewrite preempted requests' blocks
         self.w.start_load_kv(md)
@@ -166,8 +174,8 @@ class Steps:
 def steps(model_dir, tmp_path):
     made: list[Steps] = []
 
-    def make(num_blocks: int = 200) -> Steps:
-        made.append(Steps(model_dir, tmp_path, num_blocks))
+    def make(num_blocks: int = 200, **kw) -> Steps:
+        made.append(Steps(model_dir, tmp_path, num_blocks, **kw))
         return made[-1]
 
     yield make
@@ -226,6 +234,37 @@ def test_preemption_with_a_save_in_flight_copies_before_the_blocks_are_reused(st
     st.run_out()
     assert st.mismatches() == []
     st.assert_nothing_leaked()
+
+
+def preempt_with_a_save_in_flight(st: Steps) -> None:
+    """A preemption while the preempted request's save is in flight (its put, or also its copy,
+    held behind the gated put)."""
+    st.s.add_request(make_request("a", prompt(24, 2), max_tokens=40))
+    st.s.add_request(make_request("b", prompt(24, 3), max_tokens=40))
+    until(st, lambda: any(e[0] == "preempted" for e in st.events),
+          "a preemption while the gate holds the saves")
+    preempted = {e[1] for e in st.events if e[0] == "preempted"}
+    assert preempted & {r for r, *_ in st.saved}  # not vacuous: it had saves
+    assert list(st.gate.glob("put-*")) and not (st.gate / "open").exists()
+    st.open_gate()
+    st.run_out()
+
+
+def test_v2_runner_zeroing_before_handle_preemptions_stores_exact_kv(steps):
+    """vLLM's V2 model runner zeroes a step's new blocks (``needs_kv_cache_zeroing``) before it
+    calls ``handle_preemptions``: a block a preemption freed is rewritten before kvplug's wait
+    there. kvplug orders each step's copies when submitted for such an engine."""
+    st = steps(num_blocks=24, v2_order=True, zeroes_new_blocks=True)
+    preempt_with_a_save_in_flight(st)
+    assert st.mismatches() == []
+    st.assert_nothing_leaked()
+
+
+def test_control_v2_runner_order_without_ordering_at_submit_stores_poison(steps):
+    """The race is real: the same engine, kvplug not told that it zeroes new blocks."""
+    st = steps(num_blocks=24, v2_order=True, zeroes_new_blocks=False)
+    preempt_with_a_save_in_flight(st)
+    assert st.mismatches() != []
 
 
 def run_into_held_blocks(st: Steps) -> None:

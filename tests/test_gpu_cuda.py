@@ -65,6 +65,42 @@ def test_cuda_async_store_is_ordered_by_events_without_host_sync() -> None:
 
 @CUDA
 @pytest.mark.cuda
+@pytest.mark.parametrize("order", ["wait-then-zero", "zero-then-wait"])
+def test_a_block_zeroed_before_the_wait_races_the_store(order: str) -> None:
+    """vLLM's V2 model runner zeroes a step's new blocks before ``handle_preemptions``: a block a
+    preemption freed and the step reused is zeroed on the engine's stream *before* kvplug makes
+    that stream wait on the store's event. Here the store stream is held back (a sleep kernel,
+    standing for a busy copy engine) so the order decides: zeroing first stores the zeros (the
+    race, which ``AsyncSaves.order_at_submit`` closes by waiting when the copy is submitted);
+    waiting first stores the KV."""
+    fx = KVFixture("LBNHC", torch.bfloat16, L=4, device="cuda")
+    kv = PagedKV.from_kv_caches(fx.caches)
+    ids = [3, 4, 9, 12]
+    snap = snapshot_of(fx)
+    out = poisoned((fx.L, len(ids), fx.page), pin=True)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(kv.stream("store")):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles ahead of the copy
+    ev = gather_many_async(kv, [(ids, out)])
+    engine = torch.cuda.current_stream()
+    if order == "wait-then-zero":
+        engine.wait_event(ev)
+    for b in ids:  # the V2 runner's kv_block_zeroer on the reused blocks
+        for layer in range(fx.L):
+            o = fx.offset(layer, b)
+            fx.buf[o: o + fx.page].zero_()
+    if order == "zero-then-wait":
+        engine.wait_event(ev)
+    torch.cuda.synchronize()
+    if order == "wait-then-zero":
+        assert_obj_matches(out, snap.ref_obj(ids))
+    else:
+        assert not torch.equal(out, snap.ref_obj(ids)), "the zeroing did not overtake the copy"
+        assert int(out.count_nonzero()) < out.numel() // 2  # the zeros were stored
+
+
+@CUDA
+@pytest.mark.cuda
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-layer"])
 @pytest.mark.parametrize("pattern", ["random", "runs"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
