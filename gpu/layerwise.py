@@ -118,9 +118,9 @@ BeforeLayer = Callable[[int], Collection[int] | None]
 
 
 def _copy_layer(kv: PagedKV, pairs: list[tuple[Plan, torch.Tensor]], layer: int,
-                to_engine: bool) -> None:
+                to_engine: bool, copier: torch.cuda.Stream | None = None) -> None:
     for plan, pages in pairs:
-        copy_layer(kv, layer, plan, pages, to_engine)
+        copy_layer(kv, layer, plan, pages, to_engine, copier)
 
 
 def layerwise_store(kv: PagedKV, jobs: Jobs, wait: bool = True) -> LayerSteps:
@@ -135,15 +135,17 @@ def layerwise_store(kv: PagedKV, jobs: Jobs, wait: bool = True) -> LayerSteps:
         return LayerSteps(kv.num_layers, lambda layer: _copy_layer(kv, pairs, layer, False),
                           lambda: None)
     stream = kv.stream("store")
+    copier = kv.stream("store-copy")  # staged jobs' PCIe copies, beside the next index kernel
     last = kv.num_layers - 1
     steps: LayerSteps
 
     def step(layer: int) -> None:
         stream.wait_stream(torch.cuda.current_stream(kv.device))
         with torch.cuda.stream(stream):
-            _copy_layer(kv, pairs, layer, False)
+            _copy_layer(kv, pairs, layer, False, copier)
         if layer != last:
             return
+        stream.wait_stream(copier)  # the store's completion covers both streams
         if wait:
             stream.synchronize()
         else:
@@ -152,6 +154,7 @@ def layerwise_store(kv: PagedKV, jobs: Jobs, wait: bool = True) -> LayerSteps:
 
     def finish() -> None:  # closed early (or never stepped): wait for what is queued
         if steps.event is None:
+            copier.synchronize()
             stream.synchronize()
 
     steps = LayerSteps(kv.num_layers, step, finish)
@@ -169,11 +172,13 @@ def layerwise_load(
     pairs = plan_jobs(kv, jobs, to_engine=True)
     dropped: set[int] = set()
 
+    copier = kv.stream("load-copy") if kv.device.type == "cuda" else None
+
     def copy(layer: int) -> None:
         if before is not None:
             dropped.update(before(layer) or ())
         live = [p for i, p in enumerate(pairs) if i not in dropped] if dropped else pairs
-        _copy_layer(kv, live, layer, True)
+        _copy_layer(kv, live, layer, True, copier)
 
     if kv.device.type != "cuda":
         return LayerSteps(kv.num_layers, copy, lambda: None)
@@ -197,4 +202,8 @@ def layerwise_load(
             submit(layer + PRIME_AHEAD)
         torch.cuda.current_stream(kv.device).wait_event(events[layer])
 
-    return LayerSteps(kv.num_layers, step, stream.synchronize)
+    def finish() -> None:
+        copier.synchronize()
+        stream.synchronize()
+
+    return LayerSteps(kv.num_layers, step, finish)

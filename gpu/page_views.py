@@ -198,7 +198,8 @@ class PagedKV:
             raise KeyError(f"unknown KV layer {layer_name!r}") from None
 
     def stream(self, role: str) -> torch.cuda.Stream:
-        """The dedicated CUDA stream for ``role`` ("store" or "load"), created on first use."""
+        """The dedicated CUDA stream for ``role`` ("store", "load", and their host-copy streams
+        "store-copy" and "load-copy"), created on first use."""
         s = self._streams.get(role)
         if s is None:
             s = torch.cuda.Stream(device=self.device)

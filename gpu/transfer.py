@@ -135,14 +135,19 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
 
 
 def _copy(engine: torch.Tensor, dim: int, plan: Plan, pages: torch.Tensor, to_engine: bool,
-          nb: bool) -> None:
-    """Move ``plan``'s pages between ``engine`` (blocks along ``dim``) and ``pages``."""
+          nb: bool, copier: torch.cuda.Stream | None = None) -> None:
+    """Move ``plan``'s pages between ``engine`` (blocks along ``dim``) and ``pages``.
+
+    ``copier`` (CUDA, staged jobs with host ``pages``): the host copy runs on this second stream,
+    so one layer's index kernel overlaps another layer's PCIe copy (layer-wise transfers)."""
     if plan.use_index:
         idx = plan.index(engine.device)
         wide_engine, wide_pages = _wide(engine), _wide(pages)
         if wide_engine.dtype == wide_pages.dtype:  # both or neither
             engine, pages = wide_engine, wide_pages
-        if to_engine:
+        if copier is not None and pages.device.type == "cpu":
+            _staged_two_streams(engine, dim, idx, pages, to_engine, copier)
+        elif to_engine:
             engine.index_copy_(dim, idx, pages.to(engine.device, non_blocking=nb))
         elif pages.device == engine.device and pages.is_contiguous():
             torch.index_select(engine, dim, idx, out=pages)
@@ -157,12 +162,35 @@ def _copy(engine: torch.Tensor, dim: int, plan: Plan, pages: torch.Tensor, to_en
             mine.copy_(blocks, non_blocking=nb)
 
 
-def copy_layer(kv: PagedKV, layer: int, plan: Plan, pages: torch.Tensor, to_engine: bool) -> None:
-    """Move layer ``layer``'s pages of ``plan`` (on the current stream)."""
+def _staged_two_streams(engine: torch.Tensor, dim: int, idx: torch.Tensor, pages: torch.Tensor,
+                        to_engine: bool, copier: torch.cuda.Stream) -> None:
+    """A staged job whose host copy runs on ``copier``: the current stream runs the index kernel
+    and is ordered after the copy (scatter) or before it (gather, then the caller orders its
+    completion after ``copier``)."""
+    current = torch.cuda.current_stream(engine.device)
+    if to_engine:
+        with torch.cuda.stream(copier):
+            staged = torch.empty(pages.shape, dtype=pages.dtype, device=engine.device)
+            staged.copy_(pages, non_blocking=True)
+        current.wait_stream(copier)
+        engine.index_copy_(dim, idx, staged)
+        staged.record_stream(current)
+    else:
+        staged = torch.index_select(engine, dim, idx)
+        copier.wait_stream(current)
+        with torch.cuda.stream(copier):
+            pages.copy_(staged, non_blocking=True)
+        staged.record_stream(copier)
+
+
+def copy_layer(kv: PagedKV, layer: int, plan: Plan, pages: torch.Tensor, to_engine: bool,
+               copier: torch.cuda.Stream | None = None) -> None:
+    """Move layer ``layer``'s pages of ``plan`` (on the current stream; the host copies of staged
+    jobs on ``copier`` when given)."""
     view, mine = kv.views[layer], pages[layer]
     if plan.ids:
         nb = mine.device.type == "cpu" and view.device.type == "cuda"
-        _copy(view, 0, plan, mine, to_engine, nb)
+        _copy(view, 0, plan, mine, to_engine, nb, copier)
 
 
 def _copy_all(kv: PagedKV, plan: Plan, pages: torch.Tensor, to_engine: bool) -> None:

@@ -147,6 +147,7 @@ def test_cuda_layerwise_load_orders_the_engine_stream() -> None:
     gather(kv, src_ids, obj)
     fx.poison(dst_ids)
     engine = torch.cuda.Stream()
+    engine.wait_stream(torch.cuda.current_stream())  # the poison is the engine's earlier work
     seen = []
     with torch.cuda.stream(engine):
         steps = layerwise_load(kv, [(dst_ids, obj)])
