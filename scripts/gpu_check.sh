@@ -20,5 +20,5 @@ done | tee "$OUT/bench.log"
 for tool in racecheck synccheck; do
   echo "== compute-sanitizer --tool $tool"
   timeout 600 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_kv_harness.py -k "cuda and (byte_exact and bf16 or repeated)" 2>&1 | tail -n 30
+    tests/test_kv_harness.py tests/test_gpu_cuda.py -k "cuda and (byte_exact and bf16 or repeated or layerwise or zeroed)" 2>&1 | tail -n 30
 done | tee "$OUT/sanitizer.log"
