@@ -131,3 +131,28 @@ def test_encoded_chunks_are_read_whole(redis_server):  # noqa: F811 - fixture
 
 def test_partial_tails_keep_the_layout(redis_server):  # noqa: F811 - fixture
     in_place_reads.partial_tails_keep_the_layout(lambda: tier(redis_server.url))
+
+
+def test_tier_alone_reads_in_place_into_heap_memory(redis_server):  # noqa: F811 - fixture
+    """With no L1 in front (an engine with the resp tier alone, ``kvplug bench``), chunks are
+    still received straight into their memory objects (heap memory: a socket receives into any
+    memory) rather than parsed by redis-py into bytes and copied: ``reads_in_place`` counts
+    them, and every byte matches."""
+    writer = StorageManager({"tiers": [tier(redis_server.url)], "chunk_size": 16})
+    reader = StorageManager({"tiers": [tier(redis_server.url)], "chunk_size": 16})
+    try:
+        refs = in_place_reads._store(writer, {i: (4, 2, 12288) for i in range(6)})
+        keys = [make_key(i) for i in range(6)]
+        first = reader.get(keys[0], promote=False)  # read whole: teaches the layout
+        assert first is not None and torch.equal(first.byte_view, refs[0])
+        first.ref_down()
+        got = [reader.get(keys[1], promote=False), *reader.batched_get(keys[2:])]
+        for i, g in enumerate(got, start=1):
+            assert g is not None and torch.equal(g.byte_view, refs[i]), f"chunk {i} differs"
+            g.ref_down()
+        stats = reader.stats()["resp"]
+        assert stats["reads_in_place"] == 5, stats
+        assert stats["corrupt"] == 0 and stats["layout_misses"] == 0
+    finally:
+        reader.close()
+        writer.close()

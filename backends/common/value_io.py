@@ -111,6 +111,10 @@ class ValueIO(GuardedCalls):
     #: Whether the store reads a value in pieces straight into caller memory
     #: (:meth:`get_into_many`; the tier then reads chunks into its memory objects).
     reads_into = False
+    #: Whether those reads may land in any memory (a socket's ``recv_into``), not only in memory
+    #: registered with the store's client (Mooncake): then a tier with no L1 pool in front reads
+    #: into its heap objects in place too.
+    reads_anywhere = False
     #: ``read_limit() -> int | None``: the most bytes of one value a read may receive (the
     #: tier's ``ctx.read_limit``, set by the tier); a store receives at most one byte more, so
     #: the tier sees a longer value is too long without it costing its length.

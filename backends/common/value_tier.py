@@ -5,9 +5,9 @@ Each chunk is one value in the shared chunk format (:mod:`kvplug.chunkfile`), na
 Stores are queued and sent in batches (:class:`~.value_writer.ValueWriter`); ``contains`` asks
 for many keys in one batch, with a short-lived negative cache; ``get`` reads a value in one call
 (``batched_get``: many values in one batch) and verifies every layer's checksum before any byte
-is returned; where the store reads in pieces into registered memory (Mooncake), the layers go
-straight into L1's pool, laid out as the last chunk was, and the header read must say so
-(:meth:`ValueStoreTier._read_into`); ``get_layers`` reads a layer range where the store reads
+is returned; where the store reads in pieces into registered memory (Mooncake: L1's pool) or
+into any memory (resp: a socket), the layers go straight into the memory objects, laid out as
+the last chunk was, and the header read must say so (:meth:`ValueStoreTier._read_into`); ``get_layers`` reads a layer range where the store reads
 ranges. Every call is bounded by the store client's timeout and
 feeds the circuit breaker shared with the fsspec tier (:class:`~.value_io.ValueIO`). The store's
 own eviction, a restart that lost its data, or a value refused because the store is full are all
@@ -102,11 +102,12 @@ class ValueStoreTier(PinnedStore):
         self._lock = threading.Lock()  # pins, negative cache, counters
         self._pins: PinCounts[str] = PinCounts()
         self._headers = HeaderCache()
-        #: The last chunk's layout, where the store reads in pieces into L1's pool (reads go
+        #: The last chunk's layout, where the store reads in pieces into memory objects (reads go
         #: straight into memory objects laid out so; see :meth:`_read_into`).
         self._layout: Layout | None = None
         self._missed = 0  # values of another layout since the last read in place
-        self._into_pool = self.io.reads_into and bool(ctx.memory_regions())
+        self._into_pool = self.io.reads_into and (self.io.reads_anywhere
+                                                  or bool(ctx.memory_regions()))
         self._absent = TTLSet(opts.negative_cache_s)
         self._counts = dict.fromkeys(("corrupt", "other_version", "negative_hits", "vanished",
                                       "bytes_got", "reads_in_place", "layout_misses",

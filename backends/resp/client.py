@@ -196,7 +196,8 @@ def display_url(url: str) -> str:
 class RespIO(ValueIO):
     """The store's primitives as pipelines: one round trip per batch. The client is made on
     first use (a cluster that is down when the tier starts is then a miss like any other outage,
-    not a startup failure). A reply error from the server (``OOM`` under ``noeviction``, a wrong
+    not a startup failure). Replies of a standalone server are received in place into any memory
+    (heap objects too, with no L1 in front). A reply error from the server (``OOM`` under ``noeviction``, a wrong
     type) means the store answered: the value is refused, the breaker is not told."""
 
     def __init__(self, name: str, make_client: Callable[[], Any], breaker: CircuitBreaker,
@@ -205,6 +206,7 @@ class RespIO(ValueIO):
         super().__init__(name, breaker, redact)
         #: A standalone server's replies are read in place (a cluster's go through redis-py).
         self.reads_into = not cluster
+        self.reads_anywhere = True  # recv_into any memory
         self._local = threading.local()
         self._make = make_client
         self._shown = shown  # the URL for log lines (no credentials)
