@@ -7,11 +7,12 @@ for many keys in one batch, with a short-lived negative cache; ``get`` reads a v
 (``batched_get``: many values in one batch) and verifies every layer's checksum before any byte
 is returned; where the store reads in pieces into registered memory (Mooncake: L1's pool) or
 into any memory (resp: a socket), the layers go straight into the memory objects, laid out as
-the last chunk was, and the header read must say so (:meth:`ValueStoreTier._read_into`); ``get_layers`` reads a layer range where the store reads
-ranges. Every call is bounded by the store client's timeout and
-feeds the circuit breaker shared with the fsspec tier (:class:`~.value_io.ValueIO`). The store's
-own eviction, a restart that lost its data, or a value refused because the store is full are all
-misses or dropped stores, never errors. Credentials never reach a log line or ``stats``.
+the last chunk was, and the header read must say so (:meth:`ValueStoreTier._read_into`);
+``get_layers`` reads a layer range where the store reads ranges. Every call is bounded by the
+store client's timeout and feeds the circuit breaker shared with the fsspec tier
+(:class:`~.value_io.ValueIO`). The store's own eviction, a restart that lost its data, or a
+value refused because the store is full are all misses or dropped stores, never errors.
+Credentials never reach a log line or ``stats``.
 
 A backend subclasses :class:`ValueStoreTier`: its ``Options`` derive from
 :class:`ValueStoreOptions` and :meth:`ValueStoreTier.open_io` returns its
@@ -39,7 +40,7 @@ from .chunks import HeaderCache, Layout, copy_verified, layer_range
 from .index import CapacityIndex, TTLSet
 from .pinned import PinnedStore
 from .value_io import ValueIO
-from .value_writer import ValueWriter
+from .value_writer import MAX_PENDING_BYTES, MAX_PENDING_WRITES, ValueWriter
 
 logger = logging.getLogger("kvplug.backends.values")
 _NAME_CACHE = 65536
@@ -56,7 +57,11 @@ class ValueStoreOptions(BaseOptions):
         default=None, description="optional LRU bound on bytes this process stored, enforced by "
         "it; None = leave eviction to the store")
     timeout_s: float = Field(default=2.0, gt=0, description="hard bound on one call to the store")
-    max_pending_writes: int = Field(default=64, ge=1, description="queued stores; more drop")
+    max_pending_writes: int = Field(default=MAX_PENDING_WRITES, ge=1,
+                                    description="queued stores; more drop (counted)")
+    max_pending_bytes: ByteSize = Field(default=ByteSize(MAX_PENDING_BYTES), gt=0,
+                                        description="bytes of queued stores (L1 memory they "
+                                        "hold); more drop (counted)")
     io_threads: int = Field(default=4, ge=1, description="writer threads")
     batch_bytes: ByteSize = Field(default=ByteSize(16 << 20), gt=0,
                                   description="bytes of queued stores sent in one batch (each "
@@ -118,7 +123,8 @@ class ValueStoreTier(PinnedStore):
             ctx.name, self.io, self._index, self._log_once, pinned=self._pinned,
             delete=self._delete, stored=self._stored, max_pending=opts.max_pending_writes,
             threads=opts.io_threads, batch_bytes=int(opts.batch_bytes),
-            written_ttl_s=max(opts.negative_cache_s, 1.0), auth=ctx.auth)
+            written_ttl_s=max(opts.negative_cache_s, 1.0), auth=ctx.auth,
+            max_pending_bytes=int(opts.max_pending_bytes))
         logger.info("tier %r: %s at %s", self.name, self.kind, self.url)
 
     def store_name(self, key: CacheKey) -> str:
