@@ -156,3 +156,25 @@ def test_tier_alone_reads_in_place_into_heap_memory(redis_server):  # noqa: F811
     finally:
         reader.close()
         writer.close()
+
+
+def test_the_connection_is_made_at_start_not_by_the_first_lookup(redis_server):  # noqa: F811
+    """The tier connects to the server when it starts (in the background), so an engine's first
+    lookup and load do not pay the client's set-up and a TCP connection: the server counts no
+    new connection for them."""
+    server = redis_server.client()
+    before = server.info("stats")["total_connections_received"]
+    mgr = StorageManager({"tiers": [tier(redis_server.url)], "chunk_size": 16})
+    try:
+        deadline = time.monotonic() + HANG
+        while server.info("stats")["total_connections_received"] == before:
+            assert time.monotonic() < deadline, "the tier did not connect at start"
+            time.sleep(0.01)
+        time.sleep(0.2)  # the start-up connection back in the pool
+        started = server.info("stats")["total_connections_received"]
+        assert started == before + 1
+        assert mgr.lookup_prefix([make_key(1)]).num_chunks == 0
+        assert mgr.get(make_key(1)) is None
+        assert server.info("stats")["total_connections_received"] == started
+    finally:
+        mgr.close()
