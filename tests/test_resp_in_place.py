@@ -178,3 +178,41 @@ def test_the_connection_is_made_at_start_not_by_the_first_lookup(redis_server): 
         assert server.info("stats")["total_connections_received"] == started
     finally:
         mgr.close()
+
+
+@pytest.mark.parametrize("l1", [False, True], ids=["alone", "l1"])
+def test_a_header_read_again_is_not_parsed_again_but_still_checked(redis_server, l1):  # noqa: F811
+    """A chunk read again whose header bytes equal the ones parsed before reuses that parse
+    (``headers_reused``: the parse is a pure function of the bytes), read whole or in place;
+    every check still runs on what was read: a value whose header then differs by one byte, or
+    whose payload does, is a corrupt miss, never served."""
+    writer = StorageManager({"tiers": [tier(redis_server.url)], "chunk_size": 16})
+    tiers = [in_place_reads.L1, tier(redis_server.url)] if l1 else [tier(redis_server.url)]
+    reader = StorageManager({"tiers": tiers, "chunk_size": 16})
+    server = redis_server.client()
+    try:
+        refs = in_place_reads._store(writer, {i: (4, 2, 12288) for i in range(3)})
+        keys = [make_key(i) for i in range(3)]
+        for _ in range(3):  # read whole (learns the layout), then in place
+            for g, i in zip(reader.batched_get(keys), range(3)):
+                assert g is not None and torch.equal(g.byte_view, refs[i])
+                g.ref_down()
+            if l1:
+                reader.evict(keys, tiers=["l1"])
+        stats = reader.stats()["resp"]
+        assert stats["headers_reused"] == 6, stats  # every read but each chunk's first
+        name = writer.backend(0).name_of(keys[1])
+        good = server.get(name)
+        at = {"header": 45, "payload": len(good) - 5}  # 45: in the header's own checksum
+        for where, pos in at.items():
+            bad = bytearray(good)
+            bad[pos] ^= 0x01
+            server.set(name, bytes(bad))
+            corrupt = reader.stats()["resp"]["corrupt"]
+            got = reader.batched_get(keys[1:2])[0]
+            assert got is None, f"a value with a flipped {where} byte was served"
+            assert reader.stats()["resp"]["corrupt"] == corrupt + 1, where
+            server.set(name, good)  # deleted as corrupt: back for the next case
+    finally:
+        reader.close()
+        writer.close()

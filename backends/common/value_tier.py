@@ -116,7 +116,7 @@ class ValueStoreTier(PinnedStore):
         self._absent = TTLSet(opts.negative_cache_s)
         self._counts = dict.fromkeys(("corrupt", "other_version", "negative_hits", "vanished",
                                       "bytes_got", "reads_in_place", "layout_misses",
-                                      "oversized"), 0)
+                                      "oversized", "headers_reused"), 0)
         self._names: dict[CacheKey, str] = {}
         self._index = CapacityIndex(int(opts.capacity) if opts.capacity is not None else None)
         self._writer = ValueWriter(
@@ -371,8 +371,20 @@ class ValueStoreTier(PinnedStore):
         return header
 
     def _parse(self, name: str, read: cf.ReadAt, size: int | None) -> cf.ChunkHeader | None:
+        """The checked header of value ``name`` (``read``: its bytes; ``size``: its length, where
+        known). Header bytes equal to those this name's cached header was parsed from are that
+        header again, unparsed (``headers_reused``; the parse is a pure function of the bytes
+        and the size); the caller's checks (key, layout, every layer's checksum) run either way."""
+        known = self._headers.known(name)
+        if known is not None and (size is None or known[0].file_size == size):
+            header, raw = known
+            if read(0, len(raw)) == raw:
+                self._count("headers_reused")
+                return header
         try:
-            return cf.read_header(read, size, self._auth)[0]
+            header, raw = cf.read_header(read, size, self._auth)
+            self._headers.put(name, header, raw)
+            return header
         except ChunkVersionError as exc:  # another version's value: a miss, left in place
             self._count("other_version")
             self._log_once("other_version", "tier %r: %s is of another format version (%s); "
