@@ -13,9 +13,9 @@ spike on this shared machine, or being first, favours no case):
 * ``raw one by one``: redis-py ``GET`` / Mooncake ``get`` per chunk;
 * ``tier batched_get, alone``: ``StorageManager.batched_get`` of the chunks, the resp tier alone
   in the manager (no L1, as ``kvplug bench`` drives it, or an engine with that tier only); and
-  for resp the same with the tier's reads in place turned off (``before``: the read path of main
-  before issue 36's change, redis-py's reply copied into a heap object; mooncake reads into
-  registered memory only, so alone it copies either way);
+  for resp the same with the tier's reads in place turned off (``in place off``: the read path
+  of a tier alone before issue 36, redis-py's reply copied into a heap object; mooncake reads
+  into registered memory only, so alone it copies either way);
 * ``tier batched_get, L1 in front``: as an engine loads (reads in place into L1's pool; evicted
   from L1 before each read, so every round reads the server);
 * ``tier get one by one, alone``: ``StorageManager.get`` per chunk (the bench's batch of 1).
@@ -99,7 +99,7 @@ def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: i
     before = None
     if store == "resp":
         before = StorageManager({"tiers": [tier]})
-        before.backend(0)._into_pool = False  # main's read path for a tier alone: redis-py + a copy
+        before.backend(0)._into_pool = False  # reads in place off: redis-py + a copy
     objs = [_chunk(mib, i) for i in range(chunks)]
     keys = [make_key(int(mib * 1000) * 10**6 + i) for i in range(chunks)]
     try:
@@ -115,9 +115,9 @@ def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: i
                                            "raw one by one"),
         }
         if before is not None:
-            cases["tier batched_get, alone (before)"] = (lambda: before.batched_get(keys),
+            cases["tier batched_get, alone, in place off"] = (lambda: before.batched_get(keys),
                                                          "raw batch")
-            cases["tier get one by one, alone (before)"] = (
+            cases["tier get one by one, alone, in place off"] = (
                 lambda: [before.get(k, promote=False) for k in keys], "raw one by one")
         wall: dict[str, list[float]] = {c: [] for c in cases}
         cpu: dict[str, list[float]] = {c: [] for c in cases}

@@ -195,8 +195,13 @@ class ValueStoreTier(PinnedStore):
         i = len(out)
         if self._layout is not None:
             return out + self._read_into(keys[i:], names[i:], self._layout)
-        values = self.io.get_many(names[i:])
-        return out + [self._load(k, n, v) for k, n, v in zip(keys[i:], names[i:], values)]
+        rest: list[MemoryObj | None] = [None] * (len(keys) - i)
+
+        def use(j: int, value: bytes | memoryview | None) -> None:  # as each value is read
+            rest[j] = self._load(keys[i + j], names[i + j], value)
+
+        self.io.get_each(names[i:], use)
+        return out + rest
 
     def _load(self, key: CacheKey, name: str, data: bytes | memoryview | None) -> MemoryObj | None:
         """The verified chunk of one value read whole (``None``: missing or unavailable)."""
