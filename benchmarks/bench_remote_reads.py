@@ -1,16 +1,18 @@
 """Remote reads against the raw client, interleaved round by round: where a tier's load time goes.
 
     .venv/bin/python benchmarks/bench_remote_reads.py [--mib 1,4] [--chunks 16] [--rounds 15] \
-        [--stores resp,mooncake]
+        [--stores resp,mooncake,fsspec]
 
-Against a ``redis-server`` / ``mooncake_master`` this script starts on 127.0.0.1 (with mooncake
-it re-runs itself in a private network namespace, as bench_remote_tiers.py does), chunks stored
-by the tier are read, in every round one case after another, the order rotated by one each round (so a load
-spike on this shared machine, or being first, favours no case):
+Against a ``redis-server`` / ``mooncake_master`` / moto's S3 server (in this process) this
+script starts on 127.0.0.1 (with mooncake it re-runs itself in a private network namespace, as
+bench_remote_tiers.py does), chunks stored by the tier are read, in every round one case after
+another, the order rotated by one each round (so a load spike on this shared machine, or being
+first, favours no case):
 
 * ``raw batch``: resp: redis-py (hiredis) ``GET`` of every chunk in one pipeline; mooncake:
-  ``get_batch`` of a second client of the same master;
-* ``raw one by one``: redis-py ``GET`` / Mooncake ``get`` per chunk;
+  ``get_batch`` of a second client of the same master; fsspec: s3fs ``cat`` of every path
+  (concurrent requests);
+* ``raw one by one``: redis-py ``GET`` / Mooncake ``get`` / s3fs ``cat_file`` per chunk;
 * ``tier batched_get, alone``: ``StorageManager.batched_get`` of the chunks, the resp tier alone
   in the manager (no L1, as ``kvplug bench`` drives it, or an engine with that tier only); and
   for resp the same with the tier's reads in place turned off (``in place off``: the read path
@@ -88,6 +90,18 @@ def raw_mooncake(master: str) -> Raw:
     return Raw(store.get_batch, store.get, store.close)
 
 
+def raw_fsspec(url: str, storage_options: dict) -> Raw:
+    import fsspec
+
+    fs, _ = fsspec.core.url_to_fs(url, **storage_options)
+
+    def batch(paths: list[str]) -> list:
+        got = fs.cat(paths)  # concurrent requests
+        return [got[p] for p in paths]
+
+    return Raw(batch, fs.cat_file, lambda: None)
+
+
 def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: int) -> None:
     tier = {**tier, "options": {**tier["options"], "negative_cache_s": 0.0,
                                 "max_pending_writes": 4096}}
@@ -100,12 +114,18 @@ def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: i
     if store == "resp":
         before = StorageManager({"tiers": [tier]})
         before.backend(0)._into_pool = False  # reads in place off: redis-py + a copy
+    elif store == "fsspec":
+        from kvplug.backends.common.chunks import HeaderCache
+
+        before = StorageManager({"tiers": [tier]})
+        before.backend(0)._reader._headers = HeaderCache(0)  # no header known: 3 requests a read
     objs = [_chunk(mib, i) for i in range(chunks)]
     keys = [make_key(int(mib * 1000) * 10**6 + i) for i in range(chunks)]
     try:
         writer.batched_put(keys, objs)
         assert writer.flush(timeout=600), "stores did not finish"
-        names = [writer.backend(0).name_of(k) for k in keys]
+        backend = writer.backend(0)
+        names = [backend.name_of(k) if store != "fsspec" else backend.path_of(k) for k in keys]
         cases: dict[str, tuple[Callable[[], list], str | None]] = {
             "raw batch": (lambda: raw.batch(names), None),
             "raw one by one": (lambda: [raw.one(n) for n in names], None),
@@ -114,10 +134,11 @@ def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: i
             "tier get one by one, alone": (lambda: [alone.get(k, promote=False) for k in keys],
                                            "raw one by one"),
         }
+        off = "header cache off" if store == "fsspec" else "in place off"
         if before is not None:
-            cases["tier batched_get, alone, in place off"] = (lambda: before.batched_get(keys),
+            cases[f"tier batched_get, alone, {off}"] = (lambda: before.batched_get(keys),
                                                          "raw batch")
-            cases["tier get one by one, alone, in place off"] = (
+            cases[f"tier get one by one, alone, {off}"] = (
                 lambda: [before.get(k, promote=False) for k in keys], "raw one by one")
         wall: dict[str, list[float]] = {c: [] for c in cases}
         cpu: dict[str, list[float]] = {c: [] for c in cases}
@@ -151,6 +172,9 @@ def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: i
             print(f"| {case} | {total / statistics.median(wall[case]):.0f} | {ratio} | {top} | "
                   f"{1e3 * statistics.median(cpu[case]) / total:.2f} |")
         st = {n: m.stats()[store] for n, m in (("alone", alone), ("L1", with_l1))}
+        if store == "fsspec":
+            print(f"corrupt: alone {st['alone']['corrupt']:.0f}, L1 {st['L1']['corrupt']:.0f}")
+            return
         print("reads in place: " + ", ".join(
             f"{n} {s['reads_in_place']:.0f} (layout misses {s['layout_misses']:.0f}, corrupt "
             f"{s['corrupt']:.0f})" for n, s in st.items()), flush=True)
@@ -166,7 +190,8 @@ def main() -> None:
     ap.add_argument("--mib", default="1,4", help="chunk sizes in MiB, comma-separated")
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--stores", default="resp,mooncake", help="comma-separated: resp, mooncake")
+    ap.add_argument("--stores", default="resp,mooncake,fsspec",
+                    help="comma-separated: resp, mooncake, fsspec (moto's S3 server)")
     args = ap.parse_args()
     stores = args.stores.split(",")
     if "mooncake" in stores:
@@ -200,6 +225,23 @@ def main() -> None:
             finally:
                 raw.close()
                 master.stop()
+        if "fsspec" in stores:
+            import s3fs
+            from s3_server import CREDENTIALS, MotoServer
+
+            os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                              AWS_DEFAULT_REGION="us-east-1")
+            moto = MotoServer()
+            try:
+                so = {"endpoint_url": moto.endpoint, **CREDENTIALS}
+                s3fs.S3FileSystem(skip_instance_cache=True, **so).mkdir("bench")
+                raw = raw_fsspec("s3://bench/kv", so)
+                for mib in sizes:
+                    measure("fsspec", {"backend": "fsspec", "timeout_s": 60.0, "options": {
+                        "url": "s3://bench/kv", "timeout_s": 30.0, "storage_options": so}},
+                        raw, mib, args.chunks, args.rounds)
+            finally:
+                moto.stop()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
