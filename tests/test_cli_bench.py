@@ -79,7 +79,7 @@ def check_cells(report: dict[str, Any], raw: bool, sizes: tuple[int, ...] = (64 
             assert fig["load"]["bytes_verified"] == fig["load"]["bytes"] > 0, (who, cell)
             assert fig["load"]["bytes_verified"] == fig["load"]["keys"] * cell["size"]
         if not raw:
-            assert "raw" not in cell
+            assert "raw" not in cell and "ratio" not in cell
 
 
 def test_bench_local_cpu() -> None:
@@ -104,6 +104,23 @@ def test_bench_posix_from_config_file(tmp_path: Path) -> None:
     check_cells(report, raw=True)
     left = [p for p in root.rglob("*") if p.is_file()]
     assert not left, f"bench left files behind: {left[:5]}"
+
+
+def test_bench_rounds_alternate_tier_and_raw(tmp_path: Path) -> None:
+    """``--rounds 3``: each cell runs three times, tier and raw medium alternating; each side's
+    figures add up all rounds (at least one call per thread and round), and the ratio of each
+    phase is the median of the rounds' own ratios."""
+    proc = bench("--backend", "posix", "--options", json.dumps({"path": str(tmp_path / "c")}),
+                 "--sizes", "64KiB", *SMALL, "--rounds", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = report_of(proc)
+    check_cells(report, raw=True)
+    assert report["rounds"] == 3
+    for cell in report["cells"]:
+        assert cell["rounds"] == 3
+        for who in ("kvplug", "raw"):
+            assert cell[who]["store"]["ops"] >= 3 * cell["threads"], (who, cell)
+        assert all(cell["ratio"][ph] > 0 for ph in ("store", "lookup", "load")), cell
 
 
 def test_bench_resp_beside_redis_py(tmp_path: Path) -> None:

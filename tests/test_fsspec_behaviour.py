@@ -270,3 +270,39 @@ def test_a_store_dropped_for_capacity_does_not_keep_the_breakers_trial_call():
         st = mgr.stats()["fsspec"]
         assert st["written"] == 2, f"the trial call was lost; the breaker never closes: {st}"
         assert not backend.breaker.is_open
+
+
+def test_a_chunk_read_again_is_one_request():
+    """A chunk whose header this tier read before is read again with one ranged read of its
+    known size (plus one byte, so a longer object shows), not a header read, a size call and a
+    body read; what comes back is parsed and verified as ever. An object replaced by one of
+    another size falls back to the header read, which finds it without downloading it."""
+    with _mgr() as mgr:
+        _put(mgr, range(2))
+        io = _backend(mgr).io
+        calls: list[str] = []
+        real_cat, real_size = io.cat, io.size
+
+        async def cat(path, start=None, end=None):
+            calls.append("cat")
+            return await real_cat(path, start, end)
+
+        async def size(path):
+            calls.append("size")
+            return await real_size(path)
+
+        io.cat, io.size = cat, size
+        ref = mgr.get(make_key(0))
+        assert ref is not None and sorted(calls) == ["cat", "cat", "size"], calls
+        calls.clear()
+        again = mgr.get(make_key(0))
+        assert again is not None and torch.equal(again.byte_view, ref.byte_view)
+        assert calls == ["cat"], calls
+        fs = fsspec.filesystem("memory")
+        path = _backend(mgr).path_of(make_key(0))
+        fs.pipe_file(path, fs.cat_file(path) + bytes(1 << 20))  # longer: junk appended
+        calls.clear()
+        assert mgr.get(make_key(0)) is None
+        assert mgr.stats()["fsspec"]["corrupt"] == 1 and not fs.exists(path)
+        for obj in (ref, again):
+            obj.ref_down()

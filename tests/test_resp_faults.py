@@ -218,3 +218,67 @@ def test_hung_server_bounded_misses_then_recovers(tmp_path):
     finally:
         mgr.close()
         srv.stop()
+
+
+def _burst(mgr: StorageManager, server: RedisServer, n: int) -> list[torch.Tensor]:
+    """Store ``n`` chunks in one ``batched_put`` while the server is hung (SIGSTOP: the one
+    writer thread blocks on its first batch, everything else waits in the queue); resumed
+    after. Their reference bytes."""
+    objs, refs = [], []
+    for i in range(n):
+        obj = mgr.allocate(tier_workload.SHAPE, dtype=torch.uint8, num_tokens=16)
+        obj.byte_view.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8,
+                                          generator=torch.Generator().manual_seed(i)))
+        objs.append(obj)
+        refs.append(obj.byte_view.clone())
+    server.pause()
+    try:
+        mgr.batched_put([key(i) for i in range(n)], objs)
+    finally:
+        server.resume()
+        for obj in objs:
+            obj.ref_down()
+    return refs
+
+
+def test_a_burst_of_stores_is_queued_not_dropped_by_default(tmp_path, caplog):
+    """An engine stores a long prompt's chunks in one step: with the default queue bound the
+    resp tier (and mooncake, fsspec: the same writer) keeps a burst of 300 while its store is
+    busy, and writes every one (the old default, 64 queued stores, dropped 235 of them)."""
+    server = RedisServer(tmp_path / "r")
+    mgr = manager(server.url, timeout_s=30.0, io_threads=1, batch_bytes=1)
+    try:
+        refs = _burst(mgr, server, 300)
+        assert mgr.flush(timeout=HANG)
+        stats = mgr.stats()["resp"]
+        assert stats["dropped_queue_full"] == 0 and stats["dropped_puts"] == 0, stats
+        assert stats["written"] == 300
+        for i in (0, 150, 299):
+            assert tier_workload.get_exact(mgr, key(i), refs[i])
+    finally:
+        mgr.close()
+        server.stop()
+
+
+def test_a_full_write_queue_drops_counts_and_says_which_option(tmp_path, caplog):
+    """Past ``max_pending_bytes`` (or ``max_pending_writes``) queued, a store is dropped at
+    once (the engine never waits), counted as ``dropped_queue_full`` (and in the
+    ``dropped_puts`` metric), and logged once naming the option that raises the bound; the
+    queued ones are written."""
+    server = RedisServer(tmp_path / "r")
+    nbytes = torch.Size(tier_workload.SHAPE).numel()
+    mgr = manager(server.url, timeout_s=30.0, io_threads=1, batch_bytes=1,
+                  max_pending_bytes=20 * nbytes)
+    try:
+        with caplog.at_level("WARNING", logger="kvplug"):
+            _burst(mgr, server, 60)
+        assert mgr.flush(timeout=HANG)
+        stats = mgr.stats()["resp"]
+        assert 39 <= stats["dropped_queue_full"] <= 40, stats  # 20 queued, 1 with the writer
+        assert stats["dropped_puts"] == stats["dropped_queue_full"]
+        assert stats["written"] == 60 - stats["dropped_queue_full"]
+        lines = [r.getMessage() for r in caplog.records if "queue full" in r.getMessage()]
+        assert len(lines) == 1 and "max_pending_bytes" in lines[0], lines
+    finally:
+        mgr.close()
+        server.stop()

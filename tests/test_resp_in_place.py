@@ -131,3 +131,88 @@ def test_encoded_chunks_are_read_whole(redis_server):  # noqa: F811 - fixture
 
 def test_partial_tails_keep_the_layout(redis_server):  # noqa: F811 - fixture
     in_place_reads.partial_tails_keep_the_layout(lambda: tier(redis_server.url))
+
+
+def test_tier_alone_reads_in_place_into_heap_memory(redis_server):  # noqa: F811 - fixture
+    """With no L1 in front (an engine with the resp tier alone, ``kvplug bench``), chunks are
+    still received straight into their memory objects (heap memory: a socket receives into any
+    memory) rather than parsed by redis-py into bytes and copied: ``reads_in_place`` counts
+    them, and every byte matches."""
+    writer = StorageManager({"tiers": [tier(redis_server.url)], "chunk_size": 16})
+    reader = StorageManager({"tiers": [tier(redis_server.url)], "chunk_size": 16})
+    try:
+        refs = in_place_reads._store(writer, {i: (4, 2, 12288) for i in range(6)})
+        keys = [make_key(i) for i in range(6)]
+        first = reader.get(keys[0], promote=False)  # read whole: teaches the layout
+        assert first is not None and torch.equal(first.byte_view, refs[0])
+        first.ref_down()
+        got = [reader.get(keys[1], promote=False), *reader.batched_get(keys[2:])]
+        for i, g in enumerate(got, start=1):
+            assert g is not None and torch.equal(g.byte_view, refs[i]), f"chunk {i} differs"
+            g.ref_down()
+        stats = reader.stats()["resp"]
+        assert stats["reads_in_place"] == 5, stats
+        assert stats["corrupt"] == 0 and stats["layout_misses"] == 0
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_the_connection_is_made_at_start_not_by_the_first_lookup(redis_server):  # noqa: F811
+    """The tier connects to the server when it starts (in the background), so an engine's first
+    lookup and load do not pay the client's set-up and a TCP connection: the server counts no
+    new connection for them."""
+    server = redis_server.client()
+    before = server.info("stats")["total_connections_received"]
+    mgr = StorageManager({"tiers": [tier(redis_server.url)], "chunk_size": 16})
+    try:
+        deadline = time.monotonic() + HANG
+        while server.info("stats")["total_connections_received"] == before:
+            assert time.monotonic() < deadline, "the tier did not connect at start"
+            time.sleep(0.01)
+        time.sleep(0.2)  # the start-up connection back in the pool
+        started = server.info("stats")["total_connections_received"]
+        assert started == before + 1
+        assert mgr.lookup_prefix([make_key(1)]).num_chunks == 0
+        assert mgr.get(make_key(1)) is None
+        assert server.info("stats")["total_connections_received"] == started
+    finally:
+        mgr.close()
+
+
+@pytest.mark.parametrize("l1", [False, True], ids=["alone", "l1"])
+def test_a_header_read_again_is_not_parsed_again_but_still_checked(redis_server, l1):  # noqa: F811
+    """A chunk read again whose header bytes equal the ones parsed before reuses that parse
+    (``headers_reused``: the parse is a pure function of the bytes), read whole or in place;
+    every check still runs on what was read: a value whose header then differs by one byte, or
+    whose payload does, is a corrupt miss, never served."""
+    writer = StorageManager({"tiers": [tier(redis_server.url)], "chunk_size": 16})
+    tiers = [in_place_reads.L1, tier(redis_server.url)] if l1 else [tier(redis_server.url)]
+    reader = StorageManager({"tiers": tiers, "chunk_size": 16})
+    server = redis_server.client()
+    try:
+        refs = in_place_reads._store(writer, {i: (4, 2, 12288) for i in range(3)})
+        keys = [make_key(i) for i in range(3)]
+        for _ in range(3):  # read whole (learns the layout), then in place
+            for g, i in zip(reader.batched_get(keys), range(3)):
+                assert g is not None and torch.equal(g.byte_view, refs[i])
+                g.ref_down()
+            if l1:
+                reader.evict(keys, tiers=["l1"])
+        stats = reader.stats()["resp"]
+        assert stats["headers_reused"] == 6, stats  # every read but each chunk's first
+        name = writer.backend(0).name_of(keys[1])
+        good = server.get(name)
+        at = {"header": 45, "payload": len(good) - 5}  # 45: in the header's own checksum
+        for where, pos in at.items():
+            bad = bytearray(good)
+            bad[pos] ^= 0x01
+            server.set(name, bytes(bad))
+            corrupt = reader.stats()["resp"]["corrupt"]
+            got = reader.batched_get(keys[1:2])[0]
+            assert got is None, f"a value with a flipped {where} byte was served"
+            assert reader.stats()["resp"]["corrupt"] == corrupt + 1, where
+            server.set(name, good)  # deleted as corrupt: back for the next case
+    finally:
+        reader.close()
+        writer.close()

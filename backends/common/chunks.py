@@ -20,20 +20,32 @@ HEADER_CACHE = 4096  # parsed headers kept (a few KiB each)
 
 
 class HeaderCache:
-    """Parsed chunk headers by name, least recently used dropped first (thread-safe)."""
+    """Parsed chunk headers by name, least recently used dropped first (thread-safe); with the
+    raw header bytes they were parsed from, where known (:meth:`known`: bytes read again that
+    equal them need no second parse, which is a pure function of them)."""
 
     def __init__(self, size: int = HEADER_CACHE) -> None:
         self._size = size
         self._lock = threading.Lock()
-        self._headers: OrderedDict[str, cf.ChunkHeader] = OrderedDict()
+        self._headers: OrderedDict[str, tuple[cf.ChunkHeader, bytes | None]] = OrderedDict()
 
     def get(self, name: str) -> cf.ChunkHeader | None:
         with self._lock:
-            return self._headers.get(name)
+            entry = self._headers.get(name)
+        return None if entry is None else entry[0]
 
-    def put(self, name: str, header: cf.ChunkHeader) -> None:
+    def known(self, name: str) -> tuple[cf.ChunkHeader, bytes] | None:
+        """``(header, the raw bytes it was parsed from)``, or None."""
         with self._lock:
-            self._headers[name] = header
+            entry = self._headers.get(name)
+        return None if entry is None or entry[1] is None else (entry[0], entry[1])
+
+    def put(self, name: str, header: cf.ChunkHeader, raw: bytes | None = None) -> None:
+        with self._lock:
+            old = self._headers.get(name)
+            if raw is None and old is not None and old[0] is header:
+                raw = old[1]  # the same parse: keep its bytes
+            self._headers[name] = (header, raw)
             self._headers.move_to_end(name)
             if len(self._headers) > self._size:
                 self._headers.popitem(last=False)

@@ -111,6 +111,10 @@ class ValueIO(GuardedCalls):
     #: Whether the store reads a value in pieces straight into caller memory
     #: (:meth:`get_into_many`; the tier then reads chunks into its memory objects).
     reads_into = False
+    #: Whether those reads may land in any memory (a socket's ``recv_into``), not only in memory
+    #: registered with the store's client (Mooncake): then a tier with no L1 pool in front reads
+    #: into its heap objects in place too.
+    reads_anywhere = False
     #: ``read_limit() -> int | None``: the most bytes of one value a read may receive (the
     #: tier's ``ctx.read_limit``, set by the tier); a store receives at most one byte more, so
     #: the tier sees a longer value is too long without it costing its length.
@@ -127,6 +131,14 @@ class ValueIO(GuardedCalls):
         """Whole values in one batch (one pipeline, one batch call); one ``_get`` each unless a
         store overrides it."""
         return [self._get(n) for n in names]
+
+    def _get_each(self, names: Sequence[str],
+                  use: Callable[[int, bytes | memoryview | None], None]) -> None:
+        """Hand each value to ``use(i, value)`` as it is read; a store that reads into a reused
+        buffer hands a view of it, valid only during the call (no copy per value). Default: the
+        values of :meth:`_get_many`."""
+        for i, value in enumerate(self._get_many(names)):
+            use(i, value)
 
     def _get_range(self, name: str, start: int, end: int) -> bytes | None:
         raise NotImplementedError
@@ -166,6 +178,22 @@ class ValueIO(GuardedCalls):
         """Whole values, one per name (``None``: missing; all ``None``: unavailable)."""
         ok, out = self._guarded(lambda: self._get_many(names))
         return out if ok else [None] * len(names)
+
+    def get_each(self, names: Sequence[str],
+                 use: Callable[[int, bytes | memoryview | None], None]) -> None:
+        """:meth:`get_many` handing each value to ``use(i, value)`` as it is read (a view valid
+        only during the call); every index is handed once, ``None`` for a missing value and for
+        each one left unread when the store failed or was refused part way."""
+        done = 0
+
+        def counted(i: int, value: bytes | memoryview | None) -> None:
+            nonlocal done
+            done = i + 1
+            use(i, value)
+
+        self._guarded(lambda: self._get_each(names, counted))
+        for i in range(done, len(names)):
+            use(i, None)
 
     def get_into_many(self, names: Sequence[str], pieces: Sequence[Sequence[tuple[int, int]]]
                       ) -> list[int | bytearray | None]:

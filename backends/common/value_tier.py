@@ -5,13 +5,14 @@ Each chunk is one value in the shared chunk format (:mod:`kvplug.chunkfile`), na
 Stores are queued and sent in batches (:class:`~.value_writer.ValueWriter`); ``contains`` asks
 for many keys in one batch, with a short-lived negative cache; ``get`` reads a value in one call
 (``batched_get``: many values in one batch) and verifies every layer's checksum before any byte
-is returned; where the store reads in pieces into registered memory (Mooncake), the layers go
-straight into L1's pool, laid out as the last chunk was, and the header read must say so
-(:meth:`ValueStoreTier._read_into`); ``get_layers`` reads a layer range where the store reads
-ranges. Every call is bounded by the store client's timeout and
-feeds the circuit breaker shared with the fsspec tier (:class:`~.value_io.ValueIO`). The store's
-own eviction, a restart that lost its data, or a value refused because the store is full are all
-misses or dropped stores, never errors. Credentials never reach a log line or ``stats``.
+is returned; where the store reads in pieces into registered memory (Mooncake: L1's pool) or
+into any memory (resp: a socket), the layers go straight into the memory objects, laid out as
+the last chunk was, and the header read must say so (:meth:`ValueStoreTier._read_into`);
+``get_layers`` reads a layer range where the store reads ranges. Every call is bounded by the
+store client's timeout and feeds the circuit breaker shared with the fsspec tier
+(:class:`~.value_io.ValueIO`). The store's own eviction, a restart that lost its data, or a
+value refused because the store is full are all misses or dropped stores, never errors.
+Credentials never reach a log line or ``stats``.
 
 A backend subclasses :class:`ValueStoreTier`: its ``Options`` derive from
 :class:`ValueStoreOptions` and :meth:`ValueStoreTier.open_io` returns its
@@ -39,7 +40,7 @@ from .chunks import HeaderCache, Layout, copy_verified, layer_range
 from .index import CapacityIndex, TTLSet
 from .pinned import PinnedStore
 from .value_io import ValueIO
-from .value_writer import ValueWriter
+from .value_writer import MAX_PENDING_BYTES, MAX_PENDING_WRITES, ValueWriter
 
 logger = logging.getLogger("kvplug.backends.values")
 _NAME_CACHE = 65536
@@ -56,7 +57,11 @@ class ValueStoreOptions(BaseOptions):
         default=None, description="optional LRU bound on bytes this process stored, enforced by "
         "it; None = leave eviction to the store")
     timeout_s: float = Field(default=2.0, gt=0, description="hard bound on one call to the store")
-    max_pending_writes: int = Field(default=64, ge=1, description="queued stores; more drop")
+    max_pending_writes: int = Field(default=MAX_PENDING_WRITES, ge=1,
+                                    description="queued stores; more drop (counted)")
+    max_pending_bytes: ByteSize = Field(default=ByteSize(MAX_PENDING_BYTES), gt=0,
+                                        description="bytes of queued stores (L1 memory they "
+                                        "hold); more drop (counted)")
     io_threads: int = Field(default=4, ge=1, description="writer threads")
     batch_bytes: ByteSize = Field(default=ByteSize(16 << 20), gt=0,
                                   description="bytes of queued stores sent in one batch (each "
@@ -102,22 +107,24 @@ class ValueStoreTier(PinnedStore):
         self._lock = threading.Lock()  # pins, negative cache, counters
         self._pins: PinCounts[str] = PinCounts()
         self._headers = HeaderCache()
-        #: The last chunk's layout, where the store reads in pieces into L1's pool (reads go
+        #: The last chunk's layout, where the store reads in pieces into memory objects (reads go
         #: straight into memory objects laid out so; see :meth:`_read_into`).
         self._layout: Layout | None = None
         self._missed = 0  # values of another layout since the last read in place
-        self._into_pool = self.io.reads_into and bool(ctx.memory_regions())
+        self._into_pool = self.io.reads_into and (self.io.reads_anywhere
+                                                  or bool(ctx.memory_regions()))
         self._absent = TTLSet(opts.negative_cache_s)
         self._counts = dict.fromkeys(("corrupt", "other_version", "negative_hits", "vanished",
                                       "bytes_got", "reads_in_place", "layout_misses",
-                                      "oversized"), 0)
+                                      "oversized", "headers_reused"), 0)
         self._names: dict[CacheKey, str] = {}
         self._index = CapacityIndex(int(opts.capacity) if opts.capacity is not None else None)
         self._writer = ValueWriter(
             ctx.name, self.io, self._index, self._log_once, pinned=self._pinned,
             delete=self._delete, stored=self._stored, max_pending=opts.max_pending_writes,
             threads=opts.io_threads, batch_bytes=int(opts.batch_bytes),
-            written_ttl_s=max(opts.negative_cache_s, 1.0), auth=ctx.auth)
+            written_ttl_s=max(opts.negative_cache_s, 1.0), auth=ctx.auth,
+            max_pending_bytes=int(opts.max_pending_bytes))
         logger.info("tier %r: %s at %s", self.name, self.kind, self.url)
 
     def store_name(self, key: CacheKey) -> str:
@@ -188,8 +195,13 @@ class ValueStoreTier(PinnedStore):
         i = len(out)
         if self._layout is not None:
             return out + self._read_into(keys[i:], names[i:], self._layout)
-        values = self.io.get_many(names[i:])
-        return out + [self._load(k, n, v) for k, n, v in zip(keys[i:], names[i:], values)]
+        rest: list[MemoryObj | None] = [None] * (len(keys) - i)
+
+        def use(j: int, value: bytes | memoryview | None) -> None:  # as each value is read
+            rest[j] = self._load(keys[i + j], names[i + j], value)
+
+        self.io.get_each(names[i:], use)
+        return out + rest
 
     def _load(self, key: CacheKey, name: str, data: bytes | memoryview | None) -> MemoryObj | None:
         """The verified chunk of one value read whole (``None``: missing or unavailable)."""
@@ -364,8 +376,20 @@ class ValueStoreTier(PinnedStore):
         return header
 
     def _parse(self, name: str, read: cf.ReadAt, size: int | None) -> cf.ChunkHeader | None:
+        """The checked header of value ``name`` (``read``: its bytes; ``size``: its length, where
+        known). Header bytes equal to those this name's cached header was parsed from are that
+        header again, unparsed (``headers_reused``; the parse is a pure function of the bytes
+        and the size); the caller's checks (key, layout, every layer's checksum) run either way."""
+        known = self._headers.known(name)
+        if known is not None and (size is None or known[0].file_size == size):
+            header, raw = known
+            if read(0, len(raw)) == raw:
+                self._count("headers_reused")
+                return header
         try:
-            return cf.read_header(read, size, self._auth)[0]
+            header, raw = cf.read_header(read, size, self._auth)
+            self._headers.put(name, header, raw)
+            return header
         except ChunkVersionError as exc:  # another version's value: a miss, left in place
             self._count("other_version")
             self._log_once("other_version", "tier %r: %s is of another format version (%s); "

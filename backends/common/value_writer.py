@@ -1,11 +1,15 @@
 """Stores of a remote tier (resp, mooncake, fsspec): a bounded queue drained by writer threads,
 in batches (one pipelined round trip, one batch call; fsspec uploads one object per batch).
 
-``submit`` only queues (taking a reference); a full queue drops the store and counts it, so the
-engine never waits. A writer thread takes what is queued (up to ``batch_bytes``), encodes each
-chunk in the shared chunk format into its reused scratch buffer (or, where the store keeps the
-buffer it is given, into fresh bytes: one copy either way, after which the memory object is
-released) and sends all of them in one batch. A value is visible whole or not at all (``SET``,
+``submit`` only queues (taking a reference); a full queue drops the store and counts it
+(``dropped_queue_full``, logged once naming the option to raise), so the engine never waits. The
+queue is bounded by stores and by bytes (:data:`MAX_PENDING_WRITES`, :data:`MAX_PENDING_BYTES`:
+each queued store holds its memory object, L1 memory that cannot be evicted meanwhile); the
+defaults keep a long prompt's chunks stored in one engine step (hundreds of them). A writer
+thread takes what is queued (up to ``batch_bytes``), encodes each chunk in the shared chunk
+format into its reused scratch buffer (or, where the store keeps the buffer it is given, into
+fresh bytes: one copy either way, after which the memory object is released) and sends all of
+them in one batch. A value is visible whole or not at all (``SET``,
 Mooncake's puts and fsspec's whole-object uploads are atomic). A store refused by the server
 (full: ``OOM`` under ``noeviction``, Mooncake's -200) is dropped and counted (``dropped_full``); it
 does not count against the breaker (the store answered); one whose part of the store did not
@@ -30,6 +34,10 @@ from .value_io import GuardedCalls, Unanswered
 logger = logging.getLogger("kvplug.backends.values")
 
 Item = tuple[str, CacheKey, MemoryObj]
+#: Default bounds of the write queue (the ``max_pending_writes`` and ``max_pending_bytes``
+#: options of every remote tier): a prompt of 256k tokens is 1024 chunks of 256 tokens.
+MAX_PENDING_WRITES = 1024
+MAX_PENDING_BYTES = 1 << 30
 
 
 class ValueWriter:
@@ -45,7 +53,8 @@ class ValueWriter:
                  stored: Callable[[str], None], max_pending: int, threads: int,
                  batch_bytes: int, written_ttl_s: float, skip_indexed: bool = False,
                  reuse_buffer: bool = True, thread_prefix: str | None = None,
-                 auth: cf.Keyring | None = None) -> None:
+                 auth: cf.Keyring | None = None,
+                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self._name = name
         self._auth = auth  # the tier's keyring (auth_key_env): chunks are MAC'd
         self._io = io
@@ -55,6 +64,8 @@ class ValueWriter:
         self._delete = delete
         self._stored = stored
         self._max_pending = max_pending
+        self._max_pending_bytes = max_pending_bytes
+        self._queued_bytes = 0  # of stores queued, not yet taken by a writer thread
         self._batch_bytes = batch_bytes
         self._skip_indexed = skip_indexed
         self._reuse_buffer = reuse_buffer
@@ -106,15 +117,29 @@ class ValueWriter:
         except BaseException:  # a freed object: not in flight after all (flush() can be true)
             self._done([name])
             raise
+        with self._lock:
+            fits = self._queued_bytes + obj.nbytes <= self._max_pending_bytes
+            if fits:
+                self._queued_bytes += obj.nbytes
         try:
+            if not fits:
+                raise queue.Full
             self._queue.put_nowait((name, key, obj))
         except queue.Full:
+            if fits:
+                with self._lock:
+                    self._queued_bytes -= obj.nbytes
             obj.ref_down()
             self._done([name])
             self._count("dropped_puts", "dropped_queue_full")
-            self._log_once("queue_full", "tier %r: write queue full (%d); a store was dropped — "
-                           "further ones are counted in stats, not logged", self._name,
-                           self._max_pending)
+            self._log_once("queue_full", "tier %r: write queue full (%s); a store was dropped — "
+                           "the store is slower than the engine stores: raise %s if memory "
+                           "allows; further drops are counted in stats (dropped_queue_full), not "
+                           "logged", self._name,
+                           f"{self._queue.qsize()} of max_pending_writes {self._max_pending}"
+                           if fits else f"{self._queued_bytes} bytes queued, max_pending_bytes "
+                           f"{self._max_pending_bytes}",
+                           "max_pending_writes" if fits else "max_pending_bytes")
 
     def flush(self, timeout: float) -> bool:
         with self._idle:
@@ -135,6 +160,7 @@ class ValueWriter:
                 name, _, obj = self._queue.get_nowait()
             except queue.Empty:
                 break
+            self._unqueued(obj.nbytes)
             obj.ref_down()
             self._done([name])
             self._count("dropped_puts")
@@ -170,7 +196,12 @@ class ValueWriter:
                 break
             batch.append(item)
             size += item[2].nbytes
+        self._unqueued(size)
         return batch
+
+    def _unqueued(self, nbytes: int) -> None:
+        with self._lock:
+            self._queued_bytes -= nbytes
 
     def _run(self) -> None:
         while True:
@@ -274,4 +305,5 @@ class ValueWriter:
         with self._lock:
             out = {k: float(v) for k, v in self._counts.items()}
             out["pending_writes"] = float(sum(self._pending.values()))
+            out["queued_bytes"] = float(self._queued_bytes)
         return out

@@ -32,7 +32,7 @@ from pydantic import ByteSize, ConfigDict, Field, field_validator
 from ..common.breaker import CircuitBreaker
 from ..common.index import CapacityIndex
 from ..common.pinned import PinnedStore
-from ..common.value_writer import ValueWriter
+from ..common.value_writer import MAX_PENDING_BYTES, MAX_PENDING_WRITES, ValueWriter
 from .io import (
     GuardedIO,
     Redactor,
@@ -62,7 +62,11 @@ class FsspecBackend(PinnedStore):
             "by this process over the objects it knows; None = unbounded")
         namespace_dirs: bool = Field(default=True, description="<root>/<namespace>/... layout")
         timeout_s: float = Field(default=3.0, gt=0, description="hard bound on one remote call")
-        max_pending_writes: int = Field(default=64, ge=1, description="queued stores; more drop")
+        max_pending_writes: int = Field(default=MAX_PENDING_WRITES, ge=1,
+                                        description="queued stores; more drop (counted)")
+        max_pending_bytes: ByteSize = Field(default=ByteSize(MAX_PENDING_BYTES), gt=0,
+                                            description="bytes of queued stores (L1 memory "
+                                            "they hold); more drop (counted)")
         io_threads: int = Field(default=8, ge=1, description="writer threads / concurrent calls")
         negative_cache_s: float = Field(default=1.0, ge=0, description="remember misses")
         breaker_threshold: int = Field(default=2, ge=1, description="failures that open it")
@@ -102,7 +106,8 @@ class FsspecBackend(PinnedStore):
             ctx.name, self._remote, self._index, self._log_once, pinned=self._pinned,
             delete=self._delete, stored=self._reader.forget, max_pending=opts.max_pending_writes,
             threads=opts.io_threads, batch_bytes=1, written_ttl_s=max(opts.negative_cache_s, 1.0),
-            skip_indexed=True, reuse_buffer=False, thread_prefix="fsspec", auth=ctx.auth)
+            skip_indexed=True, reuse_buffer=False, thread_prefix="fsspec", auth=ctx.auth,
+            max_pending_bytes=int(opts.max_pending_bytes))
         if self.io.is_local:  # crashed local writers' temporary files (object stores have none)
             removed = remove_stale_local_temps(self.root)
             if removed:

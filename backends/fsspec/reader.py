@@ -4,7 +4,7 @@ Every layer's checksum is checked against the chunk header before a byte reaches
 object; a bad object is counted, logged once and treated as a miss (whole-file damage deletes
 it so the next store rewrites it). Memory comes from ``ctx.allocate`` (L1's pool), so promotion
 into L1 costs no second copy. Headers are read once per object and cached, so a layer-wise load
-costs one ranged read per layer range.
+costs one ranged read per layer range, and a whole chunk read again one request.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ logger = logging.getLogger("kvplug.backends.fsspec")
 #: How long an object of another format version is known to be one (lookups miss it meanwhile).
 OTHER_VERSION_TTL_S = 60.0
 
+
+
+#: :meth:`ChunkReader._get_known`'s answer for an object whose size changed.
+_RESIZED = object()
 
 
 class _Unavailable(Exception):
@@ -89,7 +93,13 @@ class ChunkReader:
     def get(self, path: str, key: CacheKey) -> MemoryObj | None:
         """The whole chunk of ``key`` stored at ``path``, verified; ``None`` on any miss. The
         header comes first (a ranged read, with the object's size alongside), so an object whose
-        size is not what its header describes is a miss before any of its body is downloaded."""
+        size is not what its header describes is a miss before any of its body is downloaded.
+        A chunk whose header was read before is read in one request (:meth:`_get_known`)."""
+        known = self._headers.get(path)
+        if known is not None:
+            got = self._get_known(path, key, known.file_size)
+            if got is not _RESIZED:
+                return got  # type: ignore[return-value]
         head = self._tier.remote.head(path, cf.HEADER_PROBE)
         if head is None:
             return None
@@ -113,6 +123,30 @@ class ChunkReader:
         self._remember(path, header, size)  # forgotten again if a layer turns out corrupt
         return self._fill(path, header, obj, memoryview(body), 0, header.num_layers,
                           base=header.header_bytes, delete=True)
+
+    def _get_known(self, path: str, key: CacheKey, size: int) -> MemoryObj | None | object:
+        """The chunk at ``path``, last seen ``size`` bytes long, with one ranged read of
+        ``size + 1`` bytes (a longer object shows without being downloaded); the bytes are
+        parsed and verified as in :meth:`get`. :data:`_RESIZED` when the object is now of
+        another size (the caller reads its header first, as for an unknown object)."""
+        data = self._tier.remote.fetch(path, 0, size + 1)
+        if data is None:
+            return None
+        if len(data) != size:
+            return _RESIZED
+        header = self._parse(path, self._reader(path, data), size)
+        if header is None:
+            return None
+        if header.key != cf.stored_key(key, self._auth):
+            self._corrupt(path, "the file holds another key", delete=True)
+            return None
+        meta = header.meta
+        obj = self._allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
+        if obj is None:
+            return None
+        self._remember(path, header, size)
+        return self._fill(path, header, obj, memoryview(data), 0, header.num_layers, base=0,
+                          delete=True)
 
     def get_layers(self, path: str, first_layer: int, num_layers: int) -> MemoryObj | None:
         """Layers ``[first_layer, first_layer + num_layers)`` with one ranged read."""

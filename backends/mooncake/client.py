@@ -184,6 +184,11 @@ class MooncakeIO(ValueIO):
             out.append(None if view is None else bytes(view))
         return out
 
+    def _get_each(self, names: Sequence[str],
+                  use: Callable[[int, memoryview | None], None]) -> None:
+        for i, name in enumerate(names):  # a view of the thread's buffer: used before the next
+            use(i, self._get(name))
+
     def _get_into_many(self, names: Sequence[str],
                        pieces: Sequence[Sequence[tuple[int, int]]]) -> list[int | None]:
         codes = self.store().batch_get_into_multi_buffers(

@@ -194,10 +194,13 @@ def display_url(url: str) -> str:
 
 
 class RespIO(ValueIO):
-    """The store's primitives as pipelines: one round trip per batch. The client is made on
-    first use (a cluster that is down when the tier starts is then a miss like any other outage,
-    not a startup failure). A reply error from the server (``OOM`` under ``noeviction``, a wrong
-    type) means the store answered: the value is refused, the breaker is not told."""
+    """The store's primitives as pipelines: one round trip per batch. The client is made and a
+    first connection opened in the background as the tier starts (so an engine's first lookup
+    does not pay them); a server that is down then is a miss like any other outage, not a
+    startup failure, and the first call tries again. Replies of a standalone server are
+    received in place into any memory (heap objects too, with no L1 in front). A reply error
+    from the server (``OOM`` under ``noeviction``, a wrong type) means the store answered: the
+    value is refused, the breaker is not told."""
 
     def __init__(self, name: str, make_client: Callable[[], Any], breaker: CircuitBreaker,
                  redact: Redactor, shown: str = "", client_cert: bool = False,
@@ -205,16 +208,32 @@ class RespIO(ValueIO):
         super().__init__(name, breaker, redact)
         #: A standalone server's replies are read in place (a cluster's go through redis-py).
         self.reads_into = not cluster
+        self.reads_anywhere = True  # recv_into any memory
         self._local = threading.local()
         self._make = make_client
         self._shown = shown  # the URL for log lines (no credentials)
         self._client_cert = client_cert
         self._tls_told = False
         self._client: Any = None
+        self._closed = False
         self._client_lock = threading.Lock()
         redis = _redis()
         self._reply_error = redis.exceptions.ResponseError
         self.timeout_types = (redis.exceptions.TimeoutError,)
+        threading.Thread(target=self._connect_early, name=f"kvplug-{name}-connect",
+                         daemon=True).start()
+
+    def _connect_early(self) -> None:
+        """Make the client and one pooled connection now; a failure waits for the first call
+        (which counts and reports it: nothing here reaches the breaker)."""
+        try:
+            client = self.client()
+            pool = getattr(client, "connection_pool", None)
+            if pool is not None:  # standalone (a cluster client asked for its slots already)
+                pool.release(pool.get_connection())
+        except Exception as exc:  # noqa: BLE001 - the first call connects again and reports
+            logger.info("tier %r: no connection to %s at start (%s); the first call tries again",
+                        self.name, self._shown, self.redact.error(exc))
 
     def failed(self, exc: BaseException, breaker: CircuitBreaker | None = None) -> None:
         """As every remote tier, plus once an error naming the URL and the option to fix when
@@ -229,6 +248,8 @@ class RespIO(ValueIO):
 
     def client(self) -> Any:
         with self._client_lock:
+            if self._closed:
+                raise ConnectionError(f"tier {self.name!r} is closed")
             if self._client is None:
                 self._client = self._make()
             return self._client
@@ -310,7 +331,7 @@ class RespIO(ValueIO):
 
     def close(self) -> None:
         with self._client_lock:
-            client, self._client = self._client, None
+            client, self._client, self._closed = self._client, None, True
         if client is not None:
             try:
                 client.close()

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import shutil
+import statistics
 import threading
 import time
 import uuid
@@ -114,6 +115,29 @@ class Phase:
             "bytes_verified": self.bytes_verified, "misses": self.misses, "dropped": self.dropped,
             "errors": self.errors[:5], "error_count": len(self.errors),
         }
+
+
+def merged(phases: list[Phase]) -> Phase:
+    """One phase's figures over several rounds (sums; latencies pooled)."""
+    out = Phase()
+    for p in phases:
+        out.ops += p.ops
+        out.keys += p.keys
+        out.nbytes += p.nbytes
+        out.seconds += p.seconds
+        out.latencies += p.latencies
+        out.bytes_verified += p.bytes_verified
+        out.misses += p.misses
+        out.errors += p.errors
+        out.dropped += p.dropped
+    return out
+
+
+def rate(phase: Phase, name: str) -> float | None:
+    """A phase's MB/s (lookups: keys/s), or None when it did nothing."""
+    if not phase.ops or phase.seconds <= 0:
+        return None
+    return (phase.keys if name == "lookup" else phase.nbytes) / phase.seconds
 
 
 class Budget:
@@ -511,7 +535,7 @@ class Cell:
 
 
 def bench_cell(target: TierTarget | RawTarget, cell: Cell, values: Values, run: bytes,
-               seconds: float, max_bytes: int, budget: Budget, chunk_size: int) -> dict[str, Any]:
+               seconds: float, max_bytes: int, budget: Budget, chunk_size: int) -> dict[str, Phase]:
     """Store, then look up and load what was stored, from ``cell.threads`` threads; the keys are
     removed again before returning."""
     counter = [0]
@@ -539,17 +563,17 @@ def bench_cell(target: TierTarget | RawTarget, cell: Cell, values: Values, run: 
         return len(ids), len(ids) * cell.size, 0, 0, 0.0
 
     try:
-        out: dict[str, Any] = {}
+        out: dict[str, Phase] = {}
         st = run_threads(cell.threads, seconds, budget, store)
         ids_all = [i for w in written for i in w]
         keys_all = [bench_key(run, i) for i in ids_all]
         held = [i for i, h in zip(ids_all, _held(target, keys_all)) if h] if keys_all else []
         st.dropped = len(ids_all) - len(held)
         st.keys, st.nbytes = len(held), len(held) * cell.size  # only what the tier kept counts
-        out["store"] = st.figures()
+        out["store"] = st
         if not held:
             out["lookup"] = out["load"] = Phase(errors=["the tier kept none of the values stored "
-                                                        "(see store.dropped)"]).figures()
+                                                        "(see store.dropped)"])
             return out
         rounds = [0] * cell.threads
 
@@ -564,7 +588,7 @@ def bench_cell(target: TierTarget | RawTarget, cell: Cell, values: Values, run: 
             found = target.lookup([bench_key(run, i) for i in ids])
             return len(ids), 0, 0, len(ids) - found, 0.0
 
-        out["lookup"] = run_threads(cell.threads, seconds, budget, lookup).figures()
+        out["lookup"] = run_threads(cell.threads, seconds, budget, lookup)
         rounds[:] = [0] * cell.threads
 
         def load(t: int, op: int) -> tuple[int, int, int, int, float]:
@@ -584,7 +608,7 @@ def bench_cell(target: TierTarget | RawTarget, cell: Cell, values: Values, run: 
                     target.release(g)
             return len(ids), verified, verified, misses, time.perf_counter() - t0
 
-        out["load"] = run_threads(cell.threads, seconds, budget, load).figures()
+        out["load"] = run_threads(cell.threads, seconds, budget, load)
         return out
     finally:
         ids_all = list(range(counter[0]))
@@ -596,6 +620,22 @@ def _held(target: TierTarget | RawTarget, keys: list[CacheKey]) -> list[bool]:
     out: list[bool] = []
     for start in range(0, len(keys), 1024):
         out += target.held(keys[start : start + 1024])
+    return out
+
+
+def cell_figures(runs: dict[str, list[dict[str, Phase]]]) -> dict[str, Any]:
+    """A cell's figures over its rounds: each side's phases merged, and per phase the median
+    over rounds of tier / raw in the same round (``ratio``: what a load spike on a shared
+    machine moves least)."""
+    out: dict[str, Any] = {who: {ph: merged([r[ph] for r in rs]).figures() for ph in PHASES}
+                           for who, rs in runs.items() if rs}
+    if runs["kvplug"] and runs["raw"]:
+        out["ratio"] = {}
+        for ph in PHASES:
+            pairs = [(rate(k[ph], ph), rate(r[ph], ph)) for k, r in zip(runs["kvplug"], runs["raw"])]
+            each = [a / b for a, b in pairs if a and b]
+            out["ratio"][ph] = round(statistics.median(each), 3) if each else None
+        out["rounds"] = min(len(runs["kvplug"]), len(runs["raw"]))
     return out
 
 
@@ -658,13 +698,14 @@ def _rows(report: dict[str, Any]) -> Iterator[list[str]]:
         for phase in PHASES:
             k = c["kvplug"][phase]
             r = c.get("raw", {}).get(phase) if c.get("raw") else None
-            rate = "mb_s" if phase != "lookup" else "keys_s"
-            ratio = (f"{k[rate] / r[rate]:.2f}x" if r and k[rate] and r[rate] else "-")
+            rate_ = "mb_s" if phase != "lookup" else "keys_s"
+            each = (c.get("ratio") or {}).get(phase)
+            ratio = f"{each:.2f}x" if each else "-"
             errors = k["error_count"] + (r["error_count"] if r else 0)
             yield [human_bytes(c["size"]), str(c["batch"]), str(c["threads"]), phase,
                    f(k["mb_s"]), f(k["ops_s"]), f(k["keys_s"]), f(k["p50_ms"], "{:.2f}"),
                    f(k["p99_ms"], "{:.2f}"), human_bytes(k["bytes_verified"]) if phase == "load"
-                   else "", f(r[rate]) if r else "-", ratio,
+                   else "", f(r[rate_]) if r else "-", ratio,
                    f"[red]{errors}[/]" if errors else str(k["misses"] + k["dropped"])]
 
 
@@ -726,11 +767,15 @@ def _progress(total: int) -> Iterator[Callable[[str], None]]:
               help="Bytes stored per cell at most (at least one batch per thread).")
 @click.option("--raw/--no-raw", default=True, show_default=True,
               help="Also move the same bytes through the tier's raw medium.")
+@click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Run each cell this many times, tier and raw medium alternating (each first "
+                   "every other round); the ratio is the median over rounds of tier / raw in the "
+                   "same round (on a shared machine, what moves least).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random values.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench_cmd(config: Path | None, tier: str | None, backend: str | None, options: str | None,
               sizes: str, batches: str, threads_: str, seconds: float, max_seconds: float,
-              max_bytes: str, raw: bool, seed: int, as_json: bool) -> None:
+              max_bytes: str, raw: bool, rounds: int, seed: int, as_json: bool) -> None:
     """Qualify one storage tier: store, lookup and load MB/s, ops/s and p50/p99 latency.
 
     The tier is built alone in a StorageManager (no L1 in front), so the figures are the tier's
@@ -739,9 +784,10 @@ def bench_cmd(config: Path | None, tier: str | None, backend: str | None, option
     with what was stored (a mismatch is an error, exit 1, never a figure). Beside each row the
     same bytes go through the raw medium where there is one (posix/gds: plain files in the same
     directory; resp: redis-py on the same server; fsspec: the same filesystem's pipe/cat;
-    mooncake: a second client of the same master), and the ratio is tier/raw. A store the tier
-    dropped (its write queue full) is counted as dropped, not as stored. Everything stored is
-    evicted again.
+    mooncake: a second client of the same master), and the ratio is tier/raw (with --rounds, the
+    median over rounds of tier/raw in the same round: on a shared machine, what moves least). A
+    store the tier dropped (its write queue full) is counted as dropped, not as stored.
+    Everything stored is evicted again.
     """
     size_list = parse_list(sizes, "sizes (e.g. 256KiB,1MiB)", parse_size)
     batch_list = parse_list(batches, "batch sizes", int)
@@ -776,11 +822,13 @@ def bench_cmd(config: Path | None, tier: str | None, backend: str | None, option
             "tier": target.name, "backend": tier_cfg.backend, "raw": raw_note,
             "seconds_per_phase": seconds, "max_bytes_per_cell": budget_bytes, "cells": [],
             "skipped": [],
+            "rounds": rounds,
             "note": "the tier alone in a StorageManager; MB/s over each phase's wall time "
-                    "(comparing loaded bytes left out); lookup rates in keys/s",
+                    "(comparing loaded bytes left out); lookup rates in keys/s; ratio: the median "
+                    "over rounds of tier / raw in the same round",
         }
-        run = uuid.uuid4().bytes[:7]
-        per_cell = 2 if raw_target_ is not None else 1
+        run = uuid.uuid4().bytes[:6]
+        per_cell = (2 if raw_target_ is not None else 1) * rounds
         with _progress(len(cells) * per_cell) as step:
             for n, cell in enumerate(cells):
                 label = f"{human_bytes(cell.size)} x{cell.batch}, {cell.threads} thread(s)"
@@ -790,13 +838,16 @@ def bench_cmd(config: Path | None, tier: str | None, backend: str | None, option
                 values = Values(cell.size, seed + n)
                 entry: dict[str, Any] = {"size": cell.size, "batch": cell.batch,
                                          "threads": cell.threads}
-                step(f"{label}: kvplug")
-                entry["kvplug"] = bench_cell(target, cell, values, run + bytes([n % 256]), seconds,
-                                             budget_bytes, budget, chunk_size)
-                if raw_target_ is not None:
-                    step(f"{label}: raw")
-                    entry["raw"] = bench_cell(raw_target_, cell, values, run + bytes([n % 256]), seconds,
-                                              budget_bytes, budget, chunk_size)
+                runs: dict[str, list[dict[str, Phase]]] = {"kvplug": [], "raw": []}
+                for r in range(rounds):  # tier and raw alternate, each first every other round
+                    order = [("kvplug", target), ("raw", raw_target_)][:: 1 if r % 2 == 0 else -1]
+                    for who, tgt in order:
+                        if tgt is None or (r and budget.left() <= 0):
+                            continue
+                        step(f"{label}: {who}" + (f" (round {r + 1})" if rounds > 1 else ""))
+                        runs[who].append(bench_cell(tgt, cell, values, run + bytes([r % 256, n % 256]),
+                                                    seconds, budget_bytes, budget, chunk_size))
+                entry.update(cell_figures(runs))
                 report["cells"].append(entry)
         report["tier_stats"] = {k: v for k, v in target.mgr.stats()[target.name].items()
                                 if isinstance(v, (int, float))}
