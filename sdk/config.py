@@ -96,8 +96,22 @@ class _Strict(BaseOptions):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class PolicyConfig(BaseModel):
+    """A tier's ``eviction`` or ``admission`` setting: ``{policy: NAME, ...its options}`` (or just
+    ``NAME``). The name is an entry point of ``kvplug.policies`` (``lru``, ``s3fifo``,
+    ``always``, ``tinylfu`` or a third party's) or ``'package.module:Class'``; the other keys are
+    the policy's options, validated by its ``Options`` model (:mod:`kvplug.policies.registry`)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    policy: str = Field(description="policy name (kvplug.policies entry point) or 'module:Class'")
+
+    def options(self) -> dict[str, Any]:
+        """Every key but ``policy``."""
+        return dict(self.model_extra or {})
+
+
 class TierConfig(_Strict):
-    """One storage tier: which backend, its name, its options."""
+    """One storage tier: which backend, its name, its options, its policies."""
 
     backend: str = Field(description="entry-point name (e.g. 'posix') or 'package.module:Class'")
     name: str | None = Field(default=None, description="unique tier name; defaults to backend")
@@ -111,6 +125,32 @@ class TierConfig(_Strict):
                     "point); not for a tier that never blocks (L1 keeps raw pages)",
     )
     codec_options: dict[str, Any] = Field(default_factory=dict, description="passed to the codec")
+    eviction: PolicyConfig | None = Field(
+        default=None, description="which entries leave a full tier: {policy: lru} (the default) "
+        "or s3fifo (scan-resistant), or a kvplug.policies entry point; for tiers whose backend "
+        "orders its own victims (local_cpu, posix, gds)")
+    admission: PolicyConfig | None = Field(
+        default=None, description="which chunks are written to the tier: {policy: always} (the "
+        "default) or {policy: tinylfu, min_count: 2} (only chunks used that often), or a "
+        "kvplug.policies entry point")
+
+    @field_validator("eviction", "admission", mode="before")
+    @classmethod
+    def _policy_shorthand(cls, value: Any) -> Any:
+        return {"policy": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _known_policies(self) -> TierConfig:
+        from .policies.registry import check_choice  # the registry imports this module
+
+        for kind in ("eviction", "admission"):
+            chosen = getattr(self, kind)
+            if chosen is not None:
+                try:
+                    check_choice(kind, chosen.policy, f"tier {self.tier_name!r}")
+                except ConfigError as exc:
+                    raise ValueError(str(exc)) from None
+        return self
 
     @property
     def tier_name(self) -> str:
