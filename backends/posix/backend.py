@@ -12,6 +12,8 @@
   directory.
 * Capacity: LRU by file mtime (bumped on every read and pin, shared by all processes); when over,
   the oldest files not pinned by this process are deleted. Files vanishing under us are misses.
+  Another eviction policy (``eviction: {policy: s3fifo}``, :mod:`kvplug.policyspecs`) picks the
+  victims among the files this process has indexed instead, in its own order.
 * Pins hold across processes: a pinned file is kept open (:mod:`.held`) and read through that
   descriptor, so another process's eviction cannot take a promised hit away.
 * A file with a wrong size, header, key or checksum is a miss: logged with its path, deleted,
@@ -41,6 +43,7 @@ from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.keys import CacheKey
 from kvplug.logs import LogOnce
 from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.policies.eviction import LRUEviction
 
 from . import fs
 from .held import HeldFiles, fd_limit, fd_path
@@ -87,6 +90,8 @@ class PosixBackend(LookupAndPins):
     """A directory of chunk files with an LRU byte capacity."""
 
     Options = PosixOptions
+    #: Victims are chosen by ``ctx.eviction``; ``lru`` is the index's own (shared mtime) LRU.
+    eviction_policy = True
 
     def __init__(self, ctx: TierContext) -> None:
         opts: PosixBackend.Options = ctx.options
@@ -100,7 +105,9 @@ class PosixBackend(LookupAndPins):
         self.capacity = int(opts.capacity)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._index = PosixIndex()
+        policy = ctx.eviction
+        self._index = PosixIndex(None if policy is None or isinstance(policy, LRUEviction)
+                                 else policy)
         self._gid = opts.gid
         self._held = HeldFiles(fd_limit(opts.max_pinned_fds), self._open_held)
         self._pending: dict[str, MemoryObj] = {}
@@ -552,6 +559,9 @@ class PosixBackend(LookupAndPins):
     def stats(self) -> dict[str, float]:
         with self._lock:
             out: dict[str, float] = dict(self._counters)
+            policy = self._index.policy
+            if policy is not None and callable(getattr(policy, "stats", None)):
+                out.update({f"eviction_{k}": v for k, v in (policy.stats() or {}).items()})
             out.update(entries=len(self._index), bytes=self._index.bytes, capacity=self.capacity,
                        indexed=int(self._indexed.is_set()),
                        pinned=len(self._index.pins), pending_writes=len(self._pending),

@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvplug import chunkfile as cf
 from kvplug.pins import PinCounts
@@ -173,10 +174,16 @@ def scan(root: Path, tmp_max_age_s: float = cf.TEMP_MAX_AGE_S) -> ScanResult:
 
 class PosixIndex:
     """LRU of chunk files (least recent first: a dict's insertion order, refreshed by re-inserting)
-    with byte accounting; ``pins`` holds this process's pins (a pinned entry is never a victim)."""
+    with byte accounting; ``pins`` holds this process's pins (a pinned entry is never a victim).
 
-    def __init__(self) -> None:
+    With an eviction ``policy`` (:mod:`kvplug.policyspecs`; the tier's ``eviction`` setting other
+    than ``lru``) the policy picks the victims instead: it hears of every entry added, used and
+    removed here, by its packed key, and of what a merge with a fresh scan adds and drops (other
+    processes' files). The order of ``_lru`` (the LRU shared through mtimes) is still kept."""
+
+    def __init__(self, policy: Any = None) -> None:
         self._lru: dict[int | str, int] = {}
+        self.policy = policy
         self.pins: PinCounts[str] = PinCounts()
         self.bytes = 0
         self.reserved = 0  # bytes of writes in progress (not indexed until they finish)
@@ -200,6 +207,11 @@ class PosixIndex:
 
     def _put(self, k: int | str, value: int) -> None:
         old = self._lru.pop(k, None)
+        if self.policy is not None:
+            if old is None:
+                self.policy.insert(key=k, nbytes=_size(value))
+            else:
+                self.policy.access(key=k)
         if old is not None:
             self.bytes -= _size(old)
         self._lru[k] = value
@@ -232,6 +244,8 @@ class PosixIndex:
         value = self._lru.pop(k, None)
         if value is None:
             return None
+        if self.policy is not None:
+            self.policy.remove(key=k)
         self.bytes -= _size(value)
         if self._changed is not None:
             self._changed.pop(k, None)
@@ -245,6 +259,17 @@ class PosixIndex:
         out: list[tuple[str, Entry]] = []
         freed = 0
         pins = self.pins
+        if self.policy is not None:
+            def evictable(k: Any) -> bool:
+                return k in self._lru and not (len(pins) and unpack_rel(k) in pins)
+
+            for k in self.policy.victims(nbytes=nbytes, evictable=evictable):
+                value = self._lru.get(k)
+                if value is not None:
+                    out.append((unpack_rel(k), Entry(_size(value), _stamp(value))))
+            for rel, _ in out:
+                self.remove(rel)
+            return out
         for k, value in self._lru.items():
             if freed >= nbytes:
                 break
@@ -306,6 +331,12 @@ class PosixIndex:
             if value is not None:
                 merged[k] = value
                 nbytes += _size(value)
+        if self.policy is not None:  # other processes' files came and went
+            for k in [k for k in self._lru if k not in merged]:
+                self.policy.remove(key=k)
+            for k, value in merged.items():
+                if k not in self._lru:
+                    self.policy.insert(key=k, nbytes=_size(value))
         self._lru = merged
         self.bytes = nbytes
 

@@ -30,13 +30,13 @@ def stable_hash(key: Hashable) -> int:
     """A 64-bit hash of ``key`` that is the same in every process (a ``CacheKey`` by its chunk
     hash and namespace; bytes, str and int by value; anything else by its ``repr``)."""
     if hasattr(key, "chunk_hash") and hasattr(key, "namespace"):
-        return xxhash.xxh3_64_intdigest(key.chunk_hash, seed=xxhash.xxh3_64_intdigest(key.namespace))
+        return xxhash.xxh3_64_intdigest(key.chunk_hash, seed=xxhash.xxh3_64_intdigest(key.namespace.encode()))
     if isinstance(key, bytes):
         return xxhash.xxh3_64_intdigest(key)
     if isinstance(key, int):
         return xxhash.xxh3_64_intdigest(key.to_bytes(max(1, (key.bit_length() + 8) // 8), "little",
                                                      signed=True))
-    return xxhash.xxh3_64_intdigest(key if isinstance(key, str) else repr(key))
+    return xxhash.xxh3_64_intdigest((key if isinstance(key, str) else repr(key)).encode())
 
 
 class AlwaysAdmit:

@@ -155,27 +155,42 @@ class S3FIFOEviction:
         # Every entry is looked at most max_freq + 2 times (a second chance costs one use; an
         # entry kept for the tier is passed over), so the loop ends even when all are pinned.
         budget = (self.max_freq + 2) * (len(self._small) + len(self._main)) + 1
-        while freed < nbytes and budget > 0 and (self._small or self._main):
+        kept_small = kept_main = 0  # entries passed over in a row because the tier keeps them
+        while freed < nbytes and budget > 0:
             budget -= 1
+            small_ok = bool(self._small) and kept_small < len(self._small)
+            main_ok = bool(self._main) and kept_main < len(self._main)
             total = self._small_bytes + self._main_bytes
-            if self._small and (self._small_bytes > self.small_fraction * total or not self._main):
+            if small_ok and (self._small_bytes > self.small_fraction * total or not main_ok):
                 key, size = self._small.popitem(last=False)
                 self._small_bytes -= size
-                if not evictable(key) or self._freq.get(key, 0) > 0:
-                    self._freq[key] = 0  # used while on probation (or in use now): main
+                if not evictable(key):  # in use: stays on probation, at the back
+                    kept_small += 1
+                    self._add_small(key, size)
+                    continue
+                kept_small = 0
+                if self._freq.get(key, 0) > 0:  # used while on probation: main
+                    self._freq[key] = 0
                     self._to_main(key, size)
                     self.counts["promoted"] += 1
                     continue
                 self.counts["evicted_small"] += 1
-            else:
+            elif main_ok:
                 key, size = self._main.popitem(last=False)
                 self._main_bytes -= size
                 freq = self._freq.get(key, 0)
-                if not evictable(key) or freq > 0:
-                    self._freq[key] = max(0, freq - 1)
+                if not evictable(key):
+                    kept_main += 1
+                    self._to_main(key, size)
+                    continue
+                kept_main = 0
+                if freq > 0:  # a second chance per use
+                    self._freq[key] = freq - 1
                     self._to_main(key, size)
                     continue
                 self.counts["evicted_main"] += 1
+            else:
+                break
             del self._freq[key]
             self._remember_ghost(key)
             out.append(key)
