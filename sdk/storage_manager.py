@@ -259,23 +259,22 @@ class StorageManager:
         return [k for k, a in zip(keys, ok) if a], [o for o, a in zip(objs, ok) if a]
 
     def _used(self, keys: list[CacheKey], objs: list[MemoryObj], served: list[int]) -> None:
-        """Loads of ``keys`` (``objs[i]`` read from tier ``served[i]``): each is a use, and a
-        chunk some other tier refused before is stored there now if its policy admits it."""
+        """Loads of ``keys`` (``objs[i]`` read from tier ``served[i]``): each is a use; a chunk
+        another tier refused before is stored there now if its policy's ``admit_loaded`` says so."""
         self._record_use(keys)
         for tier in self._tiers:
-            if tier.admission is None:
+            if tier.admission is None or not tier.admission.on_load:
                 continue
             try:
                 again = [i for i, r in enumerate(tier.admission.refused(keys))
                          if r and served[i] != tier.index]
+                ok = tier.admission.admit_loaded([keys[i] for i in again],
+                                                 [objs[i].nbytes for i in again]) if again else []
             except Exception as exc:  # noqa: BLE001
-                self._fault(tier, "admission.refused", exc)
+                self._fault(tier, "admission.admit_loaded", exc)
                 continue
-            if again:
-                late_keys, late_objs = self._admitted(
-                    tier, [keys[i] for i in again], [objs[i] for i in again])
-                tier.admission.late(len(late_keys))
-                self._put_to(tier, late_keys, late_objs)
+            self._put_to(tier, [keys[i] for i, a in zip(again, ok) if a],
+                         [objs[i] for i, a in zip(again, ok) if a])
 
     def _put_encoded(self, tier: Tier, keys: list[CacheKey], objs: list[MemoryObj]) -> None:
         """A put to a tier with a codec runs on its encoder thread (encoding is CPU work that

@@ -218,7 +218,8 @@ def _disk_written(mgr: StorageManager) -> float:
 
 @pytest.mark.parametrize("admission, first, second", [
     (None, 1, 1),  # always (the negative control): every store is written
-    ({"policy": "tinylfu"}, 0, 1),  # seen once: not written; used again (from L1): written
+    ({"policy": "tinylfu"}, 0, 0),  # seen once: not written; a use served by L1 writes nothing
+    ({"policy": "tinylfu", "on_load": True}, 0, 1),  # ... unless on_load: written from L1's copy
 ])
 def test_admission_writes_a_chunk_to_disk_on_its_second_use(tmp_path, admission, first, second):
     disk = {"backend": "posix", "options": {"path": str(tmp_path / "c"), "capacity": "8MiB"}}
@@ -232,15 +233,33 @@ def test_admission_writes_a_chunk_to_disk_on_its_second_use(tmp_path, admission,
         (obj,) = mgr.batched_get([make_key(1)])  # the second use, served by L1
         obj.ref_down()
         assert _disk_written(mgr) == second
-        assert mgr.holds("posix", [make_key(1)]) == [True]
         stats = mgr.stats()["posix"]
         if admission:
-            assert stats["admission_rejected"] == 1 and stats["admission_late"] == 1
-            assert stats["admission_rejected_bytes"] == NB
-        # a third use writes nothing more
-        (obj,) = mgr.batched_get([make_key(1)])
+            assert stats["admission_rejected"] == 1 and stats["admission_rejected_bytes"] == NB
+            assert stats["admission_late"] == second
+        (obj,) = mgr.batched_get([make_key(1)])  # a third use writes nothing more
         obj.ref_down()
         assert _disk_written(mgr) == second
+        # L1 loses it; the next request computes it again: its store is a use too, and admitted
+        mgr.evict([make_key(1)], tiers=["local_cpu"])
+        _put(mgr, 1)
+        assert _disk_written(mgr) == 1
+        assert mgr.holds("posix", [make_key(1)]) == [True]
+
+
+def test_a_failing_admission_policy_is_a_fault_and_the_store_goes_on(tmp_path):
+    disk = {"backend": "posix", "options": {"path": str(tmp_path / "c"), "capacity": "8MiB"},
+            "admission": "tinylfu"}
+    with StorageManager({"tiers": [disk], "chunk_size": 16}) as mgr:
+        gate = mgr._tiers[0].admission
+
+        def broken(keys, sizes):
+            raise RuntimeError("policy bug")
+
+        gate.policy.admit = broken
+        _put(mgr, 2)
+        assert _disk_written(mgr) == 1
+        assert mgr.stats()["posix"]["faults"] == 1
 
 
 @pytest.mark.parametrize("tier", ["local_cpu", "posix"])

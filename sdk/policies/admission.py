@@ -69,6 +69,9 @@ class TinyLFUAdmission:
         depth: int = Field(default=4, ge=1, le=8, description="rows of the sketch (hashes per key)")
         width: int | None = Field(default=None, ge=16, description="counters per row, rounded "
                                   "up to a power of two (default: sample_size)")
+        on_load: bool = Field(default=False, description="also write a chunk refused earlier "
+                              "when a later use loads it from another tier (L1) and it now has "
+                              "min_count uses; off: it is written when it is computed again")
 
     #: counters saturate here (4 bits, as TinyLFU's)
     MAX_COUNT = 15
@@ -77,6 +80,7 @@ class TinyLFUAdmission:
         opts = ctx.options if isinstance(ctx.options, TinyLFUAdmission.Options) \
             else TinyLFUAdmission.Options.model_validate(ctx.options or {})
         self.min_count = opts.min_count
+        self.on_load = opts.on_load
         self.sample_size = opts.sample_size
         width = 1 << max(4, (opts.width or opts.sample_size) - 1).bit_length()
         self._mask = width - 1
@@ -121,6 +125,12 @@ class TinyLFUAdmission:
             self.counts["admitted"] += n
             self.counts["rejected"] += len(out) - n
             return out
+
+    @policyimpl
+    def admit_loaded(self, keys: Sequence[Hashable], sizes: Sequence[int]) -> list[bool]:
+        if not self.on_load:
+            return [False] * len(keys)
+        return self.admit(keys=keys, sizes=sizes)
 
     @policyimpl
     def stats(self) -> dict[str, float]:
