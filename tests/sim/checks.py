@@ -213,6 +213,52 @@ class Checks:
                 raise Violation("I3", f"{r} reported finished {c.frees} times "
                                       f"(sending {c.sending}, recving {c.recving})")
 
+    # -- I6, I7 (issue 34: policies) ---------------------------------------------------------------
+    def watch_evictions(self, rank: int, storage: Any) -> None:
+        """I7: wrap where each tier drops an entry for room (L1's ``_drop``, posix's unlink of
+        victims): a victim some lookup has pinned is a violation, whatever policy chose it."""
+        l1, disk = storage.backend("local_cpu"), storage.backend("posix")
+        drop = l1._drop
+
+        def checked_drop(key: Any) -> int:
+            if key in l1._pins:
+                self.violation = self.violation or Violation(
+                    "I7", f"rank {rank}: L1 ({self.cfg.eviction}) evicted a pinned chunk {key}")
+                raise self.violation
+            return drop(key)
+
+        l1._drop = checked_drop
+        for name in ("_unlink_victims", "_unlink_now"):
+            real = getattr(disk, name)
+
+            def checked(victims: list, real: Any = real) -> int:
+                pinned = [rel for rel, _ in victims if rel in disk._index.pins]
+                if pinned:
+                    self.violation = self.violation or Violation(
+                        "I7", f"rank {rank}: posix ({self.cfg.eviction}) evicted pinned "
+                              f"chunk file(s) {pinned}")
+                    raise self.violation
+                return real(victims)
+
+            setattr(disk, name, checked)
+
+    def check_tiers(self) -> None:
+        """I6: no tier holds more than its capacity (L1: bytes and pool; posix: the bytes
+        indexed and reserved by writes in flight), whatever its policies."""
+        for rank, w in enumerate(self.workers):
+            st = w.storage
+            if st is None:
+                continue
+            l1, disk = st.backend("local_cpu"), st.backend("posix")
+            if l1._bytes > l1.capacity:
+                raise Violation("I6", f"rank {rank}: L1 holds {l1._bytes} B over its capacity "
+                                      f"{l1.capacity} ({self.cfg.eviction})")
+            held = disk._index.bytes + disk._index.reserved
+            if held > disk.capacity:
+                raise Violation("I6", f"rank {rank}: posix holds {held} B over its capacity "
+                                      f"{disk.capacity} ({self.cfg.eviction}/{self.cfg.admission})")
+            self.counts["tier capacity checks"] += 1
+
     def check_end(self) -> None:
         if self.violation is not None:
             raise self.violation
@@ -240,6 +286,11 @@ class Checks:
             if w._background is not None and len(w._background):
                 raise Violation("I5", f"rank {rank}: {len(w._background)} loads in flight")
             stats = st.stats()
+            for what, tier, stat in (("L1 evictions", "local_cpu", "evictions"),
+                                     ("posix evictions", "posix", "evictions"),
+                                     ("posix admission refusals", "posix", "admission_rejected")):
+                self.counts[f"{what} ({self.cfg.eviction}/{self.cfg.admission})"] += \
+                    int(stats[tier].get(stat, 0))
             for name, s in stats.items():
                 if s.get("pinned", 0):
                     raise Violation("I5", f"rank {rank}: tier {name} holds {s['pinned']} pins")

@@ -98,9 +98,13 @@ class World(Checks, Faults):
         self.kv: list[torch.Tensor] = []
         engine = f"sim-{uuid.uuid4().hex[:8]}"
         for rank in range(RANKS):
-            tiers = [{"backend": "local_cpu", "options": {"capacity": "1MiB", "prefault": False}},
-                     {"backend": "posix", "options": {"path": str(self.tmp / f"r{rank}"),
-                                                      "capacity": "64MiB", "io_threads": 1}}]
+            tiers = [{"backend": "local_cpu", "eviction": cfg.eviction,
+                      "options": {"capacity": "32KiB" if cfg.small_tiers else "1MiB",
+                                  "prefault": False}},
+                     {"backend": "posix", "eviction": cfg.eviction,
+                      "admission": {"policy": cfg.admission},
+                      "options": {"path": str(self.tmp / f"r{rank}"), "io_threads": 1,
+                                  "capacity": "48KiB" if cfg.small_tiers else "64MiB"}}]
             ccfg = ConnectorConfig(chunk_size=CS, async_save=cfg.async_save,
                                    layerwise=cfg.layerwise and not cfg.hybrid,
                                    log_every_load=False, save_decode=True, tiers=tiers)
@@ -114,6 +118,7 @@ class World(Checks, Faults):
             w.register_kv_caches(caches)
             assert w.storage is not None
             w.storage.add_wrapper(_put_check_plugin(self, rank))
+            self.watch_evictions(rank, w.storage)
             self.workers.append(w)
             self.kv.append(t)
         self.lookup = SimLookup(self.workers)
@@ -243,6 +248,7 @@ class World(Checks, Faults):
                 self.reset()
             else:  # pragma: no cover
                 raise ValueError(f"unknown event {ev!r}")
+        self.check_tiers()
         self.note(ev, self.rt.ran)
         if self.violation is not None:
             raise self.violation
