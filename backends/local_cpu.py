@@ -61,6 +61,11 @@ class LocalCPUBackend:
         self._pins: PinCounts[CacheKey] = PinCounts()
         self._bytes = 0
         self._lock = threading.RLock()
+        #: per-tenant byte quotas (the tier's ``quotas``), and each tenant's bytes here
+        self._quotas = ctx.quotas
+        self._tenant_bytes: dict[str, int] = {}
+        self._quota_skipped = 0
+        self._quota_evictions = 0
         self._skipped_puts = 0
         self._alloc_failures = 0
         self._evictions = 0
@@ -76,6 +81,11 @@ class LocalCPUBackend:
         self._policy.remove(key=key)
         self._pins.discard(key)
         self._bytes -= obj.nbytes
+        left = self._tenant_bytes.get(key.tenant, 0) - obj.nbytes
+        if left > 0:
+            self._tenant_bytes[key.tenant] = left
+        else:
+            self._tenant_bytes.pop(key.tenant, None)
         self._evictions += 1
         obj.ref_down()
         return obj.nbytes
@@ -90,6 +100,36 @@ class LocalCPUBackend:
             elif key in self._entries:
                 self._policy.insert(key=key, nbytes=self._entries[key].nbytes)  # type: ignore[index]
         return freed
+
+    def _within_quota(self, key: CacheKey, size: int) -> bool:
+        """Room for ``size`` more bytes of ``key``'s tenant under its quota, after evicting that
+        tenant's own entries (in the policy's order) if it needs to; False if it cannot."""
+        limit = self._quotas.limit(key.tenant)
+        if limit is None:
+            return True
+        over = self._tenant_bytes.get(key.tenant, 0) + size - limit
+        if over <= 0:
+            return True
+        if size > limit:
+            return False
+        tenant = key.tenant
+
+        def own(k: Hashable) -> bool:
+            return getattr(k, "tenant", None) == tenant and self._evictable(k)
+
+        freed = 0
+        for victim in self._policy.victims(nbytes=over, evictable=own):
+            if own(victim):
+                freed += self._drop(victim)  # type: ignore[arg-type]
+                self._quota_evictions += 1
+            elif victim in self._entries:
+                self._policy.insert(key=victim, nbytes=self._entries[victim].nbytes)  # type: ignore[index]
+        return freed >= over
+
+    def tenant_usage(self) -> dict[str, int]:
+        """Bytes held per tenant id (``""``: chunks without a tenant)."""
+        with self._lock:
+            return dict(self._tenant_bytes)
 
     def _evict_one(self) -> int:
         """Drop the policy's next victim; 0 if nothing may be evicted."""
@@ -127,6 +167,12 @@ class LocalCPUBackend:
                     self._policy.access(key=key)
                     continue
                 size = obj.nbytes
+                if self._quotas is not None and not self._within_quota(key, size):
+                    self._quota_skipped += 1
+                    self._log_once("quota", "a tenant's chunks fill its quota on tier %r with "
+                                   "pinned or in-use entries; its store was skipped — further "
+                                   "skips are counted in stats (quota_skipped_puts)", self.name)
+                    continue
                 while self._bytes + size > self.capacity and size <= self.capacity \
                         and self._evict(self._bytes + size - self.capacity):
                     pass
@@ -137,6 +183,7 @@ class LocalCPUBackend:
                 self._entries[key] = obj.ref_up()
                 self._policy.insert(key=key, nbytes=size)
                 self._bytes += size
+                self._tenant_bytes[key.tenant] = self._tenant_bytes.get(key.tenant, 0) + size
 
     @hookimpl
     def get(self, key: CacheKey) -> MemoryObj | None:
@@ -188,6 +235,9 @@ class LocalCPUBackend:
                 "skipped_puts": self._skipped_puts,
                 "alloc_failures": self._alloc_failures,
                 "evictions": self._evictions,
+                "tenants": len(self._tenant_bytes),
+                "quota_skipped_puts": self._quota_skipped,
+                "quota_evictions": self._quota_evictions,
                 "pool_used": pool.used,
                 "pool_fragmentation": pool.fragmentation,
                 **{f"eviction_{k}": v for k, v in self._policy_stats().items()},
@@ -206,3 +256,4 @@ class LocalCPUBackend:
             self._entries.clear()
             self._pins.clear()
             self._bytes = 0
+            self._tenant_bytes.clear()

@@ -110,6 +110,17 @@ class PolicyConfig(BaseModel):
         return dict(self.model_extra or {})
 
 
+class QuotaConfig(_Strict):
+    """A tier's ``quotas``: bytes each tenant's chunks may hold there (:mod:`kvplug.policies.tenants`)."""
+
+    default: ByteSize | None = Field(
+        default=None, description="quota of every tenant without a line of its own (requests "
+        "without a tenant included); none: unbounded")
+    tenants: dict[str, ByteSize] = Field(
+        default_factory=dict, description="tenant (its cache_salt or tenant name, hashed at "
+        "start, never kept) -> its quota, e.g. {team-a: 20GiB}")
+
+
 class TierConfig(_Strict):
     """One storage tier: which backend, its name, its options, its policies."""
 
@@ -133,6 +144,11 @@ class TierConfig(_Strict):
         default=None, description="which chunks are written to the tier: {policy: always} (the "
         "default) or {policy: tinylfu, min_count: 2} (only chunks used that often), or a "
         "kvplug.policies entry point")
+
+    quotas: QuotaConfig | None = Field(
+        default=None, description="per-tenant byte quotas on this tier: {default: SIZE, tenants: "
+        "{NAME: SIZE}}; a tenant over its quota evicts its own entries first (tiers whose "
+        "backend orders its own victims: local_cpu, posix, gds)")
 
     @field_validator("eviction", "admission", mode="before")
     @classmethod
@@ -333,7 +349,16 @@ def _explain(exc: ValidationError, top_level: list[str], redact: Redactor) -> st
     """Every error of ``exc``, naming the key and (never a secret, :mod:`kvplug.redact`) the value."""
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
+        parts = [str(p) for p in err["loc"]]
+        if "quotas" in parts and parts[parts.index("quotas") + 1:][:1] == ["tenants"]:
+            # a tenant's name may be its cache salt: never echoed (kvplug.policies.tenants)
+            at = parts.index("quotas") + 2
+            parts = [*parts[:at], "<a tenant>"] if len(parts) > at else parts
+            err = {**err, "input": "***"}
+        elif isinstance(err.get("input"), dict) and "quotas" in err["input"]:
+            err = {**err, "input": {k: ("{...}" if k == "quotas" else v)
+                                    for k, v in err["input"].items()}}
+        loc = ".".join(parts)
         if err["type"] == "extra_forbidden":
             keys = top_level
             if len(err["loc"]) > 1 and err["loc"][0] == "tiers":

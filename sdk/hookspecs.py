@@ -123,6 +123,11 @@ class TierContext:
             ``eviction_policy = True``: it tells the policy every entry stored, used and removed,
             and evicts the keys ``eviction.victims(nbytes, evictable)`` names, under its own
             lock. ``None`` for other backends (their store picks its victims).
+        quotas: the tier's :class:`~kvplug.policies.tenants.TenantQuotas` (its ``quotas``
+            setting), for the same backends, or ``None``: a store that would take a tenant
+            (``key.tenant``) past ``quotas.limit(tenant)`` bytes first evicts that tenant's own
+            entries (``eviction.victims`` with ``evictable`` true only for them), else is
+            skipped.
         read_limit: ``read_limit() -> int | None`` — the most bytes of one stored chunk a tier
             may receive before it can parse the header (a value read whole); a longer value is
             a miss. ``None`` when the host sets no bound.
@@ -137,6 +142,7 @@ class TierContext:
     auth: Keyring | None = None
     read_limit: Callable[[], int | None] = lambda: None
     eviction: Any = None
+    quotas: Any = None
 
 
 class BackendSpec:

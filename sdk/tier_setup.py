@@ -26,6 +26,7 @@ from .memory import MemoryObj
 from .plugins import load_backend_class
 from .policies.gate import AdmissionGate
 from .policies.registry import build_policy
+from .policies.tenants import TenantQuotas
 from .redact import Redactor, describe_validation_error
 from .runtime import THREADS, Runtime
 from .tier_calls import Tier
@@ -60,6 +61,7 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
         auth=tier_auth,
         read_limit=read_limit,
         eviction=_eviction_policy(cls, cfg, options),
+        quotas=None if cfg.quotas is None else TenantQuotas.from_config(cfg.quotas, auth),
     )
     redact = Redactor(cfg.options)
     try:
@@ -95,6 +97,11 @@ def _eviction_policy(cls: type, cfg: TierConfig, options: Any) -> Any:
     """The eviction policy for a backend that orders its victims by one (its ``eviction``
     setting, ``lru`` without one); ``None`` for other backends, where the setting is an error."""
     if not getattr(cls, "eviction_policy", False):
+        if cfg.quotas is not None:
+            raise ConfigError(
+                f"tier {cfg.tier_name!r}: backend {cfg.backend!r} picks its own victims (its "
+                "store evicts), so it cannot keep per-tenant quotas; remove quotas, or set them "
+                "on a tier whose backend sets eviction_policy = True (local_cpu, posix, gds)")
         if cfg.eviction is not None:
             raise ConfigError(
                 f"tier {cfg.tier_name!r}: backend {cfg.backend!r} picks its own victims (its "

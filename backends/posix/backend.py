@@ -108,6 +108,10 @@ class PosixBackend(LookupAndPins):
         policy = ctx.eviction
         self._index = PosixIndex(None if policy is None or isinstance(policy, LRUEviction)
                                  else policy)
+        #: per-tenant byte quotas (the tier's ``quotas``): tenants counted from file names
+        self._quotas = ctx.quotas
+        if self._quotas is not None:
+            self._index.track_tenants()
         self._gid = opts.gid
         self._held = HeldFiles(fd_limit(opts.max_pinned_fds), self._open_held)
         self._pending: dict[str, MemoryObj] = {}
@@ -317,8 +321,9 @@ class PosixBackend(LookupAndPins):
                 continue
             self._pool.submit(self._write, key, rel, obj)
 
-    def _make_room(self, size: int) -> bool:
-        """Reserve ``size`` bytes, evicting LRU files; False if pinned files leave no room.
+    def _make_room(self, size: int, tenant: str = "") -> bool:
+        """Reserve ``size`` bytes of ``tenant``, evicting LRU files (that tenant's first when
+        it is over its quota); False if pinned files leave no room.
 
         The writer (a background thread) waits until its victims' files are deleted, so the
         directory never holds more than the capacity plus the writes in flight, however far the
@@ -332,8 +337,9 @@ class PosixBackend(LookupAndPins):
         if over and self._rescans.due():
             self._rescan(only_if_due=True)
         short = self._reaper.short_batches
+        limit = self._quotas.limit(tenant) if self._quotas is not None else None
         with self._lock:
-            victims = self._index.reserve(size, self.capacity)
+            victims = self._index.reserve(size, self.capacity, tenant, limit)
             if victims is None:
                 return False
             self._unlink_victims(victims)
@@ -391,7 +397,7 @@ class PosixBackend(LookupAndPins):
                     self._index.add(rel, entry.size, entry.stamp)
                 return
             size, write_file = self._prepare_write(key, rel, obj)
-            if not self._make_room(size):
+            if not self._make_room(size, key.tenant):
                 self._count("skipped_puts")
                 self._log_once("full", "capacity %d bytes is full of pinned files; stores "
                                "skipped", self.capacity)
@@ -412,7 +418,7 @@ class PosixBackend(LookupAndPins):
                 # pinned while it was queued: held now, under the lock the pin looked at the
                 # queue under (.lookup._pin), so no pin falls between the two
                 taken = self._held.attach(rel, fd)
-                self._index.reserved -= reserved
+                self._index.unreserve(reserved, key.tenant)
                 self._pending.pop(rel, None)
                 self._cancelled.discard(rel)
                 self._releasing += 1
@@ -492,6 +498,17 @@ class PosixBackend(LookupAndPins):
             self._counters["disk_bytes_read"] += obj.nbytes
         return obj
 
+    def tenant_usage(self) -> dict[str, int]:
+        """Bytes of the files this process has indexed, per tenant id (from the names, so the
+        files of every process sharing the directory count, once a rescan has seen them)."""
+        with self._lock:
+            if self._index.tenants is None:
+                index = PosixIndex()
+                index._lru = dict(self._index._lru)
+                index.track_tenants()
+                return dict(index.tenants or {})
+            return dict(self._index.tenants)
+
     @hookimpl
     def get(self, key: CacheKey) -> MemoryObj | None:
         return self._read(key, None)
@@ -562,6 +579,8 @@ class PosixBackend(LookupAndPins):
             policy = self._index.policy
             if policy is not None and callable(getattr(policy, "stats", None)):
                 out.update({f"eviction_{k}": v for k, v in (policy.stats() or {}).items()})
+            if self._index.tenants is not None:
+                out["tenants"] = len(self._index.tenants)
             out.update(entries=len(self._index), bytes=self._index.bytes, capacity=self.capacity,
                        indexed=int(self._indexed.is_set()),
                        pinned=len(self._index.pins), pending_writes=len(self._pending),
