@@ -167,3 +167,36 @@ def test_processes_sharing_a_directory_count_each_tenant_the_same(tmp_path):
             assert sum(tenant_of_name(n) == b for n in names) == 5
             assert not any(SALT_A in n or SALT_B in n for n in names)
     assert not any(SALT_A in p for p in os.listdir(tmp_path / "c"))
+
+
+# -- the connector: a request's tenant reaches its keys ------------------------------------------------
+def test_the_scheduler_sends_the_tenant_of_the_salt_or_the_params(tmp_path):
+    """vLLM's own Scheduler (no engine): a salted request's lookup and its save carry the id of
+    its salt, one with ``kv_transfer_params["tenant"]`` the id of that, one with neither none;
+    the worker's keys carry it, so the salt never travels."""
+    pytest.importorskip("vllm")
+    from kvplug.connector.demo.model import make_model
+    from kvplug.connector.lookup import Lookup
+    from vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_output, prompt
+
+    class Recording(FakeLookup):
+        def lookup(self, req_id, hashes, tails, tenant=""):
+            self.tenants = {**getattr(self, "tenants", {}), req_id: tenant}
+            return super().lookup(req_id, hashes, tails)
+
+    s = make_scheduler(make_model("tiny", weights=False, root=tmp_path / "m"))
+    side = s.connector._sched
+    side.lookup = Recording()
+    reqs = [make_request("salted", prompt(600, 1), cache_salt=SALT_A),
+            make_request("named", prompt(600, 2)), make_request("plain", prompt(600, 3))]
+    reqs[1].kv_transfer_params = {"tenant": "team-b"}
+    for r in reqs:
+        s.add_request(r)
+    so = s.schedule()
+    md = so.kv_connector_metadata
+    s.update_from_output(so, model_runner_output(so))
+    want = {"salted": tenant_id(SALT_A), "named": tenant_id("team-b"), "plain": ""}
+    assert side.lookup.tenants == want
+    assert {r.req_id: r.tenant for r in md.requests} == want
+    msg = Lookup(1, "salted", [b"h" * 32], [], tenant=want["salted"])
+    assert SALT_A.encode() not in __import__("msgspec").msgpack.encode(msg)

@@ -92,7 +92,8 @@ class Checks:
                     for g in range(len(self.layout.groups)):
                         hh = group_hash(h, self.layout.groups[g]) if self.layout.multi else h
                         # under the step's weights epoch (a reset in this step switches it)
-                        self.registry[rank].setdefault(w.key(hh, md.epoch), (g, s, e, tokens[:e]))
+                        self.registry[rank].setdefault(w.key(hh, md.epoch, r.tenant),
+                                                       (g, s, e, tokens[:e]))
 
     def expected(self, rank: int, key: Any) -> torch.Tensor | None:
         ent = self.registry[rank].get(key)
@@ -258,6 +259,19 @@ class Checks:
                 raise Violation("I6", f"rank {rank}: posix holds {held} B over its capacity "
                                       f"{disk.capacity} ({self.cfg.eviction}/{self.cfg.admission})")
             self.counts["tier capacity checks"] += 1
+            if not self.cfg.tenants:
+                continue
+            idx = disk._index
+            for name, quotas, usage in (
+                    ("L1", l1._quotas, l1._tenant_bytes),
+                    ("posix", disk._quotas, {t: n + idx.tenant_reserved.get(t, 0)
+                                             for t, n in (idx.tenants or {}).items()})):
+                for tenant, n in usage.items():
+                    limit = quotas.limit(tenant)
+                    if limit is not None and n > limit:
+                        raise Violation("I6", f"rank {rank}: tenant {tenant} holds {n} B on "
+                                              f"{name}, over its quota {limit}")
+                self.counts[f"{name} tenants held"] += len(usage)
 
     def check_end(self) -> None:
         if self.violation is not None:

@@ -44,6 +44,7 @@ class SimConfig:
     eviction: str = "lru"
     admission: str = "always"
     small_tiers: bool = False
+    tenants: bool = False  # requests carry one of two cache salts; both tiers have quotas
 
 
 _MODEL: dict[str, Any] = {}
@@ -133,8 +134,8 @@ class SimLookup:
         self._slow: dict[str, frozenset[int]] = {}
         self._n = 0
 
-    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]]
-               ) -> int | None:
+    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]],
+               tenant: str = "") -> int | None:
         from kvplug.connector.lookup import Lookup
 
         if not hashes and not tails:
@@ -143,7 +144,7 @@ class SimLookup:
         answers, slow = [], set()
         for w in self.workers:
             tokens, s = w._on_lookup(Lookup(self._n, req_id, list(hashes), list(tails),
-                                            epoch=self.epoch))
+                                            epoch=self.epoch, tenant=tenant))
             answers.append(tokens)
             slow.update(s)
         self._slow[req_id] = frozenset(slow)

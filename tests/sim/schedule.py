@@ -30,7 +30,8 @@ def config_for(seed: int, faults: frozenset[str] = frozenset()) -> SimConfig:
     pol = random.Random(seed * 104729 + 11)
     if pol.random() < 0.5:
         cfg = replace(cfg, eviction=pol.choice(("lru", "s3fifo", "s3fifo")),
-                      admission=pol.choice(("always", "tinylfu")), small_tiers=pol.random() < 0.6)
+                      admission=pol.choice(("always", "tinylfu")), small_tiers=pol.random() < 0.6,
+                      tenants=pol.random() < 0.5)
     return cfg
 
 

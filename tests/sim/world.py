@@ -105,6 +105,9 @@ class World(Checks, Faults):
                       "admission": {"policy": cfg.admission},
                       "options": {"path": str(self.tmp / f"r{rank}"), "io_threads": 1,
                                   "capacity": "48KiB" if cfg.small_tiers else "64MiB"}}]
+            if cfg.tenants:  # a tenant's chunks: a few in L1, half the disk
+                tiers[0]["quotas"] = {"default": "2KiB"}
+                tiers[1]["quotas"] = {"default": "24KiB" if cfg.small_tiers else "32MiB"}
             ccfg = ConnectorConfig(chunk_size=CS, async_save=cfg.async_save,
                                    layerwise=cfg.layerwise and not cfg.hybrid,
                                    log_every_load=False, save_decode=True, tiers=tiers)
@@ -266,8 +269,9 @@ class World(Checks, Faults):
         req_id = f"r{self.next_req}"
         self.next_req += 1
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        salt = f"sim-tenant-{prefix[0] % 2}" if self.cfg.tenants else None
         self.s.add_request(Request(req_id, list(prefix) + list(suffix), sp, None,
-                                   block_hasher=_block_hasher()))
+                                   block_hasher=_block_hasher(), cache_salt=salt))
         self.log[req_id] = ReqLog()
 
     # -- one engine step -------------------------------------------------------------------------
