@@ -406,6 +406,9 @@ class PosixBackend(LookupAndPins):
             written = write_file(path)
             with self._lock:
                 self._index.add(rel, written, time.time())
+                # in the same lock: the file is counted once (indexed), never twice (reserved too)
+                self._index.unreserve(reserved, key.tenant)
+                reserved = 0
                 self._counters["writes"] += 1
                 self._counters["disk_bytes_written"] += written
         except Exception as exc:  # noqa: BLE001 - OSError (full disk...) or not: never raised

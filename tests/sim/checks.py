@@ -254,18 +254,19 @@ class Checks:
             if l1._bytes > l1.capacity:
                 raise Violation("I6", f"rank {rank}: L1 holds {l1._bytes} B over its capacity "
                                       f"{l1.capacity} ({self.cfg.eviction})")
-            held = disk._index.bytes + disk._index.reserved
+            with disk._lock:  # the writer thread changes these together under it
+                held = disk._index.bytes + disk._index.reserved
+                tenants = dict(disk._index.tenants or {})
+                reserved = dict(disk._index.tenant_reserved)
             if held > disk.capacity:
                 raise Violation("I6", f"rank {rank}: posix holds {held} B over its capacity "
                                       f"{disk.capacity} ({self.cfg.eviction}/{self.cfg.admission})")
             self.counts["tier capacity checks"] += 1
             if not self.cfg.tenants:
                 continue
-            idx = disk._index
             for name, quotas, usage in (
                     ("L1", l1._quotas, l1._tenant_bytes),
-                    ("posix", disk._quotas, {t: n + idx.tenant_reserved.get(t, 0)
-                                             for t, n in (idx.tenants or {}).items()})):
+                    ("posix", disk._quotas, {t: n + reserved.get(t, 0) for t, n in tenants.items()})):
                 for tenant, n in usage.items():
                     limit = quotas.limit(tenant)
                     if limit is not None and n > limit:

@@ -28,9 +28,11 @@ FAULTS = {
     # issue 34: policies and capacity
     "evict_pinned": "I7",  # L1 takes a pinned chunk for a victim (the policy's and its own check)
     "overfill_disk": "I6",  # posix reserves room for a write without evicting anything
+    "ignore_quota": "I6",  # L1 stores a tenant's chunk past its quota
 }
+
 #: fault -> what the violation must say besides its invariant (the check that must catch it)
-WHERE = {"corrupt_l1_object": " get: "}
+WHERE = {"corrupt_l1_object": " get: ", "ignore_quota": "quota"}
 #: faults only a directed schedule reaches (tests/test_simulation.py, SCHEDULES) -> invariant
 DIRECTED_FAULTS = {
     "forget_unwritten": "I2",  # a failed load's blocks are not followed until written
@@ -107,6 +109,10 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
             return obj is not None and obj.ref_count == 1
 
         return [(LocalCPUBackend, "_evictable", evictable)]
+    if name == "ignore_quota":
+        from kvplug.backends.local_cpu import LocalCPUBackend
+
+        return [(LocalCPUBackend, "_within_quota", lambda self, key, size: True)]
     if name == "overfill_disk":
         from kvplug.backends.posix.index import PosixIndex
 
