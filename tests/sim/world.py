@@ -106,7 +106,7 @@ class World(Checks, Faults):
                       "options": {"path": str(self.tmp / f"r{rank}"), "io_threads": 1,
                                   "capacity": "48KiB" if cfg.small_tiers else "64MiB"}}]
             if cfg.tenants:  # a tenant's chunks: a few in L1, half the disk
-                tiers[0]["quotas"] = {"default": "2KiB"}
+                tiers[0]["quotas"] = {"default": 512}  # 2-4 chunks
                 tiers[1]["quotas"] = {"default": "24KiB" if cfg.small_tiers else "32MiB"}
             ccfg = ConnectorConfig(chunk_size=CS, async_save=cfg.async_save,
                                    layerwise=cfg.layerwise and not cfg.hybrid,
