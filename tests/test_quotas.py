@@ -200,3 +200,29 @@ def test_the_scheduler_sends_the_tenant_of_the_salt_or_the_params(tmp_path):
     assert {r.req_id: r.tenant for r in md.requests} == want
     msg = Lookup(1, "salted", [b"h" * 32], [], tenant=want["salted"])
     assert SALT_A.encode() not in __import__("msgspec").msgpack.encode(msg)
+
+
+def test_kvplug_inspect_counts_each_tenant(tmp_path):
+    """``kvplug inspect`` counts bytes per tenant from the object names, and shows ids only."""
+    from click.testing import CliRunner
+    from kvplug.cli import main as cli
+
+    a, b = tenant_id(SALT_A), tenant_id(SALT_B)
+    tiers = [{"backend": "posix", "options": {"path": str(tmp_path / "c"), "capacity": "64MiB"}}]
+    with StorageManager({"tiers": tiers, "chunk_size": 16}) as mgr:
+        for i in range(3):
+            put(mgr, key(i, a))
+        for i in range(2):
+            put(mgr, key(10 + i, b))
+        put(mgr, key(20))
+        assert mgr.flush(30)
+    out = CliRunner().invoke(cli, ["inspect", str(tmp_path / "c"), "--json"])
+    assert out.exit_code == 0, out.output
+    import json
+
+    report = json.loads(out.output)
+    per = {t: u["chunks"] for t, u in report["tenants"].items()}
+    assert per == {a: 3, b: 2, "-": 1}
+    assert sorted(g["tenant"] for g in report["groups"]) == sorted([a, b, "-"])
+    text = CliRunner().invoke(cli, ["inspect", str(tmp_path / "c")]).output
+    assert a in text and SALT_A not in text and SALT_B not in text
