@@ -116,7 +116,8 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
     if name == "overfill_disk":
         from kvplug.backends.posix.index import PosixIndex
 
-        def reserve(self: Any, size: int, capacity: int) -> list:
+        def reserve(self: Any, size: int, capacity: int, tenant: str = "",
+                    limit: int | None = None) -> list:
             self.reserved += size
             return []
 
