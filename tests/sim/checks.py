@@ -63,6 +63,22 @@ def _put_check_plugin(world: Any, rank: int) -> Any:
     return _Check()
 
 
+def _written_at_once(disk: Any) -> Any:
+    """A wrapper that waits for the posix tier's writes before its ``batched_submit_put``
+    returns: its writer threads are real, and under capacity pressure (small tiers, quotas)
+    when a write evicts would otherwise show in later lookups, so a seed would not replay."""
+    from kvplug.hookspecs import hookimpl
+
+    class _Sync:
+        @hookimpl(wrapper=True)
+        def batched_submit_put(self, keys: Any, objs: Any) -> Any:
+            res = yield
+            disk.flush(timeout=30)
+            return res
+
+    return _Sync()
+
+
 @dataclass
 class ReqLog:
     sending: int = 0
@@ -272,7 +288,7 @@ class Checks:
                     if limit is not None and n > limit:
                         raise Violation("I6", f"rank {rank}: tenant {tenant} holds {n} B on "
                                               f"{name}, over its quota {limit}")
-                self.counts[f"{name} tenants held"] += len(usage)
+                self.figures[f"{name} tenants held"] += len(usage)
 
     def check_end(self) -> None:
         if self.violation is not None:
@@ -304,7 +320,7 @@ class Checks:
             for what, tier, stat in (("L1 evictions", "local_cpu", "evictions"),
                                      ("posix evictions", "posix", "evictions"),
                                      ("posix admission refusals", "posix", "admission_rejected")):
-                self.counts[f"{what} ({self.cfg.eviction}/{self.cfg.admission})"] += \
+                self.figures[f"{what} ({self.cfg.eviction}/{self.cfg.admission})"] += \
                     int(stats[tier].get(stat, 0))
             for name, s in stats.items():
                 if s.get("pinned", 0):

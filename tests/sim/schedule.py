@@ -110,6 +110,7 @@ def _run(cfg: SimConfig, events: list[tuple]) -> Outcome:
         out.counts = dict(w.counts)
         w.note("end", out.at, str(out.violation), sorted(out.counts.items()))
         out.trace = w.trace
+        out.counts.update(w.figures)
     return out
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checks import Checks, ReqLog, _put_check_plugin
+from .checks import Checks, ReqLog, _put_check_plugin, _written_at_once
 from .engine import (
     BS,
     CS,
@@ -122,6 +122,8 @@ class World(Checks, Faults):
             assert w.storage is not None
             w.storage.add_wrapper(_put_check_plugin(self, rank))
             self.watch_evictions(rank, w.storage)
+            if cfg.small_tiers or cfg.tenants or (cfg.eviction, cfg.admission) != ("lru", "always"):
+                w.storage.add_wrapper(_written_at_once(w.storage.backend("posix")), ["posix"])
             self.workers.append(w)
             self.kv.append(t)
         self.lookup = SimLookup(self.workers)
@@ -138,6 +140,9 @@ class World(Checks, Faults):
         self.log: dict[str, ReqLog] = {}
         self.owned: set[int] = set()  # blocks requests held at the last forward
         self.counts: Counter[str] = Counter()  # what the schedule exercised (figures)
+        #: figures that depend on the tiers' own threads (posix writes, deletes): reported with
+        #: the counts but kept out of the trace, which must replay exactly
+        self.figures: Counter[str] = Counter()
         self.violation: Violation | None = None  # raised inside kvplug (which may swallow it)
         self.lost: list[set] = [set(), set()]  # keys whose next read fails (see lose)
         self.next_req = 0
