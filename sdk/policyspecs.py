@@ -42,8 +42,9 @@ Rules for every policy:
   tier admits everything, as before policies existed), from any thread: guard your own state.
   They decide *whether* a chunk is written to a tier, never which bytes; a chunk refused by every
   tier is simply recomputed when it is needed again.
-* **Never raise.** An exception from a policy is a bug in it; kvplug treats it as a tier fault
-  (the call is a miss or a dropped store) and logs it once.
+* **Never raise.** An exception from a policy is a bug in it, counted as a fault of its tier and
+  logged once: from an eviction policy, the tier hook that called it fails (a miss, a dropped
+  store); from an admission policy, the store goes on as it would without a policy.
 * **Deterministic.** Given the same calls, a policy answers the same (hash keys with a stable
   hash, never Python's ``hash()`` of a string, which changes per process): the deterministic
   simulation (tests/sim) replays a seed in another process and compares every step.
