@@ -48,13 +48,16 @@ class Identity:
     def layers(self) -> str:
         return f"{self.layer_start}-{self.layer_end}" if self.layer_end > self.layer_start else ""
 
-    def key(self, tensor_dtype: str, chunk_hash: bytes, epoch: str = "") -> CacheKey:
-        """The key of one chunk, given the dtype of the registered KV tensors and the weights
-        epoch (``""`` until the weights change in place: see :func:`kvplug.keys.epoch_digest`)."""
+    def key(self, tensor_dtype: str, chunk_hash: bytes, epoch: str = "",
+            tenant: str = "") -> CacheKey:
+        """The key of one chunk, given the dtype of the registered KV tensors, the weights
+        epoch (``""`` until the weights change in place: see :func:`kvplug.keys.epoch_digest`)
+        and the request's tenant id (:func:`kvplug.policies.tenants.tenant_id`)."""
         return CacheKey(self.model, kv_dtype_token(tensor_dtype, self.cache_dtype, self.scales),
                         self.layout, self.world_size, self.rank, chunk_hash,
                         model_digest=epoch_digest(self.model_digest, epoch),
-                        pp_size=self.pp_size, pp_rank=self.pp_rank, layers=self.layers)
+                        pp_size=self.pp_size, pp_rank=self.pp_rank, layers=self.layers,
+                        tenant=tenant)
 
 
 def _plain(value: Any) -> Any:

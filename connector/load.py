@@ -135,7 +135,7 @@ def plan_load(md: KVPlugMetadata, r: ReqMeta, key: Callable[[bytes], CacheKey], 
         except (ValueError, IndexError):
             ld.fail(s)
             break
-        keys = [key(p.hash) for p in parts]
+        keys = [key(p.hash, tenant=r.tenant) if r.tenant else key(p.hash) for p in parts]
         tiers = [tier_of(k) for k in keys]
         if None in tiers:
             ld.fail(s)

@@ -62,6 +62,7 @@ class Lookup(msgspec.Struct, tag=True):
     pin: bool = True
     deadline: float = float("inf")
     epoch: str = ""  # the scheduler's weights epoch: keys are looked up under it
+    tenant: str = ""  # the request's tenant id: keys are looked up under it
 
 
 class Release(msgspec.Struct, tag=True):
@@ -318,13 +319,13 @@ class LookupClient:
         self.release(list(self._pending))
         self.epoch = epoch
 
-    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]]
-               ) -> int | None:
+    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]],
+               tenant: str = "") -> int | None:
         """Leading stored tokens (minimum over ranks); ``None`` while a rank has not answered;
         0 when a rank is late past the deadline or absent."""
         if not hashes and not tails:
             return 0
-        query = (tuple(hashes), tuple(tails), self.epoch)
+        query = (tuple(hashes), tuple(tails), self.epoch, tenant)
         p = self._pending.get(req_id)
         if p is None or p.query != query:
             if p is not None:
@@ -349,7 +350,7 @@ class LookupClient:
         self._next_id += 1
         p = _Pending(self._next_id, query, time.monotonic() + self.timeout_s)
         payload = _encode(Lookup(p.id, req_id, list(query[0]), list(query[1]),
-                                 deadline=p.deadline, epoch=self.epoch))
+                                 deadline=p.deadline, epoch=self.epoch, tenant=query[3]))
         try:
             for s in self._socks:
                 s.send(payload, zmq.NOBLOCK)

@@ -68,6 +68,7 @@ class ReqMeta:
     save: SaveSpec | None = None
     finished: bool = False
     tables: tuple[list[int], ...] = ()  # every KV cache group's block table (hybrid models only)
+    tenant: str = ""  # the request's tenant id (kvplug.policies.tenants.tenant_id): in its keys
 
 
 @dataclass

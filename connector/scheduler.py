@@ -33,6 +33,8 @@ from collections.abc import Callable, Collection
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvplug.policies.tenants import tenant_id
+from kvplug.storage_manager import auth_keyring
 from kvplug.tokens import TokenDatabase
 
 from .chunk_keys import chunk_extra_keys
@@ -53,8 +55,8 @@ logger = logging.getLogger("kvplug.connector")
 
 
 class LookupFn(Protocol):
-    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]]
-               ) -> int | None: ...  # None: not answered yet, ask again
+    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]],
+               tenant: str = "") -> int | None: ...  # None: not answered yet, ask again
 
     def release(self, req_ids: list[str]) -> None: ...
 
@@ -81,6 +83,8 @@ class SchedulerSide:
         self.stats = StatsRecorder()
         #: requests that may not use the cache at all (require_cache_salt, multimodal ids)
         self.tenants = TenantGate(config.require_cache_salt, self.stats)
+        #: tenant ids are keyed by the deployment secret when there is one (as the workers' are)
+        self._auth = auth_keyring(config)
         self.trackers: dict[str, RequestTracker] = {}
         self._background: list[str] = []  # requests whose background load starts this step
         self._finishing: list[ReqMeta] = []  # saves of finished requests (see finish_save)
@@ -149,8 +153,17 @@ class SchedulerSide:
             t = RequestTracker(request=request, prompt_len=request.num_prompt_tokens,
                                can_load=False, can_save=False)
             self._allow(t)
+            t.tenant = self._tenant_of(request)
             self.trackers[request.request_id] = t
         return t
+
+    def _tenant_of(self, request: Request) -> str:
+        """The request's tenant id: of its ``cache_salt``, else of a ``tenant`` in its
+        ``kv_transfer_params`` (:func:`kvplug.policies.tenants.tenant_id`; keyed by the
+        deployment secret with ``auth_key_env``); ``""`` without either."""
+        params: dict[str, Any] = request.kv_transfer_params or {}
+        value = getattr(request, "cache_salt", None) or params.get("tenant")
+        return tenant_id(str(value), self._auth) if value else ""
 
     def _allow(self, t: RequestTracker) -> None:
         """What the request may do: load and store unless its role or its params say no."""
@@ -239,7 +252,8 @@ class SchedulerSide:
         top = min(cap, (n + 1) * self.cs - self.bs)
         tails = [(e, self._partial_hash(t, e)) for e in range(top, n * self.cs, -self.bs)]
         timeouts = getattr(self.lookup, "timeouts", 0)
-        found = self.lookup.lookup(t.request.request_id, hashes, tails)
+        found = (self.lookup.lookup(t.request.request_id, hashes, tails, tenant=t.tenant)
+                 if t.tenant else self.lookup.lookup(t.request.request_id, hashes, tails))
         if (late := getattr(self.lookup, "timeouts", 0) - timeouts) > 0:
             self.stats.add("lookup_timeouts", late)
         return found
@@ -329,7 +343,8 @@ class SchedulerSide:
         if spec is None:
             return held
         self._finishing.append(ReqMeta(request.request_id, list(block_ids), save=spec,
-                                       finished=True, tables=self._tables(tables)))
+                                       finished=True, tables=self._tables(tables),
+                                       tenant=t.tenant))
         return True
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVPlugMetadata:
@@ -358,7 +373,8 @@ class SchedulerSide:
             groups = state.get_block_ids(req_id) if state is not None else None
             block_ids = list(groups[0]) if groups else list(t.block_ids)
             meta.requests.append(ReqMeta(req_id, block_ids, load, save,
-                                         tables=self._tables(groups or t.tables)))
+                                         tables=self._tables(groups or t.tables),
+                                         tenant=t.tenant))
         if not self.layout.multi:
             meta.unwritten = self._unwritten_reads(meta, so, state)
         return meta

@@ -103,7 +103,7 @@ class WorkerStore:
                                                  self.kv.page_bytes), num_tokens=e - s)
                     if obj is None:  # every tier with memory is full: store what we have
                         break
-                    batch.keys.append(self.key(th))
+                    batch.keys.append(self.key(th, tenant=r.tenant) if r.tenant else self.key(th))
                     batch.objs.append(obj)
                     batch.jobs.append(PageJob(ids, obj.tensor))
                     batch.reqs.append(r.req_id)

@@ -35,3 +35,5 @@ class RequestTracker:
     report: dict[str, Any] = field(default_factory=dict)  # returned in kv_transfer_params
     #: its KV may predate a weights reset: no load nor store until it starts over (see reset)
     stale: bool = False
+    #: its tenant id (cache_salt, else kv_transfer_params["tenant"]; hashed: never the value)
+    tenant: str = ""

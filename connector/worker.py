@@ -138,9 +138,11 @@ class WorkerSide:
         logger.info("kvplug worker rank %d: KV cache restored after sleep (%d layers checked)",
                     self.ident.rank, len(got))
 
-    def key(self, chunk_hash: bytes, epoch: str | None = None) -> CacheKey:
-        """A chunk's key under ``epoch`` (default: the current step's)."""
-        return self.ident.key(self.kv_dtype, chunk_hash, self.epoch if epoch is None else epoch)
+    def key(self, chunk_hash: bytes, epoch: str | None = None, tenant: str = "") -> CacheKey:
+        """A chunk's key under ``epoch`` (default: the current step's), for ``tenant`` (the id
+        the scheduler sent with the request)."""
+        return self.ident.key(self.kv_dtype, chunk_hash, self.epoch if epoch is None else epoch,
+                              tenant)
 
     def sync_epoch(self, md: KVPlugMetadata | None) -> None:
         """Switch to the step's weights epoch before anything else of the step: the scheduler
@@ -184,7 +186,8 @@ class WorkerSide:
         holds (the scheduler loads those asynchronously)."""
         assert self.storage is not None
         self.release([msg.req_id])  # a repeated lookup replaces the earlier pins
-        key = partial(self.key, epoch=msg.epoch)  # the scheduler's epoch, even mid-step
+        key = partial(self.key, epoch=msg.epoch,  # the scheduler's epoch, even mid-step
+                      tenant=msg.tenant)
         if self.layout.multi:
             return self._lookup_groups(msg, key)
         keys = [key(h) for h in msg.hashes]

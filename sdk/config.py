@@ -96,8 +96,33 @@ class _Strict(BaseOptions):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class PolicyConfig(BaseModel):
+    """A tier's ``eviction`` or ``admission`` setting: ``{policy: NAME, ...its options}`` (or just
+    ``NAME``). The name is an entry point of ``kvplug.policies`` (``lru``, ``s3fifo``,
+    ``always``, ``tinylfu`` or a third party's) or ``'package.module:Class'``; the other keys are
+    the policy's options, validated by its ``Options`` model (:mod:`kvplug.policies.registry`)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    policy: str = Field(description="policy name (kvplug.policies entry point) or 'module:Class'")
+
+    def options(self) -> dict[str, Any]:
+        """Every key but ``policy``."""
+        return dict(self.model_extra or {})
+
+
+class QuotaConfig(_Strict):
+    """A tier's ``quotas``: bytes each tenant's chunks may hold there (:mod:`kvplug.policies.tenants`)."""
+
+    default: ByteSize | None = Field(
+        default=None, description="quota of every tenant without a line of its own (requests "
+        "without a tenant included); none: unbounded")
+    tenants: dict[str, ByteSize] = Field(
+        default_factory=dict, description="tenant (its cache_salt or tenant name, hashed at "
+        "start, never kept) -> its quota, e.g. {team-a: 20GiB}")
+
+
 class TierConfig(_Strict):
-    """One storage tier: which backend, its name, its options."""
+    """One storage tier: which backend, its name, its options, its policies."""
 
     backend: str = Field(description="entry-point name (e.g. 'posix') or 'package.module:Class'")
     name: str | None = Field(default=None, description="unique tier name; defaults to backend")
@@ -111,6 +136,37 @@ class TierConfig(_Strict):
                     "point); not for a tier that never blocks (L1 keeps raw pages)",
     )
     codec_options: dict[str, Any] = Field(default_factory=dict, description="passed to the codec")
+    eviction: PolicyConfig | None = Field(
+        default=None, description="which entries leave a full tier: {policy: lru} (the default) "
+        "or s3fifo (scan-resistant), or a kvplug.policies entry point; for tiers whose backend "
+        "orders its own victims (local_cpu, posix, gds)")
+    admission: PolicyConfig | None = Field(
+        default=None, description="which chunks are written to the tier: {policy: always} (the "
+        "default) or {policy: tinylfu, min_count: 2} (only chunks used that often), or a "
+        "kvplug.policies entry point")
+
+    quotas: QuotaConfig | None = Field(
+        default=None, description="per-tenant byte quotas on this tier: {default: SIZE, tenants: "
+        "{NAME: SIZE}}; a tenant over its quota evicts its own entries first (tiers whose "
+        "backend orders its own victims: local_cpu, posix, gds)")
+
+    @field_validator("eviction", "admission", mode="before")
+    @classmethod
+    def _policy_shorthand(cls, value: Any) -> Any:
+        return {"policy": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _known_policies(self) -> TierConfig:
+        from .policies.registry import check_choice  # the registry imports this module
+
+        for kind in ("eviction", "admission"):
+            chosen = getattr(self, kind)
+            if chosen is not None:
+                try:
+                    check_choice(kind, chosen.policy, f"tier {self.tier_name!r}")
+                except ConfigError as exc:
+                    raise ValueError(str(exc)) from None
+        return self
 
     @property
     def tier_name(self) -> str:
@@ -293,7 +349,16 @@ def _explain(exc: ValidationError, top_level: list[str], redact: Redactor) -> st
     """Every error of ``exc``, naming the key and (never a secret, :mod:`kvplug.redact`) the value."""
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
+        parts = [str(p) for p in err["loc"]]
+        if "quotas" in parts and parts[parts.index("quotas") + 1:][:1] == ["tenants"]:
+            # a tenant's name may be its cache salt: never echoed (kvplug.policies.tenants)
+            at = parts.index("quotas") + 2
+            parts = [*parts[:at], "<a tenant>"] if len(parts) > at else parts
+            err = {**err, "input": "***"}
+        elif isinstance(err.get("input"), dict) and "quotas" in err["input"]:
+            err = {**err, "input": {k: ("{...}" if k == "quotas" else v)
+                                    for k, v in err["input"].items()}}
+        loc = ".".join(parts)
         if err["type"] == "extra_forbidden":
             keys = top_level
             if len(err["loc"]) > 1 and err["loc"][0] == "tiers":

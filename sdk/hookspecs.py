@@ -118,6 +118,16 @@ class TierContext:
             MAC'd and keyed-named, and one that fails the check raises
             :class:`~kvplug.chunkfile.AuthError` (a ``ChunkFormatError``: a miss; delete it so
             the next store replaces it). Never log it or put it in an exception.
+        eviction: the tier's eviction policy (:mod:`kvplug.policyspecs`, ``eviction: {policy:
+            ...}`` in the tier's config; ``lru`` by default), for a backend whose class sets
+            ``eviction_policy = True``: it tells the policy every entry stored, used and removed,
+            and evicts the keys ``eviction.victims(nbytes, evictable)`` names, under its own
+            lock. ``None`` for other backends (their store picks its victims).
+        quotas: the tier's :class:`~kvplug.policies.tenants.TenantQuotas` (its ``quotas``
+            setting), for the same backends, or ``None``: a store that would take a tenant
+            (``key.tenant``) past ``quotas.limit(tenant)`` bytes first evicts that tenant's own
+            entries (``eviction.victims`` with ``evictable`` true only for them), else is
+            skipped.
         read_limit: ``read_limit() -> int | None`` — the most bytes of one stored chunk a tier
             may receive before it can parse the header (a value read whole); a longer value is
             a miss. ``None`` when the host sets no bound.
@@ -131,6 +141,8 @@ class TierContext:
     memory_regions: Callable[[], list[tuple[int, int]]] = list
     auth: Keyring | None = None
     read_limit: Callable[[], int | None] = lambda: None
+    eviction: Any = None
+    quotas: Any = None
 
 
 class BackendSpec:
@@ -271,6 +283,9 @@ class BackendClass(Protocol):
       bounds itself, e.g. a server with its own eviction), so ``stats()`` has no ``bytes``; the
       conformance kit's capacity test then checks only the tiers beside it. Default ``False``: a
       bounded tier reports ``bytes`` in ``stats()``.
+    * ``eviction_policy: bool`` — the tier orders its victims by ``ctx.eviction`` (a pluggable
+      eviction policy, :mod:`kvplug.policyspecs`); only such a tier accepts an ``eviction``
+      setting in its config. Default ``False``.
 
     Not ``runtime_checkable``: every member but ``__init__`` is optional, so ``isinstance`` could
     not tell a backend class from any other; :func:`class_contract_problems` checks it instead.
@@ -280,7 +295,8 @@ class BackendClass(Protocol):
 
 
 #: The optional class attributes of :class:`BackendClass` and their defaults.
-CLASS_DEFAULTS: dict[str, Any] = {"Options": None, "never_blocks": False, "unbounded": False}
+CLASS_DEFAULTS: dict[str, Any] = {"Options": None, "never_blocks": False, "unbounded": False,
+                                  "eviction_policy": False}
 
 
 def class_contract_problems(cls: type) -> list[str]:
@@ -292,7 +308,7 @@ def class_contract_problems(cls: type) -> list[str]:
     if model is not None and not (isinstance(model, type) and issubclass(model, BaseModel)):
         problems.append(f"Options is {model!r}, not a pydantic model class: derive it from "
                         "kvplug.config.BaseOptions (or remove it to receive the raw dict)")
-    for flag in ("never_blocks", "unbounded"):
+    for flag in ("never_blocks", "unbounded", "eviction_policy"):
         value = getattr(cls, flag, False)
         if not isinstance(value, bool):
             problems.append(f"{flag} is {value!r}; set it to True or False")

@@ -11,7 +11,10 @@ Fields (every one is in the string form and in a chunk file's header):
 * ``pp_size``/``pp_rank``/``layers``: pipeline parallel size, rank and this stage's layer range;
 * ``chunk_hash``: the prefix-chained token hash (:mod:`kvplug.tokens`), which also covers the
   request-level inputs (LoRA adapter name and path, multimodal inputs, cache salt, prompt
-  embeddings).
+  embeddings);
+* ``tenant``: optional, 16 hex of the request's tenant (:func:`kvplug.policies.tenants.tenant_id`
+  of its ``cache_salt`` or ``tenant``, never the value itself): whose quota the chunk counts
+  against; the last part of the namespace (``.t<16 hex>``), so it is in every object name.
 
 The string form uses only ``[A-Za-z0-9._-]`` so it can be a file or object name without escaping
 (no ``/``, no ``..`` component can ever be produced, whatever the model name). Nothing here
@@ -34,12 +37,14 @@ from .errors import ConfigError
 _UNSAFE = re.compile(r"[^A-Za-z0-9-]+")
 _KEY_RE = re.compile(
     r"^(?P<model>[A-Za-z0-9-]+)\.(?P<dtype>[A-Za-z0-9-]+)\.(?P<layout>[A-Za-z0-9-]+)"
-    r"\.tp(?P<ws>[0-9]+)-(?P<rank>[0-9]+)(?:\.pp[0-9]+-[0-9]+-L[0-9-]*)?\.(?P<hash>[0-9a-f]+)$"
+    r"\.tp(?P<ws>[0-9]+)-(?P<rank>[0-9]+)(?:\.pp[0-9]+-[0-9]+-L[0-9-]*)?(?:\.t[0-9a-f]{16})?"
+    r"\.(?P<hash>[0-9a-f]+)$"
 )
 _FIELD_RE = re.compile(r"^[A-Za-z0-9-]+$")
 _DIGEST_RE = re.compile(r"^[0-9a-f]*$")
 _LAYERS_RE = re.compile(r"^([0-9]+-[0-9]+)?$")
-_DEFAULTS = {"model_digest": "", "pp_size": "1", "pp_rank": "0", "layers": ""}
+_TENANT_RE = re.compile(r"^([0-9a-f]{16})?$")
+_DEFAULTS = {"model_digest": "", "pp_size": "1", "pp_rank": "0", "layers": "", "tenant": ""}
 
 #: Weight files fingerprinted by :func:`model_source` (names relative to the model directory).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack")
@@ -167,6 +172,7 @@ class CacheKey:
     pp_size: int = 1
     pp_rank: int = 0
     layers: str = ""  # "<first>-<end>" of this pipeline stage, e.g. "0-14"
+    tenant: str = ""  # 16 hex of the tenant (kvplug.policies.tenants.tenant_id), or "" for none
 
     def __post_init__(self) -> None:
         for name in ("kv_dtype", "kv_layout"):
@@ -189,6 +195,9 @@ class CacheKey:
             )
         if not isinstance(self.chunk_hash, bytes) or not self.chunk_hash:
             raise ConfigError(f"CacheKey.chunk_hash must be non-empty bytes, got {self.chunk_hash!r}")
+        if not _TENANT_RE.match(self.tenant):
+            raise ConfigError(f"CacheKey.tenant={self.tenant!r} must be 16 hex digits or empty: "
+                              "use kvplug.policies.tenants.tenant_id(cache_salt)")
 
     @property
     def namespace(self) -> str:
@@ -199,6 +208,8 @@ class CacheKey:
         ns = f"{model}.{self.kv_dtype}.{self.kv_layout}.tp{self.world_size}-{self.rank}"
         if self.pp_size > 1 or self.layers:
             ns += f".pp{self.pp_size}-{self.pp_rank}-L{self.layers}"
+        if self.tenant:
+            ns += f".t{self.tenant}"
         return ns
 
     @property
@@ -225,7 +236,7 @@ class CacheKey:
             "chunk_hash": self.hex,
         }
         extra = {"model_digest": self.model_digest, "pp_size": str(self.pp_size),
-                 "pp_rank": str(self.pp_rank), "layers": self.layers}
+                 "pp_rank": str(self.pp_rank), "layers": self.layers, "tenant": self.tenant}
         out.update({k: v for k, v in extra.items() if v != _DEFAULTS[k]})
         return out
 
@@ -244,6 +255,7 @@ class CacheKey:
                 pp_size=int(fields.get("pp_size", "1")),
                 pp_rank=int(fields.get("pp_rank", "0")),
                 layers=fields.get("layers", ""),
+                tenant=fields.get("tenant", ""),
             )
         except KeyError as exc:
             raise ConfigError(f"cache key field {exc.args[0]!r} is missing from {fields!r}") from None

@@ -222,11 +222,59 @@ class StorageManager:
             for key, obj in zip(keys, objs):
                 first.setdefault(key, obj)
             keys, objs = list(first), list(first.values())
+        self._record_use(keys)
         for tier in self._tiers:
-            if tier.encoder is not None:
-                self._put_encoded(tier, list(keys), list(objs))
-            else:
-                self._call(tier, "batched_submit_put", keys=list(keys), objs=list(objs))
+            self._put_to(tier, *self._admitted(tier, list(keys), list(objs)))
+
+    def _put_to(self, tier: Tier, keys: list[CacheKey], objs: list[MemoryObj]) -> None:
+        """One tier's store of ``keys`` (through its encoder thread when it has a codec)."""
+        if not keys:
+            return
+        if tier.encoder is not None:
+            self._put_encoded(tier, keys, objs)
+        else:
+            self._call(tier, "batched_submit_put", keys=keys, objs=objs)
+
+    # -- admission (kvplug.policies: a tier's ``admission`` setting) ----------------------------
+    def _record_use(self, keys: Sequence[CacheKey]) -> None:
+        """Tell every tier's admission policy that a request used ``keys`` (stored or loaded)."""
+        for tier in self._tiers:
+            if tier.admission is not None and keys:
+                try:
+                    tier.admission.record_use(keys)
+                except Exception as exc:  # noqa: BLE001 - a policy's bug is a counted fault
+                    self._fault(tier, "admission.record_use", exc)
+
+    def _admitted(self, tier: Tier, keys: list[CacheKey],
+                  objs: list[MemoryObj]) -> tuple[list[CacheKey], list[MemoryObj]]:
+        """The part of a store that ``tier``'s admission policy admits (all without a policy,
+        or when the policy fails: the store goes on as it would without one)."""
+        if tier.admission is None or not keys:
+            return keys, objs
+        try:
+            ok = tier.admission.admit(keys, [o.nbytes for o in objs])
+        except Exception as exc:  # noqa: BLE001
+            self._fault(tier, "admission.admit", exc)
+            return keys, objs
+        return [k for k, a in zip(keys, ok) if a], [o for o, a in zip(objs, ok) if a]
+
+    def _used(self, keys: list[CacheKey], objs: list[MemoryObj], served: list[int]) -> None:
+        """Loads of ``keys`` (``objs[i]`` read from tier ``served[i]``): each is a use; a chunk
+        another tier refused before is stored there now if its policy's ``admit_loaded`` says so."""
+        self._record_use(keys)
+        for tier in self._tiers:
+            if tier.admission is None or not tier.admission.on_load:
+                continue
+            try:
+                again = [i for i, r in enumerate(tier.admission.refused(keys))
+                         if r and served[i] != tier.index]
+                ok = tier.admission.admit_loaded([keys[i] for i in again],
+                                                 [objs[i].nbytes for i in again]) if again else []
+            except Exception as exc:  # noqa: BLE001
+                self._fault(tier, "admission.admit_loaded", exc)
+                continue
+            self._put_to(tier, [keys[i] for i, a in zip(again, ok) if a],
+                         [objs[i] for i, a in zip(again, ok) if a])
 
     def _put_encoded(self, tier: Tier, keys: list[CacheKey], objs: list[MemoryObj]) -> None:
         """A put to a tier with a codec runs on its encoder thread (encoding is CPU work that
@@ -260,13 +308,14 @@ class StorageManager:
             if obj is not None:
                 if promote and tier.index > 0:
                     self.promote(key, obj)
+                self._used([key], [obj], [tier.index])
                 return obj
         return None
 
     def promote(self, key: CacheKey, obj: MemoryObj) -> None:
         """Put a chunk read from a lower tier into L1 (the caller keeps its reference)."""
         if len(self._tiers) > 1:
-            self._call(self._tiers[0], "batched_submit_put", keys=[key], objs=[obj])
+            self._put_to(self._tiers[0], *self._admitted(self._tiers[0], [key], [obj]))
 
     def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
         """:meth:`get` for many keys, tier by tier: each tier is asked only for what the faster
@@ -275,6 +324,7 @@ class StorageManager:
         concurrently). Lower-tier hits are promoted into L1."""
         keys = list(keys)
         out: list[MemoryObj | None] = [None] * len(keys)
+        served = [-1] * len(keys)
         todo = list(range(len(keys)))
         for tier in self._tiers:
             if not todo:
@@ -282,9 +332,14 @@ class StorageManager:
             for i, obj in zip(todo, self._read_from(tier, [keys[i] for i in todo])):
                 if obj is not None:
                     out[i] = obj
+                    served[i] = tier.index
                     if tier.index > 0:
                         self.promote(keys[i], obj)
             todo = [i for i in todo if out[i] is None]
+        hit = [i for i in range(len(keys)) if out[i] is not None]
+        if hit:
+            self._used([keys[i] for i in hit], [out[i] for i in hit],  # type: ignore[misc]
+                       [served[i] for i in hit])
         return out
 
     def _read_from(self, tier: Tier, keys: list[CacheKey]) -> list[MemoryObj | None]:
@@ -335,6 +390,8 @@ class StorageManager:
             obj = self._call(t, "get_layers", bounded=True, key=key,
                              first_layer=first_layer, num_layers=num_layers)
             if obj is not None:
+                if first_layer == 0:  # a layer-wise load reads layer 0 once per use
+                    self._record_use([key])
                 return obj
         return None
 
@@ -427,6 +484,11 @@ class StorageManager:
             entry["timeouts"] = tier.timeouts
             if tier.auth is not None:
                 entry["auth_failures"] = tier.auth.failures
+            if tier.admission is not None:
+                try:
+                    entry.update(tier.admission.stats())
+                except Exception as exc:  # noqa: BLE001
+                    self._fault(tier, "admission.stats", exc)
             codec = tier.codec.snapshot() if tier.codec is not None else {}
             if tier.codec is not None and (tier.codec.codec is not None or any(codec.values())):
                 entry.update(codec)

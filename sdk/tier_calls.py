@@ -63,6 +63,9 @@ class Tier:
         #: The tier's view of the deployment keyring (``auth_key_env``), or ``None``.
         self.auth: Any = None
         self.encoder: Executor | None = None
+        #: The tier's :class:`~kvplug.policies.gate.AdmissionGate`, or ``None``: every chunk is
+        #: admitted (no ``admission`` setting).
+        self.admission: Any = None
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
 

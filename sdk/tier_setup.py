@@ -24,6 +24,9 @@ from .errors import BackendLoadError, ConfigError, KVPlugError
 from .hookspecs import PROJECT, BackendSpec, TierContext
 from .memory import MemoryObj
 from .plugins import load_backend_class
+from .policies.gate import AdmissionGate
+from .policies.registry import build_policy
+from .policies.tenants import TenantQuotas
 from .redact import Redactor, describe_validation_error
 from .runtime import THREADS, Runtime
 from .tier_calls import Tier
@@ -47,15 +50,18 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
     wrapper; a bad option or a backend that fails to start is a clear error naming the tier."""
     cls, info = load_backend_class(cfg.backend)
     tier_auth = auth.for_tier(cfg.tier_name) if auth is not None else None
+    options = _validated_options(cls, cfg)
     ctx = TierContext(
         name=cfg.tier_name,
-        options=_validated_options(cls, cfg),
+        options=options,
         allocate=allocate,
         chunk_size=chunk_size,
         extra=dict(extra),
         memory_regions=memory_regions,
         auth=tier_auth,
         read_limit=read_limit,
+        eviction=_eviction_policy(cls, cfg, options),
+        quotas=None if cfg.quotas is None else TenantQuotas.from_config(cfg.quotas, auth),
     )
     redact = Redactor(cfg.options)
     try:
@@ -71,7 +77,39 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
     tier = Tier(index, cfg, backend, info.package, runtime)
     tier.auth = tier_auth
     tier.codec = CodecWrapper(tier.name, *codec_of(cfg, tier.inline), allocate)
+    if cfg.admission is not None:
+        tier.admission = AdmissionGate(
+            build_policy("admission", cfg.admission, cfg.tier_name, _capacity(options)),
+            cfg.tier_name)
     return tier
+
+
+def _capacity(options: Any) -> int | None:
+    """The tier's ``capacity`` option in bytes, when it has one."""
+    raw = options.get("capacity") if isinstance(options, dict) else getattr(options, "capacity", None)
+    try:
+        return None if raw is None else int(raw)
+    except (TypeError, ValueError):
+        return None
+
+
+def _eviction_policy(cls: type, cfg: TierConfig, options: Any) -> Any:
+    """The eviction policy for a backend that orders its victims by one (its ``eviction``
+    setting, ``lru`` without one); ``None`` for other backends, where the setting is an error."""
+    if not getattr(cls, "eviction_policy", False):
+        if cfg.quotas is not None:
+            raise ConfigError(
+                f"tier {cfg.tier_name!r}: backend {cfg.backend!r} picks its own victims (its "
+                "store evicts), so it cannot keep per-tenant quotas; remove quotas, or set them "
+                "on a tier whose backend sets eviction_policy = True (local_cpu, posix, gds)")
+        if cfg.eviction is not None:
+            raise ConfigError(
+                f"tier {cfg.tier_name!r}: backend {cfg.backend!r} picks its own victims (its "
+                f"store evicts), so eviction: {{policy: {cfg.eviction.policy}}} cannot apply; "
+                "remove the eviction setting, or choose a backend whose class sets "
+                "eviction_policy = True (local_cpu, posix, gds)")
+        return None
+    return build_policy("eviction", cfg.eviction, cfg.tier_name, _capacity(options))
 
 
 def _validated_options(cls: type, cfg: TierConfig) -> Any:

@@ -350,7 +350,8 @@ class FakeLookup:
         self.calls: list[tuple[str, int]] = []
         self.released: list[str] = []
 
-    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]]) -> int:
+    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]],
+               tenant: str = "") -> int:
         self.calls.append((req_id, len(hashes)))
         n = next((i for i, h in enumerate(hashes) if h not in self.stored), len(hashes))
         if n == len(hashes):

@@ -12,6 +12,8 @@
   directory.
 * Capacity: LRU by file mtime (bumped on every read and pin, shared by all processes); when over,
   the oldest files not pinned by this process are deleted. Files vanishing under us are misses.
+  Another eviction policy (``eviction: {policy: s3fifo}``, :mod:`kvplug.policyspecs`) picks the
+  victims among the files this process has indexed instead, in its own order.
 * Pins hold across processes: a pinned file is kept open (:mod:`.held`) and read through that
   descriptor, so another process's eviction cannot take a promised hit away.
 * A file with a wrong size, header, key or checksum is a miss: logged with its path, deleted,
@@ -41,6 +43,7 @@ from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.keys import CacheKey
 from kvplug.logs import LogOnce
 from kvplug.memory import MemoryFormat, MemoryObj
+from kvplug.policies.eviction import LRUEviction
 
 from . import fs
 from .held import HeldFiles, fd_limit, fd_path
@@ -87,6 +90,8 @@ class PosixBackend(LookupAndPins):
     """A directory of chunk files with an LRU byte capacity."""
 
     Options = PosixOptions
+    #: Victims are chosen by ``ctx.eviction``; ``lru`` is the index's own (shared mtime) LRU.
+    eviction_policy = True
 
     def __init__(self, ctx: TierContext) -> None:
         opts: PosixBackend.Options = ctx.options
@@ -100,7 +105,13 @@ class PosixBackend(LookupAndPins):
         self.capacity = int(opts.capacity)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._index = PosixIndex()
+        policy = ctx.eviction
+        self._index = PosixIndex(None if policy is None or isinstance(policy, LRUEviction)
+                                 else policy)
+        #: per-tenant byte quotas (the tier's ``quotas``): tenants counted from file names
+        self._quotas = ctx.quotas
+        if self._quotas is not None:
+            self._index.track_tenants()
         self._gid = opts.gid
         self._held = HeldFiles(fd_limit(opts.max_pinned_fds), self._open_held)
         self._pending: dict[str, MemoryObj] = {}
@@ -310,8 +321,9 @@ class PosixBackend(LookupAndPins):
                 continue
             self._pool.submit(self._write, key, rel, obj)
 
-    def _make_room(self, size: int) -> bool:
-        """Reserve ``size`` bytes, evicting LRU files; False if pinned files leave no room.
+    def _make_room(self, size: int, tenant: str = "") -> bool:
+        """Reserve ``size`` bytes of ``tenant``, evicting LRU files (that tenant's first when
+        it is over its quota); False if pinned files leave no room.
 
         The writer (a background thread) waits until its victims' files are deleted, so the
         directory never holds more than the capacity plus the writes in flight, however far the
@@ -325,8 +337,9 @@ class PosixBackend(LookupAndPins):
         if over and self._rescans.due():
             self._rescan(only_if_due=True)
         short = self._reaper.short_batches
+        limit = self._quotas.limit(tenant) if self._quotas is not None else None
         with self._lock:
-            victims = self._index.reserve(size, self.capacity)
+            victims = self._index.reserve(size, self.capacity, tenant, limit)
             if victims is None:
                 return False
             self._unlink_victims(victims)
@@ -384,7 +397,7 @@ class PosixBackend(LookupAndPins):
                     self._index.add(rel, entry.size, entry.stamp)
                 return
             size, write_file = self._prepare_write(key, rel, obj)
-            if not self._make_room(size):
+            if not self._make_room(size, key.tenant):
                 self._count("skipped_puts")
                 self._log_once("full", "capacity %d bytes is full of pinned files; stores "
                                "skipped", self.capacity)
@@ -393,6 +406,9 @@ class PosixBackend(LookupAndPins):
             written = write_file(path)
             with self._lock:
                 self._index.add(rel, written, time.time())
+                # in the same lock: the file is counted once (indexed), never twice (reserved too)
+                self._index.unreserve(reserved, key.tenant)
+                reserved = 0
                 self._counters["writes"] += 1
                 self._counters["disk_bytes_written"] += written
         except Exception as exc:  # noqa: BLE001 - OSError (full disk...) or not: never raised
@@ -405,7 +421,7 @@ class PosixBackend(LookupAndPins):
                 # pinned while it was queued: held now, under the lock the pin looked at the
                 # queue under (.lookup._pin), so no pin falls between the two
                 taken = self._held.attach(rel, fd)
-                self._index.reserved -= reserved
+                self._index.unreserve(reserved, key.tenant)
                 self._pending.pop(rel, None)
                 self._cancelled.discard(rel)
                 self._releasing += 1
@@ -485,6 +501,17 @@ class PosixBackend(LookupAndPins):
             self._counters["disk_bytes_read"] += obj.nbytes
         return obj
 
+    def tenant_usage(self) -> dict[str, int]:
+        """Bytes of the files this process has indexed, per tenant id (from the names, so the
+        files of every process sharing the directory count, once a rescan has seen them)."""
+        with self._lock:
+            if self._index.tenants is None:
+                index = PosixIndex()
+                index._lru = dict(self._index._lru)
+                index.track_tenants()
+                return dict(index.tenants or {})
+            return dict(self._index.tenants)
+
     @hookimpl
     def get(self, key: CacheKey) -> MemoryObj | None:
         return self._read(key, None)
@@ -552,6 +579,11 @@ class PosixBackend(LookupAndPins):
     def stats(self) -> dict[str, float]:
         with self._lock:
             out: dict[str, float] = dict(self._counters)
+            policy = self._index.policy
+            if policy is not None and callable(getattr(policy, "stats", None)):
+                out.update({f"eviction_{k}": v for k, v in (policy.stats() or {}).items()})
+            if self._index.tenants is not None:
+                out["tenants"] = len(self._index.tenants)
             out.update(entries=len(self._index), bytes=self._index.bytes, capacity=self.capacity,
                        indexed=int(self._indexed.is_set()),
                        pinned=len(self._index.pins), pending_writes=len(self._pending),

@@ -15,9 +15,11 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvplug import chunkfile as cf
 from kvplug.pins import PinCounts
+from kvplug.policies.tenants import tenant_of_name
 
 from . import fs
 
@@ -173,10 +175,20 @@ def scan(root: Path, tmp_max_age_s: float = cf.TEMP_MAX_AGE_S) -> ScanResult:
 
 class PosixIndex:
     """LRU of chunk files (least recent first: a dict's insertion order, refreshed by re-inserting)
-    with byte accounting; ``pins`` holds this process's pins (a pinned entry is never a victim)."""
+    with byte accounting; ``pins`` holds this process's pins (a pinned entry is never a victim).
 
-    def __init__(self) -> None:
+    With an eviction ``policy`` (:mod:`kvplug.policyspecs`; the tier's ``eviction`` setting other
+    than ``lru``) the policy picks the victims instead: it hears of every entry added, used and
+    removed here, by its packed key, and of what a merge with a fresh scan adds and drops (other
+    processes' files). The order of ``_lru`` (the LRU shared through mtimes) is still kept."""
+
+    def __init__(self, policy: Any = None) -> None:
         self._lru: dict[int | str, int] = {}
+        self.policy = policy
+        #: bytes per tenant id (from each file's name: every process counts the same), and the
+        #: bytes reserved per tenant by writes in flight; None until :meth:`track_tenants`
+        self.tenants: dict[str, int] | None = None
+        self.tenant_reserved: dict[str, int] = {}
         self.pins: PinCounts[str] = PinCounts()
         self.bytes = 0
         self.reserved = 0  # bytes of writes in progress (not indexed until they finish)
@@ -198,8 +210,30 @@ class PosixIndex:
     def __contains__(self, rel: str) -> bool:
         return pack_rel(rel, register=False) in self._lru
 
-    def _put(self, k: int | str, value: int) -> None:
+    def track_tenants(self) -> None:
+        """Count bytes per tenant from now on (a tier with quotas)."""
+        self.tenants = {}
+        for k, value in self._lru.items():
+            self._tenant_add(unpack_rel(k), _size(value))
+
+    def _tenant_add(self, rel: str, n: int) -> None:
+        if self.tenants is not None and n:
+            t = tenant_of_name(rel)
+            left = self.tenants.get(t, 0) + n
+            if left > 0:
+                self.tenants[t] = left
+            else:
+                self.tenants.pop(t, None)
+
+    def _put(self, k: int | str, value: int, rel: str | None = None) -> None:
         old = self._lru.pop(k, None)
+        if self.tenants is not None:
+            self._tenant_add(rel or unpack_rel(k), _size(value) - (_size(old) if old else 0))
+        if self.policy is not None:
+            if old is None:
+                self.policy.insert(key=k, nbytes=_size(value))
+            else:
+                self.policy.access(key=k)
         if old is not None:
             self.bytes -= _size(old)
         self._lru[k] = value
@@ -210,7 +244,7 @@ class PosixIndex:
 
     def add(self, rel: str, size: int, stamp: float) -> None:
         """Insert or refresh an entry as the most recently used."""
-        self._put(pack_rel(rel), _pack(size, stamp))
+        self._put(pack_rel(rel), _pack(size, stamp), rel)
 
     def touch(self, rel: str, stamp: float, size: int | None = None, every: float = 0.0) -> bool:
         """Make ``rel`` the most recently used entry at ``stamp``; one not indexed is added if
@@ -221,10 +255,10 @@ class PosixIndex:
         value = self._lru.get(k)
         if value is None:
             if size is not None:
-                self._put(k, _pack(size, stamp))
+                self._put(k, _pack(size, stamp), rel)
             return size is not None
         due = stamp - _stamp(value) >= every
-        self._put(k, _pack(_size(value), stamp))
+        self._put(k, _pack(_size(value), stamp), rel)
         return due
 
     def remove(self, rel: str) -> Entry | None:
@@ -232,6 +266,9 @@ class PosixIndex:
         value = self._lru.pop(k, None)
         if value is None:
             return None
+        if self.policy is not None:
+            self.policy.remove(key=k)
+        self._tenant_add(rel, -_size(value))
         self.bytes -= _size(value)
         if self._changed is not None:
             self._changed.pop(k, None)
@@ -239,17 +276,38 @@ class PosixIndex:
         return Entry(_size(value), _stamp(value))
 
     # -- eviction -------------------------------------------------------------------------------
-    def take_victims(self, nbytes: int) -> list[tuple[str, Entry]]:
+    def take_victims(self, nbytes: int, tenant: str | None = None) -> list[tuple[str, Entry]]:
         """Remove and return least recently used unpinned entries totalling ``>= nbytes`` (or all
-        unpinned ones if that is not enough)."""
+        unpinned ones if that is not enough); only ``tenant``'s entries when given."""
         out: list[tuple[str, Entry]] = []
         freed = 0
         pins = self.pins
+        if self.policy is not None:
+            def evictable(k: Any) -> bool:
+                if k not in self._lru:
+                    return False
+                rel = unpack_rel(k)
+                return not (len(pins) and rel in pins) and (
+                    tenant is None or tenant_of_name(rel) == tenant)
+
+            for k in self.policy.victims(nbytes=nbytes, evictable=evictable):
+                value = self._lru.get(k)
+                if value is None:
+                    continue
+                if not evictable(k):  # a policy that names a kept entry is not obeyed
+                    self.policy.insert(key=k, nbytes=_size(value))
+                    continue
+                out.append((unpack_rel(k), Entry(_size(value), _stamp(value))))
+            for rel, _ in out:
+                self.remove(rel)
+            return out
         for k, value in self._lru.items():
             if freed >= nbytes:
                 break
             rel = unpack_rel(k)
             if len(pins) and rel in pins:
+                continue
+            if tenant is not None and tenant_of_name(rel) != tenant:
                 continue
             out.append((rel, Entry(_size(value), _stamp(value))))
             freed += _size(value)
@@ -257,17 +315,46 @@ class PosixIndex:
             self.remove(rel)
         return out
 
-    def reserve(self, size: int, capacity: int) -> list[tuple[str, Entry]] | None:
-        """Reserve ``size`` bytes within ``capacity``: the LRU victims to delete for it, or None
-        (nothing taken) when pinned entries leave no room."""
+    def reserve(self, size: int, capacity: int, tenant: str = "",
+                limit: int | None = None) -> list[tuple[str, Entry]] | None:
+        """Reserve ``size`` bytes of ``tenant`` within ``capacity`` and the tenant's quota
+        ``limit``: the victims to delete for it (the tenant's own first, for its quota, then the
+        tier's order), or None (nothing taken) when pinned entries leave no room."""
+        victims: list[tuple[str, Entry]] = []
+        if limit is not None and self.tenants is not None:
+            over = (self.tenants.get(tenant, 0) + self.tenant_reserved.get(tenant, 0) + size
+                    - limit)
+            if size > limit:
+                return None
+            if over > 0:
+                victims = self.take_victims(over, tenant)
+                if over - sum(e.size for _, e in victims) > 0:
+                    self._restore(victims)
+                    return None
         over = self.bytes + self.reserved + size - capacity
-        victims = self.take_victims(over) if over > 0 else []
-        if over - sum(e.size for _, e in victims) > 0:
-            for rel, entry in victims:  # not enough: keep what we took
-                self.add(rel, entry.size, entry.stamp)
+        more = self.take_victims(over) if over > 0 else []
+        victims += more
+        if over - sum(e.size for _, e in more) > 0:
+            self._restore(victims)  # not enough: keep what we took
             return None
         self.reserved += size
+        if self.tenants is not None:
+            self.tenant_reserved[tenant] = self.tenant_reserved.get(tenant, 0) + size
         return victims
+
+    def unreserve(self, size: int, tenant: str = "") -> None:
+        """A reserved write is over (written, indexed by :meth:`add`, or failed)."""
+        self.reserved -= size
+        if self.tenants is not None and size:
+            left = self.tenant_reserved.get(tenant, 0) - size
+            if left > 0:
+                self.tenant_reserved[tenant] = left
+            else:
+                self.tenant_reserved.pop(tenant, None)
+
+    def _restore(self, victims: list[tuple[str, Entry]]) -> None:
+        for rel, entry in victims:
+            self.add(rel, entry.size, entry.stamp)
 
     # -- merging a fresh scan: prepared outside the lock, adopted under it ------------------------
     def begin_merge(self) -> dict[int | str, int]:
@@ -306,8 +393,16 @@ class PosixIndex:
             if value is not None:
                 merged[k] = value
                 nbytes += _size(value)
+        if self.policy is not None:  # other processes' files came and went
+            for k in [k for k in self._lru if k not in merged]:
+                self.policy.remove(key=k)
+            for k, value in merged.items():
+                if k not in self._lru:
+                    self.policy.insert(key=k, nbytes=_size(value))
         self._lru = merged
         self.bytes = nbytes
+        if self.tenants is not None:
+            self.track_tenants()
 
     def abort_merge(self) -> None:
         """Under the owner's lock: a merge begun will not finish (its scan failed)."""

@@ -36,12 +36,14 @@ def chunk_name(key: CacheKey, auth: Keyring | None = None) -> str:
     """The file name of a chunk: the key's safe string form (``[A-Za-z0-9._-]`` only), with long
     parts replaced by digests so the name stays below file-system limits; with ``auth``, 64 hex
     of a keyed hash of the key string."""
-    if auth is not None:
-        return auth.name_digest(key.to_string()) + FILE_SUFFIX
+    if auth is not None:  # the tenant stays countable (its id is keyed too: tenant_id)
+        tenant = f".t{key.tenant}" if key.tenant else ""
+        return auth.name_digest(key.to_string()) + tenant + FILE_SUFFIX
     hexpart = key.hex if len(key.hex) <= _MAX_HEX else xxhash.xxh3_128_hexdigest(key.chunk_hash)
     name = f"{key.namespace}.{hexpart}"
     if len(name) > _MAX_NAME:
-        name = f"{xxhash.xxh3_128_hexdigest(key.namespace.encode())}.{hexpart}"
+        tenant = f".t{key.tenant}" if key.tenant else ""
+        name = f"{xxhash.xxh3_128_hexdigest(key.namespace.encode())}{tenant}.{hexpart}"
     return name + FILE_SUFFIX
 
 

@@ -28,6 +28,7 @@ from rich.table import Table
 
 from .. import chunkfile as cf
 from ..errors import ChunkFormatError
+from ..policies.tenants import tenant_of_name
 from ..redact import Redactor
 from .common import age_of, console, err_console, escape, fail, human_bytes
 
@@ -152,6 +153,7 @@ class Group:
     tp: str
     pp: str
     codec: str = "-"  # name and settings of the codec the chunks were stored through
+    tenant: str = "-"  # the chunks' tenant id (kvplug.policies.tenants), "-" for none
     chunks: int = 0
     tokens: int = 0
     nbytes: int = 0
@@ -187,6 +189,7 @@ def scan(store: Store, verify: bool) -> dict[str, Any]:
     chunks, temps = store.files()
     groups: dict[str, Group] = {}
     corrupt: list[dict[str, str]] = []
+    tenants: dict[str, dict[str, int]] = {}  # tenant id -> chunks, bytes (from the file names)
     with Progress(console=err_console, transient=True,
                   disable=not err_console.is_terminal) as progress, \
             ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvplug-inspect") as pool:
@@ -194,6 +197,9 @@ def scan(store: Store, verify: bool) -> dict[str, Any]:
         for f, (header, problem) in zip(chunks, _read_ahead(pool, store, chunks, verify),
                                         strict=True):
             progress.advance(task)
+            use = tenants.setdefault(tenant_of_name(f.path) or "-", {"chunks": 0, "bytes": 0})
+            use["chunks"] += 1
+            use["bytes"] += f.size
             if problem:
                 corrupt.append({"path": f.path, "problem": store.redact(problem)})
                 continue
@@ -203,7 +209,7 @@ def scan(store: Store, verify: bool) -> dict[str, Any]:
             codec = _codec_label(header)
             g = groups.setdefault(f"{key.namespace} {codec}", Group(
                 key.model, key.model_digest or "-", key.kv_dtype, key.kv_layout,
-                f"{key.rank}/{key.world_size}", pp, codec))
+                f"{key.rank}/{key.world_size}", pp, codec, key.tenant or "-"))
             g.chunks += 1
             g.tokens += header.num_tokens
             g.nbytes += f.size
@@ -214,6 +220,7 @@ def scan(store: Store, verify: bool) -> dict[str, Any]:
         "bytes": sum(g.nbytes for g in groups.values()),
         "models": sorted({g.model for g in groups.values()}),
         "groups": [vars(g) for g in groups.values()],
+        "tenants": tenants,
         "corrupt": corrupt, "temporary_files": [t.path for t in temps],
     }
 
@@ -255,16 +262,21 @@ def _print(report: dict[str, Any]) -> None:
     now = time.time()
     table = Table(title=f"kvplug store {escape(report['root'])}")
     for col in ("Model", "Model digest", "KV dtype", "Layout", "Rank/TP", "Stage/PP", "Codec",
-                "Chunks", "Tokens", "Bytes", "Oldest", "Newest"):
+                "Tenant", "Chunks", "Tokens", "Bytes", "Oldest", "Newest"):
         table.add_column(col, overflow="fold")
     for g in report["groups"]:
         table.add_row(escape(g["model"]), g["model_digest"], g["kv_dtype"], g["kv_layout"],
-                      g["tp"], g["pp"], escape(g["codec"]), str(g["chunks"]), str(g["tokens"]),
+                      g["tp"], g["pp"], escape(g["codec"]), g["tenant"], str(g["chunks"]),
+                      str(g["tokens"]),
                       human_bytes(g["nbytes"]), age_of(g["oldest"], now),
                       age_of(g["newest"], now))
     console.print(table)
     console.print(f"{report['chunks']} chunks, {human_bytes(report['bytes'])} "
                   f"({report['bytes']} bytes), {len(report['models'])} model(s)", highlight=False)
+    if set(report["tenants"]) - {"-"}:
+        console.print("per tenant (from the object names): " + ", ".join(
+            f"{t} {u['chunks']} chunks {human_bytes(u['bytes'])}"
+            for t, u in sorted(report["tenants"].items())), highlight=False)
     if report["temporary_files"]:
         console.print(f"{len(report['temporary_files'])} temporary file(s) (writes in progress, "
                       "or left by a crashed writer)", highlight=False)

@@ -63,6 +63,22 @@ def _put_check_plugin(world: Any, rank: int) -> Any:
     return _Check()
 
 
+def _written_at_once(disk: Any) -> Any:
+    """A wrapper that waits for the posix tier's writes before its ``batched_submit_put``
+    returns: its writer threads are real, and under capacity pressure (small tiers, quotas)
+    when a write evicts would otherwise show in later lookups, so a seed would not replay."""
+    from kvplug.hookspecs import hookimpl
+
+    class _Sync:
+        @hookimpl(wrapper=True)
+        def batched_submit_put(self, keys: Any, objs: Any) -> Any:
+            res = yield
+            disk.flush(timeout=30)
+            return res
+
+    return _Sync()
+
+
 @dataclass
 class ReqLog:
     sending: int = 0
@@ -92,7 +108,8 @@ class Checks:
                     for g in range(len(self.layout.groups)):
                         hh = group_hash(h, self.layout.groups[g]) if self.layout.multi else h
                         # under the step's weights epoch (a reset in this step switches it)
-                        self.registry[rank].setdefault(w.key(hh, md.epoch), (g, s, e, tokens[:e]))
+                        self.registry[rank].setdefault(w.key(hh, md.epoch, r.tenant),
+                                                       (g, s, e, tokens[:e]))
 
     def expected(self, rank: int, key: Any) -> torch.Tensor | None:
         ent = self.registry[rank].get(key)
@@ -213,6 +230,66 @@ class Checks:
                 raise Violation("I3", f"{r} reported finished {c.frees} times "
                                       f"(sending {c.sending}, recving {c.recving})")
 
+    # -- I6, I7 (issue 34: policies) ---------------------------------------------------------------
+    def watch_evictions(self, rank: int, storage: Any) -> None:
+        """I7: wrap where each tier drops an entry for room (L1's ``_drop``, posix's unlink of
+        victims): a victim some lookup has pinned is a violation, whatever policy chose it."""
+        l1, disk = storage.backend("local_cpu"), storage.backend("posix")
+        drop = l1._drop
+
+        def checked_drop(key: Any) -> int:
+            if key in l1._pins:
+                self.violation = self.violation or Violation(
+                    "I7", f"rank {rank}: L1 ({self.cfg.eviction}) evicted a pinned chunk {key}")
+                raise self.violation
+            return drop(key)
+
+        l1._drop = checked_drop
+        for name in ("_unlink_victims", "_unlink_now"):
+            real = getattr(disk, name)
+
+            def checked(victims: list, real: Any = real) -> int:
+                pinned = [rel for rel, _ in victims if rel in disk._index.pins]
+                if pinned:
+                    self.violation = self.violation or Violation(
+                        "I7", f"rank {rank}: posix ({self.cfg.eviction}) evicted pinned "
+                              f"chunk file(s) {pinned}")
+                    raise self.violation
+                return real(victims)
+
+            setattr(disk, name, checked)
+
+    def check_tiers(self) -> None:
+        """I6: no tier holds more than its capacity (L1: bytes and pool; posix: the bytes
+        indexed and reserved by writes in flight), whatever its policies."""
+        for rank, w in enumerate(self.workers):
+            st = w.storage
+            if st is None:
+                continue
+            l1, disk = st.backend("local_cpu"), st.backend("posix")
+            if l1._bytes > l1.capacity:
+                raise Violation("I6", f"rank {rank}: L1 holds {l1._bytes} B over its capacity "
+                                      f"{l1.capacity} ({self.cfg.eviction})")
+            with disk._lock:  # the writer thread changes these together under it
+                held = disk._index.bytes + disk._index.reserved
+                tenants = dict(disk._index.tenants or {})
+                reserved = dict(disk._index.tenant_reserved)
+            if held > disk.capacity:
+                raise Violation("I6", f"rank {rank}: posix holds {held} B over its capacity "
+                                      f"{disk.capacity} ({self.cfg.eviction}/{self.cfg.admission})")
+            self.counts["tier capacity checks"] += 1
+            if not self.cfg.tenants:
+                continue
+            for name, quotas, usage in (
+                    ("L1", l1._quotas, l1._tenant_bytes),
+                    ("posix", disk._quotas, {t: n + reserved.get(t, 0) for t, n in tenants.items()})):
+                for tenant, n in usage.items():
+                    limit = quotas.limit(tenant)
+                    if limit is not None and n > limit:
+                        raise Violation("I6", f"rank {rank}: tenant {tenant} holds {n} B on "
+                                              f"{name}, over its quota {limit}")
+                self.figures[f"{name} tenants held"] += len(usage)
+
     def check_end(self) -> None:
         if self.violation is not None:
             raise self.violation
@@ -240,6 +317,11 @@ class Checks:
             if w._background is not None and len(w._background):
                 raise Violation("I5", f"rank {rank}: {len(w._background)} loads in flight")
             stats = st.stats()
+            for what, tier, stat in (("L1 evictions", "local_cpu", "evictions"),
+                                     ("posix evictions", "posix", "evictions"),
+                                     ("posix admission refusals", "posix", "admission_rejected")):
+                self.figures[f"{what} ({self.cfg.eviction}/{self.cfg.admission})"] += \
+                    int(stats[tier].get(stat, 0))
             for name, s in stats.items():
                 if s.get("pinned", 0):
                     raise Violation("I5", f"rank {rank}: tier {name} holds {s['pinned']} pins")

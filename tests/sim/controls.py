@@ -25,9 +25,14 @@ FAULTS = {
     # first block read wrong must be reported; before, any block of the request passed, and it
     # was caught a step later, when vLLM had recomputed from the second and read the first)
     "report_a_later_block": "I2",
+    # issue 34: policies and capacity
+    "evict_pinned": "I7",  # L1 takes a pinned chunk for a victim (the policy's and its own check)
+    "overfill_disk": "I6",  # posix reserves room for a write without evicting anything
+    "ignore_quota": "I6",  # L1 stores a tenant's chunk past its quota
 }
+
 #: fault -> what the violation must say besides its invariant (the check that must catch it)
-WHERE = {"corrupt_l1_object": " get: "}
+WHERE = {"corrupt_l1_object": " get: ", "ignore_quota": "quota"}
 #: faults only a directed schedule reaches (tests/test_simulation.py, SCHEDULES) -> invariant
 DIRECTED_FAULTS = {
     "forget_unwritten": "I2",  # a failed load's blocks are not followed until written
@@ -96,6 +101,27 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
             return blocks[1:] if len(blocks) > 1 else blocks
 
         return [(load.RequestLoad, "error_blocks", later)]
+    if name == "evict_pinned":
+        from kvplug.backends.local_cpu import LocalCPUBackend
+
+        def evictable(self: Any, key: Any) -> bool:
+            obj = self._entries.get(key)
+            return obj is not None and obj.ref_count == 1
+
+        return [(LocalCPUBackend, "_evictable", evictable)]
+    if name == "ignore_quota":
+        from kvplug.backends.local_cpu import LocalCPUBackend
+
+        return [(LocalCPUBackend, "_within_quota", lambda self, key, size: True)]
+    if name == "overfill_disk":
+        from kvplug.backends.posix.index import PosixIndex
+
+        def reserve(self: Any, size: int, capacity: int, tenant: str = "",
+                    limit: int | None = None) -> list:
+            self.reserved += size
+            return []
+
+        return [(PosixIndex, "reserve", reserve)]
     if name == "store_over_unwritten":
         return [(load.Loads, "read_unwritten",
                  lambda self, md: self.reports.unwritten(md.unwritten, {}))]

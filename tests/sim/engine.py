@@ -39,6 +39,12 @@ class SimConfig:
     layerwise: bool = False  # one group only
     order: str = "0.32"  # "0.33": get_finished (and errors, stats) before wait_for_save
     faults: frozenset[str] = frozenset()  # negative controls (see .controls)
+    # issue 34: the tiers' policies (both tiers' eviction; admission on posix) and small tiers
+    # (L1 of 8 pool pages, posix of ~10 files), so capacity, eviction order and pins are tested
+    eviction: str = "lru"
+    admission: str = "always"
+    small_tiers: bool = False
+    tenants: bool = False  # requests carry one of two cache salts; both tiers have quotas
 
 
 _MODEL: dict[str, Any] = {}
@@ -128,8 +134,8 @@ class SimLookup:
         self._slow: dict[str, frozenset[int]] = {}
         self._n = 0
 
-    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]]
-               ) -> int | None:
+    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]],
+               tenant: str = "") -> int | None:
         from kvplug.connector.lookup import Lookup
 
         if not hashes and not tails:
@@ -138,7 +144,7 @@ class SimLookup:
         answers, slow = [], set()
         for w in self.workers:
             tokens, s = w._on_lookup(Lookup(self._n, req_id, list(hashes), list(tails),
-                                            epoch=self.epoch))
+                                            epoch=self.epoch, tenant=tenant))
             answers.append(tokens)
             slow.update(s)
         self._slow[req_id] = frozenset(slow)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checks import Checks, ReqLog, _put_check_plugin
+from .checks import Checks, ReqLog, _put_check_plugin, _written_at_once
 from .engine import (
     BS,
     CS,
@@ -98,9 +98,16 @@ class World(Checks, Faults):
         self.kv: list[torch.Tensor] = []
         engine = f"sim-{uuid.uuid4().hex[:8]}"
         for rank in range(RANKS):
-            tiers = [{"backend": "local_cpu", "options": {"capacity": "1MiB", "prefault": False}},
-                     {"backend": "posix", "options": {"path": str(self.tmp / f"r{rank}"),
-                                                      "capacity": "64MiB", "io_threads": 1}}]
+            tiers = [{"backend": "local_cpu", "eviction": cfg.eviction,
+                      "options": {"capacity": "32KiB" if cfg.small_tiers else "1MiB",
+                                  "prefault": False}},
+                     {"backend": "posix", "eviction": cfg.eviction,
+                      "admission": {"policy": cfg.admission},
+                      "options": {"path": str(self.tmp / f"r{rank}"), "io_threads": 1,
+                                  "capacity": "48KiB" if cfg.small_tiers else "64MiB"}}]
+            if cfg.tenants:  # a tenant's chunks: a few in L1, half the disk
+                tiers[0]["quotas"] = {"default": 512}  # 2-4 chunks
+                tiers[1]["quotas"] = {"default": "24KiB" if cfg.small_tiers else "32MiB"}
             ccfg = ConnectorConfig(chunk_size=CS, async_save=cfg.async_save,
                                    layerwise=cfg.layerwise and not cfg.hybrid,
                                    log_every_load=False, save_decode=True, tiers=tiers)
@@ -114,6 +121,9 @@ class World(Checks, Faults):
             w.register_kv_caches(caches)
             assert w.storage is not None
             w.storage.add_wrapper(_put_check_plugin(self, rank))
+            self.watch_evictions(rank, w.storage)
+            if cfg.small_tiers or cfg.tenants or (cfg.eviction, cfg.admission) != ("lru", "always"):
+                w.storage.add_wrapper(_written_at_once(w.storage.backend("posix")), ["posix"])
             self.workers.append(w)
             self.kv.append(t)
         self.lookup = SimLookup(self.workers)
@@ -130,6 +140,9 @@ class World(Checks, Faults):
         self.log: dict[str, ReqLog] = {}
         self.owned: set[int] = set()  # blocks requests held at the last forward
         self.counts: Counter[str] = Counter()  # what the schedule exercised (figures)
+        #: figures that depend on the tiers' own threads (posix writes, deletes): reported with
+        #: the counts but kept out of the trace, which must replay exactly
+        self.figures: Counter[str] = Counter()
         self.violation: Violation | None = None  # raised inside kvplug (which may swallow it)
         self.lost: list[set] = [set(), set()]  # keys whose next read fails (see lose)
         self.next_req = 0
@@ -243,6 +256,7 @@ class World(Checks, Faults):
                 self.reset()
             else:  # pragma: no cover
                 raise ValueError(f"unknown event {ev!r}")
+        self.check_tiers()
         self.note(ev, self.rt.ran)
         if self.violation is not None:
             raise self.violation
@@ -260,8 +274,9 @@ class World(Checks, Faults):
         req_id = f"r{self.next_req}"
         self.next_req += 1
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        salt = f"sim-tenant-{prefix[0] % 2}" if self.cfg.tenants else None
         self.s.add_request(Request(req_id, list(prefix) + list(suffix), sp, None,
-                                   block_hasher=_block_hasher()))
+                                   block_hasher=_block_hasher(), cache_salt=salt))
         self.log[req_id] = ReqLog()
 
     # -- one engine step -------------------------------------------------------------------------
