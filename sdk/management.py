@@ -13,7 +13,8 @@ says so on that tier):
   still holds (pinned by a load in flight, or a fault), ``unknown`` when it did not answer;
 * a clear of a whole tier flushes its queued writes first (so nothing queued lands after it),
   evicts every unpinned entry it knows, waits (bounded) for a disk tier's background deletes, and
-  reports its entry counts before and after from the tier's own ``stats()``; a tier that keeps no
+  reports its entry counts before and after from the tier's own ``stats()`` (a disk tier still
+  scanning its directory at start-up is waited for, bounded, else the clear says incomplete); a tier that keeps no
   count of its entries (an unbounded value store) cannot be cleared whole and says so;
 * a tier whose evict raised or timed out reports ``error``.
 
@@ -47,6 +48,8 @@ def _count(value: Any) -> int | None:
 def tier_status(storage: StorageManager) -> list[dict[str, Any]]:
     """Each tier: name, backend, whether it may block, its capacity and use, breaker state,
     pins and the policies it runs (as configured; kvplug's built-in ones otherwise)."""
+    for name in storage.tier_names:
+        wait_indexed(storage, name)
     stats = storage.stats()
     out = []
     for cfg, name in zip(storage.config.tiers, storage.tier_names, strict=True):
@@ -96,6 +99,17 @@ def clear_keys(storage: StorageManager, keys: Sequence[CacheKey],
     return out
 
 
+def wait_indexed(storage: StorageManager, name: str, timeout: float = SETTLE_S) -> bool:
+    """Whether the tier knows all its entries: a disk tier scans its directory at start-up
+    (``indexed`` 0 until done); waits up to ``timeout`` for it."""
+    end = time.monotonic() + timeout
+    while storage.stats().get(name, {}).get("indexed", 1) == 0:
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _settle(storage: StorageManager, name: str) -> dict[str, float]:
     """The tier's stats once its background deletes are done (bounded by :data:`SETTLE_S`)."""
     end = time.monotonic() + SETTLE_S
@@ -113,6 +127,7 @@ def clear_tiers(storage: StorageManager, tiers: Sequence[str] | None = None
     flushed = storage.flush(SETTLE_S)  # queued writes land now, not after the clear
     out: dict[str, dict[str, Any]] = {}
     for name in names:
+        indexed = wait_indexed(storage, name)
         before = storage.stats().get(name, {})
         faults = _faults(storage, name)
         freed = storage.evict(nbytes=ALL_BYTES, tiers=[name])
@@ -132,6 +147,10 @@ def clear_tiers(storage: StorageManager, tiers: Sequence[str] | None = None
             if not res["complete"]:
                 res["note"] = ("entries left: pinned by loads in flight, or deletes still "
                                "pending; clear again once loads are over")
+        if not indexed:
+            res["complete"] = False
+            res["error"] = ("the tier is still scanning its directory: entries it has not "
+                            "indexed yet were not cleared; clear again")
         if not flushed:
             res["note"] = ("writes were still queued after the wait: they may land after this "
                            "clear")

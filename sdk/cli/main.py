@@ -22,6 +22,7 @@ from rich.table import Table
 
 from ..plugins import discover_backends, validate_backend_class
 from .bench import bench_cmd
+from .cache import cache_group
 from .common import console, err_console, escape, fail
 from .config import config_group
 from .inspect import inspect_cmd
@@ -39,6 +40,7 @@ def main() -> None:
 
 
 main.add_command(bench_cmd)
+main.add_command(cache_group)
 main.add_command(config_group)
 main.add_command(inspect_cmd)
 main.add_command(serve_cmd)

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from importlib.metadata import entry_points
 import os
 import shlex
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import click

@@ -1,0 +1,92 @@
+"""Management calls on real tiers (RAM in front of a posix directory), no engine: what a clear
+removed and what it left, measured per tier (kvplug.management), and ``kvplug cache status|clear
+--config`` acting on the stores directly (files on disk counted, not the tool's word)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+from kvplug.management import clear_keys, clear_tiers, tier_status
+from kvplug.storage_manager import StorageManager
+from kvplug.testing import fill_random, make_key
+
+
+def config(tmp_path) -> dict:
+    return {"chunk_size": 16, "tiers": [
+        {"backend": "local_cpu", "name": "ram", "options": {"capacity": "8MiB"}},
+        {"backend": "posix", "name": "disk",
+         "options": {"path": str(tmp_path / "chunks"), "capacity": "64MiB"}}]}
+
+
+def store(mgr: StorageManager, ids: list[int]) -> None:
+    for i in ids:
+        obj = fill_random(mgr, seed=i)
+        mgr.batched_put([make_key(i)], [obj])
+        obj.ref_down()
+    assert mgr.flush(30)
+
+
+def files(tmp_path) -> int:
+    return sum(1 for p in (tmp_path / "chunks").rglob("*") if p.is_file()
+               and not p.name.startswith("."))
+
+
+def test_clear_keys_reports_what_each_tier_removed_and_what_a_pin_kept(tmp_path):
+    ids = random.Random(7).sample(range(1000), 6)
+    with StorageManager(config(tmp_path)) as mgr:
+        store(mgr, ids)
+        keep = make_key(ids[0])
+        assert mgr.lookup_prefix([keep], pin=True).num_chunks == 1  # a load in flight: pinned
+        res = clear_keys(mgr, [make_key(i) for i in ids[:4]])
+        assert res["ram"]["held_before"] == 4 and res["ram"]["removed"] == 3
+        assert res["ram"]["remaining"] == 1 and "pinned" in res["ram"]["note"]
+        assert res["disk"]["removed"] == 4 and res["disk"]["remaining"] == 0  # pinned in RAM only
+        assert res["ram"]["removed_bytes"] > 0 and res["disk"]["removed_bytes"] > 0
+        assert mgr.holds("disk", [make_key(i) for i in ids]) == [False] * 4 + [True] * 2
+        assert mgr.holds("ram", [make_key(i) for i in ids]) == [True, False, False, False,
+                                                                True, True]
+
+
+def test_clear_tiers_is_complete_only_when_nothing_is_left(tmp_path):
+    with StorageManager(config(tmp_path)) as mgr:
+        store(mgr, list(range(5)))
+        assert files(tmp_path) == 5
+        mgr.lookup_prefix([make_key(0)], pin=True)
+        res = clear_tiers(mgr)
+        assert res["ram"] == {**res["ram"], "entries_before": 5, "removed": 4, "remaining": 1,
+                              "complete": False}
+        assert res["disk"]["removed"] == 5 and res["disk"]["complete"] is True
+        assert files(tmp_path) == 0, "the disk tier said it removed entries still on disk"
+        mgr.unpin([make_key(0)], ["ram"])
+        assert clear_tiers(mgr, ["ram"])["ram"]["complete"] is True
+        status = {t["name"]: t for t in tier_status(mgr)}
+        assert status["ram"]["entries"] == 0 and status["disk"]["used_bytes"] == 0
+        assert status["disk"]["capacity_bytes"] == 64 << 20 and status["disk"]["may_block"]
+        assert status["ram"]["policies"] == {"eviction": "lru", "admission": "always"}
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvplug.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cache_status_and_clear_on_the_stores_without_an_engine(tmp_path):
+    cfg = tmp_path / "kvplug.yaml"
+    cfg.write_text(json.dumps(config(tmp_path)))  # JSON is YAML
+    with StorageManager(config(tmp_path)) as mgr:
+        store(mgr, list(range(7)))
+    out = cli("cache", "status", "--config", str(cfg), "--json")
+    assert out.returncode == 0, out.stderr
+    disk = {t["name"]: t for t in json.loads(out.stdout)["tiers"]}["disk"]
+    assert disk["entries"] == 7 and disk["used_bytes"] > 0
+    out = cli("cache", "clear", "--config", str(cfg), "--tier", "disk")
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "done" in out.stdout and "disk" in out.stdout
+    assert files(tmp_path) == 0
+    out = cli("cache", "clear", "--config", str(cfg), "--tier", "nope")
+    assert out.returncode == 1 and "unknown tier" in out.stderr
+    out = cli("cache", "clear", "--config", str(cfg), "--prompt", "hello")
+    assert out.returncode == 1 and "--url" in out.stderr
