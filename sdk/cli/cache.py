@@ -38,9 +38,10 @@ def call(url: str, path: str, body: dict[str, Any] | None = None, api_key: str |
             return json.loads(r.read())
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")
-        try:
-            detail = json.loads(detail).get("detail", detail)
-        except (ValueError, AttributeError):
+        try:  # vLLM's error body, or FastAPI's
+            err = json.loads(detail)
+            detail = err["error"]["message"] if "error" in err else err.get("detail", detail)
+        except (ValueError, AttributeError, KeyError, TypeError):
             pass
         hint = " (pass --api-key or set VLLM_API_KEY)" if exc.code == 401 else ""
         fail(f"{url}{API}{path}: HTTP {exc.code}: {detail}{hint}")
