@@ -9,7 +9,8 @@ the server's OpenAPI schema (``/openapi.json``):
   asking the workers' lookup services, then releasing the pins) and, per tier, the leading tokens
   it holds and the tokens of the hit a load would read from it: what a KV-aware router asks;
 * ``POST /kvplug/v1/clear`` {scope: all | tier | prefix | tenant, ...}: per tier what was
-  removed and what remains (:mod:`kvplug.management`); ``ok`` only when every tier did all of it;
+  removed and what remains (:mod:`kvplug.management`); ``ok`` only when every tier did all of it
+  (a tenant clear is not available yet: every tier says so, ``ok`` false);
 * ``GET /kvplug/v1/status``: tiers, capacity and use, breakers, pins, policies, per rank.
 
 The tiers live in the workers: every call reaches them through their management sockets
@@ -28,11 +29,11 @@ import threading
 import time
 from argparse import Namespace
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from .config import ConnectorConfig, load_connector_config
 from .lookup import LookupClient, socket_path
@@ -45,23 +46,25 @@ LOOKUP_DEADLINE_S = 30.0
 
 
 # -- request and response bodies (the OpenAPI schema) ------------------------------------------
-class Tokens(BaseModel):
-    """A prompt as text (tokenized by the served model's tokenizer, as ``/v1/completions``
-    does) or as token ids; ``cache_salt`` as the request would carry it."""
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, not ignored
 
-    prompt: str | None = Field(default=None, description="prompt text")
-    token_ids: list[int] | None = Field(default=None, description="prompt token ids")
+
+class PromptText(_Body):
+    """A prompt as text, tokenized by the served model's tokenizer as ``/v1/completions`` does."""
+
+    prompt: str = Field(description="prompt text")
     cache_salt: str | None = Field(default=None, description="the request's cache_salt")
 
-    @model_validator(mode="after")
-    def _one_prompt(self) -> Tokens:
-        if (self.prompt is None) == (self.token_ids is None):
-            raise ValueError("give exactly one of 'prompt' (text) or 'token_ids'")
-        return self
+
+class PromptIds(_Body):
+    """A prompt as token ids."""
+
+    token_ids: list[int] = Field(description="prompt token ids")
+    cache_salt: str | None = Field(default=None, description="the request's cache_salt")
 
 
-class LookupRequest(Tokens):
-    pass
+LookupRequest = PromptText | PromptIds
 
 
 class TierLookup(BaseModel):
@@ -77,32 +80,46 @@ class LookupResponse(BaseModel):
     tiers: dict[str, TierLookup]
 
 
-class ClearRequest(BaseModel):
-    """``all``: every tier; ``tier``: the tiers named; ``prefix``: the chunks of a prompt (and so
-    every longer prompt starting with it) in every tier or the tiers named; ``tenant``: not
-    available (object names do not carry the tenant yet)."""
+TierNames = Annotated[list[str], Field(min_length=1, description="tier names")]
 
-    scope: Literal["all", "tier", "prefix", "tenant"]
-    tiers: list[str] | None = Field(default=None, description="tier names (scope tier/prefix)")
-    prompt: str | None = None
-    token_ids: list[int] | None = None
-    cache_salt: str | None = None
-    tenant: str | None = None
 
-    @model_validator(mode="after")
-    def _fields_of_scope(self) -> ClearRequest:
-        has_prompt = self.prompt is not None or self.token_ids is not None
-        if self.scope == "prefix" and (self.prompt is None) == (self.token_ids is None):
-            raise ValueError("scope 'prefix' needs exactly one of 'prompt' or 'token_ids'")
-        if self.scope != "prefix" and has_prompt:
-            raise ValueError(f"scope {self.scope!r} takes no prompt; use scope 'prefix'")
-        if self.scope == "tier" and not self.tiers:
-            raise ValueError("scope 'tier' needs 'tiers': the tier names to clear")
-        if self.scope == "all" and self.tiers:
-            raise ValueError("scope 'all' clears every tier; use scope 'tier' to name some")
-        if self.scope == "tenant" and not self.tenant:
-            raise ValueError("scope 'tenant' needs 'tenant'")
-        return self
+class ClearAll(_Body):
+    """Every entry of every tier."""
+
+    scope: Literal["all"]
+
+
+class ClearTiers(_Body):
+    """Every entry of the tiers named."""
+
+    scope: Literal["tier"]
+    tiers: TierNames
+
+
+class ClearPrefixText(PromptText):
+    """The chunks of a prompt (so every longer prompt starting with it), in every tier or the
+    tiers named."""
+
+    scope: Literal["prefix"]
+    tiers: TierNames | None = None
+
+
+class ClearPrefixIds(PromptIds):
+    """:class:`ClearPrefixText` with token ids."""
+
+    scope: Literal["prefix"]
+    tiers: TierNames | None = None
+
+
+class ClearTenant(_Body):
+    """One tenant's entries: not available yet (object names do not carry the tenant); every
+    tier says so."""
+
+    scope: Literal["tenant"]
+    tenant: str
+
+
+ClearRequest = ClearAll | ClearTiers | ClearPrefixText | ClearPrefixIds | ClearTenant
 
 
 class TierClear(BaseModel):
@@ -139,6 +156,25 @@ class StatusResponse(BaseModel):
     block_size: int
     tiers: list[TierStatus]
     ranks: list[dict[str, Any]]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    code: int
+
+
+class ErrorBody(BaseModel):
+    """vLLM's error body (its server formats every HTTP error so)."""
+
+    error: ErrorInfo
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorBody, "description": "a request body the schema refuses"},
+    401: {"model": ErrorBody, "description": "the server has --api-key and it was not sent"},
+    503: {"model": ErrorBody, "description": "a worker did not answer, or no kvplug connector"},
+}
 
 
 # -- the engine side of the calls ---------------------------------------------------------------
@@ -188,8 +224,8 @@ class Engine:
         self._ids = itertools.count()
         self._lock = threading.Lock()  # the scheduler side and its sockets: one call at a time
 
-    def token_ids(self, body: Tokens | ClearRequest) -> list[int]:
-        if body.token_ids is not None:
+    def token_ids(self, body: PromptText | PromptIds) -> list[int]:
+        if isinstance(body, PromptIds):
             return list(body.token_ids)
         if self.tokenizer is None:
             raise HTTPException(400, "this server has no tokenizer (--skip-tokenizer-init): "
@@ -213,6 +249,11 @@ class Engine:
         return full, tails
 
     def lookup(self, ids: list[int], salt: str | None) -> LookupResponse:
+        if len(ids) <= self.block_size:  # nothing a request could load: it computes a token
+            return LookupResponse(tokens=0, prompt_tokens=len(ids), chunk_size=self.sched.cs,
+                                  block_size=self.block_size,
+                                  tiers={n: TierLookup(held=0, served=0)
+                                         for n in self.config.tier_names()})
         with self._lock:
             q = _Query(f"kvplug-api-lookup-{next(self._ids)}", ids, salt)
             tiers = self._per_tier(q)
@@ -251,16 +292,20 @@ class Engine:
             self.sched.trackers.pop(q.request_id, None)
 
     def clear(self, body: ClearRequest) -> ClearResponse:
-        if body.scope == "tenant":
-            raise HTTPException(501, "clear by tenant is not available: kvplug's object names do "
-                                     "not carry the tenant, so a tier cannot find one tenant's "
-                                     "entries; clear by prefix (with its cache_salt) instead")
-        unknown = sorted(set(body.tiers or ()) - set(self.config.tier_names()))
+        if isinstance(body, ClearTenant):
+            why = ("clear by tenant is not available: kvplug's object names do not carry the "
+                   "tenant, so no tier can find one tenant's entries; clear by prefix (with its "
+                   "cache_salt) instead")
+            return ClearResponse(ok=False, scope=body.scope, ranks=[], tiers={
+                n: TierClear(removed=None, removed_bytes=0, remaining=None, complete=False,
+                             error=why) for n in self.config.tier_names()})
+        tiers_asked = getattr(body, "tiers", None)
+        unknown = sorted(set(tiers_asked or ()) - set(self.config.tier_names()))
         if unknown:
-            raise HTTPException(400, f"unknown tier(s) {unknown}; tiers are "
+            raise HTTPException(404, f"unknown tier(s) {unknown}; tiers are "
                                      f"{self.config.tier_names()}")
         hashes = None
-        if body.scope == "prefix":
+        if isinstance(body, ClearPrefixText | ClearPrefixIds):
             with self._lock:
                 q = _Query(f"kvplug-api-clear-{next(self._ids)}", self.token_ids(body),
                            body.cache_salt)
@@ -268,7 +313,7 @@ class Engine:
                 full, tails = self._hashes(t, q.num_tokens)
                 self.sched.trackers.pop(q.request_id, None)
             hashes = full + [h for _, h in tails]
-        ranks = self.ask(ManageClear(body.tiers, hashes))
+        ranks = self.ask(ManageClear(tiers_asked, hashes))
         tiers: dict[str, TierClear] = {}
         for name in ranks[0]["tiers"]:
             per = [r["tiers"][name] for r in ranks]
@@ -344,7 +389,7 @@ def _engine(request: Request) -> Engine:
 router = APIRouter(prefix=PREFIX, tags=["kvplug"], dependencies=[Depends(_authorized)])
 
 
-@router.post("/lookup", response_model=LookupResponse)
+@router.post("/lookup", response_model=LookupResponse, responses=ERRORS)
 async def lookup(body: LookupRequest, request: Request) -> LookupResponse:
     """Tokens of this prompt the engine would load from kvplug's tiers, and per tier."""
     engine = _engine(request)
@@ -352,13 +397,14 @@ async def lookup(body: LookupRequest, request: Request) -> LookupResponse:
     return await asyncio.to_thread(engine.lookup, ids, body.cache_salt)
 
 
-@router.post("/clear", response_model=ClearResponse)
+@router.post("/clear", response_model=ClearResponse, responses={
+    **ERRORS, 404: {"model": ErrorBody, "description": "a tier named is not configured"}})
 async def clear(body: ClearRequest, request: Request) -> ClearResponse:
     """Remove entries; per tier what was removed and what remains (``ok``: all of it)."""
     return await asyncio.to_thread(_engine(request).clear, body)
 
 
-@router.get("/status", response_model=StatusResponse)
+@router.get("/status", response_model=StatusResponse, responses=ERRORS)
 async def status(request: Request) -> StatusResponse:
     """Tiers, capacity and use, breakers, pins, policies (summed over ranks; per rank too)."""
     return await asyncio.to_thread(_engine(request).status)

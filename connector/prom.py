@@ -7,7 +7,7 @@ counters show with prometheus_client's ``_total`` suffix. Per-tier metrics carry
 (the tier's name in the kvplug config); labels for a tier appear once it has something to count.
 Per-tier levels (used and capacity bytes, entries, breakers open) are gauges, fed with their
 changes (:data:`.stats.TIER_GAUGES`). These names are a stable interface: dashboards and alerts
-(``deploy/``) use them; docs/operations.md lists them.
+(``deploy/``) use them; README.md "Metrics" lists them.
 """
 
 from __future__ import annotations

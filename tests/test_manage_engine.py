@@ -96,7 +96,7 @@ def test_routes_need_the_key_and_are_in_the_openapi_schema(server):
         assert method in schema["paths"][path], path
     assert "LookupResponse" in schema["components"]["schemas"]
     status, out = http(url, "/kvplug/v1/lookup", {"prompt": "x", "token_ids": [1]})
-    assert status == 400 and "exactly one" in json.dumps(out)  # vLLM answers 400 to a bad body
+    assert status == 400 and "token_ids" in json.dumps(out)  # vLLM answers 400 to a bad body
 
 
 def test_lookup_says_what_the_next_request_loads(server):
@@ -143,7 +143,7 @@ def test_clear_a_prefix_then_everything_is_what_the_engine_then_does(server):
     assert complete(url, model, text) == 0, "a cleared chunk was served"
 
 
-def test_status_and_a_tenant_clear_that_cannot_be_done(server):
+def test_status_and_clears_that_cannot_be_done(server):
     url, model, _ = server
     complete(url, model, prompt_text(13))
     status, out = http(url, "/kvplug/v1/status")
@@ -153,9 +153,10 @@ def test_status_and_a_tenant_clear_that_cannot_be_done(server):
     assert tiers["local_cpu"]["entries"] > 0 and tiers["posix"]["used_bytes"] > 0
     assert len(out["ranks"]) == 1 and out["chunk_size"] == 256
     status, out = http(url, "/kvplug/v1/clear", {"scope": "tenant", "tenant": "a"})
-    assert status == 501 and "tenant" in out["error"]["message"]  # vLLM's error body
+    assert status == 200 and not out["ok"]  # not done, and every tier says why
+    assert all(not t["complete"] and "tenant" in t["error"] for t in out["tiers"].values())
     status, out = http(url, "/kvplug/v1/clear", {"scope": "tier", "tiers": ["nope"]})
-    assert status == 400 and "nope" in out["error"]["message"]
+    assert status == 404 and "nope" in out["error"]["message"]  # vLLM's error body
 
 
 def run(*args: str, key: str | None = KEY) -> subprocess.CompletedProcess:
@@ -240,3 +241,26 @@ def test_alert_rules_pass_promtool():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout
+
+
+# -- the API fuzzed against its own OpenAPI schema (last: it clears what the tests above stored)
+def test_api_answers_as_its_schema_says(server):
+    """Generated calls of every /kvplug/ operation: no 5xx, every status documented, every
+    body as its schema says (schemathesis' checks)."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(server[0] + "/openapi.json").include(
+        path_regex="^/kvplug/")
+    ops = [r.ok() for r in schema.get_all_operations()]
+    assert sorted(op.label for op in ops) == ["GET /kvplug/v1/status", "POST /kvplug/v1/clear",
+                                              "POST /kvplug/v1/lookup"]
+    for op in ops:
+        @given(case=op.as_strategy())
+        @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck),
+                  database=None)
+        def call(case) -> None:
+            case.validate_response(case.call(headers={"Authorization": f"Bearer {KEY}"},
+                                              timeout=120))
+
+        call()
