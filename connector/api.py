@@ -15,7 +15,9 @@ the server's OpenAPI schema (``/openapi.json``):
 
 The tiers live in the workers: every call reaches them through their management sockets
 (:mod:`.manage`). With ``--api-key`` (or ``VLLM_API_KEY``) every route needs
-``Authorization: Bearer <key>``, as vLLM's ``/v1`` routes (vLLM's own check guards only those).
+``Authorization: Bearer <key>``, as vLLM's ``/v1`` routes (vLLM's own check guards only those);
+with ``management_key_env`` in the kvplug config, that variable's key instead (clients that
+hold vLLM's key are then refused: they may be tenants).
 """
 
 from __future__ import annotations
@@ -205,10 +207,9 @@ class Engine:
     """What the routes need of the running engine: its kvplug config, the workers' management
     sockets, a scheduler side of its own for lookups, and the tokenizer."""
 
-    def __init__(self, vllm_config: Any, tokenizer: Any) -> None:
+    def __init__(self, vllm_config: Any, tokenizer: Any, config: ConnectorConfig) -> None:
         xfer = vllm_config.kv_transfer_config
-        self.config: ConnectorConfig = load_connector_config(
-            dict(xfer.kv_connector_extra_config or {}))
+        self.config = config
         self.model = vllm_config.model_config.served_model_name or vllm_config.model_config.model
         self.block_size = int(vllm_config.cache_config.block_size or 16)
         pc = vllm_config.parallel_config
@@ -364,9 +365,28 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
+def api_keys(args: Namespace, config: ConnectorConfig | None,
+             environ: Any = os.environ) -> list[bytes]:
+    """Digests of the keys that open ``/kvplug/v1``: the value of ``management_key_env`` when the
+    kvplug config names one, else vLLM's ``--api-key`` (or ``VLLM_API_KEY``); none: open. A
+    named variable that is unset or empty is an error naming it (never an open API)."""
+    name = config.management_key_env if config is not None else None
+    if name:
+        value = environ.get(name)
+        if not value:
+            raise RuntimeError(f"kvplug: management_key_env names ${name}, which is unset or "
+                               "empty in the API server's environment; set it (the management "
+                               "API stays closed without it) or remove management_key_env")
+        return [_digest(value)]
+    keys = getattr(args, "api_key", None) or [environ.get("VLLM_API_KEY")]
+    return [_digest(k) for k in keys if k]
+
+
 def _authorized(request: Request,
                 cred: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
-    keys: list[bytes] = getattr(request.app.state, "kvplug_api_keys", [])
+    keys: list[bytes] | None = getattr(request.app.state, "kvplug_api_keys", None)
+    if keys is None:  # the plugin's state is not set up: closed, never open
+        raise HTTPException(503, "kvplug's API is not ready")
     if not keys:
         return
     given = _digest(cred.credentials) if cred is not None else b""
@@ -375,7 +395,8 @@ def _authorized(request: Request,
         ok |= secrets.compare_digest(given, k)
     if not ok:
         raise HTTPException(401, "Unauthorized: send Authorization: Bearer <the server's "
-                                 "--api-key>", headers={"WWW-Authenticate": "Bearer"})
+                                 "--api-key, or the key of the kvplug config's "
+                                 "management_key_env>", headers={"WWW-Authenticate": "Bearer"})
 
 
 def _engine(request: Request) -> Engine:
@@ -420,18 +441,18 @@ class KVPlugEndpoints:
         app.include_router(router)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
-        keys = [k for k in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")])
-                if k]
-        state.kvplug_api_keys = [_digest(k) for k in keys]
         state.kvplug_engine = None
         vllm_config = getattr(engine_client, "vllm_config", None)
         xfer = getattr(vllm_config, "kv_transfer_config", None)
         if xfer is None or xfer.kv_connector != "KVPlugConnector":
+            state.kvplug_api_keys = api_keys(args, None)
             state.kvplug_unavailable = ("this server does not run kvplug's connector "
                                         "(start it with `kvplug serve`)")
             return
+        config = load_connector_config(dict(xfer.kv_connector_extra_config or {}))
+        state.kvplug_api_keys = api_keys(args, config)
         get_tokenizer = getattr(engine_client, "get_tokenizer", None)
         tokenizer = get_tokenizer() if get_tokenizer is not None else None
         if asyncio.iscoroutine(tokenizer):
             tokenizer = await tokenizer
-        state.kvplug_engine = Engine(vllm_config, tokenizer)
+        state.kvplug_engine = Engine(vllm_config, tokenizer, config)

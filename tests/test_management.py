@@ -90,3 +90,43 @@ def test_cache_status_and_clear_on_the_stores_without_an_engine(tmp_path):
     assert out.returncode == 1 and "unknown tier" in out.stderr
     out = cli("cache", "clear", "--config", str(cfg), "--prompt", "hello")
     assert out.returncode == 1 and "--url" in out.stderr
+
+
+def test_serve_allows_the_api_plugin_and_keeps_every_other_plugin():
+    from importlib.metadata import entry_points
+
+    from kvplug.cli.serve import plugins_env
+
+    general = {ep.name for ep in entry_points(group="vllm.general_plugins")}
+    unset = plugins_env(None).split(",")
+    assert set(unset) == general | {"kvplug_api"} and "kvplug_connector" in unset
+    assert plugins_env("a, b") == "a,b,kvplug_api"
+    assert plugins_env("kvplug_api,x") == "kvplug_api,x"
+
+
+def test_management_key_replaces_vllms_key_and_fails_closed():
+    """With ``management_key_env`` only that key opens /kvplug/v1 (vLLM's --api-key, which
+    every client holds, is refused); unset, the server does not start; no state: 503."""
+    import pytest
+
+    pytest.importorskip("vllm")
+    from argparse import Namespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from kvplug.connector.api import api_keys, router
+    from kvplug.connector.config import load_connector_config
+
+    cfg = load_connector_config({"management_key_env": "OPS_KEY"})
+    app = FastAPI()
+    app.include_router(router)
+    client = TestClient(app)
+    assert client.get("/kvplug/v1/status").status_code == 503  # no state yet: closed
+    app.state.kvplug_api_keys = api_keys(Namespace(api_key=["client-key"]), cfg,
+                                         environ={"OPS_KEY": "ops-key"})
+    for key, status in (("client-key", 401), (None, 401), ("ops-key", 503)):  # 503: no engine
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        assert client.get("/kvplug/v1/status", headers=headers).status_code == status, key
+    with pytest.raises(RuntimeError, match=r"\$OPS_KEY"):
+        api_keys(Namespace(api_key=None), cfg, environ={})
+    assert api_keys(Namespace(api_key=None), load_connector_config({}), environ={}) == []

@@ -139,7 +139,7 @@ def warm_cmd(url: str, prompts_file: Path, model: str | None, concurrency: int,
     else:
         console.print(f"{summary['prompts']} prompts: {sent} prefilled, {summary['skipped']} "
                       f"already held; {summary['held_fully']} now held fully", highlight=False)
-        table = Table(title="tokens held per tier (summed over the prompts)")
+        table = Table(title="tokens held per tier, all prompts")
         for col in ("Tier", "Before", "After", "Stored"):
             table.add_column(col)
         for name, t in summary["tiers"].items():
