@@ -130,3 +130,43 @@ def test_management_key_replaces_vllms_key_and_fails_closed():
     with pytest.raises(RuntimeError, match=r"\$OPS_KEY"):
         api_keys(Namespace(api_key=None), cfg, environ={})
     assert api_keys(Namespace(api_key=None), load_connector_config({}), environ={}) == []
+
+
+def test_a_clear_is_announced_as_removals_per_tier(tmp_path):
+    """KV events follow a management clear: the workers' TierWatch sees its evicts and reports
+    every cleared chunk leaving every tier (BlockRemoved for routers)."""
+    import time
+
+    import pytest
+
+    pytest.importorskip("vllm")
+    from kvplug.connector.tier_watch import TierWatch
+
+    with StorageManager(config(tmp_path)) as mgr:
+        watch = TierWatch(mgr, interval_s=3600)  # rounds driven here
+        try:
+            ids = random.Random(3).sample(range(1000), 4)
+            store(mgr, ids)
+            got: list = []
+            deadline = time.monotonic() + 60  # a hang guard only
+
+            def drain(want: int) -> None:
+                while len(got) < want and time.monotonic() < deadline:
+                    watch.check()
+                    if (news := watch.take()) is not None:
+                        got.extend(news.get_all_events())
+                    time.sleep(0.05)
+
+            drain(8)
+            assert sorted((e.stored, e.tier) for e in got) == \
+                [(True, "disk")] * 4 + [(True, "ram")] * 4
+            got.clear()
+            clear_keys(mgr, [make_key(i) for i in ids[:2]], ["disk"])
+            clear_tiers(mgr, ["ram"])
+            drain(6)
+            removed = {(e.tier, e.chunk_hash) for e in got if not e.stored}
+            assert removed == {("disk", make_key(i).chunk_hash) for i in ids[:2]} | \
+                {("ram", make_key(i).chunk_hash) for i in ids}
+            assert not [e for e in got if e.stored]
+        finally:
+            watch.close()
