@@ -37,6 +37,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
+from .compat import drops_last_block
 from .config import ConnectorConfig, load_connector_config
 from .lookup import LookupClient, socket_path
 from .manage import ManageClear, ManageClient, ManageLookup, ManageMsg, ManageStatus, client_for
@@ -220,7 +221,8 @@ class Engine:
                                 for r in range(tp)], self.config.lookup_timeout_s)
         # the scheduler's own code; its epoch is set to the workers' before each lookup
         cfg = self.config.model_copy(update={"fresh_epoch_at_start": False})
-        self.sched = SchedulerSide(cfg, self.block_size, xfer.kv_role or "kv_both", lookups)
+        self.sched = SchedulerSide(cfg, self.block_size, xfer.kv_role or "kv_both", lookups,
+                                   drop_last_block=drops_last_block(vllm_config))
         self.tokenizer = tokenizer
         self._ids = itertools.count()
         self._lock = threading.Lock()  # the scheduler side and its sockets: one call at a time
