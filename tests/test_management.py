@@ -9,9 +9,11 @@ import random
 import subprocess
 import sys
 
+from kvplug.hookspecs import hookimpl
 from kvplug.management import clear_keys, clear_tiers, tier_status
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import fill_random, make_key
+from tiers_for_tests import DictTier
 
 
 def config(tmp_path) -> dict:
@@ -170,3 +172,24 @@ def test_a_clear_is_announced_as_removals_per_tier(tmp_path):
             assert not [e for e in got if e.stored]
         finally:
             watch.close()
+
+
+class ClaimingTier(DictTier):
+    """A tier whose evict says it freed bytes and keeps everything (the negative control)."""
+
+    @hookimpl
+    def evict(self, keys, nbytes):
+        with self.lock:
+            return sum(self.data[k][0].numel() for k in (keys or self.data) if k in self.data)
+
+
+def test_a_tier_that_claims_a_removal_is_not_believed():
+    """Results come from what the tier holds after, never from what its evict returned."""
+    with StorageManager({"chunk_size": 16, "tiers": [
+            {"backend": f"{__name__}:ClaimingTier", "name": "liar"}]}) as mgr:
+        store(mgr, [1, 2, 3])
+        keys = [make_key(i) for i in (1, 2, 3)]
+        res = clear_keys(mgr, keys)["liar"]
+        assert res["removed_bytes"] > 0 and res["removed"] == 0 and res["remaining"] == 3
+        res = clear_tiers(mgr)["liar"]
+        assert res["removed"] == 0 and res["remaining"] == 3 and res["complete"] is False
