@@ -97,11 +97,11 @@ def test_cache_status_and_clear_on_the_stores_without_an_engine(tmp_path):
 def test_serve_allows_the_api_plugin_and_keeps_every_other_plugin():
     from importlib.metadata import entry_points
 
-    from kvplug.cli.serve import plugins_env
+    from kvplug.cli.serve import ALLOWLISTED_GROUPS, plugins_env
 
-    general = {ep.name for ep in entry_points(group="vllm.general_plugins")}
+    installed = {ep.name for g in ALLOWLISTED_GROUPS for ep in entry_points(group=g)}
     unset = plugins_env(None).split(",")
-    assert set(unset) == general | {"kvplug_api"} and "kvplug_connector" in unset
+    assert set(unset) == installed | {"kvplug_api"} and "kvplug_connector" in unset
     assert plugins_env("a, b") == "a,b,kvplug_api"
     assert plugins_env("kvplug_api,x") == "kvplug_api,x"
 

@@ -12,8 +12,10 @@ What it prints (``--print-command``, the ``starting:`` line) shows ``--api-key *
 
 kvplug's management API (``/kvplug/v1/...``, :mod:`kvplug.connector.api`) is a vLLM endpoint
 plugin, which vLLM loads only when ``VLLM_PLUGINS`` names it: this command adds ``kvplug_api`` to
-``VLLM_PLUGINS``. When it was unset (every general plugin loads), it becomes every installed
-``vllm.general_plugins`` name plus ``kvplug_api``, so no other plugin stops loading.
+``VLLM_PLUGINS``. When it was unset (every installed plugin loads), it becomes every installed
+name of vLLM's allow-listed groups (:data:`ALLOWLISTED_GROUPS`: general, platform, IO processor,
+stat logger plugins) plus ``kvplug_api``, so no other plugin stops loading (and other endpoint
+plugins stay off, as vLLM has them).
 ``--no-management-api`` leaves it out.
 """
 
@@ -55,12 +57,15 @@ def server_command(model: str, vllm_args: tuple[str, ...] | list[str],
 
 
 API_PLUGIN = "kvplug_api"
+#: vLLM's plugin groups that ``VLLM_PLUGINS`` filters and that load everything when it is unset
+ALLOWLISTED_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins",
+                      "vllm.io_processor_plugins", "vllm.stat_logger_plugins")
 
 
 def plugins_env(current: str | None) -> str:
     """``VLLM_PLUGINS`` with kvplug's endpoint plugin allowed (module docstring)."""
     if current is None:
-        names = sorted({ep.name for ep in entry_points(group="vllm.general_plugins")})
+        names = sorted({ep.name for g in ALLOWLISTED_GROUPS for ep in entry_points(group=g)})
     else:
         names = [n.strip() for n in current.split(",") if n.strip()]
     return ",".join(names if API_PLUGIN in names else [*names, API_PLUGIN])
