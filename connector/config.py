@@ -72,6 +72,13 @@ class ConnectorConfig(KVPlugConfig):
         "empty token list; the block hashes, a keyed hash of the salt and of its multimodal "
         "ids only)",
     )
+    management_key_env: str | None = Field(
+        default=None,
+        description="the NAME of an environment variable holding the bearer key of kvplug's "
+        "management API (/kvplug/v1: lookup, clear, status) on the API server; unset: vLLM's "
+        "--api-key guards it, which every API client has. Set it where clients are tenants, so "
+        "only operators and routers can clear or look up",
+    )
     report_to_client: bool = Field(
         default=False,
         description="return the per-request report (hit tokens, tiers) in kv_transfer_params; "

@@ -136,14 +136,17 @@ def private_dir() -> Path:
     return chosen
 
 
-def socket_path(engine_id: str, rank: int, pp_rank: int = 0, dp_rank: int = 0) -> Path:
+def socket_path(engine_id: str, rank: int, pp_rank: int = 0, dp_rank: int = 0,
+                prefix: str = "lookup") -> Path:
     """The lookup socket of one worker: TP ``rank`` of PP stage ``pp_rank`` of DP replica
     ``dp_rank`` of engine ``engine_id``. A hash, so long ids never collide by truncation.
+    ``prefix="manage"``: its management socket (:mod:`.manage`).
 
     Where a socket of that name already is, in one of this user's private directories (a
     worker bound it; the scheduler is asking), that one; else in :func:`private_dir`."""
     ident = f"{engine_id}\0dp{dp_rank}\0pp{pp_rank}\0tp{rank}".encode()
-    sock = f"lookup-{hashlib.sha256(ident).hexdigest()[:20]}.sock"
+    assert len(prefix) == len("lookup"), prefix  # _SOCKET_NAME_LEN bounds the path
+    sock = f"{prefix}-{hashlib.sha256(ident).hexdigest()[:20]}.sock"
     base, name = _base_and_name()
     for d in [base / name, *_fresh_dirs(base, name)]:
         if _is_private(d) and os.path.lexists(d / sock):

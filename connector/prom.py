@@ -5,6 +5,9 @@ vLLM's front end builds :class:`KVPlugPromMetrics` once and calls ``observe`` wi
 Names start with ``vllm:kvplug_`` so vLLM's own ``unregister_vllm_metrics`` cleans them up too;
 counters show with prometheus_client's ``_total`` suffix. Per-tier metrics carry a ``tier`` label
 (the tier's name in the kvplug config); labels for a tier appear once it has something to count.
+Per-tier levels (used and capacity bytes, entries, breakers open) are gauges, fed with their
+changes (:data:`.stats.TIER_GAUGES`). These names are a stable interface: dashboards and alerts
+(``deploy/``) use them; README.md "Metrics" lists them.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .stats import LATENCY_PREFIX, LOAD_BYTES_PREFIX, TIER_COUNTERS, TIER_PREFIX
+from .stats import LATENCY_PREFIX, LOAD_BYTES_PREFIX, TIER_COUNTERS, TIER_GAUGES, TIER_PREFIX
 
 #: Backends whose hits vLLM's ``prompt_tokens_cached_by_source`` counts as ``disk``.
 _DISK_BACKENDS = {"posix", "gds"}
@@ -65,6 +68,15 @@ _TIER_COUNTERS = {
     "tier_evictions.": ("vllm:kvplug_evictions", "entries the tier evicted"),
 }
 assert {k + "." for k in TIER_COUNTERS} <= set(_TIER_COUNTERS)
+#: per-tier levels (gauges, summed over ranks) -> (metric name, help).
+_TIER_GAUGES = {
+    "tier_used_bytes.": ("vllm:kvplug_tier_used_bytes", "bytes the tier holds"),
+    "tier_capacity_bytes.": ("vllm:kvplug_tier_capacity_bytes", "the tier's capacity in bytes"),
+    "tier_entries.": ("vllm:kvplug_tier_entries", "entries the tier holds"),
+    "tier_breaker_open.": ("vllm:kvplug_breaker_open",
+                           "ranks whose circuit breaker of the tier is open (calls refused)"),
+}
+assert {k + "." for k in TIER_GAUGES} == set(_TIER_GAUGES)
 #: Load latency buckets (seconds): a memcpy from RAM to a remote read.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0)
@@ -82,6 +94,9 @@ class KVPlugPromMetrics(KVConnectorPromMetrics):
         self._tiered = {prefix: self._counter_cls(name=name, documentation=doc,
                                                   labelnames=tiered)
                         for prefix, (name, doc) in _TIER_COUNTERS.items()}
+        self._levels = {prefix: self._gauge_cls(name=name, documentation=doc,
+                                                labelnames=tiered, multiprocess_mode="sum")
+                        for prefix, (name, doc) in _TIER_GAUGES.items()}
         self._latency = self._histogram_cls(
             name="vllm:kvplug_load_seconds", labelnames=tiered, buckets=LATENCY_BUCKETS,
             documentation="seconds per request load, by the farthest tier it read from")
@@ -105,3 +120,5 @@ class KVPlugPromMetrics(KVConnectorPromMetrics):
                     hist.observe(sample)
             elif (counter := self._tiered.get(prefix + ".")) is not None and value > 0:
                 counter.labels(*values, tier).inc(value)
+            elif (gauge := self._levels.get(prefix + ".")) is not None and value:
+                gauge.labels(*values, tier).inc(value)

@@ -53,6 +53,15 @@ TIER_COUNTERS: dict[str, tuple[str, ...]] = {
     "tier_faults": ("faults",),
     "tier_evictions": ("evictions", "evicted"),
 }
+#: Per-tier levels sampled from ``StorageManager.stats()``: stats key -> the tier's own field.
+#: Sent as their change since the last sample (summed over workers like the counters), so the
+#: front end's gauge, adding the changes up, holds the level summed over ranks.
+TIER_GAUGES: dict[str, str] = {
+    "tier_used_bytes": "bytes",
+    "tier_capacity_bytes": "capacity",
+    "tier_entries": "entries",
+    "tier_breaker_open": "breaker_open",
+}
 
 
 class KVPlugStats(KVConnectorStats):
@@ -141,6 +150,14 @@ class StatsRecorder:
                     if grew > 0:
                         self._stats.add(full, grew)
                         self._total.add(full, grew)
+                for key, name in TIER_GAUGES.items():
+                    if name not in counters:  # a tier that does not keep this level
+                        continue
+                    full = f"{key}.{tier}"
+                    change = counters[name] - self._seen.get(full, 0)
+                    self._seen[full] = counters[name]
+                    if change:
+                        self._stats.add(full, change)
 
     def take(self) -> KVPlugStats | None:
         """The counters since the last call, or None when nothing happened."""

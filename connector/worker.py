@@ -37,6 +37,7 @@ from .identity import Identity
 from .load import BackgroundLoads, Loads
 from .load_report import LoadReports
 from .lookup import Lookup, LookupService, socket_path
+from .manage import ManageService, WorkerManagement, manage_path
 from .metadata import KVPlugMetadata, KVPlugWorkerMeta
 from .save import AsyncSaves, async_save_enabled
 from .stats import KVPlugStats, StatsRecorder
@@ -62,6 +63,7 @@ class WorkerSide:
         self.kv: PagedKV | None = None
         self.storage: StorageManager | None = None
         self.service: LookupService | None = None
+        self.manage: ManageService | None = None
         self.kv_dtype = ""
         self._pins: dict[str, tuple[list[CacheKey], list[str]]] = {}
         self._lock = threading.Lock()
@@ -99,6 +101,9 @@ class WorkerSide:
         path = socket_path(self.ident.engine_id, self.ident.rank, self.ident.pp_rank)
         if self.runtime.remote_lookups:  # else the caller calls _on_lookup (a simulation)
             self.service = LookupService(path, self._on_lookup, self.release)
+            # the API server's lookup/clear/status calls, on a thread of their own (.manage)
+            self.manage = ManageService(manage_path(self.ident.engine_id, self.ident.rank,
+                                                    self.ident.pp_rank), WorkerManagement(self))
         logger.info("kvplug worker rank %d: %d layers x %d blocks x %d B pages (%s, %s), "
                     "mode %s, lookup at %s", self.ident.rank, self.kv.num_layers,
                     self.kv.num_blocks, self.kv.page_bytes, self.kv_dtype, self.ident.layout,
@@ -176,6 +181,9 @@ class WorkerSide:
         if self.service is not None:
             self.service.close()
             self.service = None
+        if self.manage is not None:
+            self.manage.close()
+            self.manage = None
         if self.storage is not None:
             self.storage.close()
             self.storage = None

@@ -3,13 +3,15 @@
 # only re-checks the install. On a CUDA machine use `pip install -e '.[cuda,test,remote]'` instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# System packages the tests use for real: redis-server and openssl (the resp tier's tests) and libibverbs1
+# System packages the tests use for real: redis-server and openssl (the resp tier's tests), prometheus
+# (its promtool validates deploy/prometheus/kvplug-rules.yaml) and libibverbs1
 # (Mooncake's client loads it even without RDMA hardware). Installed as root (CI: a fresh Debian 12
 # machine); elsewhere the command to run is printed and those tests skip.
 need=()
 command -v redis-server >/dev/null 2>&1 || command -v valkey-server >/dev/null 2>&1 || need+=(redis-server)
 ldconfig -p 2>/dev/null | grep 'libibverbs.so.1 ' >/dev/null || need+=(libibverbs1)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)  # certificates for the resp TLS test
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)  # promtool checks deploy/prometheus rules
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "[setup] installing ${need[*]} (apt-get)"

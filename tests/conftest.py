@@ -34,7 +34,7 @@ HEAVIEST = ["test_parallel_engine", "test_connector_roles", "test_connector_engi
             # while the other idles): a venv build, servers, CLI subprocesses
             "test_template_venv", "test_mooncake", "test_reliability_outage",
             "test_reliability_shared", "test_prom_metrics", "test_demo", "test_cli_bench",
-            "test_auth_chunks", "test_conformance_kit", "test_secrets", "test_template",
+            "test_manage_engine", "test_auth_chunks", "test_conformance_kit", "test_secrets", "test_template",
             "test_stored_bytes_sizes"]
 
 

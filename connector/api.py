@@ -1,0 +1,460 @@
+"""kvplug's management and lookup API on vLLM's own HTTP server, under ``/kvplug/v1/``.
+
+A vLLM endpoint plugin (entry point ``vllm.endpoint_plugins: kvplug_api``; vLLM loads one only
+when ``VLLM_PLUGINS`` names it, which ``kvplug serve`` does). FastAPI routes, so the calls are in
+the server's OpenAPI schema (``/openapi.json``):
+
+* ``POST /kvplug/v1/lookup`` {prompt | token_ids, cache_salt?}: the tokens the engine's scheduler
+  would be told are stored (the scheduler side's own code, :class:`.scheduler.SchedulerSide`,
+  asking the workers' lookup services, then releasing the pins) and, per tier, the leading tokens
+  it holds and the tokens of the hit a load would read from it: what a KV-aware router asks;
+* ``POST /kvplug/v1/clear`` {scope: all | tier | prefix | tenant, ...}: per tier what was
+  removed and what remains (:mod:`kvplug.management`); ``ok`` only when every tier did all of it
+  (a tenant clear is not available yet: every tier says so, ``ok`` false);
+* ``GET /kvplug/v1/status``: tiers, capacity and use, breakers, pins, policies, per rank.
+
+The tiers live in the workers: every call reaches them through their management sockets
+(:mod:`.manage`). With ``--api-key`` (or ``VLLM_API_KEY``) every route needs
+``Authorization: Bearer <key>``, as vLLM's ``/v1`` routes (vLLM's own check guards only those);
+with ``management_key_env`` in the kvplug config, that variable's key instead (clients that
+hold vLLM's key are then refused: they may be tenants).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import os
+import secrets
+import threading
+import time
+from argparse import Namespace
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
+
+from .compat import drops_last_block
+from .config import ConnectorConfig, load_connector_config
+from .lookup import LookupClient, socket_path
+from .manage import ManageClear, ManageClient, ManageLookup, ManageMsg, ManageStatus, client_for
+from .scheduler import SchedulerSide
+
+PREFIX = "/kvplug/v1"
+#: how long a lookup through the scheduler's path may take before it answers a miss
+LOOKUP_DEADLINE_S = 30.0
+
+
+# -- request and response bodies (the OpenAPI schema) ------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, not ignored
+
+
+class PromptText(_Body):
+    """A prompt as text, tokenized by the served model's tokenizer as ``/v1/completions`` does."""
+
+    prompt: str = Field(description="prompt text")
+    cache_salt: str | None = Field(default=None, description="the request's cache_salt")
+
+
+class PromptIds(_Body):
+    """A prompt as token ids."""
+
+    token_ids: list[int] = Field(description="prompt token ids")
+    cache_salt: str | None = Field(default=None, description="the request's cache_salt")
+
+
+LookupRequest = PromptText | PromptIds
+
+
+class TierLookup(BaseModel):
+    held: int = Field(description="leading tokens this tier holds on its own (min over ranks)")
+    served: int = Field(description="tokens of the hit a load would read from this tier")
+
+
+class LookupResponse(BaseModel):
+    tokens: int = Field(description="tokens the scheduler would load (what a request would hit)")
+    prompt_tokens: int
+    chunk_size: int
+    block_size: int
+    tiers: dict[str, TierLookup]
+
+
+TierNames = Annotated[list[str], Field(min_length=1, description="tier names")]
+
+
+class ClearAll(_Body):
+    """Every entry of every tier."""
+
+    scope: Literal["all"]
+
+
+class ClearTiers(_Body):
+    """Every entry of the tiers named."""
+
+    scope: Literal["tier"]
+    tiers: TierNames
+
+
+class ClearPrefixText(PromptText):
+    """The chunks of a prompt (so every longer prompt starting with it), in every tier or the
+    tiers named."""
+
+    scope: Literal["prefix"]
+    tiers: TierNames | None = None
+
+
+class ClearPrefixIds(PromptIds):
+    """:class:`ClearPrefixText` with token ids."""
+
+    scope: Literal["prefix"]
+    tiers: TierNames | None = None
+
+
+class ClearTenant(_Body):
+    """One tenant's entries: not available yet (object names do not carry the tenant); every
+    tier says so."""
+
+    scope: Literal["tenant"]
+    tenant: str
+
+
+ClearRequest = ClearAll | ClearTiers | ClearPrefixText | ClearPrefixIds | ClearTenant
+
+
+class TierClear(BaseModel):
+    removed: int | None = Field(description="entries removed (summed over ranks); null: unknown")
+    removed_bytes: int = Field(description="bytes the tier reports freed")
+    remaining: int | None = Field(description="entries still there; null: unknown")
+    complete: bool
+    error: str | None = None
+    note: str | None = None
+
+
+class ClearResponse(BaseModel):
+    ok: bool = Field(description="every tier asked did all of it")
+    scope: str
+    tiers: dict[str, TierClear]
+    ranks: list[dict[str, Any]]
+
+
+class TierStatus(BaseModel):
+    name: str
+    backend: str
+    may_block: bool
+    capacity_bytes: int | None
+    used_bytes: int | None
+    entries: int | None
+    pinned: int | None
+    breaker: Literal["open", "closed"] | None
+    policies: dict[str, Any]
+
+
+class StatusResponse(BaseModel):
+    model: str
+    chunk_size: int
+    block_size: int
+    tiers: list[TierStatus]
+    ranks: list[dict[str, Any]]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    code: int
+
+
+class ErrorBody(BaseModel):
+    """vLLM's error body (its server formats every HTTP error so)."""
+
+    error: ErrorInfo
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorBody, "description": "a request body the schema refuses"},
+    401: {"model": ErrorBody, "description": "the server has --api-key and it was not sent"},
+    503: {"model": ErrorBody, "description": "a worker did not answer, or no kvplug connector"},
+}
+
+
+# -- the engine side of the calls ---------------------------------------------------------------
+@dataclass
+class _Query:
+    """What :class:`.scheduler.SchedulerSide` reads of a ``vllm.v1.request.Request``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    cache_salt: str | None
+    kv_transfer_params: dict[str, Any] = field(default_factory=dict)
+    lora_request: None = None
+    mm_features: None = None
+    prompt_embeds: None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    num_prompt_tokens = num_tokens
+
+
+class Engine:
+    """What the routes need of the running engine: its kvplug config, the workers' management
+    sockets, a scheduler side of its own for lookups, and the tokenizer."""
+
+    def __init__(self, vllm_config: Any, tokenizer: Any, config: ConnectorConfig) -> None:
+        xfer = vllm_config.kv_transfer_config
+        self.config = config
+        self.model = vllm_config.model_config.served_model_name or vllm_config.model_config.model
+        self.block_size = int(vllm_config.cache_config.block_size or 16)
+        pc = vllm_config.parallel_config
+        engine_id = xfer.engine_id or "default"
+        tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        self.client: ManageClient = client_for(engine_id, tp, pp)
+        lookups = LookupClient([socket_path(engine_id, r, p) for p in range(pp)
+                                for r in range(tp)], self.config.lookup_timeout_s)
+        # the scheduler's own code; its epoch is set to the workers' before each lookup
+        cfg = self.config.model_copy(update={"fresh_epoch_at_start": False})
+        self.sched = SchedulerSide(cfg, self.block_size, xfer.kv_role or "kv_both", lookups,
+                                   drop_last_block=drops_last_block(vllm_config))
+        self.tokenizer = tokenizer
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # the scheduler side and its sockets: one call at a time
+
+    def token_ids(self, body: PromptText | PromptIds) -> list[int]:
+        if isinstance(body, PromptIds):
+            return list(body.token_ids)
+        if self.tokenizer is None:
+            raise HTTPException(400, "this server has no tokenizer (--skip-tokenizer-init): "
+                                     "send token_ids")
+        return list(self.tokenizer.encode(body.prompt))
+
+    def ask(self, msg: ManageMsg) -> list[dict[str, Any]]:
+        """Every rank's answer; 503 naming the rank that failed."""
+        out = []
+        for reply in self.client.ask(msg):
+            if not reply.ok:
+                raise HTTPException(503, f"kvplug worker: {reply.error}")
+            out.append(reply.body)
+        return out
+
+    def _hashes(self, t: Any, end: int) -> tuple[list[bytes], list[tuple[int, bytes]]]:
+        """The full chunks up to ``end`` and the partial chunks at every block end up to it."""
+        cs, bs = self.sched.cs, self.sched.bs
+        full = self.sched._full_hashes(t, end // cs)
+        tails = [(e, self.sched._partial_hash(t, e)) for e in range(bs, end + 1, bs) if e % cs]
+        return full, tails
+
+    def lookup(self, ids: list[int], salt: str | None) -> LookupResponse:
+        if len(ids) <= self.block_size:  # nothing a request could load: it computes a token
+            return LookupResponse(tokens=0, prompt_tokens=len(ids), chunk_size=self.sched.cs,
+                                  block_size=self.block_size,
+                                  tiers={n: TierLookup(held=0, served=0)
+                                         for n in self.config.tier_names()})
+        with self._lock:
+            q = _Query(f"kvplug-api-lookup-{next(self._ids)}", ids, salt)
+            tiers = self._per_tier(q)
+            tokens = self._scheduler_hit(q)
+        return LookupResponse(tokens=tokens, prompt_tokens=len(ids), chunk_size=self.sched.cs,
+                              block_size=self.block_size, tiers=tiers)
+
+    def _per_tier(self, q: _Query) -> dict[str, TierLookup]:
+        t = self.sched._track(q)  # hashes as the scheduler makes them (salt, chunk keys)
+        cap = (q.num_tokens - 1) // self.sched.bs * self.sched.bs
+        if not t.can_load or cap <= 0:
+            names = self.config.tier_names()
+            return {n: TierLookup(held=0, served=0) for n in names}
+        full, tails = self._hashes(t, cap)
+        ranks = self.ask(ManageLookup(full, tails))
+        self.sched.epoch = ranks[0]["epoch"]  # the weights epoch the workers run under
+        self.sched.lookup.set_epoch(self.sched.epoch)
+        return {name: TierLookup(held=min(r["tiers"][name]["held"] for r in ranks),
+                                 served=min(r["tiers"][name]["served"] for r in ranks))
+                for name in ranks[0]["tiers"]}
+
+    def _scheduler_hit(self, q: _Query) -> int:
+        """``SchedulerSide.get_num_new_matched_tokens`` until the workers answered; pins
+        released at once."""
+        end = time.monotonic() + LOOKUP_DEADLINE_S
+        try:
+            while True:
+                hit, _ = self.sched.get_num_new_matched_tokens(q, 0)
+                if hit is not None:
+                    return hit
+                if time.monotonic() > end:
+                    raise HTTPException(503, "kvplug lookup: the workers did not answer")
+                time.sleep(0.002)
+        finally:
+            self.sched.lookup.release([q.request_id])
+            self.sched.trackers.pop(q.request_id, None)
+
+    def clear(self, body: ClearRequest) -> ClearResponse:
+        if isinstance(body, ClearTenant):
+            why = ("clear by tenant is not available: kvplug's object names do not carry the "
+                   "tenant, so no tier can find one tenant's entries; clear by prefix (with its "
+                   "cache_salt) instead")
+            return ClearResponse(ok=False, scope=body.scope, ranks=[], tiers={
+                n: TierClear(removed=None, removed_bytes=0, remaining=None, complete=False,
+                             error=why) for n in self.config.tier_names()})
+        tiers_asked = getattr(body, "tiers", None)
+        unknown = sorted(set(tiers_asked or ()) - set(self.config.tier_names()))
+        if unknown:
+            raise HTTPException(404, f"unknown tier(s) {unknown}; tiers are "
+                                     f"{self.config.tier_names()}")
+        hashes = None
+        if isinstance(body, ClearPrefixText | ClearPrefixIds):
+            with self._lock:
+                q = _Query(f"kvplug-api-clear-{next(self._ids)}", self.token_ids(body),
+                           body.cache_salt)
+                t = self.sched._track(q)
+                full, tails = self._hashes(t, q.num_tokens)
+                self.sched.trackers.pop(q.request_id, None)
+            hashes = full + [h for _, h in tails]
+        ranks = self.ask(ManageClear(tiers_asked, hashes))
+        tiers: dict[str, TierClear] = {}
+        for name in ranks[0]["tiers"]:
+            per = [r["tiers"][name] for r in ranks]
+
+            def total(k: str, per: list[dict[str, Any]] = per) -> int | None:
+                vals = [p.get(k) for p in per]
+                return None if any(v is None for v in vals) else sum(vals)
+
+            errors = sorted({p["error"] for p in per if p.get("error")})
+            notes = sorted({p["note"] for p in per if p.get("note")})
+            remaining = total("remaining")
+            complete = all(p.get("complete", p.get("remaining") == 0) for p in per) \
+                and not errors
+            tiers[name] = TierClear(removed=total("removed"),
+                                    removed_bytes=total("removed_bytes") or 0,
+                                    remaining=remaining, complete=complete,
+                                    error="; ".join(errors) or None,
+                                    note="; ".join(notes) or None)
+        return ClearResponse(ok=all(t.complete for t in tiers.values()), scope=body.scope,
+                             tiers=tiers, ranks=ranks)
+
+    def status(self) -> StatusResponse:
+        ranks = self.ask(ManageStatus())
+        tiers = []
+        for i, first in enumerate(ranks[0]["tiers"]):
+            per = [r["tiers"][i] for r in ranks]
+
+            def total(k: str, per: list[dict[str, Any]] = per) -> int | None:
+                vals = [p.get(k) for p in per]
+                return None if any(v is None for v in vals) else sum(vals)
+
+            breakers = {p["breaker"] for p in per}
+            tiers.append(TierStatus(
+                name=first["name"], backend=first["backend"], may_block=first["may_block"],
+                capacity_bytes=total("capacity_bytes"), used_bytes=total("used_bytes"),
+                entries=total("entries"), pinned=total("pinned"),
+                breaker="open" if "open" in breakers else first["breaker"],
+                policies=first["policies"]))
+        return StatusResponse(model=self.model, chunk_size=self.sched.cs,
+                              block_size=self.block_size, tiers=tiers, ranks=ranks)
+
+
+# -- authentication and routes ------------------------------------------------------------------
+_bearer = HTTPBearer(auto_error=False, description="vLLM's --api-key, when the server has one")
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def api_keys(args: Namespace, config: ConnectorConfig | None,
+             environ: Any = os.environ) -> list[bytes]:
+    """Digests of the keys that open ``/kvplug/v1``: the value of ``management_key_env`` when the
+    kvplug config names one, else vLLM's ``--api-key`` (or ``VLLM_API_KEY``); none: open. A
+    named variable that is unset or empty is an error naming it (never an open API)."""
+    name = config.management_key_env if config is not None else None
+    if name:
+        value = environ.get(name)
+        if not value:
+            raise RuntimeError(f"kvplug: management_key_env names ${name}, which is unset or "
+                               "empty in the API server's environment; set it (the management "
+                               "API stays closed without it) or remove management_key_env")
+        return [_digest(value)]
+    keys = getattr(args, "api_key", None) or [environ.get("VLLM_API_KEY")]
+    return [_digest(k) for k in keys if k]
+
+
+def _authorized(request: Request,
+                cred: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+    keys: list[bytes] | None = getattr(request.app.state, "kvplug_api_keys", None)
+    if keys is None:  # the plugin's state is not set up: closed, never open
+        raise HTTPException(503, "kvplug's API is not ready")
+    if not keys:
+        return
+    given = _digest(cred.credentials) if cred is not None else b""
+    ok = False
+    for k in keys:
+        ok |= secrets.compare_digest(given, k)
+    if not ok:
+        raise HTTPException(401, "Unauthorized: send Authorization: Bearer <the server's "
+                                 "--api-key, or the key of the kvplug config's "
+                                 "management_key_env>", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _engine(request: Request) -> Engine:
+    engine = getattr(request.app.state, "kvplug_engine", None)
+    if engine is None:
+        raise HTTPException(503, getattr(request.app.state, "kvplug_unavailable",
+                                         "kvplug's API is not ready"))
+    return engine
+
+
+router = APIRouter(prefix=PREFIX, tags=["kvplug"], dependencies=[Depends(_authorized)])
+
+
+@router.post("/lookup", response_model=LookupResponse, responses=ERRORS)
+async def lookup(body: LookupRequest, request: Request) -> LookupResponse:
+    """Tokens of this prompt the engine would load from kvplug's tiers, and per tier."""
+    engine = _engine(request)
+    ids = engine.token_ids(body)
+    return await asyncio.to_thread(engine.lookup, ids, body.cache_salt)
+
+
+@router.post("/clear", response_model=ClearResponse, responses={
+    **ERRORS, 404: {"model": ErrorBody, "description": "a tier named is not configured"}})
+async def clear(body: ClearRequest, request: Request) -> ClearResponse:
+    """Remove entries; per tier what was removed and what remains (``ok``: all of it)."""
+    return await asyncio.to_thread(_engine(request).clear, body)
+
+
+@router.get("/status", response_model=StatusResponse, responses=ERRORS)
+async def status(request: Request) -> StatusResponse:
+    """Tiers, capacity and use, breakers, pins, policies (summed over ranks; per rank too)."""
+    return await asyncio.to_thread(_engine(request).status)
+
+
+class KVPlugEndpoints:
+    """vLLM's ``EndpointPlugin``: the routes above on the OpenAI server."""
+
+    name = "kvplug_api"
+    required_tasks = None
+
+    def attach_router(self, app: FastAPI) -> None:
+        app.include_router(router)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        state.kvplug_engine = None
+        vllm_config = getattr(engine_client, "vllm_config", None)
+        xfer = getattr(vllm_config, "kv_transfer_config", None)
+        if xfer is None or xfer.kv_connector != "KVPlugConnector":
+            state.kvplug_api_keys = api_keys(args, None)
+            state.kvplug_unavailable = ("this server does not run kvplug's connector "
+                                        "(start it with `kvplug serve`)")
+            return
+        config = load_connector_config(dict(xfer.kv_connector_extra_config or {}))
+        state.kvplug_api_keys = api_keys(args, config)
+        get_tokenizer = getattr(engine_client, "get_tokenizer", None)
+        tokenizer = get_tokenizer() if get_tokenizer is not None else None
+        if asyncio.iscoroutine(tokenizer):
+            tokenizer = await tokenizer
+        state.kvplug_engine = Engine(vllm_config, tokenizer, config)

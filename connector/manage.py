@@ -1,0 +1,241 @@
+"""Management calls from the API server to the workers that hold the tiers (lookup, clear, status).
+
+vLLM's OpenAI server, its engine core (the scheduler) and its workers are separate processes; the
+tiers live in the workers. Beside its lookup socket (:mod:`.lookup`), every worker serves a
+*management* socket in the same private directory (0700; the socket 0600), named by the same
+hash of (engine id, PP rank, TP rank) with a ``manage-`` prefix: :class:`ManageService`, on its
+own thread, so a slow clear of a remote tier never delays the scheduler's lookups. The API
+server's :class:`ManageClient` asks every rank (the engine id and the TP x PP sizes come from the
+``VllmConfig`` vLLM hands it) and gets one :class:`ManageReply` per rank, or an error naming the
+rank that did not answer. Messages are msgspec/msgpack structs; nothing is pickled; a malformed
+message is answered with an error, never fatal to the service.
+
+What each call does to a worker's tiers is :mod:`kvplug.management` (one rule for the engine and
+for ``kvplug cache ... --config``); keys are made under the worker's current weights epoch, the
+one its last step ran under.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+from kvplug.management import clear_keys, clear_tiers, tier_status
+
+from .lookup import _is_live, socket_path
+
+if TYPE_CHECKING:
+    from .worker import WorkerSide
+
+logger = logging.getLogger("kvplug.connector")
+
+#: hashes one management message may name (a clear of a prefix names a chunk per block end)
+MAX_MANAGE_HASHES = 65536
+
+
+class ManageLookup(msgspec.Struct, tag=True):
+    """Which leading tokens each tier holds of the chunks ``hashes`` (full chunks, in order) and
+    ``tails`` (``(tokens_after, hash)``: the partial chunks ending at each block end)."""
+
+    hashes: list[bytes]
+    tails: list[tuple[int, bytes]] = []
+
+
+class ManageClear(msgspec.Struct, tag=True):
+    """Drop ``hashes``' chunks (or, with ``hashes`` None, every entry) from ``tiers`` (None:
+    every tier)."""
+
+    tiers: list[str] | None = None
+    hashes: list[bytes] | None = None
+
+
+class ManageStatus(msgspec.Struct, tag=True):
+    """The worker's tiers: capacity, use, breakers, pins, policies."""
+
+
+class ManageReply(msgspec.Struct):
+    ok: bool
+    body: dict[str, Any] = {}
+    error: str = ""
+
+
+ManageMsg = ManageLookup | ManageClear | ManageStatus
+_encode = msgspec.msgpack.Encoder().encode
+_decode_msg = msgspec.msgpack.Decoder(ManageMsg).decode
+_decode_reply = msgspec.msgpack.Decoder(ManageReply).decode
+
+
+def manage_path(engine_id: str, rank: int, pp_rank: int = 0) -> Path:
+    """The management socket of one worker (beside its lookup socket)."""
+    return socket_path(engine_id, rank, pp_rank, prefix="manage")
+
+
+class WorkerManagement:
+    """A worker's answers to management calls, over its StorageManager and its keys."""
+
+    def __init__(self, worker: WorkerSide) -> None:
+        self.worker = worker
+
+    def __call__(self, msg: ManageMsg) -> dict[str, Any]:
+        w = self.worker
+        storage = w.storage
+        if storage is None:
+            raise RuntimeError("this worker has no tiers (its KV cache is not registered, or "
+                               "the model has KV cache groups kvplug cannot restore)")
+        base = {"rank": w.ident.rank, "pp_rank": w.ident.pp_rank, "epoch": w.epoch}
+        if isinstance(msg, ManageStatus):
+            return {**base, "tiers": tier_status(storage)}
+        if isinstance(msg, ManageClear):
+            if msg.hashes is None:
+                return {**base, "tiers": clear_tiers(storage, msg.tiers)}
+            keys = [w.key(h) for h in msg.hashes]
+            return {**base, "tiers": clear_keys(storage, keys, msg.tiers)}
+        return {**base, "tiers": self._lookup(msg)}
+
+    def _lookup(self, msg: ManageLookup) -> dict[str, dict[str, int]]:
+        """Per tier: ``held``, the leading tokens the tier holds on its own (its leading full
+        chunks, then the longest partial chunk inside the next one), and ``served``, the tokens
+        of this worker's hit over all tiers (unpinned) that a load would read from it."""
+        w, storage, cs = self.worker, self.worker.storage, self.worker.cfg.chunk_size
+        assert storage is not None
+        keys = [w.key(h) for h in msg.hashes]
+        tails = sorted(((end, w.key(h)) for end, h in msg.tails), key=lambda t: -t[0])
+
+        def inside(n: int) -> list[tuple[int, Any]]:  # partial chunks in chunk n, longest first
+            return [(end, k) for end, k in tails if n * cs < end < (n + 1) * cs]
+
+        out: dict[str, dict[str, int]] = {}
+        for tier in storage.tier_names:
+            held = storage.holds(tier, keys) or [False] * len(keys)
+            n = next((i for i, h in enumerate(held) if not h), len(keys))
+            cand = inside(n)
+            got = storage.holds(tier, [k for _, k in cand]) or [False] * len(cand)
+            out[tier] = {"held": next((e for (e, _), h in zip(cand, got, strict=True) if h),
+                                      n * cs), "served": 0}
+        found = storage.lookup_prefix(keys)
+        for tier in found.tiers:
+            out[tier]["served"] += cs
+        for end, k in inside(found.num_chunks):
+            if (tier := storage.contains(k)) is not None:
+                out[tier]["served"] += end - found.num_chunks * cs
+                break
+        return out
+
+
+class ManageService:
+    """A worker-side thread answering management messages on ``path`` (a zmq ROUTER)."""
+
+    def __init__(self, path: Path, handle: Callable[[ManageMsg], dict[str, Any]]) -> None:
+        self.path = path
+        self._handle = handle
+        self._stop = threading.Event()
+        if path.exists() or path.is_symlink():
+            if _is_live(path):
+                raise RuntimeError(f"kvplug management socket {path} is in use by another live "
+                                   "worker with the same engine id and ranks")
+            path.unlink()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(f"ipc://{path}")
+        os.chmod(path, 0o600)
+        self._thread = threading.Thread(target=self._run, name="kvplug-manage", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if poller.poll(100):
+                    frames = self._sock.recv_multipart()
+                    if len(frames) == 2:
+                        self._sock.send_multipart([frames[0], _encode(self._answer(frames[1]))])
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    break
+                logger.exception("kvplug management service: socket error")
+        self._sock.close(0)
+
+    def _answer(self, payload: bytes) -> ManageReply:
+        try:
+            msg = _decode_msg(payload)
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            return ManageReply(False, error=f"malformed management message ({exc})")
+        hashes = len(getattr(msg, "hashes", None) or ()) + len(getattr(msg, "tails", None) or ())
+        if hashes > MAX_MANAGE_HASHES:
+            return ManageReply(False, error=f"{hashes} chunk hashes in one call; at most "
+                                            f"{MAX_MANAGE_HASHES}: split the prompt")
+        try:
+            return ManageReply(True, self._handle(msg))
+        except Exception as exc:  # noqa: BLE001 - an answer, never a dead service
+            logger.exception("kvplug management call %s failed", type(msg).__name__)
+            return ManageReply(False, error=f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._ctx.term()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class ManageClient:
+    """The API server's side: send one message to every rank, wait for each reply (bounded)."""
+
+    def __init__(self, paths: list[Path], timeout_s: float = 60.0) -> None:
+        self.paths = paths
+        self.timeout_s = timeout_s
+
+    def ask(self, msg: ManageMsg) -> list[ManageReply]:
+        """One reply per rank, in rank order; a rank that did not answer in ``timeout_s`` is an
+        error reply naming its socket."""
+        ctx = zmq.Context()
+        socks = []
+        try:
+            for p in self.paths:
+                s = ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 0)
+                s.connect(f"ipc://{p}")
+                s.send(_encode(msg))
+                socks.append(s)
+            replies: dict[int, ManageReply] = {}
+            poller = zmq.Poller()
+            for s in socks:
+                poller.register(s, zmq.POLLIN)
+            end = time.monotonic() + self.timeout_s
+            while len(replies) < len(socks) and (left := end - time.monotonic()) > 0:
+                for s, _ in poller.poll(left * 1000):
+                    i = socks.index(s)
+                    try:
+                        replies[i] = _decode_reply(s.recv(zmq.NOBLOCK))
+                    except msgspec.DecodeError as exc:
+                        replies[i] = ManageReply(False, error=f"malformed reply ({exc})")
+                    poller.unregister(s)
+            return [replies.get(i) or ManageReply(
+                False, error=f"no answer from the worker at {p} within {self.timeout_s:g}s "
+                             "(is the engine up, with kvplug's connector?)")
+                for i, p in enumerate(self.paths)]
+        finally:
+            for s in socks:
+                s.close(0)
+            ctx.term()
+
+
+def client_for(engine_id: str, tp: int, pp: int, timeout_s: float = 60.0) -> ManageClient:
+    """A client of every worker (TP x PP) of engine ``engine_id``."""
+    return ManageClient([manage_path(engine_id, r, p) for p in range(pp) for r in range(tp)],
+                        timeout_s)
+
+
+__all__ = ["ManageClear", "ManageClient", "ManageLookup", "ManageReply", "ManageService",
+           "ManageStatus", "WorkerManagement", "client_for", "manage_path"]

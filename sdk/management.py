@@ -1,0 +1,161 @@
+"""What an operator's management calls do to a StorageManager's tiers, and what they report.
+
+The one place for the rules of kvplug's management calls, whoever makes them: the workers'
+management service inside vLLM (``kvplug.connector.manage``, behind the HTTP API of
+``kvplug serve``) and ``kvplug cache status|clear --config FILE`` on the stores directly. Nothing
+here imports vLLM.
+
+Every result is per tier and measured, never assumed (a clear that could not be done on a tier
+says so on that tier):
+
+* a clear of named keys asks each tier which of them it holds before and after the evict
+  (``StorageManager.holds``): ``removed`` is what the tier stopped holding, ``remaining`` what it
+  still holds (pinned by a load in flight, or a fault), ``unknown`` when it did not answer;
+* a clear of a whole tier flushes its queued writes first (so nothing queued lands after it),
+  evicts every unpinned entry it knows, waits (bounded) for a disk tier's background deletes, and
+  reports its entry counts before and after from the tier's own ``stats()`` (a disk tier still
+  scanning its directory at start-up is waited for, bounded, else the clear says incomplete); a tier that keeps no
+  count of its entries (an unbounded value store) cannot be cleared whole and says so;
+* a tier whose evict raised or timed out reports ``error``.
+
+A clear of a token prefix removes the chunks of that prefix; every longer prompt starting with it
+chains its chunk hashes over them, so no lookup of such a prompt hits past the cleared start.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .keys import CacheKey
+from .storage_manager import StorageManager
+
+#: "every byte": what a clear of a whole tier asks its evict to free
+ALL_BYTES = 1 << 62
+#: how long a clear waits for queued writes to land and a disk tier's deletes to happen
+SETTLE_S = 10.0
+#: what status shows of a tier's own counters (the rest are in /metrics)
+STATUS_FIELDS = ("entries", "bytes", "capacity", "pinned", "pending_writes", "pending_deletes",
+                 "breaker_open", "breaker_trips", "faults", "timeouts", "corrupt",
+                 "auth_failures", "evictions", "dropped_puts")
+
+
+def _count(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def tier_status(storage: StorageManager) -> list[dict[str, Any]]:
+    """Each tier: name, backend, whether it may block, its capacity and use, breaker state,
+    pins and the policies it runs (as configured; kvplug's built-in ones otherwise)."""
+    for name in storage.tier_names:
+        wait_indexed(storage, name)
+    stats = storage.stats()
+    out = []
+    for cfg, name in zip(storage.config.tiers, storage.tier_names, strict=True):
+        s = stats.get(name, {})
+        breaker = s.get("breaker_open")
+        out.append({
+            "name": name, "backend": cfg.backend, "may_block": storage.may_block(name),
+            "capacity_bytes": _count(s.get("capacity")), "used_bytes": _count(s.get("bytes")),
+            "entries": _count(s.get("entries")), "pinned": _count(s.get("pinned")),
+            "breaker": None if breaker is None else ("open" if breaker else "closed"),
+            "policies": {"eviction": getattr(cfg, "eviction", None) or "lru",
+                         "admission": getattr(cfg, "admission", None) or "always"},
+            "counters": {k: s[k] for k in STATUS_FIELDS if k in s},
+        })
+    return out
+
+
+def _faults(storage: StorageManager, name: str) -> float:
+    s = storage.stats().get(name, {})
+    return s.get("faults", 0) + s.get("timeouts", 0)
+
+
+def clear_keys(storage: StorageManager, keys: Sequence[CacheKey],
+               tiers: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Drop ``keys`` from ``tiers`` (all by default); per tier what it held before and after."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in tiers or storage.tier_names:
+        before = storage.holds(name, keys)
+        faults = _faults(storage, name)
+        freed = storage.evict(keys=list(keys), tiers=[name])
+        after = storage.holds(name, keys)
+        res: dict[str, Any] = {"removed_bytes": freed}
+        if before is None or after is None:
+            res.update(removed=None, remaining=None,
+                       error="the tier did not answer which keys it holds (fault or timeout): "
+                             "what it removed is unknown")
+        else:
+            res.update(held_before=sum(before), removed=sum(b and not a for b, a in
+                                                            zip(before, after, strict=True)),
+                       remaining=sum(after))
+            if res["remaining"]:
+                res["note"] = ("entries still held: pinned by a load in flight, or the tier "
+                               "refused to delete them; clear again once loads are over")
+        if _faults(storage, name) > faults:
+            res["error"] = "the tier's evict raised or timed out (see the engine's log)"
+        out[name] = res
+    return out
+
+
+def wait_indexed(storage: StorageManager, name: str, timeout: float = SETTLE_S) -> bool:
+    """Whether the tier knows all its entries: a disk tier scans its directory at start-up
+    (``indexed`` 0 until done); waits up to ``timeout`` for it."""
+    end = time.monotonic() + timeout
+    while storage.stats().get(name, {}).get("indexed", 1) == 0:
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _settle(storage: StorageManager, name: str) -> dict[str, float]:
+    """The tier's stats once its background deletes are done (bounded by :data:`SETTLE_S`)."""
+    end = time.monotonic() + SETTLE_S
+    while True:
+        s = storage.stats().get(name, {})
+        if not s.get("pending_deletes") or time.monotonic() >= end:
+            return s
+        time.sleep(0.05)
+
+
+def clear_tiers(storage: StorageManager, tiers: Sequence[str] | None = None
+                ) -> dict[str, dict[str, Any]]:
+    """Drop every unpinned entry of ``tiers`` (all by default); per tier what was removed."""
+    names = list(tiers or storage.tier_names)
+    flushed = storage.flush(SETTLE_S)  # queued writes land now, not after the clear
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        indexed = wait_indexed(storage, name)
+        before = storage.stats().get(name, {})
+        faults = _faults(storage, name)
+        freed = storage.evict(nbytes=ALL_BYTES, tiers=[name])
+        after = _settle(storage, name)
+        res: dict[str, Any] = {"removed_bytes": freed}
+        if "entries" not in before or "entries" not in after:
+            res.update(removed=None, remaining=None, complete=False,
+                       error="this tier keeps no count of its entries (an unbounded store: no "
+                             "capacity option), so it cannot be cleared whole; clear a token "
+                             "prefix, or empty the store with its own tools")
+        else:
+            res.update(entries_before=int(before["entries"]),
+                       removed=max(0, int(before["entries"]) - int(after["entries"])),
+                       remaining=int(after["entries"]),
+                       pending_deletes=int(after.get("pending_deletes", 0)))
+            res["complete"] = not res["remaining"] and not res["pending_deletes"]
+            if not res["complete"]:
+                res["note"] = ("entries left: pinned by loads in flight, or deletes still "
+                               "pending; clear again once loads are over")
+        if not indexed:
+            res["complete"] = False
+            res["error"] = ("the tier is still scanning its directory: entries it has not "
+                            "indexed yet were not cleared; clear again")
+        if not flushed:
+            res["note"] = ("writes were still queued after the wait: they may land after this "
+                           "clear")
+        if _faults(storage, name) > faults:
+            res["error"] = "the tier's evict raised or timed out (see the engine's log)"
+            res["complete"] = False
+        out[name] = res
+    return out
