@@ -68,10 +68,16 @@ def _no_engine_here() -> str | None:
 
 #: engine tests (marker ``vllm``) skip with this reason; vLLM's configs get the CPU platform
 #: (``VLLM_TARGET_DEVICE``), without which the CUDA build has no device for a ``VllmConfig``
-#: ("Device string must not be empty")
+#: ("Device string must not be empty"); its own cache folder (vLLM keeps one model-info file
+#: per model class, which two versions on one machine would each find stale and rebuild in a
+#: subprocess, ~10-40 s per class)
 NO_ENGINE = _no_engine_here()
 if NO_ENGINE:
+    from importlib.metadata import version as _version
+
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), f"vllm-{_version('vllm')}"))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -26,7 +26,7 @@ import uuid
 import pytest
 import torch
 from gpu_kv_fixture import KVFixture
-from vllm_helpers import make_request, make_scheduler, prompt
+from vllm_helpers import make_request, make_scheduler, prompt, runner_connector, worker_connector
 
 pytest.importorskip("vllm")
 
@@ -55,29 +55,6 @@ def page_of(rank: int, group: int, block: int, prev: bytes, tokens: list[int], L
     h = hashlib.sha256(f"{rank}|{group}|{block}|{tokens}|".encode() + prev).digest()
     g = torch.Generator().manual_seed(int.from_bytes(h[:8], "little"))
     return torch.randint(0, 256, (L, page), dtype=torch.uint8, generator=g)
-
-
-def worker_connector(w: WorkerSide) -> KVPlugConnector:
-    """kvplug's connector object in the WORKER role around ``w`` (its hooks, not a copy of them;
-    built without vLLM's distributed state, which only ``__init__`` reads)."""
-    c = KVPlugConnector.__new__(KVPlugConnector)
-    c._worker, c._sched, c._watch, c._book = w, None, None, None
-    c._connector_metadata = None
-    c._events_on = False
-    return c
-
-
-def runner_connector(vllm_config, c: KVPlugConnector, kv_caches: dict) -> object:
-    """vLLM's V2 model runner connector (``ActiveKVConnector``) around ``c``, built as vLLM
-    builds it: ``c`` is the process's KV transfer group while it registers the KV caches."""
-    from vllm.distributed.kv_transfer import kv_transfer_state
-    from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
-
-    kv_transfer_state._KV_CONNECTOR_AGENT = c
-    try:
-        return ActiveKVConnector(vllm_config, kv_caches)
-    finally:
-        kv_transfer_state._KV_CONNECTOR_AGENT = None
 
 
 class Rig:
