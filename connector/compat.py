@@ -127,14 +127,8 @@ def tree_api(root: str | Path) -> dict[str, dict[str, Sig]]:
     return out
 
 
-def _live_sig(cls: type, name: str) -> Sig | None:
-    """``cls.name``'s call shape, from the class that defines it (None: not a function)."""
-    for klass in cls.__mro__:
-        if name in vars(klass):
-            raw = vars(klass)[name]
-            break
-    else:
-        return None
+def _live_sig(raw: Any) -> Sig | None:
+    """A class attribute's call shape (None: not a function)."""
     kind = ("classmethod" if isinstance(raw, classmethod) else "staticmethod"
             if isinstance(raw, staticmethod) else "property" if isinstance(raw, property)
             else "method")
@@ -196,13 +190,14 @@ def api_problems(cls: type, api: dict[str, dict[str, Sig]]) -> tuple[list[str], 
             if name.startswith("__") and name != "__init__":
                 continue
             seen.add(name)
-            defined = any(name in vars(k) for k in cls.__mro__
-                          if k.__name__ not in BASES and k is not object)
-            if not defined:
+            owner = next((k for k in cls.__mro__
+                          if k.__name__ not in BASES and k is not object and name in vars(k)),
+                         None)
+            if owner is None:
                 if sig.abstract:
                     problems.append(f"{base_name}.{name}: abstract, not implemented")
                 continue
-            ours = _live_sig(cls, name)
+            ours = _live_sig(vars(owner)[name])
             if ours is None:
                 problems.append(f"{base_name}.{name}: not a method in {cls.__name__}")
                 continue
