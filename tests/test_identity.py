@@ -92,8 +92,11 @@ CASES = [
     ("quantization", {}, dict(quantization="fp8"), {}, {}),
     ("rope_scaling", {}, dict(hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
      {}, {}),
-    ("served_dtype", dict(kv_cache_dtype="bfloat16"),
-     dict(dtype="float16", kv_cache_dtype="bfloat16"), {}, {}),
+    # the same KV tensors (fp8: uint8) from a model served in another dtype (vLLM 0.33 refuses a
+    # bfloat16 KV cache under a float16 model)
+    ("served_dtype", dict(kv_cache_dtype="fp8_e4m3"),
+     dict(dtype="float16", kv_cache_dtype="fp8_e4m3"), dict(tensor_dtype="uint8"),
+     dict(tensor_dtype="uint8")),
 ]
 
 

@@ -4,9 +4,12 @@ behind the real lookup client and services: no model, no engine. Each test faile
 Defect 5 (a save after close on CUDA) needs no scheduler: tests/test_save_after_close.py.
 
 :class:`Rig` steps them as vLLM's engine and model runner do, through the connector's own
-worker-side hooks, in vLLM 0.32's order (``wait_for_save`` before ``get_finished``) or in 0.33's
-with a speculator (``post_forward(defer_finalize=True)``: ``get_finished``, load errors, stats
-and worker metadata first, then ``finalize_step``: ``wait_for_save``). The forward pass is a KV
+worker-side hooks, called by vLLM's own V2 model runner connector (``ActiveKVConnector``:
+``pre_forward``, ``post_forward``), in vLLM 0.32's order (``wait_for_save`` before
+``get_finished``) or in 0.33's with a speculator (``post_forward(defer_finalize=True)``:
+``get_finished``, load errors, stats and worker metadata first, then ``finalize_step``:
+``wait_for_save``; on vLLM 0.32, which has no ``finalize_step``, that order is emulated here). The
+forward pass is a KV
 oracle: each block's page is a function of the rank, the group, the block's tokens and the bytes
 actually in the block before it (full attention), so KV computed over stale or foreign blocks
 differs from the oracle's. Every block vLLM does not hold is poisoned at once (vLLM may reuse it
@@ -23,7 +26,7 @@ import uuid
 import pytest
 import torch
 from gpu_kv_fixture import KVFixture
-from vllm_helpers import make_request, make_scheduler, prompt
+from vllm_helpers import make_request, make_scheduler, prompt, runner_connector, worker_connector
 
 pytest.importorskip("vllm")
 
@@ -54,15 +57,6 @@ def page_of(rank: int, group: int, block: int, prev: bytes, tokens: list[int], L
     return torch.randint(0, 256, (L, page), dtype=torch.uint8, generator=g)
 
 
-def worker_connector(w: WorkerSide) -> KVPlugConnector:
-    """kvplug's connector object in the WORKER role around ``w`` (its hooks, not a copy of them;
-    built without vLLM's distributed state, which only ``__init__`` reads)."""
-    c = KVPlugConnector.__new__(KVPlugConnector)
-    c._worker, c._sched, c._watch, c._book = w, None, None, None
-    c._connector_metadata = None
-    return c
-
-
 class Rig:
     """vLLM's Scheduler and ``ranks`` kvplug workers, stepped as vLLM's engine does."""
 
@@ -82,14 +76,15 @@ class Rig:
         self.fx: list[KVFixture] = []
         self.w: list[WorkerSide] = []
         self.c: list[KVPlugConnector] = []
+        self.runner = []  # vLLM's ActiveKVConnector per rank
         for rank in range(ranks):
             fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=num_blocks, seed=rank)
             w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", ranks, rank, engine),
                            self.layout)
-            w.register_kv_caches(fx.caches)
             self.fx.append(fx)
             self.w.append(w)
             self.c.append(worker_connector(w))
+            self.runner.append(runner_connector(self.s.vllm_config, self.c[-1], fx.caches))
         self.s.connector._sched.lookup.close()  # the real client, asking these workers
         self.s.connector._sched.lookup = LookupClient(
             [socket_path(engine, r, 0) for r in range(ranks)], cfg.lookup_timeout_s)
@@ -169,27 +164,30 @@ class Rig:
             if m.save is not None:
                 self.saved += [(m.req_id, *md.chunk_range(m.save, i), h)
                                for i, h in enumerate(m.save.hashes)]
-        for c in self.c:
-            c.handle_preemptions(md)
+        for a in self.runner:  # handle_preemptions, bind, the synchronous loads
+            a.pre_forward(so)
         self.poison_free()  # the coming forward pass may rewrite blocks vLLM freed
-        for c in self.c:
-            c.bind_connector_metadata(md)
-            c.start_load_kv(None)  # type: ignore[arg-type]
         self.forward(so)
         outs = []
-        for c in self.c:
+        real_033 = hasattr(self.runner[0], "finalize_step")
+        for a, c in zip(self.runner, self.c):
             if self.order == "0.32":
+                kvo = a.post_forward(so.finished_req_ids)  # wait_for_save, then get_finished
+            elif real_033:  # 0.33 with a speculator: the draft model's forward comes between
+                kvo = a.post_forward(so.finished_req_ids, defer_finalize=True)
+                a.finalize_step()
+            else:  # 0.33's order emulated on 0.32
+                if a._pending_load_kwargs is not None:  # as post_forward: loads after the forward
+                    a._start_load_kv()
+                res = c.get_transfer_results(so.finished_req_ids)
+                kvo = KVConnectorOutput(finished_sending=res.finished_sending or None,
+                                        finished_recving=res.finished_recving or None,
+                                        failed_recving=res.failed_recving or set(),
+                                        invalid_block_ids=c.get_block_ids_with_load_errors(),
+                                        kv_connector_stats=c.get_kv_connector_stats(),
+                                        kv_connector_worker_meta=c.build_connector_worker_meta())
                 c.wait_for_save()
-            res = c.get_transfer_results(so.finished_req_ids)
-            kvo = KVConnectorOutput(finished_sending=res.finished_sending or None,
-                                    finished_recving=res.finished_recving or None,
-                                    failed_recving=res.failed_recving or set(),
-                                    invalid_block_ids=c.get_block_ids_with_load_errors(),
-                                    kv_connector_stats=c.get_kv_connector_stats(),
-                                    kv_connector_worker_meta=c.build_connector_worker_meta())
-            if self.order == "0.33":  # finalize_step, after the draft model's forward
-                c.wait_for_save()
-            c.clear_connector_metadata()
+                c.clear_connector_metadata()
             out = self.runner_output(so)
             out.kv_connector_output = kvo
             outs.append(out)

@@ -6,9 +6,11 @@ copies vLLM's own test code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -330,6 +332,40 @@ def make_scheduler(model_dir: str | os.PathLike[str], extra: dict[str, Any] | No
     return Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=True, block_size=block_size,
                      structured_output_manager=StructuredOutputManager(vc))
 
+
+
+def worker_connector(w: Any) -> Any:
+    """kvplug's connector object in the WORKER role around a ``WorkerSide`` (its hooks, not a
+    copy of them; built without vLLM's distributed state, which only ``__init__`` reads)."""
+    from kvplug.connector import KVPlugConnector
+
+    c = KVPlugConnector.__new__(KVPlugConnector)
+    c._worker, c._sched, c._watch, c._book = w, None, None, None
+    c._connector_metadata = None
+    c._events_on = False
+    return c
+
+
+@contextlib.contextmanager
+def transfer_group(c: Any) -> Iterator[None]:
+    """``c`` is this process's KV transfer group (what vLLM's workers reach through
+    ``get_kv_transfer_group()``) inside the block."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    kv_transfer_state._KV_CONNECTOR_AGENT = c
+    try:
+        yield
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = None
+
+
+def runner_connector(vllm_config: Any, c: Any, kv_caches: dict[str, Any]) -> Any:
+    """vLLM's V2 model runner connector (``ActiveKVConnector``) around ``c``, built as vLLM
+    builds it: ``c`` is the KV transfer group while it registers the KV caches."""
+    from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+
+    with transfer_group(c):
+        return ActiveKVConnector(vllm_config, kv_caches)
 
 def make_request(req_id: str, tokens: list[int], max_tokens: int = 4,
                  kv_transfer_params: dict[str, Any] | None = None, **kw: Any) -> Any:
