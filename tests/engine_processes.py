@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 _PRELOAD = ["torch", "vllm", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "kvplug",
-            "kvplug.connector", "kvplug.cli"]
+            "kvplug.connector"]
 _context: multiprocessing.context.BaseContext | None = None
 
 
@@ -79,7 +79,8 @@ def run_console_script(args: list[str], env: dict[str, str], cwd: str | os.PathL
                        timeout: float, script: str = "kvplug") -> Finished:
     """Run the console script ``script`` (``kvplug``: ``kvplug.cli:main``) with ``args`` as the
     installed script does (``sys.argv[0]`` its path, ``sys.exit(main())``); ``subprocess.run``'s
-    ``TimeoutExpired`` after ``timeout``, like the ``subprocess.run`` it stands in for."""
+    ``TimeoutExpired`` after ``timeout``, like the ``subprocess.run`` it stands in for. The CLI
+    itself is imported in the process (not preloaded): its consoles read ``COLUMNS`` then."""
     path = str(Path(sys.executable).with_name(script))
     code = ("import sys; from kvplug.cli import main; "
             f"sys.argv = {[path, *args]!r}; sys.exit(main())")
