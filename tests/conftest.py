@@ -11,6 +11,9 @@ Engines (tests/vllm_helpers.py), kept to the suite's 15-minute budget on 2 cores
   fixture returning the step results serves many tests, as ``bulk`` in test_connector_engine.py);
   start a fresh engine only for a restart (a fresh process reading what another stored) or another
   configuration;
+* a ``kvplug`` command or a child that needs torch and kvplug (not a fresh interpreter's own
+  imports): ``engine_processes.run_console_script``/``start_python`` fork it from the suite's
+  forkserver (~2 s of imports less per process than ``subprocess`` with ``sys.executable``);
 * the tiny model: ``make_model("tiny", root=tmp_path_factory.getbasetemp() / "models")`` builds it
   once per session (the same folder for every worker's modules);
 * ``make test`` runs two pytest-xdist workers, a module at a time (``--dist loadfile``: a

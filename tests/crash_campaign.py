@@ -1,7 +1,8 @@
 """SIGKILL-mid-write campaign for the file tiers (posix with ``fsync: true``, fsspec ``file://``).
 
 Used by tests/test_crash_durability.py (a bounded number of kills) and benchmarks/crash_soak.py
-(``--kills N``). ``python tests/crash_campaign.py child KIND ROOT SEED`` is the child: it stores
+(``--kills N``). :func:`child` (``python tests/crash_campaign.py child KIND ROOT SEED``) is the child, a process
+of its own (tests/engine_processes.py: from the forkserver, not importing torch again): it stores
 chunks as fast as it can, flushes every few, and prints ``ok <i> <i>...`` for each batch its
 tier's ``flush`` reported done (``put <i>...`` before submitting them), until it is killed.
 
@@ -161,6 +162,7 @@ def run_campaign(kind: str, root: Path, kills: int, seed: int = 0,
     """Kill a storing child ``kills`` times at random moments; check the store after each kill.
     Returns the figures (lists of problems are empty when all is well)."""
     import torch  # noqa: F401 - imported before the children start (their import is timed)
+    from engine_processes import start_python  # a fresh process, without importing torch again
 
     rng = random.Random(seed)
     root = Path(root)
@@ -176,8 +178,8 @@ def run_campaign(kind: str, root: Path, kills: int, seed: int = 0,
     for k in range(kills):
         # half the incarnations store keys an earlier one stored (overwrites under a kill)
         child_seed = k if k % 2 == 0 else rng.randrange(0, k)
-        proc = subprocess.Popen([sys.executable, str(HERE / "crash_campaign.py"), "child", kind,
-                                 str(root), str(child_seed)], stdout=subprocess.PIPE, env=env)
+        proc = start_python(f"import crash_campaign; crash_campaign.child({kind!r}, "
+                            f"{str(root)!r}, {child_seed})", env, str(HERE))
         try:
             # the random moment counts from the first store, not from the child's start (on a
             # busy machine its first store can come later than the longest delay)

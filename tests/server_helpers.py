@@ -61,7 +61,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
                     return
         except OSError:
             pass
-        time.sleep(2)
+        time.sleep(0.25)  # a start-up is seconds: a long poll only adds latency
     raise RuntimeError(f"no healthy server after {STARTUP_DEADLINE_S} s:\n{log.read_text()[-6000:]}")
 
 

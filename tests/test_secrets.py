@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+from engine_processes import run_console_script
 from kvplug.backends.local_cpu import LocalCPUBackend
 from kvplug.errors import KVPlugError
 from kvplug.redact import Redactor, redact_argv, redact_data, scrub
@@ -74,11 +75,15 @@ def sec() -> Secrets:
     return Secrets()
 
 
-def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120, fresh: bool = False
          ) -> subprocess.CompletedProcess[str]:
+    """``kvplug ARGS`` in a process of its own: forked (torch and kvplug already imported;
+    tests/engine_processes.py), or with ``fresh`` a new interpreter (``python -m kvplug.cli``)."""
     import os
 
     full = {**os.environ, "COLUMNS": "250", **(env or {})}
+    if not fresh:
+        return run_console_script(list(args), full, None, timeout)
     return subprocess.run([sys.executable, "-m", "kvplug.cli", *args], capture_output=True,
                           text=True, env=full, timeout=timeout)
 
@@ -197,7 +202,9 @@ def test_serve_never_echoes_the_api_key(sec, tmp_path):
     import os
 
     env = {"PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
-    out = _cli("serve", "m", "--kvplug-config", str(cfg), "--api-key", sec.api_key, env=env)
+    # a new interpreter: the stand-in vllm on PYTHONPATH, not the forkserver's real one
+    out = _cli("serve", "m", "--kvplug-config", str(cfg), "--api-key", sec.api_key, env=env,
+               fresh=True)
     assert out.returncode == 0, out.stderr
     line = next(ln for ln in out.stderr.splitlines() if ln.startswith("starting: python"))
     shown = shlex.split(line)

@@ -1,4 +1,4 @@
-"""Issue 16, part 6, CI-sized: ``benchmarks/soak.py`` on a real engine for a few hundred requests.
+"""Issue 16, part 6, CI-sized: ``benchmarks/soak.py`` on a real engine for 160 requests.
 
 The soak itself asserts what a long run must hold (its ``checks``): no wrong output, pins and
 extra references back to zero and no background load or queued store left once traffic stops,
@@ -21,11 +21,14 @@ from vllm_helpers import REPO, engine_env
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 RESULT = "SOAK-RESULT "
+#: requests of the CI soak; measured at 160 (was 240): 22 aborted, 3 preemptions, hits from
+#: local_cpu, posix and fsspec, 214 L1 evictions, every check held
+REQUESTS = 160
 
 
 def _soak(tmp_path, *extra: str) -> dict:
     engine_env()
-    cmd = [sys.executable, str(REPO / "benchmarks" / "soak.py"), "--requests", "240",
+    cmd = [sys.executable, str(REPO / "benchmarks" / "soak.py"), "--requests", str(REQUESTS),
            "--warmup", "40", "--max-seconds", "400", "--sample-every", "20", "--s3",
            "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
            # measured on this machine's current wheels: hits whose tokens all equal the full
@@ -47,14 +50,14 @@ def _soak(tmp_path, *extra: str) -> dict:
 def test_soak_short(tmp_path):
     s = _soak(tmp_path)
     assert s["checks"] == {k: True for k in s["checks"]}, s["checks"]
-    assert s["wrong"] == 0 and s["finished"] + s["aborted"] == s["submitted"] >= 240
+    assert s["wrong"] == 0 and s["finished"] + s["aborted"] == s["submitted"] >= REQUESTS
     # the traffic exercised what the soak is for
     assert s["aborted"] > 0 and s["preemptions"] > 0, (s["aborted"], s["preemptions"])
     assert all(s["hits_by_tier"].get(t, 0) > 0 for t in ("local_cpu", "posix", "fsspec"))
     assert s["final"]["l1_evictions"] > 0
     # the curve was written: one row per sample, the columns the report uses
     rows = (tmp_path / "out" / "soak_samples.csv").read_text().splitlines()
-    assert len(rows) >= 1 + 240 // 20
+    assert len(rows) >= 1 + REQUESTS // 20
     cols = set(rows[0].split(","))
     assert {"t_s", "requests", "driver_rss_kib", "driver_threads", "rss_kib", "threads", "tasks",
             "malloc_used_kib", "malloc_free_kib", "pool_used"} <= cols, cols
@@ -62,8 +65,11 @@ def test_soak_short(tmp_path):
 
 
 def test_soak_detects_wrong_loads(tmp_path):
-    """Control: pages permuted on load -> the soak counts wrong outputs and fails."""
-    s = _soak(tmp_path, "--connector-module", "permuted_load", "--requests", "80")
+    """Control: pages permuted on load -> the soak counts wrong outputs and fails. 16 prompts (16
+    references to compute, not 48) and 40 requests suffice: nearly every request hits (measured:
+    32 of 33 finished requests loaded KV, 7 were wrong)."""
+    s = _soak(tmp_path, "--connector-module", "permuted_load", "--requests", "40", "--warmup",
+              "10", "--prompts", "16", "--docs", "6")
     assert s["wrong"] > 0 and not s["checks"]["wrong_outputs_zero"] and not s["ok"]
 
 

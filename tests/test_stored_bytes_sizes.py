@@ -244,8 +244,7 @@ def test_resp_value_of_512mib_is_never_received_whole(tmp_path, monkeypatch, wit
     from kvplug.read_memory import ChunkGeometry
     from redis_server import RedisServer
 
-    srv = RedisServer(tmp_path / "redis", maxmemory="1gb")
-    srv.start()
+    srv = RedisServer(tmp_path / "redis", maxmemory="1gb")  # started by the constructor
     try:
         tier = {"backend": "resp", "name": "kv", "options": {"url": srv.url,
                                                              "negative_cache_s": 0}}

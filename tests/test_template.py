@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from cookiecutter.main import cookiecutter
+from engine_processes import run_console_script
 from kvplug.cli.main import template_dir
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import fill_random, make_key
@@ -157,8 +158,8 @@ def test_bad_names_fail_with_a_clear_message(tmp_path, context, message):
 
 
 def test_cli_generates_the_key_value_variant(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "kvplug.cli", "new-backend", "kvx", "--key-value",
-                          "-o", str(tmp_path)], capture_output=True, text=True)
+    out = run_console_script(["new-backend", "kvx", "--key-value", "-o", str(tmp_path)],
+                             dict(os.environ), None, 120)
     assert out.returncode == 0, out.stderr
     backend = (tmp_path / "kvplug-kvx/src/kvplug_kvx/backend.py").read_text()
     assert "class KvxBackend(ValueStoreTier):" in backend
