@@ -56,6 +56,7 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
         memory_regions=memory_regions,
         auth=tier_auth,
         read_limit=read_limit,
+        runtime=runtime,
     )
     redact = Redactor(cfg.options)
     try:
