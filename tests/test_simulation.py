@@ -16,10 +16,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from sim.controls import DIRECTED_FAULTS, FAULTS, WHERE  # noqa: E402
-from sim.engine import SimConfig  # noqa: E402
-from sim.schedule import config_for, events_for, reproduce, run, run_seed, shrink  # noqa: E402
-from sim.search import search  # noqa: E402
+from kvplug.connector.sim.controls import DIRECTED_FAULTS, FAULTS, WHERE  # noqa: E402
+from kvplug.connector.sim.engine import SimConfig  # noqa: E402
+from kvplug.connector.sim.schedule import config_for, events_for, reproduce, run, run_seed, shrink  # noqa: E402
+from kvplug.connector.sim.search import search  # noqa: E402
 
 CI_SEEDS = 2000  # seeds 0..1999
 CONTROL_SEEDS = 300  # a negative control must be caught within the first ones of the CI set
@@ -145,7 +145,7 @@ def test_seeds_replay_in_other_processes_with_other_hash_seeds():
 
     tests = Path(__file__).resolve().parent
     code = ("import json, logging, sys; logging.disable(logging.WARNING); import torch; "
-            "torch.set_num_threads(1); from sim.schedule import trace_digests; "
+            "torch.set_num_threads(1); from kvplug.connector.sim.schedule import trace_digests; "
             f"print(json.dumps(trace_digests(0, {REPLAY_SEEDS}, n=20)))")
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=tests, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

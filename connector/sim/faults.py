@@ -51,6 +51,17 @@ class Faults:
     def corrupt(self, rank: int, pick: int) -> None:
         st = self.workers[rank].storage
         st.flush(5)
+        from .values import STORES
+
+        store = STORES.get(self.urls[rank])
+        if store is not None:  # the value store: one value's last byte flipped
+            names = sorted(store.values)
+            if names:
+                name = names[pick % len(names)]
+                data = bytearray(store.values[name])
+                data[-1] ^= 0xFF
+                store.values[name] = bytes(data)
+            return
         files = sorted(p for p in (self.tmp / f"r{rank}").rglob("*") if p.is_file()
                        and not p.name.startswith("."))
         if files:
@@ -65,6 +76,22 @@ class Faults:
         for t in st._tiers:
             if t.pool is not None:
                 t.pool.gated = on
+
+    def outage(self, rank: int, on: bool) -> None:
+        """The value store of ``rank`` goes down (every call raises) or comes back."""
+        from .values import STORES
+
+        st = STORES.get(self.urls[rank])
+        if st is not None:
+            st.down = on
+
+    def partial(self, rank: int) -> None:
+        """The value store's next batch read answers only its first half."""
+        from .values import STORES
+
+        st = STORES.get(self.urls[rank])
+        if st is not None:
+            st.partial += 1
 
     def reset(self) -> None:
         fn = getattr(self.s.connector, "reset_cache", None)

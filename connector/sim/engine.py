@@ -39,6 +39,12 @@ class SimConfig:
     layerwise: bool = False  # one group only
     order: str = "0.32"  # "0.33": get_finished (and errors, stats) before wait_for_save
     faults: frozenset[str] = frozenset()  # negative controls (see .controls)
+    lower: str = "posix"  # the tier behind L1: "posix", or "values" (kvplug's value-tier base)
+    codec: str = ""  # a codec on that tier ("lossless"), its puts on the encoder thread
+    late: bool = False  # a gated call that times out has begun: its result arrives late
+    #: the backend under test instead (``kvplug simulate``): (backend name or "module:Class",
+    #: its options as JSON; ``{tmp}`` is replaced by a directory of the rank's own)
+    tier: tuple[str, str] = ()
 
 
 _MODEL: dict[str, Any] = {}
