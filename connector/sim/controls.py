@@ -25,9 +25,14 @@ FAULTS = {
     # first block read wrong must be reported; before, any block of the request passed, and it
     # was caught a step later, when vLLM had recomputed from the second and read the first)
     "report_a_later_block": "I2",
+    # issue 33's new event kinds
+    "keep_late_results": "I5",  # a tier call's late result is never released (Tier._late)
+    "skip_checksums": "I1",  # chunks read without their layer checksums (corrupt values served)
+    "skip_decode": "I1",  # a codec tier's reads handed on still encoded
+    "release_blocks_of_saves": "I4",  # a finished request's blocks freed while a save reads them
 }
 #: fault -> what the violation must say besides its invariant (the check that must catch it)
-WHERE = {"corrupt_l1_object": " get: "}
+WHERE = {"corrupt_l1_object": " get: ", "skip_checksums": " get: ", "skip_decode": " get: "}
 #: faults only a directed schedule reaches (tests/test_simulation.py, SCHEDULES) -> invariant
 DIRECTED_FAULTS = {
     "forget_unwritten": "I2",  # a failed load's blocks are not followed until written
@@ -96,6 +101,28 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
             return blocks[1:] if len(blocks) > 1 else blocks
 
         return [(load.RequestLoad, "error_blocks", later)]
+    if name == "keep_late_results":
+        from kvplug.tier_calls import Tier
+
+        return [(Tier, "_late", lambda self, hook, fut, kwargs: None)]
+    if name == "skip_checksums":
+        from kvplug import chunkfile
+
+        return [(chunkfile, "verify_layers", lambda *a, **k: True)]
+    if name == "skip_decode":
+        from kvplug.codecs.wrapper import CodecWrapper
+
+        return [(CodecWrapper, "_decode", lambda self, key, obj, first_layer: obj)]
+    if name == "release_blocks_of_saves":
+        from kvplug.connector.scheduler import SchedulerSide
+
+        real = SchedulerSide._finish_save
+
+        def freed(self: Any, request: Any, block_ids: Any, tables: Any) -> bool:
+            real(self, request, block_ids, tables)
+            return False
+
+        return [(SchedulerSide, "_finish_save", freed)]
     if name == "store_over_unwritten":
         return [(load.Loads, "read_unwritten",
                  lambda self, md: self.reports.unwritten(md.unwritten, {}))]

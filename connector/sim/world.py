@@ -435,6 +435,7 @@ class World(Checks, Faults):
             with contextlib.suppress(Exception):
                 for t in w.storage.stats().values():
                     self.counts["tier timeouts"] += int(t.get("timeouts", 0))
+                    self.counts["corrupt chunks detected"] += int(t.get("corrupt", 0))
         c = self.counts
         c[f"config {self.cfg.tier[0] if self.cfg.tier else self.cfg.lower} tier"] += 1
         c["config codec " + (self.cfg.codec or "none")] += 1
