@@ -42,9 +42,9 @@ SCHEDULES = {
         SimConfig(hybrid=False, window=6, num_blocks=13, max_batched=32, prefix_caching=True,
                   async_save=True, layerwise=False, order="0.33"),
         [("arrive", _A, (7,), 1), ("step",), ("step",), ("settle", True),
-         *[("task", 0)] * 4,  # A's two chunks reach the tiers
+         ("drain",),  # A's two chunks reach the tiers
          ("arrive", _X, (8,), 1), *[("step",)] * 5,  # X pushes A out of vLLM's prefix cache
-         *[("task", 0)] * 6, ("step",),  # X's saves end and its blocks are freed
+         ("drain",), ("step",),  # X's saves end and its blocks are freed
          ("arrive", _A, (9,), 5), ("step", ("lose", 0, 0)),  # A's hit: its load fails
          ("abort", 0), ("step",),  # aborted before vLLM recomputed the blocks
          ("arrive", _A, (10,), 3), ("step",), ("step",)],  # A again: vLLM's cache has them
@@ -60,7 +60,7 @@ for _name, _kw in (("async saves", {}), ("sync saves", {"async_save": False}),
     SCHEDULES[f"a step computes over an unwritten prefix-cache hit ({_name})"] = (
         replace(_UNWRITTEN_CFG, **_kw),
         [*_UNWRITTEN_EVENTS[:-3], ("arrive", _A, tuple(range(300, 311)), 3), ("step",),
-         *[("task", 0)] * 4, ("step",)],
+         ("drain",), ("step",)],
         "store_over_unwritten")
 
 

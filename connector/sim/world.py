@@ -119,6 +119,7 @@ class World(Checks, Faults):
             w.storage.add_wrapper(_put_check_plugin(self, rank))
             self.workers.append(w)
             self.kv.append(t)
+        self.rt.drain()  # the tiers' start-up work (posix's scan of its empty directory)
         self.lookup = SimLookup(self.workers)
         sched = self.s.connector._sched
         sched.lookup = self.lookup
@@ -252,6 +253,8 @@ class World(Checks, Faults):
                 self.lose(*ev[1:])
             elif kind == "task":
                 self.rt.step(ev[1])
+            elif kind == "drain":  # every queued task that may run (directed schedules)
+                self.rt.drain()
             elif kind == "abort":
                 self.abort(ev[1])
             elif kind == "evict":
