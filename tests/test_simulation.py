@@ -1,11 +1,11 @@
-"""The deterministic simulation (tests/sim) in the suite: a fixed set of CI seeds must hold every
+"""The deterministic simulation (kvplug.connector.sim) in the suite: a fixed set of CI seeds must hold every
 protocol invariant (I1-I5, docs/architecture.md), each invariant's negative control must be caught
 within that set, a failing seed shrinks to a short reproduction, and a seed replays exactly.
 
 vLLM's real Scheduler and KV cache manager, kvplug's real scheduler side, worker side, lookup,
 StorageManager, local_cpu and posix tiers, every kvplug task run by the simulation (one seed = one
 interleaving). A failure prints the seed's shrunk event list; replay it with
-``sim.schedule.reproduce(seed)``.
+``kvplug.connector.sim.schedule.reproduce(seed)``.
 """
 
 from __future__ import annotations
