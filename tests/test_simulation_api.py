@@ -64,3 +64,31 @@ def test_a_generated_backend_passes_and_a_broken_one_fails_with_a_replay(generat
     args = __import__("shlex").split(line)[2:]
     assert main(args) == 1  # the printed command replays the failure
     assert f"seed {seed}: I1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("lower", ["posix", "values"])
+def test_tiers_start_no_thread_of_their_own_under_the_simulation(lower):
+    """Every thread, pool and wait of posix (writers, start-up scan, reaper) and of the value
+    tiers (writers) comes from ``TierContext.runtime``: under the simulation none is real, so
+    the simulation orders all of their work (a seed replays)."""
+    import threading
+
+    from kvplug.connector.sim.engine import SimConfig
+    from kvplug.connector.sim.world import World
+
+    before = set(threading.enumerate())
+    w = World(SimConfig(hybrid=False, lower=lower, codec="lossless"))
+    try:
+        for rank in range(2):
+            w.arrive(tuple(range(100, 124)), (rank,), 1)
+        for _ in range(4):
+            w.step()
+        w.quiesce()
+        started = [t.name for t in set(threading.enumerate()) - before]
+        assert not [n for n in started if n.startswith("kvplug")], started
+        assert w.rt.ran > 0 and w.counts["saves"] > 0
+        st = w.workers[0].storage.stats()
+        written = st["values"]["written"] if lower == "values" else st["posix"]["writes"]
+        assert written > 0, st  # the tier's writers ran (as simulation tasks)
+    finally:
+        w.close()
