@@ -7,8 +7,7 @@ engine never waits. The writer threads come from the tier's runtime (``TierConte
 to ``batch_bytes``), encodes each chunk in the shared chunk format into its reused scratch buffer
 (or, where the store keeps the buffer it is given, into fresh bytes: one copy either way, after
 which the memory object is released) and sends all of them in one batch. A value is visible whole
-or not at all (``SET``,
-Mooncake's puts and fsspec's whole-object uploads are atomic). A store refused by the server
+or not at all (``SET``, Mooncake's puts and fsspec's whole-object uploads are atomic). A store refused by the server
 (full: ``OOM`` under ``noeviction``, Mooncake's -200) is dropped and counted (``dropped_full``); it
 does not count against the breaker (the store answered); one whose part of the store did not
 answer (:class:`~.value_io.Unanswered`: a cluster's master down) is a failed store (``put_errors``).
