@@ -1,11 +1,11 @@
-"""A long search with kvplug's deterministic simulation (tests/sim): random schedules of vLLM's
+"""A long search with kvplug's deterministic simulation (kvplug.connector.sim): random schedules of vLLM's
 real Scheduler and kvplug's real connector, the invariants I1-I5 checked after every event.
 
     python benchmarks/simulate.py --seeds 100000 --minutes 30 [--start 1000000] [--jobs 2]
 
 Prints schedules run, events, minutes and every violation with its shrunk reproduction (replay
-one with ``python -c "import sys; sys.path.insert(0, 'tests'); from sim.schedule import
-reproduce; print(reproduce(SEED))"``). Exit status 1 if any schedule failed.
+one with ``python -c "from kvplug.connector.sim.schedule import reproduce;
+print(reproduce(SEED))"``). Exit status 1 if any schedule failed.
 """
 
 from __future__ import annotations
@@ -13,9 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def main() -> int:
@@ -26,12 +23,12 @@ def main() -> int:
                     help="first seed (the CI set is 0-299)")
     ap.add_argument("--jobs", type=int, default=2, help="processes")
     ap.add_argument("--fault", action="append", default=[],
-                    help="a negative control to inject (see tests/sim/controls.py)")
+                    help="a negative control to inject (see kvplug/connector/sim/controls.py)")
     args = ap.parse_args()
     import logging
 
     logging.disable(logging.WARNING)
-    from sim.search import report, search
+    from kvplug.connector.sim.search import report, search
 
     deadline = time.time() + args.minutes * 60
     faults = frozenset(args.fault)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -100,6 +99,7 @@ class TierWatch:
     def __init__(self, storage: StorageManager, max_chunks: int = 16384,
                  interval_s: float = 0.2) -> None:
         self.storage = storage
+        self._rt = storage.runtime  # its ticker and clock (kvplug.runtime; a simulation's)
         self.max_chunks = max_chunks
         self.interval_s = interval_s
         self._lock = threading.Lock()
@@ -111,26 +111,24 @@ class TierWatch:
         self._marks: dict[str, float] = {}
         self._backoff: dict[str, tuple[float, float]] = {}  # tier -> (retry at, delay): no answer
         self._out: list[TierEvent] = []
-        self._wake = threading.Event()
         self._closed = False
         for tier in storage.tier_names:
             storage.add_wrapper(_TierSpy(self, tier), tiers=[tier])
-        self._thread = threading.Thread(target=self._run, name="kvplug-events", daemon=True)
-        self._thread.start()
+        self._ticker = self._rt.ticker(self._tick, interval_s, "kvplug-events")
 
     # called from the tiers' hooks (any thread)
     def submitted(self, tier: str, keys: Sequence[CacheKey]) -> None:
-        now = time.monotonic()
+        now = self._rt.monotonic()
         with self._lock:
             pending = self._pending[tier]
             for k in keys:
                 pending.setdefault(k, now)
-        self._wake.set()
+        self._ticker.wake()
 
     def dirty(self, tier: str) -> None:
         with self._lock:
             self._dirty.add(tier)
-        self._wake.set()
+        self._ticker.wake()
 
     def forget(self) -> None:
         """A new weights epoch: the chunks watched so far are keyed under the old one (the
@@ -149,20 +147,16 @@ class TierWatch:
 
     def close(self) -> None:
         self._closed = True
-        self._wake.set()
-        self._thread.join(timeout=5)
+        self._ticker.close(timeout=5)
 
-    # the background thread
-    def _run(self) -> None:
-        while not self._closed:
-            self._wake.wait(self.interval_s)
-            self._wake.clear()
-            if self._closed:
-                return
-            try:
-                self.check()
-            except Exception:  # noqa: BLE001 - events are best effort; serving goes on
-                logger.exception("kvplug: KV events check failed; trying again")
+    # the background thread (the runtime's ticker: every interval_s, and when woken)
+    def _tick(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.check()
+        except Exception:  # noqa: BLE001 - events are best effort; serving goes on
+            logger.exception("kvplug: KV events check failed; trying again")
 
     def check(self) -> None:
         """One round: confirm the chunks handed to each tier, sweep tiers that lost some.
@@ -178,7 +172,7 @@ class TierWatch:
             if not any(self._pending.values()) and not any(self._held.values()):
                 return  # nothing handed to any tier yet: nothing to ask
         stats = self.storage.stats()
-        now = time.monotonic()
+        now = self._rt.monotonic()
         for tier in self.storage.tier_names:
             if self._backoff.get(tier, (0.0, 0.0))[0] > now:
                 continue  # the tier did not answer lately: ask again later, not every round
@@ -203,7 +197,7 @@ class TierWatch:
             self._no_answer(tier)
             return
         self._backoff.pop(tier, None)
-        now = time.monotonic()
+        now = self._rt.monotonic()
         wait = self.storage.may_block(tier)
         with self._lock:
             held, todo = self._held[tier], self._pending[tier]
@@ -224,7 +218,7 @@ class TierWatch:
     def _no_answer(self, tier: str) -> None:
         """A tier that faults or times out is asked again after a growing delay (up to 30 s)."""
         delay = min(30.0, max(self.interval_s, 2 * self._backoff.get(tier, (0.0, 0.0))[1]))
-        self._backoff[tier] = (time.monotonic() + delay, delay)
+        self._backoff[tier] = (self._rt.monotonic() + delay, delay)
 
     def _sweep(self, tier: str, keys: list[CacheKey]) -> None:
         for i in range(0, len(keys), SWEEP_BATCH):

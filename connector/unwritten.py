@@ -5,7 +5,7 @@ failed synchronous load in its prefix cache (their hashes were registered when t
 allocated) and expects the request to recompute them in its next step. If the request is aborted
 or preempted first, the blocks go back to the free queue still hashed, and the next request with
 that prefix gets them as a prefix-cache hit: its forward reads KV nobody wrote. (Found by the
-simulation: a chunk lost between lookup and load, then the client aborts; tests/sim.)
+simulation: a chunk lost between lookup and load, then the client aborts; kvplug.connector.sim.)
 
 The scheduler side follows those blocks from the failure (``invalid_block_ids``) until a step
 writes them (a forward computing tokens in them, or a load into them). A step that reads one (a

@@ -68,6 +68,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
 
+from .runtime import THREADS, Runtime
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -131,6 +133,15 @@ class TierContext:
         read_limit: ``read_limit() -> int | None`` — the most bytes of one stored chunk a tier
             may receive before it can parse the header (a value read whole); a longer value is
             a miss. ``None`` when the host sets no bound.
+        runtime: the :class:`kvplug.runtime.Runtime` every thread, pool, event, condition
+            wait and clock reading of the backend comes from (``runtime.executor(n, name)``
+            for writer or I/O threads, ``daemon=True`` for service threads that must not hold up
+            exit; ``runtime.event()``, ``runtime.condition(lock)``, ``runtime.monotonic()``,
+            ``runtime.ticker(fn, interval_s, name)``). Production passes real threads
+            (:data:`kvplug.runtime.THREADS`); ``kvplug simulate`` passes the deterministic
+            simulation's, which runs every task on one thread when its schedule says so. A
+            backend that starts ``threading.Thread`` or sleeps on ``time`` itself still works,
+            but the simulation cannot order its work (its seeds may not replay).
     """
 
     name: str
@@ -143,6 +154,7 @@ class TierContext:
     read_limit: Callable[[], int | None] = lambda: None
     eviction: Any = None
     quotas: Any = None
+    runtime: Runtime = THREADS
 
 
 class BackendSpec:

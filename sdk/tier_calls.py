@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Executor, Future, wait
+from concurrent.futures import Executor, Future
 from typing import Any
 
 from .config import TierConfig
@@ -93,7 +93,7 @@ class Tier:
         """Wait up to ``timeout`` seconds for queued encoding puts; True if none is left."""
         with self._pending_lock:
             pending = set(self._pending)
-        return not pending or not wait(pending, timeout=timeout).not_done
+        return not pending or self.runtime.wait_all(pending, timeout)
 
     def implements(self, hook: str) -> bool:
         return any(impl.plugin is self.backend for impl in self.hooks[hook].get_hookimpls())

@@ -62,6 +62,7 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
         read_limit=read_limit,
         eviction=_eviction_policy(cls, cfg, options),
         quotas=None if cfg.quotas is None else TenantQuotas.from_config(cfg.quotas, auth),
+        runtime=runtime,
     )
     redact = Redactor(cfg.options)
     try:

@@ -34,7 +34,8 @@ def test_renders_a_complete_package(tmp_path, owns, kind):
     assert pkg.name == "kvplug-my-store"
     files = {p.relative_to(pkg).as_posix() for p in pkg.rglob("*") if p.is_file()}
     assert files == {"pyproject.toml", "README.md", "src/kvplug_my_store/__init__.py",
-                     "src/kvplug_my_store/backend.py", "tests/test_conformance.py"}
+                     "src/kvplug_my_store/backend.py", "tests/test_conformance.py",
+                     "tests/test_simulation.py"}
     for rel in files:  # nothing left unrendered, every Python file compiles
         text = (pkg / rel).read_text()
         assert "{{" not in text and "{%" not in text and "cookiecutter" not in text, rel
@@ -109,16 +110,17 @@ def installed_in_place(pkg: Path, module: str, entry: str) -> dict[str, str]:
 
 def test_key_value_variant_passes_its_own_tests_and_the_kit(tmp_path):
     """The ``store_kind=key_value`` package (a ValueStoreTier over its stand-in store) passes its
-    generated tests — kvplug's conformance kit, alone and behind local_cpu — with nothing
-    skipped."""
+    generated tests — kvplug's conformance kit, alone and behind local_cpu, and the deterministic
+    simulation (``KVPLUG_SIM_SEEDS``: a few seeds here) — with nothing skipped."""
     pkg = render(tmp_path, backend_name="kv_store", store_kind="key_value")
     env = installed_in_place(pkg, "kvplug_kv_store",
                              "kv_store = kvplug_kv_store.backend:KvStoreBackend")
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"],
-                         cwd=pkg, env=env, capture_output=True, text=True, timeout=600)
+                         cwd=pkg, env={**env, "KVPLUG_SIM_SEEDS": "4"}, capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert "skipped" not in out.stdout and "failed" not in out.stdout, out.stdout[-2000:]
-    assert "28 passed" in out.stdout, out.stdout[-1000:]
+    assert "29 passed" in out.stdout, out.stdout[-1000:]
 
 
 def test_key_value_variant_owns_no_allocator(tmp_path):

@@ -98,7 +98,8 @@ class ValueStoreTier(PinnedStore):
         self.opts = opts
         self.breaker = CircuitBreaker(ctx.name, threshold=opts.breaker_threshold,
                                       backoff_s=opts.breaker_backoff_s,
-                                      max_backoff_s=opts.breaker_max_backoff_s)
+                                      max_backoff_s=opts.breaker_max_backoff_s,
+                                      clock=ctx.runtime.monotonic)
         self.io, self.url = self.open_io(ctx, self.breaker)
         self.io.read_limit = ctx.read_limit  # a value longer than one chunk is never received
         self._allocate = ctx.allocate
@@ -113,7 +114,7 @@ class ValueStoreTier(PinnedStore):
         self._missed = 0  # values of another layout since the last read in place
         self._into_pool = self.io.reads_into and (self.io.reads_anywhere
                                                   or bool(ctx.memory_regions()))
-        self._absent = TTLSet(opts.negative_cache_s)
+        self._absent = TTLSet(opts.negative_cache_s, clock=ctx.runtime.monotonic)
         self._counts = dict.fromkeys(("corrupt", "other_version", "negative_hits", "vanished",
                                       "bytes_got", "reads_in_place", "layout_misses",
                                       "oversized", "headers_reused"), 0)
@@ -124,7 +125,7 @@ class ValueStoreTier(PinnedStore):
             delete=self._delete, stored=self._stored, max_pending=opts.max_pending_writes,
             threads=opts.io_threads, batch_bytes=int(opts.batch_bytes),
             written_ttl_s=max(opts.negative_cache_s, 1.0), auth=ctx.auth,
-            max_pending_bytes=int(opts.max_pending_bytes))
+            max_pending_bytes=int(opts.max_pending_bytes), runtime=ctx.runtime)
         logger.info("tier %r: %s at %s", self.name, self.kind, self.url)
 
     def store_name(self, key: CacheKey) -> str:

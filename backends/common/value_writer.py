@@ -5,11 +5,12 @@ in batches (one pipelined round trip, one batch call; fsspec uploads one object 
 (``dropped_queue_full``, logged once naming the option to raise), so the engine never waits. The
 queue is bounded by stores and by bytes (:data:`MAX_PENDING_WRITES`, :data:`MAX_PENDING_BYTES`:
 each queued store holds its memory object, L1 memory that cannot be evicted meanwhile); the
-defaults keep a long prompt's chunks stored in one engine step (hundreds of them). A writer
-thread takes what is queued (up to ``batch_bytes``), encodes each chunk in the shared chunk
-format into its reused scratch buffer (or, where the store keeps the buffer it is given, into
-fresh bytes: one copy either way, after which the memory object is released) and sends all of
-them in one batch. A value is visible whole or not at all (``SET``,
+defaults keep a long prompt's chunks stored in one engine step (hundreds of them). The writer
+threads come from the tier's runtime (``TierContext.runtime``, :mod:`kvplug.runtime`): a burst of
+stores is one task on them. A writer takes what is queued (up to ``batch_bytes``), encodes each
+chunk in the shared chunk format into its reused scratch buffer (or, where the store keeps the
+buffer it is given, into fresh bytes: one copy either way, after which the memory object is
+released) and sends all of them in one batch. A value is visible whole or not at all (``SET``,
 Mooncake's puts and fsspec's whole-object uploads are atomic). A store refused by the server
 (full: ``OOM`` under ``noeviction``, Mooncake's -200) is dropped and counted (``dropped_full``); it
 does not count against the breaker (the store answered); one whose part of the store did not
@@ -19,14 +20,15 @@ answer (:class:`~.value_io.Unanswered`: a cluster's master down) is a failed sto
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from kvplug import chunkfile as cf
 from kvplug.keys import CacheKey
 from kvplug.logs import LogOnce
 from kvplug.memory import MemoryObj
+from kvplug.runtime import THREADS, Runtime
 
 from .index import CapacityIndex, TTLSet
 from .value_io import GuardedCalls, Unanswered
@@ -53,8 +55,8 @@ class ValueWriter:
                  stored: Callable[[str], None], max_pending: int, threads: int,
                  batch_bytes: int, written_ttl_s: float, skip_indexed: bool = False,
                  reuse_buffer: bool = True, thread_prefix: str | None = None,
-                 auth: cf.Keyring | None = None,
-                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+                 auth: cf.Keyring | None = None, max_pending_bytes: int = MAX_PENDING_BYTES,
+                 runtime: Runtime = THREADS) -> None:
         self._name = name
         self._auth = auth  # the tier's keyring (auth_key_env): chunks are MAC'd
         self._io = io
@@ -65,24 +67,25 @@ class ValueWriter:
         self._stored = stored
         self._max_pending = max_pending
         self._max_pending_bytes = max_pending_bytes
-        self._queued_bytes = 0  # of stores queued, not yet taken by a writer thread
+        self._queued_bytes = 0  # of stores queued, not yet taken by a writer (under the lock)
         self._batch_bytes = batch_bytes
         self._skip_indexed = skip_indexed
         self._reuse_buffer = reuse_buffer
+        self._rt = runtime
+        self._threads = threads
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._idle = runtime.condition(self._lock)
         self._pending: dict[str, int] = {}
-        self._written = TTLSet(written_ttl_s)
+        self._written = TTLSet(written_ttl_s, clock=runtime.monotonic)
         self._counts = dict.fromkeys(("written", "bytes_put", "dropped_puts", "dropped_queue_full",
                                       "dropped_down", "dropped_full", "put_errors"), 0)
         self._closed = False
         self._local = threading.local()
-        self._stop = threading.Event()
-        self._queue: queue.Queue[Item] = queue.Queue(max_pending)
-        self._threads = [threading.Thread(target=self._run, name=f"kvplug-{thread_prefix or name}-w{i}", daemon=True)
-                         for i in range(threads)]
-        for t in self._threads:
-            t.start()
+        self._queue: deque[Item] = deque()  # bounded by max_pending (under the lock)
+        self._draining = 0  # writer tasks queued or running (at most ``threads``)
+        #: the writer threads: daemon threads of the tier's runtime (kvplug.runtime), one task
+        #: per burst of stores (a simulation orders each against everything else)
+        self._pool = runtime.executor(threads, f"kvplug-{thread_prefix or name}-w", daemon=True)
 
     # -- what lookups and eviction need to know -------------------------------------------------
     def known(self, names: Sequence[str], trust_written: bool) -> list[bool | None]:
@@ -119,16 +122,16 @@ class ValueWriter:
             raise
         with self._lock:
             fits = self._queued_bytes + obj.nbytes <= self._max_pending_bytes
-            if fits:
+            full = self._closed or len(self._queue) >= self._max_pending or not fits
+            start = not full and self._draining < self._threads
+            if not full:
+                self._queue.append((name, key, obj))
                 self._queued_bytes += obj.nbytes
-        try:
-            if not fits:
-                raise queue.Full
-            self._queue.put_nowait((name, key, obj))
-        except queue.Full:
-            if fits:
-                with self._lock:
-                    self._queued_bytes -= obj.nbytes
+                self._draining += start
+            queued, queued_bytes = len(self._queue), self._queued_bytes
+        if start:
+            self._pool.submit(self._run)
+        if full:
             obj.ref_down()
             self._done([name])
             self._count("dropped_puts", "dropped_queue_full")
@@ -136,8 +139,8 @@ class ValueWriter:
                            "the store is slower than the engine stores: raise %s if memory "
                            "allows; further drops are counted in stats (dropped_queue_full), not "
                            "logged", self._name,
-                           f"{self._queue.qsize()} of max_pending_writes {self._max_pending}"
-                           if fits else f"{self._queued_bytes} bytes queued, max_pending_bytes "
+                           f"{queued} of max_pending_writes {self._max_pending}"
+                           if fits else f"{queued_bytes} bytes queued, max_pending_bytes "
                            f"{self._max_pending_bytes}",
                            "max_pending_writes" if fits else "max_pending_bytes")
 
@@ -155,18 +158,14 @@ class ValueWriter:
         if not self.flush(drain_s):
             logger.warning("tier %r: writes still pending after %.0fs at close; dropped",
                            self._name, drain_s)
-        while True:
-            try:
-                name, _, obj = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            self._unqueued(obj.nbytes)
+        with self._lock:
+            left, self._queue = list(self._queue), deque()
+            self._queued_bytes = 0
+        for name, _, obj in left:
             obj.ref_down()
             self._done([name])
             self._count("dropped_puts")
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=join_s)
+        self._pool.shutdown(wait=True, timeout=join_s)
         return True
 
     def _count(self, *what: str, n: int = 1) -> None:
@@ -186,31 +185,25 @@ class ValueWriter:
                 self._idle.notify_all()
 
     def _take(self) -> list[Item]:
-        """One queued store (waiting briefly), plus whatever else is queued, up to the batch size."""
-        first = self._queue.get(timeout=0.2)
-        batch, size = [first], first[2].nbytes
-        while size < self._batch_bytes:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            batch.append(item)
-            size += item[2].nbytes
-        self._unqueued(size)
-        return batch
-
-    def _unqueued(self, nbytes: int) -> None:
+        """What is queued, up to the batch size (at least one store); empty if nothing is."""
         with self._lock:
-            self._queued_bytes -= nbytes
+            batch: list[Item] = []
+            size = 0
+            while self._queue and (not batch or size < self._batch_bytes):
+                item = self._queue.popleft()
+                batch.append(item)
+                size += item[2].nbytes
+            self._queued_bytes -= size
+            if not batch:
+                self._draining -= 1  # under the lock submit() looks at
+            return batch
 
     def _run(self) -> None:
+        """One writer task: batches until nothing is queued."""
         while True:
-            try:
-                batch = self._take()
-            except queue.Empty:
-                if self._stop.is_set():
-                    return
-                continue
+            batch = self._take()
+            if not batch:
+                return
             try:
                 self._write(batch)
             except Exception as exc:  # noqa: BLE001 - a store never raises into the engine

@@ -88,10 +88,10 @@ class FsspecBackend(PinnedStore):
         self.url = self.redact(opts.url)
         fs, self.root = open_filesystem(opts.url, opts.storage_options, opts.timeout_s,
                                         self.redact)
-        self.io = RemoteIO(fs, opts.timeout_s, opts.io_threads)
+        self.io = RemoteIO(fs, opts.timeout_s, opts.io_threads, ctx.runtime)
         self.breaker = CircuitBreaker(
             ctx.name, threshold=opts.breaker_threshold, backoff_s=opts.breaker_backoff_s,
-            max_backoff_s=opts.breaker_max_backoff_s,
+            max_backoff_s=opts.breaker_max_backoff_s, clock=ctx.runtime.monotonic,
         )
         self._remote = GuardedIO(self.io, self.breaker, self.redact)
         self._log_once = LogOnce(logger)
@@ -107,7 +107,7 @@ class FsspecBackend(PinnedStore):
             delete=self._delete, stored=self._reader.forget, max_pending=opts.max_pending_writes,
             threads=opts.io_threads, batch_bytes=1, written_ttl_s=max(opts.negative_cache_s, 1.0),
             skip_indexed=True, reuse_buffer=False, thread_prefix="fsspec", auth=ctx.auth,
-            max_pending_bytes=int(opts.max_pending_bytes))
+            max_pending_bytes=int(opts.max_pending_bytes), runtime=ctx.runtime)
         if self.io.is_local:  # crashed local writers' temporary files (object stores have none)
             removed = remove_stale_local_temps(self.root)
             if removed:

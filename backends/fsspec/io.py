@@ -16,7 +16,6 @@ import inspect
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -27,6 +26,7 @@ from kvplug import chunkfile as cf
 from kvplug.errors import ConfigError
 from kvplug.logs import LogOnce
 from kvplug.redact import Redactor
+from kvplug.runtime import THREADS, Runtime
 
 from ..common.breaker import CircuitBreaker
 from ..common.index import CapacityIndex
@@ -74,15 +74,16 @@ def open_filesystem(
 class RemoteIO:
     """Bounded, concurrent primitives over one fsspec filesystem."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, timeout_s: float, io_threads: int) -> None:
+    def __init__(self, fs: fsspec.AbstractFileSystem, timeout_s: float, io_threads: int,
+                 runtime: Runtime = THREADS) -> None:
         self.fs = fs
         self.timeout_s = timeout_s
         self.concurrency = io_threads
         self.is_async = isinstance(fs, AsyncFileSystem) and bool(getattr(fs, "async_impl", False))
         self.loop = fs.loop if self.is_async else get_loop()
-        self._pool = None if self.is_async else ThreadPoolExecutor(
-            max_workers=io_threads, thread_name_prefix="kvplug-fsspec-io"
-        )
+        # blocking filesystems' calls, from fsspec's event loop thread (kvplug.runtime's pool:
+        # fsspec's own loop thread stays outside a simulation's control)
+        self._pool = None if self.is_async else runtime.executor(io_threads, "kvplug-fsspec-io")
         self.is_local = "file" in _protocols(fs) or "local" in _protocols(fs)
         cat = getattr(fs, "_cat_file", None)
         # s3fs issues a HEAD before every whole-object read unless told to read in one request.

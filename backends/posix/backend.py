@@ -35,7 +35,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvplug import chunkfile as cf
@@ -103,8 +102,10 @@ class PosixBackend(LookupAndPins):
         self.root = Path(opts.path).expanduser().resolve()
         self._root_s = str(self.root) + os.sep
         self.capacity = int(opts.capacity)
+        #: every thread, event, condition and clock of the tier (kvplug.runtime)
+        self._rt = ctx.runtime
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._idle = self._rt.condition(self._lock)
         policy = ctx.eviction
         self._index = PosixIndex(None if policy is None or isinstance(policy, LRUEviction)
                                  else policy)
@@ -133,15 +134,14 @@ class PosixBackend(LookupAndPins):
             logger.warning("tier %r: %s", self.name, wider)
         self.o_direct = bool(opts.o_direct and self._writable
                              and direct_io_usable(self.root, self.name))
-        self._rescans = RescanClock(opts.rescan_interval_s)
+        self._rescans = RescanClock(opts.rescan_interval_s, self._rt.monotonic)
         self._scan_lock = threading.Lock()
         #: set once the startup scan has indexed the directory (lookups need not wait for it)
-        self._indexed = threading.Event()
-        self._pool = ThreadPoolExecutor(opts.io_threads, thread_name_prefix=f"kvplug-{self.name}")
-        self._reaper = Reaper(self._root_s, self._unlink_failed, self.name)
-        self._scanner = threading.Thread(target=self._initial_scan, daemon=True,
-                                         name=f"kvplug-{self.name}-scan")
-        self._scanner.start()
+        self._indexed = self._rt.event()
+        self._pool = self._rt.executor(opts.io_threads, f"kvplug-{self.name}")
+        self._reaper = Reaper(self._root_s, self._unlink_failed, self.name, self._rt)
+        self._scan_thread = self._rt.executor(1, f"kvplug-{self.name}-scan", daemon=True)
+        self._scanner = self._scan_thread.submit(self._initial_scan)
 
     # -- helpers --------------------------------------------------------------------------------
     def _log_once(self, what: str, msg: str, *args: object) -> None:
@@ -541,12 +541,12 @@ class PosixBackend(LookupAndPins):
     @hookimpl
     def flush(self, timeout: float) -> bool:
         """Wait until every queued write and delete is done (the writer holds no object)."""
-        deadline = time.monotonic() + timeout
+        deadline = self._rt.monotonic() + timeout
         with self._idle:
             if not self._idle.wait_for(lambda: not self._pending and not self._releasing,
                                        timeout):
                 return False
-        return self._reaper.drain(max(0.0, deadline - time.monotonic()))
+        return self._reaper.drain(max(0.0, deadline - self._rt.monotonic()))
 
     @hookimpl
     def close(self) -> None:
@@ -554,8 +554,9 @@ class PosixBackend(LookupAndPins):
             already_closed, self._closed = self._closed, True
         if already_closed:
             return
-        self._scanner.join(CLOSE_WAIT_S)
-        if self._scanner.is_alive():
+        scanning = not self._rt.wait_all([self._scanner], CLOSE_WAIT_S)
+        self._scan_thread.shutdown(wait=False)
+        if scanning:
             self._log_once("close_scan", "the startup scan of %s is still running after %.0f s "
                            "(a hung file system?); closing without it", self.root, CLOSE_WAIT_S)
         with self._idle:
@@ -565,7 +566,7 @@ class PosixBackend(LookupAndPins):
                            "system?); closing without them", len(self._pending), CLOSE_WAIT_S)
         self._pool.shutdown(wait=written, cancel_futures=not written)
         self._held.close()
-        if self._writable and written and not self._scanner.is_alive():
+        if self._writable and written and not scanning:
             # other processes may have written meanwhile: leave the bound kept
             try:
                 self._trim_to_capacity()

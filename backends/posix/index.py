@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,17 +30,18 @@ class RescanClock:
     20x the CPU time the last scan took (so scanning a huge directory takes at most ~5% of a core;
     CPU time, not wall time: on a busy machine a scan waits for a core, which costs it nothing)."""
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval_s = interval_s
-        self.last = 0.0  # time.monotonic() when the last scan ended
+        self.clock = clock  # the tier's runtime's (kvplug.runtime)
+        self.last = 0.0  # clock() when the last scan ended
         self.cost = 0.0  # the CPU seconds it took
 
     def due(self) -> bool:
-        return time.monotonic() - self.last >= max(self.interval_s, 20 * self.cost)
+        return self.clock() - self.last >= max(self.interval_s, 20 * self.cost)
 
     def scanned(self, cpu_start: float) -> None:
         """A scan that began at ``time.thread_time() == cpu_start`` (on this thread) ended."""
-        self.last = time.monotonic()
+        self.last = self.clock()
         self.cost = time.thread_time() - cpu_start
 
 

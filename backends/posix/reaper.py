@@ -8,7 +8,9 @@ background thread, a batch at a time in path order (files of one directory toget
 file is gone a victim is *doomed*: lookups and reads treat it as a miss (never a stat), a put of
 the same chunk is skipped (so a delete never removes a newer file), and a rescan does not index it
 again. A crash with deletes queued leaves those files on disk: the next start indexes them and
-the capacity bound evicts them again.
+the capacity bound evicts them again. The thread is a one-thread daemon executor of the tier's
+runtime (:mod:`kvplug.runtime`): a queued batch is one task, so a simulation orders deletes
+against everything else.
 """
 
 from __future__ import annotations
@@ -16,26 +18,29 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from kvplug.runtime import THREADS, Runtime
+
 from .index import Entry, unlink_entries
 
 
 class Reaper:
     """One thread deleting queued victims under ``root`` (ends with a separator)."""
 
-    def __init__(self, root: str, on_error: Callable[[str, OSError], None], name: str) -> None:
+    def __init__(self, root: str, on_error: Callable[[str, OSError], None], name: str,
+                 runtime: Runtime = THREADS) -> None:
         self._root = root
         self._on_error = on_error
-        self._cond = threading.Condition()
+        self._rt = runtime
+        self._cond = runtime.condition(threading.Lock())
         self._queue: list[tuple[str, Entry]] = []
         self._doomed: set[str] = set()  # queued or being deleted
+        self._running = False  # a delete task is queued or running
         self._stop = False
         self.deleted = 0  # files deleted (a file already gone is not counted)
         #: Batches that freed less than their victims' bytes: a file already gone (another process
         #: sharing the directory evicted it too) or not deletable (see ``PosixBackend._make_room``).
         self.short_batches = 0
-        self._thread = threading.Thread(target=self._run, name=f"kvplug-{name}-reaper",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = runtime.executor(1, f"kvplug-{name}-reaper", daemon=True)
 
     def submit(self, victims: list[tuple[str, Entry]]) -> int:
         """Queue the victims' files for deletion; their bytes (free for accounting now)."""
@@ -44,7 +49,10 @@ class Reaper:
         with self._cond:
             self._queue += victims
             self._doomed.update(rel for rel, _ in victims)
-            self._cond.notify_all()
+            start = not self._running and not self._stop  # closed: left for the next start
+            self._running = self._running or start
+        if start:
+            self._thread.submit(self._run)
         return sum(e.size for _, e in victims)
 
     def __contains__(self, rel: str) -> bool:
@@ -74,15 +82,16 @@ class Reaper:
         ``timeout`` seconds (a hung file system: the daemon thread is left to finish)."""
         with self._cond:
             self._stop = True
-            self._cond.notify_all()
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        done = self.drain(timeout)
+        self._thread.shutdown(wait=False)
+        return done
 
     def _run(self) -> None:
+        """Delete what is queued, a batch at a time, until nothing is."""
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._stop)
                 if not self._queue:
+                    self._running = False
                     return
                 batch, self._queue = sorted(self._queue), []
             freed = 0

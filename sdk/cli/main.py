@@ -1,4 +1,5 @@
-"""The ``kvplug`` click group and its small commands: ``backends``, ``new-backend``, ``demo``.
+"""The ``kvplug`` click group and its small commands: ``backends``, ``new-backend``, ``demo``,
+``simulate``.
 
 ``bench``, ``cache``, ``inspect``, ``config check``, ``serve`` and ``warm`` live in their own
 modules and are added to the group here.
@@ -171,3 +172,23 @@ def demo_cmd(args: tuple[str, ...]) -> None:
         subprocess.call([sys.executable, "-m", "kvplug.connector.demo", *args])
     )
 
+
+
+# -- kvplug simulate ----------------------------------------------------------------------------
+@main.command("simulate", context_settings={"ignore_unknown_options": True,
+                                            "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def simulate_cmd(args: tuple[str, ...]) -> None:
+    """Run the deterministic simulation against a backend (python -m kvplug.connector.sim ARGS).
+
+    --backend NAME|module:Class  --options JSON  --seeds N  --start S  --seed N (replay one)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        fail(f"vLLM is not installed ({exc}); the simulation runs vLLM's scheduler: "
+             f"{VLLM_INSTALL_HINT}")
+    except Exception as exc:  # noqa: BLE001 - installed but broken (wrong torch, missing libs)
+        fail(f"vLLM is installed but failed to import: {type(exc).__name__}: {exc}")
+    raise click.exceptions.Exit(
+        subprocess.call([sys.executable, "-m", "kvplug.connector.sim", *args])
+    )

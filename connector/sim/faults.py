@@ -10,6 +10,25 @@ from typing import Any
 from .engine import Violation
 
 
+def _flipped(data: bytes, pick: int) -> bytes:
+    """``data`` (a chunk file or value) with one byte flipped inside a layer's bytes (``pick``
+    chooses the layer); the last byte where the header cannot be parsed. Issue 22's fault
+    flipped the last byte, which is the last layer's alignment padding: no read ever saw it."""
+    from kvplug import chunkfile as cf
+
+    out = bytearray(data)
+    if not out:
+        return data
+    try:
+        header = cf.decode_header(bytes(out[:cf.header_size(bytes(out[:8]))]), len(out))
+        offsets = header.data_offsets
+        at = offsets[pick % len(offsets)] + (pick * 7) % max(1, header.layer_nbytes)
+    except Exception:  # noqa: BLE001 - not a chunk we can parse: the last byte
+        at = len(out) - 1
+    out[at] ^= 0xFF
+    return bytes(out)
+
+
 class Faults:
     """The fault events of :class:`.world.World` (a part of it: they act on its scheduler,
     workers and tiers)."""
@@ -51,20 +70,42 @@ class Faults:
     def corrupt(self, rank: int, pick: int) -> None:
         st = self.workers[rank].storage
         st.flush(5)
+        from .values import STORES
+
+        store = STORES.get(self.urls[rank])
+        if store is not None:  # the value store: one value's last byte flipped
+            names = sorted(store.values)
+            if names:
+                name = names[pick % len(names)]
+                store.values[name] = _flipped(store.values[name], pick)
+            return
         files = sorted(p for p in (self.tmp / f"r{rank}").rglob("*") if p.is_file()
                        and not p.name.startswith("."))
         if files:
             f = files[pick % len(files)]
-            data = bytearray(f.read_bytes())
-            if data:
-                data[-1] ^= 0xFF
-                f.write_bytes(bytes(data))
+            f.write_bytes(_flipped(f.read_bytes(), pick))
 
     def gate(self, rank: int, on: bool) -> None:
         st = self.workers[rank].storage
         for t in st._tiers:
             if t.pool is not None:
                 t.pool.gated = on
+
+    def outage(self, rank: int, on: bool) -> None:
+        """The value store of ``rank`` goes down (every call raises) or comes back."""
+        from .values import STORES
+
+        st = STORES.get(self.urls[rank])
+        if st is not None:
+            st.down = on
+
+    def partial(self, rank: int) -> None:
+        """The value store's next batch read answers only its first half."""
+        from .values import STORES
+
+        st = STORES.get(self.urls[rank])
+        if st is not None:
+            st.partial += 1
 
     def reset(self) -> None:
         fn = getattr(self.s.connector, "reset_cache", None)

@@ -15,16 +15,22 @@ from .engine import CS, RANKS, SimConfig, Violation
 from .world import World
 
 
-def config_for(seed: int, faults: frozenset[str] = frozenset()) -> SimConfig:
+def config_for(seed: int, faults: frozenset[str] = frozenset(),
+               tier: tuple[str, str] = ()) -> SimConfig:
+    """Seed ``seed``'s configuration (``tier``: the backend under test behind L1)."""
     rng = random.Random(seed * 7919 + 1)
     hybrid = rng.random() < 0.6
+    more = random.Random(seed * 7919 + 2)  # issue 33's kinds: the stream above is unchanged
+    lower = "values" if more.random() < 0.35 and not tier else "posix"
+    codec = "lossless" if more.random() < 0.15 and _has_lossless() else ""
     cfg = SimConfig(hybrid=hybrid, window=rng.choice((5, 6, 9)),
                     num_blocks=rng.choice((18, 22, 28) if hybrid else (13, 16, 20)),
                     max_batched=rng.choice((8, 16, 32)),
                     prefix_caching=rng.random() < 0.3,
                     async_save=rng.random() < 0.8,
                     layerwise=(not hybrid) and rng.random() < 0.3,
-                    order=rng.choice(("0.32", "0.33")), faults=faults)
+                    order=rng.choice(("0.32", "0.33")), faults=faults,
+                    lower=lower, codec=codec, late=more.random() < 0.4, tier=tier)
     # issue 34: half the seeds choose policies and small tiers, drawn apart so every other
     # seed (REGRESSION_SEEDS among them) keeps the schedule and configuration it had
     pol = random.Random(seed * 104729 + 11)
@@ -35,7 +41,31 @@ def config_for(seed: int, faults: frozenset[str] = frozenset()) -> SimConfig:
     return cfg
 
 
+def _has_lossless() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("blosc2") is not None
+
+
 def events_for(seed: int, n: int = 40) -> list[tuple]:
+    """Seed ``seed``'s events: issue 22's kinds, then issue 33's inserted from a stream of
+    their own (mid-step aborts; the value store's outages and partial batches)."""
+    evs = _base_events(seed, n)
+    more = random.Random(seed * 7919 + 3)
+    out: list[tuple] = []
+    for ev in evs:
+        out.append(ev)
+        x = more.random()
+        if x < 0.05:
+            out.append(("step", ("abort", more.randrange(8))))
+        elif x < 0.08:
+            out.append(("outage", more.randrange(RANKS), more.random() < 0.6))
+        elif x < 0.10:
+            out.append(("partial", more.randrange(RANKS)))
+    return out
+
+
+def _base_events(seed: int, n: int) -> list[tuple]:
     rng = random.Random(seed)
     prefixes = [tuple(rng.randrange(3, 1000) for _ in range(rng.choice((CS, 2 * CS, 3 * CS, 5))))
                 for _ in range(3)]
@@ -114,8 +144,9 @@ def _run(cfg: SimConfig, events: list[tuple]) -> Outcome:
     return out
 
 
-def run_seed(seed: int, faults: frozenset[str] = frozenset(), n: int = 40) -> Outcome:
-    out = run(config_for(seed, faults), events_for(seed, n))
+def run_seed(seed: int, faults: frozenset[str] = frozenset(), n: int = 40,
+             tier: tuple[str, str] = ()) -> Outcome:
+    out = run(config_for(seed, faults, tier), events_for(seed, n))
     out.seed = seed
     return out
 
@@ -147,9 +178,10 @@ def describe(seed: int, cfg: SimConfig, events: list[tuple], v: Violation | None
     return "\n".join(lines)
 
 
-def reproduce(seed: int, faults: frozenset[str] = frozenset(), budget: int = 300) -> str:
+def reproduce(seed: int, faults: frozenset[str] = frozenset(), budget: int = 300,
+              tier: tuple[str, str] = ()) -> str:
     """Run ``seed``; if it fails, the shrunk schedule and its violation, printable."""
-    cfg = config_for(seed, faults)
+    cfg = config_for(seed, faults, tier)
     out = run(cfg, events_for(seed))
     if out.violation is None:
         return describe(seed, cfg, [], None)

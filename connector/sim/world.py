@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import shutil
 import tempfile
 import threading
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checks import Checks, ReqLog, _put_check_plugin, _written_at_once
+from .checks import Checks, ReqLog, _put_check_plugin
 from .engine import (
     BS,
     CS,
@@ -41,6 +42,7 @@ from .engine import (
 from .faults import Faults
 from .oracle import SLOT, Oracle, digest, prefix_hashes, slot_value
 from .runtime import SimRuntime
+from .values import STORES
 
 _STEP = "step"  # a step's part of the trace (folded into its event's digest)
 
@@ -97,17 +99,15 @@ class World(Checks, Faults):
         self.workers: list[Any] = []
         self.kv: list[torch.Tensor] = []
         engine = f"sim-{uuid.uuid4().hex[:8]}"
+        self.rt.late = cfg.late
+        self.urls = [f"sim://{engine}/{rank}" for rank in range(RANKS)]
         for rank in range(RANKS):
-            tiers = [{"backend": "local_cpu", "eviction": cfg.eviction,
-                      "options": {"capacity": "32KiB" if cfg.small_tiers else "1MiB",
-                                  "prefault": False}},
-                     {"backend": "posix", "eviction": cfg.eviction,
-                      "admission": {"policy": cfg.admission},
-                      "options": {"path": str(self.tmp / f"r{rank}"), "io_threads": 1,
-                                  "capacity": "48KiB" if cfg.small_tiers else "64MiB"}}]
-            if cfg.tenants:  # a tenant's chunks: a few in L1, half the disk
-                tiers[0]["quotas"] = {"default": 512}  # 2-4 chunks
-                tiers[1]["quotas"] = {"default": "24KiB" if cfg.small_tiers else "32MiB"}
+            l1 = {"backend": "local_cpu", "eviction": cfg.eviction,
+                  "options": {"capacity": "32KiB" if cfg.small_tiers else "1MiB",
+                              "prefault": False}}
+            tiers = [l1, self._lower_tier(rank)]
+            if cfg.tenants:  # a tenant's chunks: a few in L1 (2-4 chunks)
+                l1["quotas"] = {"default": 512}
             ccfg = ConnectorConfig(chunk_size=CS, async_save=cfg.async_save,
                                    layerwise=cfg.layerwise and not cfg.hybrid,
                                    log_every_load=False, save_decode=True, tiers=tiers)
@@ -122,10 +122,9 @@ class World(Checks, Faults):
             assert w.storage is not None
             w.storage.add_wrapper(_put_check_plugin(self, rank))
             self.watch_evictions(rank, w.storage)
-            if cfg.small_tiers or cfg.tenants or (cfg.eviction, cfg.admission) != ("lru", "always"):
-                w.storage.add_wrapper(_written_at_once(w.storage.backend("posix")), ["posix"])
             self.workers.append(w)
             self.kv.append(t)
+        self.rt.drain()  # the tiers' start-up work (posix's scan of its empty directory)
         self.lookup = SimLookup(self.workers)
         sched = self.s.connector._sched
         sched.lookup = self.lookup
@@ -139,6 +138,8 @@ class World(Checks, Faults):
         self.stored: list[list[Any]] = [[], []]  # keys in the order first stored (for faults)
         self.log: dict[str, ReqLog] = {}
         self.owned: set[int] = set()  # blocks requests held at the last forward
+        self.spare: set[int] = set()  # blocks an abort freed mid-step (see step)
+        self._snap: dict[str, Any] = {}  # the requests and tables of the step in flight
         self.counts: Counter[str] = Counter()  # what the schedule exercised (figures)
         #: figures that depend on the tiers' own threads (posix writes, deletes): reported with
         #: the counts but kept out of the trace, which must replay exactly
@@ -151,6 +152,30 @@ class World(Checks, Faults):
         #: a digest of everything the schedule made happen, one per event (replay checks)
         self.trace: list[str] = []
         self._trace = hashlib.blake2b(digest_size=12)
+
+    def _lower_tier(self, rank: int) -> dict[str, Any]:
+        """The tier behind L1: posix on a RAM disk, the simulated value store, or the backend
+        under test (``SimConfig.tier``: ``{tmp}`` in its options is this rank's directory)."""
+        cfg = self.cfg
+        if cfg.tier:
+            backend, options = cfg.tier
+            tier = {"backend": backend, "name": "tier",
+                    "options": json.loads(options.replace("{tmp}", str(self.tmp / f"r{rank}")))}
+        elif cfg.lower == "values":
+            tier = {"backend": "kvplug.connector.sim.values:SimValueTier", "name": "values",
+                    "options": {"url": self.urls[rank], "io_threads": 1, "timeout_s": 1.0,
+                                "negative_cache_s": 0.5, "breaker_backoff_s": 1.0}}
+        else:  # issue 34: the policies and quotas under test (admission: any tier)
+            tier = {"backend": "posix", "eviction": cfg.eviction,
+                    "options": {"path": str(self.tmp / f"r{rank}"), "io_threads": 1,
+                                "capacity": "48KiB" if cfg.small_tiers else "64MiB"}}
+            if cfg.tenants:  # a tenant's chunks: half the disk
+                tier["quotas"] = {"default": "24KiB" if cfg.small_tiers else "32MiB"}
+        if not cfg.tier:
+            tier["admission"] = {"policy": cfg.admission}
+        if cfg.codec:
+            tier["codec"] = cfg.codec
+        return tier
 
     # -- model -----------------------------------------------------------------------------------
     def _attends(self, layer: int, p: int) -> range:
@@ -172,11 +197,10 @@ class World(Checks, Faults):
         tainted: dict[str, int] = {}
         reqs = []
         for req_id, n in so.num_scheduled_tokens.items():
-            req = self.s.requests[req_id]
+            req, tables = self._snap[req_id]  # as scheduled (an abort mid-step freed it since)
             end = req.num_computed_tokens  # schedule() advanced it: this step's tokens end here
             tokens = list(req.all_token_ids)[:end]
-            reqs.append((req_id, end - n, end, tokens, prefix_hashes(tokens),
-                         self.s.kv_cache_manager.get_block_ids(req_id)))
+            reqs.append((req_id, end - n, end, tokens, prefix_hashes(tokens), tables))
         layerwise = self.cfg.layerwise and not self.cfg.hybrid
         last = len(self.layers) - 1
 
@@ -242,6 +266,8 @@ class World(Checks, Faults):
                 self.lose(*ev[1:])
             elif kind == "task":
                 self.rt.step(ev[1])
+            elif kind == "drain":  # every queued task that may run (directed schedules)
+                self.rt.drain()
             elif kind == "abort":
                 self.abort(ev[1])
             elif kind == "evict":
@@ -254,6 +280,10 @@ class World(Checks, Faults):
                 self.rt.settle = ev[1]
             elif kind == "reset":
                 self.reset()
+            elif kind == "outage":
+                self.outage(ev[1], ev[2])
+            elif kind == "partial":
+                self.partial(ev[1])
             else:  # pragma: no cover
                 raise ValueError(f"unknown event {ev!r}")
         self.check_tiers()
@@ -287,8 +317,17 @@ class World(Checks, Faults):
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         so = self._crashing("schedule", self.s.schedule)
+        mgr = self.s.kv_cache_manager
+        # what the model runner was handed: an abort mid-step (vLLM's asynchronous scheduling
+        # takes aborts while a batch runs) frees the request in the scheduler, not in the batch
+        self._snap = {r: (self.s.requests[r], [list(t) for t in mgr.get_block_ids(r)])
+                      for r in so.num_scheduled_tokens}
+        free0 = self.free_blocks()
         if mid is not None:
             self.apply(mid)
+        #: blocks freed by an abort mid-step: the batch in flight still uses them, vLLM may
+        #: rewrite them from the next forward on (I4 checks them there)
+        self.spare = self.free_blocks() - free0
         md = so.kv_connector_metadata
         self._md = md
         c = self.counts
@@ -330,7 +369,7 @@ class World(Checks, Faults):
         ids = list(so.num_scheduled_tokens)
         sampled = []
         for r in ids:
-            req = self.s.requests[r]
+            req = self._snap[r][0]
             sampled.append([self.sampled(r, req.num_tokens)]
                            if req.num_computed_tokens >= req.num_tokens else [])
         runner = []
@@ -346,6 +385,8 @@ class World(Checks, Faults):
                 setattr(ko, name, Sorted(getattr(ko, name)))
         invalid = set(ko.invalid_block_ids or ())
         for r, q in sorted(tainted.items()):  # I2: wrong KV read, and vLLM told in this step
+            if r not in self.s.requests:  # aborted mid-step: vLLM drops what it computed
+                continue
             if self.layout.multi:  # several groups: vLLM takes failed requests, not blocks
                 told = r in (ko.failed_recving or ())
             else:  # the first block read wrong (or one before it): vLLM recomputes from there
@@ -355,7 +396,6 @@ class World(Checks, Faults):
                 raise Violation("I2", f"{r}'s forward read KV that is not its oracle from token "
                                       f"{q} (block {q // BS}) and no load error for that block "
                                       "or an earlier one reached vLLM in that step")
-        mgr = self.s.kv_cache_manager
         self.note(_STEP, sorted(so.num_scheduled_tokens.items()), sorted(so.finished_req_ids),
                   [(r, mgr.get_block_ids(r)) for r in sorted(so.num_scheduled_tokens)],
                   *(sorted(x or ()) for x in (ko.finished_sending, ko.finished_recving,
@@ -388,6 +428,7 @@ class World(Checks, Faults):
         with torch.inference_mode():
             for rank in range(RANKS):
                 self.gate(rank, False)
+                self.outage(rank, False)
             for i in range(max_steps):
                 if not self.s.has_requests() and not self.rt.queue:
                     break
@@ -412,6 +453,11 @@ class World(Checks, Faults):
             with contextlib.suppress(Exception):
                 for t in w.storage.stats().values():
                     self.counts["tier timeouts"] += int(t.get("timeouts", 0))
+                    self.counts["corrupt chunks detected"] += int(t.get("corrupt", 0))
+        c = self.counts
+        c[f"config {self.cfg.tier[0] if self.cfg.tier else self.cfg.lower} tier"] += 1
+        c["config codec " + (self.cfg.codec or "none")] += 1
+        c["late tier calls (begun, timed out)"] += self.rt.late_calls
         for rank in range(RANKS):
             self.gate(rank, False)
         with contextlib.suppress(Exception):
@@ -419,4 +465,6 @@ class World(Checks, Faults):
         for w in self.workers:
             with contextlib.suppress(Exception):
                 w.close()
+        for url in self.urls:
+            STORES.pop(url, None)
         shutil.rmtree(self.tmp, ignore_errors=True)

@@ -19,8 +19,8 @@ class Figures:
     counts: Counter = field(default_factory=Counter)  # what the schedules exercised
 
 
-def _range(args: tuple[int, int, frozenset[str], float]) -> Figures:
-    start, stop, faults, deadline = args
+def _range(args: tuple[int, int, frozenset[str], float, tuple[str, str]]) -> Figures:
+    start, stop, faults, deadline, tier = args
     import logging
 
     import torch
@@ -32,7 +32,7 @@ def _range(args: tuple[int, int, frozenset[str], float]) -> Figures:
     for seed in range(start, stop):
         if deadline and time.time() > deadline:
             break
-        out = run_seed(seed, faults)
+        out = run_seed(seed, faults, tier=tier)
         f.schedules += 1
         f.events += out.events
         f.counts.update(out.counts)
@@ -43,10 +43,11 @@ def _range(args: tuple[int, int, frozenset[str], float]) -> Figures:
 
 
 def search(start: int, count: int, jobs: int = 2, faults: frozenset[str] = frozenset(),
-           deadline: float = 0.0, batch: int = 50) -> Figures:
+           deadline: float = 0.0, batch: int = 50, tier: tuple[str, str] = ()) -> Figures:
     """Run seeds ``[start, start + count)`` on ``jobs`` processes (forked: each builds its vLLM
-    config once); stop early at ``deadline`` (``time.time()``)."""
-    parts = [(s, min(s + batch, start + count), faults, deadline)
+    config once); stop early at ``deadline`` (``time.time()``); ``tier``: the backend under
+    test (``SimConfig.tier``)."""
+    parts = [(s, min(s + batch, start + count), faults, deadline, tier)
              for s in range(start, start + count, batch)]
     total = Figures()
     t0 = time.monotonic()

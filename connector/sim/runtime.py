@@ -9,11 +9,21 @@ and every place kvplug would block decides from the simulation's state, never fr
   ``timeout``) and the task stays queued — its late result arrives when the gate opens;
 * ``Condition.wait(timeout)`` (a lookup waiting for a save's put): releases the lock, runs the
   save tasks if ``settle`` is on, else times out;
-* ``Event.wait()``: runs queued tasks until the event is set (a task never waits mid-way here).
+* ``Event.wait()``: runs queued tasks until the event is set (a task never waits mid-way here);
+* ``Condition.wait_for(predicate, timeout)`` (a backend's flush, the posix writer waiting for its
+  reaper): runs runnable tasks in queue order until the predicate holds, else times out;
+* a ticker (``TierWatch``) is a task queued on ``wake()``;
+* a task submitted from a thread the simulation does not own (fsspec's event loop) runs there at
+  once: such work is outside the simulation's control.
+
+A *late* call: a gated pool's task that times out may be marked as started (``late``), so the
+caller cannot cancel it (``Future.cancel`` fails, as for a call a real thread is running) and its
+result arrives when the gate opens, long after its caller gave up (``Tier._late`` cleans up).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -28,9 +38,10 @@ class SimFuture(Future):
     def __init__(self, rt: SimRuntime, pool: SimExecutor, fn: Callable[[], Any]) -> None:
         super().__init__()
         self.rt, self.pool, self.fn = rt, pool, fn
+        self.started = False  # marked running at a timeout (a late call): cannot be cancelled
 
     def run(self) -> None:
-        if not self.set_running_or_notify_cancel():
+        if not self.started and not self.set_running_or_notify_cancel():
             return
         try:
             value = self.fn()
@@ -43,6 +54,9 @@ class SimFuture(Future):
         if not self.done():
             if timeout is not None and self.pool.gated:
                 self.rt.clock += timeout
+                if self.rt.late and not self.started:  # a real thread had begun it
+                    self.started = self.set_running_or_notify_cancel()
+                    self.rt.late_calls += self.started
                 raise FutureTimeout()
             self.rt.run_task(self)
         return super().result(0)
@@ -65,6 +79,10 @@ class SimExecutor:
         if self.closed:
             raise RuntimeError(f"cannot schedule new futures after shutdown ({self.name})")
         fut = SimFuture(self.rt, self, lambda: fn(*args, **kw))
+        if threading.get_ident() != self.rt.owner:  # a foreign thread (fsspec's loop): at once
+            self.rt.foreign += 1
+            fut.run()
+            return fut
         self.rt.queue.append(fut)
         return fut
 
@@ -72,11 +90,12 @@ class SimExecutor:
         futs = [self.submit(fn, x) for x in items]
         return iter([f.result() for f in futs])
 
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False,
+                 timeout: float | None = None) -> None:
         self.closed = True
         mine = [f for f in self.rt.queue if f.pool is self]
         for f in mine:
-            if cancel_futures:
+            if cancel_futures and not f.started:
                 self.rt.queue.remove(f)
                 f.cancel()
             elif wait:
@@ -127,10 +146,46 @@ class SimCondition:
             self.lock.acquire()
         return ran
 
+    def wait_for(self, predicate: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run runnable tasks (queue order, the lock released) until ``predicate`` holds; if
+        none may run, the wait times out (the clock jumps by ``timeout``)."""
+        result = predicate()
+        while not result:
+            ready = self.rt.runnable()
+            if not ready:
+                self.rt.clock += timeout or 0.0
+                return predicate()
+            self.lock.release()
+            try:
+                self.rt.run_task(ready[0])
+            finally:
+                self.lock.acquire()
+            result = predicate()
+        return result
+
     def notify_all(self) -> None:
         pass
 
     notify = notify_all
+
+
+class SimTicker:
+    """A :class:`kvplug.runtime.Ticker`: ``wake()`` queues one call of ``fn`` (none while one
+    is queued); the interval never fires by itself (no clock runs between events)."""
+
+    def __init__(self, rt: SimRuntime, fn: Callable[[], None], name: str) -> None:
+        self.pool = rt.executor(1, name)
+        self.fn = fn
+        self.queued: SimFuture | None = None
+        self.closed = False
+
+    def wake(self) -> None:
+        if not self.closed and (self.queued is None or self.queued.done()):
+            self.queued = self.pool.submit(self.fn)
+
+    def close(self, timeout: float | None = None) -> None:
+        self.closed = True
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 class SimRuntime(Runtime):
@@ -143,25 +198,42 @@ class SimRuntime(Runtime):
         self.pools: list[SimExecutor] = []
         self.clock = 1000.0
         self.settle = True  # a lookup waiting for a save's put lets it run
+        self.late = False  # a gated call that times out has begun: its result comes late
+        self.late_calls = 0
+        self.foreign = 0  # tasks submitted from threads the simulation does not own
         self.ran = 0
+        self.owner = threading.get_ident()
         self.on_task: Callable[[SimFuture], None] | None = None  # after every task (invariants)
 
-    def executor(self, workers: int, name: str) -> SimExecutor:
+    def executor(self, workers: int, name: str, daemon: bool = False) -> SimExecutor:
         pool = SimExecutor(self, workers, name)
         self.pools.append(pool)
         return pool
 
+    def ticker(self, fn: Callable[[], None], interval_s: float, name: str) -> SimTicker:
+        return SimTicker(self, fn, name)
+
     def event(self) -> SimEvent:
         return SimEvent(self)
 
-    def condition(self, lock: Any) -> SimCondition:
-        return SimCondition(self, lock)
+    def condition(self, lock: Any = None) -> SimCondition:
+        return SimCondition(self, lock if lock is not None else threading.RLock())
 
     def monotonic(self) -> float:
         return self.clock
 
     def wait_first(self, futures: Any, timeout: float) -> None:
         """Never waits: the schedule decides when a queued task runs."""
+
+    def wait_all(self, futures: Any, timeout: float | None) -> bool:
+        """Run each future's task (a gated one: the wait times out)."""
+        for f in list(futures):
+            if not f.done() and isinstance(f, SimFuture):
+                if f.pool.gated:
+                    self.clock += timeout or 0.0
+                    return False
+                self.run_task(f)
+        return all(f.done() for f in futures)
 
     def runnable(self) -> list[SimFuture]:
         """Queued tasks that may run now: not gated; a one-thread pool runs in order."""

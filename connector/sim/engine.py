@@ -45,6 +45,12 @@ class SimConfig:
     admission: str = "always"
     small_tiers: bool = False
     tenants: bool = False  # requests carry one of two cache salts; both tiers have quotas
+    lower: str = "posix"  # the tier behind L1: "posix", or "values" (kvplug's value-tier base)
+    codec: str = ""  # a codec on that tier ("lossless"), its puts on the encoder thread
+    late: bool = False  # a gated call that times out has begun: its result arrives late
+    #: the backend under test instead (``kvplug simulate``): (backend name or "module:Class",
+    #: its options as JSON; ``{tmp}`` is replaced by a directory of the rank's own)
+    tier: tuple[str, str] = ()
 
 
 _MODEL: dict[str, Any] = {}

@@ -63,22 +63,6 @@ def _put_check_plugin(world: Any, rank: int) -> Any:
     return _Check()
 
 
-def _written_at_once(disk: Any) -> Any:
-    """A wrapper that waits for the posix tier's writes before its ``batched_submit_put``
-    returns: its writer threads are real, and under capacity pressure (small tiers, quotas)
-    when a write evicts would otherwise show in later lookups, so a seed would not replay."""
-    from kvplug.hookspecs import hookimpl
-
-    class _Sync:
-        @hookimpl(wrapper=True)
-        def batched_submit_put(self, keys: Any, objs: Any) -> Any:
-            res = yield
-            disk.flush(timeout=30)
-            return res
-
-    return _Sync()
-
-
 @dataclass
 class ReqLog:
     sending: int = 0
@@ -98,8 +82,8 @@ class Checks:
         for r in md.requests:
             if r.save is None:
                 continue
-            tokens = tuple(self.s.requests[r.req_id].all_token_ids) if r.req_id in \
-                self.s.requests else None
+            req = self.s.requests.get(r.req_id) or self._snap.get(r.req_id, (None,))[0]
+            tokens = tuple(req.all_token_ids) if req is not None else None
             if tokens is None:
                 continue
             for i, h in enumerate(r.save.hashes):
@@ -173,7 +157,7 @@ class Checks:
         back is read or written by a copy still in flight. Free blocks are then poisoned (the
         forward may rewrite them), unless vLLM's prefix cache may still serve them; a copy that
         reads one later stores poison, which I1 catches."""
-        free = self.free_blocks()
+        free = self.free_blocks() - self.spare  # freed mid-step: the batch in flight owns them
         for rank, w in enumerate(self.workers):
             saves, bg = w._saves, w._background
             copies = [(f"a save copy of {sorted(job.req_ids)} reads", pj.block_ids)
@@ -296,10 +280,9 @@ class Checks:
         for rank, w in enumerate(self.workers):
             st = w.storage
             st.flush(10)
-            for t in st._tiers:  # I1: every chunk every tier holds
-                be = t.backend
+            for t in st._tiers:  # I1: every chunk every tier holds (decoded by its codec)
                 for key in list(self.registry[rank]):
-                    obj = be.get(key=key)
+                    obj = t.hooks["get"](key=key)
                     if obj is not None:
                         try:
                             self.check_chunk(rank, key, obj, f"end, tier {t.name}")
