@@ -32,12 +32,13 @@ import pytest
 HEAVIEST = ["test_parallel_engine", "test_connector_roles", "test_connector_engine",
             "test_corruption_serving", "test_kv_events_engine", "test_crash_durability",
             "test_codecs_engine", "test_connector_hma", "test_simulation", "test_soak",
-            "test_connector_engine_spec", "test_connector_engine_weights",
+            "test_connector_engine_spec", "test_connector_engine_weights", "test_manage_engine",
+            "test_quotas_engine",
             # then the slowest of the rest (a long module left for last keeps one worker busy
             # while the other idles): a venv build, servers, CLI subprocesses
             "test_template_venv", "test_mooncake", "test_reliability_outage",
             "test_reliability_shared", "test_prom_metrics", "test_demo", "test_cli_bench",
-            "test_manage_engine", "test_auth_chunks", "test_conformance_kit", "test_secrets", "test_template",
+            "test_auth_chunks", "test_conformance_kit", "test_secrets", "test_template",
             "test_stored_bytes_sizes"]
 
 
