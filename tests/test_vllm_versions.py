@@ -364,7 +364,7 @@ def test_gpu_worker_wake_up_restores_or_refuses_the_kv_caches(model_dir, tmp_pat
 def test_simulation_seeds_hold_every_invariant_on_vllm_033():
     import logging
 
-    from sim.search import search
+    from kvplug.connector.sim.search import search
 
     threads, disabled = torch.get_num_threads(), logging.root.manager.disable
     try:
