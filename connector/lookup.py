@@ -154,6 +154,22 @@ def socket_path(engine_id: str, rank: int, pp_rank: int = 0, dp_rank: int = 0,
     return private_dir() / sock
 
 
+def bind_router(path: Path, what: str) -> tuple[zmq.Context, zmq.Socket]:
+    """A worker's ROUTER socket bound at ``path`` (owner-only): a stale socket of a crashed run is
+    replaced, one a live worker with the same engine id and ranks serves is an error."""
+    if path.exists() or path.is_symlink():
+        if _is_live(path):
+            raise RuntimeError(f"kvplug {what} socket {path} is in use by another live worker "
+                               "with the same engine id and ranks")
+        path.unlink()  # a stale socket of a crashed run
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"ipc://{path}")
+    os.chmod(path, 0o600)
+    return ctx, sock
+
+
 def _is_live(path: Path) -> bool:
     """Whether something accepts connections on the unix socket ``path``."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -190,16 +206,7 @@ class LookupService:
         self.refused = 0
         self._log_once = LogOnce(logger)
         self._stop = threading.Event()
-        if path.exists() or path.is_symlink():
-            if _is_live(path):
-                raise RuntimeError(f"kvplug lookup socket {path} is in use by another live "
-                                   "worker with the same engine id and ranks")
-            path.unlink()  # a stale socket of a crashed run
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(f"ipc://{path}")
-        os.chmod(path, 0o600)
+        self._ctx, self._sock = bind_router(path, "lookup")
         self._thread = threading.Thread(target=self._run, name="kvplug-lookup", daemon=True)
         self._thread.start()
 

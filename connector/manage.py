@@ -18,7 +18,6 @@ one its last step ran under.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ import msgspec
 import zmq
 from kvplug.management import clear_keys, clear_tiers, tier_status
 
-from .lookup import _is_live, socket_path
+from .lookup import bind_router, socket_path
 
 if TYPE_CHECKING:
     from .worker import WorkerSide
@@ -136,16 +135,7 @@ class ManageService:
         self.path = path
         self._handle = handle
         self._stop = threading.Event()
-        if path.exists() or path.is_symlink():
-            if _is_live(path):
-                raise RuntimeError(f"kvplug management socket {path} is in use by another live "
-                                   "worker with the same engine id and ranks")
-            path.unlink()
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(f"ipc://{path}")
-        os.chmod(path, 0o600)
+        self._ctx, self._sock = bind_router(path, "management")
         self._thread = threading.Thread(target=self._run, name="kvplug-manage", daemon=True)
         self._thread.start()
 
