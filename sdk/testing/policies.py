@@ -22,8 +22,15 @@ from __future__ import annotations
 import random
 from typing import Any, ClassVar
 
-import pytest
 from kvplug.policies.registry import build_policy, load_policy_class
+
+
+def _for(kind: str) -> Any:
+    """Marks a test as one of ``kind`` (eviction or admission) policies'."""
+    def mark(fn: Any) -> Any:
+        fn._policy_kind = kind
+        return fn
+    return mark
 
 
 class PolicyConformance:
@@ -43,9 +50,17 @@ class PolicyConformance:
         return build_policy(self.kind, PolicyConfig(policy=self.policy, **self.options),
                             "conformance", capacity=1 << 30)
 
-    def only(self, kind: str) -> None:
-        if self.kind != kind:
-            pytest.skip(f"{self.policy!r} is an {self.kind} policy")
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass naming its policy collects only the tests of that policy's kind (an
+        eviction policy has no admission tests to skip, and the reverse)."""
+        super().__init_subclass__(**kwargs)
+        if not cls.policy:
+            return
+        kind = load_policy_class(cls.policy)[0].kind
+        for name in dir(cls):
+            test_kind = getattr(getattr(cls, name), "_policy_kind", None)
+            if test_kind is not None and test_kind != kind:
+                setattr(cls, name, None)  # not collected
 
     @staticmethod
     def workload(seed: int, n: int = 2000, keys: int = 200) -> list[tuple[str, int, int]]:
@@ -89,16 +104,16 @@ class PolicyConformance:
         return answers
 
     # -- eviction ---------------------------------------------------------------------------------
+    @_for("eviction")
     def test_victims_are_held_unpinned_and_enough(self):
         """Victims are entries the tier holds, never a pinned one, each once, and they free the
         bytes asked for whenever enough unpinned bytes are held."""
-        self.only("eviction")
         for seed in range(5):
             self.drive(self.build(), seed, pinned=set(range(0, 200, 7)))
 
+    @_for("eviction")
     def test_returned_victims_are_forgotten(self):
         """A victim leaves the policy: asking again never names it, unless it is inserted again."""
-        self.only("eviction")
         policy = self.build()
         for k in range(50):
             policy.insert(key=k, nbytes=100)
@@ -109,10 +124,10 @@ class PolicyConformance:
         assert sorted([*first, *rest]) == list(range(50)), "every entry should leave exactly once"
         assert policy.victims(nbytes=100, evictable=lambda k: True) == []
 
+    @_for("eviction")
     def test_everything_pinned_ends_with_no_victims(self):
         """With every entry kept by the tier, victims() ends (no endless second chances) and
         names none; the entries are still there once the pins go."""
-        self.only("eviction")
         policy = self.build()
         for k in range(100):
             policy.insert(key=k, nbytes=10)
@@ -120,9 +135,9 @@ class PolicyConformance:
         assert policy.victims(nbytes=1000, evictable=lambda k: False) == []
         assert len(policy.victims(nbytes=1000, evictable=lambda k: True)) == 100
 
+    @_for("eviction")
     def test_removed_and_unknown_keys_are_harmless(self):
         """remove() and access() of unknown keys are ignored; a removed key is never a victim."""
-        self.only("eviction")
         policy = self.build()
         policy.access(key="never-seen")
         policy.remove(key="never-seen")
@@ -132,15 +147,15 @@ class PolicyConformance:
             policy.remove(key=k)
         assert sorted(policy.victims(nbytes=100, evictable=lambda k: True)) == [1, 3, 5, 7, 9]
 
+    @_for("eviction")
     def test_eviction_is_deterministic(self):
         """The same calls give the same victims (the simulation replays seeds across processes)."""
-        self.only("eviction")
         assert self.drive(self.build(), 11) == self.drive(self.build(), 11)
 
     # -- admission --------------------------------------------------------------------------------
+    @_for("admission")
     def test_admit_answers_one_bool_per_key(self):
         """admit() answers a list of bools, one per key, in order, for any batch."""
-        self.only("admission")
         policy = self.build()
         keys = [f"k{i}".encode() for i in range(37)]
         policy.record_use(keys=keys[:20])
@@ -149,9 +164,9 @@ class PolicyConformance:
         assert all(isinstance(x, bool) for x in out), out
         assert policy.admit(keys=[], sizes=[]) == []
 
+    @_for("admission")
     def test_admission_is_deterministic(self):
         """The same uses give the same answers in two instances (no per-process hash)."""
-        self.only("admission")
         rng = random.Random(3)
         uses = [[f"k{rng.randrange(300)}".encode() for _ in range(8)] for _ in range(500)]
         answers = []
@@ -165,10 +180,10 @@ class PolicyConformance:
             answers.append(got)
         assert answers[0] == answers[1]
 
+    @_for("admission")
     def test_a_key_used_often_is_admitted(self):
         """A chunk every request uses is admitted after a few uses (a policy that never admits
         anything would turn a tier off; say so with a different kind of setting)."""
-        self.only("admission")
         policy = self.build()
         for _ in range(16):
             policy.record_use(keys=[b"hot"])
