@@ -170,6 +170,25 @@ def bind_router(path: Path, what: str) -> tuple[zmq.Context, zmq.Socket]:
     return ctx, sock
 
 
+def serve_router(sock: zmq.Socket, stop: threading.Event,
+                 serve: Callable[[list[bytes]], None], what: str) -> None:
+    """A service thread's loop: each message's frames to ``serve`` until ``stop`` is set, then
+    the socket is closed. The service outlives any one message (an error drops only it)."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while not stop.is_set():
+        try:
+            if poller.poll(100):
+                serve(sock.recv_multipart())
+        except zmq.ZMQError:
+            if stop.is_set():
+                break
+            logger.exception("kvplug %s service: socket error", what)
+        except Exception:  # noqa: BLE001 - the service must outlive any one message
+            logger.exception("kvplug %s service: unexpected error; message dropped", what)
+    sock.close(0)
+
+
 def _is_live(path: Path) -> bool:
     """Whether something accepts connections on the unix socket ``path``."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -211,19 +230,7 @@ class LookupService:
         self._thread.start()
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            try:
-                if poller.poll(100):
-                    self._serve(self._sock.recv_multipart())
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    break
-                logger.exception("kvplug lookup service: socket error")
-            except Exception:  # noqa: BLE001 - the service must outlive any one message
-                logger.exception("kvplug lookup service: unexpected error; message dropped")
-        self._sock.close(0)
+        serve_router(self._sock, self._stop, self._serve, "lookup")
 
     def _drop(self, why: str) -> None:
         self.dropped += 1

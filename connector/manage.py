@@ -28,7 +28,7 @@ import msgspec
 import zmq
 from kvplug.management import clear_keys, clear_tiers, tier_status
 
-from .lookup import bind_router, socket_path
+from .lookup import bind_router, serve_router, socket_path
 
 if TYPE_CHECKING:
     from .worker import WorkerSide
@@ -140,19 +140,11 @@ class ManageService:
         self._thread.start()
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            try:
-                if poller.poll(100):
-                    frames = self._sock.recv_multipart()
-                    if len(frames) == 2:
-                        self._sock.send_multipart([frames[0], _encode(self._answer(frames[1]))])
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    break
-                logger.exception("kvplug management service: socket error")
-        self._sock.close(0)
+        serve_router(self._sock, self._stop, self._serve, "management")
+
+    def _serve(self, frames: list[bytes]) -> None:
+        if len(frames) == 2:  # [client identity, request]
+            self._sock.send_multipart([frames[0], _encode(self._answer(frames[1]))])
 
     def _answer(self, payload: bytes) -> ManageReply:
         try:

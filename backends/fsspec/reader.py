@@ -107,13 +107,9 @@ class ChunkReader:
         header = self._parse(path, self._reader(path, prefix), size)
         if header is None:
             return None
-        if header.key != cf.stored_key(key, self._auth):
-            self._corrupt(path, "the file holds another key", delete=True)
-            return None
-        meta = header.meta
-        obj = self._allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
+        obj = self._object_for(path, key, header)
         if obj is None:
-            return None  # no memory, or sizes this engine refuses: nothing fetched
+            return None  # another key, no memory, or sizes this engine refuses: nothing fetched
         body = b""
         if header.file_size > header.header_bytes:
             body = self._tier.remote.fetch(path, header.header_bytes, header.file_size)
@@ -137,16 +133,22 @@ class ChunkReader:
         header = self._parse(path, self._reader(path, data), size)
         if header is None:
             return None
-        if header.key != cf.stored_key(key, self._auth):
-            self._corrupt(path, "the file holds another key", delete=True)
-            return None
-        meta = header.meta
-        obj = self._allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
+        obj = self._object_for(path, key, header)
         if obj is None:
             return None
         self._remember(path, header, size)
         return self._fill(path, header, obj, memoryview(data), 0, header.num_layers, base=0,
                           delete=True)
+
+    def _object_for(self, path: str, key: CacheKey, header: cf.ChunkHeader) -> MemoryObj | None:
+        """The memory object ``header``'s chunk is read into, once the header is shown to be
+        ``key``'s (else the file is corrupt: counted and deleted); None for another key, no
+        memory, or sizes this engine refuses (checked by the allocator before allocating)."""
+        if header.key != cf.stored_key(key, self._auth):
+            self._corrupt(path, "the file holds another key", delete=True)
+            return None
+        meta = header.meta
+        return self._allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
 
     def get_layers(self, path: str, first_layer: int, num_layers: int) -> MemoryObj | None:
         """Layers ``[first_layer, first_layer + num_layers)`` with one ranged read."""
