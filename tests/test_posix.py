@@ -225,6 +225,7 @@ def test_restart_hits_and_other_managers_are_seen(tmp_path):
     with StorageManager(cfg) as a:
         a.batched_put([key(i) for i in range(5)], srcs)
     with StorageManager(cfg) as b, StorageManager(cfg) as c:
+        assert b.backend(0).wait_indexed(60), "startup scan hung"  # the scan runs in the background
         assert b.stats()["posix"]["entries"] == 5, "index not rebuilt from the directory"
         assert b.lookup_prefix([key(i) for i in range(5)]).num_chunks == 5
         for i in range(5):
