@@ -58,7 +58,7 @@ PATCH_ENV = "KVPLUG_FIRST_HITS_PATCH"  # the patches of a run, for the engine-co
 
 def _before_fix() -> None:
     """The behaviour before the fix, in this process."""
-    import kvplug.connector.load as load
+    import kvplug.connector.worker.load as load
     import kvplug.pool as pool
 
     load.IDLE_WAIT_S = 0.0  # empty steps back to back while a load is fetched

@@ -89,7 +89,8 @@ def install(prefix: str) -> None:
     import kvplug.pool as pool
     from kvplug.backends.posix.backend import PosixBackend
     from kvplug.connector import connector as conn
-    from kvplug.connector import load, lookup
+    from kvplug.connector.protocol import lookup
+    from kvplug.connector.worker import load
     from kvplug.storage_manager import StorageManager
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner

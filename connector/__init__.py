@@ -1,7 +1,7 @@
 """kvplug's vLLM connector: ``--kv-transfer-config '{"kv_connector": "KVPlugConnector",
 "kv_connector_module_path": "kvplug.connector", "kv_role": "kv_both", ...}'``.
 
-``KVPlugConnector`` is imported on first use, so ``kvplug.connector.config`` (read by every
+``KVPlugConnector`` is imported on first use, so ``kvplug.connector.protocol.config`` (read by every
 kvplug process that loads a config) does not pull in vLLM.
 """
 

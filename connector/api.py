@@ -38,10 +38,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
 from .compat import drops_last_block
-from .config import ConnectorConfig, load_connector_config
-from .lookup import LookupClient, socket_path
-from .manage import ManageClear, ManageClient, ManageLookup, ManageMsg, ManageStatus, client_for
-from .scheduler import SchedulerSide
+from .protocol.config import ConnectorConfig, load_connector_config
+from .protocol.lookup import LookupClient, socket_path
+from .protocol.manage import ManageClear, ManageClient, ManageLookup, ManageMsg, ManageStatus, client_for
+from .scheduler.side import SchedulerSide
 
 PREFIX = "/kvplug/v1"
 #: how long a lookup through the scheduler's path may take before it answers a miss

@@ -3,7 +3,7 @@
 vLLM builds one instance per process: role SCHEDULER in the engine core (delegates to
 :mod:`.scheduler`) and role WORKER in every worker (delegates to :mod:`.worker`). Configure it with
 ``kv_connector_extra_config``: a kvplug config dict (``chunk_size``, ``tiers``, ``layerwise``...)
-or ``{"config_file": "kvplug.yaml"}``; see :class:`kvplug.connector.config.ConnectorConfig`.
+or ``{"config_file": "kvplug.yaml"}``; see :class:`kvplug.connector.protocol.config.ConnectorConfig`.
 """
 
 from __future__ import annotations
@@ -23,18 +23,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.platforms import current_platform
 
 from .compat import drops_last_block, event_group_fields
-from .config import load_connector_config
-from .events import TierEventBook, event_key, events_enabled
-from .groups import layout_of
-from .identity import build_identity
-from .lookup import LookupClient, socket_path
-from .metadata import KVPlugMetadata, KVPlugWorkerMeta
 from .prom import KVPlugPromMetrics, hit_sources
-from .save import async_save_enabled
-from .scheduler import SchedulerSide
-from .stats import KVPlugStats
-from .tier_watch import KVPlugKVEvents, TierWatch
-from .worker import WorkerSide
+from .protocol.config import load_connector_config
+from .protocol.groups import layout_of
+from .protocol.identity import build_identity
+from .protocol.lookup import LookupClient, socket_path
+from .protocol.metadata import KVPlugMetadata, KVPlugWorkerMeta
+from .protocol.stats import KVPlugStats
+from .scheduler.events import TierEventBook, event_key, events_enabled
+from .scheduler.side import SchedulerSide
+from .worker.save import async_save_enabled
+from .worker.side import WorkerSide
+from .worker.tier_watch import KVPlugKVEvents, TierWatch
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

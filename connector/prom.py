@@ -1,7 +1,7 @@
 """kvplug's Prometheus metrics on vLLM's ``/metrics`` (``KVConnectorBase_V1.build_prom_metrics``).
 
 vLLM's front end builds :class:`KVPlugPromMetrics` once and calls ``observe`` with each interval's
-:class:`~kvplug.connector.stats.KVPlugStats` dict (summed over the workers and the scheduler).
+:class:`~kvplug.connector.protocol.stats.KVPlugStats` dict (summed over the workers and the scheduler).
 Names start with ``vllm:kvplug_`` so vLLM's own ``unregister_vllm_metrics`` cleans them up too;
 counters show with prometheus_client's ``_total`` suffix. Per-tier metrics carry a ``tier`` label
 (the tier's name in the kvplug config); labels for a tier appear once it has something to count.
@@ -17,7 +17,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .stats import LATENCY_PREFIX, LOAD_BYTES_PREFIX, TIER_COUNTERS, TIER_GAUGES, TIER_PREFIX
+from .protocol.stats import LATENCY_PREFIX, LOAD_BYTES_PREFIX, TIER_COUNTERS, TIER_GAUGES, TIER_PREFIX
 
 #: Backends whose hits vLLM's ``prompt_tokens_cached_by_source`` counts as ``disk``.
 _DISK_BACKENDS = {"posix", "gds"}

@@ -1,7 +1,7 @@
 """The config: one YAML file, ``KVPLUG_*`` environment overrides and a dict, for every room.
 
 :class:`KVPlugConfig` holds what the core reads (``chunk_size``, ``tiers``); a room above the core
-extends it (``kvplug.connector.config.ConnectorConfig`` adds ``layerwise``, ``save_decode``...),
+extends it (``kvplug.connector.protocol.config.ConnectorConfig`` adds ``layerwise``, ``save_decode``...),
 and :func:`load_config` validates against the schema the caller names.
 
 Precedence (later wins): built-in defaults < YAML file (``$KVPLUG_CONFIG``, or a ``config_file``
@@ -188,7 +188,7 @@ class KVPlugConfig(_Strict):
     """What the core reads: chunking and tiers.
 
     A room above the core adds its own settings by subclassing (the connector's
-    ``kvplug.connector.config.ConnectorConfig``); one YAML file configures both. A core load
+    ``kvplug.connector.protocol.config.ConnectorConfig``); one YAML file configures both. A core load
     accepts and ignores the keys such an extension declares, and rejects every other unknown key.
     Extensions are the subclasses imported so far plus those declared under the entry-point group
     ``kvplug.config`` (so a process that never imported the connector still knows its keys).

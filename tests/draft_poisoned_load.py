@@ -2,7 +2,7 @@
 the acceptance control in test_connector_engine_spec.py.
 
 A test names this module as ``kv_connector_module_path``; vLLM imports it in the engine's
-processes, so importing it monkeypatches the bulk scatter of the load path (kvplug.connector.load):
+processes, so importing it monkeypatches the bulk scatter of the load path (kvplug.connector.worker.load):
 every loaded chunk reaches the blocks with the pages of the drafter's layers (vLLM names them
 ``draft_model.*``; an EAGLE head's layers are numbered after the target's) zeroed. The target's
 layers load right, so the output is unchanged; only the drafts (and so acceptance) can tell.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import kvplug.connector.load as _load
+import kvplug.connector.worker.load as _load
 from kvplug.connector import KVPlugConnector
 
 __all__ = ["KVPlugConnector"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import kvplug.connector.groups as _groups
+import kvplug.connector.protocol.groups as _groups
 from kvplug.connector import KVPlugConnector
 
 __all__ = ["KVPlugConnector"]

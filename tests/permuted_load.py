@@ -2,7 +2,7 @@
 control in test_connector_engine.py.
 
 A test names this module as ``kv_connector_module_path``; vLLM imports it in the engine-core and in
-every worker process, so importing it monkeypatches the bulk scatter of the load path (kvplug.connector.load):
+every worker process, so importing it monkeypatches the bulk scatter of the load path (kvplug.connector.worker.load):
 the pages of every loaded chunk are permuted (blocks in reversed order) before they reach blocks.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import kvplug.connector.load as _load
+import kvplug.connector.worker.load as _load
 from kvplug.connector import KVPlugConnector
 
 __all__ = ["KVPlugConnector", "permute_pages"]

@@ -393,7 +393,7 @@ def test_auth_failures_reach_prometheus_by_tier(secrets, tmp_path):
     from types import SimpleNamespace
 
     from kvplug.connector.prom import KVPlugPromMetrics
-    from kvplug.connector.stats import StatsRecorder
+    from kvplug.connector.protocol.stats import StatsRecorder
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
     rec = StatsRecorder()

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 from kvplug.config import KVPlugConfig, load_config, parse_size
-from kvplug.connector.config import ConnectorConfig, load_connector_config
+from kvplug.connector.protocol.config import ConnectorConfig, load_connector_config
 from kvplug.errors import ConfigError
 
 

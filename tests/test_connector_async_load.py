@@ -16,10 +16,10 @@ from gpu_kv_fixture import KVFixture
 
 pytest.importorskip("vllm")
 
-from kvplug.connector.config import ConnectorConfig  # noqa: E402
-from kvplug.connector.lookup import Lookup  # noqa: E402
-from kvplug.connector.metadata import KVPlugMetadata, LoadSpec, ReqMeta, SaveSpec  # noqa: E402
-from kvplug.connector.worker import WorkerSide, _Identity  # noqa: E402
+from kvplug.connector.protocol.config import ConnectorConfig  # noqa: E402
+from kvplug.connector.protocol.lookup import Lookup  # noqa: E402
+from kvplug.connector.protocol.metadata import KVPlugMetadata, LoadSpec, ReqMeta, SaveSpec  # noqa: E402
+from kvplug.connector.worker.side import WorkerSide, _Identity  # noqa: E402
 
 BS, CHUNK = 4, 8
 HASHES = [hashlib.sha256(bytes([i])).digest() for i in range(3)]

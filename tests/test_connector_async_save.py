@@ -24,11 +24,11 @@ from vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_
 
 pytest.importorskip("vllm")
 
-from kvplug.connector.config import ConnectorConfig  # noqa: E402
-from kvplug.connector.groups import GroupLayout  # noqa: E402
-from kvplug.connector.metadata import KVPlugMetadata, ReqMeta, SaveSpec  # noqa: E402
-from kvplug.connector.save import AsyncSaves  # noqa: E402
-from kvplug.connector.worker import WorkerSide, _Identity  # noqa: E402
+from kvplug.connector.protocol.config import ConnectorConfig  # noqa: E402
+from kvplug.connector.protocol.groups import GroupLayout  # noqa: E402
+from kvplug.connector.protocol.metadata import KVPlugMetadata, ReqMeta, SaveSpec  # noqa: E402
+from kvplug.connector.worker.save import AsyncSaves  # noqa: E402
+from kvplug.connector.worker.side import WorkerSide, _Identity  # noqa: E402
 
 BS, CHUNK = 4, 16
 HANG_S = 60  # only catches a hang

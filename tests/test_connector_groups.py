@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from kvplug.connector.groups import (
+from kvplug.connector.protocol.groups import (
     FULL,
     SLIDING,
     UNSUPPORTED,

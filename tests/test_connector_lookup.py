@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from kvplug.connector.lookup import (
+from kvplug.connector.protocol.lookup import (
     MAX_LOOKUP_CHUNKS,
     Lookup,
     LookupClient,

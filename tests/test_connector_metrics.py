@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvplug.connector.prom import KVPlugPromMetrics, hit_sources  # noqa: E402
-from kvplug.connector.stats import KVPlugStats, StatsRecorder  # noqa: E402
+from kvplug.connector.protocol.stats import KVPlugStats, StatsRecorder  # noqa: E402
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
@@ -71,9 +71,9 @@ def test_hit_sources_by_tier_kind():
 
 
 def test_hit_split_counts_the_external_tokens_of_slow_chunks():
-    from kvplug.connector.config import load_connector_config
-    from kvplug.connector.scheduler import SchedulerSide
-    from kvplug.connector.tracker import RequestTracker
+    from kvplug.connector.protocol.config import load_connector_config
+    from kvplug.connector.scheduler.side import SchedulerSide
+    from kvplug.connector.scheduler.tracker import RequestTracker
 
     sched = SchedulerSide(load_connector_config({"chunk_size": 256}), 128, "kv_both",
                           lookup=SimpleNamespace())

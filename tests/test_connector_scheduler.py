@@ -144,7 +144,7 @@ def test_opt_out_and_roles(model_dir):
 def test_multimodal_inputs_change_the_keys(model_dir):
     from types import SimpleNamespace
 
-    from kvplug.connector.chunk_keys import chunk_extra_keys
+    from kvplug.connector.protocol.chunk_keys import chunk_extra_keys
 
     tokens = prompt(600, 9)
     img = lambda h: SimpleNamespace(identifier=h, mm_position=SimpleNamespace(offset=300, length=100))  # noqa: E731,E501
@@ -162,7 +162,7 @@ def test_multimodal_inputs_change_the_keys(model_dir):
 
 def test_stats_aggregate_and_reduce():
     from kvplug.connector import KVPlugConnector
-    from kvplug.connector.stats import KVPlugStats
+    from kvplug.connector.protocol.stats import KVPlugStats
 
     a, b = KVPlugStats(), KVPlugStats()
     a.add("load_bytes", 2e9)
@@ -200,7 +200,7 @@ def test_eagle_drafter_hit_ends_a_block_early_and_decode_stores_a_block_behind(m
     hit is recomputed (its chunk is fetched, only the blocks before it written), and decode KV
     is stored one block behind what is computed (the drafter may rewrite the last accepted
     position). The engine test (test_connector_engine_spec.py) runs it end to end."""
-    from kvplug.connector.load import plan_load
+    from kvplug.connector.worker.load import plan_load
 
     s, side, fake = build(model_dir, extra={"save_decode": True})
     side.drop_last_block = True  # compat.drops_last_block(vllm_config) with an EAGLE drafter

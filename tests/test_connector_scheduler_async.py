@@ -30,7 +30,7 @@ def build(model_dir, lookup):
 
 
 def output(so, recving=(), bad=(), failed=None):
-    from kvplug.connector.metadata import KVPlugWorkerMeta
+    from kvplug.connector.protocol.metadata import KVPlugWorkerMeta
     from vllm.v1.outputs import KVConnectorOutput
 
     out = model_runner_output(so)

@@ -121,7 +121,7 @@ def test_report_reaches_the_client_only_when_asked(model_dir, report):
 
 
 def test_report_switch_default_in_config():
-    from kvplug.connector.config import ConnectorConfig, load_connector_config
+    from kvplug.connector.protocol.config import ConnectorConfig, load_connector_config
 
     assert ConnectorConfig.model_fields["report_to_client"].default is False
     assert load_connector_config({"report_to_client": True}).report_to_client is True

@@ -20,9 +20,9 @@ from vllm_helpers import make_request, make_scheduler, model_runner_output, prom
 
 pytest.importorskip("vllm")
 
-from kvplug.connector.config import ConnectorConfig  # noqa: E402
-from kvplug.connector.lookup import Lookup  # noqa: E402
-from kvplug.connector.worker import WorkerSide, _Identity  # noqa: E402
+from kvplug.connector.protocol.config import ConnectorConfig  # noqa: E402
+from kvplug.connector.protocol.lookup import Lookup  # noqa: E402
+from kvplug.connector.worker.side import WorkerSide, _Identity  # noqa: E402
 
 BS, CHUNK = 4, 16
 P = prompt(41, 7)  # 2 full chunks + a block-aligned partial one (40 tokens) stored
@@ -181,7 +181,7 @@ def test_sleep_drains_copies_and_wake_checks_the_kv_tensors(tmp_path):
     at once), ``restore_kv_caches`` accepts the same tensors and refuses moved ones."""
     import hashlib
 
-    from kvplug.connector.metadata import KVPlugMetadata, ReqMeta, SaveSpec
+    from kvplug.connector.protocol.metadata import KVPlugMetadata, ReqMeta, SaveSpec
 
     gate = tmp_path / "gate"
     gate.mkdir()

@@ -196,7 +196,7 @@ def test_tiers_answer_fuzzed_files_with_a_miss_or_the_original(tmp_path, tier):
 
 def _config_cases(rng: random.Random):
     """(dict config, the key the error must name)."""
-    from kvplug.connector.config import ConnectorConfig
+    from kvplug.connector.protocol.config import ConnectorConfig
 
     tops = [k for k in ConnectorConfig.model_fields if k != "tiers"]
     posix_opts = ["path", "capacity", "fsync", "io_threads", "max_pending_writes",
@@ -231,7 +231,7 @@ def _config_cases(rng: random.Random):
 
 def _load(cfg: dict, tmp_path):
     """The whole path a config takes: the connector's loader, then the tiers' own options."""
-    from kvplug.connector.config import load_connector_config
+    from kvplug.connector.protocol.config import load_connector_config
     from kvplug.storage_manager import StorageManager
 
     loaded = load_connector_config(cfg, env={})
@@ -260,7 +260,7 @@ def test_config_errors_name_the_key_and_the_allowed_values(tmp_path):
 def test_lookup_socket_drops_and_counts_random_frames(tmp_path, monkeypatch):
     import msgspec
     import zmq
-    from kvplug.connector import lookup as lk
+    from kvplug.connector.protocol import lookup as lk
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     path = lk.socket_path(f"fuzz-{os.getpid()}", 0)

@@ -117,7 +117,7 @@ def test_management_key_replaces_vllms_key_and_fails_closed():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
     from kvplug.connector.api import api_keys, router
-    from kvplug.connector.config import load_connector_config
+    from kvplug.connector.protocol.config import load_connector_config
 
     cfg = load_connector_config({"management_key_env": "OPS_KEY"})
     app = FastAPI()
@@ -142,7 +142,7 @@ def test_a_clear_is_announced_as_removals_per_tier(tmp_path):
     import pytest
 
     pytest.importorskip("vllm")
-    from kvplug.connector.tier_watch import TierWatch
+    from kvplug.connector.worker.tier_watch import TierWatch
 
     with StorageManager(config(tmp_path)) as mgr:
         watch = TierWatch(mgr, interval_s=3600)  # rounds driven here

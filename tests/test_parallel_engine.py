@@ -136,10 +136,10 @@ def test_one_load_reported_by_each_worker_in_its_own_step_counts_once():
     reported 3072 loaded tokens of a 1536-token hit)."""
     from types import SimpleNamespace
 
-    from kvplug.connector.config import load_connector_config
-    from kvplug.connector.metadata import KVPlugWorkerMeta
-    from kvplug.connector.scheduler import SchedulerSide
-    from kvplug.connector.tracker import RequestTracker
+    from kvplug.connector.protocol.config import load_connector_config
+    from kvplug.connector.protocol.metadata import KVPlugWorkerMeta
+    from kvplug.connector.scheduler.side import SchedulerSide
+    from kvplug.connector.scheduler.tracker import RequestTracker
 
     side = SchedulerSide(load_connector_config({"chunk_size": CHUNK, "report_to_client": True}),
                          128, "kv_both", lookup=SimpleNamespace())

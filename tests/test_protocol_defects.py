@@ -31,10 +31,10 @@ from vllm_helpers import make_request, make_scheduler, prompt, runner_connector,
 pytest.importorskip("vllm")
 
 from kvplug.connector import KVPlugConnector  # noqa: E402
-from kvplug.connector.config import ConnectorConfig  # noqa: E402
-from kvplug.connector.groups import group_hash  # noqa: E402
-from kvplug.connector.lookup import LookupClient, socket_path  # noqa: E402
-from kvplug.connector.worker import WorkerSide, _Identity  # noqa: E402
+from kvplug.connector.protocol.config import ConnectorConfig  # noqa: E402
+from kvplug.connector.protocol.groups import group_hash  # noqa: E402
+from kvplug.connector.protocol.lookup import LookupClient, socket_path  # noqa: E402
+from kvplug.connector.worker.side import WorkerSide, _Identity  # noqa: E402
 from tiers_for_tests import LosingTier  # noqa: E402
 
 BS, CHUNK = 4, 16

@@ -12,9 +12,9 @@ from gpu_kv_fixture import CUDA, KVFixture
 
 pytest.importorskip("vllm")
 
-from kvplug.connector.config import ConnectorConfig  # noqa: E402
-from kvplug.connector.metadata import KVPlugMetadata, ReqMeta, SaveSpec  # noqa: E402
-from kvplug.connector.worker import WorkerSide, _Identity  # noqa: E402
+from kvplug.connector.protocol.config import ConnectorConfig  # noqa: E402
+from kvplug.connector.protocol.metadata import KVPlugMetadata, ReqMeta, SaveSpec  # noqa: E402
+from kvplug.connector.worker.side import WorkerSide, _Identity  # noqa: E402
 from kvplug.gpu import PageJob  # noqa: E402
 
 BS, CHUNK = 4, 16

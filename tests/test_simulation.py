@@ -39,7 +39,7 @@ _A, _X = tuple(range(100, 116)), tuple(range(200, 247))  # a 2-chunk prompt; one
 SCHEDULES = {
     # vLLM keeps a failed synchronous load's blocks in its prefix cache for the request to
     # recompute; aborted first, they are hit by the next request with that prefix
-    # (kvplug.connector.unwritten)
+    # (kvplug.connector.scheduler.unwritten)
     "failed load, aborted, then a prefix-cache hit": (
         SimConfig(hybrid=False, window=6, num_blocks=13, max_batched=32, prefix_caching=True,
                   async_save=True, layerwise=False, order="0.33"),
@@ -68,7 +68,7 @@ _MIN_LOAD_ERRORS = {"store_after_failed_load": 1}
 
 #: issue 33, defect 1: the same, with an 11-token suffix after the prefix-cache hit: the step
 #: that reads the unwritten blocks also computes chunk [16, 24) over them, which must not be
-#: stored (kvplug.connector.load.Loads.read_unwritten); asynchronous and synchronous saves, and
+#: stored (kvplug.connector.worker.load.Loads.read_unwritten); asynchronous and synchronous saves, and
 #: vLLM 0.32's call order
 _UNWRITTEN_CFG, _UNWRITTEN_EVENTS, _ = SCHEDULES["failed load, aborted, then a prefix-cache hit"]
 for _name, _kw in (("async saves", {}), ("sync saves", {"async_save": False}),

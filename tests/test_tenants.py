@@ -153,7 +153,7 @@ def _event_request(req_id, tokens, salt=None, mm=None):
 
 def _announce(book, req):
     import msgspec
-    from kvplug.connector.tier_watch import KVPlugKVEvents, TierEvent
+    from kvplug.connector.worker.tier_watch import KVPlugKVEvents, TierEvent
     from vllm.distributed.kv_events import KVEventBatch
 
     book.record(req, 0, CS, [req.request_id.encode() * 4])
@@ -163,7 +163,7 @@ def _announce(book, req):
 
 
 def test_events_carry_a_keyed_hash_of_the_salt_never_the_salt():
-    from kvplug.connector.events import TierEventBook
+    from kvplug.connector.scheduler.events import TierEventBook
 
     salt, image = "tenant-" + secrets.token_hex(6), _content_hash(secrets.token_bytes(8))
     tokens = list(range(100, 100 + CS))
@@ -195,7 +195,7 @@ def test_event_key_comes_from_the_deployment_secret(monkeypatch):
     process (never a fixed, guessable one)."""
     from types import SimpleNamespace
 
-    from kvplug.connector.events import event_key
+    from kvplug.connector.scheduler.events import event_key
 
     cfg = SimpleNamespace(auth_key_env="KVT_SECRET")
     monkeypatch.setenv("KVT_SECRET", secrets.token_hex(32))

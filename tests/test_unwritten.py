@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from kvplug.connector.unwritten import UnwrittenBlocks
+from kvplug.connector.scheduler.unwritten import UnwrittenBlocks
 
 
 def test_a_read_before_any_write_is_reported_and_a_write_forgets():
@@ -67,9 +67,9 @@ def test_a_step_that_reads_an_unwritten_block_stores_nothing_computed_over_it(tm
 
     pytest.importorskip("vllm")
     from gpu_kv_fixture import KVFixture
-    from kvplug.connector.config import ConnectorConfig
-    from kvplug.connector.metadata import KVPlugMetadata, ReqMeta, SaveSpec
-    from kvplug.connector.worker import WorkerSide, _Identity
+    from kvplug.connector.protocol.config import ConnectorConfig
+    from kvplug.connector.protocol.metadata import KVPlugMetadata, ReqMeta, SaveSpec
+    from kvplug.connector.worker.side import WorkerSide, _Identity
 
     bs, cs = 4, 8
     hashes = [hashlib.sha256(bytes([i, 33])).digest() for i in range(3)]

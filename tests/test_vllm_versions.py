@@ -263,9 +263,9 @@ def _gpu_worker(vllm_config, backend):
 def _queued_saves(tmp_path, move: bool = False):
     """A worker with asynchronous saves to a tier whose puts wait at a gate: the first save holds
     the save thread, the others' copies are still queued."""
-    from kvplug.connector.config import ConnectorConfig
-    from kvplug.connector.metadata import KVPlugMetadata, ReqMeta, SaveSpec
-    from kvplug.connector.worker import WorkerSide, _Identity
+    from kvplug.connector.protocol.config import ConnectorConfig
+    from kvplug.connector.protocol.metadata import KVPlugMetadata, ReqMeta, SaveSpec
+    from kvplug.connector.worker.side import WorkerSide, _Identity
 
     gate = tmp_path / "gate"
     gate.mkdir()
@@ -310,7 +310,7 @@ def test_gpu_worker_discard_waits_for_every_copy(model_dir, tmp_path, monkeypatc
     """vLLM 0.33's ``Worker.discard(("kv_cache",))``: ``unregister_kv_caches`` returns once no
     copy reads the KV memory, before the backend takes it; control: with kvplug's drain patched
     out, queued copies read the discarded memory and store poison."""
-    from kvplug.connector.worker import WorkerSide
+    from kvplug.connector.worker.side import WorkerSide
 
     if not drain:
         monkeypatch.setattr(WorkerSide, "suspend", lambda self: None)

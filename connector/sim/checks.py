@@ -77,7 +77,7 @@ class Checks:
     # -- I1 ---------------------------------------------------------------------------------------
     def register(self, md: Any) -> None:
         """Record what each chunk this step saves must hold (for I1)."""
-        from kvplug.connector.groups import group_hash
+        from kvplug.connector.protocol.groups import group_hash
 
         for r in md.requests:
             if r.save is None:

@@ -49,7 +49,9 @@ DIRECTED_FAULTS = {
 
 
 def _patches(name: str) -> list[tuple[Any, str, Any]]:
-    from kvplug.connector import load, save, store, unwritten, worker
+    from kvplug.connector.scheduler import unwritten
+    from kvplug.connector.worker import load, save, store
+    from kvplug.connector.worker import side as worker
 
     if name == "store_after_failed_load":
         return [(store.StoreBatch, "without", lambda self, skip: (self, []))]
@@ -144,7 +146,7 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
         # the encoded object handed on as is (decode() drops the reference it consumed)
         return [(CodecWrapper, "_decode", lambda self, key, obj, first_layer: obj.ref_up())]
     if name == "release_blocks_of_saves":
-        from kvplug.connector.scheduler import SchedulerSide
+        from kvplug.connector.scheduler.side import SchedulerSide
 
         real = SchedulerSide._finish_save
 

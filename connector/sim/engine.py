@@ -142,7 +142,7 @@ class SimLookup:
 
     def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]],
                tenant: str = "") -> int | None:
-        from kvplug.connector.lookup import Lookup
+        from kvplug.connector.protocol.lookup import Lookup
 
         if not hashes and not tails:
             return 0

@@ -62,10 +62,10 @@ class World(Checks, Faults):
     """One seed's engine (see the module docstring)."""
 
     def __init__(self, cfg: SimConfig) -> None:
-        from kvplug.connector.config import ConnectorConfig
-        from kvplug.connector.groups import layout_of
-        from kvplug.connector.identity import Identity
-        from kvplug.connector.worker import WorkerSide
+        from kvplug.connector.protocol.config import ConnectorConfig
+        from kvplug.connector.protocol.groups import layout_of
+        from kvplug.connector.protocol.identity import Identity
+        from kvplug.connector.worker.side import WorkerSide
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import (
             FullAttentionSpec,

@@ -34,7 +34,7 @@ class ConnectorConfig(KVPlugConfig):
         description="copy stored KV off the engine step (CUDA: a side stream ordered by an "
         "event, put by a completion thread; CPU: copied and put on a thread), holding a "
         "finished request's blocks until its copy is done; unset: on for CUDA, on CPU as "
-        "measured (kvplug.connector.save.CPU_DEFAULT)",
+        "measured (kvplug.connector.worker.save.CPU_DEFAULT)",
     )
     lookup_timeout_s: float = Field(
         default=2.0, gt=0, description="scheduler->worker lookup; past it, a miss"

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 from kvplug.gpu import PagedKV
 
-from .config import ConnectorConfig
-from .groups import GroupLayout
-from .metadata import KVPlugWorkerMeta
-from .stats import LATENCY_PREFIX, LOAD_BYTES_PREFIX, TIER_PREFIX, StatsRecorder
+from ..protocol.config import ConnectorConfig
+from ..protocol.groups import GroupLayout
+from ..protocol.metadata import KVPlugWorkerMeta
+from ..protocol.stats import LATENCY_PREFIX, LOAD_BYTES_PREFIX, TIER_PREFIX, StatsRecorder
 
 if TYPE_CHECKING:
     from .load import RequestLoad

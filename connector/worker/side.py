@@ -31,16 +31,16 @@ from kvplug.read_memory import ChunkGeometry
 from kvplug.runtime import THREADS, Runtime
 from kvplug.storage_manager import StorageManager
 
-from .config import ConnectorConfig
-from .groups import GroupLayout, lookup_groups
-from .identity import Identity
+from ..protocol.config import ConnectorConfig
+from ..protocol.groups import GroupLayout, lookup_groups
+from ..protocol.identity import Identity
+from ..protocol.lookup import Lookup, LookupService, socket_path
+from ..protocol.manage import ManageService, WorkerManagement, manage_path
+from ..protocol.metadata import KVPlugMetadata, KVPlugWorkerMeta
+from ..protocol.stats import KVPlugStats, StatsRecorder
 from .load import BackgroundLoads, Loads
 from .load_report import LoadReports
-from .lookup import Lookup, LookupService, socket_path
-from .manage import ManageService, WorkerManagement, manage_path
-from .metadata import KVPlugMetadata, KVPlugWorkerMeta
 from .save import AsyncSaves, async_save_enabled
-from .stats import KVPlugStats, StatsRecorder
 from .store import WorkerStore
 
 logger = logging.getLogger("kvplug.connector")

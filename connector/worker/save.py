@@ -50,9 +50,9 @@ from kvplug.memory import MemoryObj
 from kvplug.runtime import THREADS, Runtime
 from kvplug.storage_manager import StorageManager
 
-from .config import ConnectorConfig
-from .metadata import KVPlugMetadata
-from .stats import StatsRecorder
+from ..protocol.config import ConnectorConfig
+from ..protocol.metadata import KVPlugMetadata
+from ..protocol.stats import StatsRecorder
 
 logger = logging.getLogger("kvplug.connector")
 

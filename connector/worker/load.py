@@ -46,9 +46,9 @@ from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.runtime import THREADS, Runtime
 from kvplug.storage_manager import StorageManager
 
-from . import groups
+from ..protocol import groups
+from ..protocol.metadata import KVPlugMetadata, LoadSpec, ReqMeta
 from .load_report import LoadReports
-from .metadata import KVPlugMetadata, LoadSpec, ReqMeta
 
 logger = logging.getLogger("kvplug.connector")
 

@@ -25,7 +25,7 @@ class LoadSpec:
     the blocks at or past ``start`` are written. ``background``: vLLM loads it asynchronously (a
     chunk is in a tier that may block); the workers report it in ``finished_recving``. ``upto``:
     no block at or past it is written (an EAGLE/MTP drafter: vLLM recomputes the last block of
-    the stored range, see :mod:`kvplug.connector.scheduler`); None: up to ``end``.
+    the stored range, see :mod:`kvplug.connector.scheduler.side`); None: up to ``end``.
     """
 
     start: int

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .metadata import LoadSpec
+from ..protocol.metadata import LoadSpec
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

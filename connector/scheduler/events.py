@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvplug.chunkfile.auth import decode_secret, subkey
 from vllm.distributed.kv_events import (
     BlockRemoved,
     BlockStored,
@@ -59,8 +60,7 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 
-from ..chunkfile.auth import decode_secret, subkey
-from .tier_watch import KVPlugKVEvents, TierEvent
+from ..worker.tier_watch import KVPlugKVEvents, TierEvent
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

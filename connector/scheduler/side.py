@@ -2,7 +2,7 @@
 
 Runs in vLLM's engine-core process. It never touches KV bytes: it hashes token chunks, asks the
 workers' lookup services how many leading tokens are stored, and turns vLLM's scheduling decisions
-into per-step :class:`~kvplug.connector.metadata.ReqMeta` (load and save specs) for the workers.
+into per-step :class:`~kvplug.connector.protocol.metadata.ReqMeta` (load and save specs) for the workers.
 
 Save policy: chunks known to be stored (the lookup hit) are skipped. Hits are block granular: with
 ``save_partial_chunk`` (default) a block-aligned partial chunk is stored where vLLM's own prefix
@@ -37,11 +37,11 @@ from kvplug.policies.tenants import tenant_id
 from kvplug.storage_manager import auth_keyring
 from kvplug.tokens import TokenDatabase
 
-from .chunk_keys import chunk_extra_keys
-from .config import ConnectorConfig
-from .groups import GroupLayout
-from .metadata import KVPlugMetadata, KVPlugWorkerMeta, LoadSpec, ReqMeta, SaveSpec
-from .stats import StatsRecorder
+from ..protocol.chunk_keys import chunk_extra_keys
+from ..protocol.config import ConnectorConfig
+from ..protocol.groups import GroupLayout
+from ..protocol.metadata import KVPlugMetadata, KVPlugWorkerMeta, LoadSpec, ReqMeta, SaveSpec
+from ..protocol.stats import StatsRecorder
 from .tenants import TenantGate
 from .tracker import RequestTracker
 from .unwritten import UnwrittenBlocks

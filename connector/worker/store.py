@@ -20,10 +20,10 @@ from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
 from kvplug.storage_manager import StorageManager
 
-from .groups import GroupLayout, group_hash, store_targets
-from .metadata import KVPlugMetadata
+from ..protocol.groups import GroupLayout, group_hash, store_targets
+from ..protocol.metadata import KVPlugMetadata
+from ..protocol.stats import StatsRecorder
 from .save import AsyncSaves
-from .stats import StatsRecorder
 
 logger = logging.getLogger("kvplug.connector")
 

@@ -31,7 +31,7 @@ from kvplug.management import clear_keys, clear_tiers, tier_status
 from .lookup import bind_router, serve_router, socket_path
 
 if TYPE_CHECKING:
-    from .worker import WorkerSide
+    from ..worker.side import WorkerSide
 
 logger = logging.getLogger("kvplug.connector")
 
