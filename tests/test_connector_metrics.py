@@ -72,8 +72,7 @@ def test_hit_sources_by_tier_kind():
 
 def test_hit_split_counts_the_external_tokens_of_slow_chunks():
     from kvplug.connector.protocol.config import load_connector_config
-    from kvplug.connector.scheduler.side import SchedulerSide
-    from kvplug.connector.scheduler.tracker import RequestTracker
+    from kvplug.connector.scheduler.side import RequestTracker, SchedulerSide
 
     sched = SchedulerSide(load_connector_config({"chunk_size": 256}), 128, "kv_both",
                           lookup=SimpleNamespace())

@@ -144,7 +144,7 @@ def test_opt_out_and_roles(model_dir):
 def test_multimodal_inputs_change_the_keys(model_dir):
     from types import SimpleNamespace
 
-    from kvplug.connector.protocol.chunk_keys import chunk_extra_keys
+    from kvplug.connector.protocol.identity import chunk_extra_keys
 
     tokens = prompt(600, 9)
     img = lambda h: SimpleNamespace(identifier=h, mm_position=SimpleNamespace(offset=300, length=100))  # noqa: E731,E501

@@ -14,9 +14,8 @@ from functools import partial
 
 import pytest
 import torch
-from kvplug.connector.protocol.chunk_keys import chunk_extra_keys
 from kvplug.connector.protocol.config import ConnectorConfig
-from kvplug.connector.protocol.identity import build_identity
+from kvplug.connector.protocol.identity import build_identity, chunk_extra_keys
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import fill_random
 from kvplug.tokens import TokenDatabase

@@ -138,8 +138,7 @@ def test_one_load_reported_by_each_worker_in_its_own_step_counts_once():
 
     from kvplug.connector.protocol.config import load_connector_config
     from kvplug.connector.protocol.metadata import KVPlugWorkerMeta
-    from kvplug.connector.scheduler.side import SchedulerSide
-    from kvplug.connector.scheduler.tracker import RequestTracker
+    from kvplug.connector.scheduler.side import RequestTracker, SchedulerSide
 
     side = SchedulerSide(load_connector_config({"chunk_size": CHUNK, "report_to_client": True}),
                          128, "kv_both", lookup=SimpleNamespace())

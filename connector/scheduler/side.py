@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -37,13 +38,12 @@ from kvplug.policies.tenants import tenant_id
 from kvplug.storage_manager import auth_keyring
 from kvplug.tokens import TokenDatabase
 
-from ..protocol.chunk_keys import chunk_extra_keys
 from ..protocol.config import ConnectorConfig
 from ..protocol.groups import GroupLayout
+from ..protocol.identity import chunk_extra_keys
 from ..protocol.metadata import KVPlugMetadata, KVPlugWorkerMeta, LoadSpec, ReqMeta, SaveSpec
 from ..protocol.stats import StatsRecorder
 from .tenants import TenantGate
-from .tracker import RequestTracker
 from .unwritten import UnwrittenBlocks
 
 if TYPE_CHECKING:
@@ -52,6 +52,34 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvplug.connector")
+
+
+@dataclass
+class RequestTracker:
+    """What the scheduler side remembers about one live request."""
+
+    request: Request
+    prompt_len: int
+    can_load: bool
+    can_save: bool
+    hashes: list[bytes] = field(default_factory=list)  # full-chunk hashes computed so far
+    lookup_tokens: int = 0  # last lookup's hit (tokens stored, counted from 0)
+    usable_tokens: int = 0  # of it, what vLLM is told (less the last block: drop_last_block)
+    stored_tokens: int = 0  # [0, stored_tokens) is in storage or being stored (chunk aligned)
+    saved_end: int = 0  # [0, saved_end) is stored or being stored (block aligned)
+    refine: tuple[int, int] | None = None  # (num_tokens, chunk) of a second lookup not answered
+    pending_load: LoadSpec | None = None
+    load_background: bool = False  # the last lookup's hit needs a tier that may block
+    slow_chunks: frozenset[int] = frozenset()  # the last hit's chunks only a blocking tier holds
+    asking: bool = False  # a lookup is in flight (answered None)
+    sent_save: bool = False  # a save went to the workers (async saves: blocks held at finish)
+    block_ids: list[int] = field(default_factory=list)  # fallback when vLLM gives no block state
+    tables: tuple[list[int], ...] = ()  # every KV cache group's block table (hybrid models)
+    report: dict[str, Any] = field(default_factory=dict)  # returned in kv_transfer_params
+    #: its KV may predate a weights reset: no load nor store until it starts over (see reset)
+    stale: bool = False
+    #: its tenant id (cache_salt, else kv_transfer_params["tenant"]; hashed: never the value)
+    tenant: str = ""
 
 
 class LookupFn(Protocol):
@@ -68,7 +96,7 @@ class SchedulerSide:
         self, config: ConnectorConfig, block_size: int, role: str, lookup: LookupFn,
         layout: GroupLayout | None = None, drop_last_block: bool = False,
     ) -> None:
-        self.layout = layout or GroupLayout()  # KV cache groups (connector/groups.py)
+        self.layout = layout or GroupLayout()  # KV cache groups (..protocol.groups)
         if config.chunk_size % block_size and self.layout.servable:
             raise ValueError(f"kvplug chunk_size={config.chunk_size} must be a multiple of vLLM's "
                              f"block_size={block_size}")

@@ -1,7 +1,7 @@
 """Which requests may use the cache at all, so that one tenant is never served another's KV.
 
 Chunk keys hold the request's ``cache_salt``, LoRA adapter, prompt-embedding digests and
-multimodal identifiers (:mod:`.chunk_keys`), so requests with different salts never share an
+multimodal identifiers (:func:`..protocol.identity.chunk_extra_keys`), so requests with different salts never share an
 entry. Two kinds of request would still share, or be served KV computed for other inputs, on a
 persistent or shared tier; :class:`TenantGate` refuses them (neither loaded nor stored: vLLM
 computes them as usual), counts each refusal in the stats and logs each reason once:
