@@ -109,7 +109,7 @@ def install(prefix: str) -> None:
     _wrap(C, "get_finished", "worker.get_finished", lambda a, k, out: f"{out}")
     _wrap(C, "wait_for_save", "worker.wait_for_save")
     _wrap(lookup.LookupService, "_serve", "worker.lookup_serve")
-    _wrap(load.Loads, "take_background", "worker.take_background",
+    _wrap(load.Loads, "finished", "worker.loads_finished",
           lambda a, k, out: f"over={len(out)}", cpu=True)
     _wrap(load.BackgroundLoads, "wait_idle", "worker.wait_idle")
     _wrap(load.BackgroundLoads, "submit", "worker.bg_submit")

@@ -24,7 +24,7 @@ from vllm.platforms import current_platform
 
 from .compat import drops_last_block, event_group_fields
 from .prom import KVPlugPromMetrics, hit_sources
-from .protocol.config import load_connector_config
+from .protocol.config import async_save_enabled, load_connector_config
 from .protocol.groups import layout_of
 from .protocol.identity import build_identity
 from .protocol.lookup import LookupClient, socket_path
@@ -32,7 +32,6 @@ from .protocol.metadata import KVPlugMetadata, KVPlugWorkerMeta
 from .protocol.stats import KVPlugStats
 from .scheduler.events import TierEventBook, event_key, events_enabled
 from .scheduler.side import SchedulerSide
-from .worker.save import async_save_enabled
 from .worker.side import WorkerSide
 from .worker.tier_watch import KVPlugKVEvents, TierWatch
 
@@ -200,9 +199,9 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         # reports its own: the default get_finished_count (the world size) is right.
         if self._worker is None:
             return None, None
-        sent = self._worker.take_sent(finished_req_ids)
         idle = (md := self._meta()) is not None and md.idle  # no forward: wait a little
-        return sent or None, self._worker.get_finished(finished_req_ids, idle) or None
+        sent, recving = self._worker.get_finished(finished_req_ids, idle)
+        return sent or None, recving or None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM freed the preempted requests' blocks; the coming forward pass may rewrite them

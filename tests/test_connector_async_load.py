@@ -66,7 +66,7 @@ def poll(w, finished=frozenset()) -> set[str]:
     """get_finished each 'step' until something is reported (a hang is caught)."""
     end = time.monotonic() + HANG_S
     while time.monotonic() < end:
-        if got := w.get_finished(set(finished)):
+        if got := w.get_finished(set(finished))[1]:
             return got
         time.sleep(0.01)
     raise AssertionError("no load was reported")
@@ -83,7 +83,7 @@ def test_background_load_writes_at_get_finished(gated):
     while not list(gate.glob("entered-*")):  # the fetch is blocked inside the tier
         time.sleep(0.005)
     for _ in range(5):  # steps go on; nothing is written or reported while the tier blocks
-        assert w.get_finished(set()) == set()
+        assert w.get_finished(set())[1] == set()
     assert not torch.equal(fx.ref_obj(DST), want)
     assert pins(w) == 3  # lookup's pins hold while the load is in flight
     (gate / "open").touch()
@@ -91,7 +91,7 @@ def test_background_load_writes_at_get_finished(gated):
     assert torch.equal(fx.ref_obj(DST), want)
     assert w.take_load_errors() == set()
     assert w.take_report().loaded == {"b": {"slow": 24}}
-    assert w.get_finished(set()) == set()  # reported once
+    assert w.get_finished(set())[1] == set()  # reported once
     assert pins(w) == 0
     assert w.storage.contains(w.key(HASHES[0])) == "local_cpu"  # promoted into L1
 
@@ -102,14 +102,14 @@ def test_cancelled_load_never_writes_and_leaks_nothing(gated):
     while not list(gate.glob("entered-*")):
         time.sleep(0.005)
     poisoned = fx.ref_obj(DST).clone()
-    assert w.get_finished({"b"}) == {"b"}  # vLLM finished (aborted) it: reported at once
+    assert w.get_finished({"b"})[1] == {"b"}  # vLLM finished (aborted) it: reported at once
     assert pins(w) == 0
     (gate / "open").touch()  # the fetch ends after the abort ...
     end = time.monotonic() + HANG_S
     while w.storage.stats()["local_cpu"]["entries"] < 3 and time.monotonic() < end:
         time.sleep(0.01)  # ... and promotes its chunks into L1
     time.sleep(0.1)
-    assert w.get_finished(set()) == set()
+    assert w.get_finished(set())[1] == set()
     assert torch.equal(fx.ref_obj(DST), poisoned)  # no block written after the abort
     assert len(w._background) == 0 and w.take_load_errors() == set()
     w.storage.evict(tiers=["local_cpu"], nbytes=1 << 30)  # only L1 still holds the objects:

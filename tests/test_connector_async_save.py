@@ -27,8 +27,8 @@ pytest.importorskip("vllm")
 from kvplug.connector.protocol.config import ConnectorConfig  # noqa: E402
 from kvplug.connector.protocol.groups import GroupLayout  # noqa: E402
 from kvplug.connector.protocol.metadata import KVPlugMetadata, ReqMeta, SaveSpec  # noqa: E402
-from kvplug.connector.worker.save import AsyncSaves  # noqa: E402
 from kvplug.connector.worker.side import WorkerSide, _Identity  # noqa: E402
+from kvplug.connector.worker.store import AsyncSaves  # noqa: E402
 
 BS, CHUNK = 4, 16
 HANG_S = 60  # only catches a hang
@@ -120,8 +120,7 @@ class Steps:
                 for i, h in enumerate(m.save.hashes):
                     self.saved.append((m.req_id, *md.chunk_range(m.save, i), h))
         self.w.wait_for_save(md)
-        sent = self.w.take_sent(so.finished_req_ids)
-        self.w.get_finished(so.finished_req_ids)
+        sent, _ = self.w.get_finished(so.finished_req_ids)
         self.events += [("sent", r) for r in sorted(sent)]
         out = model_runner_output(so)
         out.kv_connector_output = KVConnectorOutput(finished_sending=sent or None)
@@ -418,7 +417,7 @@ def test_cuda_save_queues_without_host_sync_and_stores_exact_pages(tmp_path, lay
             torch.cuda.set_sync_debug_mode("default")
         fx.poison(ids)  # queued on the engine's stream: after the copy (handle_preemptions)
         end = time.monotonic() + HANG_S
-        while "r" not in w.take_sent({"r"}):
+        while "r" not in w.get_finished({"r"})[0]:
             assert time.monotonic() < end
             time.sleep(0.001)
         w._saves.close()

@@ -34,7 +34,7 @@ class ConnectorConfig(KVPlugConfig):
         description="copy stored KV off the engine step (CUDA: a side stream ordered by an "
         "event, put by a completion thread; CPU: copied and put on a thread), holding a "
         "finished request's blocks until its copy is done; unset: on for CUDA, on CPU as "
-        "measured (kvplug.connector.worker.save.CPU_DEFAULT)",
+        "measured (kvplug.connector.protocol.config.CPU_DEFAULT)",
     )
     lookup_timeout_s: float = Field(
         default=2.0, gt=0, description="scheduler->worker lookup; past it, a miss"
@@ -93,3 +93,16 @@ def load_connector_config(
 ) -> ConnectorConfig:
     """:func:`kvplug.config.load_config` with the connector's schema (same sources, same errors)."""
     return load_config(source, env=env, schema=ConnectorConfig)
+
+
+#: ``async_save`` unset on CPU (see ``benchmarks/bench_async_save.py`` and RESULTS.md).
+CPU_DEFAULT = True
+
+
+def async_save_enabled(cfg: ConnectorConfig, device_type: str) -> bool:
+    """Whether saves run asynchronously: ``async_save`` if set, else on for CUDA and
+    :data:`CPU_DEFAULT` elsewhere. The scheduler and the workers must agree (the scheduler then
+    holds every finished request's blocks until the workers report its saves done)."""
+    if cfg.async_save is not None:
+        return cfg.async_save
+    return device_type == "cuda" or CPU_DEFAULT

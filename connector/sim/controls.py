@@ -50,7 +50,7 @@ DIRECTED_FAULTS = {
 
 def _patches(name: str) -> list[tuple[Any, str, Any]]:
     from kvplug.connector.scheduler import unwritten
-    from kvplug.connector.worker import load, save, store
+    from kvplug.connector.worker import load, store
     from kvplug.connector.worker import side as worker
 
     if name == "store_after_failed_load":
@@ -59,16 +59,16 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
         return [(worker.WorkerSide, "take_load_errors", lambda self: set()),
                 (worker.WorkerSide, "take_failed", lambda self: set())]
     if name == "report_finished_twice":
-        orig = worker.WorkerSide.take_sent
+        orig = worker.WorkerSide.get_finished
 
-        def twice(self: Any, finished: Any = frozenset()) -> set[str]:
-            out = orig(self, finished)
+        def twice(self: Any, finished: Any = frozenset(), idle: bool = False) -> Any:
+            out, recv = orig(self, finished, idle)
             again, self._sim_last_sent = getattr(self, "_sim_last_sent", set()), set(out)
-            return out | again
+            return out | again, recv
 
-        return [(worker.WorkerSide, "take_sent", twice)]
+        return [(worker.WorkerSide, "get_finished", twice)]
     if name == "skip_window_wait":
-        return [(save.AsyncSaves, "wait_window", lambda self: None)]
+        return [(store.AsyncSaves, "wait_window", lambda self: None)]
     if name == "leak_pins":
         return [(worker.WorkerSide, "release", lambda self, req_ids: None)]
     if name == "corrupt_last_layer_loaded":  # one KV cache group: a job's last layer is the

@@ -413,8 +413,7 @@ class World(Checks, Faults):
         """What vLLM's model runner collects from one worker (KVPlugConnector's routing)."""
         from vllm.v1.outputs import KVConnectorOutput
 
-        sent = w.take_sent(finished)
-        recv = w.get_finished(finished)
+        sent, recv = w.get_finished(finished)
         return KVConnectorOutput(finished_sending=sent or None, finished_recving=recv or None,
                                  failed_recving=w.take_failed(),
                                  invalid_block_ids=w.take_load_errors(),

@@ -14,12 +14,14 @@
   forward is remembered so nothing computed over it is stored (:meth:`Loads.tainted`); so is a
   step that reads a block a failed load left unwritten (:meth:`Loads.read_unwritten`).
 
-:class:`Loads` runs the path for both kinds of job: an inline load (``start_load_kv``: all five
-steps in the step, :meth:`Loads.start`), and a background load (a chunk is in a tier that may
-block: vLLM's asynchronous protocol), whose fetch alone runs off the step on
-:class:`BackgroundLoads`' pool; its validate, scatter and report run on vLLM's thread in
-``get_finished`` (:meth:`Loads.take_background`), so no block is written once vLLM may free it.
-:mod:`.worker` only routes vLLM's calls here.
+:class:`Loads` is the load direction of the worker's transfers (:mod:`.transfers`; the store
+direction is :mod:`.store`), in the same shape: ``expect``, ``submit``, ``finished``, ``wait``. It
+runs the path for both kinds of job: an inline load (``start_load_kv``: all five steps in the
+step, :meth:`Loads.submit`; layer-wise, the scatter is released layer by layer,
+:meth:`Loads.wait`), and a background load (a chunk is in a tier that may block: vLLM's
+asynchronous protocol), whose fetch alone runs off the step on :class:`BackgroundLoads`' pool;
+its validate, scatter and report run on vLLM's thread in ``get_finished``
+(:meth:`Loads.finished`), so no block is written once vLLM may free it.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ class Loads:
         self.background = background
         self.tier_of = tier_of
         self.release = release
-        self._done: list[RequestLoad] = []  # loads scattered (or failed), reported by finish()
+        self._done: list[RequestLoad] = []  # loads scattered (or failed), reported by _finish()
         self._objs: list[MemoryObj] = []  # what their scatter reads from
         self._steps: Generator[int, None, None] | None = None  # layer-wise scatter
         self._next = 0
@@ -171,11 +173,21 @@ class Loads:
         self._failed_blocks: set[int] = set()
         self.epoch = ""  # the weights epoch of the step (WorkerSide.sync_epoch sets it)
 
-    # -- an inline load: the five steps in start_load_kv (layer-wise: scatter in wait_layer) -----
-    def start(self, md: KVPlugMetadata) -> None:
-        """Every load of the step: plan; a background one is fetched off the step; the others
-        are fetched, validated and scattered now (layer-wise: layer by layer), then reported."""
-        self.finish()
+    # -- the transfer shape (see .transfers) ------------------------------------------------------
+    def expect(self, md: KVPlugMetadata) -> None:
+        """vLLM bound the coming step's metadata: the unwritten blocks it reads are this step's
+        load errors (:meth:`read_unwritten`)."""
+        if md.unwritten:
+            self.read_unwritten(md)
+
+    def submit(self, md: KVPlugMetadata | None) -> None:
+        """``start_load_kv``: every load of the step (None: the step has none; the last one's
+        ends). Plan; a background one is fetched off the step; the others are fetched,
+        validated and scattered now (layer-wise: layer by layer, see :meth:`wait`), then
+        reported."""
+        self._finish()
+        if md is None:
+            return
         jobs: list[PageJob] = []
         reads = LayerReads(self.storage, self.kv.num_layers) if self.layerwise else None
         for r in md.requests:
@@ -185,13 +197,13 @@ class Loads:
             ld = plan_load(md, r, self.key, self.tier_of(r.req_id), self.layout)  # 1. plan
             if r.load.background:
                 ld.epoch = self.epoch
-                self.background.submit(ld)  # 2. fetch, off the step (see take_background)
+                self.background.submit(ld)  # 2. fetch, off the step (see finished)
                 continue
             got = self._fetch(ld, reads)  # 2. fetch
             self._validate(ld, got, jobs, reads)  # 3. validate
             ld.seconds += time.perf_counter() - t0
             self._done.append(ld)
-        self._scatter(jobs, reads)  # 4. scatter, then 5. report (finish)
+        self._scatter(jobs, reads)  # 4. scatter, then 5. report (_finish)
 
     def _fetch(self, ld: RequestLoad, reads: LayerReads | None) -> dict[int, MemoryObj | None]:
         """Step 2: the whole chunks, by ``id`` of the chunk (a chunk read by layer is fetched in
@@ -233,7 +245,7 @@ class Loads:
 
     def _scatter(self, jobs: list[PageJob], reads: LayerReads | None) -> None:
         """Step 4: write the blocks, then report (bulk); layer-wise, the scatter is released
-        layer by layer (:meth:`wait_layer`) and reported once every layer is written."""
+        layer by layer (:meth:`wait`) and reported once every layer is written."""
         if reads is not None and jobs:
             self._steps = layerwise_load(self.kv, jobs, reads.before)
             self._next = 0
@@ -242,18 +254,23 @@ class Loads:
             if jobs:
                 scatter_many(self.kv, jobs)
         finally:
-            self.finish()
+            self._finish()
 
-    def wait_layer(self, layer_name: str) -> None:
-        """Layer-wise: every layer up to ``layer_name`` is written (vLLM computes it next)."""
+    def wait(self, layer: str | None = None) -> None:
+        """``layer``: layer-wise, every layer up to it is written (``wait_for_layer_load``: vLLM
+        computes it next). None: the step's inline loads are over and reported (before its
+        store, or sleep)."""
+        if layer is None:
+            self._finish()
+            return
         if self._steps is None:
             return
-        idx = self.kv.index_of(layer_name)
+        idx = self.kv.index_of(layer)
         while self._next <= idx:
             next(self._steps)
             self._next += 1
 
-    def finish(self) -> None:
+    def _finish(self) -> None:
         """Step 5: wait for the step's scatter (layer-wise: every layer), free what it read,
         report every load that is over."""
         try:
@@ -301,8 +318,8 @@ class Loads:
         return out
 
     # -- a background load: fetched off the step, the rest in get_finished ----------------------
-    def take_background(self, finished: Collection[str], idle: bool = False) -> set[str]:
-        """Background loads that are over: validated, scattered and reported now, on vLLM's
+    def finished(self, finished: Collection[str], idle: bool = False) -> set[str]:
+        """vLLM's ``finished_recving``: background loads that are over: validated, scattered and reported now, on vLLM's
         thread between forward passes; or cancelled because vLLM finished the request (never
         written: vLLM frees its blocks once it is reported). Returns their requests. ``idle``:
         the step ran no forward, so it waits a little for a fetch (:meth:`BackgroundLoads.wait_idle`)."""
@@ -325,7 +342,7 @@ class Loads:
         return over
 
     def close(self) -> None:
-        self.finish()
+        self._finish()
         self.background.close()
 
 

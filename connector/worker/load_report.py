@@ -2,8 +2,8 @@
 
 A finished load becomes what vLLM and people see: the failed blocks (vLLM recomputes them:
 ``get_block_ids_with_load_errors``, or ``failed_recving`` by request with several KV cache
-groups), the per-request result the scheduler reads (:class:`.metadata.KVPlugWorkerMeta`), the
-counters and latency (:mod:`.stats`) and a log line. Kept apart from :mod:`.worker`, which routes
+groups), the per-request result the scheduler reads (:class:`..protocol.metadata.KVPlugWorkerMeta`), the
+counters and latency (:mod:`..protocol.stats`) and a log line. Kept apart from :mod:`.side`, which routes
 vLLM's calls, and from :mod:`.load`, because it is bookkeeping only: it never touches a block or
 a tier.
 """

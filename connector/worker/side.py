@@ -10,11 +10,13 @@ to the KV cache), the lookup service the scheduler asks, and the pins lookup tak
   just before that layer is needed) and stores copied layer by layer in ``save_kv_layer``
   (kvplug.gpu's generators).
 
-A load runs along one path, plan -> fetch -> validate -> scatter -> report, in :mod:`.load`
-(:class:`.load.Loads`): a chunk that fails makes it and everything after it in that request a load
-error, reported through ``get_block_ids_with_load_errors`` so vLLM recomputes those blocks. A
-step's store is in :mod:`.store` (asynchronous saves: :mod:`.save`). This module routes vLLM's
-calls to them and keeps lookup's pins.
+Loads and stores are one kind of job moving in opposite directions, behind one object
+(:class:`.transfers.Transfers`: ``submit``, ``finished``, ``wait``). A load runs along one path,
+plan -> fetch -> validate -> scatter -> report, in :mod:`.load`: a chunk that fails makes it and
+everything after it in that request a load error, reported through
+``get_block_ids_with_load_errors`` so vLLM recomputes those blocks. A step's store, and the
+asynchronous saves, are in :mod:`.store`. This module routes vLLM's calls to the transfers and
+keeps lookup's pins.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from kvplug.read_memory import ChunkGeometry
 from kvplug.runtime import THREADS, Runtime
 from kvplug.storage_manager import StorageManager
 
-from ..protocol.config import ConnectorConfig
+from ..protocol.config import ConnectorConfig, async_save_enabled
 from ..protocol.groups import GroupLayout, lookup_groups
 from ..protocol.identity import Identity
 from ..protocol.lookup import Lookup, LookupService, socket_path
@@ -40,8 +42,8 @@ from ..protocol.metadata import KVPlugMetadata, KVPlugWorkerMeta
 from ..protocol.stats import KVPlugStats, StatsRecorder
 from .load import BackgroundLoads, Loads
 from .load_report import LoadReports
-from .save import AsyncSaves, async_save_enabled
-from .store import WorkerStore
+from .store import AsyncSaves, Stores
+from .transfers import Load, Store, Transfers
 
 logger = logging.getLogger("kvplug.connector")
 
@@ -67,10 +69,8 @@ class WorkerSide:
         self.kv_dtype = ""
         self._pins: dict[str, tuple[list[CacheKey], list[str]]] = {}
         self._lock = threading.Lock()
-        self._loads: Loads | None = None  # the loads, once there is a KV cache (.load)
-        self._stores: WorkerStore | None = None  # the stores, once there is a KV cache (.store)
-        self._sent: set[str] = set()  # finished requests whose last save read their blocks
-        self._saves: AsyncSaves | None = None  # asynchronous saves (.save)
+        #: the loads and stores, once there is a KV cache (.transfers)
+        self.transfers: Transfers | None = None
         #: the weights epoch of the step under way (the scheduler's, from each step's metadata)
         self.epoch = ""
         self.on_epoch: Callable[[], None] | None = None  # told when the epoch changes
@@ -89,15 +89,14 @@ class WorkerSide:
         self.storage = StorageManager(self.cfg, runtime=self.runtime, geometry=ChunkGeometry(
             self.kv.num_layers, -(-self.cfg.chunk_size // bs), self.kv.page_bytes,
             self.cfg.chunk_size))  # reads of any other shape are refused before allocating
-        self._loads = Loads(self.kv, self.storage, self.layout, self.key, self.cfg.layerwise,
-                            self._reports,
-                            BackgroundLoads(self.storage.batched_get, runtime=self.runtime),
-                            self._tier_of, self.release)
-        if async_save_enabled(self.cfg, self.kv.device.type):
-            self._saves = AsyncSaves(self.kv, self.storage, self.stats, self.runtime,
-                                     order_at_submit=self.layout.zeroes_new_blocks)
-        self._stores = WorkerStore(self.kv, self.storage, self.layout, self.key, self.stats,
-                                   self._saves)
+        loads = Loads(self.kv, self.storage, self.layout, self.key, self.cfg.layerwise,
+                      self._reports, BackgroundLoads(self.storage.batched_get, runtime=self.runtime),
+                      self._tier_of, self.release)
+        saves = (AsyncSaves(self.kv, self.storage, self.stats, self.runtime,
+                            order_at_submit=self.layout.zeroes_new_blocks)
+                 if async_save_enabled(self.cfg, self.kv.device.type) else None)
+        self.transfers = Transfers(loads, Stores(self.kv, self.storage, self.layout, self.key,
+                                                 self.stats, saves))
         path = socket_path(self.ident.engine_id, self.ident.rank, self.ident.pp_rank)
         if self.runtime.remote_lookups:  # else the caller calls _on_lookup (a simulation)
             self.service = LookupService(path, self._on_lookup, self.release)
@@ -115,10 +114,8 @@ class WorkerSide:
         fetches touch no block until ``get_finished``. Idempotent."""
         if self.kv is None or self._asleep:
             return
-        if self._loads is not None:
-            self._loads.finish()
-        if self._saves is not None:
-            self._saves.wait_all()
+        if self.transfers is not None:
+            self.transfers.wait()
         self._asleep = True
         logger.info("kvplug worker rank %d: KV cache unregistered (sleep)", self.ident.rank)
 
@@ -156,8 +153,8 @@ class WorkerSide:
         if md is None or md.epoch == self.epoch:
             return
         old, self.epoch = self.epoch, md.epoch  # (counted once, by the scheduler side)
-        if self._loads is not None:  # a background load planned before fails (vLLM recomputes)
-            self._loads.epoch = self.epoch
+        if self.transfers is not None:  # a background load planned before fails (recomputed)
+            self.transfers.loads.epoch = self.epoch
         freed = 0
         if self.storage is not None:
             mine = [t for t in self.storage.tier_names if not self.storage.may_block(t)]
@@ -170,14 +167,18 @@ class WorkerSide:
 
     @property
     def _background(self) -> BackgroundLoads | None:
-        """The loads vLLM waits for asynchronously (tests and benchmarks count them)."""
-        return self._loads.background if self._loads is not None else None
+        """The loads vLLM waits for asynchronously (tests, the simulation and benchmarks
+        inspect them)."""
+        return self.transfers.loads.background if self.transfers is not None else None
+
+    @property
+    def _saves(self) -> AsyncSaves | None:
+        """The asynchronous saves (tests and the simulation inspect them)."""
+        return self.transfers.stores.saves if self.transfers is not None else None
 
     def close(self) -> None:
-        if self._loads is not None:
-            self._loads.close()
-        if self._saves is not None:
-            self._saves.close()  # before the tiers: its puts finish first
+        if self.transfers is not None:
+            self.transfers.close()  # before the tiers: the saves' puts finish first
         if self.service is not None:
             self.service.close()
             self.service = None
@@ -199,9 +200,9 @@ class WorkerSide:
         if self.layout.multi:
             return self._lookup_groups(msg, key)
         keys = [key(h) for h in msg.hashes]
-        if self._saves is not None:  # an asynchronous save of these chunks: let its put end
-            self._saves.settle(keys + [key(h) for _, h in msg.tails],
-                               self.cfg.lookup_timeout_s / 2)
+        if self.transfers is not None:  # an asynchronous save of these chunks: let its put end
+            self.transfers.wait(puts=keys + [key(h) for _, h in msg.tails],
+                                timeout=self.cfg.lookup_timeout_s / 2)
         found = self.storage.lookup_prefix(keys, pin=msg.pin)
         pinned, tiers = keys[: found.num_chunks], list(found.tiers)
         tokens = found.num_chunks * self.cfg.chunk_size
@@ -259,41 +260,57 @@ class WorkerSide:
 
     def bind(self, md: KVPlugMetadata | None) -> None:
         """vLLM bound the coming step's metadata (before its forward, before any ``get_finished``
-        of the step): the saves it names are expected (:meth:`.save.AsyncSaves.expect`), and
-        the unwritten blocks it reads are this step's load errors and taint it like a failed
-        load (:meth:`.load.Loads.read_unwritten`)."""
-        if md is not None and md.unwritten:
-            if self._loads is not None:
-                self._loads.read_unwritten(md)
-            else:
-                self._reports.unwritten(md.unwritten, {})
-        if self._saves is not None and md is not None:
-            self._saves.expect(md)
+        of the step): the saves it names are expected, and the unwritten blocks it reads are this
+        step's load errors and taint it like a failed load (:meth:`.transfers.Transfers.expect`)."""
+        if md is None:
+            return
+        if self.transfers is not None:
+            self.transfers.expect(md)
+        elif md.unwritten:
+            self._reports.unwritten(md.unwritten, {})
 
-    # -- load: plan -> fetch -> validate -> scatter -> report, all in .load ----------------------
+    # -- transfers: loads and stores, see .transfers ----------------------------------------------
     def start_load_kv(self, md: KVPlugMetadata | None) -> None:
         self.sync_epoch(md)
-        if self._loads is None:
-            return
-        if md is None:
-            self._loads.finish()
-            return
-        self._loads.start(md)
+        if self.transfers is not None:
+            self.transfers.submit(Load(md))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._loads is not None:
-            self._loads.wait_layer(layer_name)
+        if self.transfers is not None:
+            self.transfers.wait(layer=layer_name)
 
-    def get_finished(self, finished: set[str], idle: bool = False) -> set[str]:
-        """Background loads that are over (vLLM's ``finished_recving``); drops finished
-        requests' pins. ``idle``: the step ran no forward (a short wait for a fetch, see
+    def save_kv_layer(self, layer_name: str, md: KVPlugMetadata | None) -> None:
+        """Layer-wise mode: copy this layer of every chunk to store, right after it is computed."""
+        if self.cfg.layerwise and md is not None and self.transfers is not None:
+            self.sync_epoch(md)
+            self.transfers.submit(Store(md, layer=layer_name))
+
+    def wait_for_save(self, md: KVPlugMetadata | None) -> None:
+        self.sync_epoch(md)
+        if self.transfers is not None:
+            self.transfers.submit(Store(md))
+
+    def get_finished(self, finished: set[str] | frozenset[str] = frozenset(),
+                     idle: bool = False) -> tuple[set[str], set[str]]:
+        """vLLM's ``get_finished``: (``finished_sending``, ``finished_recving``). Sending: finished
+        requests whose last save is over (asynchronous saves: every finished request that had a
+        save, once no copy reads its blocks; ``finished``: the requests vLLM finished since the
+        last step). Receiving: background loads that are over. Drops finished requests' pins.
+        ``idle``: the step ran no forward (a short wait for a fetch, see
         :meth:`.load.BackgroundLoads.wait_idle`)."""
-        if self._loads is None:
-            return set()
+        if self.transfers is None:
+            return set(), set()
         try:
-            return self._loads.take_background(finished, idle)
+            return tuple(self.transfers.finished(finished, idle))  # type: ignore[return-value]
         finally:
             self.release(finished)
+
+    def handle_preemptions(self, md: KVPlugMetadata | None) -> None:
+        """Before every step, which may rewrite blocks vLLM freed (preempted requests', and
+        sliding-window blocks that left the window): order it after the asynchronous copies
+        that read them."""
+        if self.transfers is not None:
+            self.transfers.wait(freed=md.preempted if md is not None else ())
 
     def take_report(self) -> KVPlugWorkerMeta | None:
         """Per-request load results since the last call (for the scheduler)."""
@@ -305,26 +322,6 @@ class WorkerSide:
             self.stats.sample_tiers(self.storage.stats())
         return self.stats.take()
 
-    def take_sent(self, finished: set[str] | frozenset[str] = frozenset()) -> set[str]:
-        """Finished requests whose last save is over (vLLM's ``finished_sending``); with
-        asynchronous saves, every finished request that had a save, once no copy reads its
-        blocks (``finished``: the requests vLLM finished since the last step)."""
-        if self._saves is not None:
-            return self._saves.take_sent(finished)
-        out, self._sent = self._sent, set()
-        return out
-
-    def handle_preemptions(self, md: KVPlugMetadata | None) -> None:
-        """Before every step, which may rewrite blocks vLLM freed (preempted requests', and
-        sliding-window blocks that left the window): order it after the asynchronous copies
-        that read them."""
-        if self._saves is None:
-            return
-        self._saves.wait_window()
-        if md is not None and md.preempted:
-            self._saves.wait_for(md.preempted)
-            self._saves.forget(md.preempted)
-
     def take_failed(self) -> set[str]:
         """Requests whose load failed (several KV cache groups: vLLM's ``failed_recving``)."""
         return self._reports.take_failed()
@@ -332,22 +329,3 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes them)."""
         return self._reports.take_load_errors()
-
-    # -- store (see .store) ---------------------------------------------------------------------
-    def save_kv_layer(self, layer_name: str, md: KVPlugMetadata | None) -> None:
-        """Layer-wise mode: copy this layer of every chunk to store, right after it is computed."""
-        if self.cfg.layerwise and md is not None and self._stores is not None:
-            self.sync_epoch(md)
-            self._stores.save_layer(layer_name, md)
-
-    def wait_for_save(self, md: KVPlugMetadata | None) -> None:
-        self.sync_epoch(md)
-        if self._saves is None:
-            # A finished request's blocks are read below (or never, on failure): then they go.
-            self._sent.update(r.req_id for r in (md.requests if md else ()) if r.finished)
-        if self._loads is None:
-            return
-        self._loads.finish()
-        skip = self._loads.tainted(md)  # computed over a failed load: not stored
-        if md is not None and self._stores is not None:
-            self._stores.finish(md, skip)
