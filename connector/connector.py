@@ -28,12 +28,12 @@ from .protocol.config import async_save_enabled, load_connector_config
 from .protocol.groups import layout_of
 from .protocol.identity import build_identity
 from .protocol.lookup import LookupClient, socket_path
-from .protocol.metadata import KVPlugMetadata, KVPlugWorkerMeta
+from .protocol.metadata import KVPlugKVEvents, KVPlugMetadata, KVPlugWorkerMeta
 from .protocol.stats import KVPlugStats
 from .scheduler.events import TierEventBook, event_key, events_enabled
 from .scheduler.side import SchedulerSide
 from .worker.side import WorkerSide
-from .worker.tier_watch import KVPlugKVEvents, TierWatch
+from .worker.tier_watch import TierWatch
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -11,8 +11,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvplug.connector.protocol.metadata import KVPlugKVEvents, TierEvent  # noqa: E402
 from kvplug.connector.scheduler.events import TierEventBook  # noqa: E402
-from kvplug.connector.worker.tier_watch import KVPlugKVEvents, TierEvent, TierWatch  # noqa: E402
+from kvplug.connector.worker.tier_watch import TierWatch  # noqa: E402
 from kvplug.keys import CacheKey  # noqa: E402
 from kvplug.storage_manager import StorageManager  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  # noqa: E402

@@ -153,7 +153,7 @@ def _event_request(req_id, tokens, salt=None, mm=None):
 
 def _announce(book, req):
     import msgspec
-    from kvplug.connector.worker.tier_watch import KVPlugKVEvents, TierEvent
+    from kvplug.connector.protocol.metadata import KVPlugKVEvents, TierEvent
     from vllm.distributed.kv_events import KVEventBatch
 
     book.record(req, 0, CS, [req.request_id.encode() * 4])

@@ -1,4 +1,6 @@
-"""What the scheduler-side connector tells the workers each step (LoadSpec / SaveSpec / ReqMeta).
+"""The messages between the two sides: what the scheduler-side connector tells the workers each
+step (LoadSpec / SaveSpec / ReqMeta in KVPlugMetadata), and what the workers tell it back (load
+results, KVPlugWorkerMeta; their tiers' KV events, KVPlugKVEvents).
 
 Everything here is pickled inside vLLM's ``SchedulerOutput`` to every worker process, so it is
 plain dataclasses of ints, bytes and lists. Token ranges are absolute positions in the request's
@@ -8,8 +10,11 @@ is named by ``hashes[i - first_chunk]``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
+from vllm.distributed.kv_events import KVConnectorKVEvents
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
@@ -121,3 +126,42 @@ class KVPlugWorkerMeta(KVConnectorWorkerMetadata):
 
     def __bool__(self) -> bool:
         return bool(self.loaded or self.failed_blocks or self.failed_from)
+
+
+# -- KV events: which chunks each worker's tiers took and lost (..worker.tier_watch) --------------
+class TierEvent(NamedTuple):
+    """One worker's news: chunk ``chunk_hash`` entered (``stored``) or left tier ``tier``."""
+
+    stored: bool
+    tier: str
+    chunk_hash: bytes
+
+
+class KVPlugKVEvents(KVConnectorKVEvents):
+    """A step's :class:`TierEvent` list from the workers (vLLM concatenates them across workers;
+    the scheduler's :class:`..scheduler.events.TierEventBook` counts ranks itself, across steps)."""
+
+    def __init__(self, events: Iterable[TierEvent] = (), num_workers: int = 1) -> None:
+        self.events: list[Any] = list(events)
+        self.num_workers = num_workers
+
+    def add_events(self, events: list[Any]) -> None:
+        self.events.extend(events)
+
+    def aggregate(self) -> KVPlugKVEvents:
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self.num_workers += count
+
+    def get_all_events(self) -> list[Any]:
+        return list(self.events)
+
+    def get_number_of_workers(self) -> int:
+        return self.num_workers
+
+    def clear_events(self) -> None:
+        self.events.clear()
+
+    def __repr__(self) -> str:
+        return f"<KVPlugKVEvents {len(self.events)} events from {self.num_workers} workers>"

@@ -60,7 +60,7 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 
-from ..worker.tier_watch import KVPlugKVEvents, TierEvent
+from ..protocol.metadata import KVPlugKVEvents, TierEvent
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -1,12 +1,13 @@
-"""The worker half of kvplug's KV events (:mod:`.events` says what they are for): which chunks
-each tier took and lost.
+"""The worker half of kvplug's KV events (:mod:`..scheduler.events` says what they are for):
+which chunks each tier took and lost.
 
 :class:`TierWatch` puts a pluggy wrapper on every tier that sees the chunks handed to it (stores
 and promotions into L1) and explicit evictions; a background thread (never vLLM's step) asks the
 tier whether it holds them (:meth:`StorageManager.holds`): a chunk present is *stored*; a tier
 whose removal counters (evictions, corrupt, failed or dropped writes...) grew is swept, and a
-chunk no longer there is *removed*. Each step's news goes to vLLM in a :class:`KVPlugKVEvents`
-(``get_kv_connector_kv_cache_events``); vLLM concatenates the workers' lists.
+chunk no longer there is *removed*. Each step's news goes to vLLM in a
+:class:`..protocol.metadata.KVPlugKVEvents` (``get_kv_connector_kv_cache_events``); vLLM
+concatenates the workers' lists.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvplug.hookspecs import hookimpl
 from kvplug.keys import CacheKey
-from vllm.distributed.kv_events import KVConnectorKVEvents
+
+from ..protocol.metadata import KVPlugKVEvents, TierEvent
 
 if TYPE_CHECKING:
     from kvplug.storage_manager import StorageManager
@@ -33,44 +35,6 @@ REMOVAL_COUNTERS = ("evictions", "evicted", "corrupt", "auth_failures", "vanishe
 PENDING_S = 120.0
 #: Keys per ``contains`` call while sweeping a tier.
 SWEEP_BATCH = 4096
-
-
-class TierEvent(NamedTuple):
-    """One worker's news: chunk ``chunk_hash`` entered (``stored``) or left tier ``tier``."""
-
-    stored: bool
-    tier: str
-    chunk_hash: bytes
-
-
-class KVPlugKVEvents(KVConnectorKVEvents):
-    """A step's :class:`TierEvent` list from the workers (vLLM concatenates them across workers;
-    the scheduler's :class:`TierEventBook` counts ranks itself, across steps)."""
-
-    def __init__(self, events: Iterable[TierEvent] = (), num_workers: int = 1) -> None:
-        self.events: list[Any] = list(events)
-        self.num_workers = num_workers
-
-    def add_events(self, events: list[Any]) -> None:
-        self.events.extend(events)
-
-    def aggregate(self) -> KVPlugKVEvents:
-        return self
-
-    def increment_workers(self, count: int = 1) -> None:
-        self.num_workers += count
-
-    def get_all_events(self) -> list[Any]:
-        return list(self.events)
-
-    def get_number_of_workers(self) -> int:
-        return self.num_workers
-
-    def clear_events(self) -> None:
-        self.events.clear()
-
-    def __repr__(self) -> str:
-        return f"<KVPlugKVEvents {len(self.events)} events from {self.num_workers} workers>"
 
 
 # -- worker side ---------------------------------------------------------------------------------
