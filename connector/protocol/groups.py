@@ -54,7 +54,7 @@ class GroupLayout:
     block_size: int = 0  # vLLM's block size in tokens (every group's)
     #: vLLM zeroes newly allocated blocks (mixed-precision caches, Mamba: its
     #: ``needs_kv_cache_zeroing``); its V2 model runner does so *before* ``handle_preemptions``,
-    #: so a block a preemption freed can be rewritten before kvplug's wait (see connector/save.py)
+    #: so a block a preemption freed can be rewritten before kvplug's wait (see ..worker.store)
     zeroes_new_blocks: bool = False
 
     @property
