@@ -5,7 +5,7 @@ when ``VLLM_PLUGINS`` names it, which ``kvplug serve`` does). FastAPI routes, so
 the server's OpenAPI schema (``/openapi.json``):
 
 * ``POST /kvplug/v1/lookup`` {prompt | token_ids, cache_salt?}: the tokens the engine's scheduler
-  would be told are stored (the scheduler side's own code, :class:`.scheduler.SchedulerSide`,
+  would be told are stored (the scheduler side's own code, :class:`.scheduler.side.SchedulerSide`,
   asking the workers' lookup services, then releasing the pins) and, per tier, the leading tokens
   it holds and the tokens of the hit a load would read from it: what a KV-aware router asks;
 * ``POST /kvplug/v1/clear`` {scope: all | tier | prefix | tenant, ...}: per tier what was
@@ -183,7 +183,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 # -- the engine side of the calls ---------------------------------------------------------------
 @dataclass
 class _Query:
-    """What :class:`.scheduler.SchedulerSide` reads of a ``vllm.v1.request.Request``."""
+    """What :class:`.scheduler.side.SchedulerSide` reads of a ``vllm.v1.request.Request``."""
 
     request_id: str
     prompt_token_ids: list[int]

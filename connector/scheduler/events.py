@@ -3,9 +3,9 @@ kvplug's tiers, published through vLLM's own event publisher (``--kv-events-conf
 
 Two halves, one per side of the connector:
 
-* worker (:mod:`.tier_watch`): :class:`~.tier_watch.TierWatch` learns which chunks each tier
-  took and lost, off vLLM's step, and hands each step's news to vLLM in a
-  :class:`~.tier_watch.KVPlugKVEvents` (``get_kv_connector_kv_cache_events``).
+* worker (:mod:`..worker.tier_watch`): :class:`~..worker.tier_watch.TierWatch` learns which
+  chunks each tier took and lost, off vLLM's step, and hands each step's news to vLLM in a
+  :class:`~..protocol.metadata.KVPlugKVEvents` (``get_kv_connector_kv_cache_events``).
 * scheduler: :class:`TierEventBook` knows, for every chunk the scheduler named for a save or a
   load, its vLLM blocks (vLLM's own block hashes, tokens, LoRA, extra keys). It counts the ranks
   (TP x PP) holding each (tier, chunk): a chunk is announced once *every* rank holds it and

@@ -77,7 +77,7 @@ def refusal(request: Request, require_salt: bool) -> str | None:
 
 class TenantGate:
     """The scheduler's check of each request (module docstring); ``stats``: anything with
-    ``add(key)`` (the connector's :class:`~.stats.StatsRecorder`)."""
+    ``add(key)`` (the connector's :class:`~..protocol.stats.StatsRecorder`)."""
 
     def __init__(self, require_salt: bool, stats: Any) -> None:
         self.require_salt = require_salt

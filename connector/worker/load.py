@@ -2,7 +2,7 @@
 **plan -> fetch -> validate -> scatter -> report**.
 
 * **plan** (:func:`plan_load`): which pages of which stored chunk go to which blocks (one part per
-  KV cache group, :func:`.groups.load_parts`), and the tier each chunk is in;
+  KV cache group, :func:`..protocol.groups.load_parts`), and the tier each chunk is in;
 * **fetch**: the chunks from the tiers (:meth:`StorageManager.batched_get`: L1, else a slower tier,
   promoted into L1); layer-wise, a chunk in a tier that reads layer ranges is staged and read one
   layer at a time just before that layer is scattered (:class:`LayerReads`);
@@ -295,7 +295,7 @@ class Loads:
 
     def read_unwritten(self, md: KVPlugMetadata) -> None:
         """This step's forward reads blocks a failed load left unwritten (``md.unwritten``,
-        :mod:`.unwritten`): they fail like a load into them, so the one rule of :meth:`tainted`
+        :mod:`..scheduler.unwritten`): they fail like a load into them, so the one rule of :meth:`tainted`
         keeps what is computed over them out of storage, vLLM recomputes them (load errors), and
         each request that reads one is stored again from its first such token."""
         bad = set(md.unwritten)

@@ -59,7 +59,7 @@ class WorkerSide:
         self.cfg = config
         self.runtime = runtime  # threads, events and clock (kvplug.runtime; a simulation's)
         self.ident = ident
-        self.layout = layout or GroupLayout()  # KV cache groups (see .groups)
+        self.layout = layout or GroupLayout()  # KV cache groups (..protocol.groups)
         self.stats = StatsRecorder()
         self._reports = LoadReports(config, ident.rank, self.layout, self.stats)
         self.kv: PagedKV | None = None
@@ -100,7 +100,7 @@ class WorkerSide:
         path = socket_path(self.ident.engine_id, self.ident.rank, self.ident.pp_rank)
         if self.runtime.remote_lookups:  # else the caller calls _on_lookup (a simulation)
             self.service = LookupService(path, self._on_lookup, self.release)
-            # the API server's lookup/clear/status calls, on a thread of their own (.manage)
+            # the API server's lookup/clear/status calls, on a thread of their own (..protocol.manage)
             self.manage = ManageService(manage_path(self.ident.engine_id, self.ident.rank,
                                                     self.ident.pp_rank), WorkerManagement(self))
         logger.info("kvplug worker rank %d: %d layers x %d blocks x %d B pages (%s, %s), "
@@ -222,7 +222,7 @@ class WorkerSide:
 
     def _lookup_groups(self, msg: Lookup, key: Callable[[bytes], CacheKey]
                        ) -> tuple[int, list[int]]:
-        """:meth:`_on_lookup` for several KV cache groups (:func:`.groups.lookup_groups`)."""
+        """:meth:`_on_lookup` for several KV cache groups (:func:`..protocol.groups.lookup_groups`)."""
         storage = self.storage
         assert storage is not None
 
