@@ -118,7 +118,9 @@ def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: i
         from kvplug.backends.common.chunks import HeaderCache
 
         before = StorageManager({"tiers": [tier]})
-        before.backend(0)._reader._headers = HeaderCache(0)  # no header known: 3 requests a read
+        off = before.backend(0)  # no header nor layout known: 3 requests a read (header first)
+        off._headers = HeaderCache(0)
+        off._learn = lambda header: None
     objs = [_chunk(mib, i) for i in range(chunks)]
     keys = [make_key(int(mib * 1000) * 10**6 + i) for i in range(chunks)]
     try:
