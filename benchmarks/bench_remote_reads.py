@@ -20,7 +20,9 @@ first, favours no case):
   into registered memory only, so alone it copies either way);
 * ``tier batched_get, L1 in front``: as an engine loads (reads in place into L1's pool; evicted
   from L1 before each read, so every round reads the server);
-* ``tier get one by one, alone``: ``StorageManager.get`` per chunk (the bench's batch of 1).
+* ``tier get one by one, alone``: ``StorageManager.get`` per chunk (the bench's batch of 1); for
+  a tier called on the caller's thread (``call_bound_s``: resp) also ``handed off``, the same
+  calls through the tier's pool, as before issue 36's change.
 
 Every chunk the tier returns is compared byte for byte with what was stored (outside the timed
 part). Printed per case: the median over rounds of MiB/s, of the ratio to the raw client of the
@@ -59,6 +61,7 @@ def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: i
     alone = StorageManager({"tiers": [tier]})
     with_l1 = StorageManager({"tiers": [l1, tier]})
     before = None
+    extra: list[StorageManager] = []
     if store == "resp":
         before = StorageManager({"tiers": [tier]})
         before.backend(0)._into_pool = False  # reads in place off: redis-py + a copy
@@ -90,6 +93,12 @@ def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: i
                                                          "raw batch")
             cases[f"tier get one by one, alone, {off}"] = (
                 lambda: [before.get(k, promote=False) for k in keys], "raw one by one")
+        if alone._tiers[0].direct:  # called on this thread: the same calls handed off too
+            handed = StorageManager({"tiers": [tier]})
+            handed._tiers[0].direct = False
+            extra.append(handed)
+            cases["tier get one by one, alone, handed off"] = (
+                lambda: [handed.get(k, promote=False) for k in keys], "raw one by one")
         wall: dict[str, list[float]] = {c: [] for c in cases}
         cpu: dict[str, list[float]] = {c: [] for c in cases}
         for r in range(rounds + 1):  # round 0 warms connections and layouts: not counted
@@ -130,7 +139,7 @@ def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: i
             f"{s['corrupt']:.0f})" for n, s in st.items()), flush=True)
     finally:
         writer.evict(keys)
-        for m in (writer, alone, before, with_l1):
+        for m in (writer, alone, before, with_l1, *extra):
             if m is not None:
                 m.close()
 
