@@ -41,8 +41,7 @@ from pydantic import ByteSize, ConfigDict, Field, field_validator
 from .bad_entries import BadEntries, Unavailable
 from .breaker import CircuitBreaker
 from .chunks import HeaderCache, Layout, copy_verified, layer_range
-from .index import CapacityIndex, TTLSet
-from .pinned import Pins
+from .index import CapacityIndex, Pins, TTLSet
 from .value_io import ValueIO
 from .value_writer import MAX_PENDING_BYTES, MAX_PENDING_WRITES, TierParts, ValueWriter
 

@@ -32,8 +32,7 @@ from kvplug.memory import MemoryObj
 from kvplug.runtime import THREADS, Runtime
 
 from .chunks import HeaderCache
-from .index import CapacityIndex, TTLSet
-from .pinned import Pins
+from .index import CapacityIndex, Pins, TTLSet
 from .value_io import GuardedCalls, Unanswered
 
 logger = logging.getLogger("kvplug.backends.values")
