@@ -30,22 +30,14 @@ from concurrent.futures import ThreadPoolExecutor
 import s3fs
 import torch
 from kvplug import chunkfile as cf
-from kvplug.memory import heap_memory_obj
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import make_key
 from moto.server import ThreadedMotoServer
+from remote_stores import chunk as _chunk
 
 BUCKET = "kvplug-bench"
 MiB = 1 << 20
 LOOKUP_REPS = 20
-
-
-def _chunk(mib: float, seed: int):  # noqa: ANN202
-    pages = max(1, int(mib * MiB) // (32 * 2))
-    obj = heap_memory_obj((32, 2, pages), num_tokens=256)
-    gen = torch.Generator().manual_seed(seed)
-    obj.byte_view.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=gen))
-    return obj
 
 
 def _manager(endpoint: str, prefix: str, **opts) -> StorageManager:

@@ -20,7 +20,9 @@ first, favours no case):
   into registered memory only, so alone it copies either way);
 * ``tier batched_get, L1 in front``: as an engine loads (reads in place into L1's pool; evicted
   from L1 before each read, so every round reads the server);
-* ``tier get one by one, alone``: ``StorageManager.get`` per chunk (the bench's batch of 1).
+* ``tier get one by one, alone``: ``StorageManager.get`` per chunk (the bench's batch of 1); for
+  a tier called on the caller's thread (``call_bound_s``: resp) also ``handed off``, the same
+  calls through the tier's pool, as before issue 36's change.
 
 Every chunk the tier returns is compared byte for byte with what was stored (outside the timed
 part). Printed per case: the median over rounds of MiB/s, of the ratio to the raw client of the
@@ -34,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import statistics
 import sys
@@ -43,63 +44,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import redis
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from kvplug.memory import heap_memory_obj
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import make_key
-from mooncake_store import MooncakeMaster, rerun_script_in_private_netns  # noqa: E402
-from redis_server import RedisServer  # noqa: E402 - the tests' server helpers
-
-MiB = 1 << 20
-
-
-def _chunk(mib: float, seed: int):  # noqa: ANN202
-    obj = heap_memory_obj((32, 2, int(mib * MiB) // 64), num_tokens=256)
-    gen = torch.Generator().manual_seed(seed)
-    obj.byte_view.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=gen))
-    return obj
-
-
-class Raw:
-    """A store's raw client: ``batch(names)`` and ``one(name)`` return the values' bytes."""
-
-    def __init__(self, batch: Callable, one: Callable, close: Callable) -> None:
-        self.batch, self.one, self.close = batch, one, close
-
-
-def raw_redis(url: str) -> Raw:
-    client = redis.Redis.from_url(url, socket_timeout=60)
-
-    def batch(names: list[str]) -> list:
-        pipe = client.pipeline(transaction=False)
-        for n in names:
-            pipe.get(n)
-        return pipe.execute()
-
-    return Raw(batch, client.get, client.close)
-
-
-def raw_mooncake(master: str) -> Raw:
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 512 << 20, 512 << 20, "tcp", "", master) == 0
-    return Raw(store.get_batch, store.get, store.close)
-
-
-def raw_fsspec(url: str, storage_options: dict) -> Raw:
-    import fsspec
-
-    fs, _ = fsspec.core.url_to_fs(url, **storage_options)
-
-    def batch(paths: list[str]) -> list:
-        got = fs.cat(paths)  # concurrent requests
-        return [got[p] for p in paths]
-
-    return Raw(batch, fs.cat_file, lambda: None)
+from remote_stores import MiB, Raw, chunk, private_network_for, started  # noqa: E402
 
 
 def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: int) -> None:
@@ -111,6 +61,7 @@ def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: i
     alone = StorageManager({"tiers": [tier]})
     with_l1 = StorageManager({"tiers": [l1, tier]})
     before = None
+    extra: list[StorageManager] = []
     if store == "resp":
         before = StorageManager({"tiers": [tier]})
         before.backend(0)._into_pool = False  # reads in place off: redis-py + a copy
@@ -118,8 +69,10 @@ def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: i
         from kvplug.backends.common.chunks import HeaderCache
 
         before = StorageManager({"tiers": [tier]})
-        before.backend(0)._reader._headers = HeaderCache(0)  # no header known: 3 requests a read
-    objs = [_chunk(mib, i) for i in range(chunks)]
+        off = before.backend(0)  # no header nor layout known: 3 requests a read (header first)
+        off._headers = HeaderCache(0)
+        off._learn = lambda header: None
+    objs = [chunk(mib, i) for i in range(chunks)]
     keys = [make_key(int(mib * 1000) * 10**6 + i) for i in range(chunks)]
     try:
         writer.batched_put(keys, objs)
@@ -140,6 +93,12 @@ def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: i
                                                          "raw batch")
             cases[f"tier get one by one, alone, {off}"] = (
                 lambda: [before.get(k, promote=False) for k in keys], "raw one by one")
+        if alone._tiers[0].direct:  # called on this thread: the same calls handed off too
+            handed = StorageManager({"tiers": [tier]})
+            handed._tiers[0].direct = False
+            extra.append(handed)
+            cases["tier get one by one, alone, handed off"] = (
+                lambda: [handed.get(k, promote=False) for k in keys], "raw one by one")
         wall: dict[str, list[float]] = {c: [] for c in cases}
         cpu: dict[str, list[float]] = {c: [] for c in cases}
         for r in range(rounds + 1):  # round 0 warms connections and layouts: not counted
@@ -180,7 +139,7 @@ def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: i
             f"{s['corrupt']:.0f})" for n, s in st.items()), flush=True)
     finally:
         writer.evict(keys)
-        for m in (writer, alone, before, with_l1):
+        for m in (writer, alone, before, with_l1, *extra):
             if m is not None:
                 m.close()
 
@@ -194,54 +153,20 @@ def main() -> None:
                     help="comma-separated: resp, mooncake, fsspec (moto's S3 server)")
     args = ap.parse_args()
     stores = args.stores.split(",")
-    if "mooncake" in stores:
-        rerun_script_in_private_netns(os.path.abspath(__file__))
+    private_network_for(stores, __file__)
     logging.getLogger("kvplug").setLevel(logging.ERROR)
     sizes = [float(m) for m in args.mib.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="kvplug-bench-reads-"))
     try:
-        if "resp" in stores:
-            srv = RedisServer(workdir / "redis", maxmemory="3gb")
-            raw = raw_redis(srv.url)
-            try:
-                print(f"redis-server {redis.Redis.from_url(srv.url).info('server')['redis_version']}"
-                      f", redis-py {redis.__version__}")
-                for mib in sizes:
-                    measure("resp", {"backend": "resp", "timeout_s": 60.0, "options": {
-                        "url": srv.url, "timeout_s": 30.0}}, raw, mib, args.chunks, args.rounds)
-            finally:
-                raw.close()
-                srv.stop()
-        if "mooncake" in stores:
-            os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
-            master = MooncakeMaster(workdir / "mooncake")
-            raw = raw_mooncake(master.address)
-            try:
-                for mib in sizes:
-                    measure("mooncake", {"backend": "mooncake", "timeout_s": 60.0, "options": {
-                        "master": master.address, "timeout_s": 30.0,
-                        "global_segment_size": "1GiB", "local_buffer_size": "512MiB"}},
-                        raw, mib, args.chunks, args.rounds)
-            finally:
-                raw.close()
-                master.stop()
-        if "fsspec" in stores:
-            import s3fs
-            from s3_server import CREDENTIALS, MotoServer
-
-            os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                              AWS_DEFAULT_REGION="us-east-1")
-            moto = MotoServer()
-            try:
-                so = {"endpoint_url": moto.endpoint, **CREDENTIALS}
-                s3fs.S3FileSystem(skip_instance_cache=True, **so).mkdir("bench")
-                raw = raw_fsspec("s3://bench/kv", so)
-                for mib in sizes:
-                    measure("fsspec", {"backend": "fsspec", "timeout_s": 60.0, "options": {
-                        "url": "s3://bench/kv", "timeout_s": 30.0, "storage_options": so}},
-                        raw, mib, args.chunks, args.rounds)
-            finally:
-                moto.stop()
+        for name in stores:
+            with started(name, workdir) as store:
+                raw = store.make_raw()
+                print(store.client, flush=True)
+                try:
+                    for mib in sizes:
+                        measure(name, store.tier(), raw, mib, args.chunks, args.rounds)
+                finally:
+                    raw.close()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import statistics
 import sys
@@ -38,62 +37,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import redis
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kvplug import chunkfile as cf
-from kvplug.memory import heap_memory_obj
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import make_key
-from mooncake_store import MooncakeMaster, rerun_script_in_private_netns  # noqa: E402 - the tests' server helpers
-from redis_server import RedisServer  # noqa: E402
+from remote_stores import MiB, Raw, private_network_for, started  # noqa: E402
+from remote_stores import chunk as _chunk  # noqa: E402
 
-MiB = 1 << 20
 LOOKUP_KEYS = 64
 LOOKUP_REPS = 20
-
-
-def _chunk(mib: float, seed: int):  # noqa: ANN202
-    pages = max(1, int(mib * MiB) // (32 * 2))
-    obj = heap_memory_obj((32, 2, pages), num_tokens=256)
-    gen = torch.Generator().manual_seed(seed)
-    obj.byte_view.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8, generator=gen))
-    return obj
-
-
-class Raw:
-    """A store's raw client: put/get one value, lookup many, delete many."""
-
-    def __init__(self, put, get, lookup, delete, close) -> None:  # noqa: ANN001
-        self.put, self.get, self.lookup, self.delete, self.close = put, get, lookup, delete, close
-
-
-def _raw_redis(url: str) -> Raw:
-    client = redis.Redis.from_url(url, socket_timeout=30)
-
-    def lookup(names: list[str]) -> list:
-        pipe = client.pipeline(transaction=False)
-        for n in names:
-            pipe.exists(n)
-        return pipe.execute()
-
-    return Raw(client.set, client.get, lookup, lambda names: client.delete(*names), client.close)
-
-
-def _raw_mooncake(master: str) -> Raw:
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 512 << 20, 256 << 20, "tcp", "", master) == 0
-
-    def put(name: str, data: bytes) -> None:
-        assert store.upsert(name, data) == 0
-
-    def lookup(names: list[str]) -> list:
-        return [c == 1 for c in store.batch_is_exist(names)]
-
-    return Raw(put, store.get, lookup, store.batch_remove, store.close)
 
 
 def _manager(tier: dict, l1: bool = False, **opts) -> StorageManager:
@@ -138,7 +92,7 @@ def measure(store: str, raw: Raw, tier: dict, args: argparse.Namespace,
                 rec(f"raw_put_{mib}", total / (time.perf_counter() - t))
                 t = time.perf_counter()
                 for name in names:
-                    raw.get(name)
+                    raw.one(name)
                 rec(f"raw_get_{mib}", total / (time.perf_counter() - t))
                 raw.delete(names)
                 pkeys = [k.with_hash(k.chunk_hash + b"p") for k in keys]
@@ -207,35 +161,20 @@ def main() -> None:
     ap.add_argument("--stores", default="resp,mooncake", help="comma-separated: resp, mooncake")
     args = ap.parse_args()
     stores = args.stores.split(",")
-    if "mooncake" in stores:
-        rerun_script_in_private_netns(os.path.abspath(__file__))
+    private_network_for(stores, __file__)
     logging.getLogger("kvplug").setLevel(logging.ERROR)
     res: dict[str, list[float]] = {}
-    workdir = tempfile.mkdtemp(prefix="kvplug-bench-remote-")
+    workdir = Path(tempfile.mkdtemp(prefix="kvplug-bench-remote-"))
     try:
-        if "resp" in stores:
-            srv = RedisServer(Path(workdir) / "redis", maxmemory="2gb")
-            raw = _raw_redis(srv.url)
-            try:
-                measure("resp", raw, {"backend": "resp", "timeout_s": 60.0,
-                                      "options": {"url": srv.url, "timeout_s": 30.0}}, args, res)
-            finally:
-                raw.close()
-                srv.stop()
-            report("resp", f"redis-py {redis.__version__} (hiredis) on redis-server", res, args)
-        if "mooncake" in stores:
-            os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
-            master = MooncakeMaster(Path(workdir) / "mooncake")
-            raw = _raw_mooncake(master.address)
-            try:
-                measure("mooncake", raw, {"backend": "mooncake", "timeout_s": 60.0, "options": {
-                    "master": master.address, "timeout_s": 30.0,
-                    "global_segment_size": "256MiB", "local_buffer_size": "256MiB"}}, args, res)
-            finally:
-                raw.close()
-                master.stop()
-            report("mooncake", "Mooncake's MooncakeDistributedStore (tcp, in-process master "
-                   "client, segments lent by each client)", res, args)
+        for name in stores:
+            with started(name, workdir, maxmemory="2gb", segment="256MiB",
+                         buffer="256MiB") as store:
+                raw = store.make_raw()
+                try:
+                    measure(name, raw, store.tier(), args, res)
+                finally:
+                    raw.close()
+            report(name, store.client, res, args)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

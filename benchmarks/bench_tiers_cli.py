@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from remote_stores import private_network_for, started  # noqa: E402
 
 TIERS = ("posix", "local_cpu", "resp", "fsspec", "mooncake")
 
@@ -54,44 +54,18 @@ def run(out: Path, seconds: float, tiers: list[str], root: Path) -> None:
     if "local_cpu" in tiers:
         bench(out, "local_cpu", seconds, ["--backend", "local_cpu", "--options",
                                           json.dumps({"capacity": "3GiB"})])
-    if "resp" in tiers:
-        from redis_server import RedisServer
-
-        srv = RedisServer(root / "redis", maxmemory="3gb")
-        try:
-            bench(out, "resp", seconds, ["--backend", "resp", "--options", json.dumps(
-                {"url": srv.url, "timeout_s": 30, **queue})])
-        finally:
-            srv.stop()
-    if "fsspec" in tiers:
-        import s3fs
-        from s3_server import CREDENTIALS, MotoServer
-
-        os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                          AWS_DEFAULT_REGION="us-east-1")
-        srv = MotoServer()
-        try:
-            s3fs.S3FileSystem(endpoint_url=srv.endpoint, skip_instance_cache=True,
-                              **CREDENTIALS).mkdir("bench")
-            bench(out, "fsspec", seconds, [
-                "--sizes", "256KiB,1MiB", "--batches", "1,16", "--max-bytes", "64MiB",
-                "--backend", "fsspec", "--options", json.dumps({
-                    "url": "s3://bench/kv", "timeout_s": 60, **queue,
-                    "storage_options": {"endpoint_url": srv.endpoint, **CREDENTIALS}})])
-        finally:
-            srv.stop()
-    if "mooncake" in tiers:
-        from mooncake_store import MooncakeMaster
-
-        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
-        master = MooncakeMaster(root / "mooncake")
-        try:
-            bench(out, "mooncake", seconds, [
-                "--batches", "1,32", "--backend", "mooncake", "--options", json.dumps({
-                    "master": master.address, "timeout_s": 30, "global_segment_size": "3GiB",
-                    "local_buffer_size": "2GiB", **queue})])
-        finally:
-            master.stop()
+    for name, extra in (("resp", []),
+                        ("fsspec", ["--sizes", "256KiB,1MiB", "--batches", "1,16",
+                                    "--max-bytes", "64MiB"]),
+                        ("mooncake", ["--batches", "1,32"])):
+        if name not in tiers:
+            continue
+        with started(name, root, segment="3GiB", buffer="2GiB", timeout_s=30) as store:
+            options = {**store.options, **queue}
+            if name == "fsspec":
+                options["timeout_s"] = 60
+            bench(out, name, seconds, [*extra, "--backend", name, "--options",
+                                       json.dumps(options)])
 
 
 def _f(v: float | None, fmt: str = "{:.0f}") -> str:
@@ -149,10 +123,7 @@ def main() -> None:
         table(*args.out[:2])
         return
     tiers = args.tiers.split(",")
-    if "mooncake" in tiers:
-        from mooncake_store import rerun_script_in_private_netns
-
-        rerun_script_in_private_netns(os.path.abspath(__file__))
+    private_network_for(tiers, __file__)
     run(args.out[0], args.seconds, tiers, args.root)
 
 

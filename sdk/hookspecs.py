@@ -299,6 +299,11 @@ class BackendClass(Protocol):
       eviction policy, :mod:`kvplug.policyspecs`); only such a tier accepts an ``eviction``
       setting in its config. Default ``False``.
 
+    An instance may also set ``call_bound_s: float`` — the longest one of its hook calls can wait
+    (its client bounds every round trip, its breaker the failures). Where that is within the
+    tier's ``timeout_s``, kvplug calls it on the caller's thread instead of handing the call to
+    the tier's pool (:mod:`kvplug.tier_calls`); the tier still may block. Default: none.
+
     Not ``runtime_checkable``: every member but ``__init__`` is optional, so ``isinstance`` could
     not tell a backend class from any other; :func:`class_contract_problems` checks it instead.
     """

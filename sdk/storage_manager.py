@@ -4,7 +4,8 @@ It is the only thing the cache engine talks to. It decides *which tier* answers;
 *how* bytes are kept. Every hook call goes through :meth:`_call`, which turns an exception from a
 backend into a counted, once-logged miss, and bounds calls on slow tiers (all but the first) with
 the tier's ``timeout_s`` so a stalled tier degrades to a miss instead of hanging the engine (only
-tiers whose class sets ``never_blocks = True``, like ``local_cpu``, are called inline). Each tier
+tiers whose class sets ``never_blocks = True``, like ``local_cpu``, or whose client bounds every
+call within ``timeout_s``, ``call_bound_s``, are called on the caller's thread). Each tier
 that may block has its own bounded pool (:mod:`.tier_calls`): a stalled tier starves no other, and
 late results release what they hold (objects, pins). The tiers are built, and their hooks scoped,
 by :mod:`.tier_setup`. What a tier's read may allocate (``ctx.allocate``, ``ctx.read_limit``) is
@@ -139,7 +140,7 @@ class StorageManager:
     def _call(self, tier: Tier, hook: str, bounded: bool = False, **kwargs: Any) -> Any:
         """Call one tier's hook; exceptions (and, if ``bounded``, timeouts) become ``None``."""
         caller = tier.hooks[hook]
-        if not bounded or tier.inline:
+        if not bounded or tier.direct:
             try:
                 return caller(**kwargs)
             except Exception as exc:  # noqa: BLE001 - a tier fault is a miss

@@ -235,3 +235,24 @@ def test_consistent_checksum_but_wrong_table_or_order_is_rejected():
     for bad in (table, moved, body[:-1] + b',"x":{}}', body + b"{}"):
         with pytest.raises(ChunkFormatError):
             cf.decode_header(_rehash(bad), size)
+
+
+def test_verify_layers_checks_every_layer_and_the_range():
+    """Each layer of a run is checked against its own checksum (a flipped byte in any one layer,
+    the last included, fails the run), at any first layer; a run that reaches past the chunk's
+    layers, starts before it, or is not whole layers is refused."""
+    key, obj = _key(), _obj((6, 2, 1500), torch.uint8, seed=11)
+    data = _file(key, obj)
+    head = cf.decode_header(data, len(data))
+    n = head.layer_nbytes
+    layers = obj.byte_view.numpy().tobytes()
+    assert cf.verify_layers(head, 0, layers)
+    assert cf.verify_layers(head, 2, layers[2 * n : 5 * n])
+    for i in range(head.num_layers):
+        bad = bytearray(layers)
+        bad[i * n + 7] ^= 1
+        assert not cf.verify_layers(head, 0, bad), f"layer {i}'s flipped byte passed"
+    assert not cf.verify_layers(head, 4, layers[4 * n : 7 * n] + layers[:n])  # past the last
+    assert not cf.verify_layers(head, -1, layers[:n])
+    assert not cf.verify_layers(head, 0, layers[: n + 1])
+    assert not cf.verify_layers(head, 1, layers[:n])  # layer 0's bytes as layer 1

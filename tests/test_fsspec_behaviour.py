@@ -306,3 +306,50 @@ def test_a_chunk_read_again_is_one_request():
         assert mgr.stats()["fsspec"]["corrupt"] == 1 and not fs.exists(path)
         for obj in (ref, again):
             obj.ref_down()
+
+
+def _counting(io, calls: list[str]) -> None:
+    """Record each ``cat`` (with its byte range) and ``size`` the tier's I/O makes."""
+    real_cat, real_size = io.cat, io.size
+
+    async def cat(path, start=None, end=None):
+        calls.append("cat" if start is None else f"cat {start}..{end}")
+        return await real_cat(path, start, end)
+
+    async def size(path):
+        calls.append("size")
+        return await real_size(path)
+
+    io.cat, io.size = cat, size
+
+
+def test_a_first_read_is_one_ranged_request_once_the_layout_is_known():
+    """Once the tier has read one chunk, a chunk it never read is read with one ranged read of
+    that chunk's size plus a byte (the stored bytes choose no size), not a header read, a size
+    call and a body read; in a batch too. Control: an object longer than the layout (junk
+    appended) is read header first after that one request and is a corrupt miss, deleted."""
+    with _mgr() as mgr:
+        _put(mgr, range(5))
+        calls: list[str] = []
+        _counting(_backend(mgr).io, calls)
+        first = mgr.get(make_key(0))
+        assert first is not None and sorted(calls)[-1] == "size", calls  # header first
+        fs = fsspec.filesystem("memory")
+        size = len(fs.cat_file(_backend(mgr).path_of(make_key(1))))
+        calls.clear()
+        got = mgr.get(make_key(1))
+        assert got is not None and calls == [f"cat 0..{size + 1}"], calls
+        calls.clear()
+        many = mgr.batched_get([make_key(2), make_key(3)])
+        assert all(m is not None for m in many) and calls == [f"cat 0..{size + 1}"] * 2, calls
+        for obj, i in ((first, 0), (got, 1), *zip(many, (2, 3))):
+            ref = fill_random(mgr, seed=i)
+            assert torch.equal(obj.byte_view, ref.byte_view)
+            for o in (obj, ref):
+                o.ref_down()
+        path = _backend(mgr).path_of(make_key(4))
+        fs.pipe_file(path, fs.cat_file(path) + bytes(1 << 20))
+        calls.clear()
+        assert mgr.get(make_key(4)) is None
+        assert calls[0] == f"cat 0..{size + 1}" and "size" in calls, calls
+        assert mgr.stats()["fsspec"]["corrupt"] == 1 and not fs.exists(path)

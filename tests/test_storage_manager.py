@@ -300,3 +300,43 @@ def test_a_batched_get_of_the_wrong_length_is_a_fault_and_its_objects_released()
         lower = mgr.backend("lower")
         assert len(lower.handed) == 2 and all(o.is_freed for o in lower.handed)
         assert mgr.stats()["lower"]["faults"] == 1
+
+
+class ThreadRecordingTier(DictTier):
+    """A tier that records the thread each ``get`` runs on; ``call_bound_s`` from its options
+    (the longest one of its calls can wait, as a tier whose client bounds every call says)."""
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.threads: list[threading.Thread] = []
+        bound = ctx.options.get("call_bound_s")
+        if bound is not None:
+            self.call_bound_s = bound
+
+    @hookimpl
+    def get(self, key):
+        self.threads.append(threading.current_thread())
+        return super().get(key)
+
+
+@pytest.mark.parametrize("bound, direct", [(1.0, True), (10.0, False), (None, False)])
+def test_a_tier_whose_calls_are_bounded_within_timeout_is_called_on_the_callers_thread(
+        bound, direct):
+    """A tier that declares every call bounded within its ``timeout_s`` (``call_bound_s``) is
+    called on the caller's thread, without the hand-off to its pool; one whose bound is longer
+    than ``timeout_s``, or that declares none, is still called on its pool (bounded there). The
+    answer is the same either way, and the tier still may block (its loads run off the step)."""
+    options = {} if bound is None else {"call_bound_s": bound}
+    tier = {"backend": "test_storage_manager:ThreadRecordingTier", "options": options,
+            "timeout_s": 5.0}
+    with StorageManager({"tiers": [tier]}) as mgr:
+        obj = fill_random(mgr, seed=1)
+        mgr.batched_put([make_key(1)], [obj])
+        got = mgr.get(make_key(1))
+        assert got is not None and torch.equal(got.byte_view, obj.byte_view)
+        got.ref_down()
+        obj.ref_down()
+        threads = mgr.backend(0).threads
+        assert threads and all((t is threading.current_thread()) == direct for t in threads), \
+            [t.name for t in threads]
+        assert mgr.may_block("test_storage_manager:ThreadRecordingTier")

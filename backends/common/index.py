@@ -1,5 +1,6 @@
-"""Bookkeeping shared by the remote tiers (fsspec, resp): short-lived lookup caches and the
-optional capacity index.
+"""Bookkeeping shared by the remote tiers (resp, mooncake, fsspec) over their store names:
+short-lived lookup caches, the optional capacity index and what lookups pinned (never evicted,
+neither by ``evict`` nor by the writer making room under the capacity bound).
 
 A :class:`TTLSet` is guarded by its owner's lock (the reader's or the writer's). The
 :class:`CapacityIndex` has a lock of its own, since the reader, the writer and eviction all report
@@ -12,7 +13,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+
+from kvplug.pins import PinCounts
 
 #: ``(object name, size)`` of objects to delete to make room.
 Victims = list[tuple[str, int]]
@@ -171,3 +174,28 @@ class CapacityIndex:
         for path, _ in chosen:
             self._stored -= self._sizes.pop(path)
         return chosen
+
+
+class Pins:
+    """The names lookups pinned, counted (thread-safe): shared by a tier and its writer, whose
+    capacity evictions spare them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: PinCounts[str] = PinCounts()
+
+    def pin_all(self, names: Iterable[str]) -> None:
+        with self._lock:
+            self._counts.pin_all(names)
+
+    def unpin_all(self, names: Iterable[str]) -> None:
+        with self._lock:
+            self._counts.unpin_all(names)
+
+    def __contains__(self, name: object) -> bool:
+        with self._lock:
+            return name in self._counts
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._counts)

@@ -40,6 +40,9 @@ class GuardedCalls:
     timeout_types: tuple[type[BaseException], ...] = ()
     #: The stats name of timed-out calls.
     timeout_stat = "socket_timeouts"
+    #: Whether the store keeps the buffer a value is sent from (fsspec's uploads): the writer then
+    #: encodes each value into fresh bytes instead of its reused scratch buffer.
+    keeps_values = False
 
     def __init__(self, name: str, breaker: CircuitBreaker, redact: Redactor) -> None:
         self.name = name
@@ -119,6 +122,11 @@ class ValueIO(GuardedCalls):
     #: tier's ``ctx.read_limit``, set by the tier); a store receives at most one byte more, so
     #: the tier sees a longer value is too long without it costing its length.
     read_limit: Callable[[], int | None] = staticmethod(lambda: None)
+    #: Whether a whole read takes the size the tier expects (:meth:`get`'s ``expect``: the
+    #: store then receives at most one byte more) and a value of unknown size is read header
+    #: first (:meth:`head`, then the body the checked header sizes): fsspec, whose objects a
+    #: read would otherwise download whole whatever their size.
+    sized_reads = False
 
     # -- what subclasses implement (raise on a failed call) -------------------------------------
     def _exists(self, names: Sequence[str]) -> list[bool | None]:
@@ -132,13 +140,25 @@ class ValueIO(GuardedCalls):
         store overrides it."""
         return [self._get(n) for n in names]
 
+    def _get_sized(self, name: str, expect: int) -> bytes | None:
+        """(:attr:`sized_reads` stores) bytes ``[0, expect + 1)`` of the value: all of it when it
+        is at most ``expect`` bytes long."""
+        raise NotImplementedError
+
     def _get_each(self, names: Sequence[str],
-                  use: Callable[[int, bytes | memoryview | None], None]) -> None:
+                  use: Callable[[int, bytes | memoryview | None], None],
+                  expects: Sequence[int | None] | None = None) -> None:
         """Hand each value to ``use(i, value)`` as it is read; a store that reads into a reused
-        buffer hands a view of it, valid only during the call (no copy per value). Default: the
-        values of :meth:`_get_many`."""
+        buffer hands a view of it, valid only during the call (no copy per value); ``expects``:
+        the sizes the tier expects (:attr:`sized_reads` stores). Default: the values of
+        :meth:`_get_many`."""
         for i, value in enumerate(self._get_many(names)):
             use(i, value)
+
+    def _head(self, name: str, length: int) -> tuple[bytes, int] | None:
+        """(:attr:`sized_reads` stores) the first ``length`` bytes of a value and its size, in
+        one round trip; ``None`` when it is missing."""
+        raise NotImplementedError
 
     def _get_range(self, name: str, start: int, end: int) -> bytes | None:
         raise NotImplementedError
@@ -170,9 +190,16 @@ class ValueIO(GuardedCalls):
         ok, out = self._guarded(lambda: self._exists(names))
         return out if ok else [None] * len(names)
 
-    def get(self, name: str) -> bytes | None:
-        """The whole value (``None``: missing or unavailable)."""
+    def get(self, name: str, expect: int | None = None) -> bytes | None:
+        """The whole value (``None``: missing or unavailable); with ``expect`` (a
+        :attr:`sized_reads` store), at most ``expect + 1`` bytes of it."""
+        if expect is not None and self.sized_reads:
+            return self._guarded(lambda: self._get_sized(name, expect))[1]
         return self._guarded(lambda: self._get(name))[1]
+
+    def head(self, name: str, length: int) -> tuple[bytes, int] | None:
+        """See :meth:`_head`; ``None`` when missing or unavailable."""
+        return self._guarded(lambda: self._head(name, length))[1]
 
     def get_many(self, names: Sequence[str]) -> list[bytes | None]:
         """Whole values, one per name (``None``: missing; all ``None``: unavailable)."""
@@ -180,10 +207,12 @@ class ValueIO(GuardedCalls):
         return out if ok else [None] * len(names)
 
     def get_each(self, names: Sequence[str],
-                 use: Callable[[int, bytes | memoryview | None], None]) -> None:
+                 use: Callable[[int, bytes | memoryview | None], None],
+                 expects: Sequence[int | None] | None = None) -> None:
         """:meth:`get_many` handing each value to ``use(i, value)`` as it is read (a view valid
         only during the call); every index is handed once, ``None`` for a missing value and for
-        each one left unread when the store failed or was refused part way."""
+        each one left unread when the store failed or was refused part way. ``expects``: as
+        :meth:`get`'s ``expect``, per name."""
         done = 0
 
         def counted(i: int, value: bytes | memoryview | None) -> None:
@@ -191,7 +220,7 @@ class ValueIO(GuardedCalls):
             done = i + 1
             use(i, value)
 
-        self._guarded(lambda: self._get_each(names, counted))
+        self._guarded(lambda: self._get_each(names, counted, expects))
         for i in range(done, len(names)):
             use(i, None)
 

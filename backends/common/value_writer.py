@@ -9,7 +9,7 @@ defaults keep a long prompt's chunks stored in one engine step (hundreds of them
 threads come from the tier's runtime (``TierContext.runtime``, :mod:`kvplug.runtime`): a burst of
 stores is one task on them. A writer takes what is queued (up to ``batch_bytes``), encodes each
 chunk in the shared chunk format into its reused scratch buffer (or, where the store keeps the
-buffer it is given, into fresh bytes: one copy either way, after which the memory object is
+buffer it is given, ``io.keeps_values``, into fresh bytes: one copy either way, after which the memory object is
 released) and sends all of them in one batch. A value is visible whole or not at all (``SET``,
 Mooncake's puts and fsspec's whole-object uploads are atomic). A store refused by the server
 (full: ``OOM`` under ``noeviction``, Mooncake's -200) is dropped and counted (``dropped_full``); it
@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvplug import chunkfile as cf
 from kvplug.keys import CacheKey
@@ -30,7 +31,8 @@ from kvplug.logs import LogOnce
 from kvplug.memory import MemoryObj
 from kvplug.runtime import THREADS, Runtime
 
-from .index import CapacityIndex, TTLSet
+from .chunks import HeaderCache
+from .index import CapacityIndex, Pins, TTLSet
 from .value_io import GuardedCalls, Unanswered
 
 logger = logging.getLogger("kvplug.backends.values")
@@ -42,35 +44,43 @@ MAX_PENDING_WRITES = 1024
 MAX_PENDING_BYTES = 1 << 30
 
 
+@dataclass(frozen=True)
+class TierParts:
+    """What a remote tier shares with its writer: its name (for messages and thread names), its
+    guarded calls, capacity index, parsed headers (a written name's is dropped), pins (spared by
+    capacity evictions), log-once, keyring (``auth_key_env``: chunks are MAC'd) and runtime."""
+
+    name: str
+    io: GuardedCalls
+    index: CapacityIndex
+    headers: HeaderCache
+    pins: Pins
+    log_once: LogOnce
+    auth: cf.Keyring | None = None
+    runtime: Runtime = THREADS
+
+
 class ValueWriter:
     """Owns the queue and its threads, the stores in flight (invisible to lookups until written),
-    the recently written names (trusted without a round trip) and the store counters.
-    ``protected(name)`` says whether eviction must spare a name (pinned); ``delete(names)``
-    removes victims of the capacity bound; ``stored(name)`` reports a finished store.
-    ``skip_indexed``: a name the capacity index holds is not stored again (fsspec, whose index
-    learns what lookups and listings found); ``reuse_buffer=False``: encode into fresh bytes."""
+    the recently written names (trusted without a round trip) and the store counters. It works
+    on the tier's shared parts (:class:`TierParts`), never calls back into the tier: a capacity
+    eviction spares what is pinned or in flight, deletes its victims from the store and the
+    header cache; a finished store drops the name's cached header. A store that keeps the buffer
+    it is given (``io.keeps_values``) gets each value in fresh bytes."""
 
-    def __init__(self, name: str, io: GuardedCalls, index: CapacityIndex, log_once: LogOnce, *,
-                 pinned: Callable[[str], bool], delete: Callable[[Sequence[str]], None],
-                 stored: Callable[[str], None], max_pending: int, threads: int,
-                 batch_bytes: int, written_ttl_s: float, skip_indexed: bool = False,
-                 reuse_buffer: bool = True, thread_prefix: str | None = None,
-                 auth: cf.Keyring | None = None, max_pending_bytes: int = MAX_PENDING_BYTES,
-                 runtime: Runtime = THREADS) -> None:
-        self._name = name
-        self._auth = auth  # the tier's keyring (auth_key_env): chunks are MAC'd
-        self._io = io
-        self._index = index
-        self._log_once = log_once
-        self._pinned = pinned
-        self._delete = delete
-        self._stored = stored
+    def __init__(self, parts: TierParts, *, max_pending: int, threads: int, batch_bytes: int,
+                 written_ttl_s: float, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+        self._parts = parts
+        self._name = parts.name
+        self._auth = parts.auth
+        self._io = parts.io
+        self._index = parts.index
+        self._log_once = parts.log_once
         self._max_pending = max_pending
         self._max_pending_bytes = max_pending_bytes
         self._queued_bytes = 0  # of stores queued, not yet taken by a writer (under the lock)
         self._batch_bytes = batch_bytes
-        self._skip_indexed = skip_indexed
-        self._reuse_buffer = reuse_buffer
+        runtime = parts.runtime
         self._rt = runtime
         self._threads = threads
         self._lock = threading.Lock()
@@ -85,7 +95,7 @@ class ValueWriter:
         self._draining = 0  # writer tasks queued or running (at most ``threads``)
         #: the writer threads: daemon threads of the tier's runtime (kvplug.runtime), one task
         #: per burst of stores (a simulation orders each against everything else)
-        self._pool = runtime.executor(threads, f"kvplug-{thread_prefix or name}-w", daemon=True)
+        self._pool = runtime.executor(threads, f"kvplug-{self._name}-w", daemon=True)
 
     # -- what lookups and eviction need to know -------------------------------------------------
     def known(self, names: Sequence[str], trust_written: bool) -> list[bool | None]:
@@ -96,10 +106,11 @@ class ValueWriter:
                     else None for n in names]
 
     def protected(self, name: str) -> bool:
+        """Whether eviction must spare ``name``: its store is in flight, or a lookup pinned it."""
         with self._lock:
             if name in self._pending:
                 return True
-        return self._pinned(name)
+        return name in self._parts.pins
 
     def forget(self, name: str) -> None:
         """The value was deleted, evicted by the store or found corrupt: stop trusting it."""
@@ -109,8 +120,6 @@ class ValueWriter:
     # -- stores ---------------------------------------------------------------------------------
     def submit(self, name: str, key: CacheKey, obj: MemoryObj) -> None:
         """Queue a store of ``obj`` (a reference is held until it is written or dropped)."""
-        if self._skip_indexed and name in self._index:
-            return
         with self._lock:
             if self._closed or name in self._pending or name in self._written:
                 return
@@ -229,7 +238,7 @@ class ValueWriter:
         thread's next batch); every object is released, also on a failure."""
         try:
             parts = [(name, cf.encode_chunk(key, obj, self._auth)) for name, key, obj in batch]
-            if not self._reuse_buffer:
+            if self._io.keeps_values:
                 return [(name, b"".join([h, *bufs])) for name, (h, bufs) in parts]
             sizes = [len(h) + sum(len(b) for b in bufs) for _, (h, bufs) in parts]
             scratch = self._scratch(sum(sizes))
@@ -263,7 +272,7 @@ class ValueWriter:
             if victims is None:
                 self._count("dropped_puts")
                 continue
-            self._delete([v for v, _ in victims])
+            self._evicted([v for v, _ in victims])
             room.append((name, data))
         if not room:
             self._io.forgo()
@@ -291,8 +300,19 @@ class ValueWriter:
                 self._counts["written"] += 1
                 self._counts["bytes_put"] += len(data)
                 self._written.add(name)
-            self._stored(name)
+            self._parts.headers.pop(name)  # a header read before describes another value
             self._index.commit(name, len(data))
+
+    def _evicted(self, names: list[str]) -> None:
+        """Delete the victims of the capacity bound (from the store and what remembers them)."""
+        if not names:
+            return
+        with self._lock:
+            for n in names:
+                self._written.discard(n)
+        for n in names:
+            self._parts.headers.pop(n)
+        self._io.delete(names)
 
     def stats(self) -> dict[str, float]:
         with self._lock:

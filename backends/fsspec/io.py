@@ -6,7 +6,8 @@ fsspec's IO loop for synchronous ones (``memory``, ``file``), whose blocking cal
 thread pool. ``asyncio.wait_for`` cancels a call that runs past its timeout inside the loop, and
 the calling thread waits on the future with a slightly longer bound, so a dead store never hangs a
 caller. Credentials are scrubbed from every message this module produces (:class:`Redactor`).
-:class:`GuardedIO` puts the tier's circuit breaker in front of these calls.
+:class:`FsspecIO` is the tier's :class:`~kvplug.backends.common.value_io.ValueIO`: the same small
+interface resp and mooncake implement, behind the tier's circuit breaker.
 """
 
 from __future__ import annotations
@@ -17,22 +18,21 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem, get_loop
 from kvplug import chunkfile as cf
 from kvplug.errors import ConfigError
-from kvplug.logs import LogOnce
 from kvplug.redact import Redactor
 from kvplug.runtime import THREADS, Runtime
 
 from ..common.breaker import CircuitBreaker
-from ..common.index import CapacityIndex
-from ..common.value_io import GuardedCalls
+from ..common.value_io import ValueIO
 
 T = TypeVar("T")
+
+
 def _s3_defaults(options: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Defaults for s3fs that the user did not set: short client timeouts, few retries, no
     listings cache and no shared instance (several hosts and tests must see fresh state)."""
@@ -71,11 +71,21 @@ def open_filesystem(
     return fs, root.rstrip("/")
 
 
-class RemoteIO:
-    """Bounded, concurrent primitives over one fsspec filesystem."""
+class FsspecIO(ValueIO):
+    """The tier's calls over one fsspec filesystem: bounded, concurrent coroutines on one event
+    loop (:meth:`cat`, :meth:`size`, :meth:`put`, :meth:`rm`, :meth:`find`) and, over them, the
+    value-store interface (one object a value, its path the name). A call that is refused, fails
+    or times out is a miss, never an exception; failures are counted (``timeouts``,
+    ``remote_errors``) and fed to the breaker with credentials scrubbed from their message."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, timeout_s: float, io_threads: int,
+    timeout_stat = "timeouts"
+    keeps_values = True  # an upload holds the bytes it is given: each value in fresh bytes
+    sized_reads = True  # a whole read never downloads more than the size expected, plus a byte
+
+    def __init__(self, name: str, fs: fsspec.AbstractFileSystem, timeout_s: float,
+                 io_threads: int, breaker: CircuitBreaker, redact: Redactor,
                  runtime: Runtime = THREADS) -> None:
+        super().__init__(name, breaker, redact)
         self.fs = fs
         self.timeout_s = timeout_s
         self.concurrency = io_threads
@@ -175,6 +185,87 @@ class RemoteIO:
         except FileNotFoundError:
             return {}
 
+
+    # -- the value-store interface (:class:`ValueIO`) ------------------------------------------
+    async def _cat_or_none(self, path: str, start: int | None = None,
+                           end: int | None = None) -> bytes | None:
+        try:
+            return await self.cat(path, start, end)
+        except FileNotFoundError:
+            return None
+
+    def _get(self, name: str) -> bytes | None:
+        return self.run(lambda: self._cat_or_none(name))
+
+    def _get_sized(self, name: str, expect: int) -> bytes | None:
+        return self.run(lambda: self._cat_or_none(name, 0, expect + 1))
+
+    def _get_range(self, name: str, start: int, end: int) -> bytes | None:
+        return self.run(lambda: self._cat_or_none(name, start, end))
+
+    def _get_each(self, names: Sequence[str], use: Callable[[int, bytes | None], None],
+                  expects: Sequence[int | None] | None = None) -> None:
+        """Values read concurrently, each with one ranged read of the size expected plus a byte
+        (a name with no size expected is not read: ``None``); a failed read fails the batch."""
+        todo = [i for i in range(len(names)) if expects is None or expects[i] is not None]
+
+        def make(i: int) -> Callable[[], Awaitable[bytes | None]]:
+            if expects is None:
+                return lambda: self._cat_or_none(names[i])
+            return lambda: self._cat_or_none(names[i], 0, expects[i] + 1)  # type: ignore[operator]
+
+        results = self.run_many([make(i) for i in todo]) if todo else []
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            raise error
+        got = dict(zip(todo, results))
+        for i in range(len(names)):
+            use(i, got.get(i))  # type: ignore[arg-type]
+
+    def _head(self, name: str, length: int) -> tuple[bytes, int] | None:
+        """The first ``length`` bytes and the size, asked for concurrently (one round trip,
+        nothing past ``length`` downloaded)."""
+        results = self.run_many([lambda: self._cat_or_none(name, 0, length),
+                                 lambda: self.size(name)])
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            raise error
+        data, size = results
+        return None if data is None or size is None else (data, size)  # type: ignore[return-value]
+
+    def exists(self, names: Sequence[str]) -> list[bool | int | None]:
+        """Per name its size (present), ``False`` (missing) or ``None`` (unknown: refused or
+        failed), with a bounded set of concurrent size calls; one failure does not void the
+        others' answers."""
+        if not self.breaker.allow():
+            return [None] * len(names)
+        self._count("remote_lookups", len(names))
+        try:
+            results = self.run_many([lambda p=p: self.size(p) for p in names])
+        except Exception as exc:  # noqa: BLE001 - the batch as a whole failed: all unknown
+            self.failed(exc)
+            return [None] * len(names)
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            self.failed(error)
+        else:
+            self.breaker.success()
+        return [None if isinstance(r, BaseException) else False if r is None else r
+                for r in results]
+
+    def _set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None]:
+        """Upload whole objects, one after the other (the writer sends one per batch)."""
+        for path, data in items:
+            self.run(lambda path=path, data=data: self.put(path, data))
+        return [None] * len(items)
+
+    def _delete(self, names: Sequence[str]) -> None:
+        """Delete objects concurrently (missing ones are fine)."""
+        results = self.run_many([lambda p=p: self.rm(p) for p in names])
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            raise error
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -208,97 +299,3 @@ def remove_stale_local_temps(root: str) -> int:
             except OSError:  # removed by another process meanwhile, or not ours to delete
                 continue
     return removed
-
-
-class GuardedIO(GuardedCalls):
-    """The tier's remote calls behind its circuit breaker. A call that is refused, fails or times
-    out is a miss (``None``, ``-1``, ``False``), never an exception; failures are counted and fed
-    to the breaker with credentials scrubbed from their message."""
-
-    timeout_stat = "timeouts"
-
-    def __init__(self, io: RemoteIO, breaker: CircuitBreaker, redact: Redactor) -> None:
-        super().__init__("fsspec", breaker, redact)
-        self.io = io
-
-    def fetch(self, path: str, start: int | None = None, end: int | None = None) -> bytes | None:
-        """Bytes of an object (or of ``[start, end)``); ``None`` when missing or unavailable."""
-        if not self.breaker.allow():
-            return None
-        try:
-            data = self.io.run(lambda: self.io.cat(path, start, end))
-        except FileNotFoundError:
-            data = None
-        except Exception as exc:  # noqa: BLE001
-            self.failed(exc)
-            return None
-        self.breaker.success()
-        return data
-
-    def head(self, path: str, length: int) -> tuple[bytes, int] | None:
-        """The first ``length`` bytes of an object and its size, asked for concurrently (one
-        round trip, nothing past ``length`` downloaded); ``None`` when missing or unavailable."""
-        if not self.breaker.allow():
-            return None
-
-        async def prefix() -> bytes | None:
-            try:
-                return await self.io.cat(path, 0, length)
-            except FileNotFoundError:
-                return None
-
-        results = self._many([prefix, lambda: self.io.size(path)])
-        if results is None or any(isinstance(r, BaseException) for r in results):
-            return None
-        self.breaker.success()
-        data, size = results
-        return None if data is None or size is None else (data, size)
-
-    def sizes(self, paths: Sequence[str]) -> list[int | None]:
-        """Sizes of many objects with a bounded set of concurrent calls (``None``: missing,
-        ``-1``: unknown because the store was refused or failed)."""
-        if not self.breaker.allow():
-            return [-1] * len(paths)
-        self._count("remote_lookups", len(paths))
-        results = self._many([lambda p=p: self.io.size(p) for p in paths])
-        if results is None:
-            return [-1] * len(paths)
-        if not any(isinstance(r, BaseException) for r in results):
-            self.breaker.success()
-        return [-1 if isinstance(r, BaseException) else r for r in results]
-
-    def _set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None]:
-        """Upload whole objects, one after the other (the writer sends one per batch)."""
-        for path, data in items:
-            self.io.run(lambda path=path, data=data: self.io.put(path, data))
-        return [None] * len(items)
-
-    def delete(self, paths: Sequence[str]) -> None:
-        """Delete objects concurrently (missing ones are fine); counted as ``evicted``."""
-        if paths:
-            self._count("evicted", len(paths))
-            self._many([lambda p=p: self.io.rm(p) for p in paths])
-
-    def _many(self, makers: Sequence[Callable[[], Awaitable[T]]]) -> list[T | BaseException] | None:
-        """:meth:`RemoteIO.run_many`; the first failure, if any, is recorded (``None``: the batch
-        as a whole failed)."""
-        try:
-            results = self.io.run_many(makers)
-        except Exception as exc:  # noqa: BLE001
-            self.failed(exc)
-            return None
-        error = next((r for r in results if isinstance(r, BaseException)), None)
-        if error is not None:
-            self.failed(error)
-        return results
-
-
-@dataclass(frozen=True)
-class TierParts:
-    """What a tier shares with its reader and writer: its name (for messages), its guarded remote
-    calls, its capacity index and its log-once."""
-
-    name: str
-    remote: GuardedIO
-    index: CapacityIndex
-    log_once: LogOnce

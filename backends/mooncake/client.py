@@ -184,8 +184,8 @@ class MooncakeIO(ValueIO):
             out.append(None if view is None else bytes(view))
         return out
 
-    def _get_each(self, names: Sequence[str],
-                  use: Callable[[int, memoryview | None], None]) -> None:
+    def _get_each(self, names: Sequence[str], use: Callable[[int, memoryview | None], None],
+                  expects: Sequence[int | None] | None = None) -> None:
         for i, name in enumerate(names):  # a view of the thread's buffer: used before the next
             use(i, self._get(name))
 
