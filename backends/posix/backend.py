@@ -168,8 +168,7 @@ class PosixBackend:
         self.writer = Writer(self.directory, self.held, self.files, ctx.runtime, self._log_once,
                              threads=opts.io_threads, max_pending=opts.max_pending_writes,
                              writable=writable)
-        self.reader = Reader(self.directory, self.writer, self.held, self.files, ctx.allocate,
-                             self._log_once)
+        self.reader = Reader(self.directory, self.writer, self.held, self.files, self._log_once)
         self._lock = self.directory.lock
         self._rt = ctx.runtime
 

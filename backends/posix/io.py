@@ -5,7 +5,9 @@ so a reader in this or another process sees a whole file or none. Reads use ``os
 the destination object's memory (no intermediate ``bytes``), then verify every layer checksum.
 O_DIRECT is used where it was asked for, the file system accepts it and the buffers are aligned;
 otherwise the same call goes through the page cache. Headers are decoded by the chunk-file
-library; this module only feeds it page-aligned buffers (what O_DIRECT needs).
+library; this module only feeds it page-aligned buffers (what O_DIRECT needs). :class:`ChunkFileIO`
+is the tier's part that uses them, with the header cache shared by every remote tier
+(:class:`~kvplug.backends.common.chunks.HeaderCache`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ I/O error, no memory.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
@@ -29,24 +28,22 @@ class Reader:
     """Reads of one tier's chunks, from its write queue or its files."""
 
     def __init__(self, directory: Directory, writer: Writer, held: HeldFiles, files: ChunkFileIO,
-                 allocate: Callable[..., MemoryObj | None], warn: Warn) -> None:
+                 warn: Warn) -> None:
         self._dir = directory
-        self._lock = directory.lock
         self._writer = writer
         self._held = held
-        self.files = files
-        self.allocate = allocate
+        self.files = files  # its ``allocate`` (ctx.allocate) gives the memory of every read
         self._warn = warn
         self.counters = dict.fromkeys(
             ("reads", "disk_bytes_read", "pending_hits", "read_errors", "alloc_failures"), 0)
 
     def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
+        with self._dir.lock:
             self.counters[name] += n
 
     def read(self, key: CacheKey, rel: str, layers: tuple[int, int] | None) -> MemoryObj | None:
         """The chunk ``key`` (file ``rel``), or ``layers=(first, count)`` of it; None on a miss."""
-        with self._lock:
+        with self._dir.lock:
             queued = self._writer.pending.get(rel)
             if queued is not None and layers is None:  # not on disk yet: the bytes being written
                 self.counters["pending_hits"] += 1
@@ -59,7 +56,7 @@ class Reader:
                 queued = None
         if queued is not None:  # a layer-wise load of a chunk whose write has not finished
             try:
-                out = layer_range_copy(queued, layers, self.allocate)  # type: ignore[arg-type]
+                out = layer_range_copy(queued, layers, self.files.allocate)  # type: ignore[arg-type]
             finally:
                 queued.ref_down()
             if out is not None:
@@ -97,7 +94,7 @@ class Reader:
             self._warn("alloc", "no memory to read chunks into; treated as misses")
             return None
         self._dir.touch(rel, size)
-        with self._lock:
+        with self._dir.lock:
             self.counters["reads"] += 1
             self.counters["disk_bytes_read"] += obj.nbytes
         return obj
