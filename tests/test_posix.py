@@ -419,3 +419,38 @@ def test_pinned_files_held_open_are_bounded(tmp_path, monkeypatch):
     be.unpin(keys=[key(7)])
     assert be.stats()["pinned_fds"] == 0
     be.close()
+
+
+def test_a_cached_header_is_reused_only_for_the_same_bytes(tmp_path, monkeypatch):
+    """The header of a file the tier wrote is not parsed again on read (the header cache,
+    ``common.chunks.HeaderCache``); a file rewritten since with another chunk of the same size
+    (other header bytes: other checksums) is parsed again and served as it is now; one whose
+    header bytes were damaged is a miss, deleted."""
+    be = backend(tmp_path)
+    put(be, 1)
+    parses: list[int] = []
+    real = cf.read_header
+    monkeypatch.setattr(cf, "read_header", lambda *a, **k: (parses.append(1), real(*a, **k))[1])
+    got = be.get(key=key(1))
+    assert got is not None and parses == [], "the header the tier wrote was parsed again"
+    got.ref_down()
+    other = obj_for(2)  # another writer replaces the file: same key and size, other bytes
+    header, bufs = cf.encode_chunk(key(1), other)
+    path = os.path.join(str(be.root), cf.relative_chunk_path(key(1)))
+    data = bytes(header) + b"".join(bytes(b) for b in bufs)
+    assert len(data) == os.path.getsize(path)
+    with open(path, "wb") as f:
+        f.write(data)
+    got = be.get(key=key(1))
+    assert got is not None and torch.equal(got.byte_view, other.byte_view), \
+        "a rewritten file was read with the header cached for the old one"
+    got.ref_down()
+    assert parses == [1]
+    with open(path, "r+b") as f:  # one bit of the header's checksums flipped, same size
+        text = f.read(len(header))
+        at = text.index(b'"checksums"') + 20
+        f.seek(at)
+        f.write(bytes([text[at] ^ 1]))
+    assert be.get(key=key(1)) is None
+    assert be.stats()["corrupt"] == 1 and not os.path.exists(path)
+    be.close()

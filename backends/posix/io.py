@@ -209,7 +209,8 @@ def read_checked_header(fd: int, st: os.stat_result, key: CacheKey,
     exactly its bytes (the parse is a pure function of them). Raises :class:`CorruptChunk` for a
     damaged file or one of another key, :class:`ForeignChunk` for one of another format version."""
     if known is not None and known[0].file_size == st.st_size:
-        if _aligned_reader(fd)(0, len(known[1])) == known[1]:
+        # bytes == bytes is a memcmp (a memoryview compared with bytes goes item by item)
+        if bytes(_aligned_reader(fd)(0, len(known[1]))) == known[1]:
             header, raw = known
             return _check_key(header, raw, key, auth, st.st_ino)
     try:
