@@ -101,7 +101,7 @@ def main() -> int:
             m.flush(600)
 
         # reads land where ctx.allocate puts them: device memory here (file -> GPU)
-        backend._allocate = lambda shp, dtype, fmt, n: heap_memory_obj(shp, dtype, fmt, n, device="cuda")
+        backend.files.allocate = lambda shp, dtype, fmt, n: heap_memory_obj(shp, dtype, fmt, n, device="cuda")
 
         def gds_load() -> None:
             for k in keys:

@@ -36,8 +36,15 @@ Rules that hold for every hook:
 * **Keyword calls, subset of arguments.** kvplug calls hooks with keyword arguments only. An
   implementation may declare any *subset* of a spec's arguments (e.g. ``contains(self, keys)``);
   it may not declare an argument the spec does not have.
-* **Per tier.** Fan-out hooks are called on one tier at a time by the StorageManager (it needs to
-  know which tier answered); ``firstresult`` hooks stop at the first non-``None`` answer.
+* **Per tier, one answer.** The StorageManager calls each tier through hook callers that hold
+  only that tier's backend (and the wrappers registered for it), one tier at a time, and decides
+  itself which tiers to ask (``allocate``/``get``: in tier order until one answers;
+  ``batched_submit_put``, ``contains``, ``evict``, ``stats``...: every tier). So every hook is
+  declared ``firstresult``: a call returns the backend's value itself — ``contains`` its list of
+  bools, ``evict`` its int, ``stats`` its dict — never a list of answers, and a wrapper
+  (``StorageManager.add_wrapper``) receives that same value from its ``yield``. ``None`` (a hook
+  that returns nothing, or a tier fault) is read as "no answer": a miss, 0 bytes freed, no
+  stats.
 * **Misses are not errors.** A missing, evicted, truncated or corrupt entry is a miss: return
   ``None`` / ``False``, log it once, drop or quarantine the bad entry. Never return wrong bytes.
   An exception escaping a hook is treated as a *tier fault*: the StorageManager logs it once,
@@ -176,13 +183,13 @@ class BackendSpec:
         even after evicting what may be evicted. Must not block waiting for memory to free up.
         """
 
-    @hookspec
+    @hookspec(firstresult=True)
     def memory_regions(self) -> list[tuple[int, int]]:
         """Optional, for tiers that implement :meth:`allocate`: ``(address, nbytes)`` of each
         host buffer their objects live in (L1's pool), fixed for the tier's life. Other tiers
         receive them as ``ctx.memory_regions()`` to register them with their store's client."""
 
-    @hookspec
+    @hookspec(firstresult=True)
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         """Store ``objs[i]`` under ``keys[i]`` (called on every tier: write-through); ``keys``
         are distinct within one call.
@@ -236,7 +243,7 @@ class BackendSpec:
         vLLM recomputes it), never wrong bytes.
         """
 
-    @hookspec
+    @hookspec(firstresult=True)
     def contains(self, keys: Sequence[CacheKey], pin: bool) -> list[bool]:
         """For each key, whether this tier holds it now (one ``bool`` per key, same order).
 
@@ -246,12 +253,12 @@ class BackendSpec:
         tier's timeout; on doubt, answer ``False``.
         """
 
-    @hookspec
+    @hookspec(firstresult=True)
     def unpin(self, keys: Sequence[CacheKey]) -> None:
         """Optional: release one pin (from ``contains(pin=True)``) on each key. Unknown keys are
         ignored."""
 
-    @hookspec
+    @hookspec(firstresult=True)
     def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
         """Drop entries; return the number of bytes freed.
 
@@ -260,15 +267,15 @@ class BackendSpec:
         LRU), as far as unpinned entries allow. Never raises for unknown keys.
         """
 
-    @hookspec
+    @hookspec(firstresult=True)
     def flush(self, timeout: float) -> bool:
         """Optional: wait up to ``timeout`` seconds for queued writes; True if none is left."""
 
-    @hookspec
+    @hookspec(firstresult=True)
     def close(self) -> None:
         """Optional: drain queued writes, release every reference and resource. Called once."""
 
-    @hookspec
+    @hookspec(firstresult=True)
     def stats(self) -> dict[str, float]:
         """Optional: counters for logs and metrics (``entries``, ``bytes``, ``dropped_puts``,
         ``corrupt``...). Cheap; called from any thread."""

@@ -61,7 +61,7 @@ class TierMetrics:
     def contains(self, keys: Sequence, pin: bool):
         t0 = time.perf_counter()
         result = yield
-        found = sum(1 for r in (result[0] if result else []) if r)
+        found = sum(1 for r in result or () if r)
         self._add(
             lookups=1, keys_looked_up=len(keys), keys_found=found,
             lookup_seconds=time.perf_counter() - t0,

@@ -138,7 +138,8 @@ class StorageManager:
         )
 
     def _call(self, tier: Tier, hook: str, bounded: bool = False, **kwargs: Any) -> Any:
-        """Call one tier's hook; exceptions (and, if ``bounded``, timeouts) become ``None``."""
+        """Call one tier's hook: its backend's answer itself (every hook is ``firstresult``,
+        :mod:`kvplug.hookspecs`); exceptions (and, if ``bounded``, timeouts) become ``None``."""
         caller = tier.hooks[hook]
         if not bounded or tier.direct:
             try:
@@ -165,8 +166,7 @@ class StorageManager:
         out: list[tuple[int, int]] = []
         for tier in self._tiers:
             if tier.implements("memory_regions"):
-                for regions in self._call(tier, "memory_regions") or []:
-                    out += [(int(a), int(n)) for a, n in regions or []]
+                out += [(int(a), int(n)) for a, n in self._call(tier, "memory_regions") or []]
         return out
 
     def allocate(
@@ -404,12 +404,9 @@ class StorageManager:
             todo = [i for i in range(n) if where[i] is None]
             if not todo:
                 break
-            answer = self._call(tier, "contains", bounded=True, keys=[keys[i] for i in todo],
-                                pin=pin)
-            if not answer:
-                continue
-            found = answer[0] if isinstance(answer, list) and answer else []
-            for i, hit in zip(todo, found):
+            found = self._call(tier, "contains", bounded=True, keys=[keys[i] for i in todo],
+                               pin=pin)
+            for i, hit in zip(todo, found if isinstance(found, list) else ()):
                 if hit:
                     where[i] = tier.name
         prefix = next((i for i, w in enumerate(where) if w is None), n)
@@ -442,9 +439,9 @@ class StorageManager:
         if not keys:
             return []
         answer = self._call(found[0], "contains", bounded=True, keys=list(keys), pin=False)
-        if not answer or not isinstance(answer[0], list) or len(answer[0]) != len(keys):
+        if not isinstance(answer, list) or len(answer) != len(keys):
             return None
-        return [bool(x) for x in answer[0]]
+        return [bool(x) for x in answer]
 
     # -- housekeeping ---------------------------------------------------------------------------
     def evict(
@@ -461,9 +458,8 @@ class StorageManager:
         for tier in self._tiers:
             if tiers is not None and tier.name not in tiers:
                 continue
-            freed = self._call(tier, "evict", keys=None if keys is None else list(keys),
-                               nbytes=nbytes)
-            total += sum(freed or [])
+            total += self._call(tier, "evict", keys=None if keys is None else list(keys),
+                                nbytes=nbytes) or 0
         return total
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -472,8 +468,7 @@ class StorageManager:
         for tier in self._tiers:
             ok = tier.wait_puts(timeout) and ok
             if tier.implements("flush"):
-                res = self._call(tier, "flush", timeout=timeout)
-                ok = ok and bool(res and all(res))
+                ok = bool(self._call(tier, "flush", timeout=timeout)) and ok
         return ok
 
     def stats(self) -> dict[str, dict[str, float]]:
@@ -494,8 +489,7 @@ class StorageManager:
             if tier.codec is not None and (tier.codec.codec is not None or any(codec.values())):
                 entry.update(codec)
             if tier.implements("stats"):
-                for part in self._call(tier, "stats") or []:
-                    entry.update(part or {})
+                entry.update(self._call(tier, "stats") or {})
             out[tier.name] = entry
         if self._tiers:  # reads refused or sent to the heap: the manager's, shown with L1
             out[self._tiers[0].name].update(self.reads.stats())

@@ -131,8 +131,8 @@ class Tier:
             res.ref_down()
         elif hook == "batched_get" and isinstance(res, list):
             release(res)
-        elif hook == "contains" and kwargs.get("pin") and res:
-            found = [k for k, hit in zip(kwargs["keys"], res[0], strict=False) if hit]
+        elif hook == "contains" and kwargs.get("pin") and isinstance(res, list):
+            found = [k for k, hit in zip(kwargs["keys"], res, strict=False) if hit]
             if found and self.implements("unpin"):
                 try:
                     self.hooks["unpin"](keys=found)

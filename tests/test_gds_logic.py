@@ -13,9 +13,11 @@ import pytest
 import torch
 from kvplug import chunkfile as cf
 from kvplug.backends.gds import backend as gds
+from kvplug.backends.gds import io as gds_io
 from kvplug.backends.gds import probe as gds_probe
 from kvplug.backends.gds.probe import GDSUnavailableError, Mode, Probe, decide, kvikio_settings
 from kvplug.backends.posix import PosixBackend
+from kvplug.backends.posix.io import ChunkFileIO
 from kvplug.errors import ConfigError
 from kvplug.logs import LogOnce
 from kvplug.memory import heap_memory_obj
@@ -129,18 +131,21 @@ def test_file_size_and_alignment_match_the_format(shape):
     obj = heap_memory_obj(shape)
     obj.byte_view.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8))
     header, bufs = cf.encode_chunk(key, obj)
-    assert gds._file_size(key, obj) == len(header) + sum(len(b) for b in bufs)
-    parsed = cf.decode_header(header, gds._file_size(key, obj))
+    assert gds_io.chunk_file_size(key, obj) == len(header) + sum(len(b) for b in bufs)
+    parsed = cf.decode_header(header, gds_io.chunk_file_size(key, obj))
     assert all(off % cf.ALIGN == 0 for off in parsed.data_offsets)
     assert parsed.file_size % cf.ALIGN == 0
 
 
 def test_posix_internals_the_gds_tier_builds_on():
-    """GDSBackend subclasses PosixBackend and replaces its ``_prepare_write``/``_read_file``; fail loudly if
-    the posix tier's seams change."""
-    for name in ("_prepare_write", "_read_file", "_write", "_read", "_path", "_count",
-                 "_log_once"):
-        assert callable(getattr(PosixBackend, name, None)), name
+    """GDSBackend subclasses PosixBackend and replaces its byte-moving part (``_chunk_io``: a
+    ``ChunkFileIO`` whose ``prepare_write``/``read`` go through kvikio); fail loudly if the posix
+    tier's seams change."""
+    assert callable(getattr(PosixBackend, "_chunk_io", None))
+    assert issubclass(gds_io.KvikioFileIO, ChunkFileIO)
+    for name in ("prepare_write", "read", "forget"):
+        assert callable(getattr(ChunkFileIO, name, None)), name
+        assert callable(getattr(gds_io.KvikioFileIO, name, None)), name
     assert issubclass(gds.GDSBackend, PosixBackend)
     assert set(PosixBackend.Options.model_fields) <= set(gds.GDSBackend.Options.model_fields)
 

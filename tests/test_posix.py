@@ -11,7 +11,7 @@ import pytest
 import torch
 from kvplug import chunkfile as cf
 from kvplug.backends.posix import PosixBackend
-from kvplug.backends.posix import backend as posix_mod
+from kvplug.backends.posix import directory as posix_dir
 from kvplug.backends.posix import io as posix_io
 from kvplug.hookspecs import TierContext
 from kvplug.keys import CacheKey
@@ -261,7 +261,7 @@ def test_capacity_keeps_directory_bounded_and_pins_hold(tmp_path):
 
 
 def test_reads_bump_the_shared_lru(tmp_path, monkeypatch):
-    monkeypatch.setattr(posix_mod, "_TOUCH_EVERY_S", 0.0)  # stamps are bumped at most 1/s
+    monkeypatch.setattr(posix_dir, "_TOUCH_EVERY_S", 0.0)  # stamps are bumped at most 1/s
     file_size = cf.ALIGN + 3 * cf.align_up(2 * 2500)
     be = backend(tmp_path, capacity=3 * file_size)
     for i in range(3):
@@ -338,7 +338,7 @@ def test_stale_temporary_files_are_cleaned(tmp_path):
 def test_queue_bound_drops_instead_of_blocking(tmp_path, monkeypatch):
     be = backend(tmp_path, io_threads=1, max_pending_writes=2)
     gate = __import__("threading").Event()
-    real = posix_mod.write_chunk
+    real = posix_io.write_chunk
     written = []
 
     def held_write(*a, **k):
@@ -346,7 +346,7 @@ def test_queue_bound_drops_instead_of_blocking(tmp_path, monkeypatch):
         written.append(real(*a, **k))
         return written[-1]
 
-    monkeypatch.setattr(posix_mod, "write_chunk", held_write)
+    monkeypatch.setattr(posix_io, "write_chunk", held_write)
     objs = [obj_for(i) for i in range(5)]
     be.batched_submit_put(keys=[key(i) for i in range(5)], objs=objs)
     assert not written, "submit blocked on I/O"  # it came back with every write still held
@@ -370,8 +370,8 @@ def test_a_chunk_still_being_written_is_served_from_memory(tmp_path):
     mgr = StorageManager({"tiers": [{"backend": "posix", "options": {"path": str(tmp_path)}}]})
     disk = mgr.backend(0)
     gate = threading.Event()
-    write = disk._write
-    disk._write = lambda *args: (gate.wait(10), write(*args))
+    write = disk.writer._write
+    disk.writer._write = lambda *args: (gate.wait(10), write(*args))
     obj = fill_random(mgr, seed=5)
     expect, layers = obj.byte_view.clone(), obj.tensor.clone()
     mgr.batched_put([make_key(1)], [obj])
@@ -403,13 +403,13 @@ def test_pinned_files_held_open_are_bounded(tmp_path, monkeypatch):
     be.unpin(keys=[key(i) for i in range(3)])
     assert be.stats()["pinned_fds"] == 0 and be.stats()["pinned"] == 0
     gate = __import__("threading").Event()
-    real = posix_mod.PosixBackend._prepare_write
+    real = posix_io.ChunkFileIO.prepare_write
 
     def held_back(self, k, rel, obj):
         gate.wait(30)
         return real(self, k, rel, obj)
 
-    monkeypatch.setattr(posix_mod.PosixBackend, "_prepare_write", held_back)
+    monkeypatch.setattr(posix_io.ChunkFileIO, "prepare_write", held_back)
     be.batched_submit_put(keys=[key(7)], objs=[obj_for(7)])
     assert be.contains(keys=[key(7)], pin=True) == [True]  # queued, not on disk yet
     assert be.stats()["pinned_fds"] == 0
@@ -418,4 +418,39 @@ def test_pinned_files_held_open_are_bounded(tmp_path, monkeypatch):
     assert be.stats()["pinned_fds"] == 1, "a file pinned while queued was not held once written"
     be.unpin(keys=[key(7)])
     assert be.stats()["pinned_fds"] == 0
+    be.close()
+
+
+def test_a_cached_header_is_reused_only_for_the_same_bytes(tmp_path, monkeypatch):
+    """The header of a file the tier wrote is not parsed again on read (the header cache,
+    ``common.chunks.HeaderCache``); a file rewritten since with another chunk of the same size
+    (other header bytes: other checksums) is parsed again and served as it is now; one whose
+    header bytes were damaged is a miss, deleted."""
+    be = backend(tmp_path)
+    put(be, 1)
+    parses: list[int] = []
+    real = cf.read_header
+    monkeypatch.setattr(cf, "read_header", lambda *a, **k: (parses.append(1), real(*a, **k))[1])
+    got = be.get(key=key(1))
+    assert got is not None and parses == [], "the header the tier wrote was parsed again"
+    got.ref_down()
+    other = obj_for(2)  # another writer replaces the file: same key and size, other bytes
+    header, bufs = cf.encode_chunk(key(1), other)
+    path = os.path.join(str(be.root), cf.relative_chunk_path(key(1)))
+    data = bytes(header) + b"".join(bytes(b) for b in bufs)
+    assert len(data) == os.path.getsize(path)
+    with open(path, "wb") as f:
+        f.write(data)
+    got = be.get(key=key(1))
+    assert got is not None and torch.equal(got.byte_view, other.byte_view), \
+        "a rewritten file was read with the header cached for the old one"
+    got.ref_down()
+    assert parses == [1]
+    with open(path, "r+b") as f:  # one bit of the header's checksums flipped, same size
+        text = f.read(len(header))
+        at = text.index(b'"checksums"') + 20
+        f.seek(at)
+        f.write(bytes([text[at] ^ 1]))
+    assert be.get(key=key(1)) is None
+    assert be.stats()["corrupt"] == 1 and not os.path.exists(path)
     be.close()

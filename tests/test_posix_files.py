@@ -307,17 +307,18 @@ def test_a_hung_startup_scan_delays_stores_never_hangs_close(tmp_path, monkeypat
     """Every wait of the tier is bounded: a scan stuck on a hung file system makes the writer
     skip its store (counted) and ``close`` go on without it."""
     from kvplug.backends.posix import backend as posix_mod
+    from kvplug.backends.posix import directory as posix_dir
 
     gate = threading.Event()
-    real_scan = posix_mod.scan
+    real_scan = posix_dir.scan
 
     def stuck(root, *a, **kw):
         gate.wait(HANG_S)
         return real_scan(root, *a, **kw)
 
-    monkeypatch.setattr(posix_mod, "scan", stuck)
-    monkeypatch.setattr(posix_mod, "INDEX_WAIT_S", 0.5, raising=False)
-    monkeypatch.setattr(posix_mod, "CLOSE_WAIT_S", 0.5, raising=False)
+    monkeypatch.setattr(posix_dir, "scan", stuck)
+    monkeypatch.setattr(posix_dir, "INDEX_WAIT_S", 0.5)
+    monkeypatch.setattr(posix_mod, "CLOSE_WAIT_S", 0.5)
     be = backend(tmp_path, wait=False)
     try:
         obj = obj_for(1)

@@ -10,7 +10,7 @@ import tracemalloc
 
 import torch
 from kvplug import chunkfile as cf
-from kvplug.backends.posix import backend as posix_mod
+from kvplug.backends.posix import directory as posix_dir
 from kvplug.backends.posix.index import PosixIndex, ScanResult, pack_rel, unpack_rel
 from kvplug.keys import CacheKey
 from test_posix import backend, key, obj_for, put
@@ -123,14 +123,14 @@ def test_serving_starts_before_the_startup_scan_finishes(tmp_path, monkeypatch):
     size = cf.chunk_path(tmp_path, key(0)).stat().st_size
 
     gate, scanning = threading.Event(), threading.Event()
-    real_scan = posix_mod.scan
+    real_scan = posix_dir.scan
 
     def slow_scan(root, *a, **kw):  # a directory of a million files: the scan takes a while
         scanning.set()
         assert gate.wait(60)
         return real_scan(root, *a, **kw)
 
-    monkeypatch.setattr(posix_mod, "scan", slow_scan)
+    monkeypatch.setattr(posix_dir, "scan", slow_scan)
     made: list = []
     t = threading.Thread(target=lambda: made.append(
         backend(tmp_path, wait=False, capacity=4 * size + size // 2)), daemon=True)

@@ -47,7 +47,7 @@ def test_lru_victims_are_deleted_in_the_background_and_are_misses_meanwhile(tmp_
     skipped = be.stats()["skipped_puts"]
     be.batched_submit_put(keys=[key(1)], objs=[obj_for(1)])
     assert be.stats()["skipped_puts"] == skipped + 1
-    be._rescan()
+    be.directory.rescan()
     assert be.contains(keys=[key(1)], pin=False) == [False] and be.stats()["entries"] == 6
     gate.set()
     assert be.flush(timeout=30)
@@ -68,4 +68,4 @@ def test_stores_into_a_full_tier_evict_oldest_first_and_close_deletes_the_rest(t
     assert on_disk == sorted(os.path.basename(path_of(be, i)) for i in range(7, 12))
     assert be.stats()["evictions"] == 7
     be.close()
-    assert be._reaper.deleted == 7 and len(be._reaper) == 0
+    assert be.directory.reaper.deleted == 7 and len(be.directory.reaper) == 0

@@ -17,7 +17,7 @@ import time
 
 import torch
 from kvplug.backends.posix import PosixBackend
-from kvplug.backends.posix import backend as posix_mod
+from kvplug.backends.posix import io as posix_io
 from kvplug.hookspecs import TierContext
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, heap_memory_obj
@@ -50,24 +50,24 @@ def test_posix_a_pin_taken_as_the_write_lands_holds_the_file(tmp_path, monkeypat
     key must still read back (through the descriptor held since the file landed)."""
     be = posix(tmp_path, io_threads=1)
     gate = threading.Event()
-    real_prepare = posix_mod.PosixBackend._prepare_write
+    real_prepare = posix_io.ChunkFileIO.prepare_write
 
     def held_back(self, k, rel, obj):
         gate.wait(HANG_S)
         return real_prepare(self, k, rel, obj)
 
-    monkeypatch.setattr(posix_mod.PosixBackend, "_prepare_write", held_back)
-    real_hold = be._held.hold
+    monkeypatch.setattr(posix_io.ChunkFileIO, "prepare_write", held_back)
+    real_hold = be.held.hold
 
     def late_hold(rel, path):
         if path is None:  # the pin saw the write queued: let it land first
             gate.set()
             t_end = time.monotonic() + 1.0
-            while rel in be._pending and time.monotonic() < t_end:
+            while rel in be.writer.pending and time.monotonic() < t_end:
                 time.sleep(0.005)
         return real_hold(rel, path)
 
-    monkeypatch.setattr(be._held, "hold", late_hold)
+    monkeypatch.setattr(be.held, "hold", late_hold)
     src = obj_for(3)
     want = src.byte_view.clone()
     be.batched_submit_put(keys=[key(3)], objs=[src])

@@ -2,7 +2,8 @@
 
 It *is* the posix tier (same directory layout, index, LRU capacity, pins, temporary-name +
 rename writes, corrupt-file handling — it subclasses :class:`PosixBackend`) with the byte moving
-replaced by kvikio, so one directory is served by either tier interchangeably.
+part replaced (:class:`.io.KvikioFileIO` for posix's :class:`~kvplug.backends.posix.io.ChunkFileIO`),
+so one directory is served by either tier interchangeably.
 
 Copies on each path (GDS = cuFile with GPUDirect Storage; compat = kvikio compatibility mode):
 
@@ -28,17 +29,13 @@ directory with ``fallback: posix`` (see :mod:`kvplug.backends.gds.probe`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Literal
 
-from kvplug import chunkfile as cf
 from kvplug.hookspecs import TierContext, hookimpl
-from kvplug.keys import CacheKey
-from kvplug.memory import MemoryObj
 from pydantic import ByteSize, Field
 
 from ..posix import PosixBackend
-from ..posix.io import Known
+from ..posix.io import ChunkFileIO
 from . import io as gds_io
 from .probe import Mode, Probe, decide, kvikio_settings, log_once, probe
 
@@ -96,22 +93,13 @@ class GDSBackend(PosixBackend):
                          found.kvikio_version)
         super().__init__(ctx)
 
-    # -- byte moving (the posix tier's, through kvikio) -------------------------------------------
-    def _prepare_write(self, key: CacheKey, rel: str, obj: MemoryObj) -> tuple[int, Callable[[str], int]]:
+    def _chunk_io(self, ctx: TierContext) -> ChunkFileIO:
+        """The posix tier's byte moving, through kvikio (posix's own in the posix fallback)."""
         if self.mode is Mode.POSIX:
-            return super()._prepare_write(key, rel, obj)
-        return _file_size(key, obj, self._auth), lambda path: gds_io.write_chunk(
-            path, key, obj, fsync=self.opts.fsync, auth=self._auth, file_mode=self.opts.mode,
-            gid=self._gid
-        )
-
-    def _read_file(self, fd: int, key: CacheKey, layers: tuple[int, int] | None,
-                   known: Known | None) -> tuple[MemoryObj | None, int, Known | None]:
-        if self.mode is Mode.POSIX:
-            return super()._read_file(fd, key, layers, known)
-        obj, size = gds_io.read_chunk(fd, key, self._allocate, layers,
-                                      verify_device=self.opts.verify_device, auth=self._auth)
-        return obj, size, None
+            return super()._chunk_io(ctx)
+        opts: GDSBackend.Options = ctx.options
+        return gds_io.KvikioFileIO(ctx.allocate, ctx.auth, fsync=opts.fsync, file_mode=opts.mode,
+                                   gid=opts.gid, verify_device=opts.verify_device)
 
     @hookimpl
     def stats(self) -> dict[str, float]:
@@ -121,12 +109,3 @@ class GDSBackend(PosixBackend):
         out["posix_fallback"] = int(self.mode is Mode.POSIX)
         return out
 
-
-def _file_size(key: CacheKey, obj: MemoryObj, auth: cf.Keyring | None = None) -> int:
-    """Size of the chunk file of ``obj`` (known before its checksums are: they have a fixed
-    length, so placeholders give the same header size; with ``auth``, tags and a MAC)."""
-    key = cf.stored_key(key, auth)  # the header's key: its length sizes the header
-    mac = auth.seal(key) if auth is not None else None
-    sums = ["0" * (16 if mac is None else cf.auth.TAG_HEX)] * cf.chunk_layout(obj.meta)[0]
-    header = cf.encode_header(key, obj.meta, sums, mac)
-    return cf.make_header(key, obj.meta, sums, len(header)).file_size

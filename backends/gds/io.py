@@ -26,7 +26,7 @@ from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
 
 from ..posix.held import fd_path
-from ..posix.io import CorruptChunk, read_checked_header
+from ..posix.io import ChunkFileIO, CorruptChunk, read_checked_header
 
 _local = threading.local()
 
@@ -132,7 +132,7 @@ def _read_header(fd: int, key: CacheKey,
     """The checked header of ``key``'s open file and its inode. :class:`CorruptChunk` if it is
     damaged or holds another key."""
     st = os.fstat(fd)
-    return read_checked_header(fd, st, key, auth=auth)[1], st.st_ino
+    return read_checked_header(fd, st, key, auth=auth)[0], st.st_ino
 
 
 def _read_layers(fd: int, header: cf.ChunkHeader, ino: int, dest: torch.Tensor,
@@ -176,3 +176,36 @@ def read_chunk(fd: int, key: CacheKey, allocate: Callable[..., MemoryObj | None]
         obj.ref_down()
         raise
     return obj, header.file_size
+
+
+def chunk_file_size(key: CacheKey, obj: MemoryObj, auth: cf.Keyring | None = None) -> int:
+    """Size of the chunk file of ``obj`` (known before its checksums are: they have a fixed
+    length, so placeholders give the same header size; with ``auth``, tags and a MAC)."""
+    key = cf.stored_key(key, auth)  # the header's key: its length sizes the header
+    mac = auth.seal(key) if auth is not None else None
+    sums = ["0" * (16 if mac is None else cf.auth.TAG_HEX)] * cf.chunk_layout(obj.meta)[0]
+    header = cf.encode_header(key, obj.meta, sums, mac)
+    return cf.make_header(key, obj.meta, sums, len(header)).file_size
+
+
+class KvikioFileIO(ChunkFileIO):
+    """The posix tier's :class:`~kvplug.backends.posix.io.ChunkFileIO` with the bytes moved by
+    kvikio (:func:`write_chunk`, :func:`read_chunk`: host or device memory); headers are read and
+    checked by the posix tier's reader, not kept."""
+
+    def __init__(self, allocate: Callable[..., MemoryObj | None], auth: cf.Keyring | None, *,
+                 fsync: bool = False, file_mode: int = FILE_MODE, gid: int | None = None,
+                 verify_device: bool = True) -> None:
+        super().__init__(allocate, auth, fsync=fsync, file_mode=file_mode, gid=gid)
+        self.verify_device = verify_device
+
+    def prepare_write(self, key: CacheKey, rel: str,
+                      obj: MemoryObj) -> tuple[int, Callable[[str], int]]:
+        return chunk_file_size(key, obj, self.auth), lambda path: write_chunk(
+            path, key, obj, fsync=self.fsync, auth=self.auth, file_mode=self.file_mode,
+            gid=self.gid)
+
+    def read(self, fd: int, key: CacheKey, rel: str,
+             layers: tuple[int, int] | None) -> tuple[MemoryObj | None, int]:
+        return read_chunk(fd, key, self.allocate, layers, verify_device=self.verify_device,
+                          auth=self.auth)

@@ -4,7 +4,7 @@ The directory is the source of truth; the index is a cache of it. It is rebuilt 
 at startup and merged with a fresh scan from time to time (other processes sharing the directory
 add and evict files). The LRU stamp of a file is its mtime, which every reader bumps with
 ``os.utime`` — so processes sharing a directory share one LRU order. Not thread-safe by itself:
-the backend guards it with its lock.
+its owner (:class:`.directory.Directory`) guards it with the tier's lock.
 """
 
 from __future__ import annotations

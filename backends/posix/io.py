@@ -5,41 +5,40 @@ so a reader in this or another process sees a whole file or none. Reads use ``os
 the destination object's memory (no intermediate ``bytes``), then verify every layer checksum.
 O_DIRECT is used where it was asked for, the file system accepts it and the buffers are aligned;
 otherwise the same call goes through the page cache. Headers are decoded by the chunk-file
-library; this module only feeds it page-aligned buffers (what O_DIRECT needs).
+library; this module only feeds it page-aligned buffers (what O_DIRECT needs). :class:`ChunkFileIO`
+is the tier's part that uses them, with the header cache shared by every remote tier
+(:class:`~kvplug.backends.common.chunks.HeaderCache`).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import mmap
 import os
 import stat
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import xxhash
 from kvplug import chunkfile as cf
 from kvplug.chunkfile.atomic import FILE_MODE, dir_mode_for, make_dirs
 from kvplug.errors import ChunkFormatError, ChunkVersionError
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
 
+from ..common.chunks import HeaderCache
 from . import fs
 
 logger = logging.getLogger("kvplug.backends.posix")
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 IOV_MAX = 1024
-#: Parsed headers a tier remembers (a few KiB each), least recently used dropped first.
-MAX_KNOWN_HEADERS = 4096
 _local = threading.local()
 
-#: ``(digest of the header's bytes, the parsed header)`` of one chunk file.
-Known = tuple[str, cf.ChunkHeader]
+#: ``(the parsed header, the header's bytes)`` of one chunk file, as
+#: :meth:`kvplug.backends.common.chunks.HeaderCache.known` keeps them.
+Known = tuple[cf.ChunkHeader, bytes]
 
 
 class CorruptChunk(Exception):
@@ -53,36 +52,6 @@ class CorruptChunk(Exception):
 class ForeignChunk(CorruptChunk):
     """A chunk file of another format version (a node before or after an upgrade wrote it):
     a miss, but never deleted by this version."""
-
-
-class KnownHeaders:
-    """Headers this process wrote or parsed, by chunk path, bounded (LRU). A read whose file still
-    starts with the same bytes (same digest) skips decoding. The owner's lock guards it."""
-
-    def __init__(self, limit: int = MAX_KNOWN_HEADERS) -> None:
-        self._items: OrderedDict[str, Known] = OrderedDict()
-        self._limit = limit
-
-    def get(self, rel: str) -> Known | None:
-        return self._items.get(rel)
-
-    def put(self, rel: str, known: Known | None) -> None:
-        """Remember ``known`` for ``rel`` (``None``: forget it, the file is gone or damaged)."""
-        if known is None:
-            self._items.pop(rel, None)
-            return
-        self._items[rel] = known
-        self._items.move_to_end(rel)
-        if len(self._items) > self._limit:
-            self._items.popitem(last=False)
-
-
-def header_digest(data, auth: cf.Keyring | None = None) -> str:  # noqa: ANN001 - any buffer
-    """What identifies a header already checked: xxh3_128, or with ``auth`` a BLAKE2b (a header
-    forged to match an authenticated one's digest would skip its MAC check)."""
-    if auth is not None:
-        return hashlib.blake2b(data, digest_size=16).hexdigest()
-    return xxhash.xxh3_128_hexdigest(data)
 
 
 def _aligned_buffer(name: str, size: int) -> memoryview:
@@ -235,26 +204,29 @@ def _aligned_reader(fd: int) -> Callable[[int, int], memoryview]:
 
 def read_checked_header(fd: int, st: os.stat_result, key: CacheKey,
                         known: Known | None = None, auth: cf.Keyring | None = None) -> Known:
-    """``(digest, header)`` of the open chunk file ``fd``, checked to hold ``key``. ``known``
-    from an earlier read or write of the same path is reused when the file's header bytes still
-    hash to its digest. Raises :class:`CorruptChunk` for a damaged file or one of another key,
-    :class:`ForeignChunk` for one of another format version."""
-    header = None
-    if known is not None and known[1].file_size == st.st_size:
-        need = known[1].header_bytes
-        if header_digest(_aligned_reader(fd)(0, need), auth) == known[0]:
-            digest, header = known
-    if header is None:
-        try:
-            header, raw = cf.read_header(_aligned_reader(fd), st.st_size, auth)
-        except ChunkVersionError as exc:
-            raise ForeignChunk(str(exc), st.st_ino) from None
-        except ChunkFormatError as exc:
-            raise CorruptChunk(str(exc), st.st_ino) from None
-        digest = header_digest(raw, auth)
+    """``(header, its bytes)`` of the open chunk file ``fd``, checked to hold ``key``. ``known``
+    from an earlier read or write of the same path is reused when the file still starts with
+    exactly its bytes (the parse is a pure function of them). Raises :class:`CorruptChunk` for a
+    damaged file or one of another key, :class:`ForeignChunk` for one of another format version."""
+    if known is not None and known[0].file_size == st.st_size:
+        # bytes == bytes is a memcmp (a memoryview compared with bytes goes item by item)
+        if bytes(_aligned_reader(fd)(0, len(known[1]))) == known[1]:
+            header, raw = known
+            return _check_key(header, raw, key, auth, st.st_ino)
+    try:
+        header, raw = cf.read_header(_aligned_reader(fd), st.st_size, auth)
+    except ChunkVersionError as exc:
+        raise ForeignChunk(str(exc), st.st_ino) from None
+    except ChunkFormatError as exc:
+        raise CorruptChunk(str(exc), st.st_ino) from None
+    return _check_key(header, raw, key, auth, st.st_ino)
+
+
+def _check_key(header: cf.ChunkHeader, raw: bytes, key: CacheKey, auth: cf.Keyring | None,
+               ino: int) -> Known:
     if header.key != cf.stored_key(key, auth):
-        raise CorruptChunk(f"file holds key {header.key}, not {key}", st.st_ino)
-    return digest, header
+        raise CorruptChunk(f"file holds key {header.key}, not {key}", ino)
+    return header, raw
 
 
 def read_chunk(
@@ -271,8 +243,8 @@ def read_chunk(
     ``fd`` (:func:`.fs.open_chunk`; the caller closes it, and must not share its open file
     description: ``direct`` sets ``O_DIRECT`` on it) into memory from ``allocate``.
 
-    ``known`` is ``(digest, header)`` from an earlier read or write of this path (see
-    :func:`read_checked_header`). Returns ``(obj, file_size, (digest, header))``; ``obj`` is
+    ``known`` is ``(header, its bytes)`` from an earlier read or write of this path (see
+    :func:`read_checked_header`). Returns ``(obj, file_size, (header, its bytes))``; ``obj`` is
     ``None`` when ``allocate`` had no memory. Raises :class:`CorruptChunk` if the file is
     damaged or holds another key (:class:`ForeignChunk`: of another format version),
     ``ValueError`` for a bad layer range."""
@@ -280,7 +252,7 @@ def read_chunk(
         _set_direct(fd, True)
     st = os.fstat(fd)
     known = read_checked_header(fd, st, key, known, auth)
-    header = known[1]
+    header = known[0]
     first, count, meta = header.select(layers)
     obj = allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
     if obj is None:
@@ -301,6 +273,48 @@ def read_chunk(
         obj.ref_down()
         raise
     return obj, st.st_size, known
+
+
+class ChunkFileIO:
+    """How the posix tier moves one chunk's bytes between memory and its file: :func:`write_chunk`
+    and :func:`read_chunk` (vectored, O_DIRECT where ``direct``), with the header of every file it
+    wrote or read kept in a :class:`~kvplug.backends.common.chunks.HeaderCache` by relative path
+    (a file that still starts with the same bytes is not parsed again). The gds tier's
+    :class:`kvplug.backends.gds.io.KvikioFileIO` moves the bytes through kvikio instead."""
+
+    def __init__(self, allocate: Callable[..., MemoryObj | None], auth: cf.Keyring | None, *,
+                 fsync: bool = False, direct: bool = False, file_mode: int = FILE_MODE,
+                 gid: int | None = None) -> None:
+        self.allocate = allocate
+        self.auth = auth
+        self.fsync, self.direct, self.file_mode, self.gid = fsync, direct, file_mode, gid
+        self.headers = HeaderCache()
+
+    def prepare_write(self, key: CacheKey, rel: str,
+                      obj: MemoryObj) -> tuple[int, Callable[[str], int]]:
+        """The file's size and a function that writes it at a path (returns bytes written)."""
+        header, bufs, head = cf.encode_chunk_with_header(key, obj, self.auth)
+
+        def write_file(path: str) -> int:
+            written = write_chunk(path, obj, header, bufs, fsync=self.fsync, direct=self.direct,
+                                  file_mode=self.file_mode, gid=self.gid)
+            self.headers.put(rel, head, bytes(header))
+            return written
+
+        return len(header) + sum(len(b) for b in bufs), write_file
+
+    def read(self, fd: int, key: CacheKey, rel: str,
+             layers: tuple[int, int] | None) -> tuple[MemoryObj | None, int]:
+        """:func:`read_chunk` of the open file ``fd`` (a private open file description) of
+        ``rel``: ``(obj or None when memory is full, file size)``; raises as it does."""
+        obj, size, (header, raw) = read_chunk(fd, key, self.allocate, layers, direct=self.direct,
+                                              known=self.headers.known(rel), auth=self.auth)
+        self.headers.put(rel, header, raw)
+        return obj, size
+
+    def forget(self, rel: str) -> None:
+        """The file of ``rel`` is gone or unusable: its header is not reused."""
+        self.headers.pop(rel)
 
 
 def layer_range_copy(obj: MemoryObj, layers: tuple[int, int],

@@ -38,7 +38,7 @@ class Reaper:
         self._stop = False
         self.deleted = 0  # files deleted (a file already gone is not counted)
         #: Batches that freed less than their victims' bytes: a file already gone (another process
-        #: sharing the directory evicted it too) or not deletable (see ``PosixBackend._make_room``).
+        #: sharing the directory evicted it too) or not deletable (see :meth:`.Directory.make_room`).
         self.short_batches = 0
         self._thread = runtime.executor(1, f"kvplug-{name}-reaper", daemon=True)
 

@@ -230,11 +230,11 @@ class Checks:
             return drop(key)
 
         l1._drop = checked_drop
-        for name in ("_unlink_victims", "_unlink_now") if disk is not None else ():
-            real = getattr(disk, name)
+        for name in ("unlink_victims", "unlink_now") if disk is not None else ():
+            real = getattr(disk.directory, name)
 
             def checked(victims: list, real: Any = real) -> int:
-                pinned = [rel for rel, _ in victims if rel in disk._index.pins]
+                pinned = [rel for rel, _ in victims if rel in disk.directory.index.pins]
                 if pinned:
                     self.violation = self.violation or Violation(
                         "I7", f"rank {rank}: posix ({self.cfg.eviction}) evicted pinned "
@@ -242,7 +242,7 @@ class Checks:
                     raise self.violation
                 return real(victims)
 
-            setattr(disk, name, checked)
+            setattr(disk.directory, name, checked)
 
     def check_tiers(self) -> None:
         """I6: no tier holds more than its capacity (L1: bytes and pool; posix: the bytes
@@ -259,10 +259,11 @@ class Checks:
                 self.counts["tier capacity checks"] += 1
                 continue
             disk = st.backend("posix")
-            with disk._lock:  # the writer thread changes these together under it
-                held = disk._index.bytes + disk._index.reserved
-                tenants = dict(disk._index.tenants or {})
-                reserved = dict(disk._index.tenant_reserved)
+            index = disk.directory.index
+            with disk.directory.lock:  # the writer thread changes these together under it
+                held = index.bytes + index.reserved
+                tenants = dict(index.tenants or {})
+                reserved = dict(index.tenant_reserved)
             if held > disk.capacity:
                 raise Violation("I6", f"rank {rank}: posix holds {held} B over its capacity "
                                       f"{disk.capacity} ({self.cfg.eviction}/{self.cfg.admission})")
@@ -271,7 +272,7 @@ class Checks:
                 continue
             for name, quotas, usage in (
                     ("L1", l1._quotas, l1._tenant_bytes),
-                    ("posix", disk._quotas, {t: n + reserved.get(t, 0) for t, n in tenants.items()})):
+                    ("posix", disk.directory.quotas, {t: n + reserved.get(t, 0) for t, n in tenants.items()})):
                 for tenant, n in usage.items():
                     limit = quotas.limit(tenant)
                     if limit is not None and n > limit:

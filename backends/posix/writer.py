@@ -1,0 +1,167 @@
+"""The posix tier's write queue: stores never wait on the disk.
+
+``batched_submit_put`` queues each chunk (its object held, one reference) and returns; a write
+runs on one of ``io_threads`` threads of the tier's runtime: it skips a file already there,
+reserves room (:meth:`.Directory.make_room`, which evicts), writes a hidden temporary file and
+renames it into place (:class:`.io.ChunkFileIO`: readers never see a partial file), indexes it,
+and hands its file to a pin taken while it was queued (:class:`.HeldFiles`). A queued chunk is
+served from memory meanwhile (:mod:`.reader`). A full queue, a full disk or a read-only directory
+drops the store, counted and logged once; nothing is raised into the engine.
+
+The queue is guarded by the directory's lock (:attr:`.Directory.lock`): a store, a pin and an
+eviction look at the queue and the index at once.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from collections.abc import Sequence
+
+from kvplug.keys import CacheKey
+from kvplug.memory import MemoryObj
+from kvplug.runtime import Runtime
+
+from . import fs
+from .directory import Directory, Warn
+from .held import HeldFiles
+from .index import stat_entry
+from .io import ChunkFileIO
+
+
+def _open_quietly(path: str) -> int | None:
+    """A read-only descriptor of ``path`` (a chunk file just written), or None (gone, or no
+    longer a regular file: the same open as every read, :func:`.fs.open_chunk`)."""
+    try:
+        return fs.open_chunk(path)
+    except OSError:
+        return None
+
+
+class Writer:
+    """Queued chunk writes of one tier, ``max_pending`` at most, on ``threads`` threads."""
+
+    def __init__(self, directory: Directory, held: HeldFiles, files: ChunkFileIO,
+                 runtime: Runtime, warn: Warn, *, threads: int, max_pending: int,
+                 writable: bool) -> None:
+        self._dir = directory
+        self._lock = directory.lock
+        self._held = held
+        self.files = files
+        self._rt = runtime
+        self._warn = warn
+        self.max_pending = max_pending
+        self.writable = writable
+        self.closed = False
+        #: chunks queued or being written, by relative path (each holds one reference)
+        self.pending: dict[str, MemoryObj] = {}
+        self.cancelled: set[str] = set()  # queued writes an eviction of their key called off
+        self._releasing = 0  # writes out of the queue whose object the writer still holds
+        self._idle = runtime.condition(self._lock)
+        self.counters = dict.fromkeys(
+            ("writes", "disk_bytes_written", "dropped_puts", "failed_puts", "skipped_puts"), 0)
+        self._pool = runtime.executor(threads, f"kvplug-{directory.name}")
+
+    def submit(self, keys: Sequence[CacheKey], rels: Sequence[str],
+               objs: Sequence[MemoryObj]) -> None:
+        """Queue a write of ``objs[i]`` as the file ``rels[i]`` of ``keys[i]`` (not blocking)."""
+        for key, rel, obj in zip(keys, rels, objs, strict=False):
+            with self._lock:
+                if self.closed or not self.writable:
+                    self.counters["dropped_puts"] += 1
+                    continue
+                if rel in self._dir.index or rel in self.pending or rel in self._dir.reaper:
+                    self.counters["skipped_puts"] += 1  # (evicted, not deleted yet: next time)
+                    continue
+                full = len(self.pending) >= self.max_pending
+                if full:
+                    self.counters["dropped_puts"] += 1
+                else:
+                    self.pending[rel] = obj.ref_up()
+                    self.cancelled.discard(rel)
+            if full:
+                self._warn("queue", "write queue full (%d); stores dropped", self.max_pending)
+                continue
+            self._pool.submit(self._write, key, rel, obj)
+
+    def cancel_locked(self, rel: str) -> None:
+        """Under the lock: a queued write of ``rel`` is called off (its key was evicted)."""
+        if rel in self.pending:
+            self.cancelled.add(rel)
+
+    def _write(self, key: CacheKey, rel: str, obj: MemoryObj) -> None:
+        path = self._dir.path(rel)
+        reserved = 0
+        try:
+            if self.cancelled and rel in self.cancelled:
+                return
+            entry = stat_entry(path)  # another process (or an earlier run) stored it already
+            if entry is not None:
+                with self._lock:
+                    self._dir.index.add(rel, entry.size, entry.stamp)
+                return
+            size, write_file = self.files.prepare_write(key, rel, obj)
+            if not self._dir.make_room(size, key.tenant):
+                with self._lock:
+                    self.counters["skipped_puts"] += 1
+                self._warn("full", "capacity %d bytes is full of pinned files; stores skipped",
+                           self._dir.capacity)
+                return
+            reserved = size
+            written = write_file(path)
+            with self._lock:
+                self._dir.index.add(rel, written, time.time())
+                # in the same lock: the file is counted once (indexed), never twice (reserved too)
+                self._dir.index.unreserve(reserved, key.tenant)
+                reserved = 0
+                self.counters["writes"] += 1
+                self.counters["disk_bytes_written"] += written
+        except Exception as exc:  # noqa: BLE001 - OSError (full disk...) or not: never raised
+            with self._lock:
+                self.counters["failed_puts"] += 1
+            kind = errno.errorcode.get(getattr(exc, "errno", None) or 0, type(exc).__name__)
+            self._warn(f"write:{kind}", "store into %s failed: %s", self._dir.root, exc)
+        finally:
+            fd = _open_quietly(path)  # opened before the lock (no I/O under it)
+            with self._lock:
+                # pinned while it was queued: held now, under the lock the pin looked at the
+                # queue under (PosixBackend._pin), so no pin falls between the two
+                taken = self._held.attach(rel, fd)
+                self._dir.index.unreserve(reserved, key.tenant)
+                self.pending.pop(rel, None)
+                self.cancelled.discard(rel)
+                self._releasing += 1
+            if fd is not None and not taken:
+                os.close(fd)
+            obj.ref_down()
+            with self._lock:  # flush() is true only once the writer holds nothing
+                self._releasing -= 1
+                if not self.pending and not self._releasing:
+                    self._idle.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every queued write is done and the writer holds no object."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self.pending and not self._releasing, timeout)
+
+    def stop(self) -> bool:
+        """Take no more stores; False if the writer was stopped already."""
+        with self._lock:
+            already, self.closed = self.closed, True
+        return not already
+
+    def close(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the queued writes, then stop the threads (cancelling what
+        has not started when the wait ran out); False if writes were still running."""
+        with self._idle:
+            written = self._idle.wait_for(lambda: not self.pending, timeout)
+        if not written:
+            self._warn("close_writes", "%d writes still running after %.0f s (a hung file "
+                       "system?); closing without them", len(self.pending), timeout)
+        self._pool.shutdown(wait=written, cancel_futures=not written)
+        return written
+
+    def stats_locked(self) -> dict[str, float]:
+        """Under the lock: the writer's counters and queue length."""
+        return {**self.counters, "pending_writes": len(self.pending)}
