@@ -39,6 +39,7 @@ from kvplug.memory import MemoryObj
 from kvplug.policies.eviction import LRUEviction
 from pydantic import ByteSize, ConfigDict, Field, field_validator
 
+from ..common.bad_entries import BadEntries
 from .directory import Directory
 from .held import HeldFiles, fd_limit
 from .io import ChunkFileIO, direct_io_usable, wider_than, writable_dir
@@ -161,6 +162,7 @@ class PosixBackend:
         policy = ctx.eviction
         self.directory = Directory(
             self.root, self.capacity, self.name, ctx.runtime, self._log_once,
+            BadEntries(self.name, self._warnings, what="chunk file", clock=ctx.runtime.monotonic),
             policy=None if policy is None or isinstance(policy, LRUEviction) else policy,
             quotas=ctx.quotas, rescan_interval_s=opts.rescan_interval_s)
         self.held = HeldFiles(fd_limit(opts.max_pinned_fds), self.directory.open_held)

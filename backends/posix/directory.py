@@ -29,13 +29,13 @@ from typing import Any
 
 from kvplug.runtime import Runtime
 
+from ..common.bad_entries import BadEntries
 from . import fs
 from .index import Entry, PosixIndex, RescanClock, pack_rel, scan, stat_entry, unlink_entries
 from .io import CorruptChunk, ForeignChunk, remove_if_same
 from .reaper import Reaper
 
 logger = logging.getLogger("kvplug.backends.posix")
-_MAX_CORRUPT_LOGS = 20
 _TOUCH_EVERY_S = 1.0  # an LRU stamp younger than this is not bumped again (saves a syscall)
 #: how long a write waits for its victims' files to be deleted before it goes on (a stuck disk)
 REAPER_WAIT_S = 60.0
@@ -49,14 +49,17 @@ Warn = Callable[..., None]
 class Directory:
     """The index of the chunk files under ``root`` (a resolved directory), ``capacity`` bytes."""
 
-    def __init__(self, root: Path, capacity: int, name: str, runtime: Runtime, warn: Warn, *,
-                 policy: Any = None, quotas: Any = None, rescan_interval_s: float = 10.0) -> None:
+    def __init__(self, root: Path, capacity: int, name: str, runtime: Runtime, warn: Warn,
+                 bad: BadEntries, *, policy: Any = None, quotas: Any = None,
+                 rescan_interval_s: float = 10.0) -> None:
         self.root = root
         self.root_s = str(root) + os.sep
         self.capacity = capacity
         self.name = name
         self._rt = runtime
         self._warn = warn
+        #: the one policy for corrupt and other-version entries (counts, logs, deletes)
+        self.bad = bad
         self.lock = threading.Lock()
         self.index = PosixIndex(policy)
         #: per-tenant byte quotas (the tier's ``quotas``): tenants counted from file names
@@ -64,7 +67,7 @@ class Directory:
         if quotas is not None:
             self.index.track_tenants()
         self.counters = dict.fromkeys(
-            ("evictions", "rescans", "vanished", "corrupt", "other_version", "not_regular"), 0)
+            ("evictions", "rescans", "vanished", "not_regular"), 0)
         self._rescans = RescanClock(rescan_interval_s, runtime.monotonic)
         self._scan_lock = threading.Lock()
         #: set once the startup scan has indexed the directory (lookups need not wait for it)
@@ -303,24 +306,19 @@ class Directory:
                    "followed nor opened for I/O", self.path(rel), exc.strerror or exc)
 
     def quarantine(self, rel: str, err: CorruptChunk) -> None:
-        """Delete a damaged file (only if it is still the file that was read)."""
+        """A damaged file: unindexed, and through the tier's :class:`BadEntries` counted,
+        logged once and deleted (only if it is still the file that was read)."""
         path = self.path(rel)
         with self.lock:
             self.index.remove(rel)
-            self.counters["corrupt"] += 1
-            n = self.counters["corrupt"]
-        if n <= _MAX_CORRUPT_LOGS:
-            logger.warning("tier %r: chunk file %s is unusable (%s); deleted, treated as a miss",
-                           self.name, path, err)
-        remove_if_same(path, err.ino)
+        self.bad.corrupt(str(path), str(err), lambda: remove_if_same(path, err.ino))
 
     def other_version(self, rel: str, err: ForeignChunk) -> None:
-        """A file of another format version: a miss for reads and lookups, left on disk."""
+        """A file of another format version: a miss for reads and lookups (while it is the same
+        inode), left on disk; counted and logged once through :class:`BadEntries`."""
         with self.lock:
             self.index.mark_foreign(rel, err.ino)
-            self.counters["other_version"] += 1
-        self._warn("version", "chunk file %s is of another format version (%s); treated as a "
-                   "miss and left in place", self.path(rel), err)
+        self.bad.other_version(str(self.path(rel)), err)
 
     # -- figures --------------------------------------------------------------------------------
     def tenant_usage(self) -> dict[str, int]:
@@ -336,7 +334,7 @@ class Directory:
 
     def stats_locked(self) -> dict[str, float]:
         """Under the lock: the directory's counters and figures."""
-        out: dict[str, float] = dict(self.counters)
+        out: dict[str, float] = {**self.counters, **self.bad.stats()}
         policy = self.index.policy
         if policy is not None and callable(getattr(policy, "stats", None)):
             out.update({f"eviction_{k}": v for k, v in (policy.stats() or {}).items()})
