@@ -149,6 +149,7 @@ def bench_lookup(base: Path, pool: HostMemoryPool, files: int = 10_000, probes: 
     obj.ref_down()
     t0 = time.perf_counter()
     be = make_backend(root, pool)
+    assert be.wait_indexed(600), "startup scan hung"  # the scan runs in the background
     scan_s = time.perf_counter() - t0
     assert be.stats()["entries"] == files
     hits = [key(i * 19 % files, "lookup") for i in range(probes)]
