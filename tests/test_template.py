@@ -98,31 +98,6 @@ def test_allocator_variant_serves_from_its_own_pool(tmp_path, monkeypatch):
             h.ref_down()
 
 
-def installed_in_place(pkg: Path, module: str, entry: str) -> dict[str, str]:
-    """An environment in which ``pkg`` is importable and its entry point declared, without
-    installing it (a dist-info folder beside its sources): ``PYTHONPATH`` for a child process."""
-    info = pkg / "src" / f"{module}-0.1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {pkg.name}\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text(f"[kvplug.backends]\n{entry}\n")
-    return {**os.environ, "PYTHONPATH": str(pkg / "src")}
-
-
-def test_key_value_variant_passes_its_own_tests_and_the_kit(tmp_path):
-    """The ``store_kind=key_value`` package (a ValueStoreTier over its stand-in store) passes its
-    generated tests — kvplug's conformance kit, alone and behind local_cpu, and the deterministic
-    simulation (``KVPLUG_SIM_SEEDS``: a few seeds here) — with nothing skipped."""
-    pkg = render(tmp_path, backend_name="kv_store", store_kind="key_value")
-    env = installed_in_place(pkg, "kvplug_kv_store",
-                             "kv_store = kvplug_kv_store.backend:KvStoreBackend")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"],
-                         cwd=pkg, env={**env, "KVPLUG_SIM_SEEDS": "4"}, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert "skipped" not in out.stdout and "failed" not in out.stdout, out.stdout[-2000:]
-    assert "29 passed" in out.stdout, out.stdout[-1000:]
-
-
 def test_key_value_variant_owns_no_allocator(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "cookiecutter", "--no-input", "--default-config", "-o",

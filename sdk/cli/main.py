@@ -149,7 +149,7 @@ def new_backend_cmd(name: str, output_dir: Path, project_slug: str | None, autho
                   highlight=False)
     click.echo(
         "Next steps (its README.md shows the tier config and the vLLM flags):\n"
-        f"  cd {path}\n  pip install -e '.[test]'\n  pytest\n  kvplug backends"
+        f"  cd {path}\n  pip install -e '.[test]'\n  python -m pytest\n  kvplug backends"
     )
 
 

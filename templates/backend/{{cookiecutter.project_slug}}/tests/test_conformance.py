@@ -1,7 +1,7 @@
 """kvplug's conformance suite, run against the ``{{ cookiecutter.backend_name }}`` tier.
 
 Every test comes from ``kvplug.testing.BackendConformance``; see kvplug's docs/conformance.md for
-what each one checks. Run: ``pytest``.
+what each one checks. Run: ``python -m pytest``.
 """
 
 from __future__ import annotations
