@@ -11,6 +11,10 @@ the server's OpenAPI schema (``/openapi.json``):
 * ``POST /kvplug/v1/clear`` {scope: all | tier | prefix | tenant, ...}: per tier what was
   removed and what remains (:mod:`kvplug.management`); ``ok`` only when every tier did all of it
   (a tenant clear is not available yet: every tier says so, ``ok`` false);
+* ``POST /kvplug/v1/pin`` and ``/unpin`` {prompt | token_ids, cache_salt?, tiers?}: an
+  operator's pins of a prompt's chunks (exempt from eviction until unpinned, kept across restarts
+  on posix, within each tier's ``max_pinned_fraction``): per tier what was pinned, what it does
+  not hold and what was refused (with the reason); a tier that cannot pin says so;
 * ``GET /kvplug/v1/status``: tiers, capacity and use, breakers, pins, policies, per rank.
 
 The tiers live in the workers: every call reaches them through their management sockets
@@ -40,7 +44,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from .compat import drops_last_block
 from .config import ConnectorConfig, load_connector_config
 from .lookup import LookupClient, socket_path
-from .manage import ManageClear, ManageClient, ManageLookup, ManageMsg, ManageStatus, client_for
+from .manage import (
+    ManageClear,
+    ManageClient,
+    ManageLookup,
+    ManageMsg,
+    ManagePin,
+    ManageStatus,
+    client_for,
+)
 from .scheduler import SchedulerSide
 
 PREFIX = "/kvplug/v1"
@@ -141,6 +153,46 @@ class ClearResponse(BaseModel):
     ranks: list[dict[str, Any]]
 
 
+class PinText(PromptText):
+    """The chunks of a prompt (its full chunks; its partial ones where a tier holds them), on
+    every tier or the tiers named."""
+
+    tiers: TierNames | None = None
+
+
+class PinIds(PromptIds):
+    """:class:`PinText` with token ids."""
+
+    tiers: TierNames | None = None
+
+
+PinRequest = PinText | PinIds
+
+
+class TierPin(BaseModel):
+    available: bool = Field(description="whether the tier can pin at all (a store that evicts "
+                                        "by itself cannot)")
+    pinned: int | None = Field(default=None, description="chunks pinned (now or already; "
+                                                         "summed over ranks)")
+    absent: int | None = Field(default=None, description="full chunks the tier does not hold")
+    refused: int | None = Field(default=None, description="chunks past max_pinned_fraction")
+    unpinned: int | None = Field(default=None, description="chunks unpinned")
+    not_pinned: int | None = Field(default=None, description="chunks that held no pin")
+    pinned_bytes: int | None = Field(default=None, description="bytes pinned by operators "
+                                                               "on the tier after the call")
+    limit_bytes: int | None = Field(default=None, description="max_pinned_fraction x capacity")
+    complete: bool
+    error: str | None = None
+    note: str | None = None
+
+
+class PinResponse(BaseModel):
+    ok: bool = Field(description="every tier asked did all of it")
+    tokens: int = Field(description="prompt tokens")
+    tiers: dict[str, TierPin]
+    ranks: list[dict[str, Any]]
+
+
 class TierStatus(BaseModel):
     name: str
     backend: str
@@ -149,6 +201,8 @@ class TierStatus(BaseModel):
     used_bytes: int | None
     entries: int | None
     pinned: int | None
+    operator_pinned: int | None = Field(default=None, description="entries an operator pinned")
+    operator_pinned_bytes: int | None = None
     breaker: Literal["open", "closed"] | None
     policies: dict[str, Any]
 
@@ -338,6 +392,38 @@ class Engine:
         return ClearResponse(ok=all(t.complete for t in tiers.values()), scope=body.scope,
                              tiers=tiers, ranks=ranks)
 
+    def pin(self, body: PinRequest, pin: bool) -> PinResponse:
+        """An operator's pin (or unpin) of a prompt's chunks, per tier (:mod:`kvplug.management`)."""
+        unknown = sorted(set(body.tiers or ()) - set(self.config.tier_names()))
+        if unknown:
+            raise HTTPException(404, f"unknown tier(s) {unknown}; tiers are "
+                                     f"{self.config.tier_names()}")
+        ids = self.token_ids(body)
+        with self._lock:
+            q = _Query(f"kvplug-api-pin-{next(self._ids)}", ids, body.cache_salt)
+            t = self.sched._track(q)
+            full, tails = self._hashes(t, q.num_tokens)
+            self.sched.trackers.pop(q.request_id, None)
+        ranks = self.ask(ManagePin(full, [h for _, h in tails], body.tiers, pin))
+        tiers: dict[str, TierPin] = {}
+        for name in ranks[0]["tiers"]:
+            per = [r["tiers"][name] for r in ranks]
+
+            def total(k: str, per: list[dict[str, Any]] = per) -> int | None:
+                vals = [p.get(k) for p in per]
+                return None if any(v is None for v in vals) else sum(vals)
+
+            errors = sorted({p["error"] for p in per if p.get("error")})
+            notes = sorted({p["note"] for p in per if p.get("note")})
+            tiers[name] = TierPin(
+                available=all(p.get("available", True) for p in per),
+                **{k: total(k) for k in ("pinned", "absent", "refused", "unpinned",
+                                         "not_pinned", "pinned_bytes", "limit_bytes")},
+                complete=all(p["complete"] for p in per), error="; ".join(errors) or None,
+                note="; ".join(notes) or None)
+        return PinResponse(ok=all(t.complete for t in tiers.values()), tokens=len(ids),
+                           tiers=tiers, ranks=ranks)
+
     def status(self) -> StatusResponse:
         ranks = self.ask(ManageStatus())
         tiers = []
@@ -353,6 +439,8 @@ class Engine:
                 name=first["name"], backend=first["backend"], may_block=first["may_block"],
                 capacity_bytes=total("capacity_bytes"), used_bytes=total("used_bytes"),
                 entries=total("entries"), pinned=total("pinned"),
+                operator_pinned=total("operator_pinned"),
+                operator_pinned_bytes=total("operator_pinned_bytes"),
                 breaker="open" if "open" in breakers else first["breaker"],
                 policies=first["policies"]))
         return StatusResponse(model=self.model, chunk_size=self.sched.cs,
@@ -425,6 +513,22 @@ async def lookup(body: LookupRequest, request: Request) -> LookupResponse:
 async def clear(body: ClearRequest, request: Request) -> ClearResponse:
     """Remove entries; per tier what was removed and what remains (``ok``: all of it)."""
     return await asyncio.to_thread(_engine(request).clear, body)
+
+
+_PIN_ERRORS = {**ERRORS, 404: {"model": ErrorBody, "description": "a tier named is not configured"}}
+
+
+@router.post("/pin", response_model=PinResponse, responses=_PIN_ERRORS)
+async def pin(body: PinRequest, request: Request) -> PinResponse:
+    """Keep a prompt's chunks from eviction (until unpinned; across restarts on posix), within
+    each tier's ``max_pinned_fraction``; per tier what was pinned (``ok``: all of it)."""
+    return await asyncio.to_thread(_engine(request).pin, body, True)
+
+
+@router.post("/unpin", response_model=PinResponse, responses=_PIN_ERRORS)
+async def unpin(body: PinRequest, request: Request) -> PinResponse:
+    """Release an operator's pins of a prompt's chunks; per tier what was unpinned."""
+    return await asyncio.to_thread(_engine(request).pin, body, False)
 
 
 @router.get("/status", response_model=StatusResponse, responses=ERRORS)

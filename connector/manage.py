@@ -1,4 +1,5 @@
-"""Management calls from the API server to the workers that hold the tiers (lookup, clear, status).
+"""Management calls from the API server to the workers that hold the tiers (lookup, clear, pin,
+status).
 
 vLLM's OpenAI server, its engine core (the scheduler) and its workers are separate processes; the
 tiers live in the workers. Beside its lookup socket (:mod:`.lookup`), every worker serves a
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
-from kvplug.management import clear_keys, clear_tiers, tier_status
+from kvplug.management import clear_keys, clear_tiers, pin_keys, tier_status
 
 from .lookup import bind_router, serve_router, socket_path
 
@@ -55,6 +56,16 @@ class ManageClear(msgspec.Struct, tag=True):
     hashes: list[bytes] | None = None
 
 
+class ManagePin(msgspec.Struct, tag=True):
+    """An operator's pin (``pin`` True) or unpin of ``hashes``' chunks (full chunks) and
+    ``optional`` ones (partial chunks, pinned where held) on ``tiers`` (None: every tier)."""
+
+    hashes: list[bytes]
+    optional: list[bytes] = []
+    tiers: list[str] | None = None
+    pin: bool = True
+
+
 class ManageStatus(msgspec.Struct, tag=True):
     """The worker's tiers: capacity, use, breakers, pins, policies."""
 
@@ -65,7 +76,7 @@ class ManageReply(msgspec.Struct):
     error: str = ""
 
 
-ManageMsg = ManageLookup | ManageClear | ManageStatus
+ManageMsg = ManageLookup | ManageClear | ManagePin | ManageStatus
 _encode = msgspec.msgpack.Encoder().encode
 _decode_msg = msgspec.msgpack.Decoder(ManageMsg).decode
 _decode_reply = msgspec.msgpack.Decoder(ManageReply).decode
@@ -96,6 +107,10 @@ class WorkerManagement:
                 return {**base, "tiers": clear_tiers(storage, msg.tiers)}
             keys = [w.key(h) for h in msg.hashes]
             return {**base, "tiers": clear_keys(storage, keys, msg.tiers)}
+        if isinstance(msg, ManagePin):
+            return {**base, "tiers": pin_keys(storage, [w.key(h) for h in msg.hashes],
+                                              msg.tiers, msg.pin,
+                                              [w.key(h) for h in msg.optional])}
         return {**base, "tiers": self._lookup(msg)}
 
     def _lookup(self, msg: ManageLookup) -> dict[str, dict[str, int]]:
@@ -151,7 +166,7 @@ class ManageService:
             msg = _decode_msg(payload)
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             return ManageReply(False, error=f"malformed management message ({exc})")
-        hashes = len(getattr(msg, "hashes", None) or ()) + len(getattr(msg, "tails", None) or ())
+        hashes = sum(len(getattr(msg, f, None) or ()) for f in ("hashes", "tails", "optional"))
         if hashes > MAX_MANAGE_HASHES:
             return ManageReply(False, error=f"{hashes} chunk hashes in one call; at most "
                                             f"{MAX_MANAGE_HASHES}: split the prompt")
@@ -219,5 +234,5 @@ def client_for(engine_id: str, tp: int, pp: int, timeout_s: float = 60.0) -> Man
                         timeout_s)
 
 
-__all__ = ["ManageClear", "ManageClient", "ManageLookup", "ManageReply", "ManageService",
-           "ManageStatus", "WorkerManagement", "client_for", "manage_path"]
+__all__ = ["ManageClear", "ManageClient", "ManageLookup", "ManagePin", "ManageReply",
+           "ManageService", "ManageStatus", "WorkerManagement", "client_for", "manage_path"]

@@ -150,6 +150,10 @@ class TierConfig(_Strict):
         "{NAME: SIZE}}; a tenant over its quota evicts its own entries first (tiers whose "
         "backend orders its own victims: local_cpu, posix, gds)")
 
+    max_pinned_fraction: float = Field(
+        default=0.5, ge=0, le=1, description="share of the tier's capacity that an operator's "
+        "pins (kvplug cache pin) may hold; a pin past it is refused, naming this setting")
+
     @field_validator("eviction", "admission", mode="before")
     @classmethod
     def _policy_shorthand(cls, value: Any) -> Any:

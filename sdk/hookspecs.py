@@ -142,6 +142,8 @@ class TierContext:
             simulation's, which runs every task on one thread when its schedule says so. A
             backend that starts ``threading.Thread`` or sleeps on ``time`` itself still works,
             but the simulation cannot order its work (its seeds may not replay).
+        max_pinned_fraction: the share of the tier's capacity an operator's pins
+            (``operator_pin``) may hold (the tier's ``max_pinned_fraction`` setting).
     """
 
     name: str
@@ -155,6 +157,7 @@ class TierContext:
     eviction: Any = None
     quotas: Any = None
     runtime: Runtime = THREADS
+    max_pinned_fraction: float = 0.5
 
 
 class BackendSpec:
@@ -250,6 +253,23 @@ class BackendSpec:
     def unpin(self, keys: Sequence[CacheKey]) -> None:
         """Optional: release one pin (from ``contains(pin=True)``) on each key. Unknown keys are
         ignored."""
+
+    @hookspec
+    def operator_pin(self, keys: Sequence[CacheKey]) -> list[str]:
+        """Optional: an operator's pin (``kvplug cache pin``): keep each key's entry until
+        :meth:`operator_unpin`, exempt from eviction as a lookup's pin is (``evict`` skips it).
+
+        One answer per key: ``"pinned"`` (pinned now, or already pinned by an operator: a second
+        pin is no second count), ``"absent"`` (the tier does not hold it), or ``"over_limit"``
+        (pinning it would take the bytes pinned by operators past ``ctx.max_pinned_fraction`` of
+        the tier's capacity; nothing pinned). Report the bytes
+        pinned so in ``stats()`` as ``operator_pinned`` (entries) and ``operator_pinned_bytes``.
+        A tier that keeps state across restarts keeps its operator pins too (posix).
+        """
+
+    @hookspec
+    def operator_unpin(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """Optional: release an operator's pin of each key; ``True`` where one was held."""
 
     @hookspec
     def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:

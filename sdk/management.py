@@ -16,7 +16,9 @@ says so on that tier):
   reports its entry counts before and after from the tier's own ``stats()`` (a disk tier still
   scanning its directory at start-up is waited for, bounded, else the clear says incomplete); a tier that keeps no
   count of its entries (an unbounded value store) cannot be cleared whole and says so;
-* a tier whose evict raised or timed out reports ``error``.
+* a tier whose evict raised or timed out reports ``error``;
+* an operator's pin or unpin (:func:`pin_keys`) answers per tier what was pinned, what the tier
+  does not hold and what its ``max_pinned_fraction`` refused; a tier that cannot pin says so.
 
 A clear of a token prefix removes the chunks of that prefix; every longer prompt starting with it
 chains its chunk hashes over them, so no lookup of such a prompt hits past the cleared start.
@@ -28,6 +30,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from .errors import ConfigError
 from .keys import CacheKey
 from .storage_manager import StorageManager
 
@@ -36,7 +39,8 @@ ALL_BYTES = 1 << 62
 #: how long a clear waits for queued writes to land and a disk tier's deletes to happen
 SETTLE_S = 10.0
 #: what status shows of a tier's own counters (the rest are in /metrics)
-STATUS_FIELDS = ("entries", "bytes", "capacity", "pinned", "pending_writes", "pending_deletes",
+STATUS_FIELDS = ("entries", "bytes", "capacity", "pinned", "operator_pinned",
+                 "operator_pinned_bytes", "pending_writes", "pending_deletes",
                  "breaker_open", "breaker_trips", "faults", "timeouts", "corrupt",
                  "auth_failures", "evictions", "dropped_puts")
 
@@ -59,6 +63,8 @@ def tier_status(storage: StorageManager) -> list[dict[str, Any]]:
             "name": name, "backend": cfg.backend, "may_block": storage.may_block(name),
             "capacity_bytes": _count(s.get("capacity")), "used_bytes": _count(s.get("bytes")),
             "entries": _count(s.get("entries")), "pinned": _count(s.get("pinned")),
+            "operator_pinned": _count(s.get("operator_pinned")),
+            "operator_pinned_bytes": _count(s.get("operator_pinned_bytes")),
             "breaker": None if breaker is None else ("open" if breaker else "closed"),
             "policies": {"eviction": getattr(cfg, "eviction", None) or "lru",
                          "admission": getattr(cfg, "admission", None) or "always"},
@@ -91,8 +97,9 @@ def clear_keys(storage: StorageManager, keys: Sequence[CacheKey],
                                                             zip(before, after, strict=True)),
                        remaining=sum(after))
             if res["remaining"]:
-                res["note"] = ("entries still held: pinned by a load in flight, or the tier "
-                               "refused to delete them; clear again once loads are over")
+                res["note"] = ("entries still held: pinned by a load in flight or by an "
+                               "operator (kvplug cache unpin), or the tier refused to delete "
+                               "them; clear again once loads are over")
         if _faults(storage, name) > faults:
             res["error"] = "the tier's evict raised or timed out (see the engine's log)"
         out[name] = res
@@ -145,8 +152,9 @@ def clear_tiers(storage: StorageManager, tiers: Sequence[str] | None = None
                        pending_deletes=int(after.get("pending_deletes", 0)))
             res["complete"] = not res["remaining"] and not res["pending_deletes"]
             if not res["complete"]:
-                res["note"] = ("entries left: pinned by loads in flight, or deletes still "
-                               "pending; clear again once loads are over")
+                res["note"] = ("entries left: pinned by loads in flight or by an operator "
+                               "(kvplug cache unpin), or deletes still pending; clear again "
+                               "once loads are over")
         if not indexed:
             res["complete"] = False
             res["error"] = ("the tier is still scanning its directory: entries it has not "
@@ -157,5 +165,61 @@ def clear_tiers(storage: StorageManager, tiers: Sequence[str] | None = None
         if _faults(storage, name) > faults:
             res["error"] = "the tier's evict raised or timed out (see the engine's log)"
             res["complete"] = False
+        out[name] = res
+    return out
+
+
+def pin_keys(storage: StorageManager, keys: Sequence[CacheKey], tiers: Sequence[str] | None = None,
+             pin: bool = True, optional: Sequence[CacheKey] = ()) -> dict[str, dict[str, Any]]:
+    """An operator's pin (or with ``pin`` False, unpin) of ``keys`` on ``tiers`` (all by
+    default); per tier what was done. ``optional`` keys (a prompt's partial chunks: a tier holds
+    at most some of them) are pinned where held and never counted as absent.
+
+    Per tier: ``pinned`` (chunks pinned now or already), ``absent`` (chunks of ``keys`` the tier
+    does not hold), ``refused`` (past the tier's ``max_pinned_fraction``, with the reason),
+    ``pinned_bytes``/``limit_bytes`` (operators' pins on the tier after the call, and their
+    bound); an unpin: ``unpinned`` and ``not_pinned``. ``complete`` when the tier did all of it;
+    a tier that cannot pin (its store evicts by itself) says so, ``complete`` false."""
+    every = list(keys) + list(optional)
+    out: dict[str, dict[str, Any]] = {}
+    for name in tiers or storage.tier_names:
+        faults = _faults(storage, name)
+        try:
+            answer = storage.operator_pin(name, every, pin)
+        except ConfigError as exc:
+            out[name] = {"complete": False, "available": False,
+                         "error": f"{exc}; pins are not available on this tier"}
+            continue
+        res: dict[str, Any] = {"available": True}
+        if answer is None:
+            res.update(complete=False, error="the tier did not answer (fault or timeout): what "
+                       "it pinned is unknown; unpin to release what it may hold")
+        elif pin:
+            main = answer[:len(keys)]
+            res.update(pinned=sum(a == "pinned" for a in answer),
+                       absent=sum(a == "absent" for a in main),
+                       refused=sum(a == "over_limit" for a in answer))
+        else:
+            res.update(unpinned=sum(bool(a) for a in answer),
+                       not_pinned=sum(not a for a in answer[:len(keys)]))
+        s = storage.stats().get(name, {})
+        cap = s.get("capacity")
+        res["pinned_bytes"] = _count(s.get("operator_pinned_bytes"))
+        fraction = next(t.max_pinned_fraction for t in storage.config.tiers
+                        if t.tier_name == name)
+        res["limit_bytes"] = None if cap is None else int(fraction * cap)
+        if res.get("refused"):
+            res["error"] = (f"{res['refused']} chunk(s) refused: pinning them would take the "
+                            f"bytes pinned on tier {name!r} past max_pinned_fraction "
+                            f"{fraction:g} of its capacity ({res['limit_bytes']} bytes; "
+                            f"{res['pinned_bytes']} pinned); raise max_pinned_fraction in the "
+                            "tier's config, or unpin other chunks")
+        if res.get("absent"):
+            res["note"] = (f"{res['absent']} chunk(s) not held by this tier (not stored yet, or "
+                           "evicted): warm the prompt, then pin again")
+        if "complete" not in res:
+            res["complete"] = not res.get("refused") and not res.get("absent")
+        if _faults(storage, name) > faults:
+            res.update(complete=False, error="the tier's pin raised or timed out (see the log)")
         out[name] = res
     return out

@@ -427,6 +427,27 @@ class StorageManager:
             if tier.name in by_tier and tier.implements("unpin"):
                 self._call(tier, "unpin", keys=by_tier[tier.name])
 
+    def operator_pin(self, tier: str, keys: Sequence[CacheKey], pin: bool = True
+                     ) -> list[str] | list[bool] | None:
+        """An operator's pin (``pin``) or unpin of ``keys`` on tier ``tier`` (the
+        ``operator_pin``/``operator_unpin`` hooks; the tier's ``max_pinned_fraction`` bounds them):
+        one answer per key; ``None`` when the tier raised or answered wrong. ``ConfigError``
+        when the tier cannot pin (its backend has no such hook)."""
+        hook = "operator_pin" if pin else "operator_unpin"
+        found = [t for t in self._tiers if t.name == tier]
+        if not found:
+            raise ConfigError(f"unknown tier {tier!r}; tiers are {self.tier_names}")
+        t = found[0]
+        if not t.implements(hook):
+            raise ConfigError(f"tier {tier!r} (backend {t.config.backend!r}) cannot pin entries: "
+                              "its store evicts by itself")
+        if not keys:
+            return []
+        answer = self._call(t, hook, bounded=True, keys=list(keys))
+        if not answer or not isinstance(answer[0], list) or len(answer[0]) != len(keys):
+            return None
+        return answer[0]
+
     def contains(self, key: CacheKey) -> str | None:
         """The name of the first tier holding ``key``, or ``None``."""
         hit = self.lookup_prefix([key])

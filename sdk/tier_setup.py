@@ -36,7 +36,7 @@ logger = logging.getLogger("kvplug.storage")
 #: The hooks a tier is called through (each tier gets a caller per hook, see :class:`ScopedHooks`).
 HOOKS = (
     "allocate", "memory_regions", "batched_submit_put", "get", "batched_get", "get_layers",
-    "contains", "unpin", "evict", "flush", "close", "stats",
+    "contains", "unpin", "operator_pin", "operator_unpin", "evict", "flush", "close", "stats",
 )
 
 
@@ -63,6 +63,7 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
         eviction=_eviction_policy(cls, cfg, options),
         quotas=None if cfg.quotas is None else TenantQuotas.from_config(cfg.quotas, auth),
         runtime=runtime,
+        max_pinned_fraction=cfg.max_pinned_fraction,
     )
     redact = Redactor(cfg.options)
     try:

@@ -63,6 +63,7 @@ from .io import (
 )
 from .lookup import LookupAndPins
 from .options import PosixOptions
+from .pin_store import OperatorPins, PinFile
 from .reaper import Reaper
 
 logger = logging.getLogger("kvplug.backends.posix")
@@ -85,7 +86,7 @@ def _open_quietly(path: str) -> int | None:
         return None
 
 
-class PosixBackend(LookupAndPins):
+class PosixBackend(LookupAndPins, OperatorPins):
     """A directory of chunk files with an LRU byte capacity."""
 
     Options = PosixOptions
@@ -132,6 +133,8 @@ class PosixBackend(LookupAndPins):
             self._log_once("dir", "%s", why_not)
         elif existed and (wider := wider_than(self.root, opts.mode)):
             logger.warning("tier %r: %s", self.name, wider)
+        self._init_operator_pins(PinFile(self.root, opts.mode, self._gid, self.name)
+                                 if self._writable else None, ctx.max_pinned_fraction)
         self.o_direct = bool(opts.o_direct and self._writable
                              and direct_io_usable(self.root, self.name))
         self._rescans = RescanClock(opts.rescan_interval_s, self._rt.monotonic)
@@ -189,7 +192,9 @@ class PosixBackend(LookupAndPins):
         """Index the directory in the background: serving starts at once (a lookup the index
         cannot answer yet falls back to a ``stat``), stores wait for it (capacity needs it)."""
         try:
+            pins = self._restore_pins_before_scan()  # kept by the trim (pin_store)
             self._trim_to_capacity()
+            self._restore_pins_after_scan(pins)
         except Exception as exc:  # noqa: BLE001 - never raised into a thread's void
             self._log_once("scan", "scan of %s failed: %r", self.root, exc)
         finally:
@@ -591,4 +596,5 @@ class PosixBackend(LookupAndPins):
                        pending_deletes=len(self._reaper),
                        o_direct=int(self.o_direct), writable=int(self._writable))
         out.update(self._held.stats())
+        out.update(self.operator_pin_stats())
         return out

@@ -1,4 +1,4 @@
-"""``kvplug cache lookup|clear|status``: kvplug's management API from the command line.
+"""``kvplug cache lookup|clear|pin|unpin|status``: kvplug's management API from the command line.
 
 With ``--url`` (a ``kvplug serve`` server) each command is one call to ``/kvplug/v1/...``
 (:mod:`kvplug.connector.api`); ``--api-key`` (default ``$VLLM_API_KEY``) is sent as a bearer
@@ -96,6 +96,22 @@ def print_lookup(body: dict[str, Any]) -> None:
     console.print(table)
 
 
+def print_pin(body: dict[str, Any], what: str = "pin") -> None:
+    table = Table(title=f"kvplug {what} ({body['tokens']} prompt tokens): "
+                        f"{'done' if body['ok'] else 'NOT complete'}")
+    cols = (("Pinned", "pinned"), ("Absent", "absent"), ("Refused", "refused")) \
+        if what == "pin" else (("Unpinned", "unpinned"), ("Not pinned", "not_pinned"))
+    for col in ("Tier", *(c for c, _ in cols), "Pinned bytes", "Limit", "Complete",
+                "Error / note"):
+        table.add_column(col, overflow="fold")
+    for name, t in body["tiers"].items():
+        table.add_row(escape(name), *(_num(t.get(k)) for _, k in cols),
+                      _size(t.get("pinned_bytes")), _size(t.get("limit_bytes")),
+                      "yes" if t["complete"] else "[red]no[/]",
+                      escape(t.get("error") or t.get("note") or ""))
+    console.print(table)
+
+
 def _prompt_body(prompt: str | None, prompt_file: Path | None, token_ids: str | None,
                  cache_salt: str | None) -> dict[str, Any]:
     given = [x for x in (prompt, prompt_file, token_ids) if x is not None]
@@ -160,6 +176,51 @@ def lookup_cmd(url: str | None, api_key: str | None, prompt: str | None,
     body = call(url, "/lookup", _prompt_body(prompt, prompt_file, token_ids, cache_salt),
                 api_key)
     _emit(body, as_json, print_lookup)
+
+
+def _pin(what: str, url: str | None, api_key: str | None, tiers: tuple[str, ...],
+         prompt: str | None, prompt_file: Path | None, token_ids: str | None,
+         cache_salt: str | None, as_json: bool) -> None:
+    if not url:
+        fail(f"{what} needs --url: keys hold the engine's model identity")
+    req = _prompt_body(prompt, prompt_file, token_ids, cache_salt)
+    if tiers:
+        req["tiers"] = list(tiers)
+    body = call(url, f"/{what}", req, api_key)
+    _emit(body, as_json, lambda b: print_pin(b, what))
+    if not body["ok"]:
+        raise click.exceptions.Exit(1)
+
+
+tier_opt = click.option("--tier", "tiers", multiple=True,
+                        help="Only this tier (repeatable; default: every tier).")
+
+
+@cache_group.command("pin")
+@url_opt
+@key_opt
+@tier_opt
+@_with(prompt_opts)
+@json_opt
+def pin_cmd(url: str | None, api_key: str | None, tiers: tuple[str, ...], prompt: str | None,
+            prompt_file: Path | None, token_ids: str | None, cache_salt: str | None,
+            as_json: bool) -> None:
+    """Keep a prompt's chunks from eviction (a system prompt, a hot document) until unpinned,
+    within each tier's max_pinned_fraction; exits 1 unless every tier pinned all of it."""
+    _pin("pin", url, api_key, tiers, prompt, prompt_file, token_ids, cache_salt, as_json)
+
+
+@cache_group.command("unpin")
+@url_opt
+@key_opt
+@tier_opt
+@_with(prompt_opts)
+@json_opt
+def unpin_cmd(url: str | None, api_key: str | None, tiers: tuple[str, ...], prompt: str | None,
+              prompt_file: Path | None, token_ids: str | None, cache_salt: str | None,
+              as_json: bool) -> None:
+    """Release an operator's pins of a prompt's chunks."""
+    _pin("unpin", url, api_key, tiers, prompt, prompt_file, token_ids, cache_salt, as_json)
 
 
 def _storage(config: Path) -> Any:

@@ -1,0 +1,246 @@
+"""An operator's pins on the posix tier (``kvplug cache pin``), kept across restarts.
+
+A pinned chunk file is pinned as a lookup pins it (:mod:`.lookup`: never evicted by this process,
+held open against others) and listed in ``<root>/kvplug-pins.json`` (the tier's file mode, 0600
+by default; written atomically, under an ``flock`` of the root so processes sharing the directory
+merge their changes, each adding and removing only its own). At start-up the listed files are
+pinned again before the scan trims the directory to its capacity, so a restart never evicts them.
+
+The file is untrusted (whoever can write the directory wrote it): it never chooses a path or a
+size. It is opened without following a link or blocking, bounded in size, and every entry must be
+a chunk name in a shard directory (``<2 hex>/<[A-Za-z0-9._-]>.safetensors``); sizes come from the
+index (the files themselves). A file that breaks any of this is ignored whole, with the reason
+logged once; a pin whose file is gone is dropped. Pins past the tier's ``max_pinned_fraction`` at
+start-up (the setting was lowered, or the file was forged) are dropped, oldest kept, and logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvplug.chunkfile.atomic import atomic_file
+from kvplug.hookspecs import hookimpl
+from kvplug.keys import CacheKey
+
+from . import fs
+from .index import stat_entry
+
+if TYPE_CHECKING:
+    from .held import HeldFiles
+    from .index import PosixIndex
+
+logger = logging.getLogger("kvplug.backends.posix")
+
+PIN_FILE = "kvplug-pins.json"
+#: the largest pins file read (about 50,000 pins)
+MAX_PIN_FILE = 8 << 20
+_REL = re.compile(r"[0-9a-f]{2}/[A-Za-z0-9_-][A-Za-z0-9._-]{0,250}\.safetensors")
+
+
+class PinFile:
+    """``<root>/kvplug-pins.json``: the relative paths an operator pinned."""
+
+    def __init__(self, root: Path, mode: int, gid: int | None, tier: str) -> None:
+        self.path = root / PIN_FILE
+        self.root = root
+        self.mode = mode
+        self.gid = gid
+        self.tier = tier
+
+    def load(self) -> list[str]:
+        """The pinned paths listed, in order; ``[]`` (the reason logged) for a missing, unsafe or
+        malformed file."""
+        try:
+            fd = os.open(self.path, fs.READ_FLAGS)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            return self._ignored(f"cannot open it ({exc.strerror or exc}; a link is never "
+                                 "followed)")
+        try:
+            fs.require_regular(fd, str(self.path))
+        except OSError:
+            return self._ignored("it is not a regular file")
+        try:
+            raw = os.read(fd, MAX_PIN_FILE + 1)
+        except OSError as exc:
+            return self._ignored(f"cannot read it ({exc.strerror or exc})")
+        finally:
+            os.close(fd)
+        if len(raw) > MAX_PIN_FILE:
+            return self._ignored(f"it is larger than {MAX_PIN_FILE} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return self._ignored(f"it is not JSON ({exc})")
+        pins = body.get("pins") if isinstance(body, dict) else None
+        if not isinstance(body, dict) or body.get("version") != 1 or not isinstance(pins, list):
+            return self._ignored("it is not {\"version\": 1, \"pins\": [...]}")
+        for rel in pins:
+            if not isinstance(rel, str) or not _REL.fullmatch(rel):
+                return self._ignored(f"it lists {str(rel)[:80]!r}, which is not a chunk file's "
+                                     "name in a shard directory")
+        return list(dict.fromkeys(pins))
+
+    def _ignored(self, why: str) -> list[str]:
+        logger.warning("tier %r: the pins file %s is ignored: %s; no pin is restored from it "
+                       "(pin again with `kvplug cache pin`)", self.tier, self.path, why)
+        return []
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """An exclusive ``flock`` of the root (processes sharing it update the file in turn)."""
+        dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(dfd)  # releases the lock
+
+    def update(self, added: Iterable[str], removed: Iterable[str]) -> None:
+        """Add and remove paths (what this process pinned and unpinned), keeping the others'."""
+        added, removed = list(added), set(removed)
+        if not added and not removed:
+            return
+        with self._locked():
+            current = [r for r in self.load() if r not in removed]
+            pins = list(dict.fromkeys(current + added))
+            with atomic_file(self.path, file_mode=self.mode, gid=self.gid, no_follow=True) as tmp:
+                tmp.write_text(json.dumps({"version": 1, "pins": pins}))
+
+
+class OperatorPins:
+    """The ``operator_pin``/``operator_unpin`` hooks of :class:`.PosixBackend` (a part of it,
+    over the state it owns), and the pins' restore at start-up."""
+
+    name: str
+    capacity: int
+    _lock: threading.Lock
+    _index: PosixIndex
+    _held: HeldFiles
+    _op_pins: dict[str, int]
+    _pin_file: PinFile | None
+    _max_pinned: float
+
+    def _rel(self, key: CacheKey) -> str:
+        raise NotImplementedError
+
+    def _path(self, rel: str) -> str:
+        raise NotImplementedError
+
+    def _pin(self, rel: str) -> bool:
+        raise NotImplementedError
+
+    def _init_operator_pins(self, pin_file: PinFile | None, max_fraction: float) -> None:
+        self._op_pins = {}  # rel -> bytes (from the index)
+        self._pin_file = pin_file
+        self._max_pinned = max_fraction
+
+    def _save_pins(self, added: Sequence[str], removed: Sequence[str]) -> None:
+        if self._pin_file is None:
+            return
+        try:
+            self._pin_file.update(added, removed)
+        except OSError as exc:
+            logger.warning("tier %r: cannot update the pins file %s (%s): the pins hold until "
+                           "this process ends, not across a restart", self.name,
+                           self._pin_file.path, exc)
+
+    def _restore_pins_before_scan(self) -> list[str]:
+        """Pin (in the index only) what the pins file lists, so the start-up trim keeps it."""
+        rels = self._pin_file.load() if self._pin_file is not None else []
+        with self._lock:
+            self._index.pins.pin_all(rels)
+        return rels
+
+    def _restore_pins_after_scan(self, rels: list[str]) -> None:
+        """Keep the listed pins whose files the scan found, within ``max_pinned_fraction``; hold
+        them open. The rest are released and dropped from the file."""
+        kept, dropped, over = [], [], 0
+        limit = self._max_pinned * self.capacity
+        with self._lock:
+            held = 0
+            for rel in rels:
+                size = self._index.size(rel)
+                if size is not None and held + size <= limit:
+                    held += size
+                    self._op_pins[rel] = size
+                    kept.append(rel)
+                else:
+                    over += size is not None
+                    dropped.append(rel)
+                    self._index.pins.unpin(rel)
+        for rel in kept:
+            if not self._held.hold(rel, self._path(rel)):
+                with self._lock:
+                    self._op_pins.pop(rel, None)
+                    self._index.pins.unpin(rel)
+                dropped.append(rel)
+        if over:
+            logger.warning("tier %r: %d pins of the pins file are past max_pinned_fraction %g of "
+                           "the capacity; released", self.name, over, self._max_pinned)
+        if rels:
+            logger.info("tier %r: %d operator pins restored, %d dropped", self.name,
+                        len(rels) - len(dropped), len(dropped))
+        self._save_pins([], dropped)
+
+    @hookimpl
+    def operator_pin(self, keys: Sequence[CacheKey]) -> list[str]:
+        out, added = [], []
+        limit = self._max_pinned * self.capacity
+        for key in keys:
+            rel = self._rel(key)
+            with self._lock:
+                size = self._index.size(rel)
+            if size is None and (entry := stat_entry(self._path(rel))) is not None:
+                with self._lock:  # another process's file (or not indexed yet)
+                    self._index.add(rel, entry.size, entry.stamp)
+                size = entry.size
+            with self._lock:
+                known = rel in self._op_pins
+                room = size is not None and sum(self._op_pins.values()) + size <= limit
+            if known:
+                out.append("pinned")
+            elif size is None:
+                out.append("absent")
+            elif not room:
+                out.append("over_limit")
+            elif self._pin(rel):
+                with self._lock:
+                    self._op_pins[rel] = size
+                added.append(rel)
+                out.append("pinned")
+            else:
+                out.append("absent")
+        self._save_pins(added, [])
+        return out
+
+    @hookimpl
+    def operator_unpin(self, keys: Sequence[CacheKey]) -> list[bool]:
+        out, removed = [], []
+        for key in keys:
+            rel = self._rel(key)
+            with self._lock:
+                held = self._op_pins.pop(rel, None) is not None
+                if held:
+                    self._index.pins.unpin(rel)
+            if held:
+                self._held.release(rel)
+                removed.append(rel)
+            out.append(held)
+        self._save_pins([], removed)
+        return out
+
+    def operator_pin_stats(self) -> dict[str, float]:
+        with self._lock:
+            return {"operator_pinned": len(self._op_pins),
+                    "operator_pinned_bytes": sum(self._op_pins.values())}
