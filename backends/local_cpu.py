@@ -130,10 +130,20 @@ class LocalCPUBackend:
                 self._policy.insert(key=victim, nbytes=self._entries[victim].nbytes)  # type: ignore[index]
         return freed >= over
 
+    @hookimpl
     def tenant_usage(self) -> dict[str, int]:
         """Bytes held per tenant id (``""``: chunks without a tenant)."""
         with self._lock:
             return dict(self._tenant_bytes)
+
+    @hookimpl
+    def evict_tenant(self, tenant: str) -> list[int]:
+        with self._lock:
+            mine = [k for k in self._entries if k.tenant == tenant]
+            gone = [k for k in mine if self._evictable(k)]
+            for key in gone:
+                self._drop(key)
+            return [len(gone), len(mine) - len(gone)]
 
     def _evict_one(self) -> int:
         """Drop the policy's next victim; 0 if nothing may be evicted."""

@@ -10,7 +10,8 @@ the server's OpenAPI schema (``/openapi.json``):
   it holds and the tokens of the hit a load would read from it: what a KV-aware router asks;
 * ``POST /kvplug/v1/clear`` {scope: all | tier | prefix | tenant, ...}: per tier what was
   removed and what remains (:mod:`kvplug.management`); ``ok`` only when every tier did all of it
-  (a tenant clear is not available yet: every tier says so, ``ok`` false);
+  (a tenant clear acts on the tiers that can list entries by tenant, L1 and posix; the others
+  say it is not available);
 * ``POST /kvplug/v1/pin`` and ``/unpin`` {prompt | token_ids, cache_salt?, tiers?}: an
   operator's pins of a prompt's chunks (exempt from eviction until unpinned, kept across restarts
   on posix, within each tier's ``max_pinned_fraction``): per tier what was pinned, what it does
@@ -39,6 +40,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from kvplug.policies.tenants import tenant_id
 from pydantic import BaseModel, ConfigDict, Field
 
 from .compat import drops_last_block
@@ -127,11 +129,12 @@ class ClearPrefixIds(PromptIds):
 
 
 class ClearTenant(_Body):
-    """One tenant's entries: not available yet (object names do not carry the tenant); every
-    tier says so."""
+    """One tenant's entries (``tenant``: its cache_salt, or the ``tenant`` its requests name),
+    in every tier or the tiers named; a tier that cannot list entries by tenant says so."""
 
     scope: Literal["tenant"]
-    tenant: str
+    tenant: str = Field(min_length=1, description="the tenant's cache_salt or tenant name")
+    tiers: TierNames | None = None
 
 
 ClearRequest = ClearAll | ClearTiers | ClearPrefixText | ClearPrefixIds | ClearTenant
@@ -141,6 +144,8 @@ class TierClear(BaseModel):
     removed: int | None = Field(description="entries removed (summed over ranks); null: unknown")
     removed_bytes: int = Field(description="bytes the tier reports freed")
     remaining: int | None = Field(description="entries still there; null: unknown")
+    remaining_bytes: int | None = Field(default=None, description="a tenant clear: bytes of the "
+                                        "tenant the tier still holds (measured)")
     complete: bool
     error: str | None = None
     note: str | None = None
@@ -349,13 +354,6 @@ class Engine:
             self.sched.trackers.pop(q.request_id, None)
 
     def clear(self, body: ClearRequest) -> ClearResponse:
-        if isinstance(body, ClearTenant):
-            why = ("clear by tenant is not available: kvplug's object names do not carry the "
-                   "tenant, so no tier can find one tenant's entries; clear by prefix (with its "
-                   "cache_salt) instead")
-            return ClearResponse(ok=False, scope=body.scope, ranks=[], tiers={
-                n: TierClear(removed=None, removed_bytes=0, remaining=None, complete=False,
-                             error=why) for n in self.config.tier_names()})
         tiers_asked = getattr(body, "tiers", None)
         unknown = sorted(set(tiers_asked or ()) - set(self.config.tier_names()))
         if unknown:
@@ -370,7 +368,10 @@ class Engine:
                 full, tails = self._hashes(t, q.num_tokens)
                 self.sched.trackers.pop(q.request_id, None)
             hashes = full + [h for _, h in tails]
-        ranks = self.ask(ManageClear(tiers_asked, hashes))
+        tenant = None
+        if isinstance(body, ClearTenant):  # its id, as the scheduler makes it (never the salt)
+            tenant = tenant_id(body.tenant, self.sched._auth)
+        ranks = self.ask(ManageClear(tiers_asked, hashes, tenant))
         tiers: dict[str, TierClear] = {}
         for name in ranks[0]["tiers"]:
             per = [r["tiers"][name] for r in ranks]
@@ -387,6 +388,7 @@ class Engine:
             tiers[name] = TierClear(removed=total("removed"),
                                     removed_bytes=total("removed_bytes") or 0,
                                     remaining=remaining, complete=complete,
+                                    remaining_bytes=total("remaining_bytes"),
                                     error="; ".join(errors) or None,
                                     note="; ".join(notes) or None)
         return ClearResponse(ok=all(t.complete for t in tiers.values()), scope=body.scope,

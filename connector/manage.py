@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
-from kvplug.management import clear_keys, clear_tiers, pin_keys, tier_status
+from kvplug.management import clear_keys, clear_tenant, clear_tiers, pin_keys, tier_status
 
 from .lookup import bind_router, serve_router, socket_path
 
@@ -49,11 +49,12 @@ class ManageLookup(msgspec.Struct, tag=True):
 
 
 class ManageClear(msgspec.Struct, tag=True):
-    """Drop ``hashes``' chunks (or, with ``hashes`` None, every entry) from ``tiers`` (None:
-    every tier)."""
+    """Drop ``hashes``' chunks (or, with ``hashes`` None, every entry; with ``tenant``, a tenant
+    id's entries) from ``tiers`` (None: every tier)."""
 
     tiers: list[str] | None = None
     hashes: list[bytes] | None = None
+    tenant: str | None = None
 
 
 class ManagePin(msgspec.Struct, tag=True):
@@ -103,6 +104,8 @@ class WorkerManagement:
         if isinstance(msg, ManageStatus):
             return {**base, "tiers": tier_status(storage)}
         if isinstance(msg, ManageClear):
+            if msg.tenant is not None:
+                return {**base, "tiers": clear_tenant(storage, msg.tenant, msg.tiers)}
             if msg.hashes is None:
                 return {**base, "tiers": clear_tiers(storage, msg.tiers)}
             keys = [w.key(h) for h in msg.hashes]

@@ -281,6 +281,19 @@ class BackendSpec:
         """
 
     @hookspec
+    def tenant_usage(self) -> dict[str, int]:
+        """Optional: bytes held per tenant id (``key.tenant``; ``""``: chunks without one), for
+        tiers that can list their entries (tenants are in every object name, ``.t<16 hex>``).
+        Cheap enough for a metrics scrape."""
+
+    @hookspec
+    def evict_tenant(self, tenant: str) -> list[int]:
+        """Optional: drop every entry of tenant id ``tenant`` that is not pinned (a shared
+        directory's files of other processes included); ``[entries removed, entries left]``.
+        Tiers that cannot list their entries (a store that evicts by itself) leave it out: a
+        clear by tenant then says "not available" for them."""
+
+    @hookspec
     def flush(self, timeout: float) -> bool:
         """Optional: wait up to ``timeout`` seconds for queued writes; True if none is left."""
 

@@ -18,7 +18,10 @@ says so on that tier):
   count of its entries (an unbounded value store) cannot be cleared whole and says so;
 * a tier whose evict raised or timed out reports ``error``;
 * an operator's pin or unpin (:func:`pin_keys`) answers per tier what was pinned, what the tier
-  does not hold and what its ``max_pinned_fraction`` refused; a tier that cannot pin says so.
+  does not hold and what its ``max_pinned_fraction`` refused; a tier that cannot pin says so;
+* a clear by tenant (:func:`clear_tenant`) removes the tenant's entries on the tiers that can
+  list them (tenants are in object names) and measures the tenant's bytes before and after; a
+  tier that cannot says it is not available.
 
 A clear of a token prefix removes the chunks of that prefix; every longer prompt starting with it
 chains its chunk hashes over them, so no lookup of such a prompt hits past the cleared start.
@@ -165,6 +168,48 @@ def clear_tiers(storage: StorageManager, tiers: Sequence[str] | None = None
         if _faults(storage, name) > faults:
             res["error"] = "the tier's evict raised or timed out (see the engine's log)"
             res["complete"] = False
+        out[name] = res
+    return out
+
+
+def clear_tenant(storage: StorageManager, tenant: str, tiers: Sequence[str] | None = None
+                 ) -> dict[str, dict[str, Any]]:
+    """Drop tenant id ``tenant``'s unpinned entries from ``tiers`` (all by default). Queued
+    writes land first; per tier the entries removed and left (the tier's count) and the bytes
+    it held for the tenant before and after (measured: ``tenant_usage``); ``complete`` only
+    when the tier then holds no byte of the tenant. A tier that cannot list its entries by
+    tenant (a store that evicts by itself) says it is not available."""
+    flushed = storage.flush(SETTLE_S)
+    out: dict[str, dict[str, Any]] = {}
+    for name in tiers or storage.tier_names:
+        if not storage.implements(name, "evict_tenant"):
+            out[name] = {"removed": None, "removed_bytes": 0, "remaining": None,
+                         "complete": False, "error": (
+                             "clear by tenant is not available on this tier: its store cannot "
+                             "list entries by tenant (and evicts by itself); clear by prefix "
+                             "with the tenant's cache_salt, or empty the store with its tools")}
+            continue
+        wait_indexed(storage, name)
+        before = (storage.tenant_usage(name) or {}).get(tenant, 0)
+        faults = _faults(storage, name)
+        answer = storage.evict_tenant(name, tenant)
+        _settle(storage, name)
+        after = storage.tenant_usage(name)
+        left = None if after is None else after.get(tenant, 0)
+        res: dict[str, Any] = {"removed_bytes": before - (left or 0), "remaining_bytes": left}
+        if answer is None or left is None:
+            res.update(removed=None, remaining=None, complete=False,
+                       error="the tier did not answer (fault or timeout): what it removed is "
+                             "unknown")
+        else:
+            res.update(removed=answer[0], remaining=answer[1], complete=left == 0)
+            if not res["complete"]:
+                res["note"] = ("entries left: pinned by loads in flight or by an operator "
+                               "(kvplug cache unpin), or stored meanwhile; clear again")
+        if not flushed:
+            res["note"] = "writes were still queued after the wait: they may land after this clear"
+        if _faults(storage, name) > faults:
+            res.update(complete=False, error="the tier's evict raised or timed out (see the log)")
         out[name] = res
     return out
 

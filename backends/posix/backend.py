@@ -506,6 +506,7 @@ class PosixBackend(LookupAndPins, OperatorPins):
             self._counters["disk_bytes_read"] += obj.nbytes
         return obj
 
+    @hookimpl
     def tenant_usage(self) -> dict[str, int]:
         """Bytes of the files this process has indexed, per tenant id (from the names, so the
         files of every process sharing the directory count, once a rescan has seen them)."""

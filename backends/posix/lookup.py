@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvplug.hookspecs import hookimpl
 from kvplug.keys import CacheKey
+from kvplug.policies.tenants import tenant_of_name
 
 from .held import HeldFiles
 from .index import PosixIndex, stat_entry
@@ -45,6 +46,9 @@ class LookupAndPins:
         raise NotImplementedError
 
     def _unlink_now(self, victims: list[tuple[str, Entry]]) -> int:
+        raise NotImplementedError
+
+    def _rescan(self, only_if_due: bool = False) -> None:
         raise NotImplementedError
 
     @hookimpl
@@ -139,3 +143,25 @@ class LookupAndPins:
                 victims.append((rel, entry))
         return self._unlink_now(victims)
 
+
+    @hookimpl
+    def evict_tenant(self, tenant: str) -> list[int]:
+        """Every unpinned file of ``tenant`` (by its name), after a rescan (so other processes'
+        files count): deleted now, as an evict of named keys."""
+        self._rescan()
+        victims, kept = [], 0
+        with self._lock:
+            for rel in self._pending:  # queued, not begun: never written
+                if tenant_of_name(rel) == tenant:
+                    self._cancelled.add(rel)
+            for rel in self._index.rels():
+                if tenant_of_name(rel) != tenant:
+                    continue
+                if rel in self._index.pins:
+                    kept += 1
+                    continue
+                entry = self._index.remove(rel)
+                if entry is not None:
+                    victims.append((rel, entry))
+        self._unlink_now(victims)
+        return [len(victims), kept]

@@ -4,9 +4,9 @@ With ``--url`` (a ``kvplug serve`` server) each command is one call to ``/kvplug
 (:mod:`kvplug.connector.api`); ``--api-key`` (default ``$VLLM_API_KEY``) is sent as a bearer
 token. With ``--config FILE`` and no engine running, ``status`` and ``clear --all/--tier`` act on
 the configured stores directly, through a StorageManager and the same rules
-(:mod:`kvplug.management`); a lookup or a prefix clear needs the engine (keys hold the model's
-identity). Every clear prints what each tier removed and what remains, and exits 1 unless every
-tier did all of it. ``--json`` prints the API's JSON.
+(:mod:`kvplug.management`), as does ``clear --tenant``; a lookup, a prefix clear or a pin needs
+the engine (keys hold the model's identity). Every clear prints what each tier removed and what
+remains, and exits 1 unless every tier did all of it. ``--json`` prints the API's JSON.
 """
 
 from __future__ import annotations
@@ -257,10 +257,11 @@ def status_cmd(url: str | None, api_key: str | None, config: Path | None, as_jso
 @url_opt
 @key_opt
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="No engine: clear the configured stores directly (--all or --tier).")
+              help="No engine: clear the configured stores directly (--all, --tier, --tenant).")
 @click.option("--all", "everything", is_flag=True, help="Every entry of every tier.")
 @click.option("--tier", "tiers", multiple=True, help="Only this tier (repeatable).")
-@click.option("--tenant", help="One tenant's entries (not available yet: says why).")
+@click.option("--tenant", help="One tenant's entries (its cache_salt or tenant name), on the "
+              "tiers that can list them (L1, posix); --tier narrows it.")
 @_with(prompt_opts)
 @json_opt
 def clear_cmd(url: str | None, api_key: str | None, config: Path | None, everything: bool,
@@ -280,19 +281,22 @@ def clear_cmd(url: str | None, api_key: str | None, config: Path | None, everyth
     scope = ("all" if everything else "prefix" if has_prompt else "tenant" if tenant
              else "tier")
     if config is not None:
-        if scope not in ("all", "tier"):
-            fail("without an engine only --all and --tier can be cleared (a prompt's keys hold "
-                 "the engine's model identity): use --url")
-        from ..management import clear_tiers
+        if scope == "prefix":
+            fail("without an engine a prompt's chunks cannot be cleared (its keys hold the "
+                 "engine's model identity): use --url")
+        from ..management import clear_tenant, clear_tiers
+        from ..policies.tenants import tenant_id
 
         with _storage(config) as storage:
             unknown = sorted(set(tiers) - set(storage.tier_names))
             if unknown:
                 fail(f"unknown tier(s) {unknown}; tiers are {storage.tier_names}")
-            per = clear_tiers(storage, list(tiers) or None)
+            per = (clear_tenant(storage, tenant_id(tenant, storage.auth), list(tiers) or None)
+                   if tenant else clear_tiers(storage, list(tiers) or None))
         body = {"ok": all(t["complete"] for t in per.values()), "scope": scope,
                 "tiers": {n: {"removed": t["removed"], "removed_bytes": t["removed_bytes"],
                               "remaining": t["remaining"], "complete": t["complete"],
+                              "remaining_bytes": t.get("remaining_bytes"),
                               "error": t.get("error"), "note": t.get("note")}
                           for n, t in per.items()}}
     else:
