@@ -126,10 +126,10 @@ class TierContext:
             and evicts the keys ``eviction.victims(nbytes, evictable)`` names, under its own
             lock. ``None`` for other backends (their store picks its victims).
         quotas: the tier's :class:`~kvplug.policies.tenants.TenantQuotas` (its ``quotas``
-            setting), for the same backends, or ``None``: a store that would take a tenant
-            (``key.tenant``) past ``quotas.limit(tenant)`` bytes first evicts that tenant's own
-            entries (``eviction.victims`` with ``evictable`` true only for them), else is
-            skipped.
+            setting), for the same backends and those that set ``budget_quotas``, or ``None``: a
+            store that would take a tenant (``key.tenant``) past ``quotas.limit(tenant)`` bytes
+            first evicts that tenant's own entries (``eviction.victims`` with ``evictable`` true
+            only for them), else is skipped; a ``budget_quotas`` tier only skips it.
         read_limit: ``read_limit() -> int | None`` — the most bytes of one stored chunk a tier
             may receive before it can parse the header (a value read whole); a longer value is
             a miss. ``None`` when the host sets no bound.
@@ -331,6 +331,10 @@ class BackendClass(Protocol):
     * ``eviction_policy: bool`` — the tier orders its victims by ``ctx.eviction`` (a pluggable
       eviction policy, :mod:`kvplug.policyspecs`); only such a tier accepts an ``eviction``
       setting in its config. Default ``False``.
+    * ``budget_quotas: bool`` — a tier whose store evicts by itself but keeps ``ctx.quotas`` by
+      counting the bytes it stores per tenant and skipping a store past its tenant's quota
+      (approximate: ``kvplug.backends.common.tenant_budget``); such a tier, or one with
+      ``eviction_policy``, accepts a ``quotas`` setting. Default ``False``.
 
     Not ``runtime_checkable``: every member but ``__init__`` is optional, so ``isinstance`` could
     not tell a backend class from any other; :func:`class_contract_problems` checks it instead.
@@ -341,7 +345,7 @@ class BackendClass(Protocol):
 
 #: The optional class attributes of :class:`BackendClass` and their defaults.
 CLASS_DEFAULTS: dict[str, Any] = {"Options": None, "never_blocks": False, "unbounded": False,
-                                  "eviction_policy": False}
+                                  "eviction_policy": False, "budget_quotas": False}
 
 
 def class_contract_problems(cls: type) -> list[str]:
@@ -353,7 +357,7 @@ def class_contract_problems(cls: type) -> list[str]:
     if model is not None and not (isinstance(model, type) and issubclass(model, BaseModel)):
         problems.append(f"Options is {model!r}, not a pydantic model class: derive it from "
                         "kvplug.config.BaseOptions (or remove it to receive the raw dict)")
-    for flag in ("never_blocks", "unbounded", "eviction_policy"):
+    for flag in ("never_blocks", "unbounded", "eviction_policy", "budget_quotas"):
         value = getattr(cls, flag, False)
         if not isinstance(value, bool):
             problems.append(f"{flag} is {value!r}; set it to True or False")

@@ -39,6 +39,7 @@ from .breaker import CircuitBreaker
 from .chunks import HeaderCache, Layout, copy_verified, layer_range
 from .index import CapacityIndex, TTLSet
 from .pinned import PinnedStore
+from .tenant_budget import TenantBudget
 from .value_io import ValueIO
 from .value_writer import MAX_PENDING_BYTES, MAX_PENDING_WRITES, ValueWriter
 
@@ -84,6 +85,8 @@ class ValueStoreTier(PinnedStore):
     """The hooks of a tier over a key-value store; subclasses say how to reach the store."""
 
     Options = ValueStoreOptions
+    #: ``quotas`` are kept by counting what this process stores (:mod:`.tenant_budget`)
+    budget_quotas = True
     #: What log lines call the store (e.g. "Valkey/Redis store").
     kind = "key-value store"
 
@@ -125,7 +128,8 @@ class ValueStoreTier(PinnedStore):
             delete=self._delete, stored=self._stored, max_pending=opts.max_pending_writes,
             threads=opts.io_threads, batch_bytes=int(opts.batch_bytes),
             written_ttl_s=max(opts.negative_cache_s, 1.0), auth=ctx.auth,
-            max_pending_bytes=int(opts.max_pending_bytes), runtime=ctx.runtime)
+            max_pending_bytes=int(opts.max_pending_bytes), runtime=ctx.runtime,
+            budget=TenantBudget(ctx.quotas, ctx.name))
         logger.info("tier %r: %s at %s", self.name, self.kind, self.url)
 
     def store_name(self, key: CacheKey) -> str:

@@ -31,6 +31,7 @@ from kvplug.memory import MemoryObj
 from kvplug.runtime import THREADS, Runtime
 
 from .index import CapacityIndex, TTLSet
+from .tenant_budget import TenantBudget
 from .value_io import GuardedCalls, Unanswered
 
 logger = logging.getLogger("kvplug.backends.values")
@@ -56,7 +57,7 @@ class ValueWriter:
                  batch_bytes: int, written_ttl_s: float, skip_indexed: bool = False,
                  reuse_buffer: bool = True, thread_prefix: str | None = None,
                  auth: cf.Keyring | None = None, max_pending_bytes: int = MAX_PENDING_BYTES,
-                 runtime: Runtime = THREADS) -> None:
+                 runtime: Runtime = THREADS, budget: TenantBudget | None = None) -> None:
         self._name = name
         self._auth = auth  # the tier's keyring (auth_key_env): chunks are MAC'd
         self._io = io
@@ -72,6 +73,8 @@ class ValueWriter:
         self._skip_indexed = skip_indexed
         self._reuse_buffer = reuse_buffer
         self._rt = runtime
+        #: per-tenant quotas, counted on this path (:mod:`.tenant_budget`: approximate)
+        self.budget = budget
         self._threads = threads
         self._lock = threading.Lock()
         self._idle = runtime.condition(self._lock)
@@ -105,11 +108,15 @@ class ValueWriter:
         """The value was deleted, evicted by the store or found corrupt: stop trusting it."""
         with self._lock:
             self._written.discard(name)
+        if self.budget is not None:
+            self.budget.forget(name)
 
     # -- stores ---------------------------------------------------------------------------------
     def submit(self, name: str, key: CacheKey, obj: MemoryObj) -> None:
         """Queue a store of ``obj`` (a reference is held until it is written or dropped)."""
         if self._skip_indexed and name in self._index:
+            return
+        if self.budget is not None and not self.budget.admit(name, key.tenant, obj.nbytes):
             return
         with self._lock:
             if self._closed or name in self._pending or name in self._written:
@@ -293,10 +300,14 @@ class ValueWriter:
                 self._written.add(name)
             self._stored(name)
             self._index.commit(name, len(data))
+            if self.budget is not None:
+                self.budget.written(name, len(data))
 
     def stats(self) -> dict[str, float]:
         with self._lock:
             out = {k: float(v) for k, v in self._counts.items()}
             out["pending_writes"] = float(sum(self._pending.values()))
             out["queued_bytes"] = float(self._queued_bytes)
+        if self.budget is not None:
+            out.update(self.budget.stats())
         return out

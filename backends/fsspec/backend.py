@@ -32,6 +32,7 @@ from pydantic import ByteSize, ConfigDict, Field, field_validator
 from ..common.breaker import CircuitBreaker
 from ..common.index import CapacityIndex
 from ..common.pinned import PinnedStore
+from ..common.tenant_budget import TenantBudget
 from ..common.value_writer import MAX_PENDING_BYTES, MAX_PENDING_WRITES, ValueWriter
 from .io import (
     GuardedIO,
@@ -48,6 +49,10 @@ logger = logging.getLogger("kvplug.backends.fsspec")
 
 class FsspecBackend(PinnedStore):
     """A remote tier over one fsspec URL; many hosts may share the same prefix."""
+
+    #: ``quotas`` are kept by counting what this process stores (approximate:
+    #: :mod:`kvplug.backends.common.tenant_budget`)
+    budget_quotas = True
 
     class Options(BaseOptions):
         model_config = ConfigDict(extra="forbid")
@@ -107,7 +112,8 @@ class FsspecBackend(PinnedStore):
             delete=self._delete, stored=self._reader.forget, max_pending=opts.max_pending_writes,
             threads=opts.io_threads, batch_bytes=1, written_ttl_s=max(opts.negative_cache_s, 1.0),
             skip_indexed=True, reuse_buffer=False, thread_prefix="fsspec", auth=ctx.auth,
-            max_pending_bytes=int(opts.max_pending_bytes), runtime=ctx.runtime)
+            max_pending_bytes=int(opts.max_pending_bytes), runtime=ctx.runtime,
+            budget=TenantBudget(ctx.quotas, ctx.name))
         if self.io.is_local:  # crashed local writers' temporary files (object stores have none)
             removed = remove_stale_local_temps(self.root)
             if removed:
