@@ -11,6 +11,7 @@ samples for a histogram and is concatenated, not summed.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -62,6 +63,12 @@ TIER_GAUGES: dict[str, str] = {
     "tier_entries": "entries",
     "tier_breaker_open": "breaker_open",
 }
+
+#: Per-tier, per-tenant bytes held (a tier's ``tenant_usage``): keys ``<this><tier>.<tenant id>``
+#: (``-`` for chunks without a tenant), sent as changes like :data:`TIER_GAUGES`.
+TENANT_PREFIX = "tier_tenant_bytes."
+#: how often a worker asks its tiers for their bytes per tenant (a disk tier counts its index)
+TENANT_SAMPLE_S = 10.0
 
 
 class KVPlugStats(KVConnectorStats):
@@ -128,6 +135,8 @@ class StatsRecorder:
         self._stats = KVPlugStats()
         self._total = KVPlugStats()
         self._seen: dict[str, float] = {}  # last sampled tier counters
+        self._tenant_seen: dict[str, float] = {}  # last sampled bytes per tier and tenant
+        self._tenants_at = float("-inf")
 
     def add(self, key: str, value: float = 1) -> None:
         with self._lock:
@@ -158,6 +167,25 @@ class StatsRecorder:
                     self._seen[full] = counters[name]
                     if change:
                         self._stats.add(full, change)
+
+    def sample_tenants(self, storage: Any, now: float | None = None) -> None:
+        """Every :data:`TENANT_SAMPLE_S` at most: each tier's bytes per tenant id (the tiers that
+        can list them: ``StorageManager.tenant_usage``), as changes since the last sample (a
+        tenant gone is sent back to 0). Only tenant ids, never a salt."""
+        now = time.monotonic() if now is None else now
+        if now - self._tenants_at < TENANT_SAMPLE_S:
+            return
+        self._tenants_at = now
+        current: dict[str, float] = {}
+        for tier in storage.tier_names:
+            for tenant, nbytes in (storage.tenant_usage(tier) or {}).items():
+                current[f"{TENANT_PREFIX}{tier}.{tenant or '-'}"] = nbytes
+        with self._lock:
+            for full in set(current) | set(self._tenant_seen):
+                change = current.get(full, 0) - self._tenant_seen.get(full, 0)
+                if change:
+                    self._stats.add(full, change)
+            self._tenant_seen = current
 
     def take(self) -> KVPlugStats | None:
         """The counters since the last call, or None when nothing happened."""
