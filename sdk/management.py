@@ -29,8 +29,8 @@ chains its chunk hashes over them, so no lookup of such a prompt hits past the c
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .errors import ConfigError
@@ -109,25 +109,34 @@ def clear_keys(storage: StorageManager, keys: Sequence[CacheKey],
     return out
 
 
+def _wait_until(storage: StorageManager, done: Callable[[], bool], timeout: float) -> bool:
+    """Poll ``done`` every 50 ms for up to ``timeout`` seconds, through the storage's runtime
+    (:mod:`kvplug.runtime`: real time in production; under the deterministic simulation the
+    wait runs the queued tasks it waits for)."""
+    rt = storage.runtime
+    cond = rt.condition(threading.Lock())
+    end = rt.monotonic() + timeout
+    with cond:
+        while not done():
+            left = end - rt.monotonic()
+            if left <= 0:
+                return False
+            cond.wait_for(done, min(0.05, left))
+    return True
+
+
 def wait_indexed(storage: StorageManager, name: str, timeout: float = SETTLE_S) -> bool:
     """Whether the tier knows all its entries: a disk tier scans its directory at start-up
     (``indexed`` 0 until done); waits up to ``timeout`` for it."""
-    end = time.monotonic() + timeout
-    while storage.stats().get(name, {}).get("indexed", 1) == 0:
-        if time.monotonic() >= end:
-            return False
-        time.sleep(0.05)
-    return True
+    return _wait_until(storage, lambda: storage.stats().get(name, {}).get("indexed", 1) != 0,
+                       timeout)
 
 
 def _settle(storage: StorageManager, name: str) -> dict[str, float]:
     """The tier's stats once its background deletes are done (bounded by :data:`SETTLE_S`)."""
-    end = time.monotonic() + SETTLE_S
-    while True:
-        s = storage.stats().get(name, {})
-        if not s.get("pending_deletes") or time.monotonic() >= end:
-            return s
-        time.sleep(0.05)
+    _wait_until(storage, lambda: not storage.stats().get(name, {}).get("pending_deletes"),
+                SETTLE_S)
+    return storage.stats().get(name, {})
 
 
 def clear_tiers(storage: StorageManager, tiers: Sequence[str] | None = None
