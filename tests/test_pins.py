@@ -159,3 +159,17 @@ def test_a_pins_file_naming_missing_files_restores_only_what_exists(tmp_path):
         assert mgr.backend("disk").wait_indexed(30)
         assert mgr.stats()["disk"]["operator_pinned"] == 1
     assert json.loads(pin_file(tmp_path).read_text())["pins"] == body["pins"][:1]
+
+
+def test_a_restore_keeps_within_max_pinned_fraction(tmp_path):
+    """A pins file listing more than the setting allows (lowered since, or forged) restores only
+    what fits; the rest stay listed (another process sharing the directory may hold them)."""
+    with StorageManager(config(tmp_path, disk=12 * CHUNK, fraction=1.0)) as mgr:
+        store(mgr, list(range(6)))
+        assert pin_keys(mgr, keys(list(range(6))), ["disk"])["disk"]["pinned"] == 6
+    with StorageManager(config(tmp_path, disk=12 * CHUNK, fraction=0.25)) as mgr:
+        assert mgr.backend("disk").wait_indexed(30)
+        s = mgr.stats()["disk"]
+        assert 0 < s["operator_pinned"] < 6
+        assert s["operator_pinned_bytes"] <= 0.25 * 12 * CHUNK
+    assert len(json.loads(pin_file(tmp_path).read_text())["pins"]) == 6

@@ -10,8 +10,10 @@ The file is untrusted (whoever can write the directory wrote it): it never choos
 size. It is opened without following a link or blocking, bounded in size, and every entry must be
 a chunk name in a shard directory (``<2 hex>/<[A-Za-z0-9._-]>.safetensors``); sizes come from the
 index (the files themselves). A file that breaks any of this is ignored whole, with the reason
-logged once; a pin whose file is gone is dropped. Pins past the tier's ``max_pinned_fraction`` at
-start-up (the setting was lowered, or the file was forged) are dropped, oldest kept, and logged.
+logged once; a pin whose file is gone is dropped from it. Pins past the tier's
+``max_pinned_fraction`` at start-up (the setting was lowered, the file was forged, or another
+process sharing the directory pinned them) are not restored here, the first listed kept, and
+logged.
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ class OperatorPins:
     def _restore_pins_after_scan(self, rels: list[str]) -> None:
         """Keep the listed pins whose files the scan found, within ``max_pinned_fraction``; hold
         them open. The rest are released and dropped from the file."""
-        kept, dropped, over = [], [], 0
+        kept, gone, over = [], [], 0
         limit = self._max_pinned * self.capacity
         with self._lock:
             held = 0
@@ -177,21 +179,22 @@ class OperatorPins:
                     kept.append(rel)
                 else:
                     over += size is not None
-                    dropped.append(rel)
+                    if size is None:
+                        gone.append(rel)
                     self._index.pins.unpin(rel)
         for rel in kept:
             if not self._held.hold(rel, self._path(rel)):
                 with self._lock:
                     self._op_pins.pop(rel, None)
                     self._index.pins.unpin(rel)
-                dropped.append(rel)
-        if over:
+                gone.append(rel)
+        if over:  # left in the file (another process sharing the directory may hold them)
             logger.warning("tier %r: %d pins of the pins file are past max_pinned_fraction %g of "
-                           "the capacity; released", self.name, over, self._max_pinned)
+                           "the capacity; not restored here", self.name, over, self._max_pinned)
         if rels:
-            logger.info("tier %r: %d operator pins restored, %d dropped", self.name,
-                        len(rels) - len(dropped), len(dropped))
-        self._save_pins([], dropped)
+            logger.info("tier %r: %d operator pins restored, %d files gone", self.name,
+                        len(rels) - len(gone) - over, len(gone))
+        self._save_pins([], gone)  # the files that are gone: no process can pin them again
 
     @hookimpl
     def operator_pin(self, keys: Sequence[CacheKey]) -> list[str]:
