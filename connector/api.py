@@ -330,7 +330,7 @@ class Engine:
             names = self.config.tier_names()
             return {n: TierLookup(held=0, served=0) for n in names}
         full, tails = self._hashes(t, cap)
-        ranks = self.ask(ManageLookup(full, tails))
+        ranks = self.ask(ManageLookup(full, tails, t.tenant))
         self.sched.epoch = ranks[0]["epoch"]  # the weights epoch the workers run under
         self.sched.lookup.set_epoch(self.sched.epoch)
         return {name: TierLookup(held=min(r["tiers"][name]["held"] for r in ranks),
@@ -359,7 +359,7 @@ class Engine:
         if unknown:
             raise HTTPException(404, f"unknown tier(s) {unknown}; tiers are "
                                      f"{self.config.tier_names()}")
-        hashes = None
+        hashes, key_tenant = None, ""
         if isinstance(body, ClearPrefixText | ClearPrefixIds):
             with self._lock:
                 q = _Query(f"kvplug-api-clear-{next(self._ids)}", self.token_ids(body),
@@ -367,11 +367,12 @@ class Engine:
                 t = self.sched._track(q)
                 full, tails = self._hashes(t, q.num_tokens)
                 self.sched.trackers.pop(q.request_id, None)
-            hashes = full + [h for _, h in tails]
-        tenant = None
+            hashes, key_tenant = full + [h for _, h in tails], t.tenant
         if isinstance(body, ClearTenant):  # its id, as the scheduler makes it (never the salt)
-            tenant = tenant_id(body.tenant, self.sched._auth)
-        ranks = self.ask(ManageClear(tiers_asked, hashes, tenant))
+            ranks = self.ask(ManageClear(tiers_asked, None, tenant_id(body.tenant,
+                                                                      self.sched._auth), True))
+        else:
+            ranks = self.ask(ManageClear(tiers_asked, hashes, key_tenant))
         tiers: dict[str, TierClear] = {}
         for name in ranks[0]["tiers"]:
             per = [r["tiers"][name] for r in ranks]
@@ -406,7 +407,7 @@ class Engine:
             t = self.sched._track(q)
             full, tails = self._hashes(t, q.num_tokens)
             self.sched.trackers.pop(q.request_id, None)
-        ranks = self.ask(ManagePin(full, [h for _, h in tails], body.tiers, pin))
+        ranks = self.ask(ManagePin(full, [h for _, h in tails], body.tiers, pin, t.tenant))
         tiers: dict[str, TierPin] = {}
         for name in ranks[0]["tiers"]:
             per = [r["tiers"][name] for r in ranks]

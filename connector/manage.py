@@ -42,29 +42,35 @@ MAX_MANAGE_HASHES = 65536
 
 class ManageLookup(msgspec.Struct, tag=True):
     """Which leading tokens each tier holds of the chunks ``hashes`` (full chunks, in order) and
-    ``tails`` (``(tokens_after, hash)``: the partial chunks ending at each block end)."""
+    ``tails`` (``(tokens_after, hash)``: the partial chunks ending at each block end), keyed for
+    tenant id ``tenant`` (the request's, as the scheduler sends it)."""
 
     hashes: list[bytes]
     tails: list[tuple[int, bytes]] = []
+    tenant: str = ""
 
 
 class ManageClear(msgspec.Struct, tag=True):
-    """Drop ``hashes``' chunks (or, with ``hashes`` None, every entry; with ``tenant``, a tenant
-    id's entries) from ``tiers`` (None: every tier)."""
+    """Drop ``hashes``' chunks (keyed for tenant id ``tenant``), or with ``hashes`` None every
+    entry (with ``by_tenant``, every entry of tenant id ``tenant``), from ``tiers`` (None: every
+    tier)."""
 
     tiers: list[str] | None = None
     hashes: list[bytes] | None = None
-    tenant: str | None = None
+    tenant: str = ""
+    by_tenant: bool = False
 
 
 class ManagePin(msgspec.Struct, tag=True):
     """An operator's pin (``pin`` True) or unpin of ``hashes``' chunks (full chunks) and
-    ``optional`` ones (partial chunks, pinned where held) on ``tiers`` (None: every tier)."""
+    ``optional`` ones (partial chunks, pinned where held) on ``tiers`` (None: every tier), keyed
+    for tenant id ``tenant``."""
 
     hashes: list[bytes]
     optional: list[bytes] = []
     tiers: list[str] | None = None
     pin: bool = True
+    tenant: str = ""
 
 
 class ManageStatus(msgspec.Struct, tag=True):
@@ -104,16 +110,16 @@ class WorkerManagement:
         if isinstance(msg, ManageStatus):
             return {**base, "tiers": tier_status(storage)}
         if isinstance(msg, ManageClear):
-            if msg.tenant is not None:
+            if msg.by_tenant:
                 return {**base, "tiers": clear_tenant(storage, msg.tenant, msg.tiers)}
             if msg.hashes is None:
                 return {**base, "tiers": clear_tiers(storage, msg.tiers)}
-            keys = [w.key(h) for h in msg.hashes]
+            keys = [w.key(h, tenant=msg.tenant) for h in msg.hashes]
             return {**base, "tiers": clear_keys(storage, keys, msg.tiers)}
         if isinstance(msg, ManagePin):
-            return {**base, "tiers": pin_keys(storage, [w.key(h) for h in msg.hashes],
-                                              msg.tiers, msg.pin,
-                                              [w.key(h) for h in msg.optional])}
+            return {**base, "tiers": pin_keys(
+                storage, [w.key(h, tenant=msg.tenant) for h in msg.hashes], msg.tiers, msg.pin,
+                [w.key(h, tenant=msg.tenant) for h in msg.optional])}
         return {**base, "tiers": self._lookup(msg)}
 
     def _lookup(self, msg: ManageLookup) -> dict[str, dict[str, int]]:
@@ -122,8 +128,9 @@ class WorkerManagement:
         of this worker's hit over all tiers (unpinned) that a load would read from it."""
         w, storage, cs = self.worker, self.worker.storage, self.worker.cfg.chunk_size
         assert storage is not None
-        keys = [w.key(h) for h in msg.hashes]
-        tails = sorted(((end, w.key(h)) for end, h in msg.tails), key=lambda t: -t[0])
+        keys = [w.key(h, tenant=msg.tenant) for h in msg.hashes]
+        tails = sorted(((end, w.key(h, tenant=msg.tenant)) for end, h in msg.tails),
+                       key=lambda t: -t[0])
 
         def inside(n: int) -> list[tuple[int, Any]]:  # partial chunks in chunk n, longest first
             return [(end, k) for end, k in tails if n * cs < end < (n + 1) * cs]

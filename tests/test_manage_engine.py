@@ -159,10 +159,11 @@ def test_status_and_clears_that_cannot_be_done(server):
     assert status == 404 and "nope" in out["error"]["message"]  # vLLM's error body
 
 
-def run(*args: str, key: str | None = KEY) -> subprocess.CompletedProcess:
+def run(*args: str, key: str | None = KEY, **extra: str) -> subprocess.CompletedProcess:
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
+    env.update(extra)
     if key:
         env["VLLM_API_KEY"] = key
     return subprocess.run(kvplug_cli(*args), capture_output=True, text=True, timeout=600,
@@ -216,8 +217,10 @@ def test_warm_in_process_fills_a_directory_the_server_shares(server, tmp_path):
                                            "block_size=128", "max_model_len=4096",
                                            "max_num_seqs=4")]
     out = run("warm", "--model", model, "--kvplug-config", str(cfg), "--prompts", str(prompts),
-              *args, "--json")
-    assert out.returncode == 0, out.stderr[-3000:]
+              *args, "--json", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+              KVPLUG_CACHE_DIR=str(tmp_path / "cache"))
+    assert out.returncode == 0, "\n".join(
+        line for line in out.stderr.splitlines() if "Error" in line or "error" in line)[-6000:]
     summary = json.loads(out.stdout)
     assert summary["prefilled"] == 2 and summary["held_fully"] == 2, summary
     assert summary["tiers"]["posix"]["stored"] > 0 and summary["tiers"]["posix"]["held_before"] == 0
@@ -242,7 +245,10 @@ def test_clear_by_tenant_and_pins_on_the_engine(server):
         return sum(1 for p in store.rglob("*.safetensors") if f".t{tenant}" in p.name)
 
     assert files_of(a_id) > 0 and lookup(url, prompt=a_text, cache_salt="tenant-a")["tokens"] > 0
-    b_hit = lookup(url, prompt=b_text, cache_salt="tenant-b")["tokens"]
+    b_look = lookup(url, prompt=b_text, cache_salt="tenant-b")
+    b_hit = b_look["tokens"]
+    # per tier under the tenant's keys too (before: 0, the workers keyed them without it)
+    assert b_look["tiers"]["posix"]["held"] == b_look["tiers"]["local_cpu"]["held"] == b_hit
     status, res = http(url, "/kvplug/v1/clear", {"scope": "tenant", "tenant": "tenant-a"})
     assert status == 200 and res["ok"], res
     assert res["tiers"]["posix"]["removed"] > 0 and res["tiers"]["local_cpu"]["removed"] > 0
