@@ -91,9 +91,10 @@ def parse_engine_args(pairs: tuple[str, ...]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key.strip().isidentifier():
+        key = key.strip().replace("-", "_")
+        if not sep or not key.isidentifier():
             fail(f"--engine-arg {pair!r}: write it as KEY=VALUE, e.g. max_model_len=4096")
-        out[key.strip().replace("-", "_")] = yaml.safe_load(value)
+        out[key] = yaml.safe_load(value)
     return out
 
 
