@@ -511,12 +511,12 @@ class PosixBackend(LookupAndPins, OperatorPins):
         """Bytes of the files this process has indexed, per tenant id (from the names, so the
         files of every process sharing the directory count, once a rescan has seen them)."""
         with self._lock:
-            if self._index.tenants is None:
-                index = PosixIndex()
-                index._lru = dict(self._index._lru)
-                index.track_tenants()
-                return dict(index.tenants or {})
-            return dict(self._index.tenants)
+            if self._index.tenants is not None:  # a tier with quotas counts as it goes
+                return dict(self._index.tenants)
+            index = PosixIndex()
+            index._lru = dict(self._index._lru)  # counted from a copy, outside the lock
+        index.track_tenants()
+        return dict(index.tenants or {})
 
     @hookimpl
     def get(self, key: CacheKey) -> MemoryObj | None:
