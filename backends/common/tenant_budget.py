@@ -32,7 +32,7 @@ MAX_TRACKED = 1 << 20
 
 class TenantBudget:
     """Bytes written per tenant id by this process to one tier, checked against its quotas
-    (a :class:`~kvplug.policies.tenants.TenantQuotas`, or ``None``: counted, never skipped)."""
+    (a :class:`~kvplug.policies.tenants.TenantQuotas`, or ``None``: nothing counted or skipped)."""
 
     def __init__(self, quotas: Any, tier: str, max_tracked: int = MAX_TRACKED) -> None:
         self.quotas = quotas
@@ -60,7 +60,10 @@ class TenantBudget:
         return False
 
     def written(self, name: str, nbytes: int) -> None:
-        """A value was written: count its bytes for the tenant its name carries."""
+        """A value was written: count its bytes for the tenant its name carries (without quotas
+        nothing is counted: no memory spent per value)."""
+        if self.quotas is None:
+            return
         tenant = tenant_of_name(name)
         with self._lock:
             old = self._sizes.pop(name, None)
