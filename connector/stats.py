@@ -11,7 +11,6 @@ samples for a histogram and is concatenated, not summed.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -137,7 +136,7 @@ class StatsRecorder:
         self._seen: dict[str, float] = {}  # last sampled tier counters
         self._tenant_seen: dict[str, float] = {}  # last sampled bytes per tier and tenant
         self._tenants_at = float("-inf")
-        self._tenants_cost = 0.0  # CPU seconds the last sample took
+        self._tenants_cost = 0.0  # seconds the last sample took
 
     def add(self, key: str, value: float = 1) -> None:
         with self._lock:
@@ -170,20 +169,21 @@ class StatsRecorder:
                         self._stats.add(full, change)
 
     def sample_tenants(self, storage: Any, now: float | None = None) -> None:
-        """Every :data:`TENANT_SAMPLE_S` at most (and never sooner than 50x the CPU time the last
-        sample took): each tier's bytes per tenant id (the tiers that can list them:
+        """Every :data:`TENANT_SAMPLE_S` at most (and never sooner than 50x the time the last
+        sample took), by the storage's runtime clock: each tier's bytes per tenant id (the tiers that can list them:
         ``StorageManager.tenant_usage``), as changes since the last sample (a tenant gone is sent
         back to 0). Only tenant ids, never a salt."""
-        now = time.monotonic() if now is None else now
+        clock = storage.runtime.monotonic  # (the simulation's own clock under it: replays)
+        now = clock() if now is None else now
         if now - self._tenants_at < max(TENANT_SAMPLE_S, 50 * self._tenants_cost):
-            return  # (a disk tier without quotas counts its whole index: at most ~2% of a core)
+            return
         self._tenants_at = now
-        cpu0 = time.thread_time()
+        start = clock()
         current: dict[str, float] = {}
         for tier in storage.tier_names:
             for tenant, nbytes in (storage.tenant_usage(tier) or {}).items():
                 current[f"{TENANT_PREFIX}{tier}.{tenant or '-'}"] = nbytes
-        self._tenants_cost = time.thread_time() - cpu0
+        self._tenants_cost = max(0.0, clock() - start)
         with self._lock:
             for full in set(current) | set(self._tenant_seen):
                 change = current.get(full, 0) - self._tenant_seen.get(full, 0)
