@@ -13,6 +13,7 @@ every tier. The summary is the tokens held per tier before and after, from the s
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -185,6 +186,8 @@ def warm_cmd(url: str | None, prompts_file: Path, model: str | None,
             from .serve import _check_kvplug_config
 
             _check_kvplug_config(kvplug_config)
+        # vLLM logs to stdout by default: to stderr here, so stdout is the summary (--json)
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         from kvplug.connector.warm_local import LocalEngine
 
         engine = LocalEngine(model, kvplug_config, parse_engine_args(engine_args))
