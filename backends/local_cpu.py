@@ -59,6 +59,10 @@ class LocalCPUBackend:
         self._policy = ctx.eviction if ctx.eviction is not None \
             else LRUEviction(PolicyContext(ctx.name, {}))
         self._pins: PinCounts[CacheKey] = PinCounts()
+        #: an operator's pins (``kvplug cache pin``): key -> its bytes (each also one count in
+        #: ``_pins``, so nothing else needs to know them)
+        self._operator_pins: dict[CacheKey, int] = {}
+        self._max_pinned = ctx.max_pinned_fraction
         self._bytes = 0
         self._lock = threading.RLock()
         #: per-tenant byte quotas (the tier's ``quotas``), and each tenant's bytes here
@@ -126,10 +130,20 @@ class LocalCPUBackend:
                 self._policy.insert(key=victim, nbytes=self._entries[victim].nbytes)  # type: ignore[index]
         return freed >= over
 
+    @hookimpl
     def tenant_usage(self) -> dict[str, int]:
         """Bytes held per tenant id (``""``: chunks without a tenant)."""
         with self._lock:
             return dict(self._tenant_bytes)
+
+    @hookimpl
+    def evict_tenant(self, tenant: str) -> list[int]:
+        with self._lock:
+            mine = [k for k in self._entries if k.tenant == tenant]
+            gone = [k for k in mine if self._evictable(k)]
+            for key in gone:
+                self._drop(key)
+            return [len(gone), len(mine) - len(gone)]
 
     def _evict_one(self) -> int:
         """Drop the policy's next victim; 0 if nothing may be evicted."""
@@ -208,6 +222,37 @@ class LocalCPUBackend:
             self._pins.unpin_all(keys)
 
     @hookimpl
+    def operator_pin(self, keys: Sequence[CacheKey]) -> list[str]:
+        with self._lock:
+            out = []
+            held = sum(self._operator_pins.values())
+            for key in keys:
+                obj = self._entries.get(key)
+                if key in self._operator_pins:
+                    out.append("pinned")
+                elif obj is None:
+                    out.append("absent")
+                elif held + obj.nbytes > self._max_pinned * self.capacity:
+                    out.append("over_limit")
+                else:
+                    self._pins.pin(key)
+                    self._operator_pins[key] = obj.nbytes
+                    held += obj.nbytes
+                    out.append("pinned")
+            return out
+
+    @hookimpl
+    def operator_unpin(self, keys: Sequence[CacheKey]) -> list[bool]:
+        with self._lock:
+            out = []
+            for key in keys:
+                held = self._operator_pins.pop(key, None) is not None
+                if held:
+                    self._pins.unpin(key)
+                out.append(held)
+            return out
+
+    @hookimpl
     def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
         freed = 0
         with self._lock:
@@ -232,6 +277,8 @@ class LocalCPUBackend:
                 "bytes": self._bytes,
                 "capacity": self.capacity,
                 "pinned": len(self._pins),
+                "operator_pinned": len(self._operator_pins),
+                "operator_pinned_bytes": sum(self._operator_pins.values()),
                 "skipped_puts": self._skipped_puts,
                 "alloc_failures": self._alloc_failures,
                 "evictions": self._evictions,
@@ -255,5 +302,6 @@ class LocalCPUBackend:
                 obj.ref_down()
             self._entries.clear()
             self._pins.clear()
+            self._operator_pins.clear()
             self._bytes = 0
             self._tenant_bytes.clear()

@@ -10,7 +10,12 @@ the server's OpenAPI schema (``/openapi.json``):
   it holds and the tokens of the hit a load would read from it: what a KV-aware router asks;
 * ``POST /kvplug/v1/clear`` {scope: all | tier | prefix | tenant, ...}: per tier what was
   removed and what remains (:mod:`kvplug.management`); ``ok`` only when every tier did all of it
-  (a tenant clear is not available yet: every tier says so, ``ok`` false);
+  (a tenant clear acts on the tiers that can list entries by tenant, L1 and posix; the others
+  say it is not available);
+* ``POST /kvplug/v1/pin`` and ``/unpin`` {prompt | token_ids, cache_salt?, tiers?}: an
+  operator's pins of a prompt's chunks (exempt from eviction until unpinned, kept across restarts
+  on posix, within each tier's ``max_pinned_fraction``): per tier what was pinned, what it does
+  not hold and what was refused (with the reason); a tier that cannot pin says so;
 * ``GET /kvplug/v1/status``: tiers, capacity and use, breakers, pins, policies, per rank.
 
 The tiers live in the workers: every call reaches them through their management sockets
@@ -35,12 +40,21 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from kvplug.policies.tenants import tenant_id
 from pydantic import BaseModel, ConfigDict, Field
 
 from .compat import drops_last_block
 from .protocol.config import ConnectorConfig, load_connector_config
 from .protocol.lookup import LookupClient, socket_path
-from .protocol.manage import ManageClear, ManageClient, ManageLookup, ManageMsg, ManageStatus, client_for
+from .protocol.manage import (
+    ManageClear,
+    ManageClient,
+    ManageLookup,
+    ManageMsg,
+    ManagePin,
+    ManageStatus,
+    client_for,
+)
 from .scheduler.side import SchedulerSide
 
 PREFIX = "/kvplug/v1"
@@ -115,11 +129,12 @@ class ClearPrefixIds(PromptIds):
 
 
 class ClearTenant(_Body):
-    """One tenant's entries: not available yet (object names do not carry the tenant); every
-    tier says so."""
+    """One tenant's entries (``tenant``: its cache_salt, or the ``tenant`` its requests name),
+    in every tier or the tiers named; a tier that cannot list entries by tenant says so."""
 
     scope: Literal["tenant"]
-    tenant: str
+    tenant: str = Field(min_length=1, description="the tenant's cache_salt or tenant name")
+    tiers: TierNames | None = None
 
 
 ClearRequest = ClearAll | ClearTiers | ClearPrefixText | ClearPrefixIds | ClearTenant
@@ -129,6 +144,8 @@ class TierClear(BaseModel):
     removed: int | None = Field(description="entries removed (summed over ranks); null: unknown")
     removed_bytes: int = Field(description="bytes the tier reports freed")
     remaining: int | None = Field(description="entries still there; null: unknown")
+    remaining_bytes: int | None = Field(default=None, description="a tenant clear: bytes of the "
+                                        "tenant the tier still holds (measured)")
     complete: bool
     error: str | None = None
     note: str | None = None
@@ -141,6 +158,46 @@ class ClearResponse(BaseModel):
     ranks: list[dict[str, Any]]
 
 
+class PinText(PromptText):
+    """The chunks of a prompt (its full chunks; its partial ones where a tier holds them), on
+    every tier or the tiers named."""
+
+    tiers: TierNames | None = None
+
+
+class PinIds(PromptIds):
+    """:class:`PinText` with token ids."""
+
+    tiers: TierNames | None = None
+
+
+PinRequest = PinText | PinIds
+
+
+class TierPin(BaseModel):
+    available: bool = Field(description="whether the tier can pin at all (a store that evicts "
+                                        "by itself cannot)")
+    pinned: int | None = Field(default=None, description="chunks pinned (now or already; "
+                                                         "summed over ranks)")
+    absent: int | None = Field(default=None, description="full chunks the tier does not hold")
+    refused: int | None = Field(default=None, description="chunks past max_pinned_fraction")
+    unpinned: int | None = Field(default=None, description="chunks unpinned")
+    not_pinned: int | None = Field(default=None, description="chunks that held no pin")
+    pinned_bytes: int | None = Field(default=None, description="bytes pinned by operators "
+                                                               "on the tier after the call")
+    limit_bytes: int | None = Field(default=None, description="max_pinned_fraction x capacity")
+    complete: bool
+    error: str | None = None
+    note: str | None = None
+
+
+class PinResponse(BaseModel):
+    ok: bool = Field(description="every tier asked did all of it")
+    tokens: int = Field(description="prompt tokens")
+    tiers: dict[str, TierPin]
+    ranks: list[dict[str, Any]]
+
+
 class TierStatus(BaseModel):
     name: str
     backend: str
@@ -149,6 +206,8 @@ class TierStatus(BaseModel):
     used_bytes: int | None
     entries: int | None
     pinned: int | None
+    operator_pinned: int | None = Field(default=None, description="entries an operator pinned")
+    operator_pinned_bytes: int | None = None
     breaker: Literal["open", "closed"] | None
     policies: dict[str, Any]
 
@@ -271,7 +330,7 @@ class Engine:
             names = self.config.tier_names()
             return {n: TierLookup(held=0, served=0) for n in names}
         full, tails = self._hashes(t, cap)
-        ranks = self.ask(ManageLookup(full, tails))
+        ranks = self.ask(ManageLookup(full, tails, t.tenant))
         self.sched.epoch = ranks[0]["epoch"]  # the weights epoch the workers run under
         self.sched.lookup.set_epoch(self.sched.epoch)
         return {name: TierLookup(held=min(r["tiers"][name]["held"] for r in ranks),
@@ -295,19 +354,12 @@ class Engine:
             self.sched.trackers.pop(q.request_id, None)
 
     def clear(self, body: ClearRequest) -> ClearResponse:
-        if isinstance(body, ClearTenant):
-            why = ("clear by tenant is not available: kvplug's object names do not carry the "
-                   "tenant, so no tier can find one tenant's entries; clear by prefix (with its "
-                   "cache_salt) instead")
-            return ClearResponse(ok=False, scope=body.scope, ranks=[], tiers={
-                n: TierClear(removed=None, removed_bytes=0, remaining=None, complete=False,
-                             error=why) for n in self.config.tier_names()})
         tiers_asked = getattr(body, "tiers", None)
         unknown = sorted(set(tiers_asked or ()) - set(self.config.tier_names()))
         if unknown:
             raise HTTPException(404, f"unknown tier(s) {unknown}; tiers are "
                                      f"{self.config.tier_names()}")
-        hashes = None
+        hashes, key_tenant = None, ""
         if isinstance(body, ClearPrefixText | ClearPrefixIds):
             with self._lock:
                 q = _Query(f"kvplug-api-clear-{next(self._ids)}", self.token_ids(body),
@@ -315,8 +367,12 @@ class Engine:
                 t = self.sched._track(q)
                 full, tails = self._hashes(t, q.num_tokens)
                 self.sched.trackers.pop(q.request_id, None)
-            hashes = full + [h for _, h in tails]
-        ranks = self.ask(ManageClear(tiers_asked, hashes))
+            hashes, key_tenant = full + [h for _, h in tails], t.tenant
+        if isinstance(body, ClearTenant):  # its id, as the scheduler makes it (never the salt)
+            ranks = self.ask(ManageClear(tiers_asked, None, tenant_id(body.tenant,
+                                                                      self.sched._auth), True))
+        else:
+            ranks = self.ask(ManageClear(tiers_asked, hashes, key_tenant))
         tiers: dict[str, TierClear] = {}
         for name in ranks[0]["tiers"]:
             per = [r["tiers"][name] for r in ranks]
@@ -333,10 +389,43 @@ class Engine:
             tiers[name] = TierClear(removed=total("removed"),
                                     removed_bytes=total("removed_bytes") or 0,
                                     remaining=remaining, complete=complete,
+                                    remaining_bytes=total("remaining_bytes"),
                                     error="; ".join(errors) or None,
                                     note="; ".join(notes) or None)
         return ClearResponse(ok=all(t.complete for t in tiers.values()), scope=body.scope,
                              tiers=tiers, ranks=ranks)
+
+    def pin(self, body: PinRequest, pin: bool) -> PinResponse:
+        """An operator's pin (or unpin) of a prompt's chunks, per tier (:mod:`kvplug.management`)."""
+        unknown = sorted(set(body.tiers or ()) - set(self.config.tier_names()))
+        if unknown:
+            raise HTTPException(404, f"unknown tier(s) {unknown}; tiers are "
+                                     f"{self.config.tier_names()}")
+        ids = self.token_ids(body)
+        with self._lock:
+            q = _Query(f"kvplug-api-pin-{next(self._ids)}", ids, body.cache_salt)
+            t = self.sched._track(q)
+            full, tails = self._hashes(t, q.num_tokens)
+            self.sched.trackers.pop(q.request_id, None)
+        ranks = self.ask(ManagePin(full, [h for _, h in tails], body.tiers, pin, t.tenant))
+        tiers: dict[str, TierPin] = {}
+        for name in ranks[0]["tiers"]:
+            per = [r["tiers"][name] for r in ranks]
+
+            def total(k: str, per: list[dict[str, Any]] = per) -> int | None:
+                vals = [p.get(k) for p in per]
+                return None if any(v is None for v in vals) else sum(vals)
+
+            errors = sorted({p["error"] for p in per if p.get("error")})
+            notes = sorted({p["note"] for p in per if p.get("note")})
+            tiers[name] = TierPin(
+                available=all(p.get("available", True) for p in per),
+                **{k: total(k) for k in ("pinned", "absent", "refused", "unpinned",
+                                         "not_pinned", "pinned_bytes", "limit_bytes")},
+                complete=all(p["complete"] for p in per), error="; ".join(errors) or None,
+                note="; ".join(notes) or None)
+        return PinResponse(ok=all(t.complete for t in tiers.values()), tokens=len(ids),
+                           tiers=tiers, ranks=ranks)
 
     def status(self) -> StatusResponse:
         ranks = self.ask(ManageStatus())
@@ -353,6 +442,8 @@ class Engine:
                 name=first["name"], backend=first["backend"], may_block=first["may_block"],
                 capacity_bytes=total("capacity_bytes"), used_bytes=total("used_bytes"),
                 entries=total("entries"), pinned=total("pinned"),
+                operator_pinned=total("operator_pinned"),
+                operator_pinned_bytes=total("operator_pinned_bytes"),
                 breaker="open" if "open" in breakers else first["breaker"],
                 policies=first["policies"]))
         return StatusResponse(model=self.model, chunk_size=self.sched.cs,
@@ -425,6 +516,22 @@ async def lookup(body: LookupRequest, request: Request) -> LookupResponse:
 async def clear(body: ClearRequest, request: Request) -> ClearResponse:
     """Remove entries; per tier what was removed and what remains (``ok``: all of it)."""
     return await asyncio.to_thread(_engine(request).clear, body)
+
+
+_PIN_ERRORS = {**ERRORS, 404: {"model": ErrorBody, "description": "a tier named is not configured"}}
+
+
+@router.post("/pin", response_model=PinResponse, responses=_PIN_ERRORS)
+async def pin(body: PinRequest, request: Request) -> PinResponse:
+    """Keep a prompt's chunks from eviction (until unpinned; across restarts on posix), within
+    each tier's ``max_pinned_fraction``; per tier what was pinned (``ok``: all of it)."""
+    return await asyncio.to_thread(_engine(request).pin, body, True)
+
+
+@router.post("/unpin", response_model=PinResponse, responses=_PIN_ERRORS)
+async def unpin(body: PinRequest, request: Request) -> PinResponse:
+    """Release an operator's pins of a prompt's chunks; per tier what was unpinned."""
+    return await asyncio.to_thread(_engine(request).pin, body, False)
 
 
 @router.get("/status", response_model=StatusResponse, responses=ERRORS)

@@ -6,8 +6,9 @@ Names start with ``vllm:kvplug_`` so vLLM's own ``unregister_vllm_metrics`` clea
 counters show with prometheus_client's ``_total`` suffix. Per-tier metrics carry a ``tier`` label
 (the tier's name in the kvplug config); labels for a tier appear once it has something to count.
 Per-tier levels (used and capacity bytes, entries, breakers open) are gauges, fed with their
-changes (:data:`.stats.TIER_GAUGES`). These names are a stable interface: dashboards and alerts
-(``deploy/``) use them; README.md "Metrics" lists them.
+changes (:data:`.stats.TIER_GAUGES`), as is the bytes held per tier and tenant (label ``tenant``:
+the tenant's 16-hex id, never its salt; one series per tenant a tier holds). These names are a
+stable interface: dashboards and alerts (``deploy/``) use them; README.md "Metrics" lists them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .protocol.stats import LATENCY_PREFIX, LOAD_BYTES_PREFIX, TIER_COUNTERS, TIER_GAUGES, TIER_PREFIX
+from .protocol.stats import (
+    LATENCY_PREFIX,
+    LOAD_BYTES_PREFIX,
+    TENANT_PREFIX,
+    TIER_COUNTERS,
+    TIER_GAUGES,
+    TIER_PREFIX,
+)
 
 #: Backends whose hits vLLM's ``prompt_tokens_cached_by_source`` counts as ``disk``.
 _DISK_BACKENDS = {"posix", "gds"}
@@ -77,6 +85,10 @@ _TIER_GAUGES = {
                            "ranks whose circuit breaker of the tier is open (calls refused)"),
 }
 assert {k + "." for k in TIER_GAUGES} == set(_TIER_GAUGES)
+#: bytes held per tier and tenant (labels ``tier``, ``tenant``: the tenant's 16-hex id, ``-``
+#: for chunks without one; never a salt), on the tiers that can list entries (L1, posix)
+_TENANT_GAUGE = ("vllm:kvplug_tier_tenant_bytes",
+                 "bytes the tier holds per tenant (its 16-hex id; '-': no tenant)")
 #: Load latency buckets (seconds): a memcpy from RAM to a remote read.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0)
@@ -97,6 +109,8 @@ class KVPlugPromMetrics(KVConnectorPromMetrics):
         self._levels = {prefix: self._gauge_cls(name=name, documentation=doc,
                                                 labelnames=tiered, multiprocess_mode="sum")
                         for prefix, (name, doc) in _TIER_GAUGES.items()}
+        self._tenants = self._gauge_cls(name=_TENANT_GAUGE[0], documentation=_TENANT_GAUGE[1],
+                                        labelnames=[*tiered, "tenant"], multiprocess_mode="sum")
         self._latency = self._histogram_cls(
             name="vllm:kvplug_load_seconds", labelnames=tiered, buckets=LATENCY_BUCKETS,
             documentation="seconds per request load, by the farthest tier it read from")
@@ -113,6 +127,11 @@ class KVPlugPromMetrics(KVConnectorPromMetrics):
                 continue
             prefix, _, tier = key.partition(".")
             if not tier:
+                continue
+            if prefix + "." == TENANT_PREFIX:
+                name, _, tenant = tier.rpartition(".")
+                if value:
+                    self._tenants.labels(*values, name, tenant).inc(value)
                 continue
             if prefix + "." == LATENCY_PREFIX:
                 hist = self._latency.labels(*values, tier)

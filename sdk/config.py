@@ -148,7 +148,12 @@ class TierConfig(_Strict):
     quotas: QuotaConfig | None = Field(
         default=None, description="per-tenant byte quotas on this tier: {default: SIZE, tenants: "
         "{NAME: SIZE}}; a tenant over its quota evicts its own entries first (tiers whose "
-        "backend orders its own victims: local_cpu, posix, gds)")
+        "backend orders its own victims: local_cpu, posix, gds), or its stores are skipped "
+        "(resp, mooncake, fsspec: counted by this process, approximate)")
+
+    max_pinned_fraction: float = Field(
+        default=0.5, ge=0, le=1, description="share of the tier's capacity that an operator's "
+        "pins (kvplug cache pin) may hold; a pin past it is refused, naming this setting")
 
     @field_validator("eviction", "admission", mode="before")
     @classmethod

@@ -133,10 +133,10 @@ class TierContext:
             and evicts the keys ``eviction.victims(nbytes, evictable)`` names, under its own
             lock. ``None`` for other backends (their store picks its victims).
         quotas: the tier's :class:`~kvplug.policies.tenants.TenantQuotas` (its ``quotas``
-            setting), for the same backends, or ``None``: a store that would take a tenant
-            (``key.tenant``) past ``quotas.limit(tenant)`` bytes first evicts that tenant's own
-            entries (``eviction.victims`` with ``evictable`` true only for them), else is
-            skipped.
+            setting), for the same backends and those that set ``budget_quotas``, or ``None``: a
+            store that would take a tenant (``key.tenant``) past ``quotas.limit(tenant)`` bytes
+            first evicts that tenant's own entries (``eviction.victims`` with ``evictable`` true
+            only for them), else is skipped; a ``budget_quotas`` tier only skips it.
         read_limit: ``read_limit() -> int | None`` — the most bytes of one stored chunk a tier
             may receive before it can parse the header (a value read whole); a longer value is
             a miss. ``None`` when the host sets no bound.
@@ -149,6 +149,8 @@ class TierContext:
             simulation's, which runs every task on one thread when its schedule says so. A
             backend that starts ``threading.Thread`` or sleeps on ``time`` itself still works,
             but the simulation cannot order its work (its seeds may not replay).
+        max_pinned_fraction: the share of the tier's capacity an operator's pins
+            (``operator_pin``) may hold (the tier's ``max_pinned_fraction`` setting).
     """
 
     name: str
@@ -162,6 +164,7 @@ class TierContext:
     eviction: Any = None
     quotas: Any = None
     runtime: Runtime = THREADS
+    max_pinned_fraction: float = 0.5
 
 
 class BackendSpec:
@@ -259,6 +262,23 @@ class BackendSpec:
         ignored."""
 
     @hookspec(firstresult=True)
+    def operator_pin(self, keys: Sequence[CacheKey]) -> list[str]:
+        """Optional: an operator's pin (``kvplug cache pin``): keep each key's entry until
+        :meth:`operator_unpin`, exempt from eviction as a lookup's pin is (``evict`` skips it).
+
+        One answer per key: ``"pinned"`` (pinned now, or already pinned by an operator: a second
+        pin is no second count), ``"absent"`` (the tier does not hold it), or ``"over_limit"``
+        (pinning it would take the bytes pinned by operators past ``ctx.max_pinned_fraction`` of
+        the tier's capacity; nothing pinned). Report the bytes
+        pinned so in ``stats()`` as ``operator_pinned`` (entries) and ``operator_pinned_bytes``.
+        A tier that keeps state across restarts keeps its operator pins too (posix).
+        """
+
+    @hookspec(firstresult=True)
+    def operator_unpin(self, keys: Sequence[CacheKey]) -> list[bool]:
+        """Optional: release an operator's pin of each key; ``True`` where one was held."""
+
+    @hookspec(firstresult=True)
     def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
         """Drop entries; return the number of bytes freed.
 
@@ -266,6 +286,19 @@ class BackendSpec:
         skipped). With ``keys=None``: free at least ``nbytes`` under the tier's own policy (e.g.
         LRU), as far as unpinned entries allow. Never raises for unknown keys.
         """
+
+    @hookspec(firstresult=True)
+    def tenant_usage(self) -> dict[str, int]:
+        """Optional: bytes held per tenant id (``key.tenant``; ``""``: chunks without one), for
+        tiers that can list their entries (tenants are in every object name, ``.t<16 hex>``).
+        Cheap enough for a metrics scrape."""
+
+    @hookspec(firstresult=True)
+    def evict_tenant(self, tenant: str) -> list[int]:
+        """Optional: drop every entry of tenant id ``tenant`` that is not pinned (a shared
+        directory's files of other processes included); ``[entries removed, entries left]``.
+        Tiers that cannot list their entries (a store that evicts by itself) leave it out: a
+        clear by tenant then says "not available" for them."""
 
     @hookspec(firstresult=True)
     def flush(self, timeout: float) -> bool:
@@ -305,6 +338,10 @@ class BackendClass(Protocol):
     * ``eviction_policy: bool`` — the tier orders its victims by ``ctx.eviction`` (a pluggable
       eviction policy, :mod:`kvplug.policyspecs`); only such a tier accepts an ``eviction``
       setting in its config. Default ``False``.
+    * ``budget_quotas: bool`` — a tier whose store evicts by itself but keeps ``ctx.quotas`` by
+      counting the bytes it stores per tenant and skipping a store past its tenant's quota
+      (approximate: ``kvplug.backends.common.tenant_budget``); such a tier, or one with
+      ``eviction_policy``, accepts a ``quotas`` setting. Default ``False``.
 
     An instance may also set ``call_bound_s: float`` — the longest one of its hook calls can wait
     (its client bounds every round trip, its breaker the failures). Where that is within the
@@ -320,7 +357,7 @@ class BackendClass(Protocol):
 
 #: The optional class attributes of :class:`BackendClass` and their defaults.
 CLASS_DEFAULTS: dict[str, Any] = {"Options": None, "never_blocks": False, "unbounded": False,
-                                  "eviction_policy": False}
+                                  "eviction_policy": False, "budget_quotas": False}
 
 
 def class_contract_problems(cls: type) -> list[str]:
@@ -332,7 +369,7 @@ def class_contract_problems(cls: type) -> list[str]:
     if model is not None and not (isinstance(model, type) and issubclass(model, BaseModel)):
         problems.append(f"Options is {model!r}, not a pydantic model class: derive it from "
                         "kvplug.config.BaseOptions (or remove it to receive the raw dict)")
-    for flag in ("never_blocks", "unbounded", "eviction_policy"):
+    for flag in ("never_blocks", "unbounded", "eviction_policy", "budget_quotas"):
         value = getattr(cls, flag, False)
         if not isinstance(value, bool):
             problems.append(f"{flag} is {value!r}; set it to True or False")

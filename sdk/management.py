@@ -16,7 +16,12 @@ says so on that tier):
   reports its entry counts before and after from the tier's own ``stats()`` (a disk tier still
   scanning its directory at start-up is waited for, bounded, else the clear says incomplete); a tier that keeps no
   count of its entries (an unbounded value store) cannot be cleared whole and says so;
-* a tier whose evict raised or timed out reports ``error``.
+* a tier whose evict raised or timed out reports ``error``;
+* an operator's pin or unpin (:func:`pin_keys`) answers per tier what was pinned, what the tier
+  does not hold and what its ``max_pinned_fraction`` refused; a tier that cannot pin says so;
+* a clear by tenant (:func:`clear_tenant`) removes the tenant's entries on the tiers that can
+  list them (tenants are in object names) and measures the tenant's bytes before and after; a
+  tier that cannot says it is not available.
 
 A clear of a token prefix removes the chunks of that prefix; every longer prompt starting with it
 chains its chunk hashes over them, so no lookup of such a prompt hits past the cleared start.
@@ -24,10 +29,11 @@ chains its chunk hashes over them, so no lookup of such a prompt hits past the c
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from .errors import ConfigError
 from .keys import CacheKey
 from .storage_manager import StorageManager
 
@@ -36,7 +42,8 @@ ALL_BYTES = 1 << 62
 #: how long a clear waits for queued writes to land and a disk tier's deletes to happen
 SETTLE_S = 10.0
 #: what status shows of a tier's own counters (the rest are in /metrics)
-STATUS_FIELDS = ("entries", "bytes", "capacity", "pinned", "pending_writes", "pending_deletes",
+STATUS_FIELDS = ("entries", "bytes", "capacity", "pinned", "operator_pinned",
+                 "operator_pinned_bytes", "pending_writes", "pending_deletes",
                  "breaker_open", "breaker_trips", "faults", "timeouts", "corrupt",
                  "auth_failures", "evictions", "dropped_puts")
 
@@ -59,6 +66,8 @@ def tier_status(storage: StorageManager) -> list[dict[str, Any]]:
             "name": name, "backend": cfg.backend, "may_block": storage.may_block(name),
             "capacity_bytes": _count(s.get("capacity")), "used_bytes": _count(s.get("bytes")),
             "entries": _count(s.get("entries")), "pinned": _count(s.get("pinned")),
+            "operator_pinned": _count(s.get("operator_pinned")),
+            "operator_pinned_bytes": _count(s.get("operator_pinned_bytes")),
             "breaker": None if breaker is None else ("open" if breaker else "closed"),
             "policies": {"eviction": getattr(cfg, "eviction", None) or "lru",
                          "admission": getattr(cfg, "admission", None) or "always"},
@@ -91,33 +100,43 @@ def clear_keys(storage: StorageManager, keys: Sequence[CacheKey],
                                                             zip(before, after, strict=True)),
                        remaining=sum(after))
             if res["remaining"]:
-                res["note"] = ("entries still held: pinned by a load in flight, or the tier "
-                               "refused to delete them; clear again once loads are over")
+                res["note"] = ("entries still held: pinned by a load in flight or by an "
+                               "operator (kvplug cache unpin), or the tier refused to delete "
+                               "them; clear again once loads are over")
         if _faults(storage, name) > faults:
             res["error"] = "the tier's evict raised or timed out (see the engine's log)"
         out[name] = res
     return out
 
 
+def _wait_until(storage: StorageManager, done: Callable[[], bool], timeout: float) -> bool:
+    """Poll ``done`` every 50 ms for up to ``timeout`` seconds, through the storage's runtime
+    (:mod:`kvplug.runtime`: real time in production; under the deterministic simulation the
+    wait runs the queued tasks it waits for)."""
+    rt = storage.runtime
+    cond = rt.condition(threading.Lock())
+    end = rt.monotonic() + timeout
+    with cond:
+        while not done():
+            left = end - rt.monotonic()
+            if left <= 0:
+                return False
+            cond.wait_for(done, min(0.05, left))
+    return True
+
+
 def wait_indexed(storage: StorageManager, name: str, timeout: float = SETTLE_S) -> bool:
     """Whether the tier knows all its entries: a disk tier scans its directory at start-up
     (``indexed`` 0 until done); waits up to ``timeout`` for it."""
-    end = time.monotonic() + timeout
-    while storage.stats().get(name, {}).get("indexed", 1) == 0:
-        if time.monotonic() >= end:
-            return False
-        time.sleep(0.05)
-    return True
+    return _wait_until(storage, lambda: storage.stats().get(name, {}).get("indexed", 1) != 0,
+                       timeout)
 
 
 def _settle(storage: StorageManager, name: str) -> dict[str, float]:
     """The tier's stats once its background deletes are done (bounded by :data:`SETTLE_S`)."""
-    end = time.monotonic() + SETTLE_S
-    while True:
-        s = storage.stats().get(name, {})
-        if not s.get("pending_deletes") or time.monotonic() >= end:
-            return s
-        time.sleep(0.05)
+    _wait_until(storage, lambda: not storage.stats().get(name, {}).get("pending_deletes"),
+                SETTLE_S)
+    return storage.stats().get(name, {})
 
 
 def clear_tiers(storage: StorageManager, tiers: Sequence[str] | None = None
@@ -145,8 +164,9 @@ def clear_tiers(storage: StorageManager, tiers: Sequence[str] | None = None
                        pending_deletes=int(after.get("pending_deletes", 0)))
             res["complete"] = not res["remaining"] and not res["pending_deletes"]
             if not res["complete"]:
-                res["note"] = ("entries left: pinned by loads in flight, or deletes still "
-                               "pending; clear again once loads are over")
+                res["note"] = ("entries left: pinned by loads in flight or by an operator "
+                               "(kvplug cache unpin), or deletes still pending; clear again "
+                               "once loads are over")
         if not indexed:
             res["complete"] = False
             res["error"] = ("the tier is still scanning its directory: entries it has not "
@@ -157,5 +177,103 @@ def clear_tiers(storage: StorageManager, tiers: Sequence[str] | None = None
         if _faults(storage, name) > faults:
             res["error"] = "the tier's evict raised or timed out (see the engine's log)"
             res["complete"] = False
+        out[name] = res
+    return out
+
+
+def clear_tenant(storage: StorageManager, tenant: str, tiers: Sequence[str] | None = None
+                 ) -> dict[str, dict[str, Any]]:
+    """Drop tenant id ``tenant``'s unpinned entries from ``tiers`` (all by default). Queued
+    writes land first; per tier the entries removed and left (the tier's count) and the bytes
+    it held for the tenant before and after (measured: ``tenant_usage``); ``complete`` only
+    when the tier then holds no byte of the tenant. A tier that cannot list its entries by
+    tenant (a store that evicts by itself) says it is not available."""
+    flushed = storage.flush(SETTLE_S)
+    out: dict[str, dict[str, Any]] = {}
+    for name in tiers or storage.tier_names:
+        if not storage.implements(name, "evict_tenant"):
+            out[name] = {"removed": None, "removed_bytes": 0, "remaining": None,
+                         "complete": False, "error": (
+                             "clear by tenant is not available on this tier: its store cannot "
+                             "list entries by tenant (and evicts by itself); clear by prefix "
+                             "with the tenant's cache_salt, or empty the store with its tools")}
+            continue
+        wait_indexed(storage, name)
+        before = (storage.tenant_usage(name) or {}).get(tenant, 0)
+        faults = _faults(storage, name)
+        answer = storage.evict_tenant(name, tenant)
+        _settle(storage, name)
+        after = storage.tenant_usage(name)
+        left = None if after is None else after.get(tenant, 0)
+        res: dict[str, Any] = {"removed_bytes": before - (left or 0), "remaining_bytes": left}
+        if answer is None or left is None:
+            res.update(removed=None, remaining=None, complete=False,
+                       error="the tier did not answer (fault or timeout): what it removed is "
+                             "unknown")
+        else:
+            res.update(removed=answer[0], remaining=answer[1], complete=left == 0)
+            if not res["complete"]:
+                res["note"] = ("entries left: pinned by loads in flight or by an operator "
+                               "(kvplug cache unpin), or stored meanwhile; clear again")
+        if not flushed:
+            res["note"] = "writes were still queued after the wait: they may land after this clear"
+        if _faults(storage, name) > faults:
+            res.update(complete=False, error="the tier's evict raised or timed out (see the log)")
+        out[name] = res
+    return out
+
+
+def pin_keys(storage: StorageManager, keys: Sequence[CacheKey], tiers: Sequence[str] | None = None,
+             pin: bool = True, optional: Sequence[CacheKey] = ()) -> dict[str, dict[str, Any]]:
+    """An operator's pin (or with ``pin`` False, unpin) of ``keys`` on ``tiers`` (all by
+    default); per tier what was done. ``optional`` keys (a prompt's partial chunks: a tier holds
+    at most some of them) are pinned where held and never counted as absent.
+
+    Per tier: ``pinned`` (chunks pinned now or already), ``absent`` (chunks of ``keys`` the tier
+    does not hold), ``refused`` (past the tier's ``max_pinned_fraction``, with the reason),
+    ``pinned_bytes``/``limit_bytes`` (operators' pins on the tier after the call, and their
+    bound); an unpin: ``unpinned`` and ``not_pinned``. ``complete`` when the tier did all of it;
+    a tier that cannot pin (its store evicts by itself) says so, ``complete`` false."""
+    every = list(keys) + list(optional)
+    out: dict[str, dict[str, Any]] = {}
+    for name in tiers or storage.tier_names:
+        faults = _faults(storage, name)
+        try:
+            answer = storage.operator_pin(name, every, pin)
+        except ConfigError as exc:
+            out[name] = {"complete": False, "available": False,
+                         "error": f"{exc}; pins are not available on this tier"}
+            continue
+        res: dict[str, Any] = {"available": True}
+        if answer is None:
+            res.update(complete=False, error="the tier did not answer (fault or timeout): what "
+                       "it pinned is unknown; unpin to release what it may hold")
+        elif pin:
+            main = answer[:len(keys)]
+            res.update(pinned=sum(a == "pinned" for a in answer),
+                       absent=sum(a == "absent" for a in main),
+                       refused=sum(a == "over_limit" for a in answer))
+        else:
+            res.update(unpinned=sum(bool(a) for a in answer),
+                       not_pinned=sum(not a for a in answer[:len(keys)]))
+        s = storage.stats().get(name, {})
+        cap = s.get("capacity")
+        res["pinned_bytes"] = _count(s.get("operator_pinned_bytes"))
+        fraction = next(t.max_pinned_fraction for t in storage.config.tiers
+                        if t.tier_name == name)
+        res["limit_bytes"] = None if cap is None else int(fraction * cap)
+        if res.get("refused"):
+            res["error"] = (f"{res['refused']} chunk(s) refused: pinning them would take the "
+                            f"bytes pinned on tier {name!r} past max_pinned_fraction "
+                            f"{fraction:g} of its capacity ({res['limit_bytes']} bytes; "
+                            f"{res['pinned_bytes']} pinned); raise max_pinned_fraction in the "
+                            "tier's config, or unpin other chunks")
+        if res.get("absent"):
+            res["note"] = (f"{res['absent']} chunk(s) not held by this tier (not stored yet, or "
+                           "evicted): warm the prompt, then pin again")
+        if "complete" not in res:
+            res["complete"] = not res.get("refused") and not res.get("absent")
+        if _faults(storage, name) > faults:
+            res.update(complete=False, error="the tier's pin raised or timed out (see the log)")
         out[name] = res
     return out

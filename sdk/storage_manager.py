@@ -425,6 +425,55 @@ class StorageManager:
             if tier.name in by_tier and tier.implements("unpin"):
                 self._call(tier, "unpin", keys=by_tier[tier.name])
 
+    def _named(self, tier: str) -> Tier:
+        for t in self._tiers:
+            if t.name == tier:
+                return t
+        raise ConfigError(f"unknown tier {tier!r}; tiers are {self.tier_names}")
+
+    def implements(self, tier: str, hook: str) -> bool:
+        """Whether tier ``tier``'s backend implements the (optional) hook ``hook``."""
+        return self._named(tier).implements(hook)
+
+    def tenant_usage(self, tier: str) -> dict[str, int] | None:
+        """Bytes per tenant id on tier ``tier`` (the ``tenant_usage`` hook), or ``None`` when the
+        tier cannot list its entries or did not answer."""
+        t = self._named(tier)
+        if not t.implements("tenant_usage"):
+            return None
+        answer = self._call(t, "tenant_usage", bounded=True)
+        return dict(answer) if isinstance(answer, dict) else None
+
+    def evict_tenant(self, tier: str, tenant: str) -> list[int] | None:
+        """Drop tenant ``tenant``'s unpinned entries on tier ``tier`` (the ``evict_tenant``
+        hook): ``[removed, left]``, or ``None`` when the tier raised or answered wrong.
+        ``ConfigError`` when the tier cannot list its entries."""
+        t = self._named(tier)
+        if not t.implements("evict_tenant"):
+            raise ConfigError(f"tier {tier!r} (backend {t.config.backend!r}) cannot list its "
+                              "entries by tenant")
+        answer = self._call(t, "evict_tenant", tenant=tenant)
+        ok = isinstance(answer, list) and len(answer) == 2
+        return [int(x) for x in answer] if ok else None
+
+    def operator_pin(self, tier: str, keys: Sequence[CacheKey], pin: bool = True
+                     ) -> list[str] | list[bool] | None:
+        """An operator's pin (``pin``) or unpin of ``keys`` on tier ``tier`` (the
+        ``operator_pin``/``operator_unpin`` hooks; the tier's ``max_pinned_fraction`` bounds them):
+        one answer per key; ``None`` when the tier raised or answered wrong. ``ConfigError``
+        when the tier cannot pin (its backend has no such hook)."""
+        hook = "operator_pin" if pin else "operator_unpin"
+        t = self._named(tier)
+        if not t.implements(hook):
+            raise ConfigError(f"tier {tier!r} (backend {t.config.backend!r}) cannot pin entries: "
+                              "its store evicts by itself")
+        if not keys:
+            return []
+        answer = self._call(t, hook, bounded=True, keys=list(keys))
+        if not isinstance(answer, list) or len(answer) != len(keys):
+            return None
+        return answer
+
     def contains(self, key: CacheKey) -> str | None:
         """The name of the first tier holding ``key``, or ``None``."""
         hit = self.lookup_prefix([key])

@@ -36,7 +36,8 @@ logger = logging.getLogger("kvplug.storage")
 #: The hooks a tier is called through (each tier gets a caller per hook, see :class:`ScopedHooks`).
 HOOKS = (
     "allocate", "memory_regions", "batched_submit_put", "get", "batched_get", "get_layers",
-    "contains", "unpin", "evict", "flush", "close", "stats",
+    "contains", "unpin", "operator_pin", "operator_unpin", "evict", "tenant_usage",
+    "evict_tenant", "flush", "close", "stats",
 )
 
 
@@ -63,6 +64,7 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
         eviction=_eviction_policy(cls, cfg, options),
         quotas=None if cfg.quotas is None else TenantQuotas.from_config(cfg.quotas, auth),
         runtime=runtime,
+        max_pinned_fraction=cfg.max_pinned_fraction,
     )
     redact = Redactor(cfg.options)
     try:
@@ -98,11 +100,13 @@ def _eviction_policy(cls: type, cfg: TierConfig, options: Any) -> Any:
     """The eviction policy for a backend that orders its victims by one (its ``eviction``
     setting, ``lru`` without one); ``None`` for other backends, where the setting is an error."""
     if not getattr(cls, "eviction_policy", False):
-        if cfg.quotas is not None:
+        if cfg.quotas is not None and not getattr(cls, "budget_quotas", False):
             raise ConfigError(
                 f"tier {cfg.tier_name!r}: backend {cfg.backend!r} picks its own victims (its "
-                "store evicts), so it cannot keep per-tenant quotas; remove quotas, or set them "
-                "on a tier whose backend sets eviction_policy = True (local_cpu, posix, gds)")
+                "store evicts) and does not count its stores per tenant, so it cannot keep "
+                "per-tenant quotas; remove quotas, or set them on a tier whose backend sets "
+                "eviction_policy = True (local_cpu, posix, gds) or budget_quotas = True "
+                "(resp, mooncake, fsspec)")
         if cfg.eviction is not None:
             raise ConfigError(
                 f"tier {cfg.tier_name!r}: backend {cfg.backend!r} picks its own victims (its "

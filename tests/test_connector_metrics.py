@@ -83,3 +83,47 @@ def test_hit_split_counts_the_external_tokens_of_slow_chunks():
     assert sched.hit_split("r", 896) == (512, 384)
     assert sched.hit_split("r", 384) == (256, 128)  # vLLM held the first 512 tokens itself
     assert sched.hit_split("gone", 64) == (64, 0)
+
+
+def test_bytes_per_tenant_reach_a_gauge_labelled_by_the_tenant_id_only(tmp_path):
+    """Real tiers (RAM, posix) hold two tenants' chunks: the per-tenant gauge says each tier's
+    bytes per tenant id, follows a clear of one tenant back to 0, and never shows a salt."""
+    import dataclasses
+
+    from kvplug.management import clear_tenant
+    from kvplug.policies.tenants import tenant_id
+    from kvplug.storage_manager import StorageManager
+    from kvplug.testing import fill_random, make_key
+
+    reg = CollectorRegistry()
+    types = {cls: partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
+    prom = KVPlugPromMetrics(SimpleNamespace(kv_transfer_config=None), types,
+                             ["model_name", "engine"], {0: ["m", "0"]})
+    a, b = tenant_id("salt-a-secret"), tenant_id("salt-b-secret")
+    cfg = {"chunk_size": 16, "tiers": [
+        {"backend": "local_cpu", "name": "ram", "options": {"capacity": "4MiB"}},
+        {"backend": "posix", "name": "disk", "options": {"path": str(tmp_path), "capacity": "64MiB"}}]}
+    rec = StatsRecorder()
+    with StorageManager(cfg) as mgr:
+        for i, tenant in enumerate([a, a, a, b, ""]):
+            obj = fill_random(mgr, seed=i)
+            mgr.batched_put([dataclasses.replace(make_key(i), tenant=tenant)], [obj])
+            obj.ref_down()
+        assert mgr.flush(30)
+        rec.sample_tenants(mgr, now=100.0)
+        prom.observe(rec.take().data, 0)
+
+        def level(tier: str, tenant: str) -> float | None:
+            return reg.get_sample_value("vllm:kvplug_tier_tenant_bytes", {
+                "model_name": "m", "engine": "0", "tier": tier, "tenant": tenant})
+
+        assert level("ram", a) == 3 * (16 << 10) and level("ram", b) == 16 << 10
+        assert level("ram", "-") == 16 << 10 and level("disk", a) > 3 * (16 << 10)
+        clear_tenant(mgr, a)
+        rec.sample_tenants(mgr, now=105.0)  # within the sampling interval: not asked again
+        assert rec.take() is None
+        rec.sample_tenants(mgr, now=111.0)
+        prom.observe(rec.take().data, 0)
+        assert level("ram", a) == 0 and level("disk", a) == 0 and level("ram", b) == 16 << 10
+    text = __import__("prometheus_client").generate_latest(reg).decode()
+    assert "salt-a-secret" not in text and a in text

@@ -13,6 +13,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -85,13 +86,15 @@ def disk_files(store: Path) -> int:
 def test_routes_need_the_key_and_are_in_the_openapi_schema(server):
     url, _, _ = server
     for path, body in (("/kvplug/v1/status", None), ("/kvplug/v1/lookup", {"prompt": "x"}),
-                       ("/kvplug/v1/clear", {"scope": "all"})):
+                       ("/kvplug/v1/clear", {"scope": "all"}), ("/kvplug/v1/pin", {"prompt": "x"}),
+                       ("/kvplug/v1/unpin", {"prompt": "x"})):
         for key in (None, "wrong"):
             status, _ = http(url, path, body, key=key)
             assert status == 401, f"{path} answered {status} with key {key!r}"
     with urllib.request.urlopen(url + "/openapi.json", timeout=60) as r:
         schema = json.loads(r.read())
     for path, method in (("/kvplug/v1/lookup", "post"), ("/kvplug/v1/clear", "post"),
+                         ("/kvplug/v1/pin", "post"), ("/kvplug/v1/unpin", "post"),
                          ("/kvplug/v1/status", "get")):
         assert method in schema["paths"][path], path
     assert "LookupResponse" in schema["components"]["schemas"]
@@ -152,17 +155,15 @@ def test_status_and_clears_that_cannot_be_done(server):
     assert tiers["posix"]["capacity_bytes"] == 1 << 30 and tiers["posix"]["may_block"]
     assert tiers["local_cpu"]["entries"] > 0 and tiers["posix"]["used_bytes"] > 0
     assert len(out["ranks"]) == 1 and out["chunk_size"] == 256
-    status, out = http(url, "/kvplug/v1/clear", {"scope": "tenant", "tenant": "a"})
-    assert status == 200 and not out["ok"]  # not done, and every tier says why
-    assert all(not t["complete"] and "tenant" in t["error"] for t in out["tiers"].values())
     status, out = http(url, "/kvplug/v1/clear", {"scope": "tier", "tiers": ["nope"]})
     assert status == 404 and "nope" in out["error"]["message"]  # vLLM's error body
 
 
-def run(*args: str, key: str | None = KEY) -> subprocess.CompletedProcess:
+def run(*args: str, key: str | None = KEY, **extra: str) -> subprocess.CompletedProcess:
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
+    env.update(extra)
     if key:
         env["VLLM_API_KEY"] = key
     return subprocess.run(kvplug_cli(*args), capture_output=True, text=True, timeout=600,
@@ -202,17 +203,100 @@ def test_warm_prefills_what_is_not_held_and_resumes(server, tmp_path):
     assert out.returncode == 0 and again["prefilled"] == 0 and again["skipped"] == 3
 
 
+def test_warm_in_process_fills_a_directory_the_server_shares(server, tmp_path):
+    """``kvplug warm --model`` (an engine in its own process, no server) stores into the posix
+    directory the server uses: the server's lookup then finds the prompts, a request loads them."""
+    url, model, store = server
+    new = [prompt_text(31, 60), prompt_text(32, 60)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in new))
+    cfg = tmp_path / "kvplug.yaml"
+    cfg.write_text("tiers:\n  - backend: local_cpu\n    options: {capacity: 64MiB}\n"
+                   f"  - backend: posix\n    options: {{path: {store}, capacity: 1GiB}}\n")
+    args = [f"--engine-arg={a}" for a in ("enforce_eager=true", "dtype=bfloat16",
+                                           "block_size=128", "max_model_len=4096",
+                                           "max_num_seqs=4")]
+    out = run("warm", "--model", model, "--kvplug-config", str(cfg), "--prompts", str(prompts),
+              *args, "--json", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+              KVPLUG_CACHE_DIR=str(tmp_path / "cache"))
+    assert out.returncode == 0, "\n".join(
+        line for line in out.stderr.splitlines() if "Error" in line or "error" in line)[-6000:]
+    summary = json.loads(out.stdout)
+    assert summary["prefilled"] == 2 and summary["held_fully"] == 2, summary
+    assert summary["tiers"]["posix"]["stored"] > 0 and summary["tiers"]["posix"]["held_before"] == 0
+    for p in new:
+        assert lookup(url, prompt=p)["tiers"]["posix"]["held"] > 0, \
+            "the server does not see what the in-process warm stored"
+        assert complete(url, model, p) == lookup(url, prompt=p)["tokens"] > 0
+
+
+def test_clear_by_tenant_and_pins_on_the_engine(server):
+    """A tenant's entries go (files counted on disk), another's stay; a pinned prompt outlives a
+    clear of everything and is served after it; an unpin lets the next clear take it."""
+    from kvplug.policies.tenants import tenant_id
+
+    url, model, store = server
+    a_text, b_text = prompt_text(41), prompt_text(42)
+    complete(url, model, a_text, cache_salt="tenant-a")
+    complete(url, model, b_text, cache_salt="tenant-b")
+    a_id = tenant_id("tenant-a")
+
+    def files_of(tenant: str) -> int:
+        return sum(1 for p in store.rglob("*.safetensors") if f".t{tenant}" in p.name)
+
+    assert files_of(a_id) > 0 and lookup(url, prompt=a_text, cache_salt="tenant-a")["tokens"] > 0
+    b_look = lookup(url, prompt=b_text, cache_salt="tenant-b")
+    b_hit = b_look["tokens"]
+    # per tier under the tenant's keys too (before: 0, the workers keyed them without it)
+    assert b_look["tiers"]["posix"]["held"] == b_look["tiers"]["local_cpu"]["held"] == b_hit
+    status, res = http(url, "/kvplug/v1/clear", {"scope": "tenant", "tenant": "tenant-a"})
+    assert status == 200 and res["ok"], res
+    assert res["tiers"]["posix"]["removed"] > 0 and res["tiers"]["local_cpu"]["removed"] > 0
+    assert files_of(a_id) == 0, "the clear said complete with the tenant's files on disk"
+    assert "tenant-a" not in json.dumps(res)
+    assert lookup(url, prompt=a_text, cache_salt="tenant-a")["tokens"] == 0
+    assert lookup(url, prompt=b_text, cache_salt="tenant-b")["tokens"] == b_hit > 0
+    assert complete(url, model, a_text, cache_salt="tenant-a") == 0, "a cleared chunk was served"
+
+    out = run("cache", "pin", "--url", url, "--prompt", b_text, "--cache-salt", "tenant-b")
+    assert out.returncode == 0 and "done" in out.stdout, out.stdout + out.stderr
+    status, res = http(url, "/kvplug/v1/clear", {"scope": "all"})
+    assert not res["ok"] and res["tiers"]["posix"]["remaining"] > 0  # the pinned chunks
+    assert lookup(url, prompt=b_text, cache_salt="tenant-b")["tokens"] == b_hit
+    assert complete(url, model, b_text, cache_salt="tenant-b") == b_hit
+    status, res = http(url, "/kvplug/v1/unpin", {"prompt": b_text, "cache_salt": "tenant-b"})
+    assert status == 200 and res["ok"] and res["tiers"]["posix"]["unpinned"] > 0, res
+    assert json.loads((store / "kvplug-pins.json").read_text())["pins"] == []
+    status, res = http(url, "/kvplug/v1/clear", {"scope": "all"})
+    assert res["ok"], res
+    assert lookup(url, prompt=b_text, cache_salt="tenant-b")["tokens"] == 0
+    # a tenant's use for the dashboard test below (the per-tenant metric)
+    complete(url, model, prompt_text(43), cache_salt="tenant-c")
+
+
 def _names(path: Path) -> set[str]:
     return set(re.findall(r"vllm:kvplug_[a-z_]+", path.read_text()))
 
 
 def test_dashboard_and_alerts_name_metrics_the_engine_exports(server):
     """Every metric deploy/ names is on the engine's /metrics (a family or a sample)."""
+    from kvplug.policies.tenants import tenant_id
     from prometheus_client.parser import text_string_to_metric_families
 
-    url, _, _ = server
-    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
-        text = r.read().decode()
+    url, model, _ = server
+    # bytes per tenant, by its id (sampled every 10 s while the engine steps), never the salt
+    c_id = tenant_id("tenant-c")
+    pattern = (r'vllm:kvplug_tier_tenant_bytes\{(?=[^}]*tenant="' + c_id
+               + r'")(?=[^}]*tier="posix")[^}]*\} [1-9]')
+    for i in range(40):
+        with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+            text = r.read().decode()
+        if re.search(pattern, text):
+            break
+        complete(url, model, f"step {i}")  # steps, so the workers sample again
+        time.sleep(1)
+    assert re.search(pattern, text), "no per-tenant bytes for tenant-c on /metrics"
+    assert "tenant-c" not in text
     exported = set()
     for fam in text_string_to_metric_families(text):
         exported.add(fam.name)
@@ -229,6 +313,7 @@ def test_dashboard_and_alerts_name_metrics_the_engine_exports(server):
     assert not named - exported, f"not on /metrics: {sorted(named - exported)}"
     # the levels are set (a gauge per tier), not just declared
     assert re.search(r'vllm:kvplug_tier_capacity_bytes\{[^}]*tier="posix"[^}]*\} 1\.07374', text)
+
 
 
 def test_alert_rules_pass_promtool():
@@ -253,8 +338,9 @@ def test_api_answers_as_its_schema_says(server):
     schema = schemathesis.openapi.from_url(server[0] + "/openapi.json").include(
         path_regex="^/kvplug/")
     ops = [r.ok() for r in schema.get_all_operations()]
-    assert sorted(op.label for op in ops) == ["GET /kvplug/v1/status", "POST /kvplug/v1/clear",
-                                              "POST /kvplug/v1/lookup"]
+    assert sorted(op.label for op in ops) == [
+        "GET /kvplug/v1/status", "POST /kvplug/v1/clear", "POST /kvplug/v1/lookup",
+        "POST /kvplug/v1/pin", "POST /kvplug/v1/unpin"]
     for op in ops:
         @given(case=op.as_strategy())
         @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck),

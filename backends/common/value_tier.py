@@ -42,6 +42,7 @@ from .bad_entries import BadEntries, Unavailable
 from .breaker import CircuitBreaker
 from .chunks import HeaderCache, Layout, copy_verified, layer_range
 from .index import CapacityIndex, Pins, TTLSet
+from .tenant_budget import TenantBudget
 from .value_io import ValueIO
 from .value_writer import MAX_PENDING_BYTES, MAX_PENDING_WRITES, TierParts, ValueWriter
 
@@ -94,6 +95,8 @@ class ValueStoreTier:
     may say how a key is named (:meth:`name_of`)."""
 
     Options: type[RemoteOptions] = ValueStoreOptions
+    #: ``quotas`` are kept by counting what this process stores (:mod:`.tenant_budget`)
+    budget_quotas = True
     #: What log lines call the store (e.g. "Valkey/Redis store").
     kind = "key-value store"
     #: Whether the capacity index learns every value lookups and reads find (also those other
@@ -144,7 +147,8 @@ class ValueStoreTier:
                       ctx.auth, ctx.runtime),
             max_pending=opts.max_pending_writes, threads=opts.io_threads,
             batch_bytes=self.batch_bytes(), written_ttl_s=max(opts.negative_cache_s, 1.0),
-            max_pending_bytes=int(opts.max_pending_bytes))
+            max_pending_bytes=int(opts.max_pending_bytes),
+            budget=TenantBudget(ctx.quotas, ctx.name))
         logger.info("tier %r: %s at %s", self.name, self.kind, self.url)
 
     def store_name(self, key: CacheKey) -> str:

@@ -33,6 +33,7 @@ from kvplug.runtime import THREADS, Runtime
 
 from .chunks import HeaderCache
 from .index import CapacityIndex, Pins, TTLSet
+from .tenant_budget import TenantBudget
 from .value_io import GuardedCalls, Unanswered
 
 logger = logging.getLogger("kvplug.backends.values")
@@ -69,7 +70,8 @@ class ValueWriter:
     it is given (``io.keeps_values``) gets each value in fresh bytes."""
 
     def __init__(self, parts: TierParts, *, max_pending: int, threads: int, batch_bytes: int,
-                 written_ttl_s: float, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+                 written_ttl_s: float, max_pending_bytes: int = MAX_PENDING_BYTES,
+                 budget: TenantBudget | None = None) -> None:
         self._parts = parts
         self._name = parts.name
         self._auth = parts.auth
@@ -82,6 +84,8 @@ class ValueWriter:
         self._batch_bytes = batch_bytes
         runtime = parts.runtime
         self._rt = runtime
+        #: per-tenant quotas, counted on this path (:mod:`.tenant_budget`: approximate)
+        self.budget = budget
         self._threads = threads
         self._lock = threading.Lock()
         self._idle = runtime.condition(self._lock)
@@ -116,10 +120,14 @@ class ValueWriter:
         """The value was deleted, evicted by the store or found corrupt: stop trusting it."""
         with self._lock:
             self._written.discard(name)
+        if self.budget is not None:
+            self.budget.forget(name)
 
     # -- stores ---------------------------------------------------------------------------------
     def submit(self, name: str, key: CacheKey, obj: MemoryObj) -> None:
         """Queue a store of ``obj`` (a reference is held until it is written or dropped)."""
+        if self.budget is not None and not self.budget.admit(name, key.tenant, obj.nbytes):
+            return
         with self._lock:
             if self._closed or name in self._pending or name in self._written:
                 return
@@ -302,6 +310,8 @@ class ValueWriter:
                 self._written.add(name)
             self._parts.headers.pop(name)  # a header read before describes another value
             self._index.commit(name, len(data))
+            if self.budget is not None:
+                self.budget.written(name, len(data))
 
     def _evicted(self, names: list[str]) -> None:
         """Delete the victims of the capacity bound (from the store and what remembers them)."""
@@ -319,4 +329,6 @@ class ValueWriter:
             out = {k: float(v) for k, v in self._counts.items()}
             out["pending_writes"] = float(sum(self._pending.values()))
             out["queued_bytes"] = float(self._queued_bytes)
+        if self.budget is not None:
+            out.update(self.budget.stats())
         return out

@@ -43,6 +43,7 @@ from ..common.bad_entries import BadEntries
 from .directory import Directory
 from .held import HeldFiles, fd_limit
 from .io import ChunkFileIO, direct_io_usable, wider_than, writable_dir
+from .pin_store import OperatorPins, PinFile
 from .reader import Reader
 from .writer import Writer
 
@@ -171,8 +172,13 @@ class PosixBackend:
                              threads=opts.io_threads, max_pending=opts.max_pending_writes,
                              writable=writable)
         self.reader = Reader(self.directory, self.writer, self.held, self.files, self._log_once)
+        self.operator_pins = OperatorPins(
+            self.directory, self.held,
+            PinFile(self.root, opts.mode, opts.gid, self.name) if writable else None,
+            ctx.max_pinned_fraction, self._pin)
         self._lock = self.directory.lock
         self._rt = ctx.runtime
+        self.directory.start_scan(self.operator_pins.around_scan)
 
     def _chunk_io(self, ctx: TierContext) -> ChunkFileIO:
         """How chunk bytes move between memory and files (the gds tier: through kvikio)."""
@@ -193,9 +199,16 @@ class PosixBackend:
         """Wait until the startup scan has indexed every file; False on timeout."""
         return self.directory.indexed.wait(timeout)
 
+    @hookimpl
     def tenant_usage(self) -> dict[str, int]:
         """Bytes of the files this process has indexed, per tenant id (from the file names)."""
         return self.directory.tenant_usage()
+
+    @hookimpl
+    def evict_tenant(self, tenant: str) -> list[int]:
+        """Every unpinned file of ``tenant``, other processes' included: deleted now."""
+        return self.directory.evict_tenant(tenant, lambda: list(self.writer.pending),
+                                           self.writer.cancel_locked)
 
     # -- stores and reads -----------------------------------------------------------------------
     @hookimpl
@@ -271,6 +284,14 @@ class PosixBackend:
             self.held.release(rel)
 
     @hookimpl
+    def operator_pin(self, keys: Sequence[CacheKey]) -> list[str]:
+        return self.operator_pins.pin([self._rel(k) for k in keys])
+
+    @hookimpl
+    def operator_unpin(self, keys: Sequence[CacheKey]) -> list[bool]:
+        return self.operator_pins.unpin([self._rel(k) for k in keys])
+
+    @hookimpl
     def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
         """LRU victims (``keys`` None): their files are deleted in the background (.reaper);
         named keys: deleted now (the caller wants those files gone, as other processes see)."""
@@ -313,5 +334,5 @@ class PosixBackend:
             out = {**self.writer.stats_locked(), **self.reader.counters,
                    **self.directory.stats_locked()}
         out.update(o_direct=int(self.o_direct), writable=int(self.writer.writable),
-                   **self.held.stats())
+                   **self.held.stats(), **self.operator_pins.stats())
         return out

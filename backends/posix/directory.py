@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvplug.policies.tenants import tenant_of_name
 from kvplug.runtime import Runtime
 
 from ..common.bad_entries import BadEntries
@@ -39,6 +40,9 @@ logger = logging.getLogger("kvplug.backends.posix")
 _TOUCH_EVERY_S = 1.0  # an LRU stamp younger than this is not bumped again (saves a syscall)
 #: how long a write waits for its victims' files to be deleted before it goes on (a stuck disk)
 REAPER_WAIT_S = 60.0
+#: a tier without quotas counts bytes per tenant (tenant_usage) from its index only up to this
+#: many files (~0.1 s of CPU); a tier with quotas counts them as files come and go
+COUNT_TENANTS_MAX = 50_000
 #: how long a write waits for the startup scan (a hung file system) before its store is skipped
 INDEX_WAIT_S = 60.0
 
@@ -74,7 +78,12 @@ class Directory:
         self.indexed = runtime.event()
         self.reaper = Reaper(self.root_s, self._unlink_failed, name, runtime)
         self._scan_thread = runtime.executor(1, f"kvplug-{name}-scan", daemon=True)
-        self.scanner = self._scan_thread.submit(self._initial_scan)
+        self.scanner: Any = None
+
+    def start_scan(self, around: Callable[[Callable[[], None]], None] | None = None) -> None:
+        """Start the startup scan in the background; ``around(trim)`` runs the trim to capacity
+        with what must happen before and after it (the operator's pins restored)."""
+        self.scanner = self._scan_thread.submit(self._initial_scan, around)
 
     def path(self, rel: str) -> str:
         return self.root_s + rel
@@ -84,11 +93,14 @@ class Directory:
             self.counters[name] += n
 
     # -- scans ----------------------------------------------------------------------------------
-    def _initial_scan(self) -> None:
+    def _initial_scan(self, around: Callable[[Callable[[], None]], None] | None) -> None:
         """Index the directory in the background: serving starts at once (a lookup the index
         cannot answer yet falls back to a ``stat``), stores wait for it (capacity needs it)."""
         try:
-            self.trim_to_capacity()
+            if around is None:
+                self.trim_to_capacity()
+            else:
+                around(self.trim_to_capacity)
         except Exception as exc:  # noqa: BLE001 - never raised into a thread's void
             self._warn("scan", "scan of %s failed: %r", self.root, exc)
         finally:
@@ -97,7 +109,7 @@ class Directory:
     def stop_scanning(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for the startup scan, then stop its thread; False if it is
         still running (a hung file system: the daemon thread is left to finish)."""
-        done = self._rt.wait_all([self.scanner], timeout)
+        done = self.scanner is None or self._rt.wait_all([self.scanner], timeout)
         self._scan_thread.shutdown(wait=False)
         return done
 
@@ -226,6 +238,29 @@ class Directory:
                 victims.append((rel, entry))
         return self.unlink_now(victims)
 
+    def evict_tenant(self, tenant: str, queued: Callable[[], Sequence[str]],
+                     cancel: Callable[[str], None]) -> list[int]:
+        """Every unpinned file of ``tenant`` (by its name), after a rescan (so other processes'
+        files count), deleted now; its writes ``queued()`` are called off (``cancel``, under the
+        lock). ``[removed, left pinned]``."""
+        self.rescan()
+        victims, kept = [], 0
+        with self.lock:
+            for rel in queued():
+                if tenant_of_name(rel) == tenant:
+                    cancel(rel)
+            for rel in self.index.rels():
+                if tenant_of_name(rel) != tenant:
+                    continue
+                if rel in self.index.pins:
+                    kept += 1
+                    continue
+                entry = self.index.remove(rel)
+                if entry is not None:
+                    victims.append((rel, entry))
+        self.unlink_now(victims)
+        return [len(victims), kept]
+
     def touch(self, rel: str, size: int | None = None) -> bool:
         """Make ``rel`` the most recently used entry here and in the LRU shared with other
         processes (its mtime, bumped at most every ``_TOUCH_EVERY_S``); an entry not in the
@@ -323,14 +358,17 @@ class Directory:
     # -- figures --------------------------------------------------------------------------------
     def tenant_usage(self) -> dict[str, int]:
         """Bytes of the files this process has indexed, per tenant id (from the names, so the
-        files of every process sharing the directory count, once a rescan has seen them)."""
+        files of every process sharing the directory count, once a rescan has seen them); a tier
+        without quotas counts at most :data:`COUNT_TENANTS_MAX` files (else: ``{}``)."""
         with self.lock:
-            if self.index.tenants is None:
-                index = PosixIndex()
-                index._lru = dict(self.index._lru)
-                index.track_tenants()
-                return dict(index.tenants or {})
-            return dict(self.index.tenants)
+            if self.index.tenants is not None:  # a tier with quotas counts as it goes
+                return dict(self.index.tenants)
+            if len(self.index) > COUNT_TENANTS_MAX:
+                return {}  # counting would cost a metrics scrape too much: set quotas
+            index = PosixIndex()
+            index._lru = dict(self.index._lru)  # counted from a copy, outside the lock
+        index.track_tenants()
+        return dict(index.tenants or {})
 
     def stats_locked(self) -> dict[str, float]:
         """Under the lock: the directory's counters and figures."""

@@ -212,6 +212,15 @@ class PosixIndex:
     def __contains__(self, rel: str) -> bool:
         return pack_rel(rel, register=False) in self._lru
 
+    def rels(self) -> list[str]:
+        """Every indexed file's relative path."""
+        return [unpack_rel(k) for k in self._lru]
+
+    def size(self, rel: str) -> int | None:
+        """The bytes of ``rel``'s file, or None when it is not indexed."""
+        value = self._lru.get(pack_rel(rel, register=False))
+        return None if value is None else _size(value)
+
     def track_tenants(self) -> None:
         """Count bytes per tenant from now on (a tier with quotas)."""
         self.tenants = {}

@@ -1,4 +1,5 @@
-"""Management calls from the API server to the workers that hold the tiers (lookup, clear, status).
+"""Management calls from the API server to the workers that hold the tiers (lookup, clear, pin,
+status).
 
 vLLM's OpenAI server, its engine core (the scheduler) and its workers are separate processes; the
 tiers live in the workers. Beside its lookup socket (:mod:`.lookup`), every worker serves a
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
-from kvplug.management import clear_keys, clear_tiers, tier_status
+from kvplug.management import clear_keys, clear_tenant, clear_tiers, pin_keys, tier_status
 
 from .lookup import bind_router, serve_router, socket_path
 
@@ -41,18 +42,35 @@ MAX_MANAGE_HASHES = 65536
 
 class ManageLookup(msgspec.Struct, tag=True):
     """Which leading tokens each tier holds of the chunks ``hashes`` (full chunks, in order) and
-    ``tails`` (``(tokens_after, hash)``: the partial chunks ending at each block end)."""
+    ``tails`` (``(tokens_after, hash)``: the partial chunks ending at each block end), keyed for
+    tenant id ``tenant`` (the request's, as the scheduler sends it)."""
 
     hashes: list[bytes]
     tails: list[tuple[int, bytes]] = []
+    tenant: str = ""
 
 
 class ManageClear(msgspec.Struct, tag=True):
-    """Drop ``hashes``' chunks (or, with ``hashes`` None, every entry) from ``tiers`` (None:
-    every tier)."""
+    """Drop ``hashes``' chunks (keyed for tenant id ``tenant``), or with ``hashes`` None every
+    entry (with ``by_tenant``, every entry of tenant id ``tenant``), from ``tiers`` (None: every
+    tier)."""
 
     tiers: list[str] | None = None
     hashes: list[bytes] | None = None
+    tenant: str = ""
+    by_tenant: bool = False
+
+
+class ManagePin(msgspec.Struct, tag=True):
+    """An operator's pin (``pin`` True) or unpin of ``hashes``' chunks (full chunks) and
+    ``optional`` ones (partial chunks, pinned where held) on ``tiers`` (None: every tier), keyed
+    for tenant id ``tenant``."""
+
+    hashes: list[bytes]
+    optional: list[bytes] = []
+    tiers: list[str] | None = None
+    pin: bool = True
+    tenant: str = ""
 
 
 class ManageStatus(msgspec.Struct, tag=True):
@@ -65,7 +83,7 @@ class ManageReply(msgspec.Struct):
     error: str = ""
 
 
-ManageMsg = ManageLookup | ManageClear | ManageStatus
+ManageMsg = ManageLookup | ManageClear | ManagePin | ManageStatus
 _encode = msgspec.msgpack.Encoder().encode
 _decode_msg = msgspec.msgpack.Decoder(ManageMsg).decode
 _decode_reply = msgspec.msgpack.Decoder(ManageReply).decode
@@ -92,10 +110,16 @@ class WorkerManagement:
         if isinstance(msg, ManageStatus):
             return {**base, "tiers": tier_status(storage)}
         if isinstance(msg, ManageClear):
+            if msg.by_tenant:
+                return {**base, "tiers": clear_tenant(storage, msg.tenant, msg.tiers)}
             if msg.hashes is None:
                 return {**base, "tiers": clear_tiers(storage, msg.tiers)}
-            keys = [w.key(h) for h in msg.hashes]
+            keys = [w.key(h, tenant=msg.tenant) for h in msg.hashes]
             return {**base, "tiers": clear_keys(storage, keys, msg.tiers)}
+        if isinstance(msg, ManagePin):
+            return {**base, "tiers": pin_keys(
+                storage, [w.key(h, tenant=msg.tenant) for h in msg.hashes], msg.tiers, msg.pin,
+                [w.key(h, tenant=msg.tenant) for h in msg.optional])}
         return {**base, "tiers": self._lookup(msg)}
 
     def _lookup(self, msg: ManageLookup) -> dict[str, dict[str, int]]:
@@ -104,8 +128,9 @@ class WorkerManagement:
         of this worker's hit over all tiers (unpinned) that a load would read from it."""
         w, storage, cs = self.worker, self.worker.storage, self.worker.cfg.chunk_size
         assert storage is not None
-        keys = [w.key(h) for h in msg.hashes]
-        tails = sorted(((end, w.key(h)) for end, h in msg.tails), key=lambda t: -t[0])
+        keys = [w.key(h, tenant=msg.tenant) for h in msg.hashes]
+        tails = sorted(((end, w.key(h, tenant=msg.tenant)) for end, h in msg.tails),
+                       key=lambda t: -t[0])
 
         def inside(n: int) -> list[tuple[int, Any]]:  # partial chunks in chunk n, longest first
             return [(end, k) for end, k in tails if n * cs < end < (n + 1) * cs]
@@ -151,7 +176,7 @@ class ManageService:
             msg = _decode_msg(payload)
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             return ManageReply(False, error=f"malformed management message ({exc})")
-        hashes = len(getattr(msg, "hashes", None) or ()) + len(getattr(msg, "tails", None) or ())
+        hashes = sum(len(getattr(msg, f, None) or ()) for f in ("hashes", "tails", "optional"))
         if hashes > MAX_MANAGE_HASHES:
             return ManageReply(False, error=f"{hashes} chunk hashes in one call; at most "
                                             f"{MAX_MANAGE_HASHES}: split the prompt")
@@ -219,5 +244,5 @@ def client_for(engine_id: str, tp: int, pp: int, timeout_s: float = 60.0) -> Man
                         timeout_s)
 
 
-__all__ = ["ManageClear", "ManageClient", "ManageLookup", "ManageReply", "ManageService",
-           "ManageStatus", "WorkerManagement", "client_for", "manage_path"]
+__all__ = ["ManageClear", "ManageClient", "ManageLookup", "ManagePin", "ManageReply",
+           "ManageService", "ManageStatus", "WorkerManagement", "client_for", "manage_path"]

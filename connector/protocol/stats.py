@@ -63,6 +63,12 @@ TIER_GAUGES: dict[str, str] = {
     "tier_breaker_open": "breaker_open",
 }
 
+#: Per-tier, per-tenant bytes held (a tier's ``tenant_usage``): keys ``<this><tier>.<tenant id>``
+#: (``-`` for chunks without a tenant), sent as changes like :data:`TIER_GAUGES`.
+TENANT_PREFIX = "tier_tenant_bytes."
+#: how often a worker asks its tiers for their bytes per tenant (a disk tier counts its index)
+TENANT_SAMPLE_S = 10.0
+
 
 class KVPlugStats(KVConnectorStats):
     """Summable counters; ``reduce`` adds hit rate and GB/s."""
@@ -128,6 +134,9 @@ class StatsRecorder:
         self._stats = KVPlugStats()
         self._total = KVPlugStats()
         self._seen: dict[str, float] = {}  # last sampled tier counters
+        self._tenant_seen: dict[str, float] = {}  # last sampled bytes per tier and tenant
+        self._tenants_at = float("-inf")
+        self._tenants_cost = 0.0  # seconds the last sample took
 
     def add(self, key: str, value: float = 1) -> None:
         with self._lock:
@@ -158,6 +167,29 @@ class StatsRecorder:
                     self._seen[full] = counters[name]
                     if change:
                         self._stats.add(full, change)
+
+    def sample_tenants(self, storage: Any, now: float | None = None) -> None:
+        """Every :data:`TENANT_SAMPLE_S` at most (and never sooner than 50x the time the last
+        sample took), by the storage's runtime clock: each tier's bytes per tenant id (the tiers that can list them:
+        ``StorageManager.tenant_usage``), as changes since the last sample (a tenant gone is sent
+        back to 0). Only tenant ids, never a salt."""
+        clock = storage.runtime.monotonic  # (the simulation's own clock under it: replays)
+        now = clock() if now is None else now
+        if now - self._tenants_at < max(TENANT_SAMPLE_S, 50 * self._tenants_cost):
+            return
+        self._tenants_at = now
+        start = clock()
+        current: dict[str, float] = {}
+        for tier in storage.tier_names:
+            for tenant, nbytes in (storage.tenant_usage(tier) or {}).items():
+                current[f"{TENANT_PREFIX}{tier}.{tenant or '-'}"] = nbytes
+        self._tenants_cost = max(0.0, clock() - start)
+        with self._lock:
+            for full in set(current) | set(self._tenant_seen):
+                change = current.get(full, 0) - self._tenant_seen.get(full, 0)
+                if change:
+                    self._stats.add(full, change)
+            self._tenant_seen = current
 
     def take(self) -> KVPlugStats | None:
         """The counters since the last call, or None when nothing happened."""

@@ -30,6 +30,7 @@ def _put_check_plugin(world: Any, rank: int) -> Any:
                 except Violation as v:  # the StorageManager takes a tier's exception for a fault
                     world.violation = world.violation or v
                     raise
+            world.restored(rank, keys)  # I8: stored again, served again
             return (yield)
 
         @hookimpl(wrapper=True)
@@ -53,6 +54,7 @@ def _put_check_plugin(world: Any, rank: int) -> Any:
         """I1 on what a tier returns: the oracle of its key (its layers from ``first_layer``)."""
         if obj is not None:
             world.counts["tier objects checked"] += 1
+            world.check_served(rank, key)  # I8: never a chunk a clear removed
             try:
                 world.check_chunk(rank, key, obj, "get", first_layer)
             except Violation as v:

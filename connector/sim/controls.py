@@ -33,6 +33,8 @@ FAULTS = {
     "skip_checksums": "I1",  # chunks read without their layer checksums (corrupt values served)
     "skip_decode": "I1",  # a codec tier's reads handed on still encoded
     "release_blocks_of_saves": "I4",  # a finished request's blocks freed while a save reads them
+    # issue 34: an operator's clears
+    "clear_leaves_entry": "I8",  # a clear (all, named chunks, a tenant) leaves an L1 entry
 }
 
 #: fault -> what the violation must say besides its invariant (the check that must catch it)
@@ -155,6 +157,24 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
             return False
 
         return [(SchedulerSide, "_finish_save", freed)]
+    if name == "clear_leaves_entry":
+        from kvplug import management
+
+        def leaving(real: Any) -> Any:
+            def clear(storage: Any, *args: Any, **kw: Any) -> Any:
+                l1 = storage.backend("local_cpu")  # its oldest entry is kept (a wrongly held pin)
+                keep = next(iter(l1._entries), None)
+                if keep is not None:
+                    l1._pins.pin(keep)
+                try:
+                    return real(storage, *args, **kw)
+                finally:
+                    if keep is not None:
+                        l1._pins.unpin(keep)
+            return clear
+
+        return [(management, f, leaving(getattr(management, f)))
+                for f in ("clear_keys", "clear_tiers", "clear_tenant")]
     if name == "store_over_unwritten":
         return [(load.Loads, "read_unwritten",
                  lambda self, md: self.reports.unwritten(md.unwritten, {}))]

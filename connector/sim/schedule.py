@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from .controls import injected
 from .engine import CS, RANKS, SimConfig, Violation
+from .manage import with_manage_events
 from .world import World
 
 
@@ -62,7 +63,7 @@ def events_for(seed: int, n: int = 40) -> list[tuple]:
             out.append(("outage", more.randrange(RANKS), more.random() < 0.6))
         elif x < 0.10:
             out.append(("partial", more.randrange(RANKS)))
-    return out
+    return with_manage_events(seed, out)  # issue 34's clears and pins (a stream of their own)
 
 
 def _base_events(seed: int, n: int) -> list[tuple]:

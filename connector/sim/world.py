@@ -40,6 +40,7 @@ from .engine import (
     _vllm_config,
 )
 from .faults import Faults
+from .manage import ManageEvents
 from .oracle import SLOT, Oracle, digest, prefix_hashes, slot_value
 from .runtime import SimRuntime
 from .values import STORES
@@ -58,7 +59,7 @@ class Sorted(set):
         return iter(sorted(set.__iter__(self)))
 
 
-class World(Checks, Faults):
+class World(Checks, Faults, ManageEvents):
     """One seed's engine (see the module docstring)."""
 
     def __init__(self, cfg: SimConfig) -> None:
@@ -284,6 +285,10 @@ class World(Checks, Faults):
                 self.outage(ev[1], ev[2])
             elif kind == "partial":
                 self.partial(ev[1])
+            elif kind == "clear":  # issue 34: an operator's clears and pins (.manage)
+                self.clear(ev[1], ev[2])
+            elif kind in ("pin", "unpin"):
+                self.pin(ev[1], ev[2], kind == "pin")
             else:  # pragma: no cover
                 raise ValueError(f"unknown event {ev!r}")
         self.check_tiers()
@@ -442,6 +447,7 @@ class World(Checks, Faults):
             else:
                 raise Violation("I3", f"never quiescent: vLLM holds {sorted(self.s.requests)}, "
                                       f"{len(self.rt.queue)} tasks queued")
+            self.release_operator_pins()
             self.check_end()
 
     def close(self) -> None:

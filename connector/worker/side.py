@@ -320,6 +320,7 @@ class WorkerSide:
         """This step's counters, with what the tiers' own counters grew by since the last step."""
         if self.storage is not None:
             self.stats.sample_tiers(self.storage.stats())
+            self.stats.sample_tenants(self.storage)
         return self.stats.take()
 
     def take_failed(self) -> set[str]:

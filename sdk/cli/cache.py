@@ -1,12 +1,12 @@
-"""``kvplug cache lookup|clear|status``: kvplug's management API from the command line.
+"""``kvplug cache lookup|clear|pin|unpin|status``: kvplug's management API from the command line.
 
 With ``--url`` (a ``kvplug serve`` server) each command is one call to ``/kvplug/v1/...``
 (:mod:`kvplug.connector.api`); ``--api-key`` (default ``$VLLM_API_KEY``) is sent as a bearer
 token. With ``--config FILE`` and no engine running, ``status`` and ``clear --all/--tier`` act on
 the configured stores directly, through a StorageManager and the same rules
-(:mod:`kvplug.management`); a lookup or a prefix clear needs the engine (keys hold the model's
-identity). Every clear prints what each tier removed and what remains, and exits 1 unless every
-tier did all of it. ``--json`` prints the API's JSON.
+(:mod:`kvplug.management`), as does ``clear --tenant``; a lookup, a prefix clear or a pin needs
+the engine (keys hold the model's identity). Every clear prints what each tier removed and what
+remains, and exits 1 unless every tier did all of it. ``--json`` prints the API's JSON.
 """
 
 from __future__ import annotations
@@ -96,6 +96,22 @@ def print_lookup(body: dict[str, Any]) -> None:
     console.print(table)
 
 
+def print_pin(body: dict[str, Any], what: str = "pin") -> None:
+    table = Table(title=f"kvplug {what} ({body['tokens']} prompt tokens): "
+                        f"{'done' if body['ok'] else 'NOT complete'}")
+    cols = (("Pinned", "pinned"), ("Absent", "absent"), ("Refused", "refused")) \
+        if what == "pin" else (("Unpinned", "unpinned"), ("Not pinned", "not_pinned"))
+    for col in ("Tier", *(c for c, _ in cols), "Pinned bytes", "Limit", "Complete",
+                "Error / note"):
+        table.add_column(col, overflow="fold")
+    for name, t in body["tiers"].items():
+        table.add_row(escape(name), *(_num(t.get(k)) for _, k in cols),
+                      _size(t.get("pinned_bytes")), _size(t.get("limit_bytes")),
+                      "yes" if t["complete"] else "[red]no[/]",
+                      escape(t.get("error") or t.get("note") or ""))
+    console.print(table)
+
+
 def _prompt_body(prompt: str | None, prompt_file: Path | None, token_ids: str | None,
                  cache_salt: str | None) -> dict[str, Any]:
     given = [x for x in (prompt, prompt_file, token_ids) if x is not None]
@@ -162,6 +178,51 @@ def lookup_cmd(url: str | None, api_key: str | None, prompt: str | None,
     _emit(body, as_json, print_lookup)
 
 
+def _pin(what: str, url: str | None, api_key: str | None, tiers: tuple[str, ...],
+         prompt: str | None, prompt_file: Path | None, token_ids: str | None,
+         cache_salt: str | None, as_json: bool) -> None:
+    if not url:
+        fail(f"{what} needs --url: keys hold the engine's model identity")
+    req = _prompt_body(prompt, prompt_file, token_ids, cache_salt)
+    if tiers:
+        req["tiers"] = list(tiers)
+    body = call(url, f"/{what}", req, api_key)
+    _emit(body, as_json, lambda b: print_pin(b, what))
+    if not body["ok"]:
+        raise click.exceptions.Exit(1)
+
+
+tier_opt = click.option("--tier", "tiers", multiple=True,
+                        help="Only this tier (repeatable; default: every tier).")
+
+
+@cache_group.command("pin")
+@url_opt
+@key_opt
+@tier_opt
+@_with(prompt_opts)
+@json_opt
+def pin_cmd(url: str | None, api_key: str | None, tiers: tuple[str, ...], prompt: str | None,
+            prompt_file: Path | None, token_ids: str | None, cache_salt: str | None,
+            as_json: bool) -> None:
+    """Keep a prompt's chunks from eviction (a system prompt, a hot document) until unpinned,
+    within each tier's max_pinned_fraction; exits 1 unless every tier pinned all of it."""
+    _pin("pin", url, api_key, tiers, prompt, prompt_file, token_ids, cache_salt, as_json)
+
+
+@cache_group.command("unpin")
+@url_opt
+@key_opt
+@tier_opt
+@_with(prompt_opts)
+@json_opt
+def unpin_cmd(url: str | None, api_key: str | None, tiers: tuple[str, ...], prompt: str | None,
+              prompt_file: Path | None, token_ids: str | None, cache_salt: str | None,
+              as_json: bool) -> None:
+    """Release an operator's pins of a prompt's chunks."""
+    _pin("unpin", url, api_key, tiers, prompt, prompt_file, token_ids, cache_salt, as_json)
+
+
 def _storage(config: Path) -> Any:
     from ..errors import KVPlugError
     from ..storage_manager import StorageManager
@@ -196,10 +257,11 @@ def status_cmd(url: str | None, api_key: str | None, config: Path | None, as_jso
 @url_opt
 @key_opt
 @click.option("--config", "config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="No engine: clear the configured stores directly (--all or --tier).")
+              help="No engine: clear the configured stores directly (--all, --tier, --tenant).")
 @click.option("--all", "everything", is_flag=True, help="Every entry of every tier.")
 @click.option("--tier", "tiers", multiple=True, help="Only this tier (repeatable).")
-@click.option("--tenant", help="One tenant's entries (not available yet: says why).")
+@click.option("--tenant", help="One tenant's entries (its cache_salt or tenant name), on the "
+              "tiers that can list them (L1, posix); --tier narrows it.")
 @_with(prompt_opts)
 @json_opt
 def clear_cmd(url: str | None, api_key: str | None, config: Path | None, everything: bool,
@@ -219,19 +281,22 @@ def clear_cmd(url: str | None, api_key: str | None, config: Path | None, everyth
     scope = ("all" if everything else "prefix" if has_prompt else "tenant" if tenant
              else "tier")
     if config is not None:
-        if scope not in ("all", "tier"):
-            fail("without an engine only --all and --tier can be cleared (a prompt's keys hold "
-                 "the engine's model identity): use --url")
-        from ..management import clear_tiers
+        if scope == "prefix":
+            fail("without an engine a prompt's chunks cannot be cleared (its keys hold the "
+                 "engine's model identity): use --url")
+        from ..management import clear_tenant, clear_tiers
+        from ..policies.tenants import tenant_id
 
         with _storage(config) as storage:
             unknown = sorted(set(tiers) - set(storage.tier_names))
             if unknown:
                 fail(f"unknown tier(s) {unknown}; tiers are {storage.tier_names}")
-            per = clear_tiers(storage, list(tiers) or None)
+            per = (clear_tenant(storage, tenant_id(tenant, storage.auth), list(tiers) or None)
+                   if tenant else clear_tiers(storage, list(tiers) or None))
         body = {"ok": all(t["complete"] for t in per.values()), "scope": scope,
                 "tiers": {n: {"removed": t["removed"], "removed_bytes": t["removed_bytes"],
                               "remaining": t["remaining"], "complete": t["complete"],
+                              "remaining_bytes": t.get("remaining_bytes"),
                               "error": t.get("error"), "note": t.get("note")}
                           for n, t in per.items()}}
     else:

@@ -1,4 +1,6 @@
-"""``kvplug warm --url URL --prompts FILE.jsonl``: prefill prompts into a running engine's tiers.
+"""``kvplug warm --url URL --prompts FILE.jsonl``: prefill prompts into a running engine's tiers
+(or ``kvplug warm --model MODEL --kvplug-config FILE --prompts ...``: into an engine started in
+this process, :mod:`kvplug.connector.warm_local`, no server; the same steps and summary).
 
 Each line of the file is a JSON object ``{"prompt": "...", "cache_salt": "..."}`` (the salt
 optional: the tenant the prompt is warmed for). For each prompt the engine's lookup
@@ -11,6 +13,8 @@ every tier. The summary is the tokens held per tier before and after, from the s
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -80,36 +84,32 @@ def held_fully(look: dict[str, Any]) -> bool:
     return look["tokens"] >= cap
 
 
-@click.command("warm")
-@click.option("--url", required=True, help="A `kvplug serve` server, e.g. http://engine:8000.")
-@click.option("--prompts", "prompts_file", required=True,
-              type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help='JSONL: one {"prompt": ..., "cache_salt": optional} per line.')
-@click.option("--model", help="Served model name [default: the server's first model].")
-@click.option("--concurrency", default=4, show_default=True, type=click.IntRange(1, 64),
-              help="Prefill requests in flight at once.")
-@key_opt
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def warm_cmd(url: str, prompts_file: Path, model: str | None, concurrency: int,
-             api_key: str | None, as_json: bool) -> None:
-    """Prefill the prompts of a JSONL file into a running engine's kvplug tiers.
+def parse_engine_args(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """``--engine-arg KEY=VALUE`` pairs as ``vllm.LLM`` keyword arguments (values read as YAML:
+    ``max_model_len=4096``, ``enforce_eager=true``); an error naming a malformed pair."""
+    import yaml
 
-    Prompts the engine's lookup finds held are skipped: running it again is free, and an
-    interrupted run resumes. Prints the tokens held per tier before and after."""
-    prompts = read_prompts(prompts_file)
-    model = model or _served_model(url, api_key)
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key.isidentifier():
+            fail(f"--engine-arg {pair!r}: write it as KEY=VALUE, e.g. max_model_len=4096")
+        out[key] = yaml.safe_load(value)
+    return out
 
-    def look(p: dict[str, Any]) -> dict[str, Any]:
-        return call(url, "/lookup", p, api_key)
+
+def warm(prompts: list[dict[str, Any]], look: Callable[[dict[str, Any]], dict[str, Any]],
+         prefill: Callable[[dict[str, Any]], Any], concurrency: int, as_json: bool) -> None:
+    """Warm ``prompts``: ``look`` answers the engine's lookup of one, ``prefill`` sends one
+    prefill-only request; prints the summary (tokens held per tier before and after) and exits 1
+    unless every prompt is then held fully."""
 
     def warm_one(p: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         before = look(p)
         if held_fully(before):
             return before, False
-        body = {"model": model, "prompt": p["prompt"], "max_tokens": 1, "temperature": 0}
-        if "cache_salt" in p:
-            body["cache_salt"] = p["cache_salt"]
-        _post(url, "/v1/completions", body, api_key)
+        prefill(p)
         return before, True
 
     befores: list[dict[str, Any]] = []
@@ -152,3 +152,56 @@ def warm_cmd(url: str, prompts_file: Path, model: str | None, concurrency: int,
                           "refused by the tenant rules): see `kvplug cache status`",
                           highlight=False)
         raise click.exceptions.Exit(1)
+
+
+@click.command("warm")
+@click.option("--url", help="A `kvplug serve` server, e.g. http://engine:8000 (or --model).")
+@click.option("--prompts", "prompts_file", required=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help='JSONL: one {"prompt": ..., "cache_salt": optional} per line.')
+@click.option("--model", help="With --url: the served model name [default: the server's first "
+              "model]. Without --url: the model to start here, in-process (no server).")
+@click.option("--kvplug-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="In-process: kvplug YAML (tiers...) [default: kvplug's defaults, "
+              "$KVPLUG_CONFIG].")
+@click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
+              help="In-process: a vllm.LLM argument (repeatable), e.g. max_model_len=4096.")
+@click.option("--concurrency", default=4, show_default=True, type=click.IntRange(1, 64),
+              help="Prefill requests in flight at once (with --url).")
+@key_opt
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def warm_cmd(url: str | None, prompts_file: Path, model: str | None,
+             kvplug_config: Path | None, engine_args: tuple[str, ...], concurrency: int,
+             api_key: str | None, as_json: bool) -> None:
+    """Prefill the prompts of a JSONL file into kvplug's tiers: a running engine's (--url), or
+    an engine started here on --model with --kvplug-config (no server).
+
+    Prompts the engine's lookup finds held are skipped: running it again is free, and an
+    interrupted run resumes. Prints the tokens held per tier before and after."""
+    prompts = read_prompts(prompts_file)
+    if url is None:
+        if model is None:
+            fail("give --url (a running `kvplug serve`) or --model (an engine started here)")
+        if kvplug_config is not None:
+            from .serve import _check_kvplug_config
+
+            _check_kvplug_config(kvplug_config)
+        # vLLM logs to stdout by default: to stderr here, so stdout is the summary (--json)
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+        from kvplug.connector.warm_local import LocalEngine
+
+        engine = LocalEngine(model, kvplug_config, parse_engine_args(engine_args))
+        warm(prompts, engine.lookup, engine.prefill, 1, as_json)
+        return
+    if kvplug_config is not None or engine_args:
+        fail("--kvplug-config and --engine-arg are for an engine started here (--model without "
+             "--url); a server has its own")
+    served = model or _served_model(url, api_key)
+
+    def prefill(p: dict[str, Any]) -> None:
+        body = {"model": served, "prompt": p["prompt"], "max_tokens": 1, "temperature": 0}
+        if "cache_salt" in p:
+            body["cache_salt"] = p["cache_salt"]
+        _post(url, "/v1/completions", body, api_key)
+
+    warm(prompts, lambda p: call(url, "/lookup", p, api_key), prefill, concurrency, as_json)

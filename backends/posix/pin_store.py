@@ -1,0 +1,233 @@
+"""An operator's pins on the posix tier (``kvplug cache pin``), kept across restarts.
+
+A pinned chunk file is pinned as a lookup pins it (``PosixBackend._pin``: never evicted by this process,
+held open against others) and listed in ``<root>/kvplug-pins.json`` (the tier's file mode, 0600
+by default; written atomically, under an ``flock`` of the root so processes sharing the directory
+merge their changes, each adding and removing only its own). At start-up the listed files are
+pinned again before the scan trims the directory to its capacity, so a restart never evicts them.
+
+The file is untrusted (whoever can write the directory wrote it): it never chooses a path or a
+size. It is opened without following a link or blocking, bounded in size, and every entry must be
+a chunk name in a shard directory (``<2 hex>/<[A-Za-z0-9._-]>.safetensors``); sizes come from the
+index (the files themselves). A file that breaks any of this is ignored whole, with the reason
+logged once; a pin whose file is gone is dropped from it. Pins past the tier's
+``max_pinned_fraction`` at start-up (the setting was lowered, the file was forged, or another
+process sharing the directory pinned them) are not restored here, the first listed kept, and
+logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvplug.chunkfile.atomic import atomic_file
+
+from . import fs
+from .index import stat_entry
+
+if TYPE_CHECKING:
+    from .directory import Directory
+    from .held import HeldFiles
+
+logger = logging.getLogger("kvplug.backends.posix")
+
+PIN_FILE = "kvplug-pins.json"
+#: the largest pins file read (about 50,000 pins)
+MAX_PIN_FILE = 8 << 20
+_REL = re.compile(r"[0-9a-f]{2}/[A-Za-z0-9_-][A-Za-z0-9._-]{0,250}\.safetensors")
+
+
+class PinFile:
+    """``<root>/kvplug-pins.json``: the relative paths an operator pinned."""
+
+    def __init__(self, root: Path, mode: int, gid: int | None, tier: str) -> None:
+        self.path = root / PIN_FILE
+        self.root = root
+        self.mode = mode
+        self.gid = gid
+        self.tier = tier
+
+    def load(self) -> list[str]:
+        """The pinned paths listed, in order; ``[]`` (the reason logged) for a missing, unsafe or
+        malformed file."""
+        try:
+            fd = os.open(self.path, fs.READ_FLAGS)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            return self._ignored(f"cannot open it ({exc.strerror or exc}; a link is never "
+                                 "followed)")
+        try:
+            fs.require_regular(fd, str(self.path))
+        except OSError:
+            return self._ignored("it is not a regular file")
+        try:
+            raw = os.read(fd, MAX_PIN_FILE + 1)
+        except OSError as exc:
+            return self._ignored(f"cannot read it ({exc.strerror or exc})")
+        finally:
+            os.close(fd)
+        if len(raw) > MAX_PIN_FILE:
+            return self._ignored(f"it is larger than {MAX_PIN_FILE} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return self._ignored(f"it is not JSON ({exc})")
+        pins = body.get("pins") if isinstance(body, dict) else None
+        if not isinstance(body, dict) or body.get("version") != 1 or not isinstance(pins, list):
+            return self._ignored("it is not {\"version\": 1, \"pins\": [...]}")
+        for rel in pins:
+            if not isinstance(rel, str) or not _REL.fullmatch(rel):
+                return self._ignored(f"it lists {str(rel)[:80]!r}, which is not a chunk file's "
+                                     "name in a shard directory")
+        return list(dict.fromkeys(pins))
+
+    def _ignored(self, why: str) -> list[str]:
+        logger.warning("tier %r: the pins file %s is ignored: %s; no pin is restored from it "
+                       "(pin again with `kvplug cache pin`)", self.tier, self.path, why)
+        return []
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """An exclusive ``flock`` of the root (processes sharing it update the file in turn)."""
+        dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(dfd)  # releases the lock
+
+    def update(self, added: Iterable[str], removed: Iterable[str]) -> None:
+        """Add and remove paths (what this process pinned and unpinned), keeping the others'."""
+        added, removed = list(added), set(removed)
+        if not added and not removed:
+            return
+        with self._locked():
+            current = [r for r in self.load() if r not in removed]
+            pins = list(dict.fromkeys(current + added))
+            with atomic_file(self.path, file_mode=self.mode, gid=self.gid, no_follow=True) as tmp:
+                tmp.write_text(json.dumps({"version": 1, "pins": pins}))
+
+
+class OperatorPins:
+    """An operator's pins of one posix tier (``operator_pin``/``operator_unpin``), bounded by
+    ``max_fraction`` of the capacity, listed in ``pin_file`` (None: a read-only directory, pins
+    held until the process ends) and restored around the start-up scan (:meth:`around_scan`).
+    ``pin(rel)`` pins a file as a lookup does (the tier's own rule); False when it is gone."""
+
+    def __init__(self, directory: Directory, held: HeldFiles, pin_file: PinFile | None,
+                 max_fraction: float, pin: Callable[[str], bool]) -> None:
+        self._dir = directory
+        self._held = held
+        self._file = pin_file
+        self._max_pinned = max_fraction
+        self._pin = pin
+        self._pins: dict[str, int] = {}  # rel -> bytes (from the index), under the tier's lock
+
+    def _save(self, added: Sequence[str], removed: Sequence[str]) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.update(added, removed)
+        except OSError as exc:
+            logger.warning("tier %r: cannot update the pins file %s (%s): the pins hold until "
+                           "this process ends, not across a restart", self._dir.name,
+                           self._file.path, exc)
+
+    def around_scan(self, trim: Callable[[], None]) -> None:
+        """The start-up scan's ``trim`` with the listed pins restored around it: pinned (in the
+        index only) before, so the trim keeps them; then kept where the scan found their files,
+        within ``max_pinned_fraction``, held open. The rest are released; files gone are
+        dropped from the pins file."""
+        rels = self._file.load() if self._file is not None else []
+        with self._dir.lock:
+            self._dir.index.pins.pin_all(rels)
+        trim()
+        kept, gone, over = [], [], 0
+        limit = self._max_pinned * self._dir.capacity
+        with self._dir.lock:
+            held = 0
+            for rel in rels:
+                size = self._dir.index.size(rel)
+                if size is not None and held + size <= limit:
+                    held += size
+                    self._pins[rel] = size
+                    kept.append(rel)
+                else:
+                    over += size is not None
+                    if size is None:
+                        gone.append(rel)
+                    self._dir.index.pins.unpin(rel)
+        for rel in kept:
+            if not self._held.hold(rel, self._dir.path(rel)):
+                with self._dir.lock:
+                    self._pins.pop(rel, None)
+                    self._dir.index.pins.unpin(rel)
+                gone.append(rel)
+        if over:  # left in the file (another process sharing the directory may hold them)
+            logger.warning("tier %r: %d pins of the pins file are past max_pinned_fraction %g of "
+                           "the capacity; not restored here", self._dir.name, over,
+                           self._max_pinned)
+        if rels:
+            logger.info("tier %r: %d operator pins restored, %d files gone", self._dir.name,
+                        len(rels) - len(gone) - over, len(gone))
+        self._save([], gone)  # the files that are gone: no process can pin them again
+
+    def pin(self, rels: Sequence[str]) -> list[str]:
+        """Pin each file: ``"pinned"``, ``"absent"`` or ``"over_limit"`` (the hook's answers)."""
+        out, added = [], []
+        index, lock = self._dir.index, self._dir.lock
+        limit = self._max_pinned * self._dir.capacity
+        for rel in rels:
+            with lock:
+                size = index.size(rel)
+            if size is None and (entry := stat_entry(self._dir.path(rel))) is not None:
+                with lock:  # another process's file (or not indexed yet)
+                    index.add(rel, entry.size, entry.stamp)
+                size = entry.size
+            with lock:
+                known = rel in self._pins
+                room = size is not None and sum(self._pins.values()) + size <= limit
+            if known:
+                out.append("pinned")
+            elif size is None:
+                out.append("absent")
+            elif not room:
+                out.append("over_limit")
+            elif self._pin(rel):
+                with lock:
+                    self._pins[rel] = size
+                added.append(rel)
+                out.append("pinned")
+            else:
+                out.append("absent")
+        self._save(added, [])
+        return out
+
+    def unpin(self, rels: Sequence[str]) -> list[bool]:
+        """Release each file's operator pin; True where one was held."""
+        out, removed = [], []
+        for rel in rels:
+            with self._dir.lock:
+                held = self._pins.pop(rel, None) is not None
+                if held:
+                    self._dir.index.pins.unpin(rel)
+            if held:
+                self._held.release(rel)
+                removed.append(rel)
+            out.append(held)
+        self._save([], removed)
+        return out
+
+    def stats(self) -> dict[str, float]:
+        with self._dir.lock:
+            return {"operator_pinned": len(self._pins),
+                    "operator_pinned_bytes": sum(self._pins.values())}
