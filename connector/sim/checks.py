@@ -83,9 +83,9 @@ class Checks:
             if r.save is None:
                 continue
             req = self.s.requests.get(r.req_id) or self._snap.get(r.req_id, (None,))[0]
-            tokens = tuple(req.all_token_ids) if req is not None else None
-            if tokens is None:
+            if req is None:
                 continue
+            tokens = tuple(self.tokens_of(req, max(req.num_tokens, req.num_computed_tokens)))
             for i, h in enumerate(r.save.hashes):
                 s, e = md.chunk_range(r.save, i)
                 for rank, w in enumerate(self.workers):
@@ -139,7 +139,7 @@ class Checks:
 
     def registry_seen(self, rank: int) -> set:
         if not hasattr(self, "_seen"):
-            self._seen: list[set] = [set(), set()]
+            self._seen: list[set] = [set() for _ in self.workers]
         return self._seen[rank]
 
     # -- vLLM's block pool ------------------------------------------------------------------------
@@ -158,6 +158,18 @@ class Checks:
         forward may rewrite them), unless vLLM's prefix cache may still serve them; a copy that
         reads one later stores poison, which I1 catches."""
         free = self.free_blocks() - self.spare  # freed mid-step: the batch in flight owns them
+        self.check_copies(free, when, "freed blocks")
+        held = self.held_blocks()
+        fresh = held - self.owned  # allocated by this schedule: vLLM's contract says garbage
+        self.owned = held
+        if not self.cfg.prefix_caching and (free or fresh):
+            idx = torch.tensor(sorted(free | fresh))
+            for t in self.kv:
+                t[:, idx] = POISON
+
+    def check_copies(self, blocks: set[int], when: str, what_blocks: str) -> None:
+        """I4: no save copy or background load still in flight touches ``blocks`` (blocks vLLM
+        may rewrite from ``when`` on)."""
         for rank, w in enumerate(self.workers):
             saves, bg = w._saves, w._background
             copies = [(f"a save copy of {sorted(job.req_ids)} reads", pj.block_ids)
@@ -168,17 +180,32 @@ class Checks:
                                      if bg is not None else ())
                        for c in ld.chunks]
             for what, block_ids in copies:
-                bad = free.intersection(block_ids)
+                bad = blocks.intersection(block_ids)
                 if bad:
-                    raise Violation("I4", f"rank {rank} {when}: {what} freed blocks "
+                    raise Violation("I4", f"rank {rank} {when}: {what} {what_blocks} "
                                           f"{sorted(bad)}")
-        held = self.held_blocks()
-        fresh = held - self.owned  # allocated by this schedule: vLLM's contract says garbage
-        self.owned = held
-        if not self.cfg.prefix_caching and (free or fresh):
-            idx = torch.tensor(sorted(free | fresh))
+
+    def zero_new_blocks(self, so: Any, when: str) -> None:
+        """vLLM's model runner zeroes the step's newly allocated blocks (an engine that needs
+        it: ``new_block_ids_to_zero``), then applies the step's copy-on-write block copies;
+        ``when``: where in the step the runner does it (the V2 runner before
+        ``handle_preemptions``). I4 first: no copy in flight may touch a block rewritten here
+        (a block a preemption or a sliding window freed, already handed to another request);
+        a save that copies it later stores zeros, which I1 catches."""
+        ids = set(so.new_block_ids_to_zero or ())
+        cow = list(getattr(so, "kv_cache_block_copies", None) or ())
+        if not ids and not cow:
+            return
+        self.check_copies(ids | {c.dst_block_id for c in cow}, when, "blocks it rewrites")
+        self.counts["blocks zeroed by the model runner"] += len(ids)
+        if ids:
+            idx = torch.tensor(sorted(ids))
             for t in self.kv:
-                t[:, idx] = POISON
+                t[:, idx] = 0
+        for c in cow:  # attention groups never make partial hits (Mamba's): for completeness
+            self.counts["copy-on-write block copies"] += 1
+            for t in self.kv:
+                t[:, c.dst_block_id] = t[:, c.src_block_id]
 
     def _count(self, rank: int, req: str, what: str) -> None:
         c = self.log.setdefault(req, ReqLog())

@@ -33,10 +33,19 @@ FAULTS = {
     "skip_checksums": "I1",  # chunks read without their layer checksums (corrupt values served)
     "skip_decode": "I1",  # a codec tier's reads handed on still encoded
     "release_blocks_of_saves": "I4",  # a finished request's blocks freed while a save reads them
+    # an engine whose V2 runner zeroes new blocks before handle_preemptions, kvplug not ordering
+    # each step's copies at submit (order_at_submit off): a preempted request's block, handed
+    # to another request, is zeroed while its save copy is still queued
+    "ignore_zeroing": "I4",
+    # asynchronous scheduling: the scheduler side counts the tokens of steps whose output vLLM
+    # has not seen (placeholders) as known, and saves chunks that reach into them: their keys
+    # name fewer tokens than they hold, and a later request reads them (no I1 at the put: the
+    # registry trusts the save's hashes)
+    "save_placeholders": "I2",
 }
 
 #: fault -> what the violation must say besides its invariant (the check that must catch it)
-WHERE = {"corrupt_l1_object": " get: ", "ignore_quota": "quota", "skip_checksums": " get: ",
+WHERE = {"corrupt_l1_object": " get: ", "ignore_zeroing": "V2 runner zeroes", "ignore_quota": "quota", "skip_checksums": " get: ",
          "skip_decode": " get: "}
 #: faults only a directed schedule reaches (tests/test_simulation.py, SCHEDULES) -> invariant
 DIRECTED_FAULTS = {
@@ -153,6 +162,38 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
             return False
 
         return [(SchedulerSide, "_finish_save", freed)]
+    if name == "ignore_zeroing":
+        real_init = save.AsyncSaves.__init__
+
+        def init(self: Any, *args: Any, **kw: Any) -> None:
+            real_init(self, *args, **kw)
+            self.order_at_submit = False
+
+        return [(save.AsyncSaves, "__init__", init)]
+    if name == "save_placeholders":
+        from kvplug.connector.scheduler import SchedulerSide
+
+        real_spec = SchedulerSide._save_spec
+
+        def ahead(self: Any, t: Any, computed: int, final: bool = False) -> Any:
+            r = t.request
+            extra = getattr(r, "num_output_placeholders", 0)
+            if not extra:
+                return real_spec(self, t, computed, final)
+
+            class Ahead:  # the request, its placeholders counted as tokens
+                num_tokens = r.num_tokens + extra
+
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(r, name)
+
+            t.request = Ahead()
+            try:
+                return real_spec(self, t, computed, final)
+            finally:
+                t.request = r
+
+        return [(SchedulerSide, "_save_spec", ahead)]
     if name == "store_over_unwritten":
         return [(load.Loads, "read_unwritten",
                  lambda self, md: self.reports.unwritten(md.unwritten, {}))]

@@ -14,7 +14,7 @@ from typing import Any
 
 BS, CS = 4, 8  # vLLM block size and kvplug chunk size (tokens)
 TENSORS = 2  # KV tensors per rank (each holds one layer of every group)
-RANKS = 2
+RANKS = 2  # TP ranks by default (a seed's ``SimConfig.tp``: 1, 2 or 4)
 POISON = 0xEE
 
 
@@ -51,6 +51,14 @@ class SimConfig:
     #: the backend under test instead (``kvplug simulate``): (backend name or "module:Class",
     #: its options as JSON; ``{tmp}`` is replaced by a directory of the rank's own)
     tier: tuple[str, str] = ()
+    #: the engine zeroes newly allocated blocks (vLLM's ``needs_kv_cache_zeroing``: Mamba
+    #: layers, mixed-precision caches; kvplug sees it in the layout, ``zeroes_new_blocks``), and
+    #: which model runner does: "v1" zeroes them after ``handle_preemptions`` (``_update_states``),
+    #: "v2" before it (``update_requests``, then ``pre_forward``); "" never
+    zeroing: str = ""
+    async_scheduling: bool = False  # vLLM's AsyncScheduler: step N's output after N+1 runs
+    tp: int = RANKS  # tensor-parallel ranks (one WorkerSide each)
+    rank_offset: int = 0  # a fault event's rank r hits rank (r + rank_offset) % tp
 
 
 _MODEL: dict[str, Any] = {}

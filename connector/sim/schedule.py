@@ -38,6 +38,17 @@ def config_for(seed: int, faults: frozenset[str] = frozenset(),
         cfg = replace(cfg, eviction=pol.choice(("lru", "s3fifo", "s3fifo")),
                       admission=pol.choice(("always", "tinylfu")), small_tiers=pol.random() < 0.6,
                       tenants=pol.random() < 0.5)
+    # issue 33, this session's kinds, drawn apart too: engines that zero new blocks (and which
+    # model runner: V2 zeroes before handle_preemptions), TP 1 and 4
+    eng = random.Random(seed * 7919 + 4)
+    if eng.random() < 0.3:
+        cfg = replace(cfg, zeroing=eng.choice(("v1", "v2", "v2")))
+    if eng.random() < 0.25:
+        cfg = replace(cfg, async_scheduling=True)
+    x = eng.random()
+    if x < 0.3:
+        tp = 1 if x < 0.15 else 4
+        cfg = replace(cfg, tp=tp, rank_offset=eng.randrange(tp))
     return cfg
 
 
