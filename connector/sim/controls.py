@@ -42,6 +42,9 @@ FAULTS = {
     # name fewer tokens than they hold, and a later request reads them (no I1 at the put: the
     # registry trusts the save's hashes)
     "save_placeholders": "I2",
+    # asynchronous scheduling with synchronous loads (before this fix): a load that fails in
+    # step N is heard of after N+1 ran over the unloaded blocks (seed 107)
+    "sync_loads_under_async_scheduling": "I2",
 }
 
 #: fault -> what the violation must say besides its invariant (the check that must catch it)
@@ -170,6 +173,16 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
             self.order_at_submit = False
 
         return [(save.AsyncSaves, "__init__", init)]
+    if name == "sync_loads_under_async_scheduling":
+        from kvplug.connector.scheduler import SchedulerSide
+
+        real_sched_init = SchedulerSide.__init__
+
+        def sched_init(self: Any, *args: Any, **kw: Any) -> None:
+            real_sched_init(self, *args, **kw)
+            self.async_scheduling = False
+
+        return [(SchedulerSide, "__init__", sched_init)]
     if name == "save_placeholders":
         from kvplug.connector.scheduler import SchedulerSide
 

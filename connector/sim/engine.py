@@ -118,6 +118,7 @@ def _vllm_config(cfg: SimConfig) -> Any:
     vc.cache_config.enable_prefix_caching = cfg.prefix_caching
     vc.cache_config.num_gpu_blocks = cfg.num_blocks
     vc.scheduler_config.max_num_batched_tokens = cfg.max_batched
+    vc.scheduler_config.async_scheduling = cfg.async_scheduling  # kvplug's connector reads it
     vc.kv_transfer_config.kv_connector_extra_config = {
         "chunk_size": CS, "async_save": cfg.async_save, "layerwise": cfg.layerwise,
         "report_to_client": False, "log_every_load": False, "save_decode": True}
