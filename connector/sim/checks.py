@@ -337,6 +337,8 @@ class Checks:
                                      ("posix admission refusals", "posix", "admission_rejected")):
                 self.figures[f"{what} ({self.cfg.eviction}/{self.cfg.admission})"] += \
                     int(stats.get(tier, {}).get(stat, 0))
+            for stat in ("rescans", "vanished"):  # other processes' files (shared_dir)
+                self.figures[f"posix {stat}"] += int(stats.get("posix", {}).get(stat, 0))
             for name, s in stats.items():
                 if s.get("pinned", 0):
                     raise Violation("I5", f"rank {rank}: tier {name} holds {s['pinned']} pins")

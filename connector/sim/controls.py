@@ -45,10 +45,14 @@ FAULTS = {
     # asynchronous scheduling with synchronous loads (before this fix): a load that fails in
     # step N is heard of after N+1 ran over the unloaded blocks (seed 107)
     "sync_loads_under_async_scheduling": "I2",
+    # the neighbour process (SimConfig.neighbour) stores another chunk's bytes under a key (as
+    # an engine of other weights would without a deployment secret): rank 0 reads a file it
+    # never wrote, and the check of what tiers return sees it (the simulation's own eyes)
+    "neighbour_wrong_bytes": "I1",
 }
 
 #: fault -> what the violation must say besides its invariant (the check that must catch it)
-WHERE = {"corrupt_l1_object": " get: ", "ignore_zeroing": "V2 runner zeroes", "ignore_quota": "quota", "skip_checksums": " get: ",
+WHERE = {"corrupt_l1_object": " get: ", "neighbour_wrong_bytes": " get: ", "ignore_zeroing": "V2 runner zeroes", "ignore_quota": "quota", "skip_checksums": " get: ",
          "skip_decode": " get: "}
 #: faults only a directed schedule reaches (tests/test_simulation.py, SCHEDULES) -> invariant
 DIRECTED_FAULTS = {
@@ -183,6 +187,8 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
             self.async_scheduling = False
 
         return [(SchedulerSide, "__init__", sched_init)]
+    if name == "neighbour_wrong_bytes":  # the simulation's neighbour reads it (faults.py)
+        return []
     if name == "save_placeholders":
         from kvplug.connector.scheduler import SchedulerSide
 

@@ -59,6 +59,10 @@ class SimConfig:
     async_scheduling: bool = False  # vLLM's AsyncScheduler: step N's output after N+1 runs
     tp: int = RANKS  # tensor-parallel ranks (one WorkerSide each)
     rank_offset: int = 0  # a fault event's rank r hits rank (r + rank_offset) % tp
+    shared_dir: bool = False  # every rank's posix tier on one directory (processes sharing it)
+    #: another engine process of the same model and rank 0 on rank 0's posix directory (its own
+    #: StorageManager): it stores chunks rank 0 may never have written and evicts rank 0's
+    neighbour: bool = False
 
 
 _MODEL: dict[str, Any] = {}

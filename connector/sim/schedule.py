@@ -49,6 +49,9 @@ def config_for(seed: int, faults: frozenset[str] = frozenset(),
     if x < 0.3:
         tp = 1 if x < 0.15 else 4
         cfg = replace(cfg, tp=tp, rank_offset=eng.randrange(tp))
+    if cfg.lower == "posix" and not tier:
+        x = eng.random()
+        cfg = replace(cfg, shared_dir=x < 0.3, neighbour=0.15 < x < 0.45)
     return cfg
 
 
@@ -73,6 +76,15 @@ def events_for(seed: int, n: int = 40) -> list[tuple]:
             out.append(("outage", more.randrange(RANKS), more.random() < 0.6))
         elif x < 0.10:
             out.append(("partial", more.randrange(RANKS)))
+    if config_for(seed).neighbour:  # another process on rank 0's directory (SimConfig)
+        nb = random.Random(seed * 7919 + 5)
+        with_nb: list[tuple] = []
+        for ev in out:
+            with_nb.append(ev)
+            if nb.random() < 0.12:
+                with_nb.append(("neighbour", nb.choice(("store", "store", "evict")),
+                                nb.randrange(32)))
+        out = with_nb
     return out
 
 

@@ -1,6 +1,7 @@
-"""One simulated engine: vLLM's real Scheduler and KV cache manager, two kvplug workers (TP ranks
-0 and 1: real WorkerSide, StorageManager, local_cpu and posix tiers) over CPU paged KV, every
-kvplug task run by :class:`.runtime.SimRuntime`, and the invariants checked after every event.
+"""One simulated engine: vLLM's real Scheduler (or its AsyncScheduler) and KV cache manager, one
+kvplug worker per TP rank (1, 2 or 4: real WorkerSide, StorageManager, local_cpu and posix tiers)
+over CPU paged KV, every kvplug task run by :class:`.runtime.SimRuntime`, and the invariants
+checked after every event.
 
 The forward pass writes oracle-style KV (:mod:`.oracle`). Each event of a schedule
 (:mod:`.schedule`) is applied by :meth:`World.apply`; :meth:`World.quiesce` finishes every request
@@ -143,6 +144,13 @@ class World(Checks, Faults):
             self.watch_evictions(rank, w.storage)
             self.workers.append(w)
             self.kv.append(t)
+        #: SimConfig.neighbour: another process's StorageManager on rank 0's posix directory
+        self.nb = None
+        if cfg.neighbour and cfg.lower == "posix" and not cfg.tier:
+            from kvplug.storage_manager import StorageManager
+
+            self.nb = StorageManager(ConnectorConfig(chunk_size=CS, tiers=[self._lower_tier(0)]),
+                                     runtime=self.rt)
         self.rt.drain()  # the tiers' start-up work (posix's scan of its empty directory)
         self.lookup = SimLookup(self.workers)
         sched = self.s.connector._sched
@@ -188,7 +196,7 @@ class World(Checks, Faults):
                                 "negative_cache_s": 0.5, "breaker_backoff_s": 1.0}}
         else:  # issue 34: the policies and quotas under test (admission: any tier)
             tier = {"backend": "posix", "eviction": cfg.eviction,
-                    "options": {"path": str(self.tmp / f"r{rank}"), "io_threads": 1,
+                    "options": {"path": str(self.disk_dir(rank)), "io_threads": 1,
                                 "capacity": "48KiB" if cfg.small_tiers else "64MiB"}}
             if cfg.tenants:  # a tenant's chunks: half the disk
                 tier["quotas"] = {"default": "24KiB" if cfg.small_tiers else "32MiB"}
@@ -197,6 +205,12 @@ class World(Checks, Faults):
         if cfg.codec:
             tier["codec"] = cfg.codec
         return tier
+
+    def disk_dir(self, rank: int) -> Path:
+        """Rank ``rank``'s posix directory: its own, or one shared by every rank's process
+        (``SimConfig.shared_dir``: each sees the others' files in its scans and rescans, evicts
+        them for room, and has its own pins, held open against the others' evictions)."""
+        return self.tmp / ("shared" if self.cfg.shared_dir else f"r{rank}")
 
     # -- model -----------------------------------------------------------------------------------
     def _attends(self, layer: int, p: int) -> range:
@@ -315,6 +329,8 @@ class World(Checks, Faults):
                 self.outage(ev[1], ev[2])
             elif kind == "partial":
                 self.partial(ev[1])
+            elif kind == "neighbour":
+                self.neighbour(ev[1], ev[2])
             else:  # pragma: no cover
                 raise ValueError(f"unknown event {ev!r}")
         self.check_tiers()
@@ -522,6 +538,12 @@ class World(Checks, Faults):
         c = self.counts
         c[f"config {self.cfg.tier[0] if self.cfg.tier else self.cfg.lower} tier"] += 1
         c["config codec " + (self.cfg.codec or "none")] += 1
+        c[f"config TP {self.tp}"] += 1
+        c["config posix shared by every rank" if self.cfg.shared_dir else "config own dirs"] += 1
+        c["config a neighbour process on rank 0's posix" if self.nb is not None
+          else "config no neighbour"] += 1
+        c["config zeroing " + (self.cfg.zeroing or "none")] += 1
+        c["config async scheduling" if self.cfg.async_scheduling else "config sync scheduling"] += 1
         c["late tier calls (begun, timed out)"] += self.rt.late_calls
         for rank in range(self.tp):
             self.gate(rank, False)
@@ -530,6 +552,9 @@ class World(Checks, Faults):
         for w in self.workers:
             with contextlib.suppress(Exception):
                 w.close()
+        if self.nb is not None:
+            with contextlib.suppress(Exception):
+                self.nb.close()
         for url in self.urls:
             STORES.pop(url, None)
         shutil.rmtree(self.tmp, ignore_errors=True)
