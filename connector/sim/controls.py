@@ -37,11 +37,6 @@ FAULTS = {
     # each step's copies at submit (order_at_submit off): a preempted request's block, handed
     # to another request, is zeroed while its save copy is still queued
     "ignore_zeroing": "I4",
-    # asynchronous scheduling: the scheduler side counts the tokens of steps whose output vLLM
-    # has not seen (placeholders) as known, and saves chunks that reach into them: their keys
-    # name fewer tokens than they hold, and a later request reads them (no I1 at the put: the
-    # registry trusts the save's hashes)
-    "save_placeholders": "I2",
     # asynchronous scheduling with synchronous loads (before this fix): a load that fails in
     # step N is heard of after N+1 ran over the unloaded blocks (seed 107)
     "sync_loads_under_async_scheduling": "I2",
@@ -52,7 +47,8 @@ FAULTS = {
 }
 
 #: fault -> what the violation must say besides its invariant (the check that must catch it)
-WHERE = {"corrupt_l1_object": " get: ", "neighbour_wrong_bytes": " get: ", "ignore_zeroing": "V2 runner zeroes", "ignore_quota": "quota", "skip_checksums": " get: ",
+WHERE = {"corrupt_l1_object": " get: ", "neighbour_wrong_bytes": " get: ",
+         "ignore_zeroing": "V2 runner zeroes", "ignore_quota": "quota", "skip_checksums": " get: ",
          "skip_decode": " get: "}
 #: faults only a directed schedule reaches (tests/test_simulation.py, SCHEDULES) -> invariant
 DIRECTED_FAULTS = {
@@ -189,30 +185,6 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
         return [(SchedulerSide, "__init__", sched_init)]
     if name == "neighbour_wrong_bytes":  # the simulation's neighbour reads it (faults.py)
         return []
-    if name == "save_placeholders":
-        from kvplug.connector.scheduler import SchedulerSide
-
-        real_spec = SchedulerSide._save_spec
-
-        def ahead(self: Any, t: Any, computed: int, final: bool = False) -> Any:
-            r = t.request
-            extra = getattr(r, "num_output_placeholders", 0)
-            if not extra:
-                return real_spec(self, t, computed, final)
-
-            class Ahead:  # the request, its placeholders counted as tokens
-                num_tokens = r.num_tokens + extra
-
-                def __getattr__(self, name: str) -> Any:
-                    return getattr(r, name)
-
-            t.request = Ahead()
-            try:
-                return real_spec(self, t, computed, final)
-            finally:
-                t.request = r
-
-        return [(SchedulerSide, "_save_spec", ahead)]
     if name == "store_over_unwritten":
         return [(load.Loads, "read_unwritten",
                  lambda self, md: self.reports.unwritten(md.unwritten, {}))]

@@ -49,7 +49,7 @@ _STEP = "step"  # a step's part of the trace (folded into its event's digest)
 _RANKED = frozenset(("lose", "evict", "corrupt", "gate", "outage", "partial"))  # ev[1]: a rank
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _zeroing_kv_cache_config() -> type:
     """vLLM's ``KVCacheConfig`` of an engine whose new blocks must be zeroed (Mamba layers or
     mixed precision: ``needs_kv_cache_zeroing``; the simulated model's groups are attention
@@ -109,7 +109,8 @@ class World(Checks, Faults):
             num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         #: vLLM's asynchronous scheduling: step N+1 is scheduled (and run) before step N's
         #: output reaches the scheduler (its engine core's batch queue of two)
-        self.s = (AsyncScheduler if cfg.async_scheduling else Scheduler)(vllm_config=vc, kv_cache_config=kcc, log_stats=False, block_size=BS,
+        sched_cls = AsyncScheduler if cfg.async_scheduling else Scheduler
+        self.s = sched_cls(vllm_config=vc, kv_cache_config=kcc, log_stats=False, block_size=BS,
                            structured_output_manager=StructuredOutputManager(vc))
         self.layout = layout_of(kcc, BS)
         # model layers in forward order: (group, tensor)
