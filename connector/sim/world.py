@@ -125,7 +125,7 @@ class World(Checks, Faults):
         for rank in range(tp):
             l1 = {"backend": "local_cpu", "eviction": cfg.eviction,
                   "options": {"capacity": "32KiB" if cfg.small_tiers else "1MiB",
-                              "prefault": False}}
+                              "prefault": True}}  # its ticker: a simulation task
             tiers = [l1, self._lower_tier(rank)]
             if cfg.tenants:  # a tenant's chunks: a few in L1 (2-4 chunks)
                 l1["quotas"] = {"default": 512}
