@@ -393,8 +393,14 @@ class PosixBackend(LookupAndPins):
                 return
             entry = stat_entry(path)  # another process (or an earlier run) stored it already
             if entry is not None:
+                # counted as this write would have been: room made within the capacity and the
+                # tenant's quota first (else this view holds more than either allows)
+                if self._make_room(entry.size, key.tenant):
+                    reserved = entry.size
                 with self._lock:
                     self._index.add(rel, entry.size, entry.stamp)
+                    self._index.unreserve(reserved, key.tenant)
+                    reserved = 0
                 return
             size, write_file = self._prepare_write(key, rel, obj)
             if not self._make_room(size, key.tenant):
