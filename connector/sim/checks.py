@@ -290,7 +290,11 @@ class Checks:
                 held = disk._index.bytes + disk._index.reserved
                 tenants = dict(disk._index.tenants or {})
                 reserved = dict(disk._index.tenant_reserved)
+            shared = (self.cfg.shared_dir or self.cfg.neighbour) and not self.cfg.strict_shared_i6
             if held > disk.capacity:
+                if shared:  # other processes' files in this view (SimConfig.strict_shared_i6)
+                    self.figures["posix views over capacity (shared directory)"] += 1
+                    continue
                 raise Violation("I6", f"rank {rank}: posix holds {held} B over its capacity "
                                       f"{disk.capacity} ({self.cfg.eviction}/{self.cfg.admission})")
             self.counts["tier capacity checks"] += 1
@@ -301,7 +305,9 @@ class Checks:
                     ("posix", disk._quotas, {t: n + reserved.get(t, 0) for t, n in tenants.items()})):
                 for tenant, n in usage.items():
                     limit = quotas.limit(tenant)
-                    if limit is not None and n > limit:
+                    if limit is not None and n > limit and shared and name == "posix":
+                        self.figures["posix views over a quota (shared directory)"] += 1
+                    elif limit is not None and n > limit:
                         raise Violation("I6", f"rank {rank}: tenant {tenant} holds {n} B on "
                                               f"{name}, over its quota {limit}")
                 self.figures[f"{name} tenants held"] += len(usage)

@@ -63,6 +63,11 @@ class SimConfig:
     #: another engine process of the same model and rank 0 on rank 0's posix directory (its own
     #: StorageManager): it stores chunks rank 0 may never have written and evicts rank 0's
     neighbour: bool = False
+    #: I6 on posix also where other processes write the directory (shared_dir, neighbour): a
+    #: process bounds what it writes, but a rescan (or a lookup's stat) counts the others'
+    #: files, so its view may exceed its capacity or a quota until its next write evicts; off,
+    #: such excess is counted (figures), not a violation
+    strict_shared_i6: bool = False
 
 
 _MODEL: dict[str, Any] = {}
