@@ -52,7 +52,7 @@ class LocalCPUBackend:
         opts: LocalCPUBackend.Options = ctx.options
         self.name = ctx.name
         self.pool = HostMemoryPool(int(opts.capacity), pin_memory=opts.pin_memory,
-                                   prefault=opts.prefault)
+                                   prefault=opts.prefault, runtime=ctx.runtime)
         self.capacity = self.pool.capacity
         self._entries: dict[CacheKey, MemoryObj] = {}
         #: orders the entries (called under ``_lock``); LRU when built without a config

@@ -116,7 +116,10 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
                                    for r in range(tp)], self.config.lookup_timeout_s)
             self._sched = SchedulerSide(self.config, block_size, self.kv_role, client,
                                         self.layout,
-                                        drop_last_block=drops_last_block(vllm_config))
+                                        drop_last_block=drops_last_block(vllm_config),
+                                        async_scheduling=bool(getattr(
+                                            vllm_config.scheduler_config, "async_scheduling",
+                                            False)))
             if self._events_on:
                 fields = event_group_fields(kv_cache_config)
                 self._book = TierEventBook(

@@ -16,6 +16,7 @@ import torch
 
 from .errors import ConfigError
 from .memory import MemoryFormat, MemoryObj, MemoryObjMeta
+from .runtime import THREADS, Runtime
 
 ALIGN = 4096
 
@@ -71,7 +72,7 @@ def populate_pages(buf: torch.Tensor, start: int = 0, end: int | None = None) ->
 
 class _Frontier:
     """Backs the pool from its start, only as far as ``PREFAULT_AHEAD`` past the highest
-    allocation, on one background thread.
+    allocation, on one background thread (the runtime's ticker: a simulation orders it).
 
     An untouched page costs a page fault on first write: 4,416 faults and 38-80 ms for one
     3001-token store, paid inside vLLM's step (benchmarks/RESULTS.md). Backing the whole pool at
@@ -81,44 +82,51 @@ class _Frontier:
     right after start"). First-fit allocation fills the pool from its start, so backing a margin
     ahead of the highest allocation keeps every allocation on backed pages while startup backs
     only the margin, and later work grows with what is stored. ``done`` is set once the whole
-    pool is backed (or the kernel lacks the advice)."""
+    pool is backed (or the kernel lacks the advice); the ticker then stops."""
 
-    def __init__(self, buf: torch.Tensor, done: threading.Event) -> None:
+    def __init__(self, buf: torch.Tensor, done: threading.Event, runtime: Runtime = THREADS
+                 ) -> None:
         self._buf = buf
         self._size = buf.numel()
         self.done = done
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._want = min(self._size, PREFAULT_AHEAD)  # back up to here
         self.backed = 0  # backed up to here
-        threading.Thread(target=self._run, name="kvplug-pool-prefault", daemon=True).start()
+        self._ticker = runtime.ticker(self._advance, 3600.0, "kvplug-pool-prefault")
+        self._ticker.wake()
 
     def reach(self, end: int) -> None:
         """An allocation ends at ``end``: keep the backed part ``PREFAULT_AHEAD`` beyond it."""
         want = min(self._size, end + PREFAULT_AHEAD)
         if want > self._want:
-            with self._cond:
+            with self._lock:
                 self._want = max(self._want, want)
-                self._cond.notify()
+            self._ticker.wake()
 
-    def _run(self) -> None:
-        try:
-            while self.backed < self._size:
-                with self._cond:
-                    while self._want <= self.backed:
-                        self._cond.wait()
-                    want = self._want
-                if not populate_pages(self._buf, self.backed, want):
-                    return
-                self.backed = want
-        finally:
-            self.done.set()
+    def _advance(self) -> None:
+        """Back the pool up to what allocations want (one call of the ticker)."""
+        while not self.done.is_set():
+            with self._lock:
+                want = self._want
+            if want <= self.backed:
+                return
+            if not populate_pages(self._buf, self.backed, want):
+                self._stop()
+                return
+            self.backed = want
+            if self.backed >= self._size:
+                self._stop()
+
+    def _stop(self) -> None:
+        self.done.set()
+        self._ticker.close(timeout=0)
 
 
 class HostMemoryPool:
     """First-fit allocator over one host buffer; thread-safe."""
 
     def __init__(self, capacity: int, *, pin_memory: bool | None = None,
-                 prefault: bool = True) -> None:
+                 prefault: bool = True, runtime: Runtime = THREADS) -> None:
         if capacity < ALIGN:
             raise ConfigError(f"pool capacity={capacity} bytes is below the minimum of {ALIGN}")
         capacity = capacity // ALIGN * ALIGN
@@ -134,7 +142,7 @@ class HostMemoryPool:
         if pin_memory or not prefault:  # pinned memory is backed and locked when allocated
             self.populated.set()
         else:
-            self._frontier = _Frontier(self._buffer, self.populated)
+            self._frontier = _Frontier(self._buffer, self.populated, runtime)
         self.capacity = capacity
         self.pinned = pin_memory
         self._lock = threading.Lock()

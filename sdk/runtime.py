@@ -115,9 +115,11 @@ class Ticker:
         self._wake.set()
 
     def close(self, timeout: float | None = None) -> None:
+        """Stop; wait up to ``timeout`` for a call in progress (none from ``fn`` itself)."""
         self._closed = True
         self._wake.set()
-        self._thread.join(timeout)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while not self._closed:

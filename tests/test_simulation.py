@@ -31,8 +31,21 @@ CONTROL_SEEDS = 300  # a negative control must be caught within the CI set
 #: must still end clean (I1-I5)
 #: must still end clean (I1-I5). 7003276 (a long search): a weights reset, then wrong KV read
 #: without a load error; the simulation's lookup ignored the weights epoch, which made a failed
-#: load that an abort then left in vLLM's prefix cache (see SCHEDULES)
-REGRESSION_SEEDS: list[int] = [128, 294, 331, 7003276]
+#: load that an abort then left in vLLM's prefix cache (see SCHEDULES). 107 (issue 33, vLLM's
+#: asynchronous scheduling): a synchronous load failed in step N, step N+1 (scheduled before
+#: vLLM saw N's output) read the unloaded blocks and its token was served; every load is a
+#: background one under asynchronous scheduling now (controls: sync_loads_under_async_scheduling)
+REGRESSION_SEEDS: list[int] = [107, 128, 294, 331, 7003276]
+#: issue 33, a neighbour process on rank 0's posix directory (small tiers, tenant quotas), with
+#: I6 strict there (SimConfig.strict_shared_i6): a queued write found the file the neighbour had
+#: just stored and indexed it without making room, so the tenant held 36864 B over its 24576 B
+#: quota; the write now makes room for it as for its own file
+STRICT_SHARED_SEEDS: list[int] = [60000235, 60000921]
+#: what the CI seeds must exercise (issue 33's engines: zeroing under the V2 runner's order,
+#: asynchronous scheduling, TP 1 and 4), each at least once
+ENGINE_KINDS = ("config TP 1", "config TP 4", "config zeroing v2", "config zeroing v1",
+                "blocks zeroed by the model runner", "config async scheduling",
+                "async steps ahead of their tokens")
 
 _A, _X = tuple(range(100, 116)), tuple(range(200, 247))  # a 2-chunk prompt; one filling the cache
 #: directed schedules, one per defect a search found, each with the fault that undoes its fix
@@ -91,11 +104,18 @@ def test_ci_seeds_hold_every_invariant():
     assert fig.schedules == CI_SEEDS
     assert fig.events > 20 * CI_SEEDS  # schedules are not vacuous
     assert not fig.failures, _explain(fig.failures)
+    assert not [k for k in ENGINE_KINDS if not fig.counts[k]], dict(fig.counts)
 
 
 @pytest.mark.parametrize("seed", REGRESSION_SEEDS)
 def test_regression_seed(seed):
     out = run_seed(seed)
+    assert out.violation is None, _explain([(seed, str(out.violation))])
+
+
+@pytest.mark.parametrize("seed", STRICT_SHARED_SEEDS)
+def test_posix_write_of_a_file_another_process_stored_makes_room(seed):
+    out = run(replace(config_for(seed), strict_shared_i6=True), events_for(seed))
     assert out.violation is None, _explain([(seed, str(out.violation))])
 
 

@@ -67,16 +67,24 @@ def test_a_generated_backend_passes_and_a_broken_one_fails_with_a_replay(generat
 
 
 @pytest.mark.parametrize("lower", ["posix", "values"])
-def test_tiers_start_no_thread_of_their_own_under_the_simulation(lower):
-    """Every thread, pool and wait of posix (writers, start-up scan, reaper) and of the value
-    tiers (writers) comes from ``TierContext.runtime``: under the simulation none is real, so
-    the simulation orders all of their work (a seed replays)."""
+def test_tiers_start_no_thread_of_their_own_under_the_simulation(lower, monkeypatch):
+    """Every thread, pool and wait of posix (writers, start-up scan, reaper), of the value
+    tiers (writers) and of L1's pool (its prefault ticker) comes from ``TierContext.runtime``:
+    under the simulation none is real, so the simulation orders all of their work (a seed
+    replays). Every thread started is recorded, short-lived ones too."""
     import threading
 
     from kvplug.connector.sim.engine import SimConfig
     from kvplug.connector.sim.world import World
 
-    before = set(threading.enumerate())
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(self):
+        started.append(self.name)
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
     w = World(SimConfig(hybrid=False, lower=lower, codec="lossless"))
     try:
         for rank in range(2):
@@ -84,7 +92,6 @@ def test_tiers_start_no_thread_of_their_own_under_the_simulation(lower):
         for _ in range(4):
             w.step()
         w.quiesce()
-        started = [t.name for t in set(threading.enumerate()) - before]
         assert not [n for n in started if n.startswith("kvplug")], started
         assert w.rt.ran > 0 and w.counts["saves"] > 0
         st = w.workers[0].storage.stats()

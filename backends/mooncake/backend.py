@@ -62,4 +62,4 @@ class MooncakeBackend(ValueStoreTier):
         opts: MooncakeBackend.Options = ctx.options
         shown = f"mooncake://{opts.master} ({opts.protocol})"
         return MooncakeIO(ctx.name, opts, breaker, Redactor(opts.model_dump()),
-                          ctx.memory_regions), shown
+                          ctx.memory_regions, ctx.runtime), shown

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from kvplug.errors import ConfigError
 from kvplug.redact import Redactor
+from kvplug.runtime import THREADS, Runtime
 
 from ..common.breaker import CircuitBreaker
 from ..common.value_io import StoreRefused, ValueIO
@@ -58,7 +59,8 @@ class MooncakeIO(ValueIO):
     reads_into = True
 
     def __init__(self, name: str, opts: Any, breaker: CircuitBreaker, redact: Redactor,
-                 memory_regions: Callable[[], list[tuple[int, int]]] = list) -> None:
+                 memory_regions: Callable[[], list[tuple[int, int]]] = list,
+                 runtime: Runtime = THREADS) -> None:
         super().__init__(name, breaker, redact)
         self._opts = opts
         self._cls = _store_class()
@@ -72,8 +74,10 @@ class MooncakeIO(ValueIO):
         self._buffers: list[np.ndarray] = []  # this client's own buffers (kept alive)
         self._regions: list[tuple[int, int]] = []  # registered [start, end)
         self._closed = False
-        threading.Thread(target=self._set_up_early, name=f"kvplug-{name}-setup",
-                         daemon=True).start()
+        # one task on a daemon pool of the tier's runtime (kvplug.runtime: a simulation's orders it)
+        setup = runtime.executor(1, f"kvplug-{name}-setup", daemon=True)
+        setup.submit(self._set_up_early)
+        setup.shutdown(wait=False)
 
     def _set_up_early(self) -> None:
         """Set the client up now (see the module docstring); a failure waits for the first call."""

@@ -98,8 +98,14 @@ class Writer:
                 return
             entry = stat_entry(path)  # another process (or an earlier run) stored it already
             if entry is not None:
+                # counted as this write would have been: room made within the capacity and the
+                # tenant's quota first (else this view holds more than either allows)
+                if self._dir.make_room(entry.size, key.tenant):
+                    reserved = entry.size
                 with self._lock:
                     self._dir.index.add(rel, entry.size, entry.stamp)
+                    self._dir.index.unreserve(reserved, key.tenant)
+                    reserved = 0
                 return
             size, write_file = self.files.prepare_write(key, rel, obj)
             if not self._dir.make_room(size, key.tenant):

@@ -23,6 +23,13 @@ key does not cover, so, as vLLM does for its own prefix cache, the last block of
 loaded (vLLM recomputes it; its chunk is fetched and only the blocks before it written), and
 while a request decodes its KV is stored only one block behind what is computed (the drafter
 may still rewrite the last accepted position); at the request's end the rest is stored.
+
+vLLM's asynchronous scheduling (on by default where supported) schedules step N+1 before step N's
+output reaches the scheduler. A synchronous load that fails in step N is reported in N's output,
+but N+1 has already run over the unloaded blocks, and vLLM's recompute rolls the request back
+without dropping N+1's sampled token: a wrong token would be served. So every load is a
+background one there (the request waits in ``WAITING_FOR_REMOTE_KVS`` and is not scheduled until
+vLLM has taken the load's result, errors included). Found by the simulation (seed 107).
 """
 
 from __future__ import annotations
@@ -95,6 +102,7 @@ class SchedulerSide:
     def __init__(
         self, config: ConnectorConfig, block_size: int, role: str, lookup: LookupFn,
         layout: GroupLayout | None = None, drop_last_block: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
         self.layout = layout or GroupLayout()  # KV cache groups (..protocol.groups)
         if config.chunk_size % block_size and self.layout.servable:
@@ -106,6 +114,8 @@ class SchedulerSide:
         self.bs = block_size
         #: an EAGLE/MTP drafter: the last block of a hit is recomputed (module docstring)
         self.drop_last_block = drop_last_block
+        #: vLLM's asynchronous scheduling: every load is a background one (module docstring)
+        self.async_scheduling = async_scheduling
         self.role = role
         self.lookup = lookup
         self.stats = StatsRecorder()
@@ -257,8 +267,9 @@ class SchedulerSide:
             return 0, False
         slow = getattr(self.lookup, "take_slow", lambda _: ())(request.request_id)
         t.slow_chunks = frozenset(slow)
-        # several KV cache groups: vLLM takes load failures only as failed async loads
-        t.load_background = self.layout.multi or any(
+        # several KV cache groups: vLLM takes load failures only as failed async loads;
+        # asynchronous scheduling: see the module docstring
+        t.load_background = self.layout.multi or self.async_scheduling or any(
             num_computed_tokens // self.cs <= i < -(-hit // self.cs) for i in slow)
         return hit - num_computed_tokens, t.load_background
 

@@ -85,9 +85,9 @@ class Checks:
             if r.save is None:
                 continue
             req = self.s.requests.get(r.req_id) or self._snap.get(r.req_id, (None,))[0]
-            tokens = tuple(req.all_token_ids) if req is not None else None
-            if tokens is None:
+            if req is None:
                 continue
+            tokens = tuple(self.tokens_of(req, max(req.num_tokens, req.num_computed_tokens)))
             for i, h in enumerate(r.save.hashes):
                 s, e = md.chunk_range(r.save, i)
                 for rank, w in enumerate(self.workers):
@@ -141,7 +141,7 @@ class Checks:
 
     def registry_seen(self, rank: int) -> set:
         if not hasattr(self, "_seen"):
-            self._seen: list[set] = [set(), set()]
+            self._seen: list[set] = [set() for _ in self.workers]
         return self._seen[rank]
 
     # -- vLLM's block pool ------------------------------------------------------------------------
@@ -160,6 +160,18 @@ class Checks:
         forward may rewrite them), unless vLLM's prefix cache may still serve them; a copy that
         reads one later stores poison, which I1 catches."""
         free = self.free_blocks() - self.spare  # freed mid-step: the batch in flight owns them
+        self.check_copies(free, when, "freed blocks")
+        held = self.held_blocks()
+        fresh = held - self.owned  # allocated by this schedule: vLLM's contract says garbage
+        self.owned = held
+        if not self.cfg.prefix_caching and (free or fresh):
+            idx = torch.tensor(sorted(free | fresh))
+            for t in self.kv:
+                t[:, idx] = POISON
+
+    def check_copies(self, blocks: set[int], when: str, what_blocks: str) -> None:
+        """I4: no save copy or background load still in flight touches ``blocks`` (blocks vLLM
+        may rewrite from ``when`` on)."""
         for rank, w in enumerate(self.workers):
             saves, bg = w._saves, w._background
             copies = [(f"a save copy of {sorted(job.req_ids)} reads", pj.block_ids)
@@ -170,17 +182,32 @@ class Checks:
                                      if bg is not None else ())
                        for c in ld.chunks]
             for what, block_ids in copies:
-                bad = free.intersection(block_ids)
+                bad = blocks.intersection(block_ids)
                 if bad:
-                    raise Violation("I4", f"rank {rank} {when}: {what} freed blocks "
+                    raise Violation("I4", f"rank {rank} {when}: {what} {what_blocks} "
                                           f"{sorted(bad)}")
-        held = self.held_blocks()
-        fresh = held - self.owned  # allocated by this schedule: vLLM's contract says garbage
-        self.owned = held
-        if not self.cfg.prefix_caching and (free or fresh):
-            idx = torch.tensor(sorted(free | fresh))
+
+    def zero_new_blocks(self, so: Any, when: str) -> None:
+        """vLLM's model runner zeroes the step's newly allocated blocks (an engine that needs
+        it: ``new_block_ids_to_zero``), then applies the step's copy-on-write block copies;
+        ``when``: where in the step the runner does it (the V2 runner before
+        ``handle_preemptions``). I4 first: no copy in flight may touch a block rewritten here
+        (a block a preemption or a sliding window freed, already handed to another request);
+        a save that copies it later stores zeros, which I1 catches."""
+        ids = set(so.new_block_ids_to_zero or ())
+        cow = list(getattr(so, "kv_cache_block_copies", None) or ())
+        if not ids and not cow:
+            return
+        self.check_copies(ids | {c.dst_block_id for c in cow}, when, "blocks it rewrites")
+        self.counts["blocks zeroed by the model runner"] += len(ids)
+        if ids:
+            idx = torch.tensor(sorted(ids))
             for t in self.kv:
-                t[:, idx] = POISON
+                t[:, idx] = 0
+        for c in cow:  # attention groups never make partial hits (Mamba's): for completeness
+            self.counts["copy-on-write block copies"] += 1
+            for t in self.kv:
+                t[:, c.dst_block_id] = t[:, c.src_block_id]
 
     def _count(self, rank: int, req: str, what: str) -> None:
         c = self.log.setdefault(req, ReqLog())
@@ -266,7 +293,11 @@ class Checks:
                 held = index.bytes + index.reserved
                 tenants = dict(index.tenants or {})
                 reserved = dict(index.tenant_reserved)
+            shared = (self.cfg.shared_dir or self.cfg.neighbour) and not self.cfg.strict_shared_i6
             if held > disk.capacity:
+                if shared:  # other processes' files in this view (SimConfig.strict_shared_i6)
+                    self.figures["posix views over capacity (shared directory)"] += 1
+                    continue
                 raise Violation("I6", f"rank {rank}: posix holds {held} B over its capacity "
                                       f"{disk.capacity} ({self.cfg.eviction}/{self.cfg.admission})")
             self.counts["tier capacity checks"] += 1
@@ -277,7 +308,9 @@ class Checks:
                     ("posix", disk.directory.quotas, {t: n + reserved.get(t, 0) for t, n in tenants.items()})):
                 for tenant, n in usage.items():
                     limit = quotas.limit(tenant)
-                    if limit is not None and n > limit:
+                    if limit is not None and n > limit and shared and name == "posix":
+                        self.figures["posix views over a quota (shared directory)"] += 1
+                    elif limit is not None and n > limit:
                         raise Violation("I6", f"rank {rank}: tenant {tenant} holds {n} B on "
                                               f"{name}, over its quota {limit}")
                 self.figures[f"{name} tenants held"] += len(usage)
@@ -313,6 +346,8 @@ class Checks:
                                      ("posix admission refusals", "posix", "admission_rejected")):
                 self.figures[f"{what} ({self.cfg.eviction}/{self.cfg.admission})"] += \
                     int(stats.get(tier, {}).get(stat, 0))
+            for stat in ("rescans", "vanished"):  # other processes' files (shared_dir)
+                self.figures[f"posix {stat}"] += int(stats.get("posix", {}).get(stat, 0))
             for name, s in stats.items():
                 if s.get("pinned", 0):
                     raise Violation("I5", f"rank {rank}: tier {name} holds {s['pinned']} pins")

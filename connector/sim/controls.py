@@ -35,10 +35,22 @@ FAULTS = {
     "release_blocks_of_saves": "I4",  # a finished request's blocks freed while a save reads them
     # issue 34: an operator's clears
     "clear_leaves_entry": "I8",  # a clear (all, named chunks, a tenant) leaves an L1 entry
+    # an engine whose V2 runner zeroes new blocks before handle_preemptions, kvplug not ordering
+    # each step's copies at submit (order_at_submit off): a preempted request's block, handed
+    # to another request, is zeroed while its save copy is still queued
+    "ignore_zeroing": "I4",
+    # asynchronous scheduling with synchronous loads (before this fix): a load that fails in
+    # step N is heard of after N+1 ran over the unloaded blocks (seed 107)
+    "sync_loads_under_async_scheduling": "I2",
+    # the neighbour process (SimConfig.neighbour) stores another chunk's bytes under a key (as
+    # an engine of other weights would without a deployment secret): rank 0 reads a file it
+    # never wrote, and the check of what tiers return sees it (the simulation's own eyes)
+    "neighbour_wrong_bytes": "I1",
 }
 
 #: fault -> what the violation must say besides its invariant (the check that must catch it)
-WHERE = {"corrupt_l1_object": " get: ", "ignore_quota": "quota", "skip_checksums": " get: ",
+WHERE = {"corrupt_l1_object": " get: ", "neighbour_wrong_bytes": " get: ",
+         "ignore_zeroing": "V2 runner zeroes", "ignore_quota": "quota", "skip_checksums": " get: ",
          "skip_decode": " get: "}
 #: faults only a directed schedule reaches (tests/test_simulation.py, SCHEDULES) -> invariant
 DIRECTED_FAULTS = {
@@ -175,6 +187,26 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
 
         return [(management, f, leaving(getattr(management, f)))
                 for f in ("clear_keys", "clear_tiers", "clear_tenant")]
+    if name == "ignore_zeroing":
+        real_init = store.AsyncSaves.__init__
+
+        def init(self: Any, *args: Any, **kw: Any) -> None:
+            real_init(self, *args, **kw)
+            self.order_at_submit = False
+
+        return [(store.AsyncSaves, "__init__", init)]
+    if name == "sync_loads_under_async_scheduling":
+        from kvplug.connector.scheduler.side import SchedulerSide
+
+        real_sched_init = SchedulerSide.__init__
+
+        def sched_init(self: Any, *args: Any, **kw: Any) -> None:
+            real_sched_init(self, *args, **kw)
+            self.async_scheduling = False
+
+        return [(SchedulerSide, "__init__", sched_init)]
+    if name == "neighbour_wrong_bytes":  # the simulation's neighbour reads it (faults.py)
+        return []
     if name == "store_over_unwritten":
         return [(load.Loads, "read_unwritten",
                  lambda self, md: self.reports.unwritten(md.unwritten, {}))]

@@ -14,7 +14,7 @@ from typing import Any
 
 BS, CS = 4, 8  # vLLM block size and kvplug chunk size (tokens)
 TENSORS = 2  # KV tensors per rank (each holds one layer of every group)
-RANKS = 2
+RANKS = 2  # TP ranks by default (a seed's ``SimConfig.tp``: 1, 2 or 4)
 POISON = 0xEE
 
 
@@ -51,6 +51,23 @@ class SimConfig:
     #: the backend under test instead (``kvplug simulate``): (backend name or "module:Class",
     #: its options as JSON; ``{tmp}`` is replaced by a directory of the rank's own)
     tier: tuple[str, str] = ()
+    #: the engine zeroes newly allocated blocks (vLLM's ``needs_kv_cache_zeroing``: Mamba
+    #: layers, mixed-precision caches; kvplug sees it in the layout, ``zeroes_new_blocks``), and
+    #: which model runner does: "v1" zeroes them after ``handle_preemptions`` (``_update_states``),
+    #: "v2" before it (``update_requests``, then ``pre_forward``); "" never
+    zeroing: str = ""
+    async_scheduling: bool = False  # vLLM's AsyncScheduler: step N's output after N+1 runs
+    tp: int = RANKS  # tensor-parallel ranks (one WorkerSide each)
+    rank_offset: int = 0  # a fault event's rank r hits rank (r + rank_offset) % tp
+    shared_dir: bool = False  # every rank's posix tier on one directory (processes sharing it)
+    #: another engine process of the same model and rank 0 on rank 0's posix directory (its own
+    #: StorageManager): it stores chunks rank 0 may never have written and evicts rank 0's
+    neighbour: bool = False
+    #: I6 on posix also where other processes write the directory (shared_dir, neighbour): a
+    #: process bounds what it writes, but a rescan (or a lookup's stat) counts the others'
+    #: files, so its view may exceed its capacity or a quota until its next write evicts; off,
+    #: such excess is counted (figures), not a violation
+    strict_shared_i6: bool = False
 
 
 _MODEL: dict[str, Any] = {}
@@ -110,6 +127,7 @@ def _vllm_config(cfg: SimConfig) -> Any:
     vc.cache_config.enable_prefix_caching = cfg.prefix_caching
     vc.cache_config.num_gpu_blocks = cfg.num_blocks
     vc.scheduler_config.max_num_batched_tokens = cfg.max_batched
+    vc.scheduler_config.async_scheduling = cfg.async_scheduling  # kvplug's connector reads it
     vc.kv_transfer_config.kv_connector_extra_config = {
         "chunk_size": CS, "async_save": cfg.async_save, "layerwise": cfg.layerwise,
         "report_to_client": False, "log_every_load": False, "save_decode": True}

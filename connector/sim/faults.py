@@ -79,7 +79,7 @@ class Faults:
                 name = names[pick % len(names)]
                 store.values[name] = _flipped(store.values[name], pick)
             return
-        files = sorted(p for p in (self.tmp / f"r{rank}").rglob("*") if p.is_file()
+        files = sorted(p for p in self.disk_dir(rank).rglob("*") if p.is_file()
                        and not p.name.startswith("."))
         if files:
             f = files[pick % len(files)]
@@ -106,6 +106,35 @@ class Faults:
         st = STORES.get(self.urls[rank])
         if st is not None:
             st.partial += 1
+
+    def neighbour(self, op: str, pick: int) -> None:
+        """Another engine process (same model, rank 0) on rank 0's posix directory: it stores
+        a chunk rank 0 planned (the oracle's bytes: it computed the same KV), which rank 0's
+        lookups then find on disk though it may never have written it, or evicts one by name
+        (its file unlinked at once, even while rank 0 holds a lookup's pin on it)."""
+        nb = self.nb
+        keys = list(self.registry[0])
+        if nb is None or not keys:
+            return
+        key = keys[pick % len(keys)]
+        self.counts[f"neighbour {op}"] += 1
+        if op == "evict":
+            nb.evict(keys=[key])
+            return
+        from kvplug.memory import heap_memory_obj
+
+        want = self.expected(0, key)
+        _, s, e, _ = self.registry[0][key]
+        if "neighbour_wrong_bytes" in self.cfg.faults:  # the control: another chunk's bytes
+            other = self.expected(0, keys[(pick + 1) % len(keys)])
+            if other is not None and other.shape == want.shape:
+                want = other
+        obj = heap_memory_obj(tuple(want.shape), want.dtype, num_tokens=e - s)
+        obj.tensor.copy_(want)
+        try:
+            nb.batched_put([key], [obj])
+        finally:
+            obj.ref_down()
 
     def reset(self) -> None:
         fn = getattr(self.s.connector, "reset_cache", None)

@@ -125,9 +125,10 @@ class ManageEvents:
                                 and l1._entries[k].ref_count == 1}
         if "posix" in st.tier_names:
             disk = st.backend("posix")
-            with disk._lock:
-                out["posix"] = {k for k in keys if (rel := disk._rel(k)) in disk._index
-                                and rel not in disk._index.pins and rel not in disk._pending}
+            index = disk.directory.index
+            with disk.directory.lock:
+                out["posix"] = {k for k in keys if (rel := disk._rel(k)) in index
+                                and rel not in index.pins and rel not in disk.writer.pending}
         elif keyed and "values" in st.tier_names:
             tier = st.backend("values")
             held = st.holds("values", keys) or [False] * len(keys)

@@ -39,6 +39,20 @@ def config_for(seed: int, faults: frozenset[str] = frozenset(),
         cfg = replace(cfg, eviction=pol.choice(("lru", "s3fifo", "s3fifo")),
                       admission=pol.choice(("always", "tinylfu")), small_tiers=pol.random() < 0.6,
                       tenants=pol.random() < 0.5)
+    # issue 33, this session's kinds, drawn apart too: engines that zero new blocks (and which
+    # model runner: V2 zeroes before handle_preemptions), TP 1 and 4
+    eng = random.Random(seed * 7919 + 4)
+    if eng.random() < 0.3:
+        cfg = replace(cfg, zeroing=eng.choice(("v1", "v2", "v2")))
+    if eng.random() < 0.25:
+        cfg = replace(cfg, async_scheduling=True)
+    x = eng.random()
+    if x < 0.3:
+        tp = 1 if x < 0.15 else 4
+        cfg = replace(cfg, tp=tp, rank_offset=eng.randrange(tp))
+    if cfg.lower == "posix" and not tier:
+        x = eng.random()
+        cfg = replace(cfg, shared_dir=x < 0.3, neighbour=0.15 < x < 0.45)
     return cfg
 
 
@@ -63,6 +77,15 @@ def events_for(seed: int, n: int = 40) -> list[tuple]:
             out.append(("outage", more.randrange(RANKS), more.random() < 0.6))
         elif x < 0.10:
             out.append(("partial", more.randrange(RANKS)))
+    if config_for(seed).neighbour:  # another process on rank 0's directory (SimConfig)
+        nb = random.Random(seed * 7919 + 5)
+        with_nb: list[tuple] = []
+        for ev in out:
+            with_nb.append(ev)
+            if nb.random() < 0.12:
+                with_nb.append(("neighbour", nb.choice(("store", "store", "evict")),
+                                nb.randrange(32)))
+        out = with_nb
     return with_manage_events(seed, out)  # issue 34's clears and pins (a stream of their own)
 
 

@@ -1,6 +1,7 @@
-"""One simulated engine: vLLM's real Scheduler and KV cache manager, two kvplug workers (TP ranks
-0 and 1: real WorkerSide, StorageManager, local_cpu and posix tiers) over CPU paged KV, every
-kvplug task run by :class:`.runtime.SimRuntime`, and the invariants checked after every event.
+"""One simulated engine: vLLM's real Scheduler (or its AsyncScheduler) and KV cache manager, one
+kvplug worker per TP rank (1, 2 or 4: real WorkerSide, StorageManager, local_cpu and posix tiers)
+over CPU paged KV, every kvplug task run by :class:`.runtime.SimRuntime`, and the invariants
+checked after every event.
 
 The forward pass writes oracle-style KV (:mod:`.oracle`). Each event of a schedule
 (:mod:`.schedule`) is applied by :meth:`World.apply`; :meth:`World.quiesce` finishes every request
@@ -12,6 +13,7 @@ faults in :mod:`.faults`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import shutil
@@ -29,7 +31,6 @@ from .checks import Checks, ReqLog, _put_check_plugin
 from .engine import (
     BS,
     CS,
-    RANKS,
     TENSORS,
     SimConfig,
     SimLookup,
@@ -46,6 +47,21 @@ from .runtime import SimRuntime
 from .values import STORES
 
 _STEP = "step"  # a step's part of the trace (folded into its event's digest)
+_RANKED = frozenset(("lose", "evict", "corrupt", "gate", "outage", "partial"))  # ev[1]: a rank
+
+
+@functools.cache
+def _zeroing_kv_cache_config() -> type:
+    """vLLM's ``KVCacheConfig`` of an engine whose new blocks must be zeroed (Mamba layers or
+    mixed precision: ``needs_kv_cache_zeroing``; the simulated model's groups are attention
+    ones, so the property is set rather than derived). vLLM's scheduler then hands the model
+    runner ``new_block_ids_to_zero`` every step, and kvplug's layout says ``zeroes_new_blocks``."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    class ZeroingKVCacheConfig(KVCacheConfig):
+        needs_kv_cache_zeroing = True  # type: ignore[assignment]
+
+    return ZeroingKVCacheConfig
 
 
 class Sorted(set):
@@ -67,6 +83,7 @@ class World(Checks, Faults, ManageEvents):
         from kvplug.connector.protocol.groups import layout_of
         from kvplug.connector.protocol.identity import Identity
         from kvplug.connector.worker.side import WorkerSide
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import (
             FullAttentionSpec,
@@ -89,9 +106,12 @@ class World(Checks, Faults, ManageEvents):
             swa = SlidingWindowSpec(BS, num_kv_heads=1, head_size=SLOT // 2, dtype=torch.float16,
                                     sliding_window=cfg.window)
             groups.append(KVCacheGroupSpec(["s0", "s1"], swa))
-        kcc = KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[],
-                            kv_cache_groups=groups)
-        self.s = Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=False, block_size=BS,
+        kcc = (_zeroing_kv_cache_config() if cfg.zeroing else KVCacheConfig)(
+            num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+        #: vLLM's asynchronous scheduling: step N+1 is scheduled (and run) before step N's
+        #: output reaches the scheduler (its engine core's batch queue of two)
+        sched_cls = AsyncScheduler if cfg.async_scheduling else Scheduler
+        self.s = sched_cls(vllm_config=vc, kv_cache_config=kcc, log_stats=False, block_size=BS,
                            structured_output_manager=StructuredOutputManager(vc))
         self.layout = layout_of(kcc, BS)
         # model layers in forward order: (group, tensor)
@@ -101,18 +121,19 @@ class World(Checks, Faults, ManageEvents):
         self.kv: list[torch.Tensor] = []
         engine = f"sim-{uuid.uuid4().hex[:8]}"
         self.rt.late = cfg.late
-        self.urls = [f"sim://{engine}/{rank}" for rank in range(RANKS)]
-        for rank in range(RANKS):
+        self.tp = tp = cfg.tp
+        self.urls = [f"sim://{engine}/{rank}" for rank in range(tp)]
+        for rank in range(tp):
             l1 = {"backend": "local_cpu", "eviction": cfg.eviction,
                   "options": {"capacity": "32KiB" if cfg.small_tiers else "1MiB",
-                              "prefault": False}}
+                              "prefault": True}}  # its ticker: a simulation task
             tiers = [l1, self._lower_tier(rank)]
             if cfg.tenants:  # a tenant's chunks: a few in L1 (2-4 chunks)
                 l1["quotas"] = {"default": 512}
             ccfg = ConnectorConfig(chunk_size=CS, async_save=cfg.async_save,
                                    layerwise=cfg.layerwise and not cfg.hybrid,
                                    log_every_load=False, save_decode=True, tiers=tiers)
-            w = WorkerSide(ccfg, Identity("sim", f"sim-bs{BS}", RANKS, rank, engine), self.layout,
+            w = WorkerSide(ccfg, Identity("sim", f"sim-bs{BS}", tp, rank, engine), self.layout,
                            runtime=self.rt)
             t = torch.zeros((TENSORS, cfg.num_blocks, BS, SLOT), dtype=torch.uint8)
             caches = {}
@@ -125,6 +146,13 @@ class World(Checks, Faults, ManageEvents):
             self.watch_evictions(rank, w.storage)
             self.workers.append(w)
             self.kv.append(t)
+        #: SimConfig.neighbour: another process's StorageManager on rank 0's posix directory
+        self.nb = None
+        if cfg.neighbour and cfg.lower == "posix" and not cfg.tier:
+            from kvplug.storage_manager import StorageManager
+
+            self.nb = StorageManager(ConnectorConfig(chunk_size=CS, tiers=[self._lower_tier(0)]),
+                                     runtime=self.rt)
         self.rt.drain()  # the tiers' start-up work (posix's scan of its empty directory)
         self.lookup = SimLookup(self.workers)
         sched = self.s.connector._sched
@@ -133,20 +161,22 @@ class World(Checks, Faults, ManageEvents):
         sched.draw_epoch = lambda: f"sim-epoch-{next(epochs)}"
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
-        self.agg = KVOutputAggregator(RANKS)
+        self.agg = KVOutputAggregator(tp)
         # I1: what every stored key must hold -> (group, start, end, tokens)
-        self.registry: list[dict[Any, tuple[int, int, int, tuple[int, ...]]]] = [{}, {}]
-        self.stored: list[list[Any]] = [[], []]  # keys in the order first stored (for faults)
+        self.registry: list[dict[Any, tuple[int, int, int, tuple[int, ...]]]] = [{} for _ in range(tp)]
+        self.stored: list[list[Any]] = [[] for _ in range(tp)]  # keys in the order first stored (for faults)
         self.log: dict[str, ReqLog] = {}
         self.owned: set[int] = set()  # blocks requests held at the last forward
         self.spare: set[int] = set()  # blocks an abort freed mid-step (see step)
         self._snap: dict[str, Any] = {}  # the requests and tables of the step in flight
+        #: asynchronous scheduling: the step that ran, its output not handed to vLLM yet
+        self._pending: tuple[Any, Any, Any] | None = None
         self.counts: Counter[str] = Counter()  # what the schedule exercised (figures)
         #: figures that depend on the tiers' own threads (posix writes, deletes): reported with
         #: the counts but kept out of the trace, which must replay exactly
         self.figures: Counter[str] = Counter()
         self.violation: Violation | None = None  # raised inside kvplug (which may swallow it)
-        self.lost: list[set] = [set(), set()]  # keys whose next read fails (see lose)
+        self.lost: list[set] = [set() for _ in range(tp)]  # keys whose next read fails (see lose)
         self.next_req = 0
         self.threads0 = threading.active_count()
         self.closed = False
@@ -168,7 +198,7 @@ class World(Checks, Faults, ManageEvents):
                                 "negative_cache_s": 0.5, "breaker_backoff_s": 1.0}}
         else:  # issue 34: the policies and quotas under test (admission: any tier)
             tier = {"backend": "posix", "eviction": cfg.eviction,
-                    "options": {"path": str(self.tmp / f"r{rank}"), "io_threads": 1,
+                    "options": {"path": str(self.disk_dir(rank)), "io_threads": 1,
                                 "capacity": "48KiB" if cfg.small_tiers else "64MiB"}}
             if cfg.tenants:  # a tenant's chunks: half the disk
                 tier["quotas"] = {"default": "24KiB" if cfg.small_tiers else "32MiB"}
@@ -178,12 +208,26 @@ class World(Checks, Faults, ManageEvents):
             tier["codec"] = cfg.codec
         return tier
 
+    def disk_dir(self, rank: int) -> Path:
+        """Rank ``rank``'s posix directory: its own, or one shared by every rank's process
+        (``SimConfig.shared_dir``: each sees the others' files in its scans and rescans, evicts
+        them for room, and has its own pins, held open against the others' evictions)."""
+        return self.tmp / ("shared" if self.cfg.shared_dir else f"r{rank}")
+
     # -- model -----------------------------------------------------------------------------------
     def _attends(self, layer: int, p: int) -> range:
         g, _ = self.layers[layer]
         if g == 1:  # sliding window: the last `window` positions
             return range(max(0, p - self.cfg.window + 1), p + 1)
         return range(0, p + 1)
+
+    def tokens_of(self, req: Any, end: int) -> list[int]:
+        """The request's first ``end`` tokens. With asynchronous scheduling the scheduler's
+        request lacks the tokens of steps whose output it has not seen (placeholders): the
+        model runner has them (here: :meth:`sampled`, a function of the request and position)."""
+        tokens = list(req.all_token_ids)[:end]
+        tokens += [self.sampled(req.request_id, p) for p in range(len(tokens), end)]
+        return tokens
 
     def sampled(self, req_id: str, p: int) -> int:
         return 3 + int.from_bytes(hashlib.blake2b(f"{req_id}:{p}".encode(),
@@ -200,7 +244,7 @@ class World(Checks, Faults, ManageEvents):
         for req_id, n in so.num_scheduled_tokens.items():
             req, tables = self._snap[req_id]  # as scheduled (an abort mid-step freed it since)
             end = req.num_computed_tokens  # schedule() advanced it: this step's tokens end here
-            tokens = list(req.all_token_ids)[:end]
+            tokens = self.tokens_of(req, end)
             reqs.append((req_id, end - n, end, tokens, prefix_hashes(tokens), tables))
         layerwise = self.cfg.layerwise and not self.cfg.hybrid
         last = len(self.layers) - 1
@@ -216,7 +260,7 @@ class World(Checks, Faults, ManageEvents):
                     tainted[req_id] = min(q, tainted.get(req_id, q))
                     return
 
-        for rank in range(RANKS):
+        for rank in range(self.tp):
             buf = self.kv[rank].numpy()
             w = self.workers[rank]
             prev: dict[str, tuple[list[bytes], list[bytes]]] = {}
@@ -258,6 +302,8 @@ class World(Checks, Faults, ManageEvents):
         kind = ev[0]
         self.counts[f"event {kind}" + (f" ({ev[1][0]} mid-step)" if kind == "step" and len(ev) > 1
                                        and ev[1] else "")] += 1
+        if kind in _RANKED:  # the schedule draws ranks 0 and 1: this seed's ranks of them
+            ev = (kind, self.rank(ev[1]), *ev[2:])
         with torch.inference_mode():
             if kind == "arrive":
                 self.arrive(*ev[1:])
@@ -289,12 +335,18 @@ class World(Checks, Faults, ManageEvents):
                 self.clear(ev[1], ev[2])
             elif kind in ("pin", "unpin"):
                 self.pin(ev[1], ev[2], kind == "pin")
+            elif kind == "neighbour":
+                self.neighbour(ev[1], ev[2])
             else:  # pragma: no cover
                 raise ValueError(f"unknown event {ev!r}")
         self.check_tiers()
         self.note(ev, self.rt.ran)
         if self.violation is not None:
             raise self.violation
+
+    def rank(self, r: int) -> int:
+        """The rank a fault event drawn for rank ``r`` hits (``SimConfig.rank_offset``)."""
+        return (r + self.cfg.rank_offset) % self.tp
 
     def note(self, *what: Any) -> None:
         """Fold ``what`` (plain values, in a fixed order) into the trace of this event."""
@@ -337,6 +389,9 @@ class World(Checks, Faults, ManageEvents):
         self._md = md
         c = self.counts
         c["steps"] += 1
+        if self.cfg.async_scheduling:  # steps that ran ahead of tokens vLLM had not seen
+            c["async steps ahead of their tokens"] += any(
+                self._snap[r][0].num_output_placeholders > 1 for r in so.num_scheduled_tokens)
         c["preempted"] += len(md.preempted)
         c["unwritten blocks read"] += len(md.unwritten)
         for r in md.requests:
@@ -345,8 +400,13 @@ class World(Checks, Faults, ManageEvents):
             if r.save is not None:
                 c["saves"] += 1
         self.register(md)
+        if self.cfg.zeroing == "v2":  # update_requests, then pre_forward's handle_preemptions
+            self.zero_new_blocks(so, "as the V2 runner zeroes new blocks (before "
+                                     "handle_preemptions)")
         for w in self.workers:
             self._crashing("handle_preemptions", lambda w=w: w.handle_preemptions(md))
+        if self.cfg.zeroing == "v1":  # _update_states, after handle_preemptions
+            self.zero_new_blocks(so, "as the V1 runner zeroes new blocks")
         for w in self.workers:  # vLLM's bind_connector_metadata (KVPlugConnector -> bind)
             if hasattr(w, "bind"):
                 self._crashing("bind", lambda w=w: w.bind(md))
@@ -375,8 +435,12 @@ class World(Checks, Faults, ManageEvents):
         sampled = []
         for r in ids:
             req = self._snap[r][0]
-            sampled.append([self.sampled(r, req.num_tokens)]
-                           if req.num_computed_tokens >= req.num_tokens else [])
+            if self.cfg.async_scheduling:  # a token at the end of every step past the prompt
+                sampled.append([] if req.is_prefill_chunk
+                               else [self.sampled(r, req.num_computed_tokens)])
+            else:
+                sampled.append([self.sampled(r, req.num_tokens)]
+                               if req.num_computed_tokens >= req.num_tokens else [])
         runner = []
         for k in outs:
             o = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
@@ -408,11 +472,27 @@ class World(Checks, Faults, ManageEvents):
                   sorted(tainted.items()))
         c["load errors"] += bool(ko.invalid_block_ids) + len(ko.failed_recving or ())
         c["tainted forwards"] += len(tainted)
+        for lost in self.lost:
+            lost.clear()
+        if self.cfg.async_scheduling:  # step N's output reaches vLLM after step N+1 ran
+            prev, self._pending = self._pending, (so, out, ko)
+            if prev is not None:
+                self._update(*prev)
+        else:
+            self._update(so, out, ko)
+
+    def _update(self, so: Any, out: Any, ko: Any) -> None:
+        """Hand one step's output to vLLM's scheduler (I3 on it first)."""
         self._check_reports(ko)
         self._crashing("update_from_output", lambda: self.s.update_from_output(so, out))
         self.owned = self.held_blocks()
-        for lost in self.lost:
-            lost.clear()
+
+    def flush_output(self) -> None:
+        """Asynchronous scheduling with nothing left to schedule: vLLM's engine core takes the
+        last step's output."""
+        if self._pending is not None:
+            prev, self._pending = self._pending, None
+            self._update(*prev)
 
     def _worker_output(self, w: Any, finished: set[str]) -> Any:
         """What vLLM's model runner collects from one worker (KVPlugConnector's routing)."""
@@ -430,15 +510,17 @@ class World(Checks, Faults, ManageEvents):
         """Open every gate, run every request and task to the end, then check I1 (every chunk
         every tier holds) and I5 (nothing held)."""
         with torch.inference_mode():
-            for rank in range(RANKS):
+            for rank in range(self.tp):
                 self.gate(rank, False)
                 self.outage(rank, False)
             for i in range(max_steps):
-                if not self.s.has_requests() and not self.rt.queue:
+                if not self.s.has_requests() and not self.rt.queue and self._pending is None:
                     break
                 self.rt.drain()
                 if self.s.has_requests():  # as vLLM's engine: also to hand over finished ids
                     self.step()
+                else:
+                    self.flush_output()
                 if self.violation is not None:
                     raise self.violation
                 if i and i % 20 == 0 and self.vllm_stalled():
@@ -462,14 +544,23 @@ class World(Checks, Faults, ManageEvents):
         c = self.counts
         c[f"config {self.cfg.tier[0] if self.cfg.tier else self.cfg.lower} tier"] += 1
         c["config codec " + (self.cfg.codec or "none")] += 1
+        c[f"config TP {self.tp}"] += 1
+        c["config posix shared by every rank" if self.cfg.shared_dir else "config own dirs"] += 1
+        c["config a neighbour process on rank 0's posix" if self.nb is not None
+          else "config no neighbour"] += 1
+        c["config zeroing " + (self.cfg.zeroing or "none")] += 1
+        c["config async scheduling" if self.cfg.async_scheduling else "config sync scheduling"] += 1
         c["late tier calls (begun, timed out)"] += self.rt.late_calls
-        for rank in range(RANKS):
+        for rank in range(self.tp):
             self.gate(rank, False)
         with contextlib.suppress(Exception):
             self.rt.drain()
         for w in self.workers:
             with contextlib.suppress(Exception):
                 w.close()
+        if self.nb is not None:
+            with contextlib.suppress(Exception):
+                self.nb.close()
         for url in self.urls:
             STORES.pop(url, None)
         shutil.rmtree(self.tmp, ignore_errors=True)

@@ -1,0 +1,65 @@
+"""Backend threads come from ``TierContext.runtime`` (kvplug.runtime): under the simulation's
+runtime a tier starts no thread of its own, and its background work is a task the simulation
+runs when it says so. Every thread started is recorded (short-lived ones too)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from kvplug.connector.sim.runtime import SimRuntime
+
+
+@pytest.fixture
+def started(monkeypatch):
+    names: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(self):
+        names.append(self.name)
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return names
+
+
+def test_l1_pool_prefault_is_a_runtime_task(started):
+    from kvplug.pool import HostMemoryPool
+
+    rt = SimRuntime()
+    pool = HostMemoryPool(1 << 20, pin_memory=False, runtime=rt)
+    assert not pool.populated.is_set() and len(rt.queue) == 1  # queued, not run
+    rt.drain()
+    assert pool.populated.is_set() and pool._frontier.backed == 1 << 20
+    obj = pool.allocate((4096,))
+    assert obj is not None and not rt.queue  # the whole pool is backed: nothing more to do
+    obj.ref_down()
+    assert started == []
+
+
+def test_mooncake_client_setup_is_a_runtime_task(started, monkeypatch):
+    """Mooncake's client is set up as the tier starts, off the caller's thread (its first
+    request must not pay the set-up): a daemon task of the tier's runtime."""
+    from kvplug.backends.common.breaker import CircuitBreaker
+    from kvplug.backends.mooncake import client
+    from kvplug.backends.mooncake.backend import MooncakeBackend
+    from kvplug.redact import Redactor
+
+    calls: list[str] = []
+
+    class FakeStore:  # stands for MooncakeDistributedStore: records the set-up
+        def setup(self, *args):
+            calls.append("setup")
+            return 0
+
+        def register_buffer(self, address, nbytes):
+            return 0
+
+    monkeypatch.setattr(client, "_store_class", lambda: FakeStore)
+    opts = MooncakeBackend.Options(master="127.0.0.1:50051")
+    rt = SimRuntime()
+    io = client.MooncakeIO("mc", opts, CircuitBreaker("mc"), Redactor({}), runtime=rt)
+    assert calls == [] and not io.set_up and len(rt.queue) == 1
+    rt.drain()
+    assert calls == ["setup"] and io.set_up
+    assert started == []
