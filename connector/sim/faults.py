@@ -135,6 +135,7 @@ class Faults:
             nb.batched_put([key], [obj])
         finally:
             obj.ref_down()
+        self.restored(0, [key])  # stored again (by another process): I8 no longer applies
 
     def reset(self) -> None:
         fn = getattr(self.s.connector, "reset_cache", None)

@@ -57,8 +57,9 @@ class ManageEvents:
     def _manage_state(self) -> tuple[list[dict[Any, int]], list[set]]:
         """Per rank: cleared chunks (key -> the event that cleared it), chunks pinned."""
         if "_cleared" not in self.__dict__:
-            self._cleared: list[dict[Any, int]] = [{} for _ in range(RANKS)]
-            self._op_pins: list[set] = [set() for _ in range(RANKS)]
+            ranks = len(self.workers)  # the seed's TP size
+            self._cleared: list[dict[Any, int]] = [{} for _ in range(ranks)]
+            self._op_pins: list[set] = [set() for _ in range(ranks)]
         return self._cleared, self._op_pins
 
     # -- events ---------------------------------------------------------------------------------
@@ -92,6 +93,7 @@ class ManageEvents:
         from kvplug.management import pin_keys
 
         _, pins = self._manage_state()
+        rank %= len(self.workers)  # drawn over the default TP size; the seed's may be smaller
         st = self.workers[rank].storage
         keys = self.stored[rank]
         if st is None or not keys:
