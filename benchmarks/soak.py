@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         env.create_bucket()
         s3_url, s3_opts = env.url("soak"), {"endpoint_url": env.endpoint, **CREDENTIALS}
 
-    model = make_model("tiny", root=work / "models")
+    model = args.model or make_model("tiny", root=work / "models")
     if args.connector_module != "kvplug.connector":
         os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), os.environ["PYTHONPATH"]])
     kv = None if args.no_kvplug else KVTransferConfig(
@@ -408,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                     "batches of different shapes round differently in bf16 on CPU")
     ap.add_argument("--connector-module", default="kvplug.connector",
                     help="kv_connector_module_path (tests/permuted_load: the negative control)")
+    ap.add_argument("--model", default=None,
+                    help="a model folder (default: the demo's tiny model, built in --work)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default=None, help="working directory (default: a temp dir)")
     ap.add_argument("--out", default=None, help="where the CSV and JSON go (default: --work)")

