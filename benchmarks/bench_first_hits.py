@@ -82,8 +82,7 @@ def _patch(cfg: dict) -> Callable[..., None]:
         _before_fix()
     if not cfg.get("timeline"):
         return lambda *a: None
-    sys.path.insert(0, str(Path(__file__).parent))
-    import timeline
+    from benchmarks import timeline
 
     timeline.install(cfg["timeline"])
     return timeline.mark

@@ -83,9 +83,9 @@ def main() -> int:
     ap.add_argument("--model", default="small")
     ap.add_argument("--prompt-len", type=int, default=2816)
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from kvplug.connector.demo.model import make_model
-    from redis_server import RedisServer
+
+    from tests.support.redis_server import RedisServer
 
     work = Path(tempfile.mkdtemp(prefix="kvplug-first-remote-"))
     srv = RedisServer(work / "redis", maxmemory="2gb")

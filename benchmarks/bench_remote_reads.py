@@ -37,7 +37,6 @@ import logging
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -45,13 +44,12 @@ from pathlib import Path
 
 import redis
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kvplug.memory import heap_memory_obj
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import make_key
-from mooncake_store import MooncakeMaster, rerun_script_in_private_netns  # noqa: E402
-from redis_server import RedisServer  # noqa: E402 - the tests' server helpers
+
+from tests.support.mooncake_store import MooncakeMaster, rerun_script_in_private_netns
+from tests.support.redis_server import RedisServer
 
 MiB = 1 << 20
 
@@ -227,7 +225,8 @@ def main() -> None:
                 master.stop()
         if "fsspec" in stores:
             import s3fs
-            from s3_server import CREDENTIALS, MotoServer
+
+            from tests.support.s3_server import CREDENTIALS, MotoServer
 
             os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                               AWS_DEFAULT_REGION="us-east-1")

@@ -33,21 +33,19 @@ import logging
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import redis
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kvplug import chunkfile as cf
 from kvplug.memory import heap_memory_obj
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import make_key
-from mooncake_store import MooncakeMaster, rerun_script_in_private_netns  # noqa: E402 - the tests' server helpers
-from redis_server import RedisServer  # noqa: E402
+
+from tests.support.mooncake_store import MooncakeMaster, rerun_script_in_private_netns
+from tests.support.redis_server import RedisServer
 
 MiB = 1 << 20
 LOOKUP_KEYS = 64

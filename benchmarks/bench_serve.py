@@ -51,9 +51,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from server_helpers import free_port, kvplug_cli, running_server, vllm_server  # noqa: E402
+from tests.support.server_helpers import free_port, kvplug_cli, running_server, vllm_server
 
 CONFIGS = ("none", "prefix", "kvplug")
 WORKLOADS = ("prefix_repetition", "multi_turn")

@@ -31,13 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.support.tiers_for_tests import StallingTier
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULT = "BENCH-RESULT "
-
-sys.path.insert(0, str(REPO / "tests"))
-
-from tiers_for_tests import StallingTier  # noqa: E402
 
 
 class InlineStallingTier(StallingTier):
@@ -47,14 +45,15 @@ class InlineStallingTier(StallingTier):
 
 
 def _run(mode: str, args: argparse.Namespace) -> dict:
-    import vllm_helpers as h
     from kvplug.connector.demo.model import make_model
     from vllm import SamplingParams, TokensPrompt
 
+    from tests.support import vllm_helpers as h
+
     h.engine_env()
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ["PYTHONPATH"]])
-    backend = ("tiers_for_tests:StallingTier" if mode == "async"
-               else "bench_slow_tier:InlineStallingTier")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]])
+    backend = ("tests.support.tiers_for_tests:StallingTier" if mode == "async"
+               else "benchmarks.bench_slow_tier:InlineStallingTier")
     tier = {"backend": backend, "name": "slow", "timeout_s": 30,
             "options": {"stall_s": args.stall}}
     kv = h.transfer_config("kvplug", {"tiers": [tier], "log_every_load": False})

@@ -26,8 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
 TIERS = ("posix", "local_cpu", "resp", "fsspec", "mooncake")
 
 
@@ -55,7 +53,7 @@ def run(out: Path, seconds: float, tiers: list[str], root: Path) -> None:
         bench(out, "local_cpu", seconds, ["--backend", "local_cpu", "--options",
                                           json.dumps({"capacity": "3GiB"})])
     if "resp" in tiers:
-        from redis_server import RedisServer
+        from tests.support.redis_server import RedisServer
 
         srv = RedisServer(root / "redis", maxmemory="3gb")
         try:
@@ -65,7 +63,8 @@ def run(out: Path, seconds: float, tiers: list[str], root: Path) -> None:
             srv.stop()
     if "fsspec" in tiers:
         import s3fs
-        from s3_server import CREDENTIALS, MotoServer
+
+        from tests.support.s3_server import CREDENTIALS, MotoServer
 
         os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                           AWS_DEFAULT_REGION="us-east-1")
@@ -81,7 +80,7 @@ def run(out: Path, seconds: float, tiers: list[str], root: Path) -> None:
         finally:
             srv.stop()
     if "mooncake" in tiers:
-        from mooncake_store import MooncakeMaster
+        from tests.support.mooncake_store import MooncakeMaster
 
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
         master = MooncakeMaster(root / "mooncake")
@@ -150,7 +149,7 @@ def main() -> None:
         return
     tiers = args.tiers.split(",")
     if "mooncake" in tiers:
-        from mooncake_store import rerun_script_in_private_netns
+        from tests.support.mooncake_store import rerun_script_in_private_netns
 
         rerun_script_in_private_netns(os.path.abspath(__file__))
     run(args.out[0], args.seconds, tiers, args.root)

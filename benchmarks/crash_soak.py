@@ -17,8 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from crash_campaign import run_campaign  # noqa: E402
+from tests.support.crash_campaign import run_campaign
 
 PROBLEMS = ("bad_files", "lost_acknowledged", "index_mismatch")
 

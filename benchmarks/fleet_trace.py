@@ -168,14 +168,13 @@ def record(args: argparse.Namespace) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the tier records in this process
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
     from kvplug.connector.demo.model import PRESETS, make_model
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.config import KVTransferConfig
 
     raw = Path(tempfile.mkdtemp(prefix="kvplug-trace-")) / "raw.jsonl"
-    tier = {"backend": "fleet_trace:RecordingTier", "timeout_s": 30.0,
+    tier = {"backend": "benchmarks.fleet_trace:RecordingTier", "timeout_s": 30.0,
             "options": {"capacity": args.capacity, "trace": str(raw)}}
     kv = KVTransferConfig(kv_connector="KVPlugConnector",
                           kv_connector_module_path="kvplug.connector", kv_role="kv_both",

@@ -19,11 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from stored_bytes_fuzz import TARGETS, Campaign  # noqa: E402
+
+from tests.support.stored_bytes_fuzz import TARGETS, Campaign
 
 BATCH = 200  # examples per hypothesis run (a fresh seed each)
 

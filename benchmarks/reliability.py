@@ -23,17 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
-sys.path.insert(0, str(TESTS))
-
 
 def crash(args: argparse.Namespace) -> dict:
-    from crash_campaign import run_campaign
+    from tests.support.crash_campaign import run_campaign
 
     with tempfile.TemporaryDirectory(prefix="kvplug-crash-", dir=args.dir) as d:
         fig = run_campaign(args.kind, Path(d) / "store", kills=args.kills, seed=args.seed)
@@ -41,7 +37,7 @@ def crash(args: argparse.Namespace) -> dict:
 
 
 def disk(args: argparse.Namespace) -> dict:
-    from disk_faults import run_disk_faults
+    from tests.support.disk_faults import run_disk_faults
 
     return run_disk_faults(args.size_mib << 20, stores=args.stores)
 
@@ -51,7 +47,8 @@ def fuzz(args: argparse.Namespace) -> dict:
 
     from kvplug import chunkfile as cf
     from kvplug.errors import ChunkFormatError
-    from test_fuzz_inputs import _valid, mutate
+
+    from tests.faults.test_fuzz_inputs import _valid, mutate
 
     rng = random.Random(args.seed)
     fig = {"cases": 0, "rejected": 0, "accepted": 0, "escaped": [], "over_reads": 0,
@@ -82,9 +79,10 @@ def fuzz(args: argparse.Namespace) -> dict:
 
 
 def corruption(args: argparse.Namespace) -> dict:
-    from corruption_campaign import run_corruption, summary
     from kvplug.connector.demo.model import make_model
-    from vllm_helpers import prompt
+
+    from tests.support.corruption_campaign import run_corruption, summary
+    from tests.support.vllm_helpers import prompt
 
     with tempfile.TemporaryDirectory(prefix="kvplug-corrupt-", dir=args.dir) as d:
         model = make_model("tiny", root=Path(d) / "models")

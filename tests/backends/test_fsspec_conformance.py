@@ -7,7 +7,8 @@ import uuid
 import fsspec
 import pytest
 from kvplug.testing import BackendConformance
-from s3_server import moto_server, s3  # noqa: F401 - fixtures
+
+from tests.support.s3_server import moto_server, s3  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import fill_random, make_key
-from s3_server import BUCKET, MotoServer, S3Env, moto_server, s3, set_aws_env  # noqa: F401
+
+from tests.support.s3_server import BUCKET, MotoServer, S3Env, moto_server, s3, set_aws_env  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 SHAPE = (4, 2, 4096)  # 4 layers of 2 pages: 32 KiB

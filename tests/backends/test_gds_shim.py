@@ -44,7 +44,7 @@ SHIM_C = "\n".join([
     *[f"int {name}(void) {{ return 0; }}" for name in _ZERO],
 ]) + "\n"
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("kvikio") is None,
@@ -63,7 +63,7 @@ def test_kvikio_host_path_through_test_only_libcuda_shim(tmp_path):
                    p for p in (str(tmp_path), os.environ.get("LD_LIBRARY_PATH")) if p))
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-         str(REPO / "tests" / "test_gds_kvikio.py")],
+         str(REPO / "tests" / "backends" / "test_gds_kvikio.py")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     tail = (res.stdout + res.stderr)[-4000:]

@@ -8,11 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mooncake_store import run_in_private_netns
+
+from tests.support.mooncake_store import run_in_private_netns
 
 pytestmark = pytest.mark.timeout(600)
 TESTS = Path(__file__).resolve().parent
 
 
 def test_mooncake_tier_in_private_netns(tmp_path):
-    run_in_private_netns(TESTS / "mooncake_netns_suite.py", tmp_path / "inner")
+    run_in_private_netns(TESTS / "test_mooncake_netns.py", tmp_path / "inner")

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import time
 
-import in_place_reads
 import pytest
 import torch
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import BackendConformance
 from kvplug.testing.conformance import make_key
-from mooncake_store import MooncakeMaster
-from tier_workload import HANG, get_exact, put_random
+
+from tests.support import in_place_reads
+from tests.support.mooncake_store import MooncakeMaster
+from tests.support.tier_workload import HANG, get_exact, put_random
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,7 +13,8 @@ from kvplug import chunkfile as cf
 from kvplug.backends.posix import backend as posix_mod
 from kvplug.backends.posix.index import PosixIndex, ScanResult, pack_rel, unpack_rel
 from kvplug.keys import CacheKey
-from test_posix import backend, key, obj_for, put
+
+from tests.backends.test_posix import backend, key, obj_for, put
 
 
 def rel_of(rng: random.Random, model: str = "Qwen/Qwen2.5-7B-Instruct") -> str:

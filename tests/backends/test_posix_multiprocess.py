@@ -187,7 +187,8 @@ def test_two_managers_evicting_the_same_file_keep_the_capacity(tmp_path):
     must look again and evict one more, or the directory stays a chunk over for good (and each
     such race adds one). Two managers in one process, in a fixed order, with rescans off."""
     from kvplug.storage_manager import StorageManager
-    from tier_workload import put_random
+
+    from tests.support.tier_workload import put_random
 
     def manager(capacity: int) -> StorageManager:
         return StorageManager({"tiers": [{"backend": "posix", "options": {

@@ -12,7 +12,8 @@ import threading
 
 from kvplug import chunkfile as cf
 from kvplug.backends.posix import reaper as reaper_mod
-from test_posix import backend, key, obj_for, put
+
+from tests.backends.test_posix import backend, key, obj_for, put
 
 FILE = cf.ALIGN + 3 * cf.align_up(2 * 2500)  # one test chunk's file
 

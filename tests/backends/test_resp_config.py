@@ -10,7 +10,8 @@ import pytest
 from kvplug.errors import ConfigError
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import fill_random, make_key
-from redis_server import RedisServer
+
+from tests.support.redis_server import RedisServer
 
 SECRET = "pw-Zq81-never-logged"
 

@@ -8,7 +8,8 @@ import uuid
 
 import pytest
 from kvplug.testing import BackendConformance
-from redis_server import RedisServer, redis_server  # noqa: F401 - fixture
+
+from tests.support.redis_server import RedisServer, redis_server  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,7 +63,7 @@ class TestRespUnixSocketWithPassword(BackendConformance):
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """One three-master cluster for the module (it takes seconds to form)."""
-    from redis_server import RedisClusterServers
+    from tests.support.redis_server import RedisClusterServers
 
     servers = RedisClusterServers(tmp_path_factory.mktemp("cluster"))
     yield servers

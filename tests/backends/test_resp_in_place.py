@@ -9,13 +9,14 @@ import socket
 import threading
 import time
 
-import in_place_reads
 import pytest
 import torch
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import make_key
-from redis_server import redis_server  # noqa: F401 - fixture
-from tier_workload import HANG
+
+from tests.support import in_place_reads
+from tests.support.redis_server import redis_server  # noqa: F401 - fixture
+from tests.support.tier_workload import HANG
 
 pytestmark = pytest.mark.timeout(120)
 

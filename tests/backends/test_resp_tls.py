@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 from kvplug.storage_manager import StorageManager
-from redis_server import RedisServer
-from test_resp_faults import get_exact, key, put
-from tier_workload import HANG
+
+from tests.faults.test_resp_faults import get_exact, key, put
+from tests.support.redis_server import RedisServer
+from tests.support.tier_workload import HANG
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = "tls-pw-Q7x-never-logged"

@@ -21,7 +21,8 @@ from kvplug.backends.posix import backend as posix_mod
 from kvplug.hookspecs import TierContext
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, heap_memory_obj
-from redis_server import redis_server  # noqa: F401 - fixture
+
+from tests.support.redis_server import redis_server  # noqa: F401 - fixture
 
 HANG_S = 30  # only catches a hang
 
@@ -112,9 +113,10 @@ def test_value_tier_a_read_without_scratch_gives_back_its_objects(redis_server):
     """resp against a real redis-server, reads in place into L1's pool: when the thread's
     scratch buffer cannot be had (``io.scratch`` raises), the pool objects already allocated for
     the read are given back (before: leaked; L1's pool stayed in use with every entry evicted)."""
-    from in_place_reads import L1, _store
     from kvplug.storage_manager import StorageManager
     from kvplug.testing.conformance import make_key
+
+    from tests.support.in_place_reads import L1, _store
 
     def tier() -> dict:
         return {"backend": "resp", "timeout_s": 5.0,

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from codec_metrics import agreement
-from vllm_helpers import prompt, run_scenario, transfer_config
+
+from tests.support.codec_metrics import agreement
+from tests.support.vllm_helpers import prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)

@@ -13,7 +13,8 @@ the comparison is hit against hit with the same (unchunked) engine.
 from __future__ import annotations
 
 import pytest
-from vllm_helpers import kvplug_config, prompt, run_scenario, transfer_config
+
+from tests.support.vllm_helpers import kvplug_config, prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)
@@ -97,7 +98,7 @@ def test_corrupted_load_path_is_detected(model, store_dir, bulk):
     """Control: pages permuted before they reach the blocks change the output (the connector
     module tests/permuted_load.py monkeypatches the worker's scatter in the engine's processes)."""
     kv = {**transfer_config("kvplug", kvplug_config(store_dir, posix=False)),
-          "kv_connector_module_path": "permuted_load"}
+          "kv_connector_module_path": "tests.support.permuted_load"}
     cold, warm = run_scenario(model, kv, [("gen", P, None), ("gen", P, None)], CHUNKED)
     assert warm["kvplug"]["loaded_tokens"] == 1536
     assert same(cold, bulk["cold"])

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_helpers import REPO, prompt, run_script, transfer_config
+
+from tests.support.vllm_helpers import REPO, prompt, run_script, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -47,9 +48,10 @@ def _wait(cond, what: str) -> None:
 
 def _drive(spec: dict) -> dict:
     """The engine process: the three scenarios above; returns what the test asserts on."""
-    import vllm_helpers as h
-    from test_connector_engine_async import worker_state
     from vllm import SamplingParams, TokensPrompt
+
+    from tests.engine.test_connector_engine_async import worker_state
+    from tests.support import vllm_helpers as h
 
     gate = Path(spec["gate"])
     llm = h.make_llm(spec["model"], spec["kv"], max_num_batched_tokens=CHUNK)
@@ -113,13 +115,13 @@ def test_background_loads_on_an_engine(tmp_path):
     gate = tmp_path / "gate"
     gate.mkdir()
     (gate / "open").touch()
-    tier = {"backend": "tiers_for_tests:GatedTier", "name": "gated", "timeout_s": HANG_S,
+    tier = {"backend": "tests.support.tiers_for_tests:GatedTier", "name": "gated", "timeout_s": HANG_S,
             "options": {"gate": str(gate), "max_wait_s": HANG_S}}
     kv = transfer_config("kvplug", {"tiers": [tier]})
     spec = json.dumps({"model": str(model), "kv": kv, "gate": str(gate)})
-    code = (f"import json, os, sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
+    code = (f"import json, os, sys; sys.path.insert(0, {str(REPO)!r}); "
             "os.environ['VLLM_ALLOW_INSECURE_SERIALIZATION'] = '1'; "
-            "import vllm_helpers as h; from test_connector_engine_async import _drive; "
+            "from tests.support import vllm_helpers as h; from tests.engine.test_connector_engine_async import _drive; "
             f"print(h.RESULT + json.dumps(_drive(json.loads({spec!r})), default=str), flush=True)")
     r = run_script(code, timeout=900)
 

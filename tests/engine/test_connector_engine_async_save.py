@@ -7,7 +7,8 @@ chunked prefill cut at kvplug's chunk boundaries, so only kvplug's hit differs."
 from __future__ import annotations
 
 import pytest
-from vllm_helpers import kvplug_config, prompt, run_scenario, transfer_config
+
+from tests.support.vllm_helpers import kvplug_config, prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout

@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from vllm_helpers import REPO, RESULT, kvplug_config, prompt, run_script, transfer_config
+
+from tests.support.vllm_helpers import REPO, RESULT, kvplug_config, prompt, run_script, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
@@ -39,7 +40,7 @@ def model(tmp_path_factory):
 
 def _chat(spec: dict) -> list[dict]:
     """In the engine's process: run the chat; ``evict``: fillers before every later turn."""
-    import vllm_helpers as h
+    from tests.support import vllm_helpers as h
 
     llm = h.make_llm(spec["model"], spec["kv"], **spec["engine"])
     history, out = list(spec["first"]), []
@@ -62,8 +63,8 @@ def chat(model, tmp_path, evict: bool, params: dict | None) -> list[dict]:
     spec = {"model": str(model), "kv": transfer_config("kvplug", kvplug_config(tmp_path)),
             "engine": ENGINE, "first": FIRST, "turns": TURNS, "fillers": FILLERS,
             "evict": evict, "params": params}
-    code = (f"import json, sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
-            "import test_connector_engine_chat as t; "
+    code = (f"import json, sys; sys.path.insert(0, {str(REPO)!r}); "
+            "from tests.engine import test_connector_engine_chat as t; "
             f"print({RESULT!r} + json.dumps(t._chat(json.loads({json.dumps(spec)!r}))), "
             "flush=True)")
     return run_script(code, timeout=900)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from vllm_helpers import REPO, kvplug_config, prompt, run_script, transfer_config
+
+from tests.support.vllm_helpers import REPO, kvplug_config, prompt, run_script, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)
@@ -25,9 +26,10 @@ def store_totals(worker) -> dict[str, int]:
 
 def _run(model, kv, tokens):
     spec = json.dumps({"model": str(model), "kv": kv, "tokens": tokens})
-    code = (f"import json, os, sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
+    code = (f"import json, os, sys; sys.path.insert(0, {str(REPO)!r}); "
             "os.environ['VLLM_ALLOW_INSECURE_SERIALIZATION'] = '1'; "
-            "import vllm_helpers as h; from test_connector_engine_repeat import store_totals; "
+            "from tests.support import vllm_helpers as h; "
+            "from tests.engine.test_connector_engine_repeat import store_totals; "
             f"s = json.loads({spec!r}); "
             "llm = h.make_llm(s['model'], s['kv'], enable_prefix_caching=True); out = []\n"
             "for _ in range(2):\n"

@@ -21,7 +21,8 @@ and rejected). Run with ``-s`` to see the measured counters.
 from __future__ import annotations
 
 import pytest
-from vllm_helpers import kvplug_config, prompt, run_scenario, transfer_config
+
+from tests.support.vllm_helpers import kvplug_config, prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 ENGINES_IN_PROCESS = True
@@ -77,7 +78,7 @@ def ngram(models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def draft_model(models, tmp_path_factory):
-    return _runs(models, "draft_model", tmp_path_factory.mktemp("draft"), "draft_poisoned_load")
+    return _runs(models, "draft_model", tmp_path_factory.mktemp("draft"), "tests.support.draft_poisoned_load")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ cold prefill under the same chunked-prefill settings (see test_connector_engine.
 from __future__ import annotations
 
 import pytest
-from vllm_helpers import kvplug_config, prompt, run_scenario, transfer_config
+
+from tests.support.vllm_helpers import kvplug_config, prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout

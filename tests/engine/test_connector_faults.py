@@ -5,7 +5,8 @@ cold output (the blocks are recomputed) and the failure is reported."""
 from __future__ import annotations
 
 import pytest
-from vllm_helpers import prompt, run_scenario, transfer_config
+
+from tests.support.vllm_helpers import prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
@@ -19,7 +20,7 @@ def results(tmp_path_factory):
 
     model = make_model("tiny", root=tmp_path_factory.getbasetemp() / "models")
     control = tmp_path_factory.mktemp("fault") / "mode"
-    extra = {"tiers": [{"backend": "vllm_helpers:FaultTier", "options": {"control": str(control)},
+    extra = {"tiers": [{"backend": "tests.support.vllm_helpers:FaultTier", "options": {"control": str(control)},
                         "timeout_s": 1.0}],
              "lookup_timeout_s": 1.0}
     steps: list[tuple] = []

@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from vllm_helpers import (
+
+from tests.support.vllm_helpers import (
     kvplug_config,
     prompt,
     run_scenario,
@@ -115,7 +116,7 @@ def test_control_without_the_window_output_changes(model, tmp_path, swa):
     """Control: a connector that loads only the full-attention groups (tests/hma_no_window.py)
     gets the same hit but not the same output, so the exactness check above can fail."""
     kv = {**transfer_config("kvplug", kvplug_config(tmp_path, posix=False, chunk_size=CHUNK)),
-          "kv_connector_module_path": "hma_no_window"}
+          "kv_connector_module_path": "tests.support.hma_no_window"}
     cold, warm = run_scenario(model, kv, [("gen", P, None), ("gen", P, None)], STEP)
     assert same(cold, swa["cold"])
     assert warm["kvplug"]["loaded_tokens"] == 1664

@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from corruption_campaign import run_corruption, summary
-from vllm_helpers import prompt
+
+from tests.support.corruption_campaign import run_corruption, summary
+from tests.support.vllm_helpers import prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout

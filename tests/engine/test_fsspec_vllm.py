@@ -9,8 +9,9 @@ as in test_connector_engine.py).
 from __future__ import annotations
 
 import pytest
-from s3_server import moto_server, s3  # noqa: F401 - fixtures
-from vllm_helpers import prompt, run_scenario, transfer_config
+
+from tests.support.s3_server import moto_server, s3  # noqa: F401 - fixtures
+from tests.support.vllm_helpers import prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout

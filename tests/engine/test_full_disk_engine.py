@@ -14,7 +14,8 @@ import json
 import os
 
 import pytest
-from vllm_helpers import REPO, kvplug_config, prompt, run_script, transfer_config
+
+from tests.support.vllm_helpers import REPO, kvplug_config, prompt, run_script, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)
@@ -29,9 +30,9 @@ def _drive(spec: dict) -> dict:
     import subprocess
     from pathlib import Path
 
-    import vllm_helpers as h
-    from corruption_campaign import _verify_all, worker_posix_stats
-    from crash_campaign import _files
+    from tests.support import vllm_helpers as h
+    from tests.support.corruption_campaign import _verify_all, worker_posix_stats
+    from tests.support.crash_campaign import _files
 
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
@@ -63,9 +64,9 @@ def run(tmp_path_factory):
     kv["kv_connector_extra_config"]["tiers"][0]["options"]["capacity"] = "1GiB"
     spec = json.dumps({"model": str(model), "kv": kv, "mnt": str(mnt), "disk": DISK,
                        "prompts": PROMPTS})
-    code = (f"import json, os, sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
+    code = (f"import json, os, sys; sys.path.insert(0, {str(REPO)!r}); "
             "os.environ['VLLM_ALLOW_INSECURE_SERIALIZATION'] = '1'; "
-            "import vllm_helpers as h; from test_full_disk_engine import _drive; "
+            "from tests.support import vllm_helpers as h; from tests.engine.test_full_disk_engine import _drive; "
             f"print(h.RESULT + json.dumps(_drive(json.loads({spec!r}))), flush=True)")
     out = run_script(code, timeout=850)
     if "skip" in out:

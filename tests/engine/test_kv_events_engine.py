@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_helpers import REPO, RESULT, kvplug_config, prompt, run_script, transfer_config  # noqa: E402
+from tests.support.vllm_helpers import REPO, RESULT, kvplug_config, prompt, run_script, transfer_config
 
 ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)
 BLOCK = 128  # vLLM's CPU block size
@@ -42,10 +42,11 @@ def _event(e: Any, phase: str) -> dict[str, Any]:
 def _drive(spec: dict[str, Any]) -> dict[str, Any]:
     """Runs in a fresh process: subscriber + engine, the prompts, filler until events arrive."""
     import msgspec
-    import vllm_helpers as h
     import zmq
     from vllm.config import KVEventsConfig
     from vllm.distributed.kv_events import KVEventBatch
+
+    from tests.support import vllm_helpers as h
 
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
@@ -121,8 +122,8 @@ def _run(tmp_path, events_on: bool, rounds: int = 0, tp: int = 1) -> dict[str, A
     spec = {"model": str(model), "kv": transfer_config("kvplug", cfg), "events": events_on,
             "rounds": rounds, "prompts": [prompt(PROMPT, 11), prompt(PROMPT, 12)],
             "engine": engine}
-    code = (f"import json, sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
-            "import test_kv_events_engine as t; "
+    code = (f"import json, sys; sys.path.insert(0, {str(REPO)!r}); "
+            "from tests.engine import test_kv_events_engine as t; "
             f"print({RESULT!r} + json.dumps(t._drive(json.loads({json.dumps(spec)!r}))), "
             "flush=True)")
     # TP: a core per worker (an explicit setting wins), as in test_parallel_engine.py
@@ -206,8 +207,9 @@ def test_kvplug_serve_publishes_tier_events(tmp_path):
     import msgspec
     import zmq
     from kvplug.connector.demo.model import make_model
-    from server_helpers import TINY_SERVER_ARGS, free_port, kvplug_cli, running_server
     from vllm.distributed.kv_events import KVEventBatch
+
+    from tests.support.server_helpers import TINY_SERVER_ARGS, free_port, kvplug_cli, running_server
 
     model = make_model("tiny", root=tmp_path.parent / "models")  # built once per session
     cfg = tmp_path / "kvplug.yaml"

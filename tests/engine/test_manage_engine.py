@@ -18,11 +18,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from server_helpers import TINY_SERVER_ARGS, free_port, kvplug_cli, running_server
+
+from tests.support.server_helpers import TINY_SERVER_ARGS, free_port, kvplug_cli, running_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 KEY = "test-key-" + "5" * 8
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mooncake_netns_engine import MODEL_ENV
-from mooncake_store import run_in_private_netns
+
+from tests.engine.test_mooncake_engine_netns import MODEL_ENV
+from tests.support.mooncake_store import run_in_private_netns
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 TESTS = Path(__file__).resolve().parent
@@ -19,6 +20,6 @@ def test_two_engines_share_one_mooncake_master(tmp_path, tmp_path_factory):
     from kvplug.connector.demo.model import make_model
 
     model = make_model("tiny", root=tmp_path_factory.getbasetemp() / "models")
-    out = run_in_private_netns(TESTS / "mooncake_netns_engine.py", tmp_path / "inner",
+    out = run_in_private_netns(TESTS / "test_mooncake_engine_netns.py", tmp_path / "inner",
                                timeout=860, env={MODEL_ENV: str(model)}, args=("-s",))
     print(next((line for line in out.splitlines() if line.startswith("MOONCAKE-ENGINE ")), out))

@@ -15,9 +15,10 @@ import json
 import os
 
 import pytest
-from mooncake_store import MooncakeMaster
-from shared_store_engines import check, run_engines
-from vllm_helpers import transfer_config
+
+from tests.support.mooncake_store import MooncakeMaster
+from tests.support.shared_store_engines import check, run_engines
+from tests.support.vllm_helpers import transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(800)]
 ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout

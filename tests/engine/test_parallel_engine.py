@@ -21,7 +21,8 @@ from collections import Counter
 
 import pytest
 from kvplug.tokens import TokenDatabase
-from vllm_helpers import kvplug_config, prompt, run_scenario, stored_chunks, transfer_config
+
+from tests.support.vllm_helpers import kvplug_config, prompt, run_scenario, stored_chunks, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout

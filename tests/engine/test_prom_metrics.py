@@ -13,7 +13,8 @@ import time
 import urllib.request
 
 import pytest
-from server_helpers import TINY_SERVER_ARGS, free_port, kvplug_cli, running_server, vllm_server
+
+from tests.support.server_helpers import TINY_SERVER_ARGS, free_port, kvplug_cli, running_server, vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 CHUNK = 256

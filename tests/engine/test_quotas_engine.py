@@ -10,7 +10,8 @@ same way, tests/test_quotas.py). One posix tier of 16 MiB; a tiny-model chunk of
 from __future__ import annotations
 
 import pytest
-from vllm_helpers import prompt, run_scenario, transfer_config
+
+from tests.support.vllm_helpers import prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)

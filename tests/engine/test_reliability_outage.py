@@ -29,7 +29,8 @@ import math
 import time
 
 import pytest
-from vllm_helpers import REPO, prompt, run_script, transfer_config
+
+from tests.support.vllm_helpers import REPO, prompt, run_script, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -65,10 +66,11 @@ def _drive(spec: dict) -> dict:
     """The engine's driver process: the moto server, the engine, the outage cycles."""
     import os
 
-    import vllm_helpers as h
-    from s3_server import CREDENTIALS, MotoServer, S3Env
-    from test_reliability_outage import flush_tiers, fsspec_state
     from vllm import SamplingParams, TokensPrompt
+
+    from tests.engine.test_reliability_outage import flush_tiers, fsspec_state
+    from tests.support import vllm_helpers as h
+    from tests.support.s3_server import CREDENTIALS, MotoServer, S3Env
 
     for k, v in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
                  ("AWS_DEFAULT_REGION", "us-east-1")):
@@ -181,9 +183,9 @@ def test_store_outage_while_serving(tmp_path):
 
     model = make_model("tiny", root=tmp_path.parent / "models")  # built once per session
     spec = json.dumps({"model": str(model)})
-    code = (f"import json, os, sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
+    code = (f"import json, os, sys; sys.path.insert(0, {str(REPO)!r}); "
             "os.environ['VLLM_ALLOW_INSECURE_SERIALIZATION'] = '1'; "
-            "import vllm_helpers as h; from test_reliability_outage import _drive; "
+            "from tests.support import vllm_helpers as h; from tests.engine.test_reliability_outage import _drive; "
             f"print(h.RESULT + json.dumps(_drive(json.loads({spec!r}))), flush=True)")
     r = run_script(code, timeout=880)
     print("OUTAGE-FIGURES " + json.dumps(check_outage(r)))

@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 import pytest
-from s3_server import BUCKET, CREDENTIALS, MotoServer, S3Env, set_aws_env
-from vllm_helpers import REPO, prompt, run_script, transfer_config
+
+from tests.support.s3_server import BUCKET, CREDENTIALS, MotoServer, S3Env, set_aws_env
+from tests.support.vllm_helpers import REPO, prompt, run_script, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ENGINES_IN_PROCESS = False  # in-process, its two engines once computed different references (not understood yet)
@@ -52,8 +53,8 @@ def tier_state(_worker) -> dict[str, dict[str, float]]:
 
 def _engine(spec: dict) -> dict:
     """One engine process: references, then rounds of the prompts in its own order."""
-    import vllm_helpers as h
-    from test_reliability_shared import tier_state
+    from tests.engine.test_reliability_shared import tier_state
+    from tests.support import vllm_helpers as h
 
     llm = h.make_llm(spec["model"], spec["kv"], max_num_batched_tokens=CHUNK,
                      max_model_len=2048, num_gpu_blocks_override=32)
@@ -106,9 +107,10 @@ def test_two_engines_share_tiers(tmp_path, monkeypatch):
 
         def one(seed: int) -> None:
             spec = json.dumps({"model": str(model), "kv": kv, "seed": seed})
-            code = (f"import json, os, sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
+            code = (f"import json, os, sys; sys.path.insert(0, {str(REPO)!r}); "
                     "os.environ['VLLM_ALLOW_INSECURE_SERIALIZATION'] = '1'; "
-                    "import vllm_helpers as h; from test_reliability_shared import _engine; "
+                    "from tests.support import vllm_helpers as h; "
+                    "from tests.engine.test_reliability_shared import _engine; "
                     f"print(h.RESULT + json.dumps(_engine(json.loads({spec!r}))), flush=True)")
             try:
                 results[seed] = run_script(code, timeout=840)

@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from redis_server import RedisServer
-from shared_store_engines import check, run_engines
-from vllm_helpers import transfer_config
+
+from tests.support.redis_server import RedisServer
+from tests.support.shared_store_engines import check, run_engines
+from tests.support.vllm_helpers import transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout

@@ -14,7 +14,8 @@ import subprocess
 import time
 
 import pytest
-from server_helpers import TINY_SERVER_ARGS, free_port, kvplug_cli, running_server
+
+from tests.support.server_helpers import TINY_SERVER_ARGS, free_port, kvplug_cli, running_server
 
 CHUNK = 256
 BLOCK = 128  # TINY_SERVER_ARGS' --block-size

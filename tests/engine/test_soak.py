@@ -16,7 +16,8 @@ import subprocess
 import sys
 
 import pytest
-from vllm_helpers import REPO, engine_env
+
+from tests.support.vllm_helpers import REPO, engine_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -28,7 +29,7 @@ REQUESTS = 160
 
 def _soak(tmp_path, *extra: str) -> dict:
     engine_env()
-    cmd = [sys.executable, str(REPO / "benchmarks" / "soak.py"), "--requests", str(REQUESTS),
+    cmd = [sys.executable, "-m", "benchmarks.soak", "--requests", str(REQUESTS),
            "--warmup", "40", "--max-seconds", "400", "--sample-every", "20", "--s3",
            "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
            # measured on this machine's current wheels: hits whose tokens all equal the full
@@ -68,7 +69,7 @@ def test_soak_detects_wrong_loads(tmp_path):
     """Control: pages permuted on load -> the soak counts wrong outputs and fails. 16 prompts (16
     references to compute, not 48) and 40 requests suffice: nearly every request hits (measured:
     32 of 33 finished requests loaded KV, 7 were wrong)."""
-    s = _soak(tmp_path, "--connector-module", "permuted_load", "--requests", "40", "--warmup",
+    s = _soak(tmp_path, "--connector-module", "tests.support.permuted_load", "--requests", "40", "--warmup",
               "10", "--prompts", "16", "--docs", "6")
     assert s["wrong"] > 0 and not s["checks"]["wrong_outputs_zero"] and not s["ok"]
 
@@ -76,8 +77,7 @@ def test_soak_detects_wrong_loads(tmp_path):
 def test_compare_verdicts():
     """The soak's comparison (no engine): exact, close (bf16 batch noise), a near-tie that
     parts the answers, and wrong (a far token, or a logprob off by more than the tolerance)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from soak import compare
+    from benchmarks.soak import compare
 
     ref = ([5, 6, 7], [-1.0, -2.0, -0.5], [{5: -1.0, 9: -3.0}, {6: -2.0, 8: -2.01}, {7: -0.5}])
     assert compare([5, 6, 7], [-1.0, -2.0, -0.5], ref, 0.05) == ("exact", 0.0)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NAME = "mystore"
 
 
@@ -127,8 +127,8 @@ def test_storage_manager_round_trips_through_it(venv):
 
 ENGINE = """
 import json, sys
-sys.path.insert(0, TESTS)
-from vllm_helpers import generate, make_llm, prompt, transfer_config
+sys.path.insert(0, REPO)
+from tests.support.vllm_helpers import generate, make_llm, prompt, transfer_config
 from kvplug.connector.demo.model import make_model
 
 model = make_model("tiny")
@@ -153,7 +153,7 @@ def test_vllm_engine_serves_a_warm_hit_from_the_generated_tier(venv):
     check = run([str(venv["python"]), "-c", "import vllm, kvplug.connector.connector"])
     if check.returncode != 0:
         pytest.skip(f"vLLM or kvplug's connector is not importable: {check.stderr[-300:]}")
-    code = ENGINE.replace("TESTS", repr(str(REPO / "tests"))).replace("NAME", NAME)
+    code = ENGINE.replace("REPO", repr(str(REPO))).replace("NAME", NAME)
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     out = run([str(venv["python"]), "-c", code], timeout=900, env=env, cwd=venv["root"])

@@ -15,15 +15,16 @@ import logging
 import os
 from pathlib import Path
 
-import auth_attacks as aa
 import pytest
 import torch
 from kvplug import chunkfile as cf
 from kvplug.errors import ChunkFormatError, ChunkVersionError, ConfigError
 from kvplug.storage_manager import StorageManager
-from mooncake_store import run_in_private_netns
-from redis_server import RedisServer, redis_server  # noqa: F401 - fixture
-from s3_server import S3Env, moto_server, s3  # noqa: F401 - fixtures
+
+from tests.support import auth_attacks as aa
+from tests.support.mooncake_store import run_in_private_netns
+from tests.support.redis_server import RedisServer, redis_server  # noqa: F401 - fixture
+from tests.support.s3_server import S3Env, moto_server, s3  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.timeout(180)
 TESTS = Path(__file__).resolve().parent
@@ -360,7 +361,7 @@ def test_resp_redis_rotation(secrets, redis_server):  # noqa: F811 - fixture
 # -- Mooncake, in a private network namespace ----------------------------------------------------
 
 def test_mooncake_attacks_in_private_netns(secrets, tmp_path):
-    run_in_private_netns(TESTS / "mooncake_auth_netns.py", tmp_path / "inner")
+    run_in_private_netns(TESTS / "test_auth_chunks_netns.py", tmp_path / "inner")
 
 
 def test_posix_codec_chunks_authenticated(secrets, tmp_path):

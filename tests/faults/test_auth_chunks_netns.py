@@ -4,12 +4,13 @@ with the secrets in the environment."""
 
 from __future__ import annotations
 
-import auth_attacks as aa
 import pytest
 import torch
 from kvplug import chunkfile as cf
 from kvplug.storage_manager import StorageManager
-from mooncake_store import MooncakeMaster
+
+from tests.support import auth_attacks as aa
+from tests.support.mooncake_store import MooncakeMaster
 
 pytestmark = pytest.mark.timeout(300)
 

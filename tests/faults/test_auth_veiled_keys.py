@@ -15,13 +15,14 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import auth_attacks as aa
 import pytest
 import torch
 from kvplug import chunkfile as cf
 from kvplug.keys import CacheKey
 from kvplug.storage_manager import StorageManager
-from redis_server import RedisServer, redis_server  # noqa: F401 - fixture
+
+from tests.support import auth_attacks as aa
+from tests.support.redis_server import RedisServer, redis_server  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -13,9 +13,10 @@ import logging
 
 import pytest
 import torch
-from codec_helpers import LAYERS, files, header_of, key, kv_obj, manager, posix, stored
 from kvplug import chunkfile as cf
 from kvplug.memory import heap_memory_obj
+
+from tests.support.codec_helpers import LAYERS, files, header_of, key, kv_obj, manager, posix, stored
 
 
 # -- bad input ---------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ import os
 import time
 
 import pytest
-from crash_campaign import run_campaign
+
+from tests.support.crash_campaign import run_campaign
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -47,8 +48,9 @@ def test_sigkill_mid_write_loses_nothing_acknowledged(tmp_path, kind):
 def test_restart_deletes_stale_temps_and_ignores_fresh_ones(tmp_path, kind):
     """A crashed writer's temporary file (part of a chunk) is never indexed or read; once older
     than TEMP_MAX_AGE_S a restarting tier deletes it; a fresh one (a live writer's) is kept."""
-    from crash_campaign import check_file, key_for, make_tier, payload_for
     from kvplug import chunkfile as cf
+
+    from tests.support.crash_campaign import check_file, key_for, make_tier, payload_for
 
     root = tmp_path / "store"
     tier = make_tier(kind, root)
@@ -78,8 +80,9 @@ def test_restart_deletes_stale_temps_and_ignores_fresh_ones(tmp_path, kind):
 
 def test_check_file_detects_damage(tmp_path):
     """The control for the campaign's check: a flipped byte or a cut file is reported."""
-    from crash_campaign import check_file, key_for, make_tier, payload_for
     from kvplug import chunkfile as cf
+
+    from tests.support.crash_campaign import check_file, key_for, make_tier, payload_for
 
     root = tmp_path / "store"
     tier = make_tier("posix", root)
@@ -131,11 +134,12 @@ def _record_syscalls(monkeypatch):
 
 @pytest.mark.parametrize("fsync", [True, False])
 def test_power_cut_order_file_then_rename_then_directories(tmp_path, monkeypatch, fsync):
-    from crash_campaign import key_for, payload_for
     from kvplug import chunkfile as cf
     from kvplug.backends.posix import PosixBackend
     from kvplug.hookspecs import TierContext
     from kvplug.memory import heap_memory_obj
+
+    from tests.support.crash_campaign import key_for, payload_for
 
     root = tmp_path / "store"
     be = PosixBackend(TierContext("disk", PosixBackend.Options(path=str(root), fsync=fsync),

@@ -22,7 +22,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from disk_faults import CHUNK_FILE
+
+from tests.support.disk_faults import CHUNK_FILE
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -31,7 +32,7 @@ DISK = 12 << 20
 
 @pytest.fixture(scope="module")
 def results():
-    from disk_faults import DiskFaultsUnavailable, run_disk_faults
+    from tests.support.disk_faults import DiskFaultsUnavailable, run_disk_faults
 
     try:
         return run_disk_faults(DISK)

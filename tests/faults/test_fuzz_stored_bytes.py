@@ -14,7 +14,8 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from stored_bytes_fuzz import TARGETS, Campaign  # noqa: E402
+
+from tests.support.stored_bytes_fuzz import TARGETS, Campaign  # noqa: E402
 
 EXAMPLES = {"header": 120, "frame": 60, "posix": 40, "fsspec": 40, "value": 60, "resp": 80}
 OPS = st.lists(st.integers(0, 6), min_size=1, max_size=3)

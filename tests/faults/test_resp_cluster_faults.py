@@ -14,9 +14,10 @@ import time
 
 import pytest
 from kvplug.storage_manager import StorageManager
-from redis_server import RedisClusterServers
-from test_resp_faults import get_exact, key, manager, mgr_faults, put
-from tier_workload import HANG
+
+from tests.faults.test_resp_faults import get_exact, key, manager, mgr_faults, put
+from tests.support.redis_server import RedisClusterServers
+from tests.support.tier_workload import HANG
 
 pytestmark = pytest.mark.timeout(180)
 N = 24  # chunks per round: every master holds some

@@ -11,12 +11,13 @@ import threading
 import time
 
 import pytest
-import tier_workload
 import torch
 from kvplug.keys import CacheKey
 from kvplug.storage_manager import StorageManager
-from redis_server import RedisServer
-from tier_workload import HANG, put_random
+
+from tests.support import tier_workload
+from tests.support.redis_server import RedisServer
+from tests.support.tier_workload import HANG, put_random
 
 pytestmark = pytest.mark.timeout(180)
 

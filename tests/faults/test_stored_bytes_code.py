@@ -21,10 +21,11 @@ import uuid
 
 import pytest
 import torch
-from codec_helpers import BLOCKS, LAYERS, PAGE, key, manager, posix
 from kvplug import chunkfile as cf
 from kvplug.codecs import build_frame
 from kvplug.memory import MemoryFormat, MemoryObj, MemoryObjMeta
+
+from tests.support.codec_helpers import BLOCKS, LAYERS, PAGE, key, manager, posix
 
 MODULE_BODY = """
 import pathlib
@@ -111,7 +112,7 @@ def test_the_configured_module_path_codec_still_reads_its_own_chunks(tmp_path, p
     mgr = manager(posix(root, f"{name}:Evil"))
     assert marker.exists()  # the operator's config imported it (trusted)
     try:
-        from codec_helpers import kv_obj, stored
+        from tests.support.codec_helpers import kv_obj, stored
 
         o = kv_obj(3)
         stored(mgr, key(0), o)

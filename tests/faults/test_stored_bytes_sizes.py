@@ -131,7 +131,7 @@ def test_heap_fallback_is_capped_and_returns_with_the_last_reference(tmp_path):
     chunk = 4 * 2 * 4096
     l1 = {"backend": "local_cpu", "name": "l1", "options": {"capacity": 4 * chunk}}
     cfg = {"chunk_size": 16, "max_heap_fallback": 3 * chunk,
-           "tiers": [l1, {"backend": "tiers_for_tests:DictTier", "name": "lower"}]}
+           "tiers": [l1, {"backend": "tests.support.tiers_for_tests:DictTier", "name": "lower"}]}
     with StorageManager(cfg) as mgr:
         keys = [make_key(i) for i in range(12)]
         for i, k in enumerate(keys):
@@ -164,7 +164,7 @@ class _MotoProcess:
         import sys
         import time
 
-        from server_process import free_port
+        from tests.support.server_process import free_port
 
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -193,7 +193,7 @@ class _MotoProcess:
 @pytest.mark.timeout(300)
 def test_fsspec_s3_object_claiming_512mib_is_refused_before_its_body(tmp_path, monkeypatch):
     pytest.importorskip("s3fs")
-    from s3_server import S3Env, set_aws_env
+    from tests.support.s3_server import S3Env, set_aws_env
 
     set_aws_env(monkeypatch)
     server = _MotoProcess(tmp_path)
@@ -242,7 +242,8 @@ def test_fsspec_local_sparse_file_claim_with_geometry(tmp_path, monkeypatch):
 @pytest.mark.parametrize("with_l1", [True, False], ids=["l1-in-place", "no-l1"])
 def test_resp_value_of_512mib_is_never_received_whole(tmp_path, monkeypatch, with_l1):
     from kvplug.read_memory import ChunkGeometry
-    from redis_server import RedisServer
+
+    from tests.support.redis_server import RedisServer
 
     srv = RedisServer(tmp_path / "redis", maxmemory="1gb")  # started by the constructor
     try:

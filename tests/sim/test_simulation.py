@@ -160,7 +160,7 @@ def test_seeds_replay_in_other_processes_with_other_hash_seeds():
     import sys
     from pathlib import Path
 
-    tests = Path(__file__).resolve().parent
+    tests = Path(__file__).resolve().parents[1]
     code = ("import json, logging, sys; logging.disable(logging.WARNING); import torch; "
             "torch.set_num_threads(1); from kvplug.connector.sim.schedule import trace_digests; "
             f"print(json.dumps(trace_digests(0, {REPLAY_SEEDS}, n=20)))")

@@ -53,9 +53,10 @@ def _drive(spec: dict) -> dict:
     import time
     from pathlib import Path
 
-    import vllm_helpers as h
-    from corruption_campaign import damage, worker_posix_stats
     from kvplug import chunkfile as cf
+
+    from tests.support import vllm_helpers as h
+    from tests.support.corruption_campaign import damage, worker_posix_stats
 
     rng = random.Random(spec["seed"])
     root = Path(spec["store"]) / "chunks"
@@ -129,14 +130,14 @@ def run_corruption(model: str | Path, store: str | Path, prompts: list[list[int]
                    seed: int, timeout: float = 1100) -> dict[str, Any]:
     """Serve ``prompts`` cold, then ``rounds`` damaged rounds and two clean ones, in one engine;
     returns the outputs, the damage, the worker's posix stats and every file's verification."""
-    from vllm_helpers import REPO, kvplug_config, run_script, transfer_config
+    from tests.support.vllm_helpers import REPO, kvplug_config, run_script, transfer_config
 
     kv = transfer_config("kvplug", kvplug_config(store, local_cpu=False))
     spec = json.dumps({"model": str(model), "kv": kv, "store": str(store), "prompts": prompts,
                        "rounds": rounds, "seed": seed, "chunk": CHUNK})
-    code = (f"import json, os, sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
+    code = (f"import json, os, sys; sys.path.insert(0, {str(REPO)!r}); "
             "os.environ['VLLM_ALLOW_INSECURE_SERIALIZATION'] = '1'; "
-            "import vllm_helpers as h; from corruption_campaign import _drive; "
+            "from tests.support import vllm_helpers as h; from tests.support.corruption_campaign import _drive; "
             f"print(h.RESULT + json.dumps(_drive(json.loads({spec!r}))), flush=True)")
     out = run_script(code, timeout=timeout)
     out["files"] = _verify_all(Path(store) / "chunks")

@@ -1,7 +1,7 @@
 """SIGKILL-mid-write campaign for the file tiers (posix with ``fsync: true``, fsspec ``file://``).
 
 Used by tests/test_crash_durability.py (a bounded number of kills) and benchmarks/crash_soak.py
-(``--kills N``). :func:`child` (``python tests/crash_campaign.py child KIND ROOT SEED``) is the child, a process
+(``--kills N``). :func:`child` (``python -m tests.support.crash_campaign child KIND ROOT SEED``) is the child, a process
 of its own (tests/engine_processes.py: from the forkserver, not importing torch again): it stores
 chunks as fast as it can, flushes every few, and prints ``ok <i> <i>...`` for each batch its
 tier's ``flush`` reported done (``put <i>...`` before submitting them), until it is killed.
@@ -162,7 +162,8 @@ def run_campaign(kind: str, root: Path, kills: int, seed: int = 0,
     """Kill a storing child ``kills`` times at random moments; check the store after each kill.
     Returns the figures (lists of problems are empty when all is well)."""
     import torch  # noqa: F401 - imported before the children start (their import is timed)
-    from engine_processes import start_python  # a fresh process, without importing torch again
+
+    from tests.support.engine_processes import start_python  # a fresh process, without importing torch again
 
     rng = random.Random(seed)
     root = Path(root)
@@ -172,13 +173,13 @@ def run_campaign(kind: str, root: Path, kills: int, seed: int = 0,
                            "bad_files": [], "lost_acknowledged": [], "index_mismatch": [],
                            "kills_with_temp_left": 0, "temps_left": 0, "stale_temps_left": 0,
                            "kills_in_flight": 0, "seconds": 0.0}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]),
                                                           os.environ.get("PYTHONPATH", "")])}
     start = time.monotonic()
     for k in range(kills):
         # half the incarnations store keys an earlier one stored (overwrites under a kill)
         child_seed = k if k % 2 == 0 else rng.randrange(0, k)
-        proc = start_python(f"import crash_campaign; crash_campaign.child({kind!r}, "
+        proc = start_python(f"from tests.support import crash_campaign; crash_campaign.child({kind!r}, "
                             f"{str(root)!r}, {child_seed})", env, str(HERE))
         try:
             # the random moment counts from the first store, not from the child's start (on a

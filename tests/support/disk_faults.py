@@ -1,5 +1,5 @@
 """Child steps of the full-disk and read-only tests (tests/test_full_disk.py), run inside a
-private mount namespace on a small real tmpfs: ``python tests/disk_faults.py STEP DIR``.
+private mount namespace on a small real tmpfs: ``python -m tests.support.disk_faults STEP DIR``.
 
 Each step prints one ``RESULT <json>`` line. Chunks and their bytes come from crash_campaign
 (``key_for``/``payload_for``/``check_file``), so any file can be checked without the writer.
@@ -16,9 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from crash_campaign import _files, check_file, key_for, payload_bytes, payload_for  # noqa: E402
+from tests.support.crash_campaign import _files, check_file, key_for, payload_bytes, payload_for
 
 RESULT = "RESULT "
 HERE = Path(__file__).resolve().parent
@@ -44,7 +42,7 @@ def run_disk_faults(disk_bytes: int, stores: int = 30) -> dict:
     remounted read-only. Returns each step's result by name."""
     mnt = Path(tempfile.mkdtemp(prefix="kvplug-fulldisk-", dir="/tmp"))
     mnt.chmod(0o755)  # the unprivileged step must reach it
-    py, me = sys.executable, str(HERE / "disk_faults.py")
+    py, me = sys.executable, "-m tests.support.disk_faults"
     root = f"{mnt}/chunks"
     user_step = (f"setpriv --reuid 65534 --regid 65534 --clear-groups {py} {me} readonly {root}"
                  if os.geteuid() == 0 and shutil.which("setpriv") else "echo RESULT null")
@@ -58,7 +56,7 @@ def run_disk_faults(disk_bytes: int, stores: int = 30) -> dict:
         f"mount -o remount,ro {mnt}",
         f"{py} {me} readonly {root}",
     ])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]),
                                                           os.environ.get("PYTHONPATH", "")])}
     try:
         proc = subprocess.run([*_namespace_cmd(), "sh", "-c", script], capture_output=True,

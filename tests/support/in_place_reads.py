@@ -11,7 +11,8 @@ import pytest
 import torch
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import make_key
-from tier_workload import HANG
+
+from tests.support.tier_workload import HANG
 
 L1 = {"backend": "local_cpu", "name": "l1", "options": {"capacity": "32MiB", "prefault": False}}
 

@@ -41,8 +41,9 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
-from gpu_kv_fixture import CROSS_LAYER, KVFixture, poisoned, vllm_kv_views
 from kvplug.gpu import PagedKV, layerwise_load, layerwise_store
+
+from tests.support.gpu_kv_fixture import CROSS_LAYER, KVFixture, poisoned, vllm_kv_views
 
 #: the physical orders of CUDA backends: FlashAttention, FlashInfer, MLA, and a cross-layer one
 HARNESS_LAYOUTS = ["LBNHC", "LBHNC", "MLA", "BLNHC"]

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from server_process import ServerProcess, free_port
+
+from tests.support.server_process import ServerProcess, free_port
 
 NETNS_ENV = "TEST_PRIVATE_NETNS_LOOPBACK_ONLY"
 
@@ -61,7 +62,7 @@ def run_in_private_netns(test_file: Path, basetemp: Path, timeout: float = 560,
     script = (f"{ip} link set lo up && exec {sys.executable} -m pytest -q -p no:cacheprovider "
               f"--basetemp={basetemp} {' '.join(args)} {test_file}")
     proc = subprocess.run([unshare, "-n", "--", "sh", "-c", script], capture_output=True,
-                          text=True, timeout=timeout, cwd=str(Path(test_file).parent.parent),
+                          text=True, timeout=timeout, cwd=str(Path(test_file).parents[2]),
                           env={**os.environ, NETNS_ENV: "1", "MC_STORE_CLIENT_SETUP_RETRIES": "1",
                                **(env or {})})
     tail = proc.stdout[-6000:] + proc.stderr[-3000:]

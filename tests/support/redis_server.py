@@ -4,7 +4,7 @@ same port (empty, as a real restart without persistence is), paused (SIGSTOP) an
 
 Reuse from any test module (the tests directory is on ``sys.path``)::
 
-    from redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
+    from tests.support.redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
 
 ``redis_server`` (function scope) is a fresh server per test; tests that need other settings
 construct :class:`RedisServer` themselves (``maxmemory``, ``policy``, ``unix``).
@@ -22,8 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_process import ServerProcess
-from server_process import free_port as any_free_port
+
+from tests.support.server_process import ServerProcess
+from tests.support.server_process import free_port as any_free_port
 
 SERVER = shutil.which("redis-server") or shutil.which("valkey-server")
 

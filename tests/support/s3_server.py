@@ -2,7 +2,7 @@
 
 Reuse from any test module (the tests directory is on ``sys.path``)::
 
-    from s3_server import moto_server, s3  # noqa: F401  (fixtures)
+    from tests.support.s3_server import moto_server, s3  # noqa: F401  (fixtures)
 
     def test_x(s3):
         tier = {"backend": "fsspec", "options": {"url": s3.url("run1"),

@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from server_helpers import free_port
+from tests.support.server_helpers import free_port
 
 __all__ = ["ServerProcess", "free_port"]
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_helpers import REPO, prompt, run_script
+from tests.support.vllm_helpers import REPO, prompt, run_script
 
 CHUNK = 256  # tokens per scheduler step (chunked prefill) and per stored chunk
 BLOCK = 128  # vLLM's block size for this engine: hits are whole blocks
@@ -113,7 +113,7 @@ def _reader(llm: Any, h: Any, spec: dict) -> dict:
 
 
 def _engine(spec: dict) -> dict:
-    import vllm_helpers as h
+    from tests.support import vllm_helpers as h
 
     llm = h.make_llm(spec["model"], spec["kv"], max_num_batched_tokens=CHUNK, max_model_len=2048,
                      num_gpu_blocks_override=32)
@@ -121,8 +121,8 @@ def _engine(spec: dict) -> dict:
 
 
 def _run(spec: dict) -> dict:
-    code = (f"import json, os, sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
-            "import vllm_helpers as h; from shared_store_engines import _engine; "
+    code = (f"import json, os, sys; sys.path.insert(0, {str(REPO)!r}); "
+            "from tests.support import vllm_helpers as h; from tests.support.shared_store_engines import _engine; "
             f"print(h.RESULT + json.dumps(_engine(json.loads({json.dumps(spec)!r}))), flush=True)")
     return run_script(code, timeout=WAIT_S + 200)
 

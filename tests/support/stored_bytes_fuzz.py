@@ -144,7 +144,7 @@ def mutate_chunk(data: bytes, seed: int, ops: Sequence[int]) -> bytes:
     """``data`` through the mutations ``ops`` names (0: test_fuzz_inputs' ``mutate``; 1: bit
     flips anywhere; 2: truncation; 3: extension; 4: hostile re-encoded header; 5: hostile
     frames; 6: unchanged), drawn from ``seed``."""
-    from test_fuzz_inputs import mutate
+    from tests.faults.test_fuzz_inputs import mutate
 
     rng = random.Random(seed)
     for op in ops:
@@ -242,7 +242,7 @@ class Campaign:
             "path": str(root / "p"), "rescan_interval_s": 3600}})
         self.fsspec = mk({"backend": "fsspec", "name": "t", "options": {
             "url": f"file://{root / 'f'}", "namespace_dirs": False, "negative_cache_s": 0}})
-        self.value = mk({"backend": "stored_bytes_fuzz:DictValueTier", "name": "t",
+        self.value = mk({"backend": "tests.support.stored_bytes_fuzz:DictValueTier", "name": "t",
                          "options": {"negative_cache_s": 0}})
         self.frames = CodecWrapper("fuzz", None, None, self.posix.reads.allocate)
         for m in PLANTED:

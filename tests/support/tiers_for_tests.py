@@ -1,4 +1,4 @@
-"""Small real backends used as extra tiers in tests (loaded by 'tiers_for_tests:Class' paths)."""
+"""Small real backends used as extra tiers in tests (loaded by 'tests.support.tiers_for_tests:Class' paths)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvplug.hookspecs import hookimpl
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RESULT = "KVPLUG-TEST-RESULT "
 Output = tuple[list[int], list[float]]  # generated token ids and their logprobs
 
@@ -37,7 +37,7 @@ def engine_env() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    for need in (str(REPO / "tests"), str(REPO)):  # test-only tiers/hooks in every process
+    for need in (str(REPO),):  # test-only tiers/hooks in every process
         if need not in parts:
             parts.insert(0, need)
     os.environ["PYTHONPATH"] = os.pathsep.join(parts)
@@ -121,7 +121,7 @@ def generate_full(llm: Any, prompts: list[list[int]], max_tokens: int = 8,
 def run_script(code: str, timeout: float = 600, env: dict[str, str] | None = None) -> Any:
     """Run ``code`` in a fresh process (a fresh engine; tests/engine_processes.py); it prints
     ``RESULT`` + JSON. ``env``: extra environment variables for that process only."""
-    from engine_processes import StillRunning, run_python
+    from tests.support.engine_processes import StillRunning, run_python
 
     engine_env()
     try:
@@ -150,8 +150,8 @@ def run_scenario(model: str | os.PathLike[str], kv: dict[str, Any] | None,
     ``LLM.reset_prefix_cache`` (returns its answer); ``("spec_metrics",)``: vLLM's speculative
     decoding counters so far (drafts, draft tokens, accepted tokens)."""
     spec = json.dumps({"model": str(model), "kv": kv, "steps": steps, "engine": engine or {}})
-    code = (f"import json, sys; sys.path.insert(0, {str(REPO / 'tests')!r}); "
-            "import vllm_helpers as h; "
+    code = (f"import json, sys; sys.path.insert(0, {str(REPO)!r}); "
+            "from tests.support import vllm_helpers as h; "
             f"print(h.RESULT + json.dumps(h._scenario(json.loads({spec!r}))), flush=True)")
     return run_script(code, timeout=timeout, env=env)
 

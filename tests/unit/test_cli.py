@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_processes import run_console_script
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import fill_random, make_key
-from s3_server import moto_server, s3  # noqa: F401  (fixtures)
+
+from tests.support.engine_processes import run_console_script
+from tests.support.s3_server import moto_server, s3  # noqa: F401  (fixtures)
 
 SCRIPT = Path(sys.executable).with_name("kvplug")
 

@@ -12,18 +12,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_processes import run_console_script
 from kvplug.backends.local_cpu import LocalCPUBackend
 from kvplug.hookspecs import hookimpl
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj, heap_memory_obj
 
-HERE = Path(__file__).resolve().parent
+from tests.support.engine_processes import run_console_script
+
+REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--batches", "1,4", "--threads", "1,2", "--seconds", "0.05", "--max-bytes", "2MiB",
          "--max-seconds", "120"]
 
@@ -56,7 +56,7 @@ class SwappingCPU(LocalCPUBackend):
 def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """``kvplug bench ARGS`` in a process of its own (forked: tests/engine_processes.py), with
     this module importable there (its broken backends)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     return run_console_script(["bench", *args], env, None, timeout)
 
 
@@ -126,8 +126,7 @@ def test_bench_rounds_alternate_tier_and_raw(tmp_path: Path) -> None:
 
 
 def test_bench_resp_beside_redis_py(tmp_path: Path) -> None:
-    sys.path.insert(0, str(HERE))
-    from redis_server import RedisServer
+    from tests.support.redis_server import RedisServer
 
     srv = RedisServer(tmp_path / "redis")
     try:
@@ -148,7 +147,7 @@ def test_bench_resp_beside_redis_py(tmp_path: Path) -> None:
 def test_bench_reports_wrong_bytes(backend: str) -> None:
     """Negative control: a tier that loads other bytes than it stored (a flipped byte, another
     key's value) is an error, not a figure."""
-    proc = bench("--backend", f"test_cli_bench:{backend}", "--sizes", "64KiB", "--batches",
+    proc = bench("--backend", f"tests.unit.test_cli_bench:{backend}", "--sizes", "64KiB", "--batches",
                  "1", "--threads", "1", "--seconds", "0.05", "--json")
     assert proc.returncode == 1, proc.stderr
     load = report_of(proc)["cells"][0]["kvplug"]["load"]

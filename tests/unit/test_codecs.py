@@ -13,7 +13,13 @@ import logging
 
 import pytest
 import torch
-from codec_helpers import (
+from kvplug import chunkfile as cf
+from kvplug.codecs import LayerSpec
+from kvplug.codecs.fp8 import FP8Codec, FP8Options
+from kvplug.codecs.lossless import LosslessCodec
+from kvplug.memory import MemoryFormat
+
+from tests.support.codec_helpers import (
     BLOCKS,
     BS,
     HEAD_DIM,
@@ -29,11 +35,6 @@ from codec_helpers import (
     random_obj,
     stored,
 )
-from kvplug import chunkfile as cf
-from kvplug.codecs import LayerSpec
-from kvplug.codecs.fp8 import FP8Codec, FP8Options
-from kvplug.codecs.lossless import LosslessCodec
-from kvplug.memory import MemoryFormat
 
 
 # -- round trips -------------------------------------------------------------------------------
@@ -72,7 +73,7 @@ def test_negative_control_raw_tier_does_not_compress(tmp_path):
 
 def test_codec_runs_on_a_third_party_in_memory_tier():
     """A tier that is not a file tier (tests/tiers_for_tests.DictTier) gets the codec too."""
-    mgr = manager({"backend": "tiers_for_tests:DictTier", "name": "mem", "codec": "lossless"})
+    mgr = manager({"backend": "tests.support.tiers_for_tests:DictTier", "name": "mem", "codec": "lossless"})
     o = kv_obj(5)
     stored(mgr, key(0), o)
     raw, meta = mgr.backend("mem").data[key(0)]
@@ -234,7 +235,7 @@ class ThreadRecordingCodec(LosslessCodec):
 def test_encoding_runs_on_the_tiers_encoder_thread_not_the_callers(tmp_path):
     import threading
 
-    mgr = manager(posix(tmp_path, "test_codecs:ThreadRecordingCodec"))
+    mgr = manager(posix(tmp_path, "tests.unit.test_codecs:ThreadRecordingCodec"))
     ThreadRecordingCodec.threads.clear()
     o = kv_obj(0)
     mgr.batched_put([key(0)], [o])

@@ -10,10 +10,11 @@ import textwrap
 
 import pytest
 import torch
-from codec_helpers import files, header_of, key, kv_obj, manager, posix, stored
 from kvplug.codecs import load_codec_class, parse_frame
 from kvplug.codecs.registry import clear_cache
 from kvplug.errors import ConfigError
+
+from tests.support.codec_helpers import files, header_of, key, kv_obj, manager, posix, stored
 
 
 # -- config errors ----------------------------------------------------------------------------

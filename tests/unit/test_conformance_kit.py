@@ -24,7 +24,7 @@ from kvplug.testing import BackendConformance
 
 pytestmark = pytest.mark.timeout(600)
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "conformance.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "conformance.md"
 
 #: A bounded dict store that honours the contract, and two broken variants of it.
 STORES = '''

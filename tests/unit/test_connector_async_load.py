@@ -12,7 +12,8 @@ import uuid
 
 import pytest
 import torch
-from gpu_kv_fixture import KVFixture
+
+from tests.support.gpu_kv_fixture import KVFixture
 
 pytest.importorskip("vllm")
 
@@ -43,7 +44,7 @@ def gated(tmp_path):
     gate = tmp_path / "gate"
     gate.mkdir()
     fx = KVFixture("LBHNC", torch.bfloat16, L=3, B=16)
-    w = _worker(tmp_path, {"backend": "tiers_for_tests:GatedTier", "options": {"gate": str(gate)},
+    w = _worker(tmp_path, {"backend": "tests.support.tiers_for_tests:GatedTier", "options": {"gate": str(gate)},
                            "timeout_s": HANG_S}, fx)
     want = fx.ref_obj(SRC)
     fx.poison(DST)
@@ -121,7 +122,7 @@ def test_a_tier_that_never_answers_is_a_load_error(tmp_path):
     fx = KVFixture("LBHNC", torch.bfloat16, L=3, B=16)
     gate = tmp_path / "gate"
     gate.mkdir()  # never opened
-    w = _worker(tmp_path, {"backend": "tiers_for_tests:GatedTier", "timeout_s": 0.3,
+    w = _worker(tmp_path, {"backend": "tests.support.tiers_for_tests:GatedTier", "timeout_s": 0.3,
                            "options": {"gate": str(gate), "max_wait_s": HANG_S}}, fx)
     try:
         fx.poison(DST)
@@ -139,7 +140,7 @@ def test_a_tier_that_never_answers_is_a_load_error(tmp_path):
 
 def test_a_fetch_that_raises_is_a_load_error(tmp_path):
     fx = KVFixture("LBHNC", torch.bfloat16, L=3, B=16)
-    w = _worker(tmp_path, {"backend": "tiers_for_tests:DictTier"}, fx)
+    w = _worker(tmp_path, {"backend": "tests.support.tiers_for_tests:DictTier"}, fx)
     try:
         def broken(keys):
             raise OSError("disk went away")

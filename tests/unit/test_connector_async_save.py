@@ -19,8 +19,9 @@ import zlib
 
 import pytest
 import torch
-from gpu_kv_fixture import CUDA, KVFixture
-from vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_output, prompt
+
+from tests.support.gpu_kv_fixture import CUDA, KVFixture
+from tests.support.vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_output, prompt
 
 pytest.importorskip("vllm")
 
@@ -63,7 +64,7 @@ class Steps:
         self.s.connector._sched.lookup = FakeLookup()  # nothing stored before: no loads
         cfg = ConnectorConfig(chunk_size=CHUNK, async_save=True, log_every_load=False,
                               tiers=[{"backend": "local_cpu", "options": {"capacity": "16MiB"}},
-                                     {"name": "gated", "backend": "tiers_for_tests:GatedPutTier",
+                                     {"name": "gated", "backend": "tests.support.tiers_for_tests:GatedPutTier",
                                       "options": {"gate": str(self.gate)}}])
         self.fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=num_blocks)
         self.w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0,

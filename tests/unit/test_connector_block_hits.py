@@ -5,7 +5,8 @@ prompt and on each turn of a chat (turn N+1 = turn N's prompt + answer + a new m
 from __future__ import annotations
 
 import pytest
-from vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_output, prompt
+
+from tests.support.vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_output, prompt
 
 BS = 16  # vLLM block size here; kvplug's chunk is 256
 

@@ -257,7 +257,7 @@ def model_dir(tmp_path_factory):
 
 def scheduler_with(model_dir, engine_id, worker, timeout_s, wait_s=0.0):
     """A real vLLM Scheduler whose kvplug connector asks a real lookup service over zmq."""
-    from vllm_helpers import make_scheduler
+    from tests.support.vllm_helpers import make_scheduler
 
     s = make_scheduler(model_dir)
     side = s.connector._sched
@@ -268,7 +268,7 @@ def scheduler_with(model_dir, engine_id, worker, timeout_s, wait_s=0.0):
 
 
 def test_scheduler_returns_none_while_the_lookup_stalls_then_the_hit(model_dir, engine_id):
-    from vllm_helpers import make_request, prompt
+    from tests.support.vllm_helpers import make_request, prompt
 
     gate = threading.Event()
     worker = FakeWorker(256, gate=gate)
@@ -298,7 +298,7 @@ def test_scheduler_returns_none_while_the_lookup_stalls_then_the_hit(model_dir, 
 
 
 def test_lookup_timeouts_are_counted(model_dir, engine_id):
-    from vllm_helpers import make_request, prompt
+    from tests.support.vllm_helpers import make_request, prompt
 
     gate = threading.Event()
     s, side, service = scheduler_with(model_dir, engine_id, FakeWorker(256, gate=gate), 0.2)
@@ -322,7 +322,8 @@ def test_a_hit_vllm_does_not_take_releases_its_pins_at_once(model_dir, engine_id
     request runs. The control, a request that takes its hit, keeps its pins for the load."""
     from vllm import SamplingParams
     from vllm.v1.request import Request
-    from vllm_helpers import make_request, prompt
+
+    from tests.support.vllm_helpers import make_request, prompt
 
     worker = FakeWorker(256)
     s, side, service = scheduler_with(model_dir, engine_id, worker, HANG_S, wait_s=HANG_S)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_output, prompt
+
+from tests.support.vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_output, prompt
 
 
 @pytest.fixture(scope="module")

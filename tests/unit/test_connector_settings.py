@@ -8,7 +8,8 @@ import logging
 import re
 
 import pytest
-from vllm_helpers import (
+
+from tests.support.vllm_helpers import (
     REPO,
     FakeLookup,
     make_request,
@@ -147,7 +148,8 @@ def test_vllm_asks_the_class_with_the_extra_config_dict():
     factory and passes ``kv_connector_extra_config`` as a plain dict."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm_helpers import transfer_config
+
+    from tests.support.vllm_helpers import transfer_config
 
     for layerwise in (True, False):
         kv = KVTransferConfig(**transfer_config("kvplug", {"layerwise": layerwise}))

@@ -15,8 +15,9 @@ import zlib
 
 import pytest
 import torch
-from gpu_kv_fixture import KVFixture
-from vllm_helpers import make_request, make_scheduler, model_runner_output, prompt
+
+from tests.support.gpu_kv_fixture import KVFixture
+from tests.support.vllm_helpers import make_request, make_scheduler, model_runner_output, prompt
 
 pytest.importorskip("vllm")
 
@@ -186,7 +187,7 @@ def test_sleep_drains_copies_and_wake_checks_the_kv_tensors(tmp_path):
     gate = tmp_path / "gate"
     gate.mkdir()
     cfg = ConnectorConfig(chunk_size=CHUNK, async_save=True, log_every_load=False,
-                          tiers=[{"backend": "tiers_for_tests:GatedPutTier",
+                          tiers=[{"backend": "tests.support.tiers_for_tests:GatedPutTier",
                                   "options": {"gate": str(gate)}}])
     fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=16)
     w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0, "sleep-test"))

@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 import torch
-from gpu_kv_fixture import POISON, KVFixture
+
+from tests.support.gpu_kv_fixture import POISON, KVFixture
 
 pytest.importorskip("vllm")
 

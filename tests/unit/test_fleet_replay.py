@@ -6,17 +6,13 @@ cannot silently measure nothing). Also the trace format's own rules (benchmarks/
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from kvplug.storage_manager import StorageManager
-from redis_server import redis_server  # noqa: F401 - fixture
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import bench_fleet  # noqa: E402
-import fleet_trace  # noqa: E402
+from benchmarks import bench_fleet, fleet_trace
+from tests.support.redis_server import redis_server  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,7 +7,17 @@ import random
 
 import pytest
 import torch
-from gpu_kv_fixture import (
+from kvplug.gpu import (
+    PagedKV,
+    alloc_host,
+    gather,
+    gather_many_async,
+    layerwise_load,
+    layerwise_store,
+    scatter,
+)
+
+from tests.support.gpu_kv_fixture import (
     CUDA,
     DTYPES,
     LAYOUTS,
@@ -18,15 +28,6 @@ from gpu_kv_fixture import (
     id_patterns,
     poisoned,
     snapshot_of,
-)
-from kvplug.gpu import (
-    PagedKV,
-    alloc_host,
-    gather,
-    gather_many_async,
-    layerwise_load,
-    layerwise_store,
-    scatter,
 )
 
 # ---------------------------------------------------------------- CUDA

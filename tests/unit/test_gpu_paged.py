@@ -13,17 +13,6 @@ import random
 
 import pytest
 import torch
-from gpu_kv_fixture import (
-    DTYPES,
-    LAYOUTS,
-    POISON,
-    KVFixture,
-    assert_loaded,
-    assert_obj_matches,
-    id_patterns,
-    poisoned,
-    snapshot_of,
-)
 from kvplug.errors import KVPlugError
 from kvplug.gpu import (
     KVLayoutError,
@@ -37,6 +26,18 @@ from kvplug.gpu import (
     pages_for_tokens,
     scatter,
     scatter_many,
+)
+
+from tests.support.gpu_kv_fixture import (
+    DTYPES,
+    LAYOUTS,
+    POISON,
+    KVFixture,
+    assert_loaded,
+    assert_obj_matches,
+    id_patterns,
+    poisoned,
+    snapshot_of,
 )
 
 # ---------------------------------------------------------------- page views

@@ -20,7 +20,8 @@ from kvplug.connector.identity import build_identity
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import fill_random
 from kvplug.tokens import TokenDatabase
-from vllm_helpers import engine_env, prompt
+
+from tests.support.vllm_helpers import engine_env, prompt
 
 CHUNK = 256
 TOKENS = prompt(2 * CHUNK, seed=5)
@@ -227,8 +228,9 @@ def test_chunk_header_records_every_identity_field_and_inspect_shows_the_digest(
     import json
     import os
 
-    from engine_processes import run_console_script
     from kvplug import chunkfile as cf
+
+    from tests.support.engine_processes import run_console_script
 
     vc = engine_config(models["a"], pipeline_parallel_size=2, kv_cache_dtype="fp8_e5m2")
     key = key_of(vc, HASHES[0], tensor_dtype="uint8", pp_rank=1)

@@ -286,7 +286,7 @@ class LookupDownTier:
 def test_watch_backs_off_a_tier_that_does_not_answer(tmp_path):
     sm = StorageManager({"chunk_size": 256, "tiers": [
         {"name": "ram", "backend": "local_cpu", "options": {"capacity": "1MiB"}},
-        {"name": "far", "backend": "test_kv_events:LookupDownTier", "timeout_s": 5}]})
+        {"name": "far", "backend": "tests.unit.test_kv_events:LookupDownTier", "timeout_s": 5}]})
     watch = TierWatch(sm, interval_s=3600)
     try:
         k = _key(3)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_kv_fixture import CROSS_LAYER, CUDA
-from kv_harness import (
+
+from tests.support.gpu_kv_fixture import CROSS_LAYER, CUDA
+from tests.support.kv_harness import (
     BLOCK_SIZE,
     DROPS,
     HARNESS_LAYOUTS,

@@ -13,7 +13,8 @@ from kvplug.hookspecs import hookimpl
 from kvplug.management import clear_keys, clear_tiers, tier_status
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import fill_random, make_key
-from tiers_for_tests import DictTier
+
+from tests.support.tiers_for_tests import DictTier
 
 
 def config(tmp_path) -> dict:

@@ -19,7 +19,7 @@ from kvplug.policyspecs import PolicyContext, policyimpl
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import BackendConformance, PolicyConformance, make_key
 
-from tests.test_posix_conformance import _flip_layer_byte
+from tests.backends.test_posix_conformance import _flip_layer_byte
 
 CHUNK = (2, 2, 4096)  # 16 KiB
 NB = 2 * 2 * 4096

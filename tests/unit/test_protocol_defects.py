@@ -25,8 +25,9 @@ import uuid
 
 import pytest
 import torch
-from gpu_kv_fixture import KVFixture
-from vllm_helpers import make_request, make_scheduler, prompt, runner_connector, worker_connector
+
+from tests.support.gpu_kv_fixture import KVFixture
+from tests.support.vllm_helpers import make_request, make_scheduler, prompt, runner_connector, worker_connector
 
 pytest.importorskip("vllm")
 
@@ -35,7 +36,8 @@ from kvplug.connector.config import ConnectorConfig  # noqa: E402
 from kvplug.connector.groups import group_hash  # noqa: E402
 from kvplug.connector.lookup import LookupClient, socket_path  # noqa: E402
 from kvplug.connector.worker import WorkerSide, _Identity  # noqa: E402
-from tiers_for_tests import LosingTier  # noqa: E402
+
+from tests.support.tiers_for_tests import LosingTier
 
 BS, CHUNK = 4, 16
 STEPS = 400  # only catches a hang (requests never finishing)
@@ -268,7 +270,7 @@ def rig(model_dir):
 def gated(tmp_path, name: str = "gated", kind: str = "GatedPutTier", **opts) -> tuple[dict, object]:
     gate = tmp_path / f"gate-{uuid.uuid4().hex[:6]}"
     gate.mkdir()
-    return ({"name": name, "backend": f"tiers_for_tests:{kind}",
+    return ({"name": name, "backend": f"tests.support.tiers_for_tests:{kind}",
              "options": {"gate": str(gate), "max_wait_s": 60, **opts}}, gate)
 
 
@@ -277,7 +279,7 @@ def gated(tmp_path, name: str = "gated", kind: str = "GatedPutTier", **opts) -> 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_1_kv_computed_over_a_failed_load_is_not_stored_and_is_stored_after_recompute(
         rig, async_save):
-    lost = {"name": "mem", "backend": "tiers_for_tests:LosingTier"}
+    lost = {"name": "mem", "backend": "tests.support.tiers_for_tests:LosingTier"}
     r = rig(tiers=[L1, lost], async_save=async_save)
     p = prompt(60, 11)
     r.add("p0", p[:33], max_tokens=1)  # stores chunks [0,16) and [16,32) in both tiers

@@ -177,7 +177,8 @@ def test_the_scheduler_sends_the_tenant_of_the_salt_or_the_params(tmp_path):
     pytest.importorskip("vllm")
     from kvplug.connector.demo.model import make_model
     from kvplug.connector.lookup import Lookup
-    from vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_output, prompt
+
+    from tests.support.vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_output, prompt
 
     class Recording(FakeLookup):
         def lookup(self, req_id, hashes, tails, tenant=""):

@@ -18,7 +18,7 @@ CHUNK_BYTES = 2 * 2 * 4096  # kvplug.testing's chunk shape
 
 def test_a_hit_larger_than_l1_is_read_whole():
     l1 = {"backend": "local_cpu", "name": "l1", "options": {"capacity": 4 * CHUNK_BYTES}}
-    lower = {"backend": "tiers_for_tests:DictTier", "name": "lower"}
+    lower = {"backend": "tests.support.tiers_for_tests:DictTier", "name": "lower"}
     with StorageManager({"tiers": [l1, lower]}) as mgr:
         keys = [make_key(i) for i in range(10)]
         expect = []

@@ -8,7 +8,8 @@ import uuid
 
 import pytest
 import torch
-from gpu_kv_fixture import CUDA, KVFixture
+
+from tests.support.gpu_kv_fixture import CUDA, KVFixture
 
 pytest.importorskip("vllm")
 

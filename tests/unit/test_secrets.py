@@ -21,10 +21,11 @@ import traceback
 from pathlib import Path
 
 import pytest
-from engine_processes import run_console_script
 from kvplug.backends.local_cpu import LocalCPUBackend
 from kvplug.errors import KVPlugError
 from kvplug.redact import Redactor, redact_argv, redact_data, scrub
+
+from tests.support.engine_processes import run_console_script
 
 RNG = random.SystemRandom()
 

@@ -12,13 +12,14 @@ from kvplug.errors import ConfigError
 from kvplug.hookspecs import hookimpl
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import fill_random, make_key
-from tiers_for_tests import DictTier
+
+from tests.support.tiers_for_tests import DictTier
 
 L1 = {"backend": "local_cpu", "name": "l1", "options": {"capacity": "4MiB"}}
 
 
 def two_tiers(lower: str = "DictTier", **opts):
-    tier = {"backend": f"tiers_for_tests:{lower}", "name": "lower", "options": opts}
+    tier = {"backend": f"tests.support.tiers_for_tests:{lower}", "name": "lower", "options": opts}
     if "timeout_s" in opts:
         tier["timeout_s"] = opts.pop("timeout_s")
     return StorageManager({"tiers": [L1, tier]})
@@ -91,7 +92,7 @@ def test_stalling_tier_times_out_instead_of_hanging():
 
 
 def test_allocation_falls_back_to_heap_without_a_pool_owner():
-    with StorageManager({"tiers": [{"backend": "tiers_for_tests:DictTier"}]}) as mgr:
+    with StorageManager({"tiers": [{"backend": "tests.support.tiers_for_tests:DictTier"}]}) as mgr:
         obj = mgr.allocate((2, 3, 4096))
         assert obj is not None and obj.address == -1
         obj.ref_down()
@@ -157,14 +158,14 @@ def test_option_errors_never_echo_mappings():
 
 def test_a_lone_stalling_tier_is_bounded_too():
     """Even as the first (only) tier, a backend that may block is called under its timeout."""
-    tier = {"backend": "tiers_for_tests:StallingTier", "options": {"stall_s": 120},
+    tier = {"backend": "tests.support.tiers_for_tests:StallingTier", "options": {"stall_s": 120},
             "timeout_s": 0.2}
     with StorageManager({"tiers": [tier]}) as mgr:
         stalling = mgr.backend(0)
         try:
             assert mgr.get(make_key(1)) is None
             assert stalling.left == 0  # back while the tier still stalls
-            assert mgr.stats()["tiers_for_tests:StallingTier"]["timeouts"] == 1
+            assert mgr.stats()["tests.support.tiers_for_tests:StallingTier"]["timeouts"] == 1
         finally:
             stalling.release.set()
 
@@ -223,9 +224,9 @@ def test_a_stalled_tier_does_not_starve_the_others():
     """Many lookups through a tier that never answers: threads stay bounded, and the next tier
     answers every one of them."""
     STALL.clear()
-    stalled = {"backend": "test_storage_manager:BlockingTier", "name": "stalled",
+    stalled = {"backend": "tests.unit.test_storage_manager:BlockingTier", "name": "stalled",
                "timeout_s": 0.05}
-    lower = {"backend": "tiers_for_tests:DictTier", "name": "lower", "timeout_s": 10}
+    lower = {"backend": "tests.support.tiers_for_tests:DictTier", "name": "lower", "timeout_s": 10}
     before = threading.active_count()
     try:
         with StorageManager({"tiers": [stalled, lower]}) as mgr:

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from cookiecutter.main import cookiecutter
-from engine_processes import run_console_script
 from kvplug.cli.main import template_dir
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import fill_random, make_key
+
+from tests.support.engine_processes import run_console_script
 
 
 def render(out: Path, **context: str) -> Path:

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_output, prompt  # noqa: E402
+from tests.support.vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_output, prompt
 
 
 @pytest.fixture(scope="module")

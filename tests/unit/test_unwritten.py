@@ -66,10 +66,11 @@ def test_a_step_that_reads_an_unwritten_block_stores_nothing_computed_over_it(tm
     import torch
 
     pytest.importorskip("vllm")
-    from gpu_kv_fixture import KVFixture
     from kvplug.connector.config import ConnectorConfig
     from kvplug.connector.metadata import KVPlugMetadata, ReqMeta, SaveSpec
     from kvplug.connector.worker import WorkerSide, _Identity
+
+    from tests.support.gpu_kv_fixture import KVFixture
 
     bs, cs = 4, 8
     hashes = [hashlib.sha256(bytes([i, 33])).digest() for i in range(3)]

@@ -22,8 +22,9 @@ import time
 
 import pytest
 import torch
-from gpu_kv_fixture import KVFixture
-from vllm_helpers import engine_env, transfer_config, transfer_group, worker_connector
+
+from tests.support.gpu_kv_fixture import KVFixture
+from tests.support.vllm_helpers import engine_env, transfer_config, transfer_group, worker_connector
 
 vllm = pytest.importorskip("vllm")
 
@@ -270,7 +271,7 @@ def _queued_saves(tmp_path, move: bool = False):
     gate = tmp_path / "gate"
     gate.mkdir()
     cfg = ConnectorConfig(chunk_size=CHUNK, async_save=True, log_every_load=False,
-                          tiers=[{"backend": "tiers_for_tests:GatedPutTier",
+                          tiers=[{"backend": "tests.support.tiers_for_tests:GatedPutTier",
                                   "options": {"gate": str(gate)}}])
     fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=16, seed=3)
     w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0, f"sleep-{tmp_path.name}"))
