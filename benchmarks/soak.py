@@ -21,7 +21,7 @@ without a KV connector (vLLM's own curve).
 Bounded: stops after ``--requests`` requests or ``--max-seconds`` seconds, whichever comes first.
 Network: none but 127.0.0.1 (moto, with ``--s3``).
 
-    python benchmarks/soak.py --requests 3000 --max-seconds 1200 --s3 --trim --tracemalloc \
+    python -m benchmarks.soak --requests 3000 --max-seconds 1200 --s3 --trim --tracemalloc \
         --out /tmp/soak
 """
 

@@ -1,7 +1,7 @@
 """gds tier with real kvikio I/O: runs only where a CUDA driver and kvikio are present.
 
 Where ``KVPLUG_TEST_LIBCUDA_SHIM=1`` the "driver" is the test-only libcuda shim that
-tests/test_gds_shim.py builds: kvikio's host-memory (compat) path runs for real, nothing else.
+tests/backends/test_gds_shim.py builds: kvikio's host-memory (compat) path runs for real, nothing else.
 That is never GDS coverage: GDS and device-memory tests skip under the shim.
 """
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
     not (FOUND.driver and FOUND.kvikio),
     reason=f"kvikio I/O needs a CUDA driver and kvikio (driver: {FOUND.driver_error or 'ok'}; "
     f"kvikio: {FOUND.kvikio_error or FOUND.kvikio_version or 'not probed'}); install 'kvplug[gds]' on a GPU "
-    "machine (tests/test_gds_shim.py runs these through a test-only libcuda shim where kvikio "
+    "machine (tests/backends/test_gds_shim.py runs these through a test-only libcuda shim where kvikio "
     "is installed)",
 )
 needs_cuda = pytest.mark.skipif(

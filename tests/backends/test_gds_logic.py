@@ -149,7 +149,7 @@ def test_posix_internals_the_gds_tier_builds_on():
 needs_no_driver = pytest.mark.skipif(
     REAL.driver and REAL.kvikio,
     reason="kvikio runs on this machine, so fallback: posix cannot happen for real "
-    "(tests/test_gds_kvikio.py covers the tier here)",
+    "(tests/backends/test_gds_kvikio.py covers the tier here)",
 )
 
 

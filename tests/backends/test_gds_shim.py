@@ -2,7 +2,7 @@
 
 kvikio 26.10 refuses all I/O without ``libcuda.so.1``. This test builds a fake one (gcc, in a
 temporary directory; never shipped) whose ``cuPointerGetAttributes`` says "not initialized", so
-kvikio treats every buffer as host memory, then runs tests/test_gds_kvikio.py in a subprocess
+kvikio treats every buffer as host memory, then runs tests/backends/test_gds_kvikio.py in a subprocess
 with it on ``LD_LIBRARY_PATH``. That exercises the gds tier's kvikio code (compat mode, host
 buffers) for real; device memory and GPUDirect Storage stay untested here.
 """
@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[2]
                     reason="kvikio is not installed (CI installs no gds extra); see docs/gds.md")
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is needed to build the libcuda shim")
 @pytest.mark.skipif(probe().driver, reason="a real CUDA driver is present: "
-                    "tests/test_gds_kvikio.py runs against it directly")
+                    "tests/backends/test_gds_kvikio.py runs against it directly")
 def test_kvikio_host_path_through_test_only_libcuda_shim(tmp_path):
     src = tmp_path / "fake_libcuda_shim.c"
     src.write_text(SHIM_C)

@@ -1,4 +1,4 @@
-"""The mooncake tier's tests (tests/mooncake_netns_suite.py) run in a private network namespace
+"""The mooncake tier's tests (tests/backends/test_mooncake_netns.py) run in a private network namespace
 made here with ``unshare -n`` (loopback only): Mooncake's clients listen on every interface,
 so nothing of theirs may be reachable from outside this test. Skipped where Mooncake's client is
 not installed (``kvplug[mooncake]``) or namespaces cannot be made (not root)."""

@@ -1,5 +1,5 @@
 """The mooncake tier against a real Mooncake master: conformance and failures. Runs only inside
-a private network namespace (``tests/test_mooncake.py`` starts it under ``unshare -n``), where
+a private network namespace (``tests/backends/test_mooncake.py`` starts it under ``unshare -n``), where
 the master and every client listen on loopback only.
 
 Each kvplug manager here lends the store a segment of its own memory (``global_segment_size``), as
@@ -136,7 +136,7 @@ def test_hung_master_bounded_misses(master):
         mgr.close()
 
 
-# -- reads straight into L1's pool (batch_get_into_multi_buffers): tests/in_place_reads.py -----
+# -- reads straight into L1's pool (batch_get_into_multi_buffers): tests/support/in_place_reads.py -----
 
 
 def test_reads_land_in_the_pool_checked(master):

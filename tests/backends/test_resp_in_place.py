@@ -1,6 +1,6 @@
 """The resp tier's reads in place (pipelined ``GET`` replies received straight into L1's pool,
 :mod:`kvplug.backends.resp.replies`) against a real redis-server started by the test: the checks
-shared with mooncake (tests/in_place_reads.py), a server that hangs in the middle of a read
+shared with mooncake (tests/support/in_place_reads.py), a server that hangs in the middle of a read
 (the connection is dropped, never reused out of step) and a reply stream the reader refuses."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Codecs end to end on a real vLLM engine (CPU): a lossless hit is exact; fp8 is close, and
 measurably closer than wrong KV; the lossless codec round-trips real engine KV bit for bit.
 
-Like with like (see tests/test_connector_engine.py): the cold reference runs with chunked prefill
+Like with like (see tests/engine/test_connector_engine.py): the cold reference runs with chunked prefill
 cut at kvplug's chunk boundaries, so its last prefill step does exactly the work of a warm hit.
 Loads come from the posix tier alone, in a fresh engine process (L1 off), so every hit passes
 through the codec: whole chunks (``get``) and, in layer-wise mode, one layer at a time

@@ -96,7 +96,7 @@ def test_fresh_process_hits_posix_and_detects_corruption(model, store_dir, bulk)
 
 def test_corrupted_load_path_is_detected(model, store_dir, bulk):
     """Control: pages permuted before they reach the blocks change the output (the connector
-    module tests/permuted_load.py monkeypatches the worker's scatter in the engine's processes)."""
+    module tests/support/permuted_load.py monkeypatches the worker's scatter in the engine's processes)."""
     kv = {**transfer_config("kvplug", kvplug_config(store_dir, posix=False)),
           "kv_connector_module_path": "tests.support.permuted_load"}
     cold, warm = run_scenario(model, kv, [("gen", P, None), ("gen", P, None)], CHUNKED)

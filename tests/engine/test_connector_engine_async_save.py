@@ -1,7 +1,7 @@
 """Asynchronous saves on a real vLLM engine (CPU): what the save thread stores is exact, and an
 engine that shuts down right after a request has every save of it on disk.
 
-Like with like (see tests/test_connector_engine.py): the cold reference is the same engine with
+Like with like (see tests/engine/test_connector_engine.py): the cold reference is the same engine with
 chunked prefill cut at kvplug's chunk boundaries, so only kvplug's hit differs."""
 
 from __future__ import annotations

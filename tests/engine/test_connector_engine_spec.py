@@ -9,7 +9,7 @@ on: ``LLM(disable_log_stats=False)``) must show drafts (so nothing passes vacuou
 acceptance with a hit must equal the cold run's. Greedy verification makes every counter a
 function of the tokens and the drafts; the drafts of a drafter with KV layers depend on the KV
 kvplug loaded for them, which is what the draft-model control shows: the same hit with the
-drafter's layers zeroed at load (tests/draft_poisoned_load.py) gives the same tokens and fewer
+drafter's layers zeroed at load (tests/support/draft_poisoned_load.py) gives the same tokens and fewer
 accepted drafts. EAGLE: kvplug's hit ends one block early (the draft head's KV at a position
 depends on the next token, so the last block is recomputed, as vLLM's own prefix cache does).
 

@@ -113,7 +113,7 @@ def test_fresh_process_hits_disk_and_recomputes_corrupt_chunks(model, store_dir,
 
 
 def test_control_without_the_window_output_changes(model, tmp_path, swa):
-    """Control: a connector that loads only the full-attention groups (tests/hma_no_window.py)
+    """Control: a connector that loads only the full-attention groups (tests/support/hma_no_window.py)
     gets the same hit but not the same output, so the exactness check above can fail."""
     kv = {**transfer_config("kvplug", kvplug_config(tmp_path, posix=False, chunk_size=CHUNK)),
           "kv_connector_module_path": "tests.support.hma_no_window"}

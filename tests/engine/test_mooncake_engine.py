@@ -1,5 +1,5 @@
 """Two vLLM engine processes sharing one Mooncake master, which is killed mid-workload and
-restarted (tests/mooncake_netns_engine.py), run in a private network namespace made here with
+restarted (tests/engine/test_mooncake_engine_netns.py), run in a private network namespace made here with
 ``unshare -n`` (loopback only): Mooncake's clients listen on every interface. Skipped where
 Mooncake's client is not installed (``kvplug[mooncake]``) or namespaces cannot be made."""
 

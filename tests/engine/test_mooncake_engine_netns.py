@@ -1,6 +1,6 @@
 """Two vLLM engine processes share one Mooncake master through the mooncake tier, which is killed
-under their requests and restarted (the scenario and its checks: tests/shared_store_engines.py).
-Runs only inside a private network namespace (``tests/test_mooncake_engine.py`` starts it under
+under their requests and restarted (the scenario and its checks: tests/support/shared_store_engines.py).
+Runs only inside a private network namespace (``tests/engine/test_mooncake_engine.py`` starts it under
 ``unshare -n``, loopback only).
 
 Each engine's client lends the store a segment of its own memory (as in production), so an object

@@ -3,7 +3,7 @@ hits hold when B has a quota; a tenant C without one (the negative control, same
 the same way and evicts A's chunks.
 
 Tenants are named in ``kv_transfer_params`` (``{"tenant": ...}``; a ``cache_salt`` works the
-same way, tests/test_quotas.py). One posix tier of 16 MiB; a tiny-model chunk of 256 tokens is a
+same way, tests/unit/test_quotas.py). One posix tier of 16 MiB; a tiny-model chunk of 256 tokens is a
 ~0.5 MiB file; A stores 4 chunks, then B sends 10 prompts of 4 chunks (~21 MiB), then A asks again.
 """
 

@@ -40,7 +40,7 @@ REMOTE_TIMEOUT_S, TIER_TIMEOUT_S = 2.0, 4.0
 HANG_S = 90.0  # far above what the timeouts allow one request; only catches a hang
 CYCLES = 3
 # a partial-chunk hit against the cold run (same tokens required): measured 0.031 here (prompt 2)
-# and up to 0.063 in the CI soak with today's wheels (tests/test_soak.py uses the same bound)
+# and up to 0.063 in the CI soak with today's wheels (tests/engine/test_soak.py uses the same bound)
 HIT_LOGPROB_TOL = 0.1
 
 

@@ -1,5 +1,5 @@
 """Two vLLM engine processes share one redis-server through the resp tier, which is killed under
-their requests and restarted (the scenario and its checks: tests/shared_store_engines.py).
+their requests and restarted (the scenario and its checks: tests/support/shared_store_engines.py).
 
 Engine A stores some prompts' chunks in the server this test started on 127.0.0.1 (the server's
 own count is checked: each chunk once); engine B, a separate process, gets exact hits of them

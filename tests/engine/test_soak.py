@@ -4,7 +4,7 @@ The soak itself asserts what a long run must hold (its ``checks``): no wrong out
 extra references back to zero and no background load or queued store left once traffic stops,
 no thread growth, L1 within its pool. Here: those checks, and that the traffic really had what
 the soak is for (hits from every tier, aborts, evictions, preemptions). The negative control runs
-the same soak with a load path that permutes pages (tests/permuted_load.py): it must count wrong
+the same soak with a load path that permutes pages (tests/support/permuted_load.py): it must count wrong
 outputs, so the comparison the soak makes can fail.
 """
 

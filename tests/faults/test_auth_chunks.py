@@ -3,8 +3,8 @@ on any tier, a reader of the store cannot confirm a guessed prompt from a name, 
 shows, and without the key nothing changes.
 
 Real tiers: posix (real files), fsspec on moto's S3 server, resp on redis-server; Mooncake runs
-the same checks in a private network namespace (tests/mooncake_auth_netns.py). The attacks
-themselves are in tests/auth_attacks.py. The negative control
+the same checks in a private network namespace (tests/faults/test_auth_chunks_netns.py). The attacks
+themselves are in tests/support/auth_attacks.py. The negative control
 (:func:`test_without_auth_a_forged_chunk_is_served`) shows the attack is real: the same forged
 chunk is served, and counted healthy, when no secret is configured.
 """

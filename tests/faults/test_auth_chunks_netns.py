@@ -1,5 +1,5 @@
-"""Authenticated chunks on a real Mooncake master (tests/auth_attacks.py's checks). Runs only
-inside a private network namespace: tests/test_auth_chunks.py starts it under ``unshare -n``,
+"""Authenticated chunks on a real Mooncake master (tests/support/auth_attacks.py's checks). Runs only
+inside a private network namespace: tests/faults/test_auth_chunks.py starts it under ``unshare -n``,
 with the secrets in the environment."""
 
 from __future__ import annotations

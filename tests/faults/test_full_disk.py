@@ -3,7 +3,7 @@
 A small real tmpfs (12 MiB) is mounted in a private mount namespace (``unshare --mount``; for a
 non-root user ``unshare --user --map-root-user --mount``), so nothing is mounted on the machine
 and the mount vanishes with the namespace. In it, real posix tiers in child processes
-(tests/disk_faults.py):
+(tests/support/disk_faults.py):
 
 1. capacity far above the disk: stores until the disk is full (ENOSPC): failed stores counted,
    one warning, earlier chunks load exactly while the disk is full, no temporary or partial file;

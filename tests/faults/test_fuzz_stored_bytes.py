@@ -4,7 +4,7 @@ reads, the resp reply parser) fed mutated and hostile chunks by hypothesis, dera
 same examples every run) and bounded. No exception escapes, nothing is imported, no read makes a
 tensor past the engine's geometry, and nothing but the valid chunk is ever served.
 
-The long campaign (more examples, counts printed): ``python benchmarks/fuzz_stored_bytes.py``.
+The long campaign (more examples, counts printed): ``python -m benchmarks.fuzz_stored_bytes``.
 """
 
 from __future__ import annotations

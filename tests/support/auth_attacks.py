@@ -5,8 +5,8 @@ and write the bytes under a name, list the names. Each ``check_*`` function stor
 through a real StorageManager configured with ``auth_key_env``, attacks the store behind its
 back with the public chunk-file library, and asserts that nothing forged or altered is ever
 served, that it is counted as ``auth_failures``, and that the next store replaces it. Used by
-tests/test_auth_chunks.py (posix, fsspec on moto's S3, resp on redis-server) and by
-tests/mooncake_auth_netns.py (Mooncake, inside a private network namespace).
+tests/faults/test_auth_chunks.py (posix, fsspec on moto's S3, resp on redis-server) and by
+tests/faults/test_auth_chunks_netns.py (Mooncake, inside a private network namespace).
 """
 
 from __future__ import annotations

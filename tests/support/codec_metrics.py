@@ -1,5 +1,5 @@
 """How far a lossy hit's generation is from the exact one: greedy-token agreement and mean
-|Δlogprob| (used by tests/test_codecs_engine.py and benchmarks/bench_codecs.py)."""
+|Δlogprob| (used by tests/engine/test_codecs_engine.py and benchmarks/bench_codecs.py)."""
 
 from __future__ import annotations
 

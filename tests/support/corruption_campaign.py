@@ -1,5 +1,5 @@
-"""Corruption while serving: the engine-side driver of tests/test_corruption_serving.py and of
-``benchmarks/reliability.py corruption`` (the damage, the engine process, the final check).
+"""Corruption while serving: the engine-side driver of tests/engine/test_corruption_serving.py and of
+``python -m benchmarks.reliability corruption`` (the damage, the engine process, the final check).
 
 ``run_corruption`` starts one vLLM engine in a fresh process (posix tier only); see the test's
 docstring for what happens in it.

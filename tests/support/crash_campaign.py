@@ -1,8 +1,8 @@
 """SIGKILL-mid-write campaign for the file tiers (posix with ``fsync: true``, fsspec ``file://``).
 
-Used by tests/test_crash_durability.py (a bounded number of kills) and benchmarks/crash_soak.py
+Used by tests/faults/test_crash_durability.py (a bounded number of kills) and benchmarks/crash_soak.py
 (``--kills N``). :func:`child` (``python -m tests.support.crash_campaign child KIND ROOT SEED``) is the child, a process
-of its own (tests/engine_processes.py: from the forkserver, not importing torch again): it stores
+of its own (tests/support/engine_processes.py: from the forkserver, not importing torch again): it stores
 chunks as fast as it can, flushes every few, and prints ``ok <i> <i>...`` for each batch its
 tier's ``flush`` reported done (``put <i>...`` before submitting them), until it is killed.
 

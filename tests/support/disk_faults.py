@@ -1,4 +1,4 @@
-"""Child steps of the full-disk and read-only tests (tests/test_full_disk.py), run inside a
+"""Child steps of the full-disk and read-only tests (tests/faults/test_full_disk.py), run inside a
 private mount namespace on a small real tmpfs: ``python -m tests.support.disk_faults STEP DIR``.
 
 Each step prints one ``RESULT <json>`` line. Chunks and their bytes come from crash_campaign

@@ -1,8 +1,8 @@
 """A real Mooncake master for tests, started by the test on 127.0.0.1 (a free port).
 
 Mooncake's clients listen on every interface whatever they are told, so the tests that use this
-run inside a private network namespace with only loopback (``tests/test_mooncake.py`` starts
-``tests/mooncake_netns_suite.py`` under ``unshare -n``); :func:`in_private_netns` says whether
+run inside a private network namespace with only loopback (``tests/backends/test_mooncake.py`` starts
+``tests/backends/test_mooncake_netns.py`` under ``unshare -n``); :func:`in_private_netns` says whether
 this process is in one, and the fixtures refuse to start a master outside it.
 """
 

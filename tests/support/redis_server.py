@@ -2,7 +2,7 @@
 socket, with no persistence (``--save "" --appendonly no``); it can be killed, restarted on the
 same port (empty, as a real restart without persistence is), paused (SIGSTOP) and resumed.
 
-Reuse from any test module (the tests directory is on ``sys.path``)::
+Reuse from any test module (tests/README.md: imports)::
 
     from tests.support.redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
 

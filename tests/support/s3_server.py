@@ -1,6 +1,6 @@
 """A real S3 endpoint for tests: moto's server on 127.0.0.1, driven through s3fs (no mocking).
 
-Reuse from any test module (the tests directory is on ``sys.path``)::
+Reuse from any test module (tests/README.md: imports)::
 
     from tests.support.s3_server import moto_server, s3  # noqa: F401  (fixtures)
 

@@ -1,6 +1,6 @@
 """Two vLLM engine processes share one store through a remote tier (their only tier), and the
-store is killed under their requests and restarted: the scenario of tests/test_resp_engine.py
-(a redis-server) and tests/mooncake_netns_engine.py (a Mooncake master), whatever the tier.
+store is killed under their requests and restarted: the scenario of tests/engine/test_resp_engine.py
+(a redis-server) and tests/engine/test_mooncake_engine_netns.py (a Mooncake master), whatever the tier.
 
 Both engines run at once (a Mooncake object lives in the memory of the engine that lent it, so
 engine A stays alive until engine B is done); they and the test meet through files in a ``sync``

@@ -1,9 +1,9 @@
 """The fuzz campaign on stored bytes (issue 32): targets and mutations shared by the suite's short
-run (tests/test_fuzz_stored_bytes.py) and the long one (benchmarks/fuzz_stored_bytes.py).
+run (tests/faults/test_fuzz_stored_bytes.py) and the long one (benchmarks/fuzz_stored_bytes.py).
 
 Every target starts from a valid encoded chunk (raw pages, or ENCODED through a codec) and is fed
 a mutated one: bit flips, truncation, extension, length fields, hostile metadata and nested JSON
-(tests/test_fuzz_inputs.py's ``mutate``), re-encoded headers claiming huge or foreign shapes with
+(tests/faults/test_fuzz_inputs.py's ``mutate``), re-encoded headers claiming huge or foreign shapes with
 a valid checksum, and codec frames naming other codecs and module paths. What must hold, for
 every example:
 

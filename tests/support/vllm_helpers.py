@@ -119,7 +119,7 @@ def generate_full(llm: Any, prompts: list[list[int]], max_tokens: int = 8,
 
 
 def run_script(code: str, timeout: float = 600, env: dict[str, str] | None = None) -> Any:
-    """Run ``code`` in a fresh process (a fresh engine; tests/engine_processes.py); it prints
+    """Run ``code`` in a fresh process (a fresh engine; tests/support/engine_processes.py); it prints
     ``RESULT`` + JSON. ``env``: extra environment variables for that process only."""
     from tests.support.engine_processes import StillRunning, run_python
 

