@@ -205,7 +205,7 @@ def run_engine(cfg: dict) -> dict:
 
 
 def _child(cfg: dict, log: Path) -> dict | None:
-    cmd = [sys.executable, __file__, "--one", json.dumps(cfg)]
+    cmd = [sys.executable, "-m", __spec__.name, "--one", json.dumps(cfg)]
     with open(log, "ab") as out:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=out, timeout=cfg["timeout"])
     line = next((x for x in proc.stdout.decode().splitlines() if x.startswith(RESULT)), None)

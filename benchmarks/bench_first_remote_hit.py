@@ -65,7 +65,7 @@ def run(cfg: dict) -> dict:
 
 
 def child(cfg: dict) -> dict | None:
-    proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)],
+    proc = subprocess.run([sys.executable, "-m", __spec__.name, "--one", json.dumps(cfg)],
                           capture_output=True, timeout=900)
     line = next((x for x in proc.stdout.decode().splitlines() if x.startswith(RESULT)), None)
     if line is None:

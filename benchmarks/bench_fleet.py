@@ -384,9 +384,9 @@ def main() -> int:
     args = ap.parse_args()
     stores = args.stores.split(",")
     if "mooncake" in stores:
-        from tests.support.mooncake_store import rerun_script_in_private_netns
+        from tests.support.mooncake_store import rerun_module_in_private_netns
 
-        rerun_script_in_private_netns(os.path.abspath(__file__))
+        rerun_module_in_private_netns(__spec__.name)
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
     logging.getLogger("kvplug").setLevel(logging.ERROR)
     trace = fleet_trace.load(args.trace)

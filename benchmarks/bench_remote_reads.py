@@ -48,7 +48,7 @@ from kvplug.memory import heap_memory_obj
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import make_key
 
-from tests.support.mooncake_store import MooncakeMaster, rerun_script_in_private_netns
+from tests.support.mooncake_store import MooncakeMaster, rerun_module_in_private_netns
 from tests.support.redis_server import RedisServer
 
 MiB = 1 << 20
@@ -193,7 +193,7 @@ def main() -> None:
     args = ap.parse_args()
     stores = args.stores.split(",")
     if "mooncake" in stores:
-        rerun_script_in_private_netns(os.path.abspath(__file__))
+        rerun_module_in_private_netns(__spec__.name)
     logging.getLogger("kvplug").setLevel(logging.ERROR)
     sizes = [float(m) for m in args.mib.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="kvplug-bench-reads-"))

@@ -129,7 +129,7 @@ def client_main(argv: list[str]) -> int:
 
 def client_argv(workload: str, url: str, model: str, out: Path, data: Path | None,
                 args: argparse.Namespace) -> list[str]:
-    argv = [sys.executable, __file__, "--client", "--backend", "openai", "--base-url", url,
+    argv = [sys.executable, "-m", __spec__.name, "--client", "--backend", "openai", "--base-url", url,
             "--endpoint", "/v1/completions", "--model", model, "--tokenizer", model,
             "--request-rate", "inf", "--max-concurrency", str(args.concurrency),
             "--temperature", "0", "--ignore-eos", "--seed", "0", "--disable-tqdm",

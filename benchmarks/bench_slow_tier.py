@@ -109,9 +109,11 @@ def main() -> int:
         return 0
     rows = []
     for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--one", mode, *sys.argv[1:]]
+        cmd = [sys.executable, "-m", __spec__.name, "--one", mode, *sys.argv[1:]]
         print(f"running {mode} ...", file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir())
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(),
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  [str(REPO), os.environ.get("PYTHONPATH", "")])})
         line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT)), None)
         if line is None:
             print(proc.stderr[-4000:], file=sys.stderr)

@@ -149,9 +149,9 @@ def main() -> None:
         return
     tiers = args.tiers.split(",")
     if "mooncake" in tiers:
-        from tests.support.mooncake_store import rerun_script_in_private_netns
+        from tests.support.mooncake_store import rerun_module_in_private_netns
 
-        rerun_script_in_private_netns(os.path.abspath(__file__))
+        rerun_module_in_private_netns(__spec__.name)
     run(args.out[0], args.seconds, tiers, args.root)
 
 

@@ -112,7 +112,7 @@ def main() -> int:
         return 0
     results = []
     for name in args.configs.split(","):
-        cmd = [sys.executable, __file__, "--one", name, "--prompt-len", str(args.prompt_len),
+        cmd = [sys.executable, "-m", __spec__.name, "--one", name, "--prompt-len", str(args.prompt_len),
                "--round-a", str(args.round_a), "--docs", str(args.docs),
                "--blocks", str(args.blocks), "--model", args.model]
         print(f"running {name} ...", file=sys.stderr, flush=True)

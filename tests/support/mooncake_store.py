@@ -33,10 +33,11 @@ def in_private_netns() -> bool:
     return os.environ.get(NETNS_ENV) == "1" and [n for _, n in socket.if_nameindex()] == ["lo"]
 
 
-def rerun_script_in_private_netns(script: str) -> None:
+def rerun_module_in_private_netns(module: str) -> None:
     """For a benchmark with a Mooncake part: unless already in one, replace this process by
-    ``script`` (same arguments) run in a private network namespace with only loopback up; there
-    :data:`NETNS_ENV` is set. Exits with a message naming the way out where that cannot be made."""
+    ``python -m module`` (same arguments, same directory) run in a private network namespace
+    with only loopback up; there :data:`NETNS_ENV` is set. Exits with a message naming the way
+    out where that cannot be made."""
     if in_private_netns():
         return
     unshare, ip = shutil.which("unshare"), shutil.which("ip")
@@ -44,7 +45,7 @@ def rerun_script_in_private_netns(script: str) -> None:
         raise SystemExit("the mooncake part runs in a private network namespace (root, unshare "
                          "and ip); pass --stores resp elsewhere")
     args = " ".join(shlex.quote(a) for a in sys.argv[1:])
-    command = f"{ip} link set lo up && exec {sys.executable} {shlex.quote(script)} {args}"
+    command = f"{ip} link set lo up && exec {sys.executable} -m {shlex.quote(module)} {args}"
     os.execve(unshare, [unshare, "-n", "--", "sh", "-c", command], {**os.environ, NETNS_ENV: "1"})
 
 
