@@ -213,7 +213,7 @@ def test_sleep_mode_config_asks_the_connector_class(model_dir):
 
     engine_env()
     for name, module in (("KVPlugConnector", "kvplug.connector"),
-                         ("NoSleepConnector", "test_vllm_versions")):
+                         ("NoSleepConnector", "tests.unit.test_vllm_versions")):
         xfer = KVTransferConfig(kv_connector=name, kv_connector_module_path=module,
                                 kv_role="kv_both")
         vc = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
