@@ -36,7 +36,7 @@ def test_renders_a_complete_package(tmp_path, owns, kind):
     files = {p.relative_to(pkg).as_posix() for p in pkg.rglob("*") if p.is_file()}
     assert files == {"pyproject.toml", "README.md", "src/kvplug_my_store/__init__.py",
                      "src/kvplug_my_store/backend.py", "tests/test_conformance.py",
-                     "tests/sim/test_simulation.py"}
+                     "tests/test_simulation.py"}
     for rel in files:  # nothing left unrendered, every Python file compiles
         text = (pkg / rel).read_text()
         assert "{{" not in text and "{%" not in text and "cookiecutter" not in text, rel
