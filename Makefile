@@ -16,5 +16,6 @@ test: setup
 lint: setup
 	.venv/bin/ruff check sdk backends gpu connector tests benchmarks
 
+# the benchmarks are a package (they import tests.support): each runs as python -m benchmarks.NAME
 bench: setup
-	for b in benchmarks/bench_*.py; do echo "== $$b"; .venv/bin/python $$b || exit 1; done
+	for b in benchmarks/bench_*.py; do m=$$(basename $$b .py); echo "== $$m"; .venv/bin/python -m benchmarks.$$m || exit 1; done

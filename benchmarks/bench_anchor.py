@@ -1,6 +1,6 @@
 """kvplug against LMCache and vLLM's own caches: one command, every system, the same engine and prompts.
 
-    .venv/bin/python benchmarks/bench_anchor.py [--quick] [--configs kvplug,lmcache,example,prefix,none]
+    .venv/bin/python -m benchmarks.bench_anchor [--quick] [--configs kvplug,lmcache,example,prefix,none]
 
 Install LMCache first (into this venv only; its full dependency set would pull CUDA packages and
 replace numpy/protobuf/prometheus_client, so ``--no-deps`` with the four modules it needs):
@@ -205,7 +205,7 @@ def run_engine(cfg: dict) -> dict:
 
 
 def _child(cfg: dict, log: Path) -> dict | None:
-    cmd = [sys.executable, __file__, "--one", json.dumps(cfg)]
+    cmd = [sys.executable, "-m", __spec__.name, "--one", json.dumps(cfg)]
     with open(log, "ab") as out:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=out, timeout=cfg["timeout"])
     line = next((x for x in proc.stdout.decode().splitlines() if x.startswith(RESULT)), None)

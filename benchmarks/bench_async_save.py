@@ -11,7 +11,7 @@ Workload: a storing (cold) run, everything new: ``--batch`` prompts of ``--promp
 generating ``--max-tokens`` tokens each (the answer is stored too), ``--reps`` times with fresh
 prompts; the figure is the median wall time per configuration and the ratios between them.
 
-    python benchmarks/bench_async_save.py [--rounds 2] [--reps 3] [--model small]
+    python -m benchmarks.bench_async_save [--rounds 2] [--reps 3] [--model small]
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import random
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 CONFIGS = ["none", "sync", "async"]
 RESULT = "BENCH-RESULT "
@@ -93,7 +92,7 @@ def main() -> int:
     results: list[dict] = []
     for rnd in range(args.rounds):
         for name in args.configs.split(","):
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--one", name, "--round", str(rnd)]
+            cmd = [sys.executable, "-m", __spec__.name, "--one", name, "--round", str(rnd)]
             for k in ("prompt_len", "batch", "max_tokens", "reps", "blocks", "model"):
                 cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
             print(f"round {rnd}: {name} ...", file=sys.stderr, flush=True)

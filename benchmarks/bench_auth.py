@@ -14,9 +14,9 @@ Part 2 (``--hits``) stores the same random chunks in two posix directories, one 
 promoted into local_cpu) and the L1 hit after. The ratio authenticated / plain is the figure the
 issue bounds (<= 1.10x).
 
-    .venv/bin/python benchmarks/bench_auth.py            # both parts
-    .venv/bin/python benchmarks/bench_auth.py --primitives
-    .venv/bin/python benchmarks/bench_auth.py --hits --layers 8 --page 1572864 --chunks 8
+    .venv/bin/python -m benchmarks.bench_auth            # both parts
+    .venv/bin/python -m benchmarks.bench_auth --primitives
+    .venv/bin/python -m benchmarks.bench_auth --hits --layers 8 --page 1572864 --chunks 8
 """
 
 from __future__ import annotations

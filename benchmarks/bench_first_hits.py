@@ -1,6 +1,6 @@
 """Disk hits right after an engine starts vs later ones (the demo's slow first disk hits).
 
-    .venv/bin/python benchmarks/bench_first_hits.py [--prompts 6] [--prompt-len 3072] [--l1 2GiB]
+    .venv/bin/python -m benchmarks.bench_first_hits [--prompts 6] [--prompt-len 3072] [--l1 2GiB]
 
 A first engine process (kvplug, default tiers: ``local_cpu`` then ``posix`` in a fresh
 directory) stores ``--prompts`` prompts. Then, for each variant, a fresh engine process on the
@@ -82,8 +82,7 @@ def _patch(cfg: dict) -> Callable[..., None]:
         _before_fix()
     if not cfg.get("timeline"):
         return lambda *a: None
-    sys.path.insert(0, str(Path(__file__).parent))
-    import timeline
+    from benchmarks import timeline
 
     timeline.install(cfg["timeline"])
     return timeline.mark
@@ -126,7 +125,7 @@ def run(cfg: dict) -> dict:
 
 
 def child(cfg: dict) -> dict | None:
-    proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)],
+    proc = subprocess.run([sys.executable, "-m", __spec__.name, "--one", json.dumps(cfg)],
                           capture_output=True, timeout=600)
     line = next((x for x in proc.stdout.decode().splitlines() if x.startswith(RESULT)), None)
     if line is None:

@@ -1,6 +1,6 @@
 """The first remote hit after an engine starts vs the second, and vs a first request that misses.
 
-    flock /tmp/kvplug-engine.lock .venv/bin/python benchmarks/bench_first_remote_hit.py \\
+    flock /tmp/kvplug-engine.lock .venv/bin/python -m benchmarks.bench_first_remote_hit \\
         [--prompt-len 2816] [--model small]
 
 A ``redis-server`` on 127.0.0.1 (started here) is the only tier (``resp``, no L1), as in the
@@ -65,7 +65,7 @@ def run(cfg: dict) -> dict:
 
 
 def child(cfg: dict) -> dict | None:
-    proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)],
+    proc = subprocess.run([sys.executable, "-m", __spec__.name, "--one", json.dumps(cfg)],
                           capture_output=True, timeout=900)
     line = next((x for x in proc.stdout.decode().splitlines() if x.startswith(RESULT)), None)
     if line is None:
@@ -83,9 +83,9 @@ def main() -> int:
     ap.add_argument("--model", default="small")
     ap.add_argument("--prompt-len", type=int, default=2816)
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from kvplug.connector.demo.model import make_model
-    from redis_server import RedisServer
+
+    from tests.support.redis_server import RedisServer
 
     work = Path(tempfile.mkdtemp(prefix="kvplug-first-remote-"))
     srv = RedisServer(work / "redis", maxmemory="2gb")

@@ -1,7 +1,7 @@
 """A fleet on one machine: N client processes replay a recorded engine's storage traffic against
 one shared store, N stepped, to find where the store saturates and what kvplug does then.
 
-    .venv/bin/python benchmarks/bench_fleet.py [--stores resp,mooncake] [--clients 1,2,4,8,16,32]
+    .venv/bin/python -m benchmarks.bench_fleet [--stores resp,mooncake] [--clients 1,2,4,8,16,32]
         [--duration 12] [--max-events 100000] [--shared 0.1] [--speed 0] [--timeout-s 2]
         [--saturate-timeout 0.05] [--l1 32MiB] [--ops LGP] [--negative-cache-s S]
         [--trace benchmarks/traces/chat_small.json] [--json FILE] [--keep-logs DIR]
@@ -47,7 +47,6 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -55,15 +54,14 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-sys.path.insert(0, str(HERE))
 
-import fleet_trace  # noqa: E402
 import torch  # noqa: E402
-from fleet_report import KINDS, STORE_STATS, merge, report  # noqa: E402
 from kvplug.keys import CacheKey  # noqa: E402
 from kvplug.memory import MemoryFormat, heap_memory_obj  # noqa: E402
 from kvplug.storage_manager import StorageManager  # noqa: E402
+
+from benchmarks import fleet_trace  # noqa: E402
+from benchmarks.fleet_report import KINDS, STORE_STATS, merge, report  # noqa: E402
 
 
 # -- the replay (one engine) --------------------------------------------------------------------
@@ -253,12 +251,12 @@ class Servers:
     def __init__(self, store: str, workdir: Path, args: argparse.Namespace, ctx: Any) -> None:
         self.store, self.node, self.stop_node = store, None, None
         if store == "resp":
-            from redis_server import RedisServer
+            from tests.support.redis_server import RedisServer
 
             self.server = RedisServer(workdir / "redis", maxmemory=args.maxmemory)
             self.address = self.server.url
             return
-        from mooncake_store import MooncakeMaster
+        from tests.support.mooncake_store import MooncakeMaster
 
         self.server = MooncakeMaster(workdir / "mooncake")
         self.address = self.server.address
@@ -386,9 +384,9 @@ def main() -> int:
     args = ap.parse_args()
     stores = args.stores.split(",")
     if "mooncake" in stores:
-        from mooncake_store import rerun_script_in_private_netns
+        from tests.support.mooncake_store import rerun_module_in_private_netns
 
-        rerun_script_in_private_netns(os.path.abspath(__file__))
+        rerun_module_in_private_netns(__spec__.name)
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
     logging.getLogger("kvplug").setLevel(logging.ERROR)
     trace = fleet_trace.load(args.trace)

@@ -1,6 +1,6 @@
 """fsspec tier vs raw s3fs on the same moto S3 server, same bytes, same run.
 
-    .venv/bin/python benchmarks/bench_fsspec.py [--chunk-mib 4] [--chunks 10] [--rounds 3]
+    .venv/bin/python -m benchmarks.bench_fsspec [--chunk-mib 4] [--chunks 10] [--rounds 3]
 
 Measures (medians over rounds; raw and tier rounds interleaved so moto's slow-down as it fills
 affects both alike):
@@ -33,7 +33,8 @@ from kvplug import chunkfile as cf
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import make_key
 from moto.server import ThreadedMotoServer
-from remote_stores import chunk as _chunk
+
+from benchmarks.remote_stores import chunk as _chunk
 
 BUCKET = "kvplug-bench"
 MiB = 1 << 20

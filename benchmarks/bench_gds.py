@@ -2,7 +2,7 @@
 
 Run on a GPU machine with ``pip install 'kvplug[gds]'``::
 
-    python benchmarks/bench_gds.py --dir /mnt/nvme/kvplug-bench --chunks 32 --layers 32
+    python -m benchmarks.bench_gds --dir /mnt/nvme/kvplug-bench --chunks 32 --layers 32
 
 It prints the device, the kvikio version and whether GDS or compat mode was active. On a machine
 without CUDA it prints why and exits 0.

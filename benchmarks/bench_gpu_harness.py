@@ -14,7 +14,7 @@ and down projections; attention's own kernel left out, so the compute is if anyt
 the real one) alone, and with a layer-wise load of one request and a layer-wise store of another
 around every layer (random block ids). Goal: <= 10% added time.
 
-Run on a GPU: ``python3 benchmarks/bench_gpu_harness.py``. Without CUDA only ``--small`` (a
+Run on a GPU: ``python3 -m benchmarks.bench_gpu_harness``. Without CUDA only ``--small`` (a
 reduced shape, under a minute; its figures mean little) runs.
 """
 
@@ -25,15 +25,9 @@ import os
 import platform
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from bench_gpu_transfer import paired, row, timed  # noqa: E402
-from gpu_kv_fixture import vllm_kv_views  # noqa: E402
-from kv_harness import BLOCK_SIZE, HARNESS_LAYOUTS, scenarios  # noqa: E402
 from kvplug.gpu import (  # noqa: E402
     PagedKV,
     alloc_host,
@@ -43,6 +37,10 @@ from kvplug.gpu import (  # noqa: E402
     layerwise_store,
     scatter,
 )
+
+from benchmarks.bench_gpu_transfer import paired, row, timed
+from tests.support.gpu_kv_fixture import vllm_kv_views
+from tests.support.kv_harness import BLOCK_SIZE, HARNESS_LAYOUTS, scenarios
 
 
 class Shape(NamedTuple):

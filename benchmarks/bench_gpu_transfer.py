@@ -10,7 +10,7 @@ CUDA (only where a CUDA device exists, LBNHC as FlashAttention lays it out): gat
 between device pages and pinned host memory as a ratio of one pinned ``cudaMemcpy`` of the same
 bytes, and the overlap of a layer-wise load with a stand-in per-layer compute kernel.
 
-Run: ``.venv/bin/python benchmarks/bench_gpu_transfer.py``
+Run: ``.venv/bin/python -m benchmarks.bench_gpu_transfer``
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Cost as the cache grows: a posix tier of 10k / 100k / 1M chunk files, and L1 with a large pool.
 
-    .venv/bin/python benchmarks/bench_growth.py --dir /tmp/kvplug-growth --sizes 10000,100000,1000000
-    .venv/bin/python benchmarks/bench_growth.py --l1-gib 8          # L1 start-up only
+    .venv/bin/python -m benchmarks.bench_growth --dir /tmp/kvplug-growth --sizes 10000,100000,1000000
+    .venv/bin/python -m benchmarks.bench_growth --l1-gib 8          # L1 start-up only
 
 Each size gets its own directory of small real chunk files (1 layer, 256-byte page: ~4.4 KiB on
 disk, every header valid) written once and reused by later runs (``--keep``; removed otherwise).

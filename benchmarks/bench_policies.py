@@ -1,7 +1,7 @@
 """Eviction and admission policies on recorded and generated traffic, each against LRU/always in
 the same run: hit tokens, and bytes written to each tier.
 
-    .venv/bin/python benchmarks/bench_policies.py [--traces chat,zipf,scan] [--dir /dev/shm/x]
+    .venv/bin/python -m benchmarks.bench_policies [--traces chat,zipf,scan] [--dir /dev/shm/x]
         [--chunk-kib 64] [--json FILE]
 
 Each trace is a list of requests, each a chain of chunk ids (a prefix: chunk i's key covers every
@@ -45,14 +45,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch  # noqa: E402
-from fleet_trace import hottest  # noqa: E402
-from fleet_trace import load as load_trace  # noqa: E402
 from kvplug.keys import CacheKey  # noqa: E402
 from kvplug.memory import MemoryFormat  # noqa: E402
 from kvplug.storage_manager import StorageManager  # noqa: E402
+
+from benchmarks.fleet_trace import hottest
+from benchmarks.fleet_trace import load as load_trace
 
 TOKENS_PER_CHUNK = 256
 #: (eviction on both tiers, admission on the disk tier): the first is the baseline (as before)

@@ -1,7 +1,7 @@
 """posix tier throughput against a raw os.pwrite/os.preadv baseline on the same file system.
 
-    .venv/bin/python benchmarks/bench_posix.py --dir /dev/shm/kvplug-bench   # tmpfs
-    .venv/bin/python benchmarks/bench_posix.py --dir /tmp/kvplug-bench       # disk (ext4)
+    .venv/bin/python -m benchmarks.bench_posix --dir /dev/shm/kvplug-bench   # tmpfs
+    .venv/bin/python -m benchmarks.bench_posix --dir /tmp/kvplug-bench       # disk (ext4)
 
 For each chunk size (1, 4, 16 MiB: 64 KiB pages, layer-major), ``--total`` bytes of chunks are
 written as fresh files and read back, best of ``--rounds``:

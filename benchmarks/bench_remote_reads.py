@@ -1,6 +1,6 @@
 """Remote reads against the raw client, interleaved round by round: where a tier's load time goes.
 
-    .venv/bin/python benchmarks/bench_remote_reads.py [--mib 1,4] [--chunks 16] [--rounds 15] \
+    .venv/bin/python -m benchmarks.bench_remote_reads [--mib 1,4] [--chunks 16] [--rounds 15] \
         [--stores resp,mooncake,fsspec]
 
 Against a ``redis-server`` / ``mooncake_master`` / moto's S3 server (in this process) this
@@ -38,18 +38,16 @@ import argparse
 import logging
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import make_key
-from remote_stores import MiB, Raw, chunk, private_network_for, started  # noqa: E402
+
+from benchmarks.remote_stores import MiB, Raw, chunk, private_network_for, started
 
 
 def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: int) -> None:
@@ -153,7 +151,7 @@ def main() -> None:
                     help="comma-separated: resp, mooncake, fsspec (moto's S3 server)")
     args = ap.parse_args()
     stores = args.stores.split(",")
-    private_network_for(stores, __file__)
+    private_network_for(stores, __spec__.name)
     logging.getLogger("kvplug").setLevel(logging.ERROR)
     sizes = [float(m) for m in args.mib.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="kvplug-bench-reads-"))

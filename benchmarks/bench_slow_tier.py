@@ -2,7 +2,7 @@
 another request's hit loads from a tier whose ``get`` and ``contains`` take 100 ms.
 
 Two engines, one at a time, the same requests, the only tier a third-party-style slow tier
-(tests/tiers_for_tests.py ``StallingTier``, ``stall_s`` 0.1, loaded by path like any third-party
+(tests/support/tiers_for_tests.py ``StallingTier``, ``stall_s`` 0.1, loaded by path like any third-party
 backend):
 
   async    the tier as it is (no ``never_blocks``): kvplug loads its hits in the background
@@ -16,7 +16,7 @@ goes on until P's first token and ``--after`` more decoder tokens. Reported per 
 decoder's median gap before P arrived (the normal gap), its longest gap while P was looked up
 and loaded, and P's TTFT. Ratios are against the normal gap of the same engine.
 
-    .venv/bin/python benchmarks/bench_slow_tier.py [--prompt-len 1600] [--stall 0.1]
+    .venv/bin/python -m benchmarks.bench_slow_tier [--prompt-len 1600] [--stall 0.1]
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.support.tiers_for_tests import StallingTier
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULT = "BENCH-RESULT "
-
-sys.path.insert(0, str(REPO / "tests"))
-
-from tiers_for_tests import StallingTier  # noqa: E402
 
 
 class InlineStallingTier(StallingTier):
@@ -47,14 +45,15 @@ class InlineStallingTier(StallingTier):
 
 
 def _run(mode: str, args: argparse.Namespace) -> dict:
-    import vllm_helpers as h
     from kvplug.connector.demo.model import make_model
     from vllm import SamplingParams, TokensPrompt
 
+    from tests.support import vllm_helpers as h
+
     h.engine_env()
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ["PYTHONPATH"]])
-    backend = ("tiers_for_tests:StallingTier" if mode == "async"
-               else "bench_slow_tier:InlineStallingTier")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ["PYTHONPATH"]])
+    backend = ("tests.support.tiers_for_tests:StallingTier" if mode == "async"
+               else "benchmarks.bench_slow_tier:InlineStallingTier")
     tier = {"backend": backend, "name": "slow", "timeout_s": 30,
             "options": {"stall_s": args.stall}}
     kv = h.transfer_config("kvplug", {"tiers": [tier], "log_every_load": False})
@@ -110,9 +109,11 @@ def main() -> int:
         return 0
     rows = []
     for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--one", mode, *sys.argv[1:]]
+        cmd = [sys.executable, "-m", __spec__.name, "--one", mode, *sys.argv[1:]]
         print(f"running {mode} ...", file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir())
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(),
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  [str(REPO), os.environ.get("PYTHONPATH", "")])})
         line = next((x for x in proc.stdout.splitlines() if x.startswith(RESULT)), None)
         if line is None:
             print(proc.stderr[-4000:], file=sys.stderr)

@@ -1,6 +1,6 @@
 """StorageManager overheads with only local_cpu, prefix lookup, and hashing vs vLLM.
 
-Run: .venv/bin/python benchmarks/bench_storage_manager.py
+Run: .venv/bin/python -m benchmarks.bench_storage_manager
 Prints: µs of put+get per chunk beyond moving bytes (L1 is zero-copy, so this is all overhead),
 with a plain dict put+get as the baseline measured in the same run; the time of a 512-key prefix
 lookup; and tokens/s of kvplug's TokenDatabase against vLLM's own block hasher (ratio).

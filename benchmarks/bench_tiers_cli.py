@@ -1,13 +1,13 @@
 """``kvplug bench`` on every reference tier, each with its server started here; JSON per tier.
 
-    .venv/bin/python benchmarks/bench_tiers_cli.py OUT_DIR [--seconds 0.5] [--tiers posix,resp,...] \
+    .venv/bin/python -m benchmarks.bench_tiers_cli OUT_DIR [--seconds 0.5] [--tiers posix,resp,...] \
         [--rounds 3]
-    .venv/bin/python benchmarks/bench_tiers_cli.py --table RUN1_DIR RUN2_DIR   # markdown, "run 1 / run 2"
+    .venv/bin/python -m benchmarks.bench_tiers_cli --table RUN1_DIR RUN2_DIR   # markdown, "run 1 / run 2"
 
 * posix: a directory under ``--root`` (default /tmp/kvplug-bench-tiers);
 * local_cpu: a 3 GiB pool;
-* resp: a ``redis-server`` on 127.0.0.1 (tests/redis_server.py: no persistence, 3 GB maxmemory);
-* fsspec: moto's S3 server on 127.0.0.1 in this process (tests/s3_server.py), 256 KiB and 1 MiB
+* resp: a ``redis-server`` on 127.0.0.1 (tests/support/redis_server.py: no persistence, 3 GB maxmemory);
+* fsspec: moto's S3 server on 127.0.0.1 in this process (tests/support/s3_server.py), 256 KiB and 1 MiB
   values, batches of 1 and 16, 64 MiB per cell (moto moves ~20-60 MB/s here);
 * mooncake: a ``mooncake_master`` on 127.0.0.1, batches of 1 and 32 (segments of 3 GiB per
   client); with it the script re-runs itself in a private network namespace (root, unshare).
@@ -25,8 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from remote_stores import private_network_for, started  # noqa: E402
+from benchmarks.remote_stores import private_network_for, started
 
 TIERS = ("posix", "local_cpu", "resp", "fsspec", "mooncake")
 
@@ -123,7 +122,7 @@ def main() -> None:
         table(*args.out[:2])
         return
     tiers = args.tiers.split(",")
-    private_network_for(tiers, __file__)
+    private_network_for(tiers, __spec__.name)
     run(args.out[0], args.seconds, tiers, args.root)
 
 

@@ -17,7 +17,7 @@ second pass in prompt tokens/s.
 
 Model: ~100M-parameter Qwen3-style config with ``load_format="dummy"`` (timing only).
 
-    python benchmarks/bench_vllm_e2e.py [--docs 12] [--prompt-len 4001] [--blocks 200]
+    python -m benchmarks.bench_vllm_e2e [--docs 12] [--prompt-len 4001] [--blocks 200]
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def main() -> int:
         return 0
     results = []
     for name in args.configs.split(","):
-        cmd = [sys.executable, __file__, "--one", name, "--prompt-len", str(args.prompt_len),
+        cmd = [sys.executable, "-m", __spec__.name, "--one", name, "--prompt-len", str(args.prompt_len),
                "--round-a", str(args.round_a), "--docs", str(args.docs),
                "--blocks", str(args.blocks), "--model", args.model]
         print(f"running {name} ...", file=sys.stderr, flush=True)

@@ -1,11 +1,11 @@
-"""SIGKILL-mid-write soak for the file tiers: the campaign of tests/test_crash_durability.py, longer.
+"""SIGKILL-mid-write soak for the file tiers: the campaign of tests/faults/test_crash_durability.py, longer.
 
 A child process stores chunks to the posix tier (``fsync: true``) or the fsspec tier over
 ``file://`` and reports what its tier's ``flush`` acknowledged; it is killed at random moments,
 ``--kills`` times per tier, and after each kill a restarted tier must hold every acknowledged
-chunk, whole and verified, with no stale temporary file left (see ``tests/crash_campaign.py``).
+chunk, whole and verified, with no stale temporary file left (see ``tests/support/crash_campaign.py``).
 
-Run: ``.venv/bin/python benchmarks/crash_soak.py --kills 200 [--kinds posix,fsspec] [--seed 0]``.
+Run: ``.venv/bin/python -m benchmarks.crash_soak --kills 200 [--kinds posix,fsspec] [--seed 0]``.
 Exits 1 if any kill lost an acknowledged chunk or left a bad file.
 """
 
@@ -17,8 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from crash_campaign import run_campaign  # noqa: E402
+from tests.support.crash_campaign import run_campaign
 
 PROBLEMS = ("bad_files", "lost_acknowledged", "index_mismatch")
 

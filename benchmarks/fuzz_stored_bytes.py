@@ -1,9 +1,9 @@
-"""The long fuzz campaign on stored bytes (issue 32): the suite's targets (tests/stored_bytes_fuzz.py:
+"""The long fuzz campaign on stored bytes (issue 32): the suite's targets (tests/support/stored_bytes_fuzz.py:
 chunk-file header, codec frames, the posix, fsspec and value tiers' reads, the resp reply parser)
 fed mutated and hostile chunks by hypothesis for a time budget per target, then the counts.
 
-    python benchmarks/fuzz_stored_bytes.py --seconds 60          # per target
-    python benchmarks/fuzz_stored_bytes.py --seconds 20 --targets posix,resp --seed 7
+    python -m benchmarks.fuzz_stored_bytes --seconds 60          # per target
+    python -m benchmarks.fuzz_stored_bytes --seconds 20 --targets posix,resp --seed 7
 
 Prints, per target: examples run, misses, served (byte-identical to the valid chunk), and the
 failures (an exception out of a tier, a module imported, a tensor past the bound, other bytes
@@ -19,11 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from stored_bytes_fuzz import TARGETS, Campaign  # noqa: E402
+
+from tests.support.stored_bytes_fuzz import TARGETS, Campaign
 
 BATCH = 200  # examples per hypothesis run (a fresh seed each)
 

@@ -4,7 +4,7 @@ vLLM's engine core normally runs in a child process; with ``VLLM_ENABLE_V1_MULTI
 scheduler, the (CPU) worker and kvplug's connector all run here, so one profile sees the hashing,
 the lookup round trip, the load and the forward pass. Engines as in ``bench_vllm_e2e.py``.
 
-    .venv/bin/python benchmarks/profile_warm_hit.py --config kvplug-cpu [--prompt-len 3001] \
+    .venv/bin/python -m benchmarks.profile_warm_hit --config kvplug-cpu [--prompt-len 3001] \
         [--repeat 3] [--top 35] [--sort cumulative]
 """
 
@@ -14,12 +14,9 @@ import argparse
 import cProfile
 import os
 import pstats
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> int:
@@ -35,9 +32,10 @@ def main() -> int:
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from bench_vllm_e2e import _engine, _prompts
     from kvplug.connector.demo.model import PRESETS, make_model
     from vllm import SamplingParams, TokensPrompt
+
+    from benchmarks.bench_vllm_e2e import _engine, _prompts
 
     model = str(make_model(args.model, weights=False))
     llm = _engine(args.config, model, Path(tempfile.mkdtemp(prefix="prof-")), args.blocks)

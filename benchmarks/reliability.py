@@ -1,20 +1,20 @@
 """The reliability campaign's longer runs (issue 16): the CI tests' scenarios with counts you pick.
 Figures go to docs/reliability.md. Everything runs on this machine; no network traffic.
 
-    .venv/bin/python benchmarks/reliability.py crash --kind posix --kills 200
-    .venv/bin/python benchmarks/reliability.py crash --kind fsspec --kills 200
-    .venv/bin/python benchmarks/reliability.py disk --size-mib 12 --stores 30
-    .venv/bin/python benchmarks/reliability.py fuzz --cases 20000
-    .venv/bin/python benchmarks/reliability.py corruption --prompts 8 --rounds 12
+    .venv/bin/python -m benchmarks.reliability crash --kind posix --kills 200
+    .venv/bin/python -m benchmarks.reliability crash --kind fsspec --kills 200
+    .venv/bin/python -m benchmarks.reliability disk --size-mib 12 --stores 30
+    .venv/bin/python -m benchmarks.reliability fuzz --cases 20000
+    .venv/bin/python -m benchmarks.reliability corruption --prompts 8 --rounds 12
 
 * ``crash``: SIGKILL a child storing to posix (``fsync: true``) or fsspec ``file://`` at random
-  moments (tests/crash_campaign.py); after each kill every file verifies, every acknowledged
+  moments (tests/support/crash_campaign.py); after each kill every file verifies, every acknowledged
   store is on disk and loads through a restarted tier, the index matches the directory.
 * ``disk``: a real tmpfs in a private mount namespace filled by a posix tier, then capacity below
-  the disk size, then read-only for another user and as a read-only mount (tests/disk_faults.py).
-* ``fuzz``: mutated chunk files through the header reader (tests/test_fuzz_inputs.py's mutations).
+  the disk size, then read-only for another user and as a read-only mount (tests/support/disk_faults.py).
+* ``fuzz``: mutated chunk files through the header reader (tests/faults/test_fuzz_inputs.py's mutations).
 * ``corruption``: a vLLM engine serving from posix while chunk files are damaged
-  (tests/corruption_campaign.py); it starts an engine: run it when no other engine runs.
+  (tests/support/corruption_campaign.py); it starts an engine: run it when no other engine runs.
 
 Each prints one JSON object of figures (``wrong_outputs`` and the lists of problems must be 0/empty).
 """
@@ -23,17 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
-sys.path.insert(0, str(TESTS))
-
 
 def crash(args: argparse.Namespace) -> dict:
-    from crash_campaign import run_campaign
+    from tests.support.crash_campaign import run_campaign
 
     with tempfile.TemporaryDirectory(prefix="kvplug-crash-", dir=args.dir) as d:
         fig = run_campaign(args.kind, Path(d) / "store", kills=args.kills, seed=args.seed)
@@ -41,7 +37,7 @@ def crash(args: argparse.Namespace) -> dict:
 
 
 def disk(args: argparse.Namespace) -> dict:
-    from disk_faults import run_disk_faults
+    from tests.support.disk_faults import run_disk_faults
 
     return run_disk_faults(args.size_mib << 20, stores=args.stores)
 
@@ -51,7 +47,8 @@ def fuzz(args: argparse.Namespace) -> dict:
 
     from kvplug import chunkfile as cf
     from kvplug.errors import ChunkFormatError
-    from test_fuzz_inputs import _valid, mutate
+
+    from tests.faults.test_fuzz_inputs import _valid, mutate
 
     rng = random.Random(args.seed)
     fig = {"cases": 0, "rejected": 0, "accepted": 0, "escaped": [], "over_reads": 0,
@@ -82,9 +79,10 @@ def fuzz(args: argparse.Namespace) -> dict:
 
 
 def corruption(args: argparse.Namespace) -> dict:
-    from corruption_campaign import run_corruption, summary
     from kvplug.connector.demo.model import make_model
-    from vllm_helpers import prompt
+
+    from tests.support.corruption_campaign import run_corruption, summary
+    from tests.support.vllm_helpers import prompt
 
     with tempfile.TemporaryDirectory(prefix="kvplug-corrupt-", dir=args.dir) as d:
         model = make_model("tiny", root=Path(d) / "models")

@@ -3,10 +3,10 @@ options over it, a raw client of the same server, and random chunks.
 
 Used by ``bench_remote_reads.py``, ``bench_remote_tiers.py``, ``bench_tiers_cli.py`` (which
 hands the options to ``kvplug bench``) and ``bench_fsspec.py``. The servers come from the tests'
-helpers (``redis_server``, ``mooncake_store``, ``s3_server``): the calling script puts them on
-``sys.path`` first. Mooncake's clients listen on every interface, so a script measuring mooncake
-calls :func:`private_network_for` first: it re-runs itself in a private network namespace
-(``unshare -n``, loopback only; root).
+helpers (``tests.support``: ``redis_server``, ``mooncake_store``, ``s3_server``; run the
+benchmarks as ``python -m benchmarks.NAME`` from the repository root). Mooncake's clients listen
+on every interface, so a script measuring mooncake calls :func:`private_network_for` first: it
+re-runs itself in a private network namespace (``unshare -n``, loopback only; root).
 """
 
 from __future__ import annotations
@@ -112,12 +112,12 @@ class Store:
                 "options": {**self.options, **options}}
 
 
-def private_network_for(stores: list[str], script: str) -> None:
-    """Re-run ``script`` in a private network namespace when mooncake is measured."""
+def private_network_for(stores: list[str], module: str) -> None:
+    """Re-run ``python -m module`` in a private network namespace when mooncake is measured."""
     if "mooncake" in stores:
-        from mooncake_store import rerun_script_in_private_netns
+        from tests.support.mooncake_store import rerun_module_in_private_netns
 
-        rerun_script_in_private_netns(os.path.abspath(script))
+        rerun_module_in_private_netns(module)
 
 
 @contextmanager
@@ -128,7 +128,8 @@ def started(name: str, workdir: Path, *, maxmemory: str = "3gb", segment: str = 
     ``timeout_s`` (each call to the store) is ``timeout_s``."""
     if name == "resp":
         import redis
-        from redis_server import RedisServer
+
+        from tests.support.redis_server import RedisServer
 
         srv = RedisServer(workdir / "redis", maxmemory=maxmemory)
         version = redis.Redis.from_url(srv.url).info("server")["redis_version"]
@@ -139,7 +140,7 @@ def started(name: str, workdir: Path, *, maxmemory: str = "3gb", segment: str = 
         finally:
             srv.stop()
     elif name == "mooncake":
-        from mooncake_store import MooncakeMaster
+        from tests.support.mooncake_store import MooncakeMaster
 
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
         master = MooncakeMaster(workdir / "mooncake")
@@ -152,7 +153,8 @@ def started(name: str, workdir: Path, *, maxmemory: str = "3gb", segment: str = 
             master.stop()
     elif name == "fsspec":
         import s3fs
-        from s3_server import CREDENTIALS, MotoServer
+
+        from tests.support.s3_server import CREDENTIALS, MotoServer
 
         os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                           AWS_DEFAULT_REGION="us-east-1")

@@ -1,7 +1,7 @@
 """A long search with kvplug's deterministic simulation (kvplug.connector.sim): random schedules of vLLM's
 real Scheduler and kvplug's real connector, the invariants I1-I5 checked after every event.
 
-    python benchmarks/simulate.py --seeds 100000 --minutes 30 [--start 1000000] [--jobs 2]
+    python -m benchmarks.simulate --seeds 100000 --minutes 30 [--start 1000000] [--jobs 2]
 
 Prints schedules run, events, minutes and every violation with its shrunk reproduction (replay
 one with ``python -c "from kvplug.connector.sim.schedule import reproduce;

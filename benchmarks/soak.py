@@ -21,7 +21,7 @@ without a KV connector (vLLM's own curve).
 Bounded: stops after ``--requests`` requests or ``--max-seconds`` seconds, whichever comes first.
 Network: none but 127.0.0.1 (moto, with ``--s3``).
 
-    python benchmarks/soak.py --requests 3000 --max-seconds 1200 --s3 --trim --tracemalloc \
+    python -m benchmarks.soak --requests 3000 --max-seconds 1200 --s3 --trim --tracemalloc \
         --out /tmp/soak
 """
 
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import soak_memory as mem
+from benchmarks import soak_memory as mem
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -175,20 +175,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(probe)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
-    sys.path.insert(0, str(HERE))
-    import soak as me  # the probe by module name, importable in the engine's processes
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     from kvplug.connector.demo.model import make_model
     from vllm import LLM, SamplingParams, TokensPrompt
     from vllm.config import KVTransferConfig
+
+    from benchmarks import soak as me  # the probe by module name, importable in the engine's processes
 
     work = Path(args.work or tempfile.mkdtemp(prefix="kvplug-soak-"))
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="kvplug-soak-out-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     server = s3_url = s3_opts = None
     if args.s3 and not args.no_kvplug:
-        sys.path.insert(0, str(REPO / "tests"))
-        from s3_server import CREDENTIALS, MotoServer, S3Env
+        from tests.support.s3_server import CREDENTIALS, MotoServer, S3Env
 
         for k, v in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
                      ("AWS_DEFAULT_REGION", "us-east-1")):
@@ -199,8 +198,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         s3_url, s3_opts = env.url("soak"), {"endpoint_url": env.endpoint, **CREDENTIALS}
 
     model = args.model or make_model("tiny", root=work / "models")
-    if args.connector_module != "kvplug.connector":
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), os.environ["PYTHONPATH"]])
     kv = None if args.no_kvplug else KVTransferConfig(
         kv_connector="KVPlugConnector", kv_connector_module_path=args.connector_module,
         kv_role="kv_both", kv_load_failure_policy="recompute",
@@ -407,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="largest logprob difference to the reference that is not wrong: "
                     "batches of different shapes round differently in bf16 on CPU")
     ap.add_argument("--connector-module", default="kvplug.connector",
-                    help="kv_connector_module_path (tests/permuted_load: the negative control)")
+                    help="kv_connector_module_path (tests.support.permuted_load: the negative control)")
     ap.add_argument("--model", default=None,
                     help="a model folder (default: the demo's tiny model, built in --work)")
     ap.add_argument("--seed", type=int, default=0)

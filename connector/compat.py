@@ -20,7 +20,7 @@ meets it:
 * Attributes of scheduler objects read with a default (``SchedulerOutput.preempted_req_ids``,
   ``kv_connector_block_state``, ``Request.num_in_flight_tokens``): present in both.
 
-``tests/test_vllm_versions.py`` drives each of these through the installed vLLM's own code
+``tests/unit/test_vllm_versions.py`` drives each of these through the installed vLLM's own code
 (``make test`` runs it on 0.32 and on 0.33).
 
 :func:`api_problems` checks ``KVPlugConnector`` against a vLLM source tree's

@@ -11,14 +11,15 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi -L | tee "$OUT/device.txt"
 python3 -c "import kvikio, kvikio.defaults as d; print('kvikio', kvikio.__version__, 'compat', d.get('compat_mode'))" \
   | tee -a "$OUT/device.txt"
-python3 -m pytest -q -ra -p no:cacheprovider tests/test_gpu_cuda.py tests/test_gpu_blocks.py tests/test_gpu_paged.py tests/test_kv_harness.py \
-  tests/test_gds_kvikio.py tests/test_gds_logic.py tests/test_posix_conformance.py 2>&1 | tee "$OUT/tests.log"
-for b in benchmarks/bench_gpu_transfer.py benchmarks/bench_gpu_harness.py benchmarks/bench_gds.py; do
-  echo "== $b"; python3 "$b" 2>&1
+python3 -m pytest -q -ra -p no:cacheprovider tests/unit/test_gpu_cuda.py tests/unit/test_gpu_blocks.py \
+  tests/unit/test_gpu_paged.py tests/unit/test_kv_harness.py tests/backends/test_gds_kvikio.py \
+  tests/backends/test_gds_logic.py tests/backends/test_posix_conformance.py 2>&1 | tee "$OUT/tests.log"
+for b in bench_gpu_transfer bench_gpu_harness bench_gds; do
+  echo "== benchmarks.$b"; python3 -m "benchmarks.$b" 2>&1
 done | tee "$OUT/bench.log"
 # the harness's overlapped CUDA runs under compute-sanitizer (the negative controls race on purpose)
 for tool in racecheck synccheck; do
   echo "== compute-sanitizer --tool $tool"
   timeout 600 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_kv_harness.py tests/test_gpu_cuda.py -k "cuda and (byte_exact and bf16 or repeated or layerwise or zeroed)" 2>&1 | tail -n 30
+    tests/unit/test_kv_harness.py tests/unit/test_gpu_cuda.py -k "cuda and (byte_exact and bf16 or repeated or layerwise or zeroed)" 2>&1 | tail -n 30
 done | tee "$OUT/sanitizer.log"

@@ -6,17 +6,18 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # 0.33's pass: vLLM 0.33's real Scheduler with kvplug's scheduler side, kvplug's worker side over
 # CPU PagedKV, the protocol defects, identity, KV events, lookup, the API check, the simulation's
-# seeds (tests/test_vllm_versions.py) and 0.33's own code paths there; engine tests in these
+# seeds (tests/unit/test_vllm_versions.py) and 0.33's own code paths there; engine tests in these
 # modules skip (tests/conftest.py: NO_ENGINE).
 V033_TESTS=(
-  tests/test_vllm_versions.py tests/test_protocol_defects.py tests/test_identity.py
-  tests/test_connector_scheduler.py tests/test_connector_scheduler_async.py
-  tests/test_connector_async_load.py tests/test_connector_async_save.py
-  tests/test_connector_hma.py tests/test_connector_groups.py tests/test_connector_worker.py
-  tests/test_connector_block_hits.py tests/test_connector_weight_reset.py
-  tests/test_connector_faults.py tests/test_connector_lookup.py tests/test_kv_events.py
-  tests/test_save_after_close.py tests/test_unwritten.py tests/test_connector_api.py
-  tests/test_simulation.py::test_regression_seed tests/test_simulation.py::test_directed_schedule
+  tests/unit/test_vllm_versions.py tests/unit/test_protocol_defects.py tests/unit/test_identity.py
+  tests/unit/test_connector_scheduler.py tests/unit/test_connector_scheduler_async.py
+  tests/unit/test_connector_async_load.py tests/unit/test_connector_async_save.py
+  tests/engine/test_connector_hma.py tests/unit/test_connector_groups.py
+  tests/unit/test_connector_worker.py tests/unit/test_connector_block_hits.py
+  tests/unit/test_connector_weight_reset.py tests/engine/test_connector_faults.py
+  tests/unit/test_connector_lookup.py tests/unit/test_kv_events.py tests/unit/test_save_after_close.py
+  tests/unit/test_unwritten.py tests/unit/test_connector_api.py
+  tests/sim/test_simulation.py::test_regression_seed tests/sim/test_simulation.py::test_directed_schedule
 )
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT

@@ -1,6 +1,6 @@
 """Suite-wide isolation: no test reads the user's kvplug config or writes to ~/.cache.
 
-Engines (tests/vllm_helpers.py), kept to the suite's 15-minute budget on 2 cores:
+Engines (tests/support/vllm_helpers.py), kept to the suite's 15-minute budget on 2 cores:
 
 * an engine start is the expensive part: a module with ``ENGINES_IN_PROCESS = True`` runs its
   ``run_scenario``/``run_script`` engines in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by
@@ -31,8 +31,24 @@ Engines (tests/vllm_helpers.py), kept to the suite's 15-minute budget on 2 cores
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+#: the layers (tests/README.md): a test in tests/LAYER/ carries the marker LAYER, so that
+#: ``pytest -m unit`` and ``pytest tests/unit`` run the same tests (pyproject.toml registers them)
+LAYERS = ("unit", "backends", "engine", "faults", "sim")
+#: pytest modules that run only inside a private network namespace: the test that makes one runs
+#: them by path (tests/support/mooncake_store.py: ``run_in_private_netns``)
+collect_ignore_glob = ["*/test_*_netns.py"]
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    layer = item.path.relative_to(TESTS).parts[0]
+    if layer in LAYERS:
+        item.add_marker(layer)
+
 
 #: modules measured slowest (seconds on 2 cores, engine start-ups mostly), queued first; then the
 #: other ``vllm``-marked modules, then the rest, each group in collection order
@@ -56,7 +72,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def weight(item: pytest.Item) -> int:
-        name = item.module.__name__ if item.module else ""
+        name = item.module.__name__.rpartition(".")[2] if item.module else ""
         if name in HEAVIEST:
             return HEAVIEST.index(name)
         return len(HEAVIEST) + (0 if item.get_closest_marker("vllm") else 1)

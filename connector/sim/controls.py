@@ -52,7 +52,7 @@ FAULTS = {
 WHERE = {"corrupt_l1_object": " get: ", "neighbour_wrong_bytes": " get: ",
          "ignore_zeroing": "V2 runner zeroes", "ignore_quota": "quota", "skip_checksums": " get: ",
          "skip_decode": " get: "}
-#: faults only a directed schedule reaches (tests/test_simulation.py, SCHEDULES) -> invariant
+#: faults only a directed schedule reaches (tests/sim/test_simulation.py, SCHEDULES) -> invariant
 DIRECTED_FAULTS = {
     # store KV computed over a failed load (issue 22's defect 1 rule); random seeds reach it
     # rarely (1 of the first 300 before issue 33's kinds, none after): a directed schedule

@@ -42,7 +42,7 @@ vLLM's blocks must outlive every copy that reads them (vLLM 0.32's rules):
   can be rewritten before :meth:`AsyncSaves.wait_for` runs, so each step's copies are ordered before the next
   step right away (``order_at_submit``; CUDA: the engine's stream waits on the copy's event, no
   host wait; CPU: the copy is done on vLLM's thread). Found and checked on an H100 with
-  ``tests/test_gpu_cuda.py::test_a_block_zeroed_before_the_wait_races_the_store``.
+  ``tests/unit/test_gpu_cuda.py::test_a_block_zeroed_before_the_wait_races_the_store``.
 """
 
 from __future__ import annotations

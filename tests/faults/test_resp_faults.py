@@ -1,0 +1,285 @@
+"""The resp tier against a real redis-server that fails: killed mid-workload and restarted, full
+(``allkeys-lru`` and ``noeviction``), hung (SIGSTOP). Through a real StorageManager: every chunk
+that comes back is bit-exact, every failure is a miss or a dropped store (never an exception),
+every call returns (bounds here only catch a hang), and the breaker trips and recovers.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from kvplug.keys import CacheKey
+from kvplug.storage_manager import StorageManager
+
+from tests.support import tier_workload
+from tests.support.redis_server import RedisServer
+from tests.support.tier_workload import HANG, put_random
+
+pytestmark = pytest.mark.timeout(180)
+
+
+
+def key(i: int, model: str = "faults/model") -> CacheKey:
+    return CacheKey(model, "bfloat16", "LBHNC-bs16", 1, 0, i.to_bytes(8, "big") * 4)
+
+
+def manager(url: str, **opts) -> StorageManager:
+    options = {"url": url, "timeout_s": 0.5, "negative_cache_s": 0, "breaker_threshold": 2,
+               "breaker_backoff_s": 0.2, "breaker_max_backoff_s": 0.5, **opts}
+    return StorageManager({"tiers": [{"backend": "resp", "timeout_s": 5.0, "options": options}],
+                           "chunk_size": 16})
+
+
+def put(mgr: StorageManager, i: int, seed: int | None = None) -> torch.Tensor:
+    """Store chunk ``i`` of random bytes; its bytes (the reference)."""
+    return put_random(mgr, key(i), i if seed is None else seed)
+
+
+def timed(fn, *args, **kwargs):
+    t0 = time.monotonic()
+    out = fn(*args, **kwargs)
+    took = time.monotonic() - t0
+    assert took < HANG, f"{fn.__name__} took {took:.1f}s: a call hung"
+    return out
+
+
+def get_exact(mgr: StorageManager, i: int, ref: torch.Tensor) -> bool:
+    """Whether chunk ``i`` hit; a hit must be bit-exact."""
+    return tier_workload.get_exact(mgr, key(i), ref)
+
+
+def stats(mgr: StorageManager) -> dict[str, float]:
+    return mgr.stats()["resp"]
+
+
+def test_killed_mid_workload_and_restarted(tmp_path):
+    srv = RedisServer(tmp_path / "redis")
+    mgr = manager(srv.url)
+    refs: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+    hits = {"before": 0, "down": 0, "after": 0}
+    phase = ["before"]
+    stop = threading.Event()
+
+    def workload() -> None:  # stores and reads round after round, whatever the server does
+        i = 0
+        try:
+            while not stop.is_set() and i < 2000:
+                refs[i] = put(mgr, i)
+                timed(mgr.flush, timeout=HANG)
+                for j in (i, i // 2):
+                    if get_exact(mgr, j, refs[j]):
+                        hits[phase[0]] += 1
+                timed(mgr.lookup_prefix, [key(j) for j in range(max(0, i - 8), i + 1)])
+                i += 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    worker = threading.Thread(target=workload)
+    worker.start()
+    try:
+        _wait(lambda: hits["before"] >= 10, "no hits before the kill")
+        phase[0] = "down"
+        srv.kill()
+        _wait(lambda: stats(mgr)["breaker_trips"] >= 1, "the breaker never tripped")
+        _wait(lambda: stats(mgr)["breaker_refused"] >= 5, "the breaker refused nothing")
+        assert stats(mgr)["breaker_open"] == 1.0
+        srv.restart()  # empty: no persistence
+        phase[0] = "after"
+        _wait(lambda: hits["after"] >= 10, "no hits after the restart")
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+        srv.stop()
+        st = stats(mgr)
+        mgr.close()
+    print(json.dumps({"hits": hits, "stats": st}))
+    assert not worker.is_alive()
+    assert not errors, errors[0]
+    assert st["breaker_open"] == 0.0, st
+    assert st["corrupt"] == 0 and st["remote_errors"] + st["socket_timeouts"] >= 1, st
+    assert st["dropped_down"] + st["put_errors"] >= 1, st  # stores while down were dropped
+    assert mgr_faults(mgr) == 0
+
+
+def mgr_faults(mgr: StorageManager) -> float:
+    """Exceptions that escaped the tier's hooks (the manager counts them as tier faults)."""
+    return sum(t.faults for t in mgr._tiers)
+
+
+def _wait(cond, what: str, limit: float = 60.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_restart_loses_values_they_are_misses(tmp_path):
+    """A value stored before a restart of a server without persistence is a miss afterwards (in
+    lookups and loads), and storing it again makes it a hit."""
+    srv = RedisServer(tmp_path / "redis")
+    mgr = manager(srv.url)
+    try:
+        refs = {i: put(mgr, i) for i in range(4)}
+        assert mgr.flush(timeout=HANG)
+        assert mgr.lookup_prefix([key(i) for i in range(4)]).num_chunks == 4
+        srv.restart()
+        time.sleep(1.1)  # past the tier's memory of what it wrote (trusted for 1 s)
+        got = [timed(mgr.get, key(i), promote=False) for i in range(4)]
+        assert got == [None] * 4
+        assert timed(mgr.lookup_prefix, [key(i) for i in range(4)]).num_chunks == 0
+        refs[0] = put(mgr, 0, seed=100)
+        assert mgr.flush(timeout=HANG)
+        assert get_exact(mgr, 0, refs[0])
+        assert mgr_faults(mgr) == 0
+    finally:
+        mgr.close()
+        srv.stop()
+
+
+def test_full_store_allkeys_lru_evicts_silently(tmp_path):
+    """With a small maxmemory and allkeys-lru the server evicts old values on its own: they are
+    misses; recent ones hit exactly; no store is refused; nothing raises."""
+    srv = RedisServer(tmp_path / "redis", maxmemory="6mb", policy="allkeys-lru")
+    mgr = manager(srv.url, timeout_s=2.0)
+    try:
+        refs = {}
+        for i in range(60):  # 15 MiB into ~5 MiB of room
+            refs[i] = put(mgr, i)
+            assert mgr.flush(timeout=HANG)
+        hit = [get_exact(mgr, i, refs[i]) for i in range(60)]
+        assert not all(hit[:10]), "nothing was evicted: the test would pass vacuously"
+        assert hit[-1], "the most recent chunk is gone"
+        found = mgr.lookup_prefix([key(i) for i in range(60)]).num_chunks
+        assert found == (hit.index(False) if False in hit else 60)
+        st = stats(mgr)
+        print(json.dumps({"hits": hit.count(True), "stats": st}))
+        assert st["dropped_full"] == 0 and st["corrupt"] == 0 and st["breaker_trips"] == 0, st
+        assert mgr_faults(mgr) == 0
+    finally:
+        mgr.close()
+        srv.stop()
+
+
+def test_full_store_noeviction_drops_stores(tmp_path):
+    """With noeviction the server refuses writes once full (OOM): those stores are dropped and
+    counted, the breaker stays closed (the store answers), what was stored still hits exactly."""
+    srv = RedisServer(tmp_path / "redis", maxmemory="6mb", policy="noeviction")
+    mgr = manager(srv.url, timeout_s=2.0)
+    try:
+        refs = {}
+        for i in range(40):
+            refs[i] = put(mgr, i)
+            assert mgr.flush(timeout=HANG)
+        hit = [get_exact(mgr, i, refs[i]) for i in range(40)]
+        st = stats(mgr)
+        print(json.dumps({"hits": hit.count(True), "stats": st}))
+        assert hit[0] and not hit[-1], hit
+        assert st["dropped_full"] == hit.count(False) > 0, st
+        assert st["written"] == hit.count(True), st
+        assert st["breaker_trips"] == 0 and st["breaker_open"] == 0, st
+        assert mgr.lookup_prefix([key(i) for i in range(40)]).num_chunks == hit.index(False)
+        assert mgr_faults(mgr) == 0
+    finally:
+        mgr.close()
+        srv.stop()
+
+
+def test_hung_server_bounded_misses_then_recovers(tmp_path):
+    """A server stopped with SIGSTOP (accepts connections, never answers): lookups, loads and
+    stores return within the bound as misses / dropped stores; the breaker trips and then refuses
+    without waiting; after SIGCONT the tier serves exact hits again."""
+    srv = RedisServer(tmp_path / "redis")
+    mgr = manager(srv.url)
+    try:
+        refs = {i: put(mgr, i) for i in range(3)}
+        assert mgr.flush(timeout=HANG)
+        assert get_exact(mgr, 0, refs[0])
+        srv.pause()
+        for i in range(3):
+            assert timed(mgr.get, key(i), promote=False) is None
+        assert timed(mgr.lookup_prefix, [key(9)]).num_chunks == 0
+        refs[5] = put(mgr, 5)
+        assert timed(mgr.flush, timeout=HANG)
+        st = stats(mgr)
+        print(json.dumps({"stats": st}))
+        assert st["breaker_open"] == 1.0 and st["socket_timeouts"] >= 2, st
+        refused = st["breaker_refused"]
+        for i in range(20):  # while open: refused at once (no socket wait)
+            assert timed(mgr.get, key(i % 3), promote=False) is None
+        assert stats(mgr)["breaker_refused"] > refused
+        srv.resume()
+        _wait(lambda: get_exact(mgr, 1, refs[1]), "no hit after SIGCONT")
+        assert stats(mgr)["breaker_open"] == 0.0
+        assert mgr_faults(mgr) == 0
+    finally:
+        mgr.close()
+        srv.stop()
+
+
+def _burst(mgr: StorageManager, server: RedisServer, n: int) -> list[torch.Tensor]:
+    """Store ``n`` chunks in one ``batched_put`` while the server is hung (SIGSTOP: the one
+    writer thread blocks on its first batch, everything else waits in the queue); resumed
+    after. Their reference bytes."""
+    objs, refs = [], []
+    for i in range(n):
+        obj = mgr.allocate(tier_workload.SHAPE, dtype=torch.uint8, num_tokens=16)
+        obj.byte_view.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8,
+                                          generator=torch.Generator().manual_seed(i)))
+        objs.append(obj)
+        refs.append(obj.byte_view.clone())
+    server.pause()
+    try:
+        mgr.batched_put([key(i) for i in range(n)], objs)
+    finally:
+        server.resume()
+        for obj in objs:
+            obj.ref_down()
+    return refs
+
+
+def test_a_burst_of_stores_is_queued_not_dropped_by_default(tmp_path, caplog):
+    """An engine stores a long prompt's chunks in one step: with the default queue bound the
+    resp tier (and mooncake, fsspec: the same writer) keeps a burst of 300 while its store is
+    busy, and writes every one (the old default, 64 queued stores, dropped 235 of them)."""
+    server = RedisServer(tmp_path / "r")
+    mgr = manager(server.url, timeout_s=30.0, io_threads=1, batch_bytes=1)
+    try:
+        refs = _burst(mgr, server, 300)
+        assert mgr.flush(timeout=HANG)
+        stats = mgr.stats()["resp"]
+        assert stats["dropped_queue_full"] == 0 and stats["dropped_puts"] == 0, stats
+        assert stats["written"] == 300
+        for i in (0, 150, 299):
+            assert tier_workload.get_exact(mgr, key(i), refs[i])
+    finally:
+        mgr.close()
+        server.stop()
+
+
+def test_a_full_write_queue_drops_counts_and_says_which_option(tmp_path, caplog):
+    """Past ``max_pending_bytes`` (or ``max_pending_writes``) queued, a store is dropped at
+    once (the engine never waits), counted as ``dropped_queue_full`` (and in the
+    ``dropped_puts`` metric), and logged once naming the option that raises the bound; the
+    queued ones are written."""
+    server = RedisServer(tmp_path / "r")
+    nbytes = torch.Size(tier_workload.SHAPE).numel()
+    mgr = manager(server.url, timeout_s=30.0, io_threads=1, batch_bytes=1,
+                  max_pending_bytes=20 * nbytes)
+    try:
+        with caplog.at_level("WARNING", logger="kvplug"):
+            _burst(mgr, server, 60)
+        assert mgr.flush(timeout=HANG)
+        stats = mgr.stats()["resp"]
+        assert 39 <= stats["dropped_queue_full"] <= 40, stats  # 20 queued, 1 with the writer
+        assert stats["dropped_puts"] == stats["dropped_queue_full"]
+        assert stats["written"] == 60 - stats["dropped_queue_full"]
+        lines = [r.getMessage() for r in caplog.records if "queue full" in r.getMessage()]
+        assert len(lines) == 1 and "max_pending_bytes" in lines[0], lines
+    finally:
+        mgr.close()
+        server.stop()

@@ -1,0 +1,1 @@
+"""The deterministic simulation of vLLM's scheduler around kvplug (marker ``sim``; tests/README.md)."""

@@ -1,0 +1,197 @@
+"""The deterministic simulation (kvplug.connector.sim) in the suite: a fixed set of CI seeds must hold every
+protocol invariant (I1-I5, docs/architecture.md), each invariant's negative control must be caught
+within that set, a failing seed shrinks to a short reproduction, and a seed replays exactly.
+
+vLLM's real Scheduler and KV cache manager, kvplug's real scheduler side, worker side, lookup,
+StorageManager, local_cpu and posix tiers, every kvplug task run by the simulation (one seed = one
+interleaving). A failure prints the seed's shrunk event list; replay it with
+``kvplug.connector.sim.schedule.reproduce(seed)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvplug.connector.sim.controls import DIRECTED_FAULTS, FAULTS, WHERE  # noqa: E402
+from kvplug.connector.sim.engine import SimConfig  # noqa: E402
+from kvplug.connector.sim.schedule import config_for, events_for, reproduce, run, run_seed, shrink  # noqa: E402
+from kvplug.connector.sim.search import search  # noqa: E402
+
+#: seeds 0..299: the suite's fixed set (about 25 s on 2 cores); the long searches for new
+#: interleavings run in benchmarks/simulate.py (its seeds start at 1,000,000)
+CI_SEEDS = 300
+CONTROL_SEEDS = 300  # a negative control must be caught within the CI set
+#: seeds that found something beyond issue 22's six defects, replayed every run: vLLM 0.32's
+#: scheduler stalls when requests that loaded asynchronously hold the cache and the head of the
+#: waiting queue cannot grow (nothing running to preempt); the simulation aborts them and kvplug
+#: must still end clean (I1-I5)
+#: must still end clean (I1-I5). 7003276 (a long search): a weights reset, then wrong KV read
+#: without a load error; the simulation's lookup ignored the weights epoch, which made a failed
+#: load that an abort then left in vLLM's prefix cache (see SCHEDULES). 107 (issue 33, vLLM's
+#: asynchronous scheduling): a synchronous load failed in step N, step N+1 (scheduled before
+#: vLLM saw N's output) read the unloaded blocks and its token was served; every load is a
+#: background one under asynchronous scheduling now (controls: sync_loads_under_async_scheduling)
+REGRESSION_SEEDS: list[int] = [107, 128, 294, 331, 7003276]
+#: issue 33, a neighbour process on rank 0's posix directory (small tiers, tenant quotas), with
+#: I6 strict there (SimConfig.strict_shared_i6): a queued write found the file the neighbour had
+#: just stored and indexed it without making room, so the tenant held 36864 B over its 24576 B
+#: quota; the write now makes room for it as for its own file
+STRICT_SHARED_SEEDS: list[int] = [60000235, 60000921]
+#: what the CI seeds must exercise (issue 33's engines: zeroing under the V2 runner's order,
+#: asynchronous scheduling, TP 1 and 4), each at least once
+ENGINE_KINDS = ("config TP 1", "config TP 4", "config zeroing v2", "config zeroing v1",
+                "blocks zeroed by the model runner", "config async scheduling",
+                "async steps ahead of their tokens")
+
+_A, _X = tuple(range(100, 116)), tuple(range(200, 247))  # a 2-chunk prompt; one filling the cache
+#: directed schedules, one per defect a search found, each with the fault that undoes its fix
+SCHEDULES = {
+    # vLLM keeps a failed synchronous load's blocks in its prefix cache for the request to
+    # recompute; aborted first, they are hit by the next request with that prefix
+    # (kvplug.connector.scheduler.unwritten)
+    "failed load, aborted, then a prefix-cache hit": (
+        SimConfig(hybrid=False, window=6, num_blocks=13, max_batched=32, prefix_caching=True,
+                  async_save=True, layerwise=False, order="0.33"),
+        [("arrive", _A, (7,), 1), ("step",), ("step",), ("settle", True),
+         ("drain",),  # A's two chunks reach the tiers
+         ("arrive", _X, (8,), 1), *[("step",)] * 5,  # X pushes A out of vLLM's prefix cache
+         ("drain",), ("step",),  # X's saves end and its blocks are freed
+         ("arrive", _A, (9,), 5), ("step", ("lose", 0, 0)),  # A's hit: its load fails
+         ("abort", 0), ("step",),  # aborted before vLLM recomputed the blocks
+         ("arrive", _A, (10,), 3), ("step",), ("step",)],  # A again: vLLM's cache has them
+        "forget_unwritten"),
+}
+_P = (67, 443, 569, 467, 587, 354, 266, 527, 398, 404, 633, 44, 817, 431, 677, 27, 983, 107, 3,
+      273, 968, 991, 814, 496)  # a 3-chunk prefix
+#: a synchronous load fails in the step that also saves the request's next chunk (computed over
+#: the unloaded blocks): the save is left out (CI seed 47 before issue 33's kinds, shrunk)
+SCHEDULES["a failed synchronous load, the request's save in that step"] = (
+    SimConfig(hybrid=False, window=9, num_blocks=20, max_batched=32, prefix_caching=False,
+              async_save=True, layerwise=False, order="0.33"),
+    [("arrive", _P, (395, 523, 556, 835, 261, 102, 667, 895), 5), ("step",), ("drain",),
+     ("arrive", _P, (835, 640, 562, 490, 804, 824, 449, 377), 5), ("lose", 1, 0)],
+    "store_after_failed_load")
+#: load errors each directed schedule must see (the failed load; with an unwritten hit, the hit
+#: reported as one too)
+_MIN_LOAD_ERRORS = {"store_after_failed_load": 1}
+
+#: issue 33, defect 1: the same, with an 11-token suffix after the prefix-cache hit: the step
+#: that reads the unwritten blocks also computes chunk [16, 24) over them, which must not be
+#: stored (kvplug.connector.worker.load.Loads.read_unwritten); asynchronous and synchronous saves, and
+#: vLLM 0.32's call order
+_UNWRITTEN_CFG, _UNWRITTEN_EVENTS, _ = SCHEDULES["failed load, aborted, then a prefix-cache hit"]
+for _name, _kw in (("async saves", {}), ("sync saves", {"async_save": False}),
+                   ("vLLM 0.32's order", {"order": "0.32"})):
+    SCHEDULES[f"a step computes over an unwritten prefix-cache hit ({_name})"] = (
+        replace(_UNWRITTEN_CFG, **_kw),
+        [*_UNWRITTEN_EVENTS[:-3], ("arrive", _A, tuple(range(300, 311)), 3), ("step",),
+         ("drain",), ("step",)],
+        "store_over_unwritten")
+
+
+def _explain(failures: list[tuple[int, str]]) -> str:
+    seed = failures[0][0]
+    return (f"{len(failures)} seed(s) failed: {failures[:10]}\n"
+            f"shrunk reproduction of seed {seed}:\n{reproduce(seed)}")
+
+
+def test_ci_seeds_hold_every_invariant():
+    fig = search(0, CI_SEEDS, jobs=2)
+    assert fig.schedules == CI_SEEDS
+    assert fig.events > 20 * CI_SEEDS  # schedules are not vacuous
+    assert not fig.failures, _explain(fig.failures)
+    assert not [k for k in ENGINE_KINDS if not fig.counts[k]], dict(fig.counts)
+
+
+@pytest.mark.parametrize("seed", REGRESSION_SEEDS)
+def test_regression_seed(seed):
+    out = run_seed(seed)
+    assert out.violation is None, _explain([(seed, str(out.violation))])
+
+
+@pytest.mark.parametrize("seed", STRICT_SHARED_SEEDS)
+def test_posix_write_of_a_file_another_process_stored_makes_room(seed):
+    out = run(replace(config_for(seed), strict_shared_i6=True), events_for(seed))
+    assert out.violation is None, _explain([(seed, str(out.violation))])
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_directed_schedule(name):
+    """The schedule holds every invariant; with its fix patched out it fails (the negative
+    control: the schedule does reach the defect)."""
+    cfg, events, fault = SCHEDULES[name]
+    out = run(cfg, events)
+    assert out.violation is None, f"{name}: {out.violation} at event {out.at}"
+    assert out.counts["load errors"] >= _MIN_LOAD_ERRORS.get(fault, 2)
+    bad = run(replace(cfg, faults=frozenset([fault])), events)
+    assert bad.violation is not None and bad.violation.inv == DIRECTED_FAULTS[fault], bad.violation
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_negative_control_is_caught(fault):
+    """Each invariant's check can fail: with one kvplug rule patched out, some CI seed fails
+    with that invariant."""
+    want, where = FAULTS[fault], WHERE.get(fault, "")
+    seen = []
+    for seed in range(CONTROL_SEEDS):
+        out = run_seed(seed, frozenset([fault]))
+        if out.violation is not None:
+            seen.append((seed, str(out.violation)))
+            if out.violation.inv == want and where in str(out.violation):
+                return
+    raise AssertionError(f"{fault}: no CI seed caught it as {want}{where} (caught: {seen})")
+
+
+def test_failing_seed_shrinks_to_a_short_reproduction():
+    faults = frozenset(["leak_pins"])
+    seed = next(s for s in range(CONTROL_SEEDS) if run_seed(s, faults).violation is not None)
+    cfg = config_for(seed, faults)
+    events = events_for(seed)
+    small = shrink(cfg, events, "I5")
+    assert len(small) <= 5 < len(events)
+    again = run(cfg, small)
+    assert again.violation is not None and again.violation.inv == "I5"
+    text = reproduce(seed, faults)
+    assert f"seed {seed}: I5" in text and "arrive" in text
+
+
+def test_a_seed_replays_exactly():
+    a, b = run_seed(7), run_seed(7)
+    assert (a.events, a.at, str(a.violation)) == (b.events, b.at, str(b.violation))
+    assert a.schedule == b.schedule
+    assert a.trace == b.trace and len(a.trace) > len(a.schedule)
+
+
+#: seeds of 20 events each (issue 33: before the fix, 13 of 120 differed between hash seeds, so
+#: 40 miss that defect with odds of about 1%; the seeds themselves are fixed)
+REPLAY_SEEDS = 40
+
+
+def test_seeds_replay_in_other_processes_with_other_hash_seeds():
+    """Every event of every seed is the same in two processes with different ``PYTHONHASHSEED``
+    (vLLM iterates sets of request ids; the simulation hands it sorted ones: sim.world.Sorted)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    code = ("import json, logging, sys; logging.disable(logging.WARNING); import torch; "
+            "torch.set_num_threads(1); from kvplug.connector.sim.schedule import trace_digests; "
+            f"print(json.dumps(trace_digests(0, {REPLAY_SEEDS}, n=20)))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=tests, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "PYTHONHASHSEED": h,
+                                   "PYTHONPATH": str(tests)})
+             for h in ("1", "2")]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), [p.returncode for p in procs]
+    a, b = (json.loads(o.strip().splitlines()[-1]) for o in outs)
+    assert len(a) == REPLAY_SEEDS
+    differ = sorted(int(s) for s in a if a[s] != b[s])
+    assert not differ, f"seeds whose events differ between PYTHONHASHSEED=1 and =2: {differ}"

@@ -1,0 +1,76 @@
+"""The scheduler side of background loads, driving vLLM's own Scheduler (no engine): a hit that
+needs a tier that may block is loaded asynchronously (the request waits, its load is sent on its
+own), an L1 hit inline; a background load that fails is recomputed, not looked up and loaded
+again forever."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_output, prompt
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from kvplug.connector.demo.model import make_model
+
+    return make_model("tiny", weights=False, root=tmp_path_factory.getbasetemp() / "models")
+
+
+class SlowLookup(FakeLookup):
+    """Every stored chunk is in a tier that may block."""
+
+    def take_slow(self, req_id: str) -> frozenset[int]:
+        return frozenset(range(64))
+
+
+def build(model_dir, lookup):
+    s = make_scheduler(model_dir)
+    s.connector._sched.lookup = lookup
+    return s, s.connector._sched
+
+
+def output(so, recving=(), bad=(), failed=None):
+    from kvplug.connector.protocol.metadata import KVPlugWorkerMeta
+    from vllm.v1.outputs import KVConnectorOutput
+
+    out = model_runner_output(so)
+    out.kv_connector_output = KVConnectorOutput(
+        finished_recving=set(recving), invalid_block_ids=set(bad),
+        kv_connector_worker_meta=KVPlugWorkerMeta(failed_blocks=failed or {}))
+    return out
+
+
+def stored_request(model_dir, fake):
+    """A scheduler over ``fake`` and a 1100-token request whose 4 full chunks are stored."""
+    s, side = build(model_dir, fake)
+    r = make_request("a", prompt(1100, 1))
+    side._track(r)
+    fake.stored.update(side._full_hashes(side.trackers["a"], 4))
+    return s, side, r
+
+
+def test_l1_hit_loads_inline(model_dir):
+    s, side, r = stored_request(model_dir, FakeLookup())
+    assert side.get_num_new_matched_tokens(r, 0) == (1024, False)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_slow_hit_loads_in_the_background(model_dir, fails):
+    fake = SlowLookup()
+    s, side, r = stored_request(model_dir, fake)
+    assert side.get_num_new_matched_tokens(r, 0) == (1024, True)
+    s.add_request(r)
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {}  # it waits for its load ...
+    (rm,) = so.kv_connector_metadata.requests  # ... which is sent on its own
+    assert (rm.req_id, rm.load.background, rm.load.end, rm.save) == ("a", True, 1024, None)
+    s.update_from_output(so, output(so))
+    so = s.schedule()  # still loading: nothing is scheduled or sent again
+    assert so.num_scheduled_tokens == {} and not so.kv_connector_metadata.requests
+    bad = rm.block_ids[:8] if fails else ()
+    s.update_from_output(so, output(so, {"a"}, bad, {"a": len(bad)} if fails else None))
+    so = s.schedule()
+    # loaded: the rest is computed; failed: everything is, with no second load
+    assert so.num_scheduled_tokens == {"a": 1100 - 1024 if not fails else 1100}
+    assert all(m.load is None for m in so.kv_connector_metadata.requests)

@@ -1,0 +1,95 @@
+"""The worker side without an engine: a layer-wise load reads chunks layer by layer from a tier
+that reads layer ranges (posix), writes exactly the stored pages, and turns a layer that fails
+into load errors for that chunk and everything after it."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+import pytest
+import torch
+
+from tests.support.gpu_kv_fixture import POISON, KVFixture
+
+pytest.importorskip("vllm")
+
+from kvplug.connector.protocol.config import ConnectorConfig  # noqa: E402
+from kvplug.connector.protocol.lookup import Lookup  # noqa: E402
+from kvplug.connector.protocol.metadata import KVPlugMetadata, LoadSpec, ReqMeta, SaveSpec  # noqa: E402
+from kvplug.connector.worker.side import WorkerSide, _Identity  # noqa: E402
+
+BS, CHUNK = 4, 8  # tokens per block, per chunk: 2 pages per chunk
+HASHES = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+SRC, DST = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]
+
+
+@pytest.fixture
+def stored(tmp_path, monkeypatch):
+    """A layer-wise worker over a posix tier holding 3 chunks of blocks SRC; get_layers counted."""
+    fx = KVFixture("LBHNC", torch.bfloat16, L=3, B=16)
+    cfg = ConnectorConfig(chunk_size=CHUNK, layerwise=True, log_every_load=False,
+                          tiers=[{"backend": "posix", "options": {"path": str(tmp_path / "c")}}])
+    w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
+    w.register_kv_caches(fx.caches)
+    w.wait_for_save(KVPlugMetadata(CHUNK, BS, [ReqMeta("a", SRC, save=SaveSpec(0, 24, 0, HASHES))]))
+    assert w.storage.flush(10)
+    calls: list[tuple[bytes, int]] = []
+    real = w.storage.get_layers
+
+    def spy(key, first_layer, num_layers, tier=None):
+        calls.append((key.chunk_hash, first_layer))
+        return real(key, first_layer, num_layers, tier=tier)
+
+    monkeypatch.setattr(w.storage, "get_layers", spy)
+    want = fx.ref_obj(SRC)
+    fx.poison(DST)
+    try:
+        yield fx, w, calls, want
+    finally:
+        w.close()
+
+
+def load(w, fx, on_layer=None):
+    assert w._on_lookup(Lookup(1, "b", HASHES)) == (24, [0, 1, 2])  # posix may block
+    w.start_load_kv(KVPlugMetadata(CHUNK, BS, [ReqMeta("b", DST, load=LoadSpec(0, 24, 0, HASHES))]))
+    for layer, name in enumerate(fx.caches):
+        w.wait_for_layer_load(name)
+        if on_layer:
+            on_layer(layer)
+    w.wait_for_save(None)  # the step ends: the load is finished and reported
+
+
+def test_layerwise_load_reads_layer_by_layer(stored):
+    fx, w, calls, want = stored
+
+    def check(layer):  # layer i is in place once wait_for_layer_load(i) returns
+        assert torch.equal(fx.ref_obj(DST)[layer], want[layer])
+
+    load(w, fx, check)
+    assert sorted(calls) == sorted((h, layer) for h in HASHES for layer in range(fx.L))
+    assert torch.equal(fx.ref_obj(DST), want)
+    assert w.take_load_errors() == set()
+    assert w.take_report().loaded == {"b": {"posix": 24}}
+
+
+def test_a_layer_that_fails_fails_its_chunk_and_the_rest(stored, monkeypatch):
+    fx, w, calls, want = stored
+    spy = w.storage.get_layers
+
+    def broken(key, first_layer, num_layers, tier=None):
+        obj = spy(key, first_layer, num_layers, tier=tier)
+        if key.chunk_hash == HASHES[1] and first_layer == 2:
+            obj.ref_down()
+            return None
+        return obj
+
+    monkeypatch.setattr(w.storage, "get_layers", broken)
+    load(w, fx)
+    assert w.take_load_errors() == set(DST[2:])  # chunk 1 (tokens 8-24) and chunk 2
+    report = w.take_report()
+    assert report.loaded == {"b": {"posix": 8}} and report.failed_blocks == {"b": 4}
+    got = fx.ref_obj(DST)
+    assert torch.equal(got[:, :2], want[:, :2])  # chunk 0 whole
+    assert torch.equal(got[:2, 2:], want[:2, 2:])  # layers read before the failure
+    assert bool((got[2, 2:] == POISON).all())  # nothing of the failed layer reached a block

@@ -1,0 +1,341 @@
+"""kvplug.gpu page views, bulk and layer-wise transfer, against an independent byte reference.
+
+Every KV cache here is built like vLLM 0.32 builds it: one shared int8 buffer, one 4-D view per
+layer in the KV dtype. The reference for "page (layer l, block b)" is computed from the buffer
+and the layout's known byte offsets, never through kvplug's views, and the round trip is also
+checked through the original 4-D tensors (logical values). Destinations are poisoned before
+every copy, and a negative control shows the checks catch a skipped or misplaced page.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kvplug.errors import KVPlugError
+from kvplug.gpu import (
+    KVLayoutError,
+    PagedKV,
+    alloc_host,
+    blocks_for_tokens,
+    gather,
+    gather_many,
+    layerwise_load,
+    layerwise_store,
+    pages_for_tokens,
+    scatter,
+    scatter_many,
+)
+
+from tests.support.gpu_kv_fixture import (
+    DTYPES,
+    LAYOUTS,
+    POISON,
+    KVFixture,
+    assert_loaded,
+    assert_obj_matches,
+    id_patterns,
+    poisoned,
+    snapshot_of,
+)
+
+# ---------------------------------------------------------------- page views
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", [*LAYOUTS, "BLHNC"])
+def test_page_views_are_zero_copy_pages(layout: str, dtype: torch.dtype) -> None:
+    fx = KVFixture(layout, dtype)
+    kv = PagedKV.from_kv_caches(fx.caches)
+    assert (kv.num_layers, kv.num_blocks, kv.page_bytes) == (fx.L, fx.B, fx.page)
+    assert kv.kv_dtype == dtype and kv.device.type == "cpu"
+    assert kv.layer_names == list(fx.caches)
+    for layer, view in enumerate(kv.views):
+        assert view.dtype == torch.uint8 and tuple(view.shape) == (fx.B, fx.page)
+        assert view.untyped_storage().data_ptr() == fx.buf.untyped_storage().data_ptr()
+        for b in range(fx.B):
+            assert torch.equal(view[b], fx.ref_page(layer, b))
+    # zero copy: a write through the view is visible in the engine's tensor
+    kv.views[1][5].fill_(7)
+    assert torch.equal(fx.ref_page(1, 5), torch.full((fx.page,), 7, dtype=torch.uint8))
+
+
+def test_fixture_physical_order_is_what_the_layout_says() -> None:
+    fx = KVFixture("LBNHC", torch.float16)
+    t = fx.tensors[0]
+    assert not t.is_contiguous() and not t[3].is_contiguous()
+    assert torch.equal(t[3].permute(1, 0, 2).contiguous().view(torch.uint8).flatten(),
+                       fx.ref_page(0, 3))
+
+
+def test_stacked_view_only_for_evenly_spaced_layers() -> None:
+    fx = KVFixture("LBNHC", torch.float16, L=4)
+    kv = PagedKV.from_kv_caches(fx.caches)
+    assert kv.stacked is not None and tuple(kv.stacked.shape) == (4, fx.B, fx.page)
+    for layer in range(4):
+        assert torch.equal(kv.stacked[layer], kv.views[layer])
+    names = list(fx.caches)
+    shuffled = {n: fx.caches[n] for n in (names[2], names[0], names[1], names[3])}
+    assert PagedKV.from_kv_caches(shuffled).stacked is None
+    separate = {n: t.clone() for n, t in fx.caches.items()}
+    assert PagedKV.from_kv_caches(separate).stacked is None
+
+
+def test_separate_buffers_round_trip() -> None:
+    """Layers in separate allocations (no stacked view), in a shuffled order."""
+    fx = KVFixture("LBHNC", torch.bfloat16, L=4)
+    names = list(fx.caches)
+    order = [names[i] for i in (3, 1, 0, 2)]
+    caches = {n: fx.caches[n].clone() for n in order}
+    kv = PagedKV.from_kv_caches(caches)
+    assert kv.layer_names == order and kv.stacked is None
+    ids = [7, 2, 3, 4, 9]
+    out = poisoned((4, len(ids), fx.page))
+    gather(kv, ids, out)
+    for i, n in enumerate(order):
+        want = torch.stack([caches[n][b].contiguous().view(torch.uint8).flatten() for b in ids])
+        assert torch.equal(out[i], want)
+    dst = [11, 12, 13, 0, 5]
+    for t in caches.values():
+        t[dst] = 0  # poison the destination blocks
+    scatter(kv, out, dst)
+    for i, n in enumerate(order):
+        got = torch.stack([caches[n][b].contiguous().view(torch.uint8).flatten() for b in dst])
+        assert torch.equal(got, out[i])
+
+
+def test_aliases_are_deduplicated() -> None:
+    fx = KVFixture("LBHNC", torch.bfloat16)
+    names = list(fx.caches)
+    caches = {names[0]: fx.tensors[0], "shared.kv": fx.tensors[0], names[1]: fx.tensors[1]}
+    # a second tensor object over the same memory is an alias too
+    caches["shared.again"] = fx.tensors[1].view(fx.tensors[1].shape)
+    kv = PagedKV.from_kv_caches(caches)
+    assert kv.layer_names == [names[0], names[1]]
+    assert kv.num_layers == 2
+    assert kv.index_of("shared.kv") == 0 and kv.index_of("shared.again") == 1
+    assert kv.index_of(names[1]) == 1
+    with pytest.raises(KeyError, match="nope"):
+        kv.index_of("nope")
+
+
+def test_strided_slice_is_rejected() -> None:
+    fx = KVFixture("LBHNC", torch.bfloat16)
+    bad = fx.tensors[0][:, :, ::2]  # every other token: a page has holes
+    with pytest.raises(KVLayoutError, match=r"'layer.x'.*dense run") as info:
+        PagedKV.from_kv_caches({"layer.x": bad})
+    assert "strides" in str(info.value) and isinstance(info.value, (ValueError, KVPlugError))
+
+
+def test_heads_outside_blocks_is_rejected() -> None:
+    raw = torch.zeros(2 * 8 * 4 * 16, dtype=torch.int8).view(torch.float16)
+    hbnc = raw.view(2, 8, 4, 8).permute(1, 0, 2, 3)  # [B,H,N,C] with H outermost in memory
+    with pytest.raises(KVLayoutError, match="hbnc"):
+        PagedKV.from_kv_caches({"hbnc": hbnc})
+
+
+def test_mismatched_layers_and_empty_are_rejected() -> None:
+    a = KVFixture("LBHNC", torch.float16)
+    b = KVFixture("LBHNC", torch.float16, N=8)
+    with pytest.raises(KVLayoutError, match="page bytes"):
+        PagedKV.from_kv_caches({"a": a.tensors[0], "b": b.tensors[0]})
+    with pytest.raises(KVLayoutError, match="no KV layers"):
+        PagedKV.from_kv_caches({})
+    with pytest.raises(KVLayoutError, match="overlap"):
+        PagedKV.from_kv_caches({"o": torch.as_strided(a.tensors[0], (4, 2, 4, 8), (8, 32, 8, 1))})
+
+
+# ---------------------------------------------------------------- bulk
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-layer"])
+@pytest.mark.parametrize("pattern", ["random", "runs", "reversed"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", [*LAYOUTS, "BLHNC"])
+def test_bulk_round_trip(layout: str, dtype: torch.dtype, pattern: str, stacked: bool) -> None:
+    fx = KVFixture(layout, dtype, seed=sum(map(ord, layout + pattern)))
+    kv = PagedKV.from_kv_caches(fx.caches)
+    assert kv.stacked is not None  # one buffer, evenly spaced layers: the all-layers path
+    if not stacked:
+        kv.stacked = None  # force the per-layer path (layers in separate buffers)
+    src_ids, dst_ids = id_patterns(random.Random(pattern), fx.B)[pattern]
+    snap = snapshot_of(fx)
+    out = poisoned((fx.L, len(src_ids), fx.page))
+    gather(kv, torch.tensor(src_ids), out)
+    assert_obj_matches(out, snap.ref_obj(src_ids))
+    assert_loaded(fx, snap, [], [])  # gather changed nothing
+    fx.poison(dst_ids)
+    scatter(kv, out, dst_ids)
+    assert_loaded(fx, snap, src_ids, dst_ids)
+
+
+def test_many_jobs_with_block_ids_shared_across_requests() -> None:
+    fx = KVFixture("LBNHC", torch.bfloat16)
+    kv = PagedKV.from_kv_caches(fx.caches)
+    snap = snapshot_of(fx)
+    req_a, req_b = [1, 2, 3, 9], [1, 2, 3, 4, 5, 12]  # a shared prefix: the same blocks
+    outs = [poisoned((fx.L, len(r), fx.page)) for r in (req_a, req_b)]
+    gather_many(kv, [(req_a, outs[0]), (req_b, outs[1])])
+    assert_obj_matches(outs[0], snap.ref_obj(req_a))
+    assert_obj_matches(outs[1], snap.ref_obj(req_b))
+    dst_a, dst_b = [15, 14, 7, 8], [0, 6, 10, 11, 13, 1]
+    fx.poison(dst_a + dst_b)
+    scatter_many(kv, [(dst_a, outs[0]), (dst_b, outs[1])])
+    assert_loaded(fx, snap, req_a + req_b, dst_a + dst_b)
+
+
+def test_scatter_many_applies_jobs_in_order() -> None:
+    fx = KVFixture("LBHNC", torch.float16)
+    kv = PagedKV.from_kv_caches(fx.caches)
+    first = torch.full((fx.L, 1, fx.page), 1, dtype=torch.uint8)
+    second = torch.full((fx.L, 1, fx.page), 2, dtype=torch.uint8)
+    scatter_many(kv, [([4], first), ([4], second)])
+    assert torch.equal(fx.ref_page(2, 4), second[2, 0])
+
+
+def test_memory_object_slices_and_partial_chunks() -> None:
+    """Skip leading tokens and a partial last chunk, at block granularity (block_size 4)."""
+    fx = KVFixture("LBHNC", torch.bfloat16, N=4)
+    kv = PagedKV.from_kv_caches(fx.caches)
+    bs, chunk = 4, 16
+    table = [9, 2, 14, 3, 7, 11, 5, 1, 12, 6]  # 37 tokens occupy 10 blocks, the last holds 1
+    snap = snapshot_of(fx)
+    objs = []
+    for start in range(0, 37, chunk):  # chunks [0,16) [16,32) [32,37)
+        ids = blocks_for_tokens(table, start, min(start + chunk, 37), bs)
+        out = poisoned((fx.L, len(ids), fx.page))
+        gather(kv, ids, out)
+        objs.append(out)
+    assert [o.shape[1] for o in objs] == [4, 4, 2]
+    # a new request with the same 37 tokens; the engine already holds tokens [0, 24)
+    new_table = [0, 4, 8, 10, 13, 15, 1, 3, 5, 6]
+    skip = 24
+    loaded_from, written = [], []
+    for c, obj in enumerate(objs):
+        cs, ce = c * chunk, min((c + 1) * chunk, 37)
+        if ce <= skip:
+            continue
+        start = max(cs, skip)
+        pages = pages_for_tokens(start, ce, bs, chunk_start=cs)
+        dst = blocks_for_tokens(new_table, start, ce, bs)
+        fx.poison(dst)
+        scatter(kv, obj[:, pages], dst)  # a non-contiguous slice of the memory object
+        loaded_from += blocks_for_tokens(table, start, ce, bs)
+        written += dst
+    assert written == [1, 3, 5, 6] and loaded_from == [5, 1, 12, 6]
+    # the last page (block 6 <- old block 6) holds token 36 plus 3 slots copied as-is
+    assert_loaded(fx, snap, loaded_from, written)
+
+
+def test_checks_catch_a_wrong_copy() -> None:
+    """Negative control: the reference checks fail on a skipped, misplaced or stray copy."""
+    fx = KVFixture("LBNHC", torch.bfloat16)
+    kv = PagedKV.from_kv_caches(fx.caches)
+    snap = snapshot_of(fx)
+    ids = [3, 8, 1]
+    out = poisoned((fx.L, 3, fx.page))
+    with pytest.raises(AssertionError):  # nothing copied: poison is detected
+        assert_obj_matches(out, snap.ref_obj(ids))
+    gather(kv, [3, 8, 2], out)  # one wrong block
+    with pytest.raises(AssertionError, match=r"\[0, 2\]"):
+        assert_obj_matches(out, snap.ref_obj(ids))
+    gather(kv, ids, out)
+    fx.poison([5, 6])
+    scatter(kv, out[:, :1], [5])  # block 6 poisoned but never loaded
+    with pytest.raises(AssertionError, match="block 6 was not named"):
+        assert_loaded(fx, snap, [3], [5])
+    with pytest.raises(AssertionError, match="block 6: bytes of block 8"):
+        assert_loaded(fx, snap, [3, 8], [5, 6])
+
+
+def test_bad_arguments_are_refused() -> None:
+    fx = KVFixture("LBHNC", torch.float16)
+    kv = PagedKV.from_kv_caches(fx.caches)
+    with pytest.raises(ValueError, match=r"shape \[3, 2, "):
+        gather(kv, [1, 2], torch.empty(3, 3, fx.page, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        gather(kv, [1, 2], torch.empty(3, 2, fx.page // 2, dtype=torch.float16))
+    with pytest.raises(IndexError, match="block id 16"):
+        gather(kv, [1, 16], torch.empty(3, 2, fx.page, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"block ids \[2\] repeat"):
+        scatter(kv, torch.empty(3, 3, fx.page, dtype=torch.uint8), [2, 5, 2])
+    with pytest.raises(ValueError, match="repeat"):
+        layerwise_load(kv, [([2, 2], torch.empty(3, 2, fx.page, dtype=torch.uint8))])
+    gather(kv, [], torch.empty(3, 0, fx.page, dtype=torch.uint8))  # nothing to do is fine
+
+
+# ---------------------------------------------------------------- layer-wise
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layerwise_matches_bulk(layout: str, dtype: torch.dtype) -> None:
+    fx = KVFixture(layout, dtype, L=4)
+    kv = PagedKV.from_kv_caches(fx.caches)
+    snap = snapshot_of(fx)
+    jobs_ids = [[5, 2, 3, 4, 11], [2, 3, 14]]
+    bulk = [poisoned((fx.L, len(i), fx.page)) for i in jobs_ids]
+    gather_many(kv, list(zip(jobs_ids, bulk, strict=True)))
+    lw = [poisoned((fx.L, len(i), fx.page)) for i in jobs_ids]
+    steps = layerwise_store(kv, list(zip(jobs_ids, lw, strict=True)))
+    for layer in range(fx.L):
+        assert next(steps) == layer
+        for o, b in zip(lw, bulk, strict=True):
+            assert torch.equal(o[: layer + 1], b[: layer + 1])
+    with pytest.raises(StopIteration):
+        next(steps)
+    for o, b, ids in zip(lw, bulk, jobs_ids, strict=True):
+        assert torch.equal(o, b)
+        assert_obj_matches(o, snap.ref_obj(ids))
+
+    dst = [[0, 1, 6, 7, 8], [9, 10, 12]]
+    fx.poison(dst[0] + dst[1])
+    seen = []
+    for layer in layerwise_load(kv, [(dst[0], lw[0]), (dst[1], lw[1])]):
+        seen.append(layer)
+        for d, s in zip(dst[0] + dst[1], jobs_ids[0] + jobs_ids[1], strict=True):
+            assert torch.equal(fx.ref_page(layer, d), snap.ref_page(layer, s))
+    assert seen == list(range(fx.L))
+    assert_loaded(fx, snap, jobs_ids[0] + jobs_ids[1], dst[0] + dst[1])
+
+
+def test_layerwise_load_fills_sources_just_in_time_and_drops_failed_jobs() -> None:
+    fx = KVFixture("LBHNC", torch.float16, L=4)
+    kv = PagedKV.from_kv_caches(fx.caches)
+    snap = snapshot_of(fx)
+    src_ids, dst = [[1, 2], [3, 4]], [[8, 9], [10, 11]]
+    full = [snap.ref_obj(i) for i in src_ids]
+    staged = [poisoned((fx.L, 2, fx.page)) for _ in src_ids]
+    fx.poison(dst[0] + dst[1])
+
+    def before(layer: int) -> list[int]:
+        for s, f in zip(staged, full, strict=True):
+            s[layer].copy_(f[layer])
+        return [1] if layer == 2 else []  # job 1's source fails at layer 2
+
+    assert list(layerwise_load(kv, [(dst[0], staged[0]), (dst[1], staged[1])], before)) == list(
+        range(fx.L))
+    for layer in range(fx.L):
+        for d, s in zip(dst[0], src_ids[0], strict=True):
+            assert torch.equal(fx.ref_page(layer, d), snap.ref_page(layer, s))
+        for d, s in zip(dst[1], src_ids[1], strict=True):
+            got = fx.ref_page(layer, d)
+            if layer < 2:
+                assert torch.equal(got, snap.ref_page(layer, s))
+            else:
+                assert bool((got == POISON).all()), "a dropped job still wrote its pages"
+
+
+def test_layerwise_generators_validate_eagerly_and_close() -> None:
+    fx = KVFixture("MLA", torch.bfloat16)
+    kv = PagedKV.from_kv_caches(fx.caches)
+    with pytest.raises(ValueError):  # refused at the call, not at the first next()
+        layerwise_store(kv, [([1, 2], torch.empty(1, 2, fx.page, dtype=torch.uint8))])
+    out = alloc_host(kv, 2)
+    steps = layerwise_store(kv, [([1, 2], out)])
+    next(steps)
+    steps.close()
+    with pytest.raises(StopIteration):
+        next(steps)
+    assert list(layerwise_load(kv, [])) == list(range(fx.L))

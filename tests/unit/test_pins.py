@@ -1,0 +1,176 @@
+"""An operator's pins on real tiers (RAM in front of a posix directory), no engine: pinned chunks
+survive eviction and clears, ``max_pinned_fraction`` refuses a pin past it (naming the setting),
+posix keeps pins across a restart in a private file, and a forged or malformed pins file is
+ignored with its reason logged, never choosing a path or a size."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import stat
+
+import pytest
+from kvplug.management import clear_tiers, pin_keys
+from kvplug.storage_manager import StorageManager
+from kvplug.testing import fill_random, make_key
+
+from tests.support.tiers_for_tests import DictTier
+
+CHUNK = 16 << 10  # fill_random's chunks
+
+
+def config(tmp_path, ram: int = 8 << 20, disk: int = 64 << 20, fraction: float = 0.5,
+           lower: dict | None = None) -> dict:
+    tiers = [{"backend": "local_cpu", "name": "ram", "options": {"capacity": ram},
+              "max_pinned_fraction": fraction},
+             {"backend": "posix", "name": "disk", "max_pinned_fraction": fraction,
+              "options": {"path": str(tmp_path / "chunks"), "capacity": disk}}]
+    return {"chunk_size": 16, "tiers": tiers + ([lower] if lower else [])}
+
+
+def store(mgr: StorageManager, ids: list[int]) -> None:
+    for i in ids:
+        obj = fill_random(mgr, seed=i)
+        mgr.batched_put([make_key(i)], [obj])
+        obj.ref_down()
+        assert mgr.flush(30)  # the disk's writer holds L1's objects until written
+
+
+def keys(ids: list[int]) -> list:
+    return [make_key(i) for i in ids]
+
+
+def test_pinned_chunks_outlive_eviction_and_clears_until_unpinned(tmp_path):
+    ids = random.Random(3).sample(range(10_000), 40)
+    pinned, rest = ids[:4], ids[4:]
+    # 16 chunks fit each tier: storing 40 evicts, pinned ones never
+    with StorageManager(config(tmp_path, ram=16 * CHUNK, disk=16 * CHUNK)) as mgr:
+        store(mgr, pinned)
+        res = pin_keys(mgr, keys(pinned))
+        for tier in ("ram", "disk"):
+            assert res[tier] == {**res[tier], "pinned": 4, "absent": 0, "refused": 0,
+                                 "complete": True}
+            assert res[tier]["pinned_bytes"] >= 4 * CHUNK  # a file adds its header
+        assert res["ram"]["pinned_bytes"] == 4 * CHUNK
+        assert pin_keys(mgr, keys(pinned))["ram"]["pinned_bytes"] == 4 * CHUNK  # no 2nd count
+        store(mgr, rest)
+        for tier in ("ram", "disk"):
+            assert mgr.holds(tier, keys(pinned)) == [True] * 4, f"{tier} evicted a pinned chunk"
+            assert not all(mgr.holds(tier, keys(rest))), "nothing was evicted: the test is void"
+        cleared = clear_tiers(mgr)
+        assert cleared["ram"]["remaining"] == 4 and "unpin" in cleared["ram"]["note"]
+        assert cleared["disk"]["remaining"] == 4 and not cleared["disk"]["complete"]
+        undone = pin_keys(mgr, keys(pinned[:3] + [99_999]), pin=False)
+        assert undone["ram"] == {**undone["ram"], "unpinned": 3, "not_pinned": 1}
+        clear_tiers(mgr)
+        assert mgr.holds("ram", keys(pinned)) == [False, False, False, True]
+        assert mgr.holds("disk", keys(pinned)) == [False, False, False, True]
+
+
+def test_a_pin_past_max_pinned_fraction_is_refused_naming_the_setting(tmp_path):
+    with StorageManager(config(tmp_path, ram=10 * CHUNK, disk=10 * CHUNK,
+                               fraction=0.25)) as mgr:
+        store(mgr, list(range(6)))
+        res = pin_keys(mgr, keys(list(range(6))))
+        for tier in ("ram", "disk"):  # 0.25 x 10 chunks: 2 fit
+            assert res[tier]["pinned"] == 2 and res[tier]["refused"] == 4
+            assert not res[tier]["complete"]
+            assert "max_pinned_fraction 0.25" in res[tier]["error"]
+            assert res[tier]["limit_bytes"] == int(0.25 * 10 * CHUNK)
+        absent = pin_keys(mgr, [make_key(500)])["ram"]
+        assert absent["absent"] == 1 and not absent["complete"] and "not held" in absent["note"]
+
+
+def test_a_tier_that_cannot_pin_says_so(tmp_path):
+    lower = {"backend": "tests.support.tiers_for_tests:DictTier", "name": "remote"}
+    with StorageManager(config(tmp_path, lower=lower)) as mgr:
+        store(mgr, [1])
+        res = pin_keys(mgr, [make_key(1)])
+        assert res["ram"]["complete"] and res["disk"]["complete"]
+        assert res["remote"]["available"] is False and not res["remote"]["complete"]
+        assert "cannot pin" in res["remote"]["error"]
+    assert DictTier  # the tier above is that class
+
+
+def pin_file(tmp_path):
+    return tmp_path / "chunks" / "kvplug-pins.json"
+
+
+def test_posix_pins_hold_across_a_restart_in_a_private_file(tmp_path):
+    ids = random.Random(11).sample(range(10_000), 30)
+    cfg = config(tmp_path, ram=64 * CHUNK, disk=12 * CHUNK)
+    with StorageManager(cfg) as mgr:
+        store(mgr, ids[:3])
+        assert pin_keys(mgr, keys(ids[:3]), ["disk"])["disk"]["pinned"] == 3
+    mode = stat.S_IMODE(os.stat(pin_file(tmp_path)).st_mode)
+    assert mode == 0o600, f"pins file mode {mode:o}"
+    with StorageManager(cfg) as mgr:  # restarted: pins restored before anything is evicted
+        assert mgr.backend("disk").wait_indexed(30)
+        assert mgr.stats()["disk"]["operator_pinned"] == 3
+        store(mgr, ids[3:])
+        assert mgr.holds("disk", keys(ids[:3])) == [True] * 3, "a restored pin was evicted"
+        assert pin_keys(mgr, keys(ids[:1]), ["disk"], pin=False)["disk"]["unpinned"] == 1
+    assert len(json.loads(pin_file(tmp_path).read_text())["pins"]) == 2
+    with StorageManager(cfg) as mgr:
+        assert mgr.backend("disk").wait_indexed(30)
+        assert mgr.stats()["disk"]["operator_pinned"] == 2
+
+
+@pytest.mark.parametrize("forged", [
+    "not json {", json.dumps({"version": 1, "pins": ["../../outside.safetensors"]}),
+    json.dumps({"version": 1, "pins": ["/etc/passwd"]}), json.dumps({"version": 2, "pins": []}),
+    json.dumps({"version": 1, "pins": [{"rel": "00/a.safetensors", "size": 1 << 40}]}),
+    "symlink",
+])
+def test_a_forged_pins_file_is_ignored_with_its_reason(tmp_path, caplog, forged):
+    cfg = config(tmp_path, disk=12 * CHUNK)
+    with StorageManager(cfg) as mgr:
+        store(mgr, [1, 2])
+        pin_keys(mgr, keys([1, 2]), ["disk"])
+    outside = tmp_path / "outside.safetensors"
+    outside.write_text("keep me")
+    path = pin_file(tmp_path)
+    path.unlink()
+    if forged == "symlink":  # a link to a pins file elsewhere is never followed
+        target = tmp_path / "elsewhere.json"
+        target.write_text(json.dumps({"version": 1, "pins": []}))
+        path.symlink_to(target)
+    else:
+        path.write_text(forged)
+    with caplog.at_level(logging.WARNING, logger="kvplug.backends.posix"), \
+            StorageManager(cfg) as mgr:
+        assert mgr.backend("disk").wait_indexed(30)
+        assert mgr.stats()["disk"]["operator_pinned"] == 0
+        assert mgr.holds("disk", keys([1, 2])) == [True, True]
+    assert "pins file" in caplog.text and "ignored" in caplog.text
+    assert outside.read_text() == "keep me"
+
+
+def test_a_pins_file_naming_missing_files_restores_only_what_exists(tmp_path):
+    cfg = config(tmp_path, disk=12 * CHUNK)
+    with StorageManager(cfg) as mgr:
+        store(mgr, [1])
+        pin_keys(mgr, keys([1]), ["disk"])
+    body = json.loads(pin_file(tmp_path).read_text())
+    body["pins"].append("ab/not-there.safetensors")
+    pin_file(tmp_path).write_text(json.dumps(body))
+    with StorageManager(cfg) as mgr:
+        assert mgr.backend("disk").wait_indexed(30)
+        assert mgr.stats()["disk"]["operator_pinned"] == 1
+    assert json.loads(pin_file(tmp_path).read_text())["pins"] == body["pins"][:1]
+
+
+def test_a_restore_keeps_within_max_pinned_fraction(tmp_path):
+    """A pins file listing more than the setting allows (lowered since, or forged) restores only
+    what fits; the rest stay listed (another process sharing the directory may hold them)."""
+    with StorageManager(config(tmp_path, disk=12 * CHUNK, fraction=1.0)) as mgr:
+        store(mgr, list(range(6)))
+        assert pin_keys(mgr, keys(list(range(6))), ["disk"])["disk"]["pinned"] == 6
+    with StorageManager(config(tmp_path, disk=12 * CHUNK, fraction=0.25)) as mgr:
+        assert mgr.backend("disk").wait_indexed(30)
+        s = mgr.stats()["disk"]
+        assert 0 < s["operator_pinned"] < 6
+        assert s["operator_pinned_bytes"] <= 0.25 * 12 * CHUNK
+    assert len(json.loads(pin_file(tmp_path).read_text())["pins"]) == 6

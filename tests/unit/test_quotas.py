@@ -1,0 +1,229 @@
+"""Tenants and per-tier byte quotas: tenant ids (never the salt), ids in object names, and a
+tenant over its quota evicting its own entries first on L1 and posix."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from kvplug import chunkfile as cf
+from kvplug.chunkfile.auth import Keyring
+from kvplug.config import load_config
+from kvplug.errors import ConfigError
+from kvplug.keys import CacheKey
+from kvplug.memory import MemoryFormat
+from kvplug.policies.tenants import TenantQuotas, tenant_id, tenant_of_name
+from kvplug.storage_manager import StorageManager
+
+CHUNK = (2, 2, 4096)  # 16 KiB
+NB = 2 * 2 * 4096
+SALT_A, SALT_B = "salt-of-team-a-5f3c", "salt-of-team-b-91d2"
+
+
+def key(i: int, tenant: str = "") -> CacheKey:
+    return CacheKey("quota/model", "bfloat16", "LBHNC-bs16", 1, 0, i.to_bytes(4, "big") * 8,
+                    tenant=tenant)
+
+
+def put(mgr: StorageManager, k: CacheKey) -> None:
+    obj = mgr.allocate(CHUNK, torch.uint8, MemoryFormat.KV_PAGES, 16)
+    obj.byte_view.fill_(7)
+    mgr.batched_put([k], [obj])
+    obj.ref_down()
+
+
+def test_tenant_ids_hide_the_salt_and_are_stable():
+    a = tenant_id(SALT_A)
+    assert len(a) == 16 and int(a, 16) >= 0 and a == tenant_id(SALT_A) != tenant_id(SALT_B)
+    assert tenant_id(None) == tenant_id("") == ""
+    ring = Keyring(b"k" * 32)
+    keyed = tenant_id(SALT_A, ring)
+    assert keyed != a and keyed == tenant_id(SALT_A, Keyring(b"k" * 32))
+    assert keyed != tenant_id(SALT_A, Keyring(b"j" * 32))
+    assert "team" not in repr(TenantQuotas.from_config(
+        load_config({"tiers": [{"backend": "local_cpu", "quotas": {"tenants": {SALT_A: "1MiB"}}}]}
+                    ).tiers[0].quotas))
+
+
+@pytest.mark.parametrize("auth", [None, Keyring(b"k" * 32)])
+def test_the_tenant_is_in_every_object_name(auth):
+    t = tenant_id(SALT_A)
+    rel = cf.relative_chunk_path(key(1, t), auth)
+    assert tenant_of_name(rel) == t and SALT_A not in rel
+    assert tenant_of_name(cf.relative_chunk_path(key(1), auth)) == ""
+    # a key without a tenant is named exactly as before tenants existed
+    assert cf.chunk_name(key(1)) == f"{key(1).namespace}.{key(1).hex}{cf.FILE_SUFFIX}"
+    assert key(1).namespace.endswith(".tp1-0")
+    assert key(1, t).namespace.endswith(f".t{t}")
+    assert CacheKey.from_fields(key(1, t).fields()) == key(1, t)
+    assert "tenant" not in key(1).fields()
+    with pytest.raises(ConfigError, match="tenant"):
+        key(1, "not-hex")
+
+
+def test_quota_config_errors_never_echo_a_tenant():
+    with pytest.raises(ConfigError) as err:
+        load_config({"tiers": [{"backend": "local_cpu",
+                                "quotas": {"tenants": {SALT_A: "lots"}}}]})
+    assert SALT_A not in str(err.value) and "<a tenant>" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config({"tiers": [{"backend": "local_cpu", "eviction": "nope",
+                                "quotas": {"tenants": {SALT_A: "1MiB"}}}]})
+    assert SALT_A not in str(err.value)
+    with pytest.raises(ConfigError, match="per-tenant quotas"):  # neither evicts nor counts
+        StorageManager({"tiers": [{"backend": "tiers_for_tests:DictTier",
+                                   "quotas": {"default": "1MiB"}}]})
+
+
+def _tiers(kind: str, tmp_path, quotas: dict | None, eviction: str = "lru") -> list[dict]:
+    opts = {"capacity": 16 * NB if kind == "local_cpu" else 16 * (NB + 4096)}
+    if kind == "posix":
+        opts["path"] = str(tmp_path / "c")
+    tier = {"backend": kind, "options": opts, "eviction": eviction}
+    if quotas:
+        tier["quotas"] = quotas
+    return [tier]
+
+
+def _held(mgr: StorageManager, tier: str, keys: list[CacheKey]) -> int:
+    return sum(mgr.holds(tier, keys))
+
+
+@pytest.mark.parametrize("eviction", ["lru", "s3fifo"])
+@pytest.mark.parametrize("kind", ["local_cpu", "posix"])
+def test_a_flooding_tenant_evicts_its_own_entries_not_anothers(tmp_path, kind, eviction):
+    """A holds 4 chunks; B floods 60 through a 16-chunk tier. With B's quota (the default, 8
+    chunks) B evicts its own entries and A's hold; without quotas (the negative control) B's
+    flood pushes A's out."""
+    a, b = tenant_id(SALT_A), tenant_id(SALT_B)
+    per = NB if kind == "local_cpu" else NB + 4096
+    results = {}
+    for quotas in (None, {"default": 8 * per, "tenants": {SALT_A: 6 * per}}):
+        root = tmp_path / ("q" if quotas else "n")
+        with StorageManager({"tiers": _tiers(kind, root, quotas, eviction), "chunk_size": 16}) as mgr:
+            if kind == "posix":
+                assert mgr.backend(0).wait_indexed(30)
+            mine = [key(i, a) for i in range(4)]
+            for k in mine:
+                put(mgr, k)
+            mgr.flush(30)
+            for i in range(100, 160):
+                put(mgr, key(i, b))
+                if kind == "posix":
+                    mgr.flush(30)
+            mgr.flush(30)
+            results[bool(quotas)] = _held(mgr, kind, mine)
+            usage = mgr.backend(0).tenant_usage()
+            st = mgr.stats()[kind]
+            assert st["bytes"] <= 16 * per
+            if quotas:
+                assert usage[b] <= 8 * per and usage[a] == 4 * per, usage
+                assert st["quota_evictions" if kind == "local_cpu" else "evictions"] >= 50
+    assert results == {False: 0, True: 4}, results
+
+
+def test_a_tenant_whose_quota_is_full_of_pinned_entries_is_skipped():
+    a = tenant_id(SALT_A)
+    with StorageManager({"tiers": [{"backend": "local_cpu", "options": {"capacity": 16 * NB},
+                                    "quotas": {"tenants": {SALT_A: 2 * NB}}}],
+                         "chunk_size": 16}) as mgr:
+        put(mgr, key(1, a))
+        put(mgr, key(2, a))
+        assert mgr.lookup_prefix([key(1, a), key(2, a)], pin=True).num_chunks == 2
+        put(mgr, key(3, a))
+        assert mgr.holds("local_cpu", [key(1, a), key(2, a), key(3, a)]) == [True, True, False]
+        assert mgr.stats()["local_cpu"]["quota_skipped_puts"] == 1
+        put(mgr, key(4))  # another tenant (none) is not bound by A's quota
+        assert mgr.holds("local_cpu", [key(4)]) == [True]
+        mgr.unpin([key(1, a), key(2, a)], ["local_cpu", "local_cpu"])
+        put(mgr, key(3, a))
+        assert mgr.holds("local_cpu", [key(1, a), key(3, a)]) == [False, True]
+
+
+def test_processes_sharing_a_directory_count_each_tenant_the_same(tmp_path):
+    """Another process (here a second StorageManager on the directory) counts every tenant's
+    bytes from the file names alone, and enforces the quotas over files it did not write."""
+    a, b = tenant_id(SALT_A), tenant_id(SALT_B)
+    tiers = [{"backend": "posix", "options": {"path": str(tmp_path / "c"), "capacity": "64MiB"},
+              "quotas": {"default": "64MiB", "tenants": {SALT_A: 5 * (NB + 4096)}}}]
+    with StorageManager({"tiers": tiers, "chunk_size": 16}) as one:
+        for i in range(3):
+            put(one, key(i, a))
+        for i in range(5):
+            put(one, key(10 + i, b))
+        assert one.flush(30)
+        usage = one.backend(0).tenant_usage()
+        with StorageManager({"tiers": tiers, "chunk_size": 16}) as two:
+            assert two.backend(0).wait_indexed(30)
+            assert two.backend(0).tenant_usage() == usage
+            assert usage[a] == 3 * (NB + 4096) and usage[b] == 5 * (NB + 4096)
+            for i in range(20, 24):  # A's quota is 5 files: two's stores evict one's files
+                put(two, key(i, a))
+            assert two.flush(30)
+            assert two.backend(0).tenant_usage()[a] <= 5 * (NB + 4096)
+            names = sorted(p.name for p in (tmp_path / "c").rglob("*.safetensors"))
+            assert sum(tenant_of_name(n) == a for n in names) <= 5
+            assert sum(tenant_of_name(n) == b for n in names) == 5
+            assert not any(SALT_A in n or SALT_B in n for n in names)
+    assert not any(SALT_A in p for p in os.listdir(tmp_path / "c"))
+
+
+# -- the connector: a request's tenant reaches its keys ------------------------------------------------
+def test_the_scheduler_sends_the_tenant_of_the_salt_or_the_params(tmp_path):
+    """vLLM's own Scheduler (no engine): a salted request's lookup and its save carry the id of
+    its salt, one with ``kv_transfer_params["tenant"]`` the id of that, one with neither none;
+    the worker's keys carry it, so the salt never travels."""
+    pytest.importorskip("vllm")
+    from kvplug.connector.demo.model import make_model
+    from kvplug.connector.protocol.lookup import Lookup
+
+    from tests.support.vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_output, prompt
+
+    class Recording(FakeLookup):
+        def lookup(self, req_id, hashes, tails, tenant=""):
+            self.tenants = {**getattr(self, "tenants", {}), req_id: tenant}
+            return super().lookup(req_id, hashes, tails)
+
+    s = make_scheduler(make_model("tiny", weights=False, root=tmp_path / "m"))
+    side = s.connector._sched
+    side.lookup = Recording()
+    reqs = [make_request("salted", prompt(600, 1), cache_salt=SALT_A),
+            make_request("named", prompt(600, 2)), make_request("plain", prompt(600, 3))]
+    reqs[1].kv_transfer_params = {"tenant": "team-b"}
+    for r in reqs:
+        s.add_request(r)
+    so = s.schedule()
+    md = so.kv_connector_metadata
+    s.update_from_output(so, model_runner_output(so))
+    want = {"salted": tenant_id(SALT_A), "named": tenant_id("team-b"), "plain": ""}
+    assert side.lookup.tenants == want
+    assert {r.req_id: r.tenant for r in md.requests} == want
+    msg = Lookup(1, "salted", [b"h" * 32], [], tenant=want["salted"])
+    assert SALT_A.encode() not in __import__("msgspec").msgpack.encode(msg)
+
+
+def test_kvplug_inspect_counts_each_tenant(tmp_path):
+    """``kvplug inspect`` counts bytes per tenant from the object names, and shows ids only."""
+    from click.testing import CliRunner
+    from kvplug.cli import main as cli
+
+    a, b = tenant_id(SALT_A), tenant_id(SALT_B)
+    tiers = [{"backend": "posix", "options": {"path": str(tmp_path / "c"), "capacity": "64MiB"}}]
+    with StorageManager({"tiers": tiers, "chunk_size": 16}) as mgr:
+        for i in range(3):
+            put(mgr, key(i, a))
+        for i in range(2):
+            put(mgr, key(10 + i, b))
+        put(mgr, key(20))
+        assert mgr.flush(30)
+    out = CliRunner().invoke(cli, ["inspect", str(tmp_path / "c"), "--json"])
+    assert out.exit_code == 0, out.output
+    import json
+
+    report = json.loads(out.output)
+    per = {t: u["chunks"] for t, u in report["tenants"].items()}
+    assert per == {a: 3, b: 2, "-": 1}
+    assert sorted(g["tenant"] for g in report["groups"]) == sorted([a, b, "-"])
+    text = CliRunner().invoke(cli, ["inspect", str(tmp_path / "c")]).output
+    assert a in text and SALT_A not in text and SALT_B not in text

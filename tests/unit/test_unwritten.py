@@ -1,0 +1,101 @@
+"""connector/unwritten.py: a failed load's blocks are followed until a step writes them, and a
+step that reads one among a request's computed blocks is told (block size 4 here)."""
+
+from __future__ import annotations
+
+import random
+
+from kvplug.connector.scheduler.unwritten import UnwrittenBlocks
+
+
+def test_a_read_before_any_write_is_reported_and_a_write_forgets():
+    u = UnwrittenBlocks(4)
+    u.failed([7, 3])
+    # a request with 10 computed tokens in blocks [3, 5, 7] (block 7 holds tokens 8-9) computes 2
+    assert u.step([([3, 5, 7], 10, 2)]) == [3, 7]
+    assert u.blocks == {3}  # block 7 was written by the step (tokens 10, 11); block 3 was not
+    assert u.step([([9, 3], 0, 8)]) == []  # computed from 0: writes block 3, reads nothing
+    assert u.blocks == set()
+    assert u.step([([3], 4, 1)]) == []  # nothing followed: nothing reported
+
+
+def test_a_load_writes_its_blocks_first():
+    u = UnwrittenBlocks(4)
+    u.failed([2, 6])
+    u.loading([2, 6, 8], 0, 8)  # a load into tokens 0-7: blocks 2 and 6
+    assert u.step([([2, 6, 8], 8, 1)]) == []
+    u.failed([8])  # that step's load failed at block 8: followed again
+    assert u.step([([8], 4, 0)]) == [8]
+
+
+def test_against_a_reference_of_written_slots():
+    """Random steps: reported == blocks read that no step wrote since they failed, computed
+    independently from a per-block 'written since failure' flag."""
+    rng = random.Random(5)
+    u = UnwrittenBlocks(4)
+    dirty: set[int] = set()
+    reported_any = 0
+    for _ in range(2000):
+        if rng.random() < 0.3:
+            bad = set(rng.sample(range(20), 3))
+            u.failed(bad)
+            dirty |= bad
+        work = []
+        for _ in range(rng.randint(1, 3)):
+            table = rng.sample(range(20), 5)
+            done = rng.randint(0, 16)
+            work.append((table, done, rng.randint(0, 20 - done)))
+        want = sorted({b for table, done, _ in work for b in table[:(done + 3) // 4] if b in dirty})
+        for table, done, n in work:
+            dirty -= set(table[done // 4:(done + n + 3) // 4])
+        got = u.step(work)
+        assert got == want
+        assert u.blocks == dirty
+        reported_any += bool(got)
+    assert reported_any > 50  # not vacuous
+
+
+def test_a_step_that_reads_an_unwritten_block_stores_nothing_computed_over_it(tmp_path):
+    """Issue 33, defect 1: the step that reads an unwritten block is tainted like a failed
+    load's: the requests that read it store nothing this step (their chunks were computed over
+    no KV) and are stored again from the first such token; another request's save goes on."""
+    import hashlib
+    import uuid
+
+    import pytest
+    import torch
+
+    pytest.importorskip("vllm")
+    from kvplug.connector.protocol.config import ConnectorConfig
+    from kvplug.connector.protocol.metadata import KVPlugMetadata, ReqMeta, SaveSpec
+    from kvplug.connector.worker.side import WorkerSide, _Identity
+
+    from tests.support.gpu_kv_fixture import KVFixture
+
+    bs, cs = 4, 8
+    hashes = [hashlib.sha256(bytes([i, 33])).digest() for i in range(3)]
+    other = [hashlib.sha256(bytes([i, 34])).digest() for i in range(1)]
+    fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=16)
+    cfg = ConnectorConfig(chunk_size=cs, async_save=False, log_every_load=False,
+                          tiers=[{"backend": "local_cpu", "options": {"capacity": "4MiB"}}])
+    w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{bs}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
+    w.register_kv_caches(fx.caches)
+    try:
+        # "a" has tokens 0-7 from vLLM's prefix cache in blocks 1, 2 (block 2 unwritten) and
+        # computes 8-23; "b" computes its own chunk in blocks 9, 10
+        md = KVPlugMetadata(cs, bs, [ReqMeta("a", [1, 2, 3, 4, 5, 6],
+                                             save=SaveSpec(8, 24, 1, hashes[1:])),
+                                     ReqMeta("b", [9, 10], save=SaveSpec(0, 8, 0, other))],
+                            unwritten=[2])
+        w.bind(md)
+        w.start_load_kv(md)
+        w.wait_for_save(md)
+        assert w.storage.flush(10)
+        stored = [h for h in hashes[1:] if w.storage.contains(w.key(h))]
+        assert not stored, f"{len(stored)} chunks computed over an unwritten block were stored"
+        assert w.storage.contains(w.key(other[0]))  # the save of a request that read none
+        assert w.take_load_errors() == {2}
+        rep = w.take_report()
+        assert rep is not None and rep.failed_from == {"a": 4}  # stored again from block 2
+    finally:
+        w.close()
