@@ -328,7 +328,7 @@ def test_a_tier_whose_calls_are_bounded_within_timeout_is_called_on_the_callers_
     than ``timeout_s``, or that declares none, is still called on its pool (bounded there). The
     answer is the same either way, and the tier still may block (its loads run off the step)."""
     options = {} if bound is None else {"call_bound_s": bound}
-    tier = {"backend": "test_storage_manager:ThreadRecordingTier", "options": options,
+    tier = {"backend": f"{__name__}:ThreadRecordingTier", "options": options,
             "timeout_s": 5.0}
     with StorageManager({"tiers": [tier]}) as mgr:
         obj = fill_random(mgr, seed=1)
@@ -340,4 +340,4 @@ def test_a_tier_whose_calls_are_bounded_within_timeout_is_called_on_the_callers_
         threads = mgr.backend(0).threads
         assert threads and all((t is threading.current_thread()) == direct for t in threads), \
             [t.name for t in threads]
-        assert mgr.may_block("test_storage_manager:ThreadRecordingTier")
+        assert mgr.may_block(f"{__name__}:ThreadRecordingTier")

@@ -97,7 +97,7 @@ class ClaimingTier(DictTier):
 
 
 def test_a_tier_that_claims_a_tenant_clear_is_not_believed(tmp_path):
-    lower = {"backend": "test_tenant_clear:ClaimingTier", "name": "liar"}
+    lower = {"backend": f"{__name__}:ClaimingTier", "name": "liar"}
     with StorageManager(config(tmp_path, lower)) as mgr:
         store(mgr, [key(1, A), key(2, A)])
         res = clear_tenant(mgr, A)["liar"]
