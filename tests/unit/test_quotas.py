@@ -72,7 +72,7 @@ def test_quota_config_errors_never_echo_a_tenant():
                                 "quotas": {"tenants": {SALT_A: "1MiB"}}}]})
     assert SALT_A not in str(err.value)
     with pytest.raises(ConfigError, match="per-tenant quotas"):  # neither evicts nor counts
-        StorageManager({"tiers": [{"backend": "tiers_for_tests:DictTier",
+        StorageManager({"tiers": [{"backend": "tests.support.tiers_for_tests:DictTier",
                                    "quotas": {"default": "1MiB"}}]})
 
 
