@@ -263,6 +263,22 @@ class _Query:
     num_prompt_tokens = num_tokens
 
 
+class _AcrossRanks:
+    """One tier's answers from every rank, added up the same way by clear, pin and status."""
+
+    def __init__(self, per: list[dict[str, Any]]) -> None:
+        self.per = per
+
+    def total(self, k: str) -> int | None:
+        """The sum over the ranks; None where a rank did not count it."""
+        vals = [p.get(k) for p in self.per]
+        return None if any(v is None for v in vals) else sum(vals)
+
+    def joined(self, k: str) -> str | None:
+        """The ranks' distinct messages (errors, notes), sorted and joined; None where none."""
+        return "; ".join(sorted({p[k] for p in self.per if p.get(k)})) or None
+
+
 class Engine:
     """What the routes need of the running engine: its kvplug config, the workers' management
     sockets, a scheduler side of its own for lookups, and the tokenizer."""
@@ -353,21 +369,32 @@ class Engine:
             self.sched.lookup.release([q.request_id])
             self.sched.trackers.pop(q.request_id, None)
 
-    def clear(self, body: ClearRequest) -> ClearResponse:
-        tiers_asked = getattr(body, "tiers", None)
-        unknown = sorted(set(tiers_asked or ()) - set(self.config.tier_names()))
+    def _known_tiers(self, asked: list[str] | None) -> None:
+        """404 naming any tier in ``asked`` that the config does not have."""
+        unknown = sorted(set(asked or ()) - set(self.config.tier_names()))
         if unknown:
             raise HTTPException(404, f"unknown tier(s) {unknown}; tiers are "
                                      f"{self.config.tier_names()}")
+
+    def _prompt_chunks(self, ids: list[int], salt: str | None,
+                       what: str) -> tuple[list[bytes], list[bytes], str]:
+        """The hashes of a prompt's full chunks and of its partial chunks at every block end, and
+        the tenant of their keys, as the scheduler makes them (salt, chunk keys)."""
+        with self._lock:
+            q = _Query(f"kvplug-api-{what}-{next(self._ids)}", ids, salt)
+            t = self.sched._track(q)
+            full, tails = self._hashes(t, q.num_tokens)
+            self.sched.trackers.pop(q.request_id, None)
+        return full, [h for _, h in tails], t.tenant
+
+    def clear(self, body: ClearRequest) -> ClearResponse:
+        tiers_asked = getattr(body, "tiers", None)
+        self._known_tiers(tiers_asked)
         hashes, key_tenant = None, ""
         if isinstance(body, ClearPrefixText | ClearPrefixIds):
-            with self._lock:
-                q = _Query(f"kvplug-api-clear-{next(self._ids)}", self.token_ids(body),
-                           body.cache_salt)
-                t = self.sched._track(q)
-                full, tails = self._hashes(t, q.num_tokens)
-                self.sched.trackers.pop(q.request_id, None)
-            hashes, key_tenant = full + [h for _, h in tails], t.tenant
+            full, tails, key_tenant = self._prompt_chunks(self.token_ids(body), body.cache_salt,
+                                                          "clear")
+            hashes = full + tails
         if isinstance(body, ClearTenant):  # its id, as the scheduler makes it (never the salt)
             ranks = self.ask(ManageClear(tiers_asked, None, tenant_id(body.tenant,
                                                                       self.sched._auth), True))
@@ -375,55 +402,33 @@ class Engine:
             ranks = self.ask(ManageClear(tiers_asked, hashes, key_tenant))
         tiers: dict[str, TierClear] = {}
         for name in ranks[0]["tiers"]:
-            per = [r["tiers"][name] for r in ranks]
-
-            def total(k: str, per: list[dict[str, Any]] = per) -> int | None:
-                vals = [p.get(k) for p in per]
-                return None if any(v is None for v in vals) else sum(vals)
-
-            errors = sorted({p["error"] for p in per if p.get("error")})
-            notes = sorted({p["note"] for p in per if p.get("note")})
-            remaining = total("remaining")
-            complete = all(p.get("complete", p.get("remaining") == 0) for p in per) \
-                and not errors
-            tiers[name] = TierClear(removed=total("removed"),
-                                    removed_bytes=total("removed_bytes") or 0,
-                                    remaining=remaining, complete=complete,
-                                    remaining_bytes=total("remaining_bytes"),
-                                    error="; ".join(errors) or None,
-                                    note="; ".join(notes) or None)
+            a = _AcrossRanks([r["tiers"][name] for r in ranks])
+            error = a.joined("error")
+            complete = all(p.get("complete", p.get("remaining") == 0) for p in a.per) \
+                and error is None
+            tiers[name] = TierClear(removed=a.total("removed"),
+                                    removed_bytes=a.total("removed_bytes") or 0,
+                                    remaining=a.total("remaining"), complete=complete,
+                                    remaining_bytes=a.total("remaining_bytes"),
+                                    error=error, note=a.joined("note"))
         return ClearResponse(ok=all(t.complete for t in tiers.values()), scope=body.scope,
                              tiers=tiers, ranks=ranks)
 
     def pin(self, body: PinRequest, pin: bool) -> PinResponse:
         """An operator's pin (or unpin) of a prompt's chunks, per tier (:mod:`kvplug.management`)."""
-        unknown = sorted(set(body.tiers or ()) - set(self.config.tier_names()))
-        if unknown:
-            raise HTTPException(404, f"unknown tier(s) {unknown}; tiers are "
-                                     f"{self.config.tier_names()}")
+        self._known_tiers(body.tiers)
         ids = self.token_ids(body)
-        with self._lock:
-            q = _Query(f"kvplug-api-pin-{next(self._ids)}", ids, body.cache_salt)
-            t = self.sched._track(q)
-            full, tails = self._hashes(t, q.num_tokens)
-            self.sched.trackers.pop(q.request_id, None)
-        ranks = self.ask(ManagePin(full, [h for _, h in tails], body.tiers, pin, t.tenant))
+        full, tails, key_tenant = self._prompt_chunks(ids, body.cache_salt, "pin")
+        ranks = self.ask(ManagePin(full, tails, body.tiers, pin, key_tenant))
         tiers: dict[str, TierPin] = {}
         for name in ranks[0]["tiers"]:
-            per = [r["tiers"][name] for r in ranks]
-
-            def total(k: str, per: list[dict[str, Any]] = per) -> int | None:
-                vals = [p.get(k) for p in per]
-                return None if any(v is None for v in vals) else sum(vals)
-
-            errors = sorted({p["error"] for p in per if p.get("error")})
-            notes = sorted({p["note"] for p in per if p.get("note")})
+            a = _AcrossRanks([r["tiers"][name] for r in ranks])
             tiers[name] = TierPin(
-                available=all(p.get("available", True) for p in per),
-                **{k: total(k) for k in ("pinned", "absent", "refused", "unpinned",
-                                         "not_pinned", "pinned_bytes", "limit_bytes")},
-                complete=all(p["complete"] for p in per), error="; ".join(errors) or None,
-                note="; ".join(notes) or None)
+                available=all(p.get("available", True) for p in a.per),
+                **{k: a.total(k) for k in ("pinned", "absent", "refused", "unpinned",
+                                           "not_pinned", "pinned_bytes", "limit_bytes")},
+                complete=all(p["complete"] for p in a.per), error=a.joined("error"),
+                note=a.joined("note"))
         return PinResponse(ok=all(t.complete for t in tiers.values()), tokens=len(ids),
                            tiers=tiers, ranks=ranks)
 
@@ -431,19 +436,14 @@ class Engine:
         ranks = self.ask(ManageStatus())
         tiers = []
         for i, first in enumerate(ranks[0]["tiers"]):
-            per = [r["tiers"][i] for r in ranks]
-
-            def total(k: str, per: list[dict[str, Any]] = per) -> int | None:
-                vals = [p.get(k) for p in per]
-                return None if any(v is None for v in vals) else sum(vals)
-
-            breakers = {p["breaker"] for p in per}
+            a = _AcrossRanks([r["tiers"][i] for r in ranks])
+            breakers = {p["breaker"] for p in a.per}
             tiers.append(TierStatus(
                 name=first["name"], backend=first["backend"], may_block=first["may_block"],
-                capacity_bytes=total("capacity_bytes"), used_bytes=total("used_bytes"),
-                entries=total("entries"), pinned=total("pinned"),
-                operator_pinned=total("operator_pinned"),
-                operator_pinned_bytes=total("operator_pinned_bytes"),
+                capacity_bytes=a.total("capacity_bytes"), used_bytes=a.total("used_bytes"),
+                entries=a.total("entries"), pinned=a.total("pinned"),
+                operator_pinned=a.total("operator_pinned"),
+                operator_pinned_bytes=a.total("operator_pinned_bytes"),
                 breaker="open" if "open" in breakers else first["breaker"],
                 policies=first["policies"]))
         return StatusResponse(model=self.model, chunk_size=self.sched.cs,

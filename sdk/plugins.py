@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
@@ -152,18 +153,26 @@ def validate_backend_class(cls: type, name: str, package: str = "?") -> None:
             f"backend {name!r} from package {package} does not honour the kvplug class contract "
             f"(kvplug.hookspecs.BackendClass): {'; '.join(problems)}"
         )
+    check_hookimpls(cls, BackendSpec, REQUIRED_HOOKS, f"validate:{name}",
+                    f"backend {name!r} from package {package}", "kvplug contract",
+                    "kvplug.hookspecs")
+
+
+def check_hookimpls(cls: type, spec: type, required: Collection[str], register_as: str,
+                    who: str, contract: str, specs_module: str) -> None:
+    """Register ``cls`` against the hook specs ``spec`` as a plugin manager would, and check that
+    it implements every ``required`` hook; a ``BackendValidationError`` naming ``who`` (the
+    backend or policy), the ``contract`` it breaks and the ``specs_module`` to read, if not.
+    Backends and policies are validated through here."""
     pm = pluggy.PluginManager(PROJECT)
-    pm.add_hookspecs(BackendSpec)
+    pm.add_hookspecs(spec)
     try:
-        pm.register(cls, name=f"validate:{name}")
+        pm.register(cls, name=register_as)
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        raise BackendValidationError(
-            f"backend {name!r} from package {package} does not honour the kvplug contract: {exc}"
-        ) from exc
-    missing = [h for h in REQUIRED_HOOKS if not getattr(pm.hook, h).get_hookimpls()]
+        raise BackendValidationError(f"{who} does not honour the {contract}: {exc}") from exc
+    missing = [h for h in required if not getattr(pm.hook, h).get_hookimpls()]
     if missing:
         raise BackendValidationError(
-            f"backend {name!r} from package {package} implements no @hookimpl for required "
-            f"hook(s) {', '.join(missing)}; see kvplug.hookspecs for their signatures"
-        )
+            f"{who} implements no @hookimpl for required hook(s) {', '.join(missing)}; see "
+            f"{specs_module} for their signatures")

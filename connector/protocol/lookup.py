@@ -189,6 +189,33 @@ def serve_router(sock: zmq.Socket, stop: threading.Event,
     sock.close(0)
 
 
+class RouterService:
+    """A worker-side thread serving the ROUTER socket it binds at ``path`` (:func:`bind_router`):
+    each message's frames go to :meth:`_serve` (:func:`serve_router`) until :meth:`close`, which
+    also removes the socket. A subclass sets its own state before calling ``__init__``, which
+    starts the thread."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path = path
+        self._stop = threading.Event()
+        self._ctx, self._sock = bind_router(path, what)
+        self._thread = threading.Thread(target=serve_router, name=f"kvplug-{what}", daemon=True,
+                                        args=(self._sock, self._stop, self._serve, what))
+        self._thread.start()
+
+    def _serve(self, frames: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._ctx.term()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
 def _is_live(path: Path) -> bool:
     """Whether something accepts connections on the unix socket ``path``."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -201,7 +228,7 @@ def _is_live(path: Path) -> bool:
         s.close()
 
 
-class LookupService:
+class LookupService(RouterService):
     """A worker-side thread answering :class:`Lookup` and :class:`Release` messages.
 
     ``dropped`` counts malformed messages, ``expired`` lookups skipped (or answered too late)
@@ -216,7 +243,6 @@ class LookupService:
         on_release: Callable[[list[str]], None],
         max_chunks: int = MAX_LOOKUP_CHUNKS,
     ) -> None:
-        self.path = path
         self._on_lookup = on_lookup
         self._on_release = on_release
         self.max_chunks = max_chunks
@@ -224,13 +250,7 @@ class LookupService:
         self.expired = 0
         self.refused = 0
         self._log_once = LogOnce(logger)
-        self._stop = threading.Event()
-        self._ctx, self._sock = bind_router(path, "lookup")
-        self._thread = threading.Thread(target=self._run, name="kvplug-lookup", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        serve_router(self._sock, self._stop, self._serve, "lookup")
+        super().__init__(path, "lookup")
 
     def _drop(self, why: str) -> None:
         self.dropped += 1
@@ -279,15 +299,6 @@ class LookupService:
         msg.hashes = msg.hashes[: self.max_chunks]
         msg.tails = [] if over > 0 else msg.tails[:MAX_LOOKUP_TAILS]
         self.refused += max(0, over) + tails
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-        self._ctx.term()
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
 
 
 @dataclass

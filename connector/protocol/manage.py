@@ -19,7 +19,6 @@ one its last step ran under.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +28,7 @@ import msgspec
 import zmq
 from kvplug.management import clear_keys, clear_tenant, clear_tiers, pin_keys, tier_status
 
-from .lookup import bind_router, serve_router, socket_path
+from .lookup import RouterService, socket_path
 
 if TYPE_CHECKING:
     from ..worker.side import WorkerSide
@@ -153,19 +152,12 @@ class WorkerManagement:
         return out
 
 
-class ManageService:
+class ManageService(RouterService):
     """A worker-side thread answering management messages on ``path`` (a zmq ROUTER)."""
 
     def __init__(self, path: Path, handle: Callable[[ManageMsg], dict[str, Any]]) -> None:
-        self.path = path
         self._handle = handle
-        self._stop = threading.Event()
-        self._ctx, self._sock = bind_router(path, "management")
-        self._thread = threading.Thread(target=self._run, name="kvplug-manage", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        serve_router(self._sock, self._stop, self._serve, "management")
+        super().__init__(path, "management")
 
     def _serve(self, frames: list[bytes]) -> None:
         if len(frames) == 2:  # [client identity, request]
@@ -185,16 +177,6 @@ class ManageService:
         except Exception as exc:  # noqa: BLE001 - an answer, never a dead service
             logger.exception("kvplug management call %s failed", type(msg).__name__)
             return ManageReply(False, error=f"{type(exc).__name__}: {exc}")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-        self._ctx.term()
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
-
 
 class ManageClient:
     """The API server's side: send one message to every rank, wait for each reply (bounded)."""

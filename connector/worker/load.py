@@ -32,10 +32,10 @@ import time
 from collections.abc import Callable, Collection, Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from kvplug.gpu import (
-    PagedKV,
     PageJob,
     blocks_for_tokens,
     layerwise_load,
@@ -51,6 +51,9 @@ from kvplug.storage_manager import StorageManager
 from ..protocol import groups
 from ..protocol.metadata import KVPlugMetadata, LoadSpec, ReqMeta
 from .load_report import LoadReports
+
+if TYPE_CHECKING:
+    from .transfers import TransferParts
 
 logger = logging.getLogger("kvplug.connector")
 
@@ -152,14 +155,10 @@ class Loads:
     (see the module docstring). Built once the KV cache and the tiers exist; ``tier_of`` and
     ``release`` are lookup's pins (where it found a request's keys; drop them)."""
 
-    def __init__(self, kv: PagedKV, storage: StorageManager, layout: groups.GroupLayout,
-                 key: Callable[[bytes], CacheKey], layerwise: bool, reports: LoadReports,
+    def __init__(self, parts: TransferParts, layerwise: bool, reports: LoadReports,
                  background: BackgroundLoads, tier_of: Callable[[str], TierOf],
                  release: Callable[[list[str]], None]) -> None:
-        self.kv = kv
-        self.storage = storage
-        self.layout = layout
-        self.key = key
+        self.kv, self.storage, self.layout, self.key = parts
         self.layerwise = layerwise
         self.reports = reports
         self.background = background

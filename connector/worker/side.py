@@ -43,7 +43,7 @@ from ..protocol.stats import KVPlugStats, StatsRecorder
 from .load import BackgroundLoads, Loads
 from .load_report import LoadReports
 from .store import AsyncSaves, Stores
-from .transfers import Load, Store, Transfers
+from .transfers import Load, Store, TransferParts, Transfers
 
 logger = logging.getLogger("kvplug.connector")
 
@@ -89,14 +89,14 @@ class WorkerSide:
         self.storage = StorageManager(self.cfg, runtime=self.runtime, geometry=ChunkGeometry(
             self.kv.num_layers, -(-self.cfg.chunk_size // bs), self.kv.page_bytes,
             self.cfg.chunk_size))  # reads of any other shape are refused before allocating
-        loads = Loads(self.kv, self.storage, self.layout, self.key, self.cfg.layerwise,
-                      self._reports, BackgroundLoads(self.storage.batched_get, runtime=self.runtime),
+        parts = TransferParts(self.kv, self.storage, self.layout, self.key)
+        loads = Loads(parts, self.cfg.layerwise, self._reports,
+                      BackgroundLoads(self.storage.batched_get, runtime=self.runtime),
                       self._tier_of, self.release)
         saves = (AsyncSaves(self.kv, self.storage, self.stats, self.runtime,
                             order_at_submit=self.layout.zeroes_new_blocks)
                  if async_save_enabled(self.cfg, self.kv.device.type) else None)
-        self.transfers = Transfers(loads, Stores(self.kv, self.storage, self.layout, self.key,
-                                                 self.stats, saves))
+        self.transfers = Transfers(loads, Stores(parts, self.stats, saves))
         path = socket_path(self.ident.engine_id, self.ident.rank, self.ident.pp_rank)
         if self.runtime.remote_lookups:  # else the caller calls _on_lookup (a simulation)
             self.service = LookupService(path, self._on_lookup, self.release)

@@ -50,8 +50,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from kvplug.gpu import (
@@ -68,9 +69,12 @@ from kvplug.memory import MemoryObj
 from kvplug.runtime import THREADS, Runtime
 from kvplug.storage_manager import StorageManager
 
-from ..protocol.groups import GroupLayout, group_hash, store_targets
+from ..protocol.groups import group_hash, store_targets
 from ..protocol.metadata import KVPlugMetadata
 from ..protocol.stats import StatsRecorder
+
+if TYPE_CHECKING:
+    from .transfers import TransferParts
 
 logger = logging.getLogger("kvplug.connector")
 
@@ -112,13 +116,9 @@ class Stores:
     direction of :class:`.transfers.Transfers`. ``saves``: the asynchronous saves, or None
     (synchronous: copied and put inside ``wait_for_save``)."""
 
-    def __init__(self, kv: PagedKV, storage: StorageManager, layout: GroupLayout,
-                 key: Callable[[bytes], CacheKey], stats: StatsRecorder,
+    def __init__(self, parts: TransferParts, stats: StatsRecorder,
                  saves: AsyncSaves | None) -> None:
-        self.kv = kv
-        self.storage = storage
-        self.layout = layout
-        self.key = key
+        self.kv, self.storage, self.layout, self.key = parts
         self.stats = stats
         self.saves = saves
         self._batch: StoreBatch | None = None  # layer-wise store of this step

@@ -24,14 +24,27 @@ out every request whose KV the step computed over a failed load (:meth:`.load.Lo
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import NamedTuple
 
+from kvplug.gpu import PagedKV
 from kvplug.keys import CacheKey
+from kvplug.storage_manager import StorageManager
 
+from ..protocol.groups import GroupLayout
 from ..protocol.metadata import KVPlugMetadata
 from .load import Loads
 from .store import Stores
+
+
+class TransferParts(NamedTuple):
+    """What loads and stores both move between, built once by the worker side: the paged KV
+    cache, the tiers, the KV cache groups, and the key a chunk hash stands under."""
+
+    kv: PagedKV
+    storage: StorageManager
+    layout: GroupLayout
+    key: Callable[[bytes], CacheKey]
 
 
 class Load(NamedTuple):

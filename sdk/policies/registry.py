@@ -12,13 +12,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import pluggy
 from pydantic import BaseModel, ValidationError
 
 from ..config import PolicyConfig
 from ..errors import BackendLoadError, BackendValidationError, ConfigError, KVPlugError
-from ..hookspecs import PROJECT
-from ..plugins import BackendInfo, discover_entry_points
+from ..plugins import BackendInfo, check_hookimpls, discover_entry_points
 from ..policyspecs import REQUIRED_HOOKS, SPECS, PolicyContext
 
 ENTRY_POINT_GROUP = "kvplug.policies"
@@ -63,20 +61,9 @@ def validate_policy_class(cls: type, name: str, package: str = "?") -> str:
         raise BackendValidationError(
             f"policy {name!r} from package {package}: Options is {model!r}, not a pydantic model "
             "class; derive it from kvplug.config.BaseOptions")
-    pm = pluggy.PluginManager(PROJECT)
-    pm.add_hookspecs(SPECS[kind])
-    try:
-        pm.register(cls, name=f"validate-policy:{name}")
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        raise BackendValidationError(
-            f"{kind} policy {name!r} from package {package} does not honour the kvplug policy "
-            f"contract (kvplug.policyspecs): {exc}") from exc
-    missing = [h for h in REQUIRED_HOOKS[kind] if not getattr(pm.hook, h).get_hookimpls()]
-    if missing:
-        raise BackendValidationError(
-            f"{kind} policy {name!r} from package {package} implements no @hookimpl for required "
-            f"hook(s) {', '.join(missing)}; see kvplug.policyspecs for their signatures")
+    check_hookimpls(cls, SPECS[kind], REQUIRED_HOOKS[kind], f"validate-policy:{name}",
+                    f"{kind} policy {name!r} from package {package}",
+                    "kvplug policy contract (kvplug.policyspecs)", "kvplug.policyspecs")
     return kind
 
 
