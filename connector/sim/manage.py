@@ -72,22 +72,44 @@ class ManageEvents:
             keys = sorted(set(self.stored[rank]), key=self.stored[rank].index)
             if st is None or not keys:
                 continue
+            # stores that land while the clear runs (its waits run the other tasks: saves,
+            # writers, the neighbour's writes) are stores again, not what the clear left
+            self._storing: set | None = self._queued_stores(rank, st, keys)
             if scope == "prefix":  # a prefix clear names a few consecutive chunks
                 start = pick % len(keys)
                 target = keys[start:start + 3]
                 evictable = self._evictable(st, target, keyed=True)
-                clear_keys(st, target)
+                res = clear_keys(st, target)
             elif scope == "tenant":
                 tenant = sorted({k.tenant for k in keys})[pick % len({k.tenant for k in keys})]
                 target = [k for k in keys if k.tenant == tenant]
                 evictable = self._evictable(st, target, keyed=False)
-                clear_tenant(st, tenant)
+                res = clear_tenant(st, tenant)
             else:
                 target = keys
                 evictable = self._evictable(st, target, keyed=False)
-                clear_tiers(st)
+                res = clear_tiers(st)
+            stored_meanwhile, self._storing = self._storing, None
             self.counts[f"clear {scope}"] += 1
-            self._check_cleared(rank, st, evictable, target, cleared[rank])
+            self._check_cleared(rank, st, evictable, target, cleared[rank], res,
+                                stored_meanwhile or set())
+
+    def _queued_stores(self, rank: int, st: Any, keys: list) -> set:
+        """Keys whose store is queued on a tier (or by the neighbour process) as the clear begins:
+        such a store may land after the clear (its response says so), a store again."""
+        out: set = set()
+        tiers = [st.backend(t) for t in st.tier_names]
+        nb = getattr(self, "nb", None)
+        if rank == 0 and nb is not None:
+            tiers += [nb.backend(t) for t in nb.tier_names]
+        for tier in tiers:
+            if hasattr(tier, "writer") and hasattr(tier, "directory"):  # posix
+                with tier.directory.lock:
+                    out |= {k for k in keys if tier._rel(k) in tier.writer.pending}
+            elif hasattr(tier, "_writer") and hasattr(tier, "name_of"):  # a value store
+                out |= {k for k in keys if tier._writer.protected(tier.name_of(k))
+                        and tier.name_of(k) not in tier._pins}
+        return out
 
     def pin(self, rank: int, pick: int, on: bool) -> None:
         from kvplug.management import pin_keys
@@ -139,9 +161,15 @@ class ManageEvents:
         return out
 
     def _check_cleared(self, rank: int, st: Any, evictable: dict[str, set], target: list,
-                       cleared: dict[Any, int]) -> None:
+                       cleared: dict[Any, int], res: dict[str, dict[str, Any]],
+                       stored_meanwhile: set) -> None:
+        """I8 after a clear: no unprotected target left on a tier that answered (one in a fault
+        says its removal is unknown); the targets gone from every tier that answered are
+        recorded as cleared (never served again unless stored again)."""
+        answered = {t for t, r in res.items() if not r.get("error")}
         for tier, keys in evictable.items():
-            if not keys:
+            keys = keys - stored_meanwhile
+            if not keys or tier not in answered:
                 continue
             ordered = sorted(keys, key=repr)
             held = st.holds(tier, ordered)
@@ -151,7 +179,11 @@ class ManageEvents:
             if left:
                 raise Violation("I8", f"rank {rank}: a clear left {len(left)} unpinned chunk(s) "
                                       f"on {tier}: {left[0]}")
+        if answered != set(st.tier_names):  # a tier's answer unknown: nothing is known cleared
+            return
         for key in target:
+            if key in stored_meanwhile:
+                continue
             answers = [st.holds(t, [key]) for t in st.tier_names]
             if all(a == [False] for a in answers):
                 cleared[key] = len(cleared)
@@ -161,6 +193,8 @@ class ManageEvents:
         cleared, _ = self._manage_state()
         for k in keys:
             cleared[rank].pop(k, None)
+        if getattr(self, "_storing", None) is not None:
+            self._storing.update(keys)
 
     def check_served(self, rank: int, key: Any) -> None:
         """A tier answered ``key``: a violation when a clear removed it and nothing stored it
