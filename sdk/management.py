@@ -76,6 +76,20 @@ def tier_status(storage: StorageManager) -> list[dict[str, Any]]:
     return out
 
 
+def _breaker_open(storage: StorageManager, name: str) -> bool:
+    return bool(storage.stats().get(name, {}).get("breaker_open"))
+
+
+def _unreachable(storage: StorageManager, name: str, res: dict[str, Any], was_open: bool) -> None:
+    """A clear of a tier whose store was unreachable (its circuit breaker open before or after)
+    is not complete, whatever the tier answered: an open breaker answers "not held" for what it
+    cannot reach, and deletes are not sent."""
+    if was_open or _breaker_open(storage, name):
+        res.update(complete=False, error="the store was unreachable (its circuit breaker is "
+                   "open): what it holds and what this clear removed are unknown; clear again "
+                   "once it is back")
+
+
 def _faults(storage: StorageManager, name: str) -> float:
     s = storage.stats().get(name, {})
     return s.get("faults", 0) + s.get("timeouts", 0)
@@ -88,6 +102,7 @@ def clear_keys(storage: StorageManager, keys: Sequence[CacheKey],
     for name in tiers or storage.tier_names:
         before = storage.holds(name, keys)
         faults = _faults(storage, name)
+        was_open = _breaker_open(storage, name)
         freed = storage.evict(keys=list(keys), tiers=[name])
         after = storage.holds(name, keys)
         res: dict[str, Any] = {"removed_bytes": freed}
@@ -105,6 +120,7 @@ def clear_keys(storage: StorageManager, keys: Sequence[CacheKey],
                                "them; clear again once loads are over")
         if _faults(storage, name) > faults:
             res["error"] = "the tier's evict raised or timed out (see the engine's log)"
+        _unreachable(storage, name, res, was_open)
         out[name] = res
     return out
 
@@ -148,6 +164,7 @@ def clear_tiers(storage: StorageManager, tiers: Sequence[str] | None = None
     for name in names:
         indexed = wait_indexed(storage, name)
         before = storage.stats().get(name, {})
+        was_open = _breaker_open(storage, name)
         faults = _faults(storage, name)
         freed = storage.evict(nbytes=ALL_BYTES, tiers=[name])
         after = _settle(storage, name)
@@ -177,6 +194,7 @@ def clear_tiers(storage: StorageManager, tiers: Sequence[str] | None = None
         if _faults(storage, name) > faults:
             res["error"] = "the tier's evict raised or timed out (see the engine's log)"
             res["complete"] = False
+        _unreachable(storage, name, res, was_open)
         out[name] = res
     return out
 
@@ -199,6 +217,7 @@ def clear_tenant(storage: StorageManager, tenant: str, tiers: Sequence[str] | No
                              "with the tenant's cache_salt, or empty the store with its tools")}
             continue
         wait_indexed(storage, name)
+        was_open = _breaker_open(storage, name)
         before = (storage.tenant_usage(name) or {}).get(tenant, 0)
         faults = _faults(storage, name)
         answer = storage.evict_tenant(name, tenant)
@@ -219,6 +238,7 @@ def clear_tenant(storage: StorageManager, tenant: str, tiers: Sequence[str] | No
             res["note"] = "writes were still queued after the wait: they may land after this clear"
         if _faults(storage, name) > faults:
             res.update(complete=False, error="the tier's evict raised or timed out (see the log)")
+        _unreachable(storage, name, res, was_open)
         out[name] = res
     return out
 

@@ -194,3 +194,50 @@ def test_a_tier_that_claims_a_removal_is_not_believed():
         assert res["removed_bytes"] > 0 and res["removed"] == 0 and res["remaining"] == 3
         res = clear_tiers(mgr)["liar"]
         assert res["removed"] == 0 and res["remaining"] == 3 and res["complete"] is False
+
+
+class UnreachableTier(DictTier):
+    """A store whose circuit breaker opens (``trip``): as the value tiers do, it then answers "not
+    held" for what it cannot reach and sends no delete."""
+
+    tripped = False
+
+    @hookimpl
+    def contains(self, keys):
+        if UnreachableTier.tripped:
+            return [False] * len(keys)
+        return DictTier.contains(self, keys)
+
+    @hookimpl
+    def evict(self, keys, nbytes):
+        return 0 if UnreachableTier.tripped else DictTier.evict(self, keys, nbytes)
+
+    @hookimpl
+    def stats(self):
+        return {**DictTier.stats(self), "breaker_open": float(UnreachableTier.tripped)}
+
+
+def test_a_clear_of_an_unreachable_store_is_never_complete():
+    """Found by the simulation's I8 (seed 70001378: a value store in an outage): its lookups
+    answer "not held", so a clear measured by them reported chunks removed that were never
+    deleted. Control: the same tier reachable is cleared, complete."""
+    cfg = {"chunk_size": 16, "tiers": [{"backend": f"{__name__}:UnreachableTier",
+                                        "name": "remote", "options": {}}]}
+    for tripped in (True, False):
+        UnreachableTier.tripped = False
+        with StorageManager(cfg) as mgr:
+            store(mgr, [1, 2, 3])
+            UnreachableTier.tripped = tripped
+            try:
+                keyed = clear_keys(mgr, [make_key(1)])["remote"]
+                whole = clear_tiers(mgr)["remote"]
+            finally:
+                UnreachableTier.tripped = False
+            held = mgr.holds("remote", [make_key(i) for i in (1, 2, 3)])
+        if tripped:
+            assert held == [True] * 3  # nothing was deleted
+            for res in (keyed, whole):
+                assert res["complete"] is False and "unreachable" in res["error"], res
+        else:
+            assert held == [False] * 3
+            assert keyed.get("complete", keyed["remaining"] == 0) and whole["complete"] is True
