@@ -177,7 +177,7 @@ def test_device_store_and_layerwise_device_load(tmp_path, monkeypatch):
         assert m.flush(30)
         obj.ref_down()
         backend = m.backend(0)
-        monkeypatch.setattr(backend, "_allocate", lambda shape, dtype, fmt, num_tokens:
+        monkeypatch.setattr(backend.files, "allocate", lambda shape, dtype, fmt, num_tokens:
                             heap_memory_obj(shape, dtype, fmt, num_tokens, device="cuda"))
         for layer in range(3):
             part = backend.get_layers(make_key(1), layer, 1)
