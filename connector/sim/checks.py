@@ -65,6 +65,22 @@ def _put_check_plugin(world: Any, rank: int) -> Any:
     return _Check()
 
 
+def _neighbour_store_plugin(world: Any) -> Any:
+    """On the neighbour process's StorageManager: a chunk it hands its tier is stored again on
+    rank 0's directory (I8 no longer applies to it), at the moment it is handed over, not when
+    the neighbour queued it (a clear in between cannot see a store still queued in another
+    process, and that store lands after the clear)."""
+    from kvplug.hookspecs import hookimpl
+
+    class _Stored:
+        @hookimpl(wrapper=True)
+        def batched_submit_put(self, keys: Any, objs: Any) -> Any:
+            world.restored(0, keys)
+            return (yield)
+
+    return _Stored()
+
+
 @dataclass
 class ReqLog:
     sending: int = 0

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checks import Checks, ReqLog, _put_check_plugin
+from .checks import Checks, ReqLog, _neighbour_store_plugin, _put_check_plugin
 from .engine import (
     BS,
     CS,
@@ -153,6 +153,7 @@ class World(Checks, Faults, ManageEvents):
 
             self.nb = StorageManager(ConnectorConfig(chunk_size=CS, tiers=[self._lower_tier(0)]),
                                      runtime=self.rt)
+            self.nb.add_wrapper(_neighbour_store_plugin(self))
         self.rt.drain()  # the tiers' start-up work (posix's scan of its empty directory)
         self.lookup = SimLookup(self.workers)
         sched = self.s.connector._sched

@@ -245,6 +245,10 @@ def preempt_with_a_save_in_flight(st: Steps) -> None:
           "a preemption while the gate holds the saves")
     preempted = {e[1] for e in st.events if e[0] == "preempted"}
     assert preempted & {r for r, *_ in st.saved}  # not vacuous: it had saves
+    # the tier's thread reaches the gate on its own time (no step needed): wait for it, bounded
+    deadline = time.monotonic() + 60
+    while not list(st.gate.glob("put-*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert list(st.gate.glob("put-*")) and not (st.gate / "open").exists()
     st.open_gate()
     st.run_out()
