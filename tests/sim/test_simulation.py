@@ -28,7 +28,6 @@ CONTROL_SEEDS = 300  # a negative control must be caught within the CI set
 #: seeds that found something beyond issue 22's six defects, replayed every run: vLLM 0.32's
 #: scheduler stalls when requests that loaded asynchronously hold the cache and the head of the
 #: waiting queue cannot grow (nothing running to preempt); the simulation aborts them and kvplug
-#: must still end clean (I1-I5)
 #: must still end clean (I1-I5). 7003276 (a long search): a weights reset, then wrong KV read
 #: without a load error; the simulation's lookup ignored the weights epoch, which made a failed
 #: load that an abort then left in vLLM's prefix cache (see SCHEDULES). 107 (issue 33, vLLM's
@@ -36,6 +35,13 @@ CONTROL_SEEDS = 300  # a negative control must be caught within the CI set
 #: vLLM saw N's output) read the unloaded blocks and its token was served; every load is a
 #: background one under asynchronous scheduling now (controls: sync_loads_under_async_scheduling)
 REGRESSION_SEEDS: list[int] = [107, 128, 294, 331, 7003276]
+#: issue 34, I8 (a clear tells the truth), two false alarms of the simulation's own bookkeeping
+#: that a long search found: 72002938, the neighbour process's store was counted as stored when
+#: queued, so a clear in between recorded the chunk cleared and its later landing as served
+#: (now: when the neighbour hands it to its tier); 70000824, an operator pin whose call timed out
+#: landed while a tenant clear ran, and the chunk it pinned counted as left unprotected (now:
+#: protected before or after the clear). Both failed before; kvplug's answers were true
+REGRESSION_SEEDS += [70000824, 72002938]
 #: issue 33, a neighbour process on rank 0's posix directory (small tiers, tenant quotas), with
 #: I6 strict there (SimConfig.strict_shared_i6): a queued write found the file the neighbour had
 #: just stored and indexed it without making room, so the tenant held 36864 B over its 24576 B
