@@ -48,6 +48,9 @@ _COUNTERS = {
                             "prompt tokens kvplug was asked about"),
     "lookup_hit_tokens": ("vllm:kvplug_lookup_hit_tokens", "tokens kvplug's tiers held"),
     "lookup_timeouts": ("vllm:kvplug_lookup_timeouts", "lookups past lookup_timeout_s (misses)"),
+    "inline_local_loads": ("vllm:kvplug_inline_local_loads",
+                           "hits of a local disk tier loaded inside the engine step "
+                           "(inline_load_bytes)"),
     "load_failures": ("vllm:kvplug_load_errors", "request loads with a missing/invalid chunk"),
     "failed_blocks": ("vllm:kvplug_failed_blocks", "blocks vLLM recomputed after a load error"),
     "store_tokens": ("vllm:kvplug_stored_tokens", "tokens the connector handed to the tiers"),

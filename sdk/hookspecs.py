@@ -331,6 +331,12 @@ class BackendClass(Protocol):
       would otherwise be ignored, and the options never validated).
     * ``never_blocks: bool`` — a promise that no hook ever waits on I/O; kvplug then calls the tier
       inline, without the ``timeout_s`` bound (``local_cpu``). Default ``False``.
+    * ``local_medium: bool`` — the tier reads from a medium on this machine (a local disk, an
+      NVMe through GPUDirect Storage): about a millisecond per MiB, never a network round trip.
+      A small hit only such a tier holds then loads inside the engine step, within the
+      connector's per-step ``inline_load_bytes``, instead of a step later in the background (the
+      call is still bounded by ``timeout_s``). Default ``False``: hits from a tier that may
+      block load in the background.
     * ``unbounded: bool`` — the tier keeps no byte count under a ``capacity`` of its own (its store
       bounds itself, e.g. a server with its own eviction), so ``stats()`` has no ``bytes``; the
       conformance kit's capacity test then checks only the tiers beside it. Default ``False``: a
@@ -356,8 +362,9 @@ class BackendClass(Protocol):
 
 
 #: The optional class attributes of :class:`BackendClass` and their defaults.
-CLASS_DEFAULTS: dict[str, Any] = {"Options": None, "never_blocks": False, "unbounded": False,
-                                  "eviction_policy": False, "budget_quotas": False}
+CLASS_DEFAULTS: dict[str, Any] = {"Options": None, "never_blocks": False, "local_medium": False,
+                                  "unbounded": False, "eviction_policy": False,
+                                  "budget_quotas": False}
 
 
 def class_contract_problems(cls: type) -> list[str]:
@@ -369,7 +376,7 @@ def class_contract_problems(cls: type) -> list[str]:
     if model is not None and not (isinstance(model, type) and issubclass(model, BaseModel)):
         problems.append(f"Options is {model!r}, not a pydantic model class: derive it from "
                         "kvplug.config.BaseOptions (or remove it to receive the raw dict)")
-    for flag in ("never_blocks", "unbounded", "eviction_policy", "budget_quotas"):
+    for flag in ("never_blocks", "local_medium", "unbounded", "eviction_policy", "budget_quotas"):
         value = getattr(cls, flag, False)
         if not isinstance(value, bool):
             problems.append(f"{flag} is {value!r}; set it to True or False")

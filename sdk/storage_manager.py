@@ -376,6 +376,11 @@ class StorageManager:
         from it runs off the engine step."""
         return any(t.name == tier and not t.inline for t in self._tiers)
 
+    def local_medium(self, tier: str) -> bool:
+        """Whether tier ``tier`` reads a medium on this machine (its class sets ``local_medium``):
+        a small hit of it may load inside the engine step although the tier may block."""
+        return any(t.name == tier and t.local for t in self._tiers)
+
     def reads_layers(self, tier: str) -> bool:
         """Whether tier ``tier`` implements ``get_layers`` (reads a layer range of a chunk)."""
         return any(t.name == tier and t.implements("get_layers") for t in self._tiers)

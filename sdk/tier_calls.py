@@ -66,6 +66,9 @@ class Tier:
         #: Pure in-memory tiers declare ``never_blocks = True`` and are called inline; every other
         #: tier's get/contains runs on the tier's own pool, bounded by its ``timeout_s``.
         self.inline = bool(getattr(backend, "never_blocks", False))
+        #: A tier that may block but reads a medium on this machine (``local_medium``): a small
+        #: hit of it may load inside the engine step (the connector's ``inline_load_bytes``).
+        self.local = bool(getattr(backend, "local_medium", False))
         #: Whether bounded calls run on the caller's thread: a tier that never blocks, or one
         #: whose own client bounds every call within ``timeout_s`` (``call_bound_s``, an instance
         #: attribute: e.g. its socket timeout times the failures that open its breaker). Such a

@@ -142,6 +142,9 @@ class PosixBackend:
     Options = PosixOptions
     #: Victims are chosen by ``ctx.eviction``; ``lru`` is the index's own (shared mtime) LRU.
     eviction_policy = True
+    #: A local directory: a small hit loads inside the engine step (``inline_load_bytes``). A
+    #: directory on a network filesystem is better served by the ``fsspec`` tier.
+    local_medium = True
 
     def __init__(self, ctx: TierContext) -> None:
         opts: PosixOptions = ctx.options

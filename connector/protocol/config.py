@@ -13,7 +13,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvplug.config import KVPlugConfig, load_config
-from pydantic import Field
+from pydantic import ByteSize, Field
+
+#: the default ``inline_load_bytes``: measured (benchmarks/RESULTS.md, bench_anchor.py's restart
+#: row with the budget on and off in one run)
+INLINE_LOAD_BYTES = 64 << 20
 
 
 class ConnectorConfig(KVPlugConfig):
@@ -38,6 +42,13 @@ class ConnectorConfig(KVPlugConfig):
     )
     lookup_timeout_s: float = Field(
         default=2.0, gt=0, description="scheduler->worker lookup; past it, a miss"
+    )
+    inline_load_bytes: ByteSize = Field(
+        default=ByteSize(INLINE_LOAD_BYTES), ge=0,
+        description="per engine step, the KV bytes (per worker) of hits found only on a local "
+        "medium (posix, gds: a tier whose class sets local_medium) that load inside the step, "
+        "as hits from RAM do; a hit past it loads in the background, a step later. 0: every "
+        "such hit in the background. Hits on remote tiers always load in the background",
     )
     model_name: str | None = Field(
         default=None, description="the model name used in keys (default: vLLM's model)"

@@ -56,6 +56,8 @@ class GroupLayout:
     #: ``needs_kv_cache_zeroing``); its V2 model runner does so *before* ``handle_preemptions``,
     #: so a block a preemption freed can be rewritten before kvplug's wait (see ..worker.store)
     zeroes_new_blocks: bool = False
+    #: KV bytes of one block on one worker, every group's layers (0: unknown)
+    block_bytes: int = 0
 
     @property
     def multi(self) -> bool:
@@ -110,9 +112,12 @@ def layout_of(kv_cache_config: Any, block_size: int) -> GroupLayout:
     whose block size is not ``block_size`` are unsupported (kvplug's chunks count one size)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     zeroes = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
+    nbytes = sum(int(getattr(g.kv_cache_spec, "page_size_bytes", 0) or 0) * len(g.layer_names)
+                 for g in groups)
     if len(groups) <= 1:
         n = len(groups[0].layer_names) if groups else 0
-        return GroupLayout([GroupInfo(0, FULL, "single", num_layers=n)], block_size, zeroes)
+        return GroupLayout([GroupInfo(0, FULL, "single", num_layers=n)], block_size, zeroes,
+                           nbytes)
     out = []
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
@@ -120,7 +125,7 @@ def layout_of(kv_cache_config: Any, block_size: int) -> GroupLayout:
         if getattr(spec, "block_size", block_size) != block_size:
             kind = UNSUPPORTED
         out.append(GroupInfo(i, kind, type(spec).__name__, window, len(g.layer_names)))
-    return GroupLayout(out, block_size, zeroes)
+    return GroupLayout(out, block_size, zeroes, nbytes)
 
 
 def group_hash(chunk_hash: bytes, group: GroupInfo) -> bytes:

@@ -73,11 +73,13 @@ class Release(msgspec.Struct, tag=True):
 
 class Reply(msgspec.Struct):
     """``tokens`` stored; ``slow``: indices of the hit's chunks (a tail is the last) found only in
-    a tier that may block, whose loads the scheduler makes asynchronous."""
+    a tier that may block, whose loads the scheduler makes asynchronous; ``local``: those found
+    only on a local medium (a disk tier), loaded inline while they fit the step's budget."""
 
     id: int
     tokens: int
     slow: list[int] = []
+    local: list[int] = []
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -273,16 +275,16 @@ class LookupService(RouterService):
             return None
         self._bound(msg)
         try:
-            res = self._on_lookup(msg)  # tokens, or (tokens, slow chunks)
-            tokens, slow = res if isinstance(res, tuple) else (res, [])
+            res = self._on_lookup(msg)  # tokens, or (tokens, slow chunks, local chunks)
+            tokens, slow, local = res if isinstance(res, tuple) else (res, [], [])
         except Exception:  # a failing tier: answer a miss, keep serving
             logger.exception("kvplug lookup of %s failed; answering a miss", msg.req_id)
-            tokens, slow = 0, []
+            tokens, slow, local = 0, [], []
         if time.monotonic() >= msg.deadline:  # too late: nobody will use these pins
             self.expired += 1
             self._on_release([msg.req_id])
             return None
-        self._sock.send_multipart([ident, _encode(Reply(msg.id, tokens, slow))])
+        self._sock.send_multipart([ident, _encode(Reply(msg.id, tokens, slow, local))])
         return None
 
     def _bound(self, msg: Lookup) -> None:
@@ -310,6 +312,7 @@ class _Pending:
     deadline: float
     answers: dict[int, int] = field(default_factory=dict)
     slow: set[int] = field(default_factory=set)  # union over ranks
+    local: set[int] = field(default_factory=set)  # union over ranks
     expired: bool = False
 
 
@@ -339,6 +342,7 @@ class LookupClient:
         self._log_once = LogOnce(logger)
         self.timeouts = 0
         self._slow: dict[str, frozenset[int]] = {}  # by request id, from its last answer
+        self._local: dict[str, frozenset[int]] = {}  # by request id, from its last answer
         self.epoch = ""  # the weights epoch every lookup carries (see set_epoch)
 
     def set_epoch(self, epoch: str) -> None:
@@ -367,6 +371,7 @@ class LookupClient:
         if len(p.answers) == len(self._socks):
             del self._pending[req_id]
             self._slow[req_id] = frozenset(p.slow)
+            self._local[req_id] = frozenset(p.local - p.slow)
             return min(p.answers.values())
         if time.monotonic() < p.deadline:
             return None
@@ -404,6 +409,7 @@ class LookupClient:
                     if (p := by_id.get(reply.id)) is not None:  # late, dropped ids are ignored
                         p.answers[self._socks.index(s)] = reply.tokens
                         p.slow.update(reply.slow)
+                        p.local.update(reply.local)
             left = end - time.monotonic()
             if until is None or len(until.answers) == len(self._socks) or left <= 0:
                 return
@@ -413,6 +419,11 @@ class LookupClient:
         """The chunks of ``req_id``'s last answered lookup that only a tier that may block holds
         (on any rank): their load runs asynchronously."""
         return self._slow.pop(req_id, frozenset())
+
+    def take_local(self, req_id: str) -> frozenset[int]:
+        """The chunks of ``req_id``'s last answered lookup that only a local medium holds (on
+        any rank; none of them slow on another): loaded inline while the step's budget lasts."""
+        return self._local.pop(req_id, frozenset())
 
     def _timed_out(self, req_id: str, p: _Pending) -> None:
         self.timeouts += 1
@@ -430,6 +441,7 @@ class LookupClient:
         for r in req_ids:
             self._pending.pop(r, None)
             self._slow.pop(r, None)
+            self._local.pop(r, None)
         payload = _encode(Release(list(req_ids)))
         for s in self._socks:
             try:

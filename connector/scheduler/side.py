@@ -125,6 +125,7 @@ class SchedulerSide:
         self._auth = auth_keyring(config)
         self.trackers: dict[str, RequestTracker] = {}
         self._background: list[str] = []  # requests whose background load starts this step
+        self._inline_spent = 0  # this step's bytes of local-medium hits loaded inline
         self._finishing: list[ReqMeta] = []  # saves of finished requests (see finish_save)
         #: finished requests whose blocks vLLM keeps until the workers report their saves done
         self.held: set[str] = set()
@@ -266,12 +267,28 @@ class SchedulerSide:
         if hit <= num_computed_tokens:
             return 0, False
         slow = getattr(self.lookup, "take_slow", lambda _: ())(request.request_id)
+        local = getattr(self.lookup, "take_local", lambda _: ())(request.request_id)
         t.slow_chunks = frozenset(slow)
+        loaded = range(num_computed_tokens // self.cs, -(-hit // self.cs))
         # several KV cache groups: vLLM takes load failures only as failed async loads;
         # asynchronous scheduling: see the module docstring
-        t.load_background = self.layout.multi or self.async_scheduling or any(
-            num_computed_tokens // self.cs <= i < -(-hit // self.cs) for i in slow)
+        t.load_background = (self.layout.multi or self.async_scheduling
+                             or any(i in loaded for i in slow)
+                             or (any(i in loaded for i in local)
+                                 and not self._inline_budget(hit - num_computed_tokens)))
         return hit - num_computed_tokens, t.load_background
+
+    def _inline_budget(self, tokens: int) -> bool:
+        """Whether a hit of ``tokens`` from a local medium still fits this step's
+        ``inline_load_bytes`` (then taken from it): the step reads it as it reads RAM hits,
+        instead of the request waiting a step for a background load. Unknown KV sizes never
+        fit. Taken when asked: a request vLLM then cannot schedule has spent it (conservative)."""
+        need = tokens * self.layout.block_bytes // max(1, self.bs)
+        if not need or self._inline_spent + need > self.cfg.inline_load_bytes:
+            return False
+        self._inline_spent += need
+        self.stats.add("inline_local_loads")
+        return True
 
     def hit_split(self, req_id: str, num_external_tokens: int) -> tuple[int, int]:
         """The last hit's external tokens (its last ``num_external_tokens``) as (held by a tier
@@ -391,6 +408,7 @@ class SchedulerSide:
         meta = KVPlugMetadata(chunk_size=self.cs, block_size=self.bs, epoch=self.epoch,
                               idle=not getattr(so, "total_num_scheduled_tokens", 1))
         meta.requests, self._finishing = self._finishing, []
+        self._inline_spent = 0  # the next step's budget
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
         for req_id in meta.preempted:  # blocks freed after their copies: nothing holds them now
             if (t := self.trackers.get(req_id)) is not None:  # (the workers forget them too)

@@ -372,6 +372,9 @@ class Checks:
             if l1.get("pool_used", 0):
                 raise Violation("I5", f"rank {rank}: {l1['pool_used']} B of L1's pool still in "
                                       "use with every entry evicted (a memory object leaked)")
+        sched = self.s.connector._sched  # disk hits the scheduler had loaded inside the step
+        self.figures["disk hits loaded inline"] += int(
+            sched.stats.totals().get("inline_local_loads", 0))
         if self.rt.queue:
             raise Violation("I5", f"{len(self.rt.queue)} tasks still queued")
         if threading.active_count() > self.threads0 + 8:

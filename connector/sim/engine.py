@@ -68,6 +68,9 @@ class SimConfig:
     #: files, so its view may exceed its capacity or a quota until its next write evicts; off,
     #: such excess is counted (figures), not a violation
     strict_shared_i6: bool = False
+    #: the scheduler's ``inline_load_bytes`` in chunks' bytes (None: the default): 0 sends every
+    #: disk hit to the background, 1 lets a step's first small hit in and not the next
+    inline_chunks: int | None = None
 
 
 _MODEL: dict[str, Any] = {}
@@ -156,6 +159,7 @@ class SimLookup:
     def __init__(self, workers: list[Any]) -> None:
         self.workers = workers
         self._slow: dict[str, frozenset[int]] = {}
+        self._local: dict[str, frozenset[int]] = {}
         self._n = 0
 
     def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]],
@@ -165,13 +169,15 @@ class SimLookup:
         if not hashes and not tails:
             return 0
         self._n += 1
-        answers, slow = [], set()
+        answers, slow, local = [], set(), set()
         for w in self.workers:
-            tokens, s = w._on_lookup(Lookup(self._n, req_id, list(hashes), list(tails),
-                                            epoch=self.epoch, tenant=tenant))
+            tokens, s, loc = w._on_lookup(Lookup(self._n, req_id, list(hashes), list(tails),
+                                                 epoch=self.epoch, tenant=tenant))
             answers.append(tokens)
             slow.update(s)
+            local.update(loc)
         self._slow[req_id] = frozenset(slow)
+        self._local[req_id] = frozenset(local - slow)
         return min(answers)
 
     def set_epoch(self, epoch: str) -> None:
@@ -180,9 +186,13 @@ class SimLookup:
     def take_slow(self, req_id: str) -> frozenset[int]:
         return self._slow.pop(req_id, frozenset())
 
+    def take_local(self, req_id: str) -> frozenset[int]:
+        return self._local.pop(req_id, frozenset())
+
     def release(self, req_ids: list[str]) -> None:
         for r in req_ids:
             self._slow.pop(r, None)
+            self._local.pop(r, None)
         for w in self.workers:
             w.release(list(req_ids))
 

@@ -53,6 +53,10 @@ def config_for(seed: int, faults: frozenset[str] = frozenset(),
     if cfg.lower == "posix" and not tier:
         x = eng.random()
         cfg = replace(cfg, shared_dir=x < 0.3, neighbour=0.15 < x < 0.45)
+    # issue 36: disk hits loaded inside the step within a per-step budget, drawn apart too
+    inline = random.Random(seed * 7919 + 36).random()
+    if inline < 0.4:
+        cfg = replace(cfg, inline_chunks=0 if inline < 0.15 else 1)
     return cfg
 
 

@@ -111,9 +111,12 @@ class World(Checks, Faults, ManageEvents):
         #: vLLM's asynchronous scheduling: step N+1 is scheduled (and run) before step N's
         #: output reaches the scheduler (its engine core's batch queue of two)
         sched_cls = AsyncScheduler if cfg.async_scheduling else Scheduler
+        self.layout = layout_of(kcc, BS)
+        if cfg.inline_chunks is not None:  # the scheduler's budget for disk hits inside a step
+            vc.kv_transfer_config.kv_connector_extra_config["inline_load_bytes"] = (
+                cfg.inline_chunks * CS * self.layout.block_bytes // BS)
         self.s = sched_cls(vllm_config=vc, kv_cache_config=kcc, log_stats=False, block_size=BS,
                            structured_output_manager=StructuredOutputManager(vc))
-        self.layout = layout_of(kcc, BS)
         # model layers in forward order: (group, tensor)
         self.layers = ([(g, j) for j in range(TENSORS) for g in range(len(groups))])
         self.oracle = Oracle(len(self.layers), self._attends)
@@ -551,6 +554,8 @@ class World(Checks, Faults, ManageEvents):
           else "config no neighbour"] += 1
         c["config zeroing " + (self.cfg.zeroing or "none")] += 1
         c["config async scheduling" if self.cfg.async_scheduling else "config sync scheduling"] += 1
+        c["config inline disk-hit budget " + ("default" if self.cfg.inline_chunks is None
+                                              else f"{self.cfg.inline_chunks} chunk(s)")] += 1
         c["late tier calls (begun, timed out)"] += self.rt.late_calls
         for rank in range(self.tp):
             self.gate(rank, False)

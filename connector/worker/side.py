@@ -190,9 +190,10 @@ class WorkerSide:
             self.storage = None
 
     # -- lookup (service thread) ---------------------------------------------------------------
-    def _on_lookup(self, msg: Lookup) -> tuple[int, list[int]]:
-        """The stored leading tokens and which of the hit's chunks only a tier that may block
-        holds (the scheduler loads those asynchronously)."""
+    def _on_lookup(self, msg: Lookup) -> tuple[int, list[int], list[int]]:
+        """The stored leading tokens, which of the hit's chunks only a tier that may block holds
+        (the scheduler loads those asynchronously), and which of those only a local medium
+        holds (loaded inline while they fit the step's ``inline_load_bytes``)."""
         assert self.storage is not None
         self.release([msg.req_id])  # a repeated lookup replaces the earlier pins
         key = partial(self.key, epoch=msg.epoch,  # the scheduler's epoch, even mid-step
@@ -218,10 +219,21 @@ class WorkerSide:
         if msg.pin and pinned:
             with self._lock:
                 self._pins[msg.req_id] = (pinned, tiers)
-        return tokens, [i for i, t in enumerate(tiers) if self.storage.may_block(t)]
+        return (tokens, *self._slow_and_local(list(enumerate(tiers))))
+
+    def _slow_and_local(self, chunk_tiers: list[tuple[int, str]]) -> tuple[list[int], list[int]]:
+        """Of ``(chunk index, tier that holds it)``: the chunks on a tier that may block and is no
+        local medium, and those on a local medium (both sorted, without repeats)."""
+        storage = self.storage
+        assert storage is not None
+        slow, local = set(), set()
+        for chunk, tier in chunk_tiers:
+            if storage.may_block(tier):
+                (local if storage.local_medium(tier) else slow).add(chunk)
+        return sorted(slow), sorted(local - slow)
 
     def _lookup_groups(self, msg: Lookup, key: Callable[[bytes], CacheKey]
-                       ) -> tuple[int, list[int]]:
+                       ) -> tuple[int, list[int], list[int]]:
         """:meth:`_on_lookup` for several KV cache groups (:func:`..protocol.groups.lookup_groups`)."""
         storage = self.storage
         assert storage is not None
@@ -235,8 +247,7 @@ class WorkerSide:
         if msg.pin and hit.pinned:
             with self._lock:
                 self._pins[msg.req_id] = (hit.pinned, hit.tiers)
-        slow = {c for c, t in zip(hit.chunk_of, hit.tiers, strict=False) if storage.may_block(t)}
-        return hit.tokens, sorted(slow)
+        return (hit.tokens, *self._slow_and_local(list(zip(hit.chunk_of, hit.tiers, strict=False))))
 
     def release(self, req_ids: list[str] | set[str]) -> None:
         """Drop the pins lookup took for these requests."""

@@ -56,8 +56,7 @@ def gated(tmp_path):
 
 
 def start(w) -> None:
-    tokens, slow = w._on_lookup(Lookup(1, "b", HASHES))
-    assert (tokens, slow) == (24, [0, 1, 2])  # every chunk is in the tier that may block
+    assert w._on_lookup(Lookup(1, "b", HASHES)) == (24, [0, 1, 2], [])  # in a tier that may block
     spec = LoadSpec(0, 24, 0, HASHES, background=True)
     w.start_load_kv(KVPlugMetadata(CHUNK, BS, [ReqMeta("b", DST, load=spec)]))
     w.wait_for_save(None)  # the step's forward is over: a background load is not waited for

@@ -416,3 +416,32 @@ def test_pins_per_request_are_bounded(engine_id):
     finally:
         client.close()
         service.close()
+
+
+class TieredWorker(FakeWorker):
+    """Answers every hash, with the chunks it says only a remote tier (``slow``) or only a local
+    medium (``local``) holds."""
+
+    def __init__(self, slow: list[int], local: list[int]) -> None:
+        super().__init__(16)
+        self.slow, self.local = slow, local
+
+    def on_lookup(self, msg):
+        return super().on_lookup(msg), self.slow, self.local
+
+
+def test_slow_and_local_chunks_are_merged_over_ranks(engine_id):
+    """A chunk remote on any rank is slow (a background load); a chunk local on some rank and
+    remote on none is local (inline while the step's budget lasts)."""
+    workers = [TieredWorker([3], [0, 1]), TieredWorker([], [1, 2, 3])]
+    services = start(engine_id, workers)
+    client = LookupClient([socket_path(engine_id, r) for r in range(2)], timeout_s=5)
+    try:
+        assert ask(client, "a", [b"x" * 32] * 4) == 64
+        assert client.take_slow("a") == {3}
+        assert client.take_local("a") == {0, 1, 2}
+        assert client.take_local("a") == frozenset()  # taken once
+    finally:
+        client.close()
+        for s in services:
+            s.close()

@@ -74,3 +74,60 @@ def test_slow_hit_loads_in_the_background(model_dir, fails):
     # loaded: the rest is computed; failed: everything is, with no second load
     assert so.num_scheduled_tokens == {"a": 1100 - 1024 if not fails else 1100}
     assert all(m.load is None for m in so.kv_connector_metadata.requests)
+
+
+class LocalLookup(FakeLookup):
+    """Every stored chunk is on a local medium (a posix tier: ``local_medium``)."""
+
+    def take_local(self, req_id: str) -> frozenset[int]:
+        return frozenset(range(64))
+
+
+class MixedLookup(LocalLookup):
+    """Every stored chunk is on a local medium, the third also (on another rank) only remote."""
+
+    def take_slow(self, req_id: str) -> frozenset[int]:
+        return frozenset({2})
+
+
+def with_budget(side, hits: float) -> int:
+    """Set ``inline_load_bytes`` to ``hits`` 1024-token hits of this model; the bytes of one."""
+    one = 1024 * side.layout.block_bytes // side.bs
+    assert one > 0  # the engine's KV size is known (else nothing could ever fit)
+    side.cfg = side.cfg.model_copy(update={"inline_load_bytes": int(hits * one)})
+    return one
+
+
+def test_local_hits_load_inline_while_the_steps_budget_lasts(model_dir):
+    """Disk hits load inside the step as RAM hits do, up to ``inline_load_bytes`` a step: the
+    first hit fits, the second (same step) waits for a background load, and the next step's
+    budget is whole again."""
+    fake = LocalLookup()
+    s, side, a = stored_request(model_dir, fake)
+    with_budget(side, 1.5)
+    s.add_request(a)
+    s.add_request(make_request("b", prompt(1100, 1)))
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 1100 - 1024}  # a loaded inline; b waits for its load
+    loads = {m.req_id: m.load for m in so.kv_connector_metadata.requests if m.load is not None}
+    assert {r: (ld.end, ld.background) for r, ld in loads.items()} == {
+        "a": (1024, False), "b": (1024, True)}
+    s.update_from_output(so, output(so))
+    s.add_request(make_request("c", prompt(1100, 1)))
+    so = s.schedule()
+    loads = {m.req_id: m.load for m in so.kv_connector_metadata.requests if m.load is not None}
+    assert {r: ld.background for r, ld in loads.items()} == {"c": False}  # a new step's budget
+    assert so.num_scheduled_tokens.get("c") == 1100 - 1024
+    assert side.stats.totals().get("inline_local_loads") == 2
+
+
+@pytest.mark.parametrize("case", ["budget 0", "one byte short", "a chunk only remote"])
+def test_local_hits_past_the_budget_or_with_a_remote_chunk_load_in_the_background(model_dir, case):
+    fake = MixedLookup() if case == "a chunk only remote" else LocalLookup()
+    s, side, r = stored_request(model_dir, fake)
+    one = with_budget(side, 4)
+    if case != "a chunk only remote":
+        side.cfg = side.cfg.model_copy(update={"inline_load_bytes": 0 if case == "budget 0"
+                                               else one - 1})
+    assert side.get_num_new_matched_tokens(r, 0) == (1024, True)
+    assert not side.stats.totals().get("inline_local_loads")

@@ -42,7 +42,15 @@ class Secrets:
     """One run's random secrets, by what they are."""
 
     def __init__(self) -> None:
-        self.values = {
+        self.values: dict[str, str] = {}
+        # the two-letter ones are 16 strings: drawn again until no two secrets are equal (one in
+        # 16 runs drew resp2_password == url_password, found under both names)
+        while len(set(self.values.values())) < len(self.values) or not self.values:
+            self.values = self._draw()
+
+    @staticmethod
+    def _draw() -> dict[str, str]:
+        return {
             "resp_url_password": _long("rp"), "resp_user": _long("ru"),
             "resp_query_password": _short(1), "resp2_password": _short(2),
             "resp_env_password": _long("re"), "tls_key_pem": _long("pem"),
