@@ -46,6 +46,9 @@ FAULTS = {
     # an engine of other weights would without a deployment secret): rank 0 reads a file it
     # never wrote, and the check of what tiers return sees it (the simulation's own eyes)
     "neighbour_wrong_bytes": "I1",
+    # an engine whose drafter reads the target's hidden states (EAGLE, MTP: SimConfig.
+    # drop_last_block): vLLM is told the whole hit although the last block is not loaded
+    "tell_the_dropped_block": "I2",
 }
 
 #: fault -> what the violation must say besides its invariant (the check that must catch it)
@@ -207,6 +210,19 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
         return [(SchedulerSide, "__init__", sched_init)]
     if name == "neighbour_wrong_bytes":  # the simulation's neighbour reads it (faults.py)
         return []
+    if name == "tell_the_dropped_block":
+        from kvplug.connector.scheduler.side import SchedulerSide
+
+        real_matched = SchedulerSide.get_num_new_matched_tokens
+
+        def told(self: Any, request: Any, num_computed_tokens: int) -> Any:
+            n, background = real_matched(self, request, num_computed_tokens)
+            t = self.trackers.get(request.request_id)
+            if n and t is not None and t.usable_tokens < t.lookup_tokens:
+                n += t.lookup_tokens - t.usable_tokens  # the dropped block, never loaded
+            return n, background
+
+        return [(SchedulerSide, "get_num_new_matched_tokens", told)]
     if name == "store_over_unwritten":
         return [(load.Loads, "read_unwritten",
                  lambda self, md: self.reports.unwritten(md.unwritten, {}))]

@@ -71,6 +71,9 @@ class SimConfig:
     #: the scheduler's ``inline_load_bytes`` in chunks' bytes (None: the default): 0 sends every
     #: disk hit to the background, 1 lets a step's first small hit in and not the next
     inline_chunks: int | None = None
+    #: a speculative drafter that reads the target's hidden states (EAGLE, MTP): the last block
+    #: of every hit is recomputed, decode stores stay a block behind (``drop_last_block``)
+    drop_last_block: bool = False
 
 
 _MODEL: dict[str, Any] = {}

@@ -57,6 +57,9 @@ def config_for(seed: int, faults: frozenset[str] = frozenset(),
     inline = random.Random(seed * 7919 + 36).random()
     if inline < 0.4:
         cfg = replace(cfg, inline_chunks=0 if inline < 0.15 else 1)
+    # issue 33: speculative decoding's last-block drop (an EAGLE/MTP drafter), drawn apart too
+    if random.Random(seed * 7919 + 33).random() < 0.25:
+        cfg = replace(cfg, drop_last_block=True)
     return cfg
 
 

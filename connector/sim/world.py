@@ -161,6 +161,7 @@ class World(Checks, Faults, ManageEvents):
         self.lookup = SimLookup(self.workers)
         sched = self.s.connector._sched
         sched.lookup = self.lookup
+        sched.drop_last_block = cfg.drop_last_block  # as drops_last_block(vllm_config) sets it
         epochs = iter(range(1, 1 << 30))  # weights epochs that replay (the engine draws random ones)
         sched.draw_epoch = lambda: f"sim-epoch-{next(epochs)}"
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -398,9 +399,13 @@ class World(Checks, Faults, ManageEvents):
                 self._snap[r][0].num_output_placeholders > 1 for r in so.num_scheduled_tokens)
         c["preempted"] += len(md.preempted)
         c["unwritten blocks read"] += len(md.unwritten)
+        trackers = self.s.connector._sched.trackers
         for r in md.requests:
             if r.load is not None:
                 c["background loads" if r.load.background else "sync loads"] += 1
+                t = trackers.get(r.req_id)
+                if t is not None and t.usable_tokens < t.lookup_tokens:
+                    c["loads short of their hit's last block (drafter)"] += 1
             if r.save is not None:
                 c["saves"] += 1
         self.register(md)
@@ -554,6 +559,8 @@ class World(Checks, Faults, ManageEvents):
           else "config no neighbour"] += 1
         c["config zeroing " + (self.cfg.zeroing or "none")] += 1
         c["config async scheduling" if self.cfg.async_scheduling else "config sync scheduling"] += 1
+        c["config drafter drops a hit's last block" if self.cfg.drop_last_block
+          else "config no last-block drop"] += 1
         c["config inline disk-hit budget " + ("default" if self.cfg.inline_chunks is None
                                               else f"{self.cfg.inline_chunks} chunk(s)")] += 1
         c["late tier calls (begun, timed out)"] += self.rt.late_calls
