@@ -195,11 +195,24 @@ class RouterService:
     """A worker-side thread serving the ROUTER socket it binds at ``path`` (:func:`bind_router`):
     each message's frames go to :meth:`_serve` (:func:`serve_router`) until :meth:`close`, which
     also removes the socket. A subclass sets its own state before calling ``__init__``, which
-    starts the thread."""
+    starts the thread.
 
-    def __init__(self, path: Path, what: str) -> None:
+    ``inproc`` (a ZeroMQ context and an ``inproc://`` endpoint: the deterministic simulation)
+    binds there instead and starts no thread: whoever drives it calls :meth:`serve_pending`."""
+
+    def __init__(self, path: Path, what: str,
+                 inproc: tuple[zmq.Context, str] | None = None) -> None:
         self.path = path
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if inproc is not None:
+            self._ctx, endpoint = inproc
+            self._owns_ctx = False
+            self._sock = self._ctx.socket(zmq.ROUTER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.bind(endpoint)
+            return
+        self._owns_ctx = True
         self._ctx, self._sock = bind_router(path, what)
         self._thread = threading.Thread(target=serve_router, name=f"kvplug-{what}", daemon=True,
                                         args=(self._sock, self._stop, self._serve, what))
@@ -208,8 +221,19 @@ class RouterService:
     def _serve(self, frames: list[bytes]) -> None:
         raise NotImplementedError
 
+    def serve_pending(self) -> int:
+        """Serve every message waiting now, in order (an unthreaded service); how many."""
+        n = 0
+        while self._sock.poll(0):
+            self._serve(self._sock.recv_multipart())
+            n += 1
+        return n
+
     def close(self) -> None:
         self._stop.set()
+        if self._thread is None:
+            self._sock.close(0)
+            return
         self._thread.join(timeout=2)
         self._ctx.term()
         try:
@@ -244,15 +268,18 @@ class LookupService(RouterService):
         on_lookup: Callable[[Lookup], int | tuple[int, list[int]]],
         on_release: Callable[[list[str]], None],
         max_chunks: int = MAX_LOOKUP_CHUNKS,
+        clock: Callable[[], float] = time.monotonic,
+        inproc: tuple[zmq.Context, str] | None = None,
     ) -> None:
         self._on_lookup = on_lookup
         self._on_release = on_release
         self.max_chunks = max_chunks
+        self.clock = clock  # the deadlines' clock (the client's: a simulation's own)
         self.dropped = 0
         self.expired = 0
         self.refused = 0
         self._log_once = LogOnce(logger)
-        super().__init__(path, "lookup")
+        super().__init__(path, "lookup", inproc)
 
     def _drop(self, why: str) -> None:
         self.dropped += 1
@@ -270,7 +297,7 @@ class LookupService(RouterService):
         if isinstance(msg, Release):
             self._on_release(msg.req_ids)
             return None
-        if time.monotonic() >= msg.deadline:  # the caller gave up: do not spend a tier on it
+        if self.clock() >= msg.deadline:  # the caller gave up: do not spend a tier on it
             self.expired += 1
             return None
         self._bound(msg)
@@ -280,7 +307,7 @@ class LookupService(RouterService):
         except Exception:  # a failing tier: answer a miss, keep serving
             logger.exception("kvplug lookup of %s failed; answering a miss", msg.req_id)
             tokens, slow, local = 0, [], []
-        if time.monotonic() >= msg.deadline:  # too late: nobody will use these pins
+        if self.clock() >= msg.deadline:  # too late: nobody will use these pins
             self.expired += 1
             self._on_release([msg.req_id])
             return None
@@ -323,16 +350,22 @@ class LookupClient:
     A new lookup waits up to ``wait_s`` for its answers (the usual, fast case answers at once);
     it never waits longer, and later calls only pick up answers that already arrived."""
 
-    def __init__(self, paths: list[Path], timeout_s: float, wait_s: float = 0.02) -> None:
+    def __init__(self, paths: list[Path] | list[str], timeout_s: float, wait_s: float = 0.02,
+                 clock: Callable[[], float] = time.monotonic,
+                 context: zmq.Context | None = None) -> None:
+        """``paths``: the workers' sockets (or, with ``context``, their ``inproc://`` endpoints
+        in it: the simulation, whose ``clock`` the deadlines then follow)."""
         self.timeout_s = timeout_s
         self.wait_s = min(wait_s, timeout_s)
-        self._ctx = zmq.Context()
+        self.clock = clock
+        self._owns_ctx = context is None
+        self._ctx = context if context is not None else zmq.Context()
         self._paths = paths
         self._socks: list[zmq.Socket] = []
         for p in paths:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
-            s.connect(f"ipc://{p}")
+            s.connect(p if context is not None else f"ipc://{p}")
             self._socks.append(s)
         self._poller = zmq.Poller()
         for s in self._socks:
@@ -365,7 +398,7 @@ class LookupClient:
             p = self._send(req_id, query)
             if p is None:
                 return 0
-            self._receive(min(self.wait_s, max(0.0, p.deadline - time.monotonic())), p)
+            self._receive(min(self.wait_s, max(0.0, p.deadline - self.clock())), p)
         else:
             self._receive(0.0, None)
         if len(p.answers) == len(self._socks):
@@ -373,7 +406,7 @@ class LookupClient:
             self._slow[req_id] = frozenset(p.slow)
             self._local[req_id] = frozenset(p.local - p.slow)
             return min(p.answers.values())
-        if time.monotonic() < p.deadline:
+        if self.clock() < p.deadline:
             return None
         del self._pending[req_id]
         self._timed_out(req_id, p)
@@ -381,7 +414,7 @@ class LookupClient:
 
     def _send(self, req_id: str, query: tuple) -> _Pending | None:
         self._next_id += 1
-        p = _Pending(self._next_id, query, time.monotonic() + self.timeout_s)
+        p = _Pending(self._next_id, query, self.clock() + self.timeout_s)
         payload = _encode(Lookup(p.id, req_id, list(query[0]), list(query[1]),
                                  deadline=p.deadline, epoch=self.epoch, tenant=query[3]))
         try:
@@ -396,7 +429,7 @@ class LookupClient:
     def _receive(self, wait_s: float, until: _Pending | None) -> None:
         """Take every reply that arrived; wait up to ``wait_s`` for ``until`` to complete."""
         by_id = {p.id: p for p in self._pending.values()}
-        end = time.monotonic() + wait_s
+        end = self.clock() + wait_s
         while True:
             for s, _ in self._poller.poll(0):
                 while True:
@@ -410,7 +443,7 @@ class LookupClient:
                         p.answers[self._socks.index(s)] = reply.tokens
                         p.slow.update(reply.slow)
                         p.local.update(reply.local)
-            left = end - time.monotonic()
+            left = end - self.clock()
             if until is None or len(until.answers) == len(self._socks) or left <= 0:
                 return
             self._poller.poll(left * 1000)
@@ -452,4 +485,5 @@ class LookupClient:
     def close(self) -> None:
         for s in self._socks:
             s.close(0)
-        self._ctx.term()
+        if self._owns_ctx:
+            self._ctx.term()

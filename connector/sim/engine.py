@@ -74,6 +74,9 @@ class SimConfig:
     #: a speculative drafter that reads the target's hidden states (EAGLE, MTP): the last block
     #: of every hit is recomputed, decode stores stay a block behind (``drop_last_block``)
     drop_last_block: bool = False
+    #: the real lookup path (:class:`SimRemoteLookup`): the scheduler's ZeroMQ client and each
+    #: rank's service, their answers when the schedule runs them; else answered at once
+    remote_lookup: bool = False
 
 
 _MODEL: dict[str, Any] = {}
@@ -201,3 +204,79 @@ class SimLookup:
 
     def close(self) -> None:
         pass
+
+
+class SimRemoteLookup:
+    """The scheduler's lookup as production makes it: kvplug's real :class:`LookupClient` and each
+    rank's real :class:`LookupService`, over ZeroMQ ``inproc`` sockets, on the simulation's clock.
+    A service's thread is a one-worker pool of the runtime: the messages a rank has received are
+    served when the schedule runs its task (in order, releases after the lookups sent before
+    them), so the scheduler sees what it sees in an engine: no answer yet (``None``: ask again),
+    an answer, a timeout past ``lookup_timeout_s`` (a miss, the pins released), an answer after
+    the deadline (the service drops it and its pins). ``fast`` draws, per new lookup, whether its
+    answers come within the client's short wait (the usual case) or later."""
+
+    def __init__(self, workers: list[Any], rt: Any, timeout_s: float, fast: Any) -> None:
+        import zmq
+        from kvplug.connector.protocol.lookup import LookupClient, LookupService
+
+        self.rt, self.fast = rt, fast
+        self._ctx = zmq.Context()
+        names = [f"inproc://kvplug-sim-lookup-{uuid.uuid4().hex[:8]}-{r}"
+                 for r in range(len(workers))]
+        self.services = [LookupService(Path(n), w._on_lookup, w.release, clock=rt.monotonic,
+                                       inproc=(self._ctx, n)) for n, w in zip(names, workers)]
+        self._pools = [rt.executor(1, f"kvplug-lookup-{r}") for r in range(len(workers))]
+        self._queued: list[Any] = [None] * len(workers)
+        self.client = LookupClient(names, timeout_s, wait_s=0.0, clock=rt.monotonic,
+                                   context=self._ctx)
+        self.answered_late = 0  # lookups answered after the scheduler first asked
+
+    @property
+    def timeouts(self) -> int:
+        return self.client.timeouts
+
+    @property
+    def epoch(self) -> str:
+        return self.client.epoch
+
+    def _serve_later(self) -> list[Any]:
+        """A task per rank serving what it has received (one queued at a time)."""
+        for r, (svc, pool) in enumerate(zip(self.services, self._pools, strict=True)):
+            if self._queued[r] is None or self._queued[r].done():
+                self._queued[r] = pool.submit(svc.serve_pending)
+        return list(self._queued)
+
+    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]],
+               tenant: str = "") -> int | None:
+        sent = self.client._next_id
+        got = self.client.lookup(req_id, hashes, tails, tenant)
+        tasks = self._serve_later()
+        if got is None and self.client._next_id != sent and self.fast.random() < 0.5:
+            for t in tasks:  # answered within the client's wait (a gated tier still blocks)
+                self.rt.run_task(t)
+            got = self.client.lookup(req_id, hashes, tails, tenant)
+            self._serve_later()
+        elif got is not None and self.client._next_id == sent:
+            self.answered_late += 1
+        return got
+
+    def set_epoch(self, epoch: str) -> None:
+        self.client.set_epoch(epoch)
+        self._serve_later()
+
+    def take_slow(self, req_id: str) -> frozenset[int]:
+        return self.client.take_slow(req_id)
+
+    def take_local(self, req_id: str) -> frozenset[int]:
+        return self.client.take_local(req_id)
+
+    def release(self, req_ids: list[str]) -> None:
+        self.client.release(list(req_ids))
+        self._serve_later()
+
+    def close(self) -> None:
+        self.client.close()
+        for s in self.services:
+            s.close()
+        self._ctx.term()

@@ -58,8 +58,11 @@ def config_for(seed: int, faults: frozenset[str] = frozenset(),
     if inline < 0.4:
         cfg = replace(cfg, inline_chunks=0 if inline < 0.15 else 1)
     # issue 33: speculative decoding's last-block drop (an EAGLE/MTP drafter), drawn apart too
-    if random.Random(seed * 7919 + 33).random() < 0.25:
+    more33 = random.Random(seed * 7919 + 33)
+    if more33.random() < 0.25:
         cfg = replace(cfg, drop_last_block=True)
+    if more33.random() < 0.35:  # the real lookup client and services, answers when scheduled
+        cfg = replace(cfg, remote_lookup=True)
     return cfg
 
 

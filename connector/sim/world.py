@@ -16,11 +16,13 @@ import contextlib
 import functools
 import hashlib
 import json
+import random
 import shutil
 import tempfile
 import threading
 import uuid
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from .engine import (
     TENSORS,
     SimConfig,
     SimLookup,
+    SimRemoteLookup,
     Violation,
     _block_hasher,
     _fast_discovery,
@@ -158,7 +161,12 @@ class World(Checks, Faults, ManageEvents):
                                      runtime=self.rt)
             self.nb.add_wrapper(_neighbour_store_plugin(self))
         self.rt.drain()  # the tiers' start-up work (posix's scan of its empty directory)
-        self.lookup = SimLookup(self.workers)
+        if cfg.remote_lookup:
+            self.lookup = SimRemoteLookup(
+                self.workers, self.rt, self.s.connector._sched.cfg.lookup_timeout_s,
+                random.Random(f"lookup {replace(cfg, faults=frozenset())} {sorted(cfg.faults)}"))
+        else:
+            self.lookup = SimLookup(self.workers)
         sched = self.s.connector._sched
         sched.lookup = self.lookup
         sched.drop_last_block = cfg.drop_last_block  # as drops_last_block(vllm_config) sets it
@@ -559,6 +567,7 @@ class World(Checks, Faults, ManageEvents):
           else "config no neighbour"] += 1
         c["config zeroing " + (self.cfg.zeroing or "none")] += 1
         c["config async scheduling" if self.cfg.async_scheduling else "config sync scheduling"] += 1
+        c["config real lookup path" if self.cfg.remote_lookup else "config lookups at once"] += 1
         c["config drafter drops a hit's last block" if self.cfg.drop_last_block
           else "config no last-block drop"] += 1
         c["config inline disk-hit budget " + ("default" if self.cfg.inline_chunks is None
@@ -568,6 +577,12 @@ class World(Checks, Faults, ManageEvents):
             self.gate(rank, False)
         with contextlib.suppress(Exception):
             self.rt.drain()
+        if isinstance(self.lookup, SimRemoteLookup):
+            c["lookups answered after the first ask"] += self.lookup.answered_late
+            c["lookup timeouts (real client)"] += self.lookup.timeouts
+            c["lookups expired at a service"] += sum(s.expired for s in self.lookup.services)
+            with contextlib.suppress(Exception):
+                self.lookup.close()
         for w in self.workers:
             with contextlib.suppress(Exception):
                 w.close()

@@ -48,14 +48,17 @@ REGRESSION_SEEDS += [70000824, 72002938]
 #: quota; the write now makes room for it as for its own file
 STRICT_SHARED_SEEDS: list[int] = [60000235, 60000921]
 #: what the CI seeds must exercise (issue 33's engines: zeroing under the V2 runner's order,
-#: asynchronous scheduling, TP 1 and 4, a drafter's last-block drop; issue 36's disk hits inside
-#: the step and past its budget), each at least once
+#: asynchronous scheduling, TP 1 and 4, a drafter's last-block drop, the real lookup client and
+#: services with late answers and timeouts; issue 36's disk hits inside the step and past its
+#: budget), each at least once
 ENGINE_KINDS = ("config TP 1", "config TP 4", "config zeroing v2", "config zeroing v1",
                 "blocks zeroed by the model runner", "config async scheduling",
                 "async steps ahead of their tokens", "config drafter drops a hit's last block",
                 "loads short of their hit's last block (drafter)", "disk hits loaded inline",
                 "config inline disk-hit budget 0 chunk(s)",
-                "config inline disk-hit budget 1 chunk(s)")
+                "config inline disk-hit budget 1 chunk(s)", "config real lookup path",
+                "lookups answered after the first ask", "lookup timeouts (real client)",
+                "lookups expired at a service")
 
 _A, _X = tuple(range(100, 116)), tuple(range(200, 247))  # a 2-chunk prompt; one filling the cache
 #: directed schedules, one per defect a search found, each with the fault that undoes its fix
