@@ -75,6 +75,7 @@ class ManageEvents:
             # stores that land while the clear runs (its waits run the other tasks: saves,
             # writers, the neighbour's writes) are stores again, not what the clear left
             self._storing: set | None = self._queued_stores(rank, st, keys)
+            pinned_before = self._pinned(st, keys)
             if scope == "prefix":  # a prefix clear names a few consecutive chunks
                 start = pick % len(keys)
                 target = keys[start:start + 3]
@@ -91,8 +92,11 @@ class ManageEvents:
                 res = clear_tiers(st)
             stored_meanwhile, self._storing = self._storing, None
             self.counts[f"clear {scope}"] += 1
+            # a chunk pinned before or after (a lookup's pin holds a posix file open: served from
+            # that descriptor even once another process sharing the directory deleted the file)
+            protected = pinned_before | self._pinned(st, keys)
             self._check_cleared(rank, st, evictable, target, cleared[rank], res,
-                                stored_meanwhile or set())
+                                (stored_meanwhile or set()) | protected)
 
     def _queued_stores(self, rank: int, st: Any, keys: list) -> set:
         """Keys whose store is queued on a tier (or by the neighbour process) as the clear begins:
@@ -139,6 +143,25 @@ class ManageEvents:
 
     # -- I8 -------------------------------------------------------------------------------------
     @staticmethod
+    def _pinned(st: Any, keys: list) -> set:
+        """Keys some tier of ``st`` keeps pinned now (L1: pinned or held by a reader; posix:
+        pinned or its file held open; a value store: pinned)."""
+        out: set = set()
+        l1 = st.backend("local_cpu")
+        with l1._lock:
+            out |= {k for k in keys if k in l1._pins
+                    or (k in l1._entries and l1._entries[k].ref_count > 1)}
+        if "posix" in st.tier_names:
+            disk = st.backend("posix")
+            with disk.directory.lock:
+                out |= {k for k in keys if (rel := disk._rel(k)) in disk.directory.index.pins
+                        or rel in disk.held._counts}
+        if "values" in st.tier_names:
+            tier = st.backend("values")
+            out |= {k for k in keys if tier.name_of(k) in tier._pins}
+        return out
+
+    @staticmethod
     def _evictable(st: Any, keys: list, keyed: bool) -> dict[str, set]:
         """Per tier that can clear them: the keys it holds that nothing protects now (not
         pinned; L1: no reader holds the object). The value store only for named keys."""
@@ -162,14 +185,14 @@ class ManageEvents:
 
     def _check_cleared(self, rank: int, st: Any, evictable: dict[str, set], target: list,
                        cleared: dict[Any, int], res: dict[str, dict[str, Any]],
-                       stored_meanwhile: set) -> None:
+                       excused: set) -> None:
         """I8 after a clear: no target left on a tier that answered (one in a fault says its
         removal is unknown) that nothing protected before or after it; the targets gone from
         every tier that answered are recorded as cleared (never served again unless stored
-        again)."""
+        again). ``excused``: stored again while the clear ran, or pinned before or after it."""
         answered = {t for t, r in res.items() if not r.get("error")}
         for tier, keys in evictable.items():
-            keys = keys - stored_meanwhile
+            keys = keys - excused
             if not keys or tier not in answered:
                 continue
             ordered = sorted(keys, key=repr)
@@ -186,7 +209,7 @@ class ManageEvents:
         if answered != set(st.tier_names):  # a tier's answer unknown: nothing is known cleared
             return
         for key in target:
-            if key in stored_meanwhile:
+            if key in excused:
                 continue
             answers = [st.holds(t, [key]) for t in st.tier_names]
             if all(a == [False] for a in answers):

@@ -40,8 +40,11 @@ REGRESSION_SEEDS: list[int] = [107, 128, 294, 331, 7003276]
 #: queued, so a clear in between recorded the chunk cleared and its later landing as served
 #: (now: when the neighbour hands it to its tier); 70000824, an operator pin whose call timed out
 #: landed while a tenant clear ran, and the chunk it pinned counted as left unprotected (now:
-#: protected before or after the clear). Both failed before; kvplug's answers were true
-REGRESSION_SEEDS += [70000824, 72002938]
+#: protected before or after the clear); 80019572, ranks sharing one posix directory: rank 0's
+#: tenant clear deleted rank 1's file while a lookup of rank 1 held it open, and rank 1 served
+#: its in-flight load from that descriptor (now: a chunk pinned when its clear began or ended is
+#: not recorded as cleared). All failed before; kvplug's answers were true
+REGRESSION_SEEDS += [70000824, 72002938, 80019572]
 #: issue 33, a neighbour process on rank 0's posix directory (small tiers, tenant quotas), with
 #: I6 strict there (SimConfig.strict_shared_i6): a queued write found the file the neighbour had
 #: just stored and indexed it without making room, so the tenant held 36864 B over its 24576 B
