@@ -32,7 +32,7 @@ rc032=${PIPESTATUS[0]}
 rc033=0
 if [ "${KVPLUG_VLLM033:-1}" != 0 ]; then
   echo "== vLLM $(version .venv-vllm033/bin/python) (the CUDA wheel on CPU, .venv-vllm033): the tests that need no engine"
-  .venv-vllm033/bin/python -m pytest -q -ra --durations=10 -n 4 --dist loadfile "${V033_TESTS[@]}" 2>&1 |
+  .venv-vllm033/bin/python -m pytest -q -ra --durations=10 -n 2 --dist loadfile "${V033_TESTS[@]}" 2>&1 |
     tee "$logs/033"
   rc033=${PIPESTATUS[0]}
 fi

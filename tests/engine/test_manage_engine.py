@@ -24,6 +24,8 @@ from tests.support.server_helpers import TINY_SERVER_ARGS, free_port, kvplug_cli
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 KEY = "test-key-" + "5" * 8
+CHUNK = 256  # kvplug's default chunk_size
+BLOCK = 128  # TINY_SERVER_ARGS' --block-size
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -82,6 +84,39 @@ def lookup(url: str, **body) -> dict:
 
 def disk_files(store: Path) -> int:
     return sum(1 for p in store.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def test_serve_warm_request_reports_cached_tokens_from_kvplug(server):
+    """First on the server (nothing stored yet): a cold request stores, the same prompt again
+    loads every block but the last from kvplug (vLLM's prefix cache is off)."""
+    from kvplug.connector.demo.tokenizer import sentences
+    from openai import OpenAI
+
+    url, model, store = server
+    log = store.parent / "server.log"  # tests.support.server_helpers.running_server's
+    client = OpenAI(base_url=url + "/v1", api_key=KEY, timeout=300)
+    text = " ".join(sentences(7, 150))  # ~2.7k tokens of the tokenizer's own made-up language
+    cold = client.completions.create(model=model, prompt=text, max_tokens=4, temperature=0)
+    n = cold.usage.prompt_tokens
+    assert n > 4 * CHUNK and cold.usage.completion_tokens == 4
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    warm = client.completions.create(model=model, prompt=text, max_tokens=4, temperature=0)
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    # vLLM's prefix cache is off: these came from kvplug, at vLLM's block granularity (every
+    # block but the one holding the last token, which vLLM always computes)
+    assert cached == (n - 1) // BLOCK * BLOCK
+    assert warm.usage.prompt_tokens == n
+    # the chat endpoint works too (the model ships a tokenizer with a chat template)
+    chat = client.chat.completions.create(model=model, max_tokens=3, temperature=0,
+                                          messages=[{"role": "user", "content": "Karito mesa?"}])
+    assert chat.usage.completion_tokens == 3
+    deadline = time.monotonic() + 120  # the posix tier writes on its own threads
+    while len(list(store.rglob("*.safetensors"))) < n // CHUNK and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # every full chunk, plus the block-aligned partial chunks that make hits block-granular
+    assert len(list(store.rglob("*.safetensors"))) >= n // CHUNK
+    text_log = log.read_text()
+    assert "kv_connector_module_path=None" in text_log and "Traceback" not in text_log
 
 
 def test_routes_need_the_key_and_are_in_the_openapi_schema(server):
