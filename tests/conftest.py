@@ -23,11 +23,12 @@ Engines (tests/support/vllm_helpers.py), kept to the suite's 15-minute budget on
   logprobs (measured: cold runs and a warm hit, equal with it on and off); CPU s of a module on
   and off: test_connector_engine_spec 129.6 / 94.8, test_parallel_engine 156.5 / 125.6. It
   changes nothing kvplug does; an explicit ``TORCHDYNAMO_DISABLE=0`` turns it back on;
-* ``make test`` runs four pytest-xdist workers on the 2 cores, a module at a time (``--dist
-  loadfile``: a module's engines and fixtures stay in one worker): while one worker waits (a
-  server or an engine process starting, a subprocess, a bounded wait for a store) another
-  computes. Measured, the whole suite on a 2-core VM: 803 s with two workers (CI), 702 s with
-  three, 629 s with four, the cores busy throughout (vmstat idle ~1%). The heaviest modules are
+* ``make test``'s whole-suite pass runs four pytest-xdist workers on the 2 cores, a module at a
+  time (``--dist loadfile``: a module's engines and fixtures stay in one worker): while one
+  worker waits (a server or an engine process starting, a subprocess, a bounded wait for a
+  store) another computes. Measured, the whole suite on a 2-core VM: 803 s with two workers
+  (CI), 702 s with three, 629 s with four, the cores busy throughout (vmstat idle ~1%). The
+  0.33 pass (CPU-bound, few modules) keeps two: 43 s, against 71 s with four. The heaviest modules are
   queued first so that the workers finish together (``pytest_collection_modifyitems`` below).
 """
 
