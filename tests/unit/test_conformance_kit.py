@@ -300,6 +300,8 @@ BAD_CLASSES = {
     "options": ("    Options = dict\n" + INIT, "Options is <class 'dict'>, not a pydantic model"),
     "never_blocks": ("    never_blocks = 'yes'\n" + INIT, "never_blocks is 'yes'; set it to True"),
     "unbounded": ("    unbounded = 1\n" + INIT, "unbounded is 1; set it to True or False"),
+    "local_medium": ("    local_medium = 'disk'\n" + INIT,
+                     "local_medium is 'disk'; set it to True or False"),
     "init": ("    def __init__(self, ctx, store):\n        pass\n",
              "__init__(ctx, store) cannot be called as Backend(ctx)"),
     "no_init": ("    pass\n", "__init__() cannot be called as Backend(ctx)"),
