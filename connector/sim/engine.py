@@ -251,15 +251,19 @@ class SimRemoteLookup:
                tenant: str = "") -> int | None:
         sent = self.client._next_id
         got = self.client.lookup(req_id, hashes, tails, tenant)
-        tasks = self._serve_later()
-        if got is None and self.client._next_id != sent and self.fast.random() < 0.5:
+        tasks = self._serve_later()  # what it sent (a lookup, a timeout's release), served later
+        if self.client._next_id == sent:  # no new lookup: an answer taken, or still waiting
+            self.answered_late += got is not None
+            return got
+        if got is None and self.fast.random() < 0.5:
             for t in tasks:  # answered within the client's wait (a gated tier still blocks)
                 self.rt.run_task(t)
             got = self.client.lookup(req_id, hashes, tails, tenant)
-            self._serve_later()
-        elif got is not None and self.client._next_id == sent:
-            self.answered_late += 1
         return got
+
+    def serving(self, fut: Any) -> bool:
+        """Whether ``fut`` is a lookup service's task (answers only: never work kvplug owes)."""
+        return fut.pool in self._pools
 
     def set_epoch(self, epoch: str) -> None:
         self.client.set_epoch(epoch)

@@ -158,7 +158,8 @@ class Faults:
         from vllm.v1.request import RequestStatus
 
         reqs = list(self.s.requests.values())
-        if self.rt.queue or not reqs:
+        serving = getattr(self.lookup, "serving", lambda f: False)  # the lookups' answers
+        if [f for f in self.rt.queue if not serving(f)] or not reqs:
             return False
         waiting = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS,
                    RequestStatus.PREEMPTED)

@@ -45,6 +45,11 @@ REGRESSION_SEEDS: list[int] = [107, 128, 294, 331, 7003276]
 #: its in-flight load from that descriptor (now: a chunk pinned when its clear began or ended is
 #: not recorded as cleared). All failed before; kvplug's answers were true
 REGRESSION_SEEDS += [70000824, 72002938, 80019572]
+#: the real lookup path's first long search: vLLM stalled (a request its cache cannot hold) while
+#: the request's lookups were answered by service tasks still queued, so the stall was never
+#: recognised and the run never quiescent (I3); the stall check now ignores the lookup services'
+#: tasks (they only answer). Failed before (I3: never quiescent), 46 + 44 seeds of that search
+REGRESSION_SEEDS += [90003385]
 #: issue 33, a neighbour process on rank 0's posix directory (small tiers, tenant quotas), with
 #: I6 strict there (SimConfig.strict_shared_i6): a queued write found the file the neighbour had
 #: just stored and indexed it without making room, so the tenant held 36864 B over its 24576 B
