@@ -44,13 +44,24 @@ class CorruptingCPU(LocalCPUBackend):
 
 
 class SwappingCPU(LocalCPUBackend):
-    """local_cpu whose loads hand back another key's (intact) value."""
+    """local_cpu whose loads hand back another key's (intact) value; while it holds one key only
+    (a short bench on a busy machine may store just one), that value's bytes rotated by one, as
+    another key's would differ (before: a miss then, and the control passed as no error, a
+    flake seen in a fresh-clone run)."""
 
     @hookimpl
     def get(self, key: CacheKey) -> MemoryObj | None:
         with self._lock:
             other = next((k for k in self._entries if k != key), None)
-        return super().get(other) if other is not None else None
+        if other is not None:
+            return super().get(other)
+        obj = super().get(key)
+        if obj is None:
+            return None
+        bad = heap_memory_obj(obj.meta.shape, obj.meta.dtype, obj.meta.fmt, obj.meta.num_tokens)
+        bad.byte_view.copy_(obj.byte_view.roll(1))
+        obj.ref_down()
+        return bad
 
 
 def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
