@@ -265,7 +265,7 @@ class LookupService(RouterService):
     def __init__(
         self,
         path: Path,
-        on_lookup: Callable[[Lookup], int | tuple[int, list[int]]],
+        on_lookup: Callable[[Lookup], int | tuple[int, list[int], list[int]]],
         on_release: Callable[[list[str]], None],
         max_chunks: int = MAX_LOOKUP_CHUNKS,
         clock: Callable[[], float] = time.monotonic,
