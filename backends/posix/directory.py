@@ -285,18 +285,28 @@ class Directory:
         for i, rel in enumerate(rels):
             if found[i]:
                 continue
-            if rel in self.reaper:  # evicted, its file not deleted yet: a miss
-                break
-            entry = stat_entry(self.path(rel))  # another process may have written it
-            if entry is None:
+            if self.adopt(rel) is None:
                 # Lookups are prefix lookups: past the first real miss only the index answers
                 # (no stat per key for a long run of misses; "on doubt, answer False").
                 break
             found[i] = True
-            with self.lock:
-                if rel not in self.index:
-                    self.index.add(rel, entry.size, entry.stamp)
         self._miss_other_versions(rels, found)
+
+    def adopt(self, rel: str) -> int | None:
+        """Index ``rel``'s file if it is on disk though not indexed here (another process wrote
+        it, or the scan has not reached it); its size, or None if there is no file to adopt.
+
+        An evicted file whose delete is still queued is none: its bytes already made room for
+        a write, so indexing it again would count them twice (over the capacity or a quota)."""
+        if rel in self.reaper:
+            return None
+        entry = stat_entry(self.path(rel))
+        if entry is None:
+            return None
+        with self.lock:
+            if rel not in self.index:
+                self.index.add(rel, entry.size, entry.stamp)
+        return entry.size
 
     def _miss_other_versions(self, rels: list[str], found: list[bool]) -> None:
         """Found files known to be of another format version (same inode still) are misses."""

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 from kvplug.chunkfile.atomic import atomic_file
 
 from . import fs
-from .index import stat_entry
 
 if TYPE_CHECKING:
     from .directory import Directory
@@ -189,10 +188,8 @@ class OperatorPins:
         for rel in rels:
             with lock:
                 size = index.size(rel)
-            if size is None and (entry := stat_entry(self._dir.path(rel))) is not None:
-                with lock:  # another process's file (or not indexed yet)
-                    index.add(rel, entry.size, entry.stamp)
-                size = entry.size
+            if size is None:
+                size = self._dir.adopt(rel)  # another process's file (or not indexed yet)
             with lock:
                 known = rel in self._pins
                 room = size is not None and sum(self._pins.values()) + size <= limit
