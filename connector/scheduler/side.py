@@ -487,8 +487,8 @@ class SchedulerSide:
         PP stage) reports the same load, merged in one step or (background loads) each in the
         step its own fetch ended: fold with the maximum, never the sum. ``invalid_blocks``: the
         blocks vLLM was told hold no valid KV (followed until written, :mod:`.unwritten`)."""
-        if invalid_blocks:
-            self.unwritten.failed(invalid_blocks)
+        if invalid_blocks and not self.layout.multi:
+            self.unwritten.failed(invalid_blocks, (t.block_ids for t in self.trackers.values()))
         if not isinstance(meta, KVPlugWorkerMeta):
             return
         for req_id, tiers in meta.loaded.items():

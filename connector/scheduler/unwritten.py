@@ -26,9 +26,19 @@ class UnwrittenBlocks:
         self.bs = block_size
         self.blocks: set[int] = set()
 
-    def failed(self, block_ids: Iterable[int]) -> None:
-        """vLLM was told these blocks hold no valid KV (this step's load errors)."""
-        self.blocks.update(block_ids)
+    def failed(self, block_ids: Iterable[int], tables: Iterable[list[int]] = ()) -> None:
+        """vLLM was told these blocks hold no valid KV (a step's load errors). ``tables``: the
+        block tables of the live requests; in each, every block after the first failed one is
+        followed too. A forward computed those over the failed KV (the failing step's tokens, and
+        under asynchronous scheduling the steps that ran ahead), and vLLM, which leaves a block
+        shared by two requests to the first to recompute, lets the second read them if the
+        first is aborted before its recompute gets there (simulation seed 95036104)."""
+        failed = set(block_ids)
+        self.blocks.update(failed)
+        for table in tables:
+            first = next((i for i, b in enumerate(table) if b in failed), None)
+            if first is not None:
+                self.blocks.update(table[first:])
 
     def loading(self, table: list[int], start: int, end: int) -> None:
         """A load sent this step writes the blocks of tokens ``[start, end)`` (if it fails, they
@@ -43,8 +53,16 @@ class UnwrittenBlocks:
         if not self.blocks:
             return []
         work = list(work)
-        read = {b for table, done, _ in work for b in table[:-(-done // self.bs)]
-                if b in self.blocks}
+        bs = self.bs
+        # A block some request computes whole in this same step is written before it is read:
+        # a layer's KV of the whole batch is stored before its attention runs, and vLLM gives a
+        # later request of the batch a prefix hit on the full blocks an earlier one computes in
+        # the step. Reporting it would send two running requests through vLLM's recovery for
+        # nothing, which under asynchronous scheduling (a step already run ahead) is itself
+        # unsafe (simulation seed 95001878).
+        whole = {b for table, done, n in work for b in table[-(-done // bs):(done + n) // bs]}
+        read = {b for table, done, _ in work for b in table[:-(-done // bs)]
+                if b in self.blocks and b not in whole}
         for table, done, n in work:
-            self.blocks.difference_update(table[done // self.bs:-(-(done + n) // self.bs)])
+            self.blocks.difference_update(table[done // bs:-(-(done + n) // bs)])
         return sorted(read)

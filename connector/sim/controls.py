@@ -227,7 +227,7 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
         return [(load.Loads, "read_unwritten",
                  lambda self, md: self.reports.unwritten(md.unwritten, {}))]
     if name == "forget_unwritten":
-        return [(unwritten.UnwrittenBlocks, "failed", lambda self, block_ids: None)]
+        return [(unwritten.UnwrittenBlocks, "failed", lambda self, block_ids, tables=(): None)]
     raise ValueError(f"unknown fault {name!r}; known: {sorted(FAULTS | DIRECTED_FAULTS)}")
 
 

@@ -55,6 +55,16 @@ REGRESSION_SEEDS += [90003385]
 #: 36864 B over its 24576 B quota. A doomed file is absent to a pin now, as to a lookup
 #: (Directory.adopt). Failed before (I6)
 REGRESSION_SEEDS += [91015041]
+#: wrong KV read (I2) where vLLM shares a failed load's blocks between two requests
+#: (kv_load_failure_policy "recompute"): 95036104, r4's load failed while its step computed two
+#: more blocks over the failed ones; r5 held them all through the prefix cache, and r4, aborted
+#: after recomputing part of them, left r5 reading the rest (now: every block after a failed one
+#: in a live request's table is followed until written); 95001878 (asynchronous scheduling), a
+#: prefix hit on blocks another request computes whole in the same step was reported unwritten,
+#: and vLLM's recovery of the two running requests, with a step already run ahead, served KV of
+#: a replaced token (now: such a block is written before it is read, not reported). Both failed
+#: before, on vLLM 0.32 and 0.33
+REGRESSION_SEEDS += [95001878, 95036104]
 #: issue 33, a neighbour process on rank 0's posix directory (small tiers, tenant quotas), with
 #: I6 strict there (SimConfig.strict_shared_i6): a queued write found the file the neighbour had
 #: just stored and indexed it without making room, so the tenant held 36864 B over its 24576 B

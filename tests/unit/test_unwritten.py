@@ -28,6 +28,30 @@ def test_a_load_writes_its_blocks_first():
     assert u.step([([8], 4, 0)]) == [8]
 
 
+def test_the_blocks_after_a_failed_one_in_a_request_are_followed_too():
+    """Seed 95036104: r4's load of blocks [6, 10, 12] failed while its step computed blocks 11
+    and 1 over them; r5 shared them all through vLLM's prefix cache and, r4 aborted after
+    recomputing only up to block 11, read block 1. Every block after a failed one in a live
+    request's table is followed; a request without a failed block adds nothing."""
+    u = UnwrittenBlocks(4)
+    u.failed([6, 10, 12], [[5, 6, 10, 12, 11, 1, 7], [5, 6, 10, 12, 11, 1, 8], [2, 3, 4]])
+    assert u.blocks == {6, 10, 12, 11, 1, 7, 8}
+    assert u.step([([5, 6, 10, 12, 11], 4, 16)]) == []  # r4's recompute of tokens 4-19
+    assert u.blocks == {1, 7, 8}
+    assert u.step([([5, 6, 10, 12, 11, 1, 8], 24, 1)]) == [1]  # r5 reads block 1: reported
+
+
+def test_a_block_another_request_of_the_step_writes_is_not_read_unwritten():
+    """Seed 95001878: r8 had a prefix hit on blocks 5 and 6 that r7 computes in the same step
+    (written before any attention reads them); reporting them sent both running requests
+    through vLLM's recovery, which under asynchronous scheduling served a wrong token's KV."""
+    u = UnwrittenBlocks(4)
+    u.failed([5, 6, 9])
+    assert u.step([([5, 6, 7], 0, 11), ([5, 6, 3, 9], 8, 1)]) == []
+    assert u.blocks == {9}
+    assert u.step([([9], 4, 1)]) == [9]  # a block nobody wrote since: still reported
+
+
 def test_against_a_reference_of_written_slots():
     """Random steps: reported == blocks read that no step wrote since they failed, computed
     independently from a per-block 'written since failure' flag."""
@@ -45,7 +69,10 @@ def test_against_a_reference_of_written_slots():
             table = rng.sample(range(20), 5)
             done = rng.randint(0, 16)
             work.append((table, done, rng.randint(0, 20 - done)))
-        want = sorted({b for table, done, _ in work for b in table[:(done + 3) // 4] if b in dirty})
+        whole = {b for table, done, n in work for i, b in enumerate(table)
+                 if done <= 4 * i and 4 * (i + 1) <= done + n}  # written from first to last slot
+        want = sorted({b for table, done, _ in work for b in table[:(done + 3) // 4]
+                       if b in dirty and b not in whole})
         for table, done, n in work:
             dirty -= set(table[done // 4:(done + n + 3) // 4])
         got = u.step(work)
