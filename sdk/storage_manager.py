@@ -31,7 +31,7 @@ from .logs import LogOnce
 from .memory import MemoryFormat, MemoryObj, heap_memory_obj
 from .read_memory import DEFAULT_MAX_HEAP_FALLBACK, ChunkGeometry, ReadMemory
 from .runtime import THREADS, Runtime
-from .tier_calls import BATCH_GET_KEYS, MAX_ENCODER_QUEUE, Tier, release
+from .tier_calls import BATCH_GET_KEYS, MAX_ENCODER_QUEUE, Tier, reads_in_sequence, release
 from .tier_setup import ScopedHooks, build_tier
 
 logger = logging.getLogger("kvplug.storage")
@@ -321,8 +321,9 @@ class StorageManager:
     def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
         """:meth:`get` for many keys, tier by tier: each tier is asked only for what the faster
         ones missed, a tier that implements ``batched_get`` in calls of up to
-        :data:`~.tier_calls.BATCH_GET_KEYS` keys, any other with one ``get`` per key (slow tiers
-        concurrently). Lower-tier hits are promoted into L1."""
+        :data:`~.tier_calls.BATCH_GET_KEYS` keys (concurrently, except a local medium's small
+        values: :data:`~.tier_calls.SEQUENTIAL_READ_BYTES`), any other with one ``get`` per key
+        (slow tiers concurrently). Lower-tier hits are promoted into L1."""
         keys = list(keys)
         out: list[MemoryObj | None] = [None] * len(keys)
         served = [-1] * len(keys)
@@ -348,7 +349,8 @@ class StorageManager:
         if len(keys) > 1 and tier.implements("batched_get"):
             groups = [keys[i : i + BATCH_GET_KEYS] for i in range(0, len(keys), BATCH_GET_KEYS)]
             parts = (self._readers.map(lambda g: self._batch_from(tier, g), groups)
-                     if len(groups) > 1 else [self._batch_from(tier, groups[0])])
+                     if len(groups) > 1 and not reads_in_sequence(tier)
+                     else [self._batch_from(tier, g) for g in groups])
             return [obj for part in parts for obj in part]
 
         def one(key: CacheKey) -> MemoryObj | None:
@@ -362,6 +364,9 @@ class StorageManager:
         """One bounded ``batched_get`` call; a fault, a timeout or a wrong answer: all misses."""
         got = self._call(tier, "batched_get", bounded=True, keys=keys)
         if isinstance(got, list) and len(got) == len(keys):
+            last = next((o for o in reversed(got) if isinstance(o, MemoryObj)), None)
+            if last is not None:
+                tier.value_bytes = last.nbytes
             return got
         if got is not None:
             if isinstance(got, list):

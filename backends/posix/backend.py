@@ -59,7 +59,10 @@ class PosixOptions(BaseOptions):
     path: str = Field(description="cache directory (created if missing)")
     capacity: ByteSize = Field(default=ByteSize(20 << 30), description="bytes on disk")
     fsync: bool = Field(default=False, description="fsync each file (and its directory)")
-    io_threads: int = Field(default=4, ge=1, le=64, description="writer threads")
+    io_threads: int = Field(
+        default=2, ge=1, le=64,
+        description="writer threads (2: writes to the page cache are mostly Python under the "
+                    "GIL, so more threads queue on it; raise it with fsync on a slow disk)")
     o_direct: bool = Field(
         default=False, description="bypass the page cache where the file system allows it"
     )

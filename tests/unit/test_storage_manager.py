@@ -341,3 +341,57 @@ def test_a_tier_whose_calls_are_bounded_within_timeout_is_called_on_the_callers_
         assert threads and all((t is threading.current_thread()) == direct for t in threads), \
             [t.name for t in threads]
         assert mgr.may_block(f"{__name__}:ThreadRecordingTier")
+
+
+def test_a_local_mediums_small_values_are_read_in_sequence_and_large_ones_spread(tmp_path):
+    """Issue 36: reads from the page cache are mostly Python under the GIL, so a batch of a
+    local tier's small values is read one bounded call after another from the caller's thread
+    (spread over reader threads they queued on the GIL: 1.8-1.9x slower at 256 KiB); values of
+    SEQUENTIAL_READ_BYTES or more are spread (their copies run in parallel). Every byte is
+    checked either way."""
+    from kvplug.memory import heap_memory_obj
+    from kvplug.tier_calls import BATCH_GET_KEYS, SEQUENTIAL_READ_BYTES
+
+    mgr = StorageManager({"tiers": [{"backend": "posix", "options": {"path": str(tmp_path)}}]})
+    callers: list[str] = []
+    real = mgr._batch_from
+
+    def recording(tier, keys):
+        callers.append(threading.current_thread().name)
+        return real(tier, keys)
+
+    mgr._batch_from = recording
+    gen = torch.Generator().manual_seed(36)
+
+    def stored(first: int, n: int, nbytes: int) -> tuple[list, list[torch.Tensor]]:
+        keys, want = [make_key(i) for i in range(first, first + n)], []
+        for k in keys:
+            obj = heap_memory_obj((2, 1, nbytes // 2), torch.uint8, num_tokens=16)
+            obj.tensor.copy_(torch.randint(0, 256, obj.tensor.shape, dtype=torch.uint8,
+                                           generator=gen))
+            want.append(obj.byte_view.clone())
+            mgr.batched_put([k], [obj])
+            obj.ref_down()
+        assert mgr.flush(60)
+        return keys, want
+
+    def read(keys: list, want: list[torch.Tensor]) -> set[str]:
+        callers.clear()
+        got = mgr.batched_get(keys)
+        for g, w in zip(got, want, strict=True):
+            assert g is not None and torch.equal(g.byte_view, w)
+            g.ref_down()
+        assert len(callers) == -(-len(keys) // BATCH_GET_KEYS)
+        return set(callers)
+
+    try:
+        small = stored(0, 2 * BATCH_GET_KEYS + 3, 256 << 10)
+        main = threading.current_thread().name
+        assert read(*small) == {main}
+        large = stored(100, 2 * BATCH_GET_KEYS + 3, SEQUENTIAL_READ_BYTES)
+        read(*large)  # learns the size (read in sequence: the last values were small)
+        assert main not in read(*large), "large values of a local medium are spread"
+        read(*small)  # learns the size again (spread: the last values were large)
+        assert read(*small) == {main}
+    finally:
+        mgr.close()
