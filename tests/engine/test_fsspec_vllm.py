@@ -14,7 +14,12 @@ from tests.support.s3_server import moto_server, s3  # noqa: F401 - fixtures
 from tests.support.vllm_helpers import prompt, run_scenario, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
+# vLLM's multi-process layout (tests/conftest.py: _engine_layout): in-process, forked from the
+# test session's forkserver, the engine's S3 calls to moto stopped answering on a long-running
+# machine (the cold engine's stores never landed, or the warm engine's lookups timed out), while
+# the multi-process layout's freshly spawned engine core passes there (2026-11-27; not yet
+# classified: see issue 36's note)
+ENGINES_IN_PROCESS = False
 
 CHUNK = 256
 P = prompt(1100, 11)  # 4 chunks loadable
