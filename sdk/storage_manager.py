@@ -31,7 +31,7 @@ from .logs import LogOnce
 from .memory import MemoryFormat, MemoryObj, heap_memory_obj
 from .read_memory import DEFAULT_MAX_HEAP_FALLBACK, ChunkGeometry, ReadMemory
 from .runtime import THREADS, Runtime
-from .tier_calls import BATCH_GET_KEYS, MAX_ENCODER_QUEUE, Tier, reads_in_sequence, release
+from .tier_calls import BATCH_GET_KEYS, MAX_ENCODER_QUEUE, Tier, release
 from .tier_setup import ScopedHooks, build_tier
 
 logger = logging.getLogger("kvplug.storage")
@@ -349,7 +349,7 @@ class StorageManager:
         if len(keys) > 1 and tier.implements("batched_get"):
             groups = [keys[i : i + BATCH_GET_KEYS] for i in range(0, len(keys), BATCH_GET_KEYS)]
             parts = (self._readers.map(lambda g: self._batch_from(tier, g), groups)
-                     if len(groups) > 1 and not reads_in_sequence(tier)
+                     if len(groups) > 1 and not tier.reads_in_sequence()
                      else [self._batch_from(tier, g) for g in groups])
             return [obj for part in parts for obj in part]
 
@@ -364,9 +364,7 @@ class StorageManager:
         """One bounded ``batched_get`` call; a fault, a timeout or a wrong answer: all misses."""
         got = self._call(tier, "batched_get", bounded=True, keys=keys)
         if isinstance(got, list) and len(got) == len(keys):
-            last = next((o for o in reversed(got) if isinstance(o, MemoryObj)), None)
-            if last is not None:
-                tier.value_bytes = last.nbytes
+            tier.saw_reads(got)
             return got
         if got is not None:
             if isinstance(got, list):

@@ -43,12 +43,6 @@ SEQUENTIAL_READ_BYTES = 2 << 20
 MAX_ENCODER_QUEUE = 64
 
 
-def reads_in_sequence(tier: Tier) -> bool:
-    """Whether a batch of ``tier``'s reads runs one call after another (see
-    :data:`SEQUENTIAL_READ_BYTES`)."""
-    return tier.local and tier.value_bytes < SEQUENTIAL_READ_BYTES
-
-
 def release(objs: list) -> None:
     """Drop the reference of every memory object in ``objs`` (a batch nobody will use)."""
     for obj in objs:
@@ -83,8 +77,7 @@ class Tier:
         #: A tier that may block but reads a medium on this machine (``local_medium``): a small
         #: hit of it may load inside the engine step (the connector's ``inline_load_bytes``).
         self.local = bool(getattr(backend, "local_medium", False))
-        #: Bytes of the last value read from the tier (0: none yet): whether a batch of its
-        #: reads is spread over threads (:data:`SEQUENTIAL_READ_BYTES`).
+        #: Bytes of the last value read from the tier (0: none yet; :meth:`reads_in_sequence`).
         self.value_bytes = 0
         #: Whether bounded calls run on the caller's thread: a tier that never blocks, or one
         #: whose own client bounds every call within ``timeout_s`` (``call_bound_s``, an instance
@@ -132,6 +125,17 @@ class Tier:
 
     def implements(self, hook: str) -> bool:
         return any(impl.plugin is self.backend for impl in self.hooks[hook].get_hookimpls())
+
+    def saw_reads(self, objs: list) -> None:
+        """Note the size of the last value of a batch this tier answered."""
+        last = next((o for o in reversed(objs) if isinstance(o, MemoryObj)), None)
+        if last is not None:
+            self.value_bytes = last.nbytes
+
+    def reads_in_sequence(self) -> bool:
+        """Whether a batch of this tier's reads runs one call after another (a local medium's
+        small values, :data:`SEQUENTIAL_READ_BYTES`) rather than spread over threads."""
+        return self.local and self.value_bytes < SEQUENTIAL_READ_BYTES
 
     def submit(self, hook: str, kwargs: dict[str, Any]) -> Future:
         assert self.pool is not None
