@@ -58,8 +58,11 @@ from .protocol.manage import (
 from .scheduler.side import SchedulerSide
 
 PREFIX = "/kvplug/v1"
-#: how long a lookup through the scheduler's path may take before it answers a miss
-LOOKUP_DEADLINE_S = 30.0
+#: how long a lookup through the scheduler's path may take before it answers 503 (each of its
+#: lookups ends within ``lookup_timeout_s``; this only bounds a wedged worker): with the
+#: workers' wait (:data:`.protocol.manage.MANAGE_TIMEOUT_S`) a call answers within 40 s, under
+#: the 60 s HTTP proxies in front of vLLM commonly allow
+LOOKUP_DEADLINE_S = 20.0
 
 
 # -- request and response bodies (the OpenAPI schema) ------------------------------------------

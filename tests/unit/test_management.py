@@ -68,7 +68,8 @@ def test_clear_tiers_is_complete_only_when_nothing_is_left(tmp_path):
         status = {t["name"]: t for t in tier_status(mgr)}
         assert status["ram"]["entries"] == 0 and status["disk"]["used_bytes"] == 0
         assert status["disk"]["capacity_bytes"] == 64 << 20 and status["disk"]["may_block"]
-        assert status["ram"]["policies"] == {"eviction": "lru", "admission": "always"}
+        assert status["ram"]["policies"] == {"eviction": {"policy": "lru"},
+                                             "admission": {"policy": "always"}}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -241,3 +242,78 @@ def test_a_clear_of_an_unreachable_store_is_never_complete():
         else:
             assert held == [False] * 3
             assert keyed.get("complete", keyed["remaining"] == 0) and whole["complete"] is True
+
+
+def policy_config(tmp_path) -> dict:
+    cfg = config(tmp_path)
+    cfg["tiers"][0]["eviction"] = "s3fifo"
+    cfg["tiers"][1]["admission"] = {"policy": "tinylfu", "min_count": 3}
+    return cfg
+
+
+def test_status_reports_configured_policies_by_name_and_settings(tmp_path):
+    """Policies set in the config are reported as plain data (name and options), so the
+    workers' msgpack answer and ``--json`` can carry them; unset ones name the default."""
+    with StorageManager(policy_config(tmp_path)) as mgr:
+        status = {t["name"]: t for t in tier_status(mgr)}
+        assert status["ram"]["policies"] == {"eviction": {"policy": "s3fifo"},
+                                             "admission": {"policy": "always"}}
+        assert status["disk"]["policies"] == {"eviction": {"policy": "lru"},
+                                              "admission": {"policy": "tinylfu", "min_count": 3}}
+        assert json.loads(json.dumps(tier_status(mgr))) == tier_status(mgr)
+    with StorageManager(config(tmp_path)) as mgr:  # no policy set: the defaults by name
+        assert {t["name"]: t["policies"] for t in tier_status(mgr)}["ram"] == {
+            "eviction": {"policy": "lru"}, "admission": {"policy": "always"}}
+
+
+def test_cache_status_without_an_engine_shows_policies(tmp_path):
+    cfg = tmp_path / "kvplug.yaml"
+    cfg.write_text(json.dumps(policy_config(tmp_path)))
+    out = cli("cache", "status", "--config", str(cfg), "--json")
+    assert out.returncode == 0, out.stderr
+    tiers = {t["name"]: t for t in json.loads(out.stdout)["tiers"]}
+    assert tiers["disk"]["policies"]["admission"] == {"policy": "tinylfu", "min_count": 3}
+    assert tiers["ram"]["policies"]["eviction"] == {"policy": "s3fifo"}
+    out = subprocess.run([sys.executable, "-m", "kvplug.cli", "cache", "status", "--config",
+                          str(cfg)], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    assert "tinylfu (min_count=3)" in out.stdout and "s3fifo" in out.stdout
+    assert "PolicyConfig" not in out.stdout and "policy=" not in out.stdout
+
+
+def test_management_service_answers_an_unencodable_answer_with_an_error_at_once():
+    """An answer msgpack cannot encode (a config object, as status once returned) is an error
+    reply to the caller, never a dropped message it waits its whole timeout for; the service
+    answers the next call as usual."""
+    import tempfile
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("vllm")
+    from kvplug.config import PolicyConfig
+    from kvplug.connector.protocol.manage import (
+        ManageClient,
+        ManageLookup,
+        ManageService,
+        ManageStatus,
+    )
+
+    def handle(msg):
+        if isinstance(msg, ManageStatus):
+            return {"tiers": [{"policies": {"eviction": PolicyConfig(policy="s3fifo")}}]}
+        return {"tiers": {"ram": {"held": 7, "served": 7}}}
+
+    with tempfile.TemporaryDirectory(prefix="kvm-", dir="/tmp") as d:
+        path = Path(d) / "manage.sock"
+        service = ManageService(path, handle)
+        try:
+            client = ManageClient([path], timeout_s=10)  # a dropped answer: "no answer"
+            (reply,) = client.ask(ManageStatus())
+            assert not reply.ok and "could not be encoded" in reply.error, reply
+            assert "PolicyConfig" in reply.error and "no answer" not in reply.error
+            (again,) = client.ask(ManageLookup([b"x" * 32]))
+            assert again.ok and again.body == {"tiers": {"ram": {"held": 7, "served": 7}}}
+        finally:
+            service.close()
