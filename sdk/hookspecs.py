@@ -257,6 +257,14 @@ class BackendSpec:
         """
 
     @hookspec(firstresult=True)
+    def forget_misses(self, keys: Sequence[CacheKey]) -> None:
+        """Optional, and needed by every tier that remembers misses (a negative cache, a lookup
+        cache): forget any remembered miss of these keys, so the next :meth:`contains` asks the
+        store itself. Called before a lookup of chunks another engine announced it is storing
+        (disaggregated prefill: the producer's hand-off), which a remembered miss would hide
+        until it expires. Cheap; never blocks."""
+
+    @hookspec(firstresult=True)
     def unpin(self, keys: Sequence[CacheKey]) -> None:
         """Optional: release one pin (from ``contains(pin=True)``) on each key. Unknown keys are
         ignored."""

@@ -404,8 +404,13 @@ class StorageManager:
                 return obj
         return None
 
-    def lookup_prefix(self, keys: Sequence[CacheKey], pin: bool = False) -> PrefixLookup:
-        """How many leading ``keys`` some tier holds; optionally pin them where they are."""
+    def lookup_prefix(self, keys: Sequence[CacheKey], pin: bool = False,
+                      fresh: bool = False) -> PrefixLookup:
+        """How many leading ``keys`` some tier holds; optionally pin them where they are.
+        ``fresh``: no tier answers from a miss it remembers (``forget_misses`` first): keys
+        another engine announced it is storing."""
+        if fresh:
+            self.forget_misses(keys)
         n = len(keys)
         where: list[str | None] = [None] * n
         for tier in self._tiers:
@@ -423,6 +428,13 @@ class StorageManager:
             if beyond:
                 self.unpin([k for k, _ in beyond], [t for _, t in beyond])
         return PrefixLookup(prefix, [w for w in where[:prefix] if w is not None], pin)
+
+    def forget_misses(self, keys: Sequence[CacheKey]) -> None:
+        """Every tier that remembers misses forgets those of ``keys`` (the optional
+        ``forget_misses`` hook)."""
+        for tier in self._tiers:
+            if keys and tier.implements("forget_misses"):
+                self._call(tier, "forget_misses", keys=list(keys))
 
     def unpin(self, keys: Sequence[CacheKey], tiers: Sequence[str]) -> None:
         """Release pins taken by ``lookup_prefix(pin=True)``; ``tiers[i]`` is where key i is."""

@@ -207,6 +207,13 @@ class ValueStoreTier:
         return result
 
     @hookimpl
+    def forget_misses(self, keys: Sequence[CacheKey]) -> None:
+        names = [self.name_of(k) for k in keys]
+        with self._lock:
+            for name in names:
+                self._absent.discard(name)
+
+    @hookimpl
     def unpin(self, keys: Sequence[CacheKey]) -> None:
         self._pins.unpin_all(self.name_of(k) for k in keys)
 

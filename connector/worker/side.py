@@ -204,13 +204,13 @@ class WorkerSide:
         if self.transfers is not None:  # an asynchronous save of these chunks: let its put end
             self.transfers.wait(puts=keys + [key(h) for _, h in msg.tails],
                                 timeout=self.cfg.lookup_timeout_s / 2)
-        found = self.storage.lookup_prefix(keys, pin=msg.pin)
+        found = self.storage.lookup_prefix(keys, pin=msg.pin, fresh=msg.fresh)
         pinned, tiers = keys[: found.num_chunks], list(found.tiers)
         tokens = found.num_chunks * self.cfg.chunk_size
         if found.num_chunks == len(keys):
             for end, h in msg.tails:
                 k = key(h)
-                tail = self.storage.lookup_prefix([k], pin=msg.pin)
+                tail = self.storage.lookup_prefix([k], pin=msg.pin, fresh=msg.fresh)
                 if tail.num_chunks:
                     pinned.append(k)
                     tiers.extend(tail.tiers)
@@ -239,7 +239,7 @@ class WorkerSide:
         assert storage is not None
 
         def contains(keys: list[CacheKey]) -> tuple[int, list[str]]:
-            found = storage.lookup_prefix(keys, pin=msg.pin)
+            found = storage.lookup_prefix(keys, pin=msg.pin, fresh=msg.fresh)
             return found.num_chunks, list(found.tiers)
 
         hit = lookup_groups(self.layout, key, contains, msg.hashes, msg.tails,

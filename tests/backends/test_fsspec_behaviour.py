@@ -63,6 +63,24 @@ def test_contains_is_batched_and_misses_are_cached():
         assert a.lookup_prefix(keys).num_chunks == 1
 
 
+def test_a_fresh_lookup_is_never_answered_by_a_remembered_miss():
+    """Chunks another engine announced (a disaggregated producer's hand-off) are looked up
+    ``fresh``: the tier forgets its remembered misses of them first, so a chunk stored since
+    the miss is found at once, not when the memory expires (here: in a minute)."""
+    with _mgr(negative_cache_s=60) as a, _mgr(negative_cache_s=0.0) as b:
+        keys = [make_key(i) for i in range(4)]
+        assert a.lookup_prefix(keys).num_chunks == 0  # the misses are remembered
+        _put(b, range(3))
+        assert a.lookup_prefix(keys).num_chunks == 0  # the control: hidden by the memory
+        assert a.stats()["fsspec"]["negative_hits"] >= 1
+        remote = a.stats()["fsspec"]["remote_lookups"]
+        found = a.lookup_prefix(keys, pin=True, fresh=True)
+        assert found.num_chunks == 3 and found.tiers == ["fsspec"] * 3
+        assert a.stats()["fsspec"]["remote_lookups"] == remote + 4  # asked the store itself
+        a.unpin(keys[:3], found.tiers)
+        assert a.lookup_prefix(keys).num_chunks == 3  # the forgotten misses stay forgotten
+
+
 def test_full_write_queue_drops_without_blocking():
     """With a stalled store, a full queue drops stores at once and counts them; refs released."""
     with _mgr(max_pending_writes=2, io_threads=1, timeout_s=1.0) as mgr:

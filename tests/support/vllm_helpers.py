@@ -385,10 +385,12 @@ class FakeLookup:
         self.stored: set[bytes] = set()
         self.calls: list[tuple[str, int]] = []
         self.released: list[str] = []
+        self.fresh: list[bool] = []  # per call: whether the tiers were told to forget misses
 
     def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]],
-               tenant: str = "") -> int:
+               tenant: str = "", fresh: bool = False) -> int:
         self.calls.append((req_id, len(hashes)))
+        self.fresh.append(fresh)
         n = next((i for i, h in enumerate(hashes) if h not in self.stored), len(hashes))
         if n == len(hashes):
             for end, h in tails:
