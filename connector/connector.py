@@ -216,8 +216,10 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         # reports its own: the default get_finished_count (the world size) is right.
         if self._worker is None:
             return None, None
-        idle = (md := self._meta()) is not None and md.idle  # no forward: wait a little
-        sent, recving = self._worker.get_finished(finished_req_ids, idle)
+        md = self._meta()
+        idle = md is not None and md.idle  # no forward: wait a little
+        sent, recving = self._worker.get_finished(finished_req_ids, idle,
+                                                  pause=idle and md is not None and md.handoffs)
         return sent or None, recving or None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:

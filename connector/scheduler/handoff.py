@@ -114,6 +114,7 @@ class HandoffWait:
     outcome: str = ""  # "" while waiting; then "ready" (all found) or "expired"
     next_poll: float = 0.0  # no lookup before this clock time
     gap: float = POLL_FIRST_S  # until the poll after the next one
+    misses: int = 0  # lookups that found less than the target
 
     @property
     def waiting(self) -> bool:
@@ -127,9 +128,10 @@ class HandoffWait:
         """A lookup found less than the target: the next one a gap later (doubling)."""
         self.next_poll = now + self.gap
         self.gap = min(POLL_MAX_S, self.gap * 2)
+        self.misses += 1
 
     def end(self, outcome: str, now: float) -> dict[str, Any]:
         """The wait is over (``ready`` or ``expired``); what the per-request report says."""
         self.outcome = outcome
-        return {"outcome": outcome, "tokens": self.target,
+        return {"outcome": outcome, "tokens": self.target, "misses": self.misses,
                 "waited_ms": round(max(0.0, now - self.started) * 1000, 3)}

@@ -427,6 +427,7 @@ class SchedulerSide:
         """One ReqMeta per scheduled request that loads or stores something this step."""
         meta = KVPlugMetadata(chunk_size=self.cs, block_size=self.bs, epoch=self.epoch,
                               idle=not getattr(so, "total_num_scheduled_tokens", 1))
+        meta.handoffs = meta.idle and self._handoffs_waiting()
         meta.requests, self._finishing = self._finishing, []
         self._inline_spent = 0  # the next step's budget
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
@@ -590,6 +591,10 @@ class SchedulerSide:
             now = self.clock()
             t.handoff = HandoffWait(target, now, now + wait)
             self.stats.add("handoff_waits")
+
+    def _handoffs_waiting(self) -> bool:
+        """Whether a request waits for chunks a producer named."""
+        return any(t.handoff is not None and t.handoff.waiting for t in self.trackers.values())
 
     def _handoff_ignored(self, t: RequestTracker, why: str) -> None:
         self.stats.add("handoff_ignored")

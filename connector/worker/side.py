@@ -49,6 +49,9 @@ logger = logging.getLogger("kvplug.connector")
 
 
 _Identity = Identity  # the key fields of this worker (built by .identity.build_identity)
+#: how long an idle step pauses while requests wait for a producer's chunks (as long as a step
+#: without a forward waits for a background fetch: .load.IDLE_WAIT_S)
+HANDOFF_PAUSE_S = 0.01
 
 
 class WorkerSide:
@@ -302,17 +305,23 @@ class WorkerSide:
             self.transfers.submit(Store(md))
 
     def get_finished(self, finished: set[str] | frozenset[str] = frozenset(),
-                     idle: bool = False) -> tuple[set[str], set[str]]:
+                     idle: bool = False, pause: bool = False) -> tuple[set[str], set[str]]:
         """vLLM's ``get_finished``: (``finished_sending``, ``finished_recving``). Sending: finished
         requests whose last save is over (asynchronous saves: every finished request that had a
         save, once no copy reads its blocks; ``finished``: the requests vLLM finished since the
         last step). Receiving: background loads that are over. Drops finished requests' pins.
         ``idle``: the step ran no forward (a short wait for a fetch, see
-        :meth:`.load.BackgroundLoads.wait_idle`)."""
+        :meth:`.load.BackgroundLoads.wait_idle`). ``pause``: requests wait for chunks a
+        producer named (:mod:`..scheduler.handoff`): an idle step that reports nothing waits
+        :data:`HANDOFF_PAUSE_S`, so vLLM does not run empty steps back to back meanwhile (they
+        hold a core, and in-process the GIL the tiers' threads need)."""
         if self.transfers is None:
             return set(), set()
         try:
-            return tuple(self.transfers.finished(finished, idle))  # type: ignore[return-value]
+            done = self.transfers.finished(finished, idle)
+            if pause and not done.sending and not done.recving:
+                self.runtime.event().wait(HANDOFF_PAUSE_S)
+            return tuple(done)  # type: ignore[return-value]
         finally:
             self.release(finished)
 

@@ -50,10 +50,14 @@ def consumer(model_dir, extra=None):
     return s, side, fake, clock
 
 
-def step(s):
-    """One engine step; what it scheduled: {request: (tokens vLLM computes, load spec)}."""
+def step(s, paused=None):
+    """One engine step; what it scheduled: {request: (tokens vLLM computes, load spec)}.
+    ``paused``: a list told whether the step's metadata asks an idle step to pause."""
     so = s.schedule()
-    loads = {m.req_id: m.load for m in so.kv_connector_metadata.requests}
+    md = so.kv_connector_metadata
+    loads = {m.req_id: m.load for m in md.requests}
+    if paused is not None:
+        paused.append(md.handoffs)
     s.update_from_output(so, model_runner_output(so))
     return {r: (n, loads.get(r)) for r, n in so.num_scheduled_tokens.items()}
 
@@ -89,11 +93,12 @@ def test_consumer_waits_without_blocking_a_step_then_loads_all(model_dir):
     params, saved = produce(model_dir, tokens)
     s, side, fake, clock = consumer(model_dir)
     s.add_request(make_request("d", tokens, kv_transfer_params=params))
-    polls = []
+    polls, paused = [], []
     for _ in range(40):  # 40 engine steps, 1 ms apart: none schedules it, few look it up
-        assert step(s) == {}
+        assert step(s, paused) == {}
         polls.append(len(fake.calls))
         clock.now += 0.001
+    assert all(paused)  # idle steps while it waits: the workers pause them a little
     assert 4 <= polls[-1] <= 8, polls  # spaced 2, 4, 8... ms: most steps send no lookup
     assert polls[0] == 1 and all(fake.fresh)  # at once, and no tier answers from a stale miss
     assert side.trackers["d"].asking is False and fake.released.count("d") == polls[-1]
@@ -102,8 +107,9 @@ def test_consumer_waits_without_blocking_a_step_then_loads_all(model_dir):
     assert step(s) == {}
     fake.stored.update(saved[2:])
     clock.now += 0.1
-    (n, load), = step(s).values()
+    (n, load), = step(s, paused).values()
     assert (load.start, load.end, len(load.hashes)) == (0, 1024, 4) and n == 1100 - 1024
+    assert paused[-1] is False  # nothing waits now (and the step computes)
     report = side.trackers["d"].report["handoff"]
     assert report["outcome"] == "ready" and report["tokens"] == 1024
     assert side.stats.totals()["handoff_ready"] == 1 == side.stats.totals()["handoff_waits"]
@@ -228,3 +234,44 @@ def test_a_consumers_lookup_of_named_chunks_skips_its_tiers_remembered_misses():
         producer.close()
         consumer.close()
         fsspec.filesystem("memory").rm(url, recursive=True)
+
+
+def test_an_idle_step_pauses_while_requests_wait_for_a_producer():
+    """The worker side of ``KVPlugMetadata.handoffs``: an idle step that has nothing to report
+    waits a little on the runtime (the control: without it, no wait)."""
+    import threading
+    import uuid
+
+    import torch
+    from kvplug.connector.protocol.config import ConnectorConfig
+    from kvplug.connector.worker.side import HANDOFF_PAUSE_S, WorkerSide, _Identity
+    from kvplug.runtime import Runtime
+
+    from tests.support.gpu_kv_fixture import KVFixture
+
+    class Recording(Runtime):
+        waits: list[float] = []
+
+        def event(self):
+            waits = self.waits
+
+            class Event(threading.Event):
+                def wait(self, timeout=None):
+                    waits.append(timeout)
+                    return super().wait(0)
+
+            return Event()
+
+    rt = Recording()
+    cfg = ConnectorConfig(chunk_size=8, log_every_load=False, async_save=False,
+                          tiers=[{"backend": "local_cpu", "options": {"capacity": "8MiB"}}])
+    w = WorkerSide(cfg, _Identity("m", "LBHNC-bs4", 1, 0, f"p-{uuid.uuid4().hex[:8]}"),
+                   runtime=rt)
+    w.register_kv_caches(KVFixture("LBHNC", torch.bfloat16, L=2, B=8).caches)
+    try:
+        rt.waits.clear()
+        assert w.get_finished(set(), idle=True) == (set(), set()) and rt.waits == []
+        assert w.get_finished(set(), idle=True, pause=True) == (set(), set())
+        assert rt.waits == [HANDOFF_PAUSE_S]
+    finally:
+        w.close()
