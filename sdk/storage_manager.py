@@ -41,7 +41,8 @@ def auth_keyring(config: KVPlugConfig) -> Keyring | None:
     ``ConfigError`` naming a variable that is unset, short or undecodable."""
     if not config.auth_key_env:
         return None
-    return Keyring.from_env(config.auth_key_env, config.auth_previous_key_envs)
+    return Keyring.from_env(config.auth_key_env, config.auth_previous_key_envs,
+                            encrypt=config.encrypt)
 
 
 @dataclass
