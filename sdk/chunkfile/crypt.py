@@ -32,6 +32,7 @@ them by the same call, in place.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import threading
@@ -52,10 +53,46 @@ _HKDF_INFO = b"kvplug-encrypt-v1\0"
 _SEAL_NONCE = b"E" + bytes(11)
 _HEADER_NONCE = b"H" + bytes(11)
 _TENANT_KEYS = 4096  # tenant keys kept per keyring (derived again when dropped)
+#: Layers up to this size are decrypted through a scratch copy (measured: benchmarks/
+#: bench_encrypt.py --primitives), larger ones in place through a GCM context.
+_SCRATCH_MAX = 64 << 10
 
 
+_local = threading.local()
+
+
+@functools.lru_cache(maxsize=1024)
 def _layer_nonce(index: int) -> bytes:
     return b"L" + index.to_bytes(11, "big")
+
+
+def _scratch(size: int) -> memoryview:
+    """This thread's scratch, exactly ``size`` bytes (grown when a larger layer comes)."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or len(buf) < size:
+        buf = _local.scratch = memoryview(bytearray(size))
+    return buf[:size]
+
+
+def _decrypt_in_place(key: object, index: int, src: memoryview, dst: memoryview,
+                      tag: bytes) -> bool:
+    """:meth:`ChunkCipher._decrypt` through a GCM context (``key``: an ``algorithms.AES``)."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, modes
+
+    dec = Cipher(key, modes.GCM(_layer_nonce(index), tag)).decryptor()
+    dec.update_into(src, dst)
+    try:
+        dec.finalize()
+    except _invalid_tag():
+        return False
+    return True
+
+
+@functools.cache
+def _invalid_tag() -> type[Exception]:
+    from cryptography.exceptions import InvalidTag
+
+    return InvalidTag
 
 
 def tenant_key(master: bytes, tenant: str) -> bytes:
@@ -93,7 +130,7 @@ class TenantKeys:
 class ChunkCipher:
     """The keys of one encrypted chunk: ``K_c`` from its tenant key and its salt."""
 
-    __slots__ = ("key_id", "salt", "tenant", "_aead", "_aes", "_ring")
+    __slots__ = ("key_id", "salt", "tenant", "_aead", "_key", "_ring")
 
     def __init__(self, ring: Keyring, key_id: str, tenant_key_: bytes, salt: bytes,
                  tenant: str) -> None:
@@ -107,7 +144,7 @@ class ChunkCipher:
         k_c = hashlib.blake2b(salt, key=tenant_key_, digest_size=32,
                               person=b"kvplug-chunkenc1").digest()
         self._aead = AESGCM(k_c)
-        self._aes = algorithms.AES(k_c)
+        self._key = algorithms.AES(k_c)
 
     def __repr__(self) -> str:
         return f"ChunkCipher(key_id={self.key_id!r})"
@@ -149,14 +186,19 @@ class ChunkCipher:
         return ok
 
     def _decrypt(self, index: int, src: memoryview, dst: memoryview, tag: bytes) -> bool:
-        from cryptography.exceptions import InvalidTag
-        from cryptography.hazmat.primitives.ciphers import Cipher, modes
-
-        dec = Cipher(self._aes, modes.GCM(_layer_nonce(index), tag)).decryptor()
-        dec.update_into(src, dst)
+        """Layer ``index`` decrypted from ``src`` into ``dst`` (the same memory, or a throwaway
+        buffer), tag checked. The AEAD call wants ciphertext and tag back to back: a small
+        layer goes to this thread's scratch first (a copy costs less than a cipher context);
+        a large one is decrypted where it is, through a GCM context with the tag."""
+        n = len(src)
+        if n > _SCRATCH_MAX:
+            return _decrypt_in_place(self._key, index, src, dst, tag)
+        scratch = _scratch(n + TAG_BYTES)
+        scratch[:n] = src
+        scratch[n:] = tag
         try:
-            dec.finalize()
-        except InvalidTag:
+            self._aead.decrypt_into(_layer_nonce(index), scratch, None, dst)
+        except _invalid_tag():
             return False
         return True
 

@@ -16,6 +16,7 @@ import torch
 from kvplug import chunkfile as cf
 from kvplug.errors import ConfigError
 from kvplug.hookspecs import TierContext, hookimpl
+from kvplug.memory import MemoryFormat, heap_memory_obj
 from kvplug.storage_manager import StorageManager
 
 from tests.faults.test_auth_chunks import _fsspec, _fsspec_raw, _posix, _posix_raw, _resp, _resp_raw
@@ -75,6 +76,17 @@ def test_format_level(secrets):
     with pytest.raises(cf.AuthError, match="not encrypted"):
         plain = aa.encoded(k, obj)
         cf.decode_header(plain[: cf.HEADER_PROBE], len(plain), enc)
+    # layers past the scratch size are decrypted through a GCM context: the same rules
+    big = heap_memory_obj((2, 1, 96 << 10), torch.uint8, MemoryFormat.KV_PAGES, 16)
+    big.byte_view.copy_(torch.randint(0, 256, (big.nbytes,), dtype=torch.uint8))
+    data = aa.encoded(k, big, enc)
+    head = cf.decode_header(data[: cf.HEADER_PROBE], len(data), enc)
+    payload = bytearray(data[head.header_bytes :])
+    payload[-1] ^= 1
+    assert not cf.verify_layers(head, 0, memoryview(payload)), "a flipped byte decrypted"
+    payload = bytearray(data[head.header_bytes :])
+    assert cf.verify_layers(head, 0, memoryview(payload))
+    assert bytes(payload) == bytes(big.byte_view.numpy())
     other = aa.encoded(ea.tenant_key(1, ea.TENANT_B), obj, enc)  # the same hash, tenant B
     other_head = cf.decode_header(other[: cf.HEADER_PROBE], len(other), enc)
     before = enc.failures
