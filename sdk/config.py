@@ -214,6 +214,13 @@ class KVPlugConfig(_Strict):
         description="environment variables of earlier secrets, still accepted when verifying "
                     "(a rotation); names stay keyed by the last (oldest) of them")
 
+    encrypt: bool = Field(
+        default=False,
+        description="encrypt chunks at rest (needs auth_key_env): every tier but host memory "
+                    "stores each layer AES-256-GCM under a key derived from the secret and the "
+                    "request's tenant (its cache_salt), the header's model, dtype, layout and "
+                    "parallelism sealed too; only encrypted chunks are read")
+
     @field_validator("auth_key_env", "auth_previous_key_envs")
     @classmethod
     def _env_names(cls, value: Any) -> Any:
@@ -229,6 +236,9 @@ class KVPlugConfig(_Strict):
     def _previous_needs_current(self) -> KVPlugConfig:
         if self.auth_previous_key_envs and not self.auth_key_env:
             raise ValueError("auth_previous_key_envs needs auth_key_env (the current secret)")
+        if self.encrypt and not self.auth_key_env:
+            raise ValueError("encrypt: true needs auth_key_env (the environment variable "
+                             "holding the deployment secret the encryption keys derive from)")
         return self
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

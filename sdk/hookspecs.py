@@ -126,7 +126,10 @@ class TierContext:
             ``read_header``, ``chunk_name``, ``relative_chunk_path``...): chunks are then
             MAC'd and keyed-named, and one that fails the check raises
             :class:`~kvplug.chunkfile.AuthError` (a ``ChunkFormatError``: a miss; delete it so
-            the next store replaces it). Never log it or put it in an exception.
+            the next store replaces it). With ``encrypt: true`` (``auth.encrypts``) the same
+            calls encrypt each layer and ``verify_layers`` decrypts what was read, in place
+            (set the class attribute ``encrypts``, see :class:`BackendClass`). Never log it or
+            put it in an exception.
         eviction: the tier's eviction policy (:mod:`kvplug.policyspecs`, ``eviction: {policy:
             ...}`` in the tier's config; ``lru`` by default), for a backend whose class sets
             ``eviction_policy = True``: it tells the policy every entry stored, used and removed,
@@ -352,15 +355,23 @@ class BackendClass(Protocol):
     * ``eviction_policy: bool`` — the tier orders its victims by ``ctx.eviction`` (a pluggable
       eviction policy, :mod:`kvplug.policyspecs`); only such a tier accepts an ``eviction``
       setting in its config. Default ``False``.
+    * ``encrypts: bool`` — the tier stores chunks only through :mod:`kvplug.chunkfile` with
+      ``ctx.auth`` (``encode_chunk``, ``read_header``, ``verify_layers``), so under the config's
+      ``encrypt: true`` what it stores is ciphertext (the library encrypts and decrypts). With
+      ``encrypt: true`` a tier that may block and does not set it is refused at startup: its
+      store would hold plaintext. A ``never_blocks`` tier (process memory, like L1) keeps
+      plaintext. Default ``False``.
     * ``budget_quotas: bool`` — a tier whose store evicts by itself but keeps ``ctx.quotas`` by
       counting the bytes it stores per tenant and skipping a store past its tenant's quota
       (approximate: ``kvplug.backends.common.tenant_budget``); such a tier, or one with
       ``eviction_policy``, accepts a ``quotas`` setting. Default ``False``.
 
-    An instance may also set ``call_bound_s: float`` — the longest one of its hook calls can wait
-    (its client bounds every round trip, its breaker the failures). Where that is within the
-    tier's ``timeout_s``, kvplug calls it on the caller's thread instead of handing the call to
-    the tier's pool (:mod:`kvplug.tier_calls`); the tier still may block. Default: none.
+    An instance may also set ``call_bound_s: float`` — the longest one of its hook calls can wait,
+    all included: a connection pool's wait, every round trip, a reply that arrives slowly over
+    many reads (a socket timeout bounds one read, not a reply), the failures before its breaker
+    opens. Where that is within the tier's ``timeout_s``, kvplug calls it on the caller's thread
+    instead of handing the call to the tier's pool (:mod:`kvplug.tier_calls`); the tier still
+    may block. A bound that leaves any wait out must not be declared. Default: none.
 
     Not ``runtime_checkable``: every member but ``__init__`` is optional, so ``isinstance`` could
     not tell a backend class from any other; :func:`class_contract_problems` checks it instead.
@@ -372,7 +383,7 @@ class BackendClass(Protocol):
 #: The optional class attributes of :class:`BackendClass` and their defaults.
 CLASS_DEFAULTS: dict[str, Any] = {"Options": None, "never_blocks": False, "local_medium": False,
                                   "unbounded": False, "eviction_policy": False,
-                                  "budget_quotas": False}
+                                  "budget_quotas": False, "encrypts": False}
 
 
 def class_contract_problems(cls: type) -> list[str]:
@@ -384,7 +395,8 @@ def class_contract_problems(cls: type) -> list[str]:
     if model is not None and not (isinstance(model, type) and issubclass(model, BaseModel)):
         problems.append(f"Options is {model!r}, not a pydantic model class: derive it from "
                         "kvplug.config.BaseOptions (or remove it to receive the raw dict)")
-    for flag in ("never_blocks", "local_medium", "unbounded", "eviction_policy", "budget_quotas"):
+    for flag in ("never_blocks", "local_medium", "unbounded", "eviction_policy", "budget_quotas",
+                 "encrypts"):
         value = getattr(cls, flag, False)
         if not isinstance(value, bool):
             problems.append(f"{flag} is {value!r}; set it to True or False")

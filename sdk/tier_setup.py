@@ -50,6 +50,7 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
     ``ctx``'s; ``auth``: the deployment's keyring, the tier gets its own view of it) and its codec
     wrapper; a bad option or a backend that fails to start is a clear error naming the tier."""
     cls, info = load_backend_class(cfg.backend)
+    _check_encrypts(cls, cfg, auth)
     tier_auth = auth.for_tier(cfg.tier_name) if auth is not None else None
     options = _validated_options(cls, cfg)
     ctx = TierContext(
@@ -85,6 +86,19 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
             build_policy("admission", cfg.admission, cfg.tier_name, _capacity(options)),
             cfg.tier_name)
     return tier
+
+
+def _check_encrypts(cls: type, cfg: TierConfig, auth: Keyring | None) -> None:
+    """Under ``encrypt: true``, a tier that may block must declare that it stores ciphertext
+    (``encrypts``); a ``never_blocks`` tier is process memory and keeps plaintext, as L1 does."""
+    if auth is None or not auth.encrypts or getattr(cls, "never_blocks", False) \
+            or getattr(cls, "encrypts", False):
+        return
+    raise ConfigError(
+        f"tier {cfg.tier_name!r}: encrypt: true, but backend {cfg.backend!r} does not say it "
+        "encrypts what it stores (its class does not set encrypts = True), so its store would "
+        "hold plaintext KV; remove the tier, or use a backend that stores chunks through "
+        "kvplug.chunkfile with ctx.auth (posix, fsspec, resp, mooncake) and sets encrypts")
 
 
 def _capacity(options: Any) -> int | None:

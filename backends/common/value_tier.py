@@ -97,6 +97,9 @@ class ValueStoreTier:
     Options: type[RemoteOptions] = ValueStoreOptions
     #: ``quotas`` are kept by counting what this process stores (:mod:`.tenant_budget`)
     budget_quotas = True
+    #: Values in the chunk format through kvplug.chunkfile with ctx.auth: ciphertext under
+    #: ``encrypt: true``.
+    encrypts = True
     #: What log lines call the store (e.g. "Valkey/Redis store").
     kind = "key-value store"
     #: Whether the capacity index learns every value lookups and reads find (also those other
@@ -304,7 +307,7 @@ class ValueStoreTier:
 
     def _holds(self, name: str, key: CacheKey, header: cf.ChunkHeader) -> bool:
         """Whether ``header`` is ``key``'s; else the value is corrupt (deleted)."""
-        if header.key == cf.stored_key(key, self._auth):
+        if cf.holds(header, key, self._auth):
             return True
         self._corrupt(name, "the value holds another key")
         return False
@@ -424,7 +427,7 @@ class ValueStoreTier:
             self._corrupt(name, str(exc))
             return None
         header = self._parse(name, lambda off, k: head[off : off + k], layout.size)
-        other = header is not None and header.key != cf.stored_key(key, self._auth)
+        other = header is not None and not cf.holds(header, key, self._auth)
         if header is None or other or not layout.fits(header):
             obj.ref_down()
             if other:

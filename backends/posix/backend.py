@@ -145,6 +145,8 @@ class PosixBackend:
     Options = PosixOptions
     #: Victims are chosen by ``ctx.eviction``; ``lru`` is the index's own (shared mtime) LRU.
     eviction_policy = True
+    #: Chunk files through kvplug.chunkfile with ctx.auth: ciphertext under ``encrypt: true``.
+    encrypts = True
     #: A local directory: a small hit loads inside the engine step (``inline_load_bytes``). A
     #: directory on a network filesystem is better served by the ``fsspec`` tier.
     local_medium = True

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 from kvplug import chunkfile as cf
 from kvplug.chunkfile.atomic import FILE_MODE, dir_mode_for, make_dirs
 from kvplug.errors import ChunkFormatError, ChunkVersionError
@@ -173,11 +174,11 @@ def write_chunk(
     Raises ``OSError`` (full disk, read-only directory...) after removing the temporary file."""
     size = len(header) + sum(len(b) for b in bufs)
     layers = cf.chunk_layout(obj.meta)[0]
-    whole = memoryview(obj.byte_view.numpy()) if obj.nbytes else None
-    if whole is not None and len(bufs) == layers:  # no padding: one buffer for all layers
+    whole, address = _one_buffer(bufs) if len(bufs) == layers else (None, 0)
+    if whole is not None:  # no padding: one buffer for all layers
         bufs = [whole]
     flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC  # atomic_file created it (its mode)
-    if direct and whole is not None and len(bufs) == 1 and _address(obj) % cf.ALIGN == 0:
+    if direct and whole is not None and address % cf.ALIGN == 0:
         flags |= O_DIRECT
         head = _aligned_buffer("header", len(header))[: len(header)]
         head[:] = header
@@ -189,6 +190,20 @@ def write_chunk(
         finally:
             os.close(fd)
     return size
+
+
+def _one_buffer(bufs: Sequence[memoryview]) -> tuple[memoryview | None, int]:
+    """``(view, address)`` of the layers' buffers as one view where they lie back to back in
+    one array (the object's own memory, or the ciphertext an encrypted chunk is written from);
+    ``(None, 0)`` where they do not."""
+    if not bufs or any(b.obj is not bufs[0].obj for b in bufs):
+        return None, 0
+    base = np.frombuffer(bufs[0].obj, dtype=np.uint8)
+    starts = [np.frombuffer(b, dtype=np.uint8).ctypes.data for b in bufs]
+    if any(b - a != len(v) for a, b, v in zip(starts, starts[1:], bufs)):
+        return None, 0
+    at = starts[0] - base.ctypes.data
+    return memoryview(base)[at : at + sum(len(b) for b in bufs)], starts[0]
 
 
 def _aligned_reader(fd: int) -> Callable[[int, int], memoryview]:
@@ -224,7 +239,7 @@ def read_checked_header(fd: int, st: os.stat_result, key: CacheKey,
 
 def _check_key(header: cf.ChunkHeader, raw: bytes, key: CacheKey, auth: cf.Keyring | None,
                ino: int) -> Known:
-    if header.key != cf.stored_key(key, auth):
+    if not cf.holds(header, key, auth):
         raise CorruptChunk(f"file holds key {header.key}, not {key}", ino)
     return header, raw
 

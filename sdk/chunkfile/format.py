@@ -33,6 +33,15 @@ a reader with one refuses any chunk that is not authenticated under one of its k
 (:class:`~.auth.AuthError`). Its key fields record :func:`stored_key`: the chunk hash, which
 anyone computes from a guessed prompt, is replaced by the chunk's keyed name digest, so no header
 confirms a guess. Without a keyring nothing here changes.
+
+An *encrypted* chunk (a keyring made with ``encrypt=True``, see :mod:`.crypt`) has the format
+version ``"1+enc"``, ``checksum_algo`` ``"aes256-gcm"`` with one 32-hex GCM tag per layer (its
+layers are ciphertext, same sizes, same offsets), ``mac_key_id``, ``mac_salt``, the chunk's
+``tenant`` id (also in its name) and ``sealed``: the key fields, shape, dtype, memory format,
+token count and codec, encrypted. Only the geometry stays readable (``num_layers``,
+``num_blocks``, ``page_bytes``: the tensor table shows it anyway). The header is authenticated
+by ``header_mac`` as above. A keyring that encrypts refuses every chunk that is not encrypted (a
+downgrade); one that does not refuses encrypted chunks (no MAC suffix).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..errors import ChunkFormatError, ChunkVersionError, ConfigError
@@ -51,6 +61,7 @@ from ..keys import CacheKey
 from ..memory import MemoryFormat, MemoryObj, MemoryObjMeta
 from .auth import MAC_ALGO, TAG_HEX
 from .checksums import CHECKSUM_ALGO, checksum, split_layers
+from .crypt import ENC_ALGO, ENC_VERSION_SUFFIX, TAG_BYTES, ChunkCipher
 
 if TYPE_CHECKING:  # pragma: no cover
     from .auth import ChunkMac, Keyring
@@ -142,7 +153,9 @@ class ChunkHeader:
     codec: str = ""
     #: The MACs of an authenticated chunk (:class:`~.auth.ChunkMac`): ``checksums`` are its
     #: layer tags and :func:`~.checksums.verify_layer` checks them; ``None`` for a plain chunk.
-    mac: ChunkMac | None = field(default=None, compare=False, repr=False)
+    #: An encrypted chunk's :class:`~.crypt.ChunkCipher`: its layer tags are GCM tags, and
+    #: verifying a layer decrypts it in place.
+    mac: ChunkMac | ChunkCipher | None = field(default=None, compare=False, repr=False)
 
     @property
     def codec_info(self) -> dict:
@@ -229,6 +242,18 @@ def stored_key(key: CacheKey, auth: Keyring | None = None) -> CacheKey:
     return key.with_hash(bytes.fromhex(auth.name_digest(key.to_string())))
 
 
+def holds(header: ChunkHeader, key: CacheKey, auth: Keyring | None = None) -> bool:
+    """Whether a checked ``header`` is ``key``'s chunk (the key it records is
+    :func:`stored_key`). With a keyring, names are keyed: a chunk of another key (another
+    prompt's, another tenant's) under this key's name was put there by hand, a replay, so it is
+    counted as an authentication failure. Every reader asks this before reading a layer."""
+    if header.key == stored_key(key, auth):
+        return True
+    if auth is not None:
+        auth.failed("the chunk holds another key (replayed under this name)")
+    return False
+
+
 def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
                   mac: ChunkMac | None = None) -> bytes:
     """The padded header (length prefix + JSON) of a chunk holding ``meta``'s bytes; with
@@ -245,7 +270,26 @@ def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
         raise ValueError(f"{len(checksums)} checksums for {layers} layers")
     field_name, zero = (_HDR_MAC_FIELD, _ZERO_MAC) if mac is not None else (_HDR_CK_FIELD,
                                                                           _ZERO_CK)
-    metadata = {
+    if isinstance(mac, ChunkCipher):
+        metadata = _sealed_metadata(key, meta, checksums, mac)
+    else:
+        metadata = _readable_metadata(key, meta, checksums, mac, field_name, zero)
+    meta_json = json.dumps(metadata, separators=(",", ":"))
+    body = (_BODY_OPEN + meta_json + _tensor_table(layers, blocks, page_bytes)).encode()
+    total = align_up(8 + len(body))
+    raw = bytearray(struct.pack("<Q", total - 8) + body + b" " * (total - 8 - len(body)))
+    digest = (checksum(raw) if mac is None else mac.header_tag(bytes(raw))).encode()
+    at = raw.index(f'"{field_name}":"{zero}"'.encode()) + len(field_name) + 4
+    raw[at : at + len(zero)] = digest
+    return bytes(raw)
+
+
+def _readable_metadata(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
+                       mac: ChunkMac | None, field_name: str, zero: str) -> dict[str, str]:
+    """The ``__metadata__`` of a plain or authenticated chunk: every field readable."""
+    encoded = meta.fmt is MemoryFormat.ENCODED
+    layers, blocks, page_bytes = chunk_layout(meta)
+    return {
         field_name: zero,
         "format": FORMAT_NAME,
         "format_version": _version(encoded, mac is not None),
@@ -262,14 +306,51 @@ def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
         "checksum_algo": CHECKSUM_ALGO if mac is None else MAC_ALGO,
         "checksums": json.dumps(list(checksums)),
     }
-    meta_json = json.dumps(metadata, separators=(",", ":"))
-    body = (_BODY_OPEN + meta_json + _tensor_table(layers, blocks, page_bytes)).encode()
-    total = align_up(8 + len(body))
-    raw = bytearray(struct.pack("<Q", total - 8) + body + b" " * (total - 8 - len(body)))
-    digest = (checksum(raw) if mac is None else mac.header_tag(bytes(raw))).encode()
-    at = raw.index(f'"{field_name}":"{zero}"'.encode()) + len(field_name) + 4
-    raw[at : at + len(zero)] = digest
-    return bytes(raw)
+
+
+def _sealed_metadata(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
+                     cipher: ChunkCipher) -> dict[str, str]:
+    """The ``__metadata__`` of an encrypted chunk: the key fields and the object's meta sealed
+    (``sealed``), the geometry, the key id, salt and tenant readable (what decrypting needs)."""
+    layers, blocks, page_bytes = chunk_layout(meta)
+    veiled = {**key.fields(), "num_tokens": str(meta.num_tokens),
+              "shape": json.dumps(list(meta.shape)), "dtype": _DTYPE_NAMES[meta.dtype],
+              "fmt": meta.fmt.value, "codec": meta.codec}
+    return {
+        _HDR_MAC_FIELD: _ZERO_MAC,
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION + ENC_VERSION_SUFFIX,
+        "num_layers": str(layers),
+        "num_blocks": str(blocks),
+        "page_bytes": str(page_bytes),
+        "mac_key_id": cipher.key_id,
+        "mac_salt": cipher.salt.hex(),
+        "tenant": cipher.tenant,
+        "sealed": cipher.seal_fields(json.dumps(veiled, separators=(",", ":")).encode()),
+        "checksum_algo": ENC_ALGO,
+        "checksums": json.dumps(list(checksums)),
+    }
+
+
+def _unseal(meta: dict[str, str], auth: Keyring) -> tuple[dict[str, str], ChunkCipher]:
+    """An encrypted chunk's metadata with its sealed fields opened, and its cipher;
+    :class:`~.auth.AuthError` (counted) for any chunk that is not encrypted under the ring."""
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION + ENC_VERSION_SUFFIX:
+        raise auth.failure(f"chunk of format version {version!r} is not encrypted")
+    tenant = meta.get("tenant", "")
+    if len(tenant) not in (0, 16) or not all(c in "0123456789abcdef" for c in tenant):
+        raise auth.failure("chunk names a malformed tenant")
+    cipher = auth.cipher(meta.get("mac_key_id", ""), meta.get("mac_salt", ""), tenant)
+    try:
+        veiled = json.loads(cipher.open_fields(meta.get("sealed", "")))
+    except (ValueError, RecursionError):
+        veiled = None
+    if not isinstance(veiled, dict) or not all(isinstance(v, str) for v in veiled.values()) \
+            or veiled.get("tenant", "") != tenant:
+        raise auth.failure("the header's sealed fields are malformed")
+    opened = {k: v for k, v in veiled.items() if k != "codec" or v}
+    return {**meta, **opened}, cipher
 
 
 def encode_chunk(key: CacheKey, obj: MemoryObj,
@@ -299,7 +380,13 @@ def encode_chunk_with_header(
     key = stored_key(key, auth)
     layer_views = split_layers(obj.byte_view.numpy(), chunk_layout(obj.meta)[0])
     mac = auth.seal(key) if auth is not None else None
-    sums = layer_sums(layer_views, mac)
+    if isinstance(mac, ChunkCipher):  # the file holds ciphertext: written from a buffer of it
+        n = len(layer_views[0]) if layer_views else 0
+        cipher_text = np.empty(n * len(layer_views) + TAG_BYTES, dtype=np.uint8)
+        sums = mac.encrypt_layers(layer_views, cipher_text)
+        layer_views = split_layers(cipher_text[: n * len(layer_views)], len(layer_views))
+    else:
+        sums = layer_sums(layer_views, mac)
     header = encode_header(key, obj.meta, sums, mac)
     pad = align_up(len(layer_views[0])) - len(layer_views[0]) if layer_views else 0
     bufs: list[memoryview] = []
@@ -375,11 +462,15 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None,
         raise ChunkFormatError("header has no string-valued __metadata__")
     if meta.get("format") != FORMAT_NAME:
         raise ChunkFormatError(f"format {meta.get('format')!r} is not {FORMAT_NAME!r}")
+    cipher = None
+    if auth is not None and auth.encrypts:  # the sealed fields opened, the version checked
+        meta, cipher = _unseal(meta, auth)
     encoded = "codec" in meta
     version = meta.get("format_version")
-    if auth is not None and not (isinstance(version, str) and version.endswith(MAC_VERSION_SUFFIX)):
+    if cipher is None and auth is not None and not (
+            isinstance(version, str) and version.endswith(MAC_VERSION_SUFFIX)):
         raise auth.failure(f"chunk of format version {version!r} carries no MAC")
-    if version != _version(encoded, auth is not None):
+    if cipher is None and version != _version(encoded, auth is not None):
         raise ChunkVersionError(
             f"format version {version!r} is not {_version(encoded, auth is not None)!r}"
         )
@@ -410,7 +501,8 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None,
     ):
         raise ChunkFormatError("shape/dtype disagree with num_layers/num_blocks/page_bytes")
     sums = _json_list(meta, "checksums")
-    algo, width = (CHECKSUM_ALGO, 16) if auth is None else (MAC_ALGO, TAG_HEX)
+    algo, width = (CHECKSUM_ALGO, 16) if auth is None else (
+        ENC_ALGO if cipher is not None else MAC_ALGO, TAG_HEX)
     if meta.get("checksum_algo") != algo or len(sums) != layers or not all(
         isinstance(s, str) and len(s) == width for s in sums
     ):
@@ -418,7 +510,8 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None,
             raise auth.failure("layer tags are missing or malformed")
         raise ChunkFormatError("layer checksums are missing or malformed")
     if auth is not None:
-        mac = auth.opener(meta.get("mac_key_id", ""), meta.get("mac_salt", ""), key)
+        mac = cipher if cipher is not None else auth.opener(
+            meta.get("mac_key_id", ""), meta.get("mac_salt", ""), key)
         expect = encode_header(key, obj_meta, sums, mac)
         if expect != raw:
             raise auth.failure("header MAC mismatch or a header not in canonical form")
@@ -469,7 +562,8 @@ def make_header(
         layer_nbytes=layer_nbytes, checksums=[str(s) for s in checksums],
         file_size=header_bytes + layers * stride, header_bytes=header_bytes,
         shape=tuple(meta.shape), dtype=meta.dtype, fmt=meta.fmt,
-        version=_version(meta.fmt is MemoryFormat.ENCODED, mac is not None),
+        version=FORMAT_VERSION + ENC_VERSION_SUFFIX if isinstance(mac, ChunkCipher)
+        else _version(meta.fmt is MemoryFormat.ENCODED, mac is not None),
         codec=meta.codec, mac=mac,
     )
 
