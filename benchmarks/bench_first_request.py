@@ -18,6 +18,9 @@ requests of ``--prompt-len`` tokens (other chunks each) are stored, then loaded:
 ``resp`` (a redis-server on loopback, started here): L1 in front, as configured in practice;
 one process stores (the producer), a second fresh one loads from the tier (the consumer: its L1
 is empty). The anchor is the second request in the same process: the ratio first / second.
+``--compare``: each measurement also without the start-up warm-up (``Transfers.warm_up`` and
+``Runtime.start_threads`` patched out in the child: every pool, thread and copy path set up by
+the first request that needs it, as before), interleaved with the warmed one.
 """
 
 from __future__ import annotations
@@ -83,8 +86,9 @@ def _store(w, tag: int, blocks: list[int], tokens: int) -> tuple[float, float]:
     return time.perf_counter() - t0, step
 
 
-def _load(w, tag: int, blocks: list[int], tokens: int) -> tuple[float, str]:
-    """Look up and load request ``tag`` into ``blocks``: (seconds until they hold it, how)."""
+def _load(w, tag: int, blocks: list[int], tokens: int) -> tuple[float, float, str]:
+    """Look up and load request ``tag`` into ``blocks``: (seconds until they hold it, seconds
+    of the lookup, how)."""
     from kvplug.connector.protocol.lookup import Lookup
     from kvplug.connector.protocol.metadata import KVPlugMetadata, LoadSpec, ReqMeta
 
@@ -93,6 +97,7 @@ def _load(w, tag: int, blocks: list[int], tokens: int) -> tuple[float, str]:
     req = f"l{tag}"
     t0 = time.perf_counter()
     found, slow, local = w._on_lookup(Lookup(tag, req, hashes))
+    looked = time.perf_counter() - t0
     assert found == tokens, f"lookup found {found} of {tokens} tokens"
     background = bool(slow) or (bool(local) and tokens * LAYERS * HEADS * HEAD_DIM * 2
                                 > int(w.cfg.inline_load_bytes))
@@ -107,13 +112,20 @@ def _load(w, tag: int, blocks: list[int], tokens: int) -> tuple[float, str]:
             break
     seconds = time.perf_counter() - t0
     assert not w.take_load_errors(), "the load failed"
-    return seconds, "background" if background else "inline"
+    return seconds, looked, "background" if background else "inline"
 
 
 def child(cfg: dict) -> dict:
     """One fresh process's measurements (see the module docstring)."""
     t0 = time.perf_counter()
     import kvplug.connector.worker.side  # noqa: F401 - imported before the clock starts
+
+    if not cfg.get("warm", True):  # the lazy set-up, as before the warm-up existed
+        from kvplug.connector.worker.transfers import Transfers
+        from kvplug.runtime import Runtime
+
+        Transfers.warm_up = lambda self: None  # type: ignore[method-assign]
+        Runtime.start_threads = lambda self, pool, workers, timeout=1.0: None  # type: ignore
 
     imported = time.perf_counter() - t0
     w, fx, startup = _worker(cfg)
@@ -129,7 +141,8 @@ def child(cfg: dict) -> dict:
         if cfg["role"] in ("load", "both"):
             for i, tag in enumerate((1, 2)):
                 dst = list(range(1 + (2 + i) * n, 1 + (3 + i) * n))
-                out[f"load{i + 1}_s"], out["load_kind"] = _load(w, tag, dst, cfg["prompt_len"])
+                out[f"load{i + 1}_s"], out[f"lookup{i + 1}_s"], out["load_kind"] = _load(
+                    w, tag, dst, cfg["prompt_len"])
                 src = list(range(1 + i * n, 1 + (i + 1) * n)) if cfg["role"] == "both" else None
                 if src is not None:  # the bytes arrived (same process: the source is here)
                     for layer in range(LAYERS):
@@ -151,11 +164,13 @@ def _run_child(cfg: dict) -> dict:
     return json.loads(line[len(RESULT):])
 
 
-def measure(tier: str, run: int, args: argparse.Namespace, workdir: Path, redis_url: str
-            ) -> dict:
+def measure(tier: str, run: int, args: argparse.Namespace, workdir: Path, redis_url: str,
+            warm: bool = True) -> dict:
     l1 = {"backend": "local_cpu", "options": {"capacity": "512MiB"}}
     blocks = 1 + 4 * (args.prompt_len // BLOCK)
-    base = {"prompt_len": args.prompt_len, "blocks": blocks, "seed": run, "settle_s": args.settle}
+    base = {"prompt_len": args.prompt_len, "blocks": blocks, "seed": run, "settle_s": args.settle,
+            "warm": warm}
+    run = 2 * run + (not warm)  # its own directory and key prefix
     if tier == "local_cpu":
         return child({**base, "tiers": [l1], "role": "both"}) if args.inline \
             else _run_child({**base, "tiers": [l1], "role": "both"})
@@ -166,24 +181,30 @@ def measure(tier: str, run: int, args: argparse.Namespace, workdir: Path, redis_
         lower = {"backend": "resp", "options": {"url": redis_url, "prefix": f"first{run}:"}}
     stored = _run_child({**base, "tiers": [l1, lower], "role": "store"})
     loaded = _run_child({**base, "tiers": [l1, lower], "role": "load"})
-    return {**stored, **{k: v for k, v in loaded.items() if k.startswith("load")},
+    return {**stored, **{k: v for k, v in loaded.items() if k.startswith(("load", "lookup"))},
             "load_startup_s": loaded["startup_s"]}
 
 
 def report(rows: dict[str, list[dict]]) -> None:
+    """Medians over the runs (ms), and the median of each run's own ratio first / second."""
     ms = lambda xs: statistics.median(xs) * 1000  # noqa: E731
-    print(f"\n{'tier':10} {'store 1st':>10} {'2nd':>8} {'ratio':>6} {'load 1st':>10} {'2nd':>8} "
-          f"{'ratio':>6}  {'(step 1st/2nd ms)':>18}  start-up ms   load")
+    print(f"\n{'tier':17} {'store 1st':>10} {'2nd':>8} {'ratio':>6} {'load 1st':>10} {'2nd':>8} "
+          f"{'ratio':>6}  {'(step 1st/2nd ms)':>18}  {'(lookup 1st/2nd ms)':>19}  start-up ms"
+          "   load")
     for tier, runs in rows.items():
         s1, s2 = ms([r["store1_s"] for r in runs]), ms([r["store2_s"] for r in runs])
         l1, l2 = ms([r["load1_s"] for r in runs]), ms([r["load2_s"] for r in runs])
         st1, st2 = ms([r["store1_step_s"] for r in runs]), ms([r["store2_step_s"] for r in runs])
+        lk1, lk2 = ms([r["lookup1_s"] for r in runs]), ms([r["lookup2_s"] for r in runs])
         start = ms([r["startup_s"] for r in runs])
-        print(f"{tier:10} {s1:10.1f} {s2:8.1f} {s1 / s2:6.2f} {l1:10.1f} {l2:8.1f} {l1 / l2:6.2f}"
-              f"  {st1:8.1f} / {st2:7.1f}  {start:10.1f}   {runs[0]['load_kind']}")
+        rs = statistics.median(r["store1_s"] / r["store2_s"] for r in runs)
+        rl = statistics.median(r["load1_s"] / r["load2_s"] for r in runs)
+        print(f"{tier:17} {s1:10.1f} {s2:8.1f} {rs:6.2f} {l1:10.1f} {l2:8.1f} {rl:6.2f}"
+              f"  {st1:8.1f} / {st2:7.1f}  {lk1:9.2f} / {lk2:7.2f}  {start:11.1f}   "
+              f"{runs[0]['load_kind']}")
         worst_s = max(r["store1_s"] / r["store2_s"] for r in runs)
         worst_l = max(r["load1_s"] / r["load2_s"] for r in runs)
-        print(f"{'':10} worst of {len(runs)} runs: store {worst_s:.2f}x, load {worst_l:.2f}x")
+        print(f"{'':17} worst of {len(runs)} runs: store {worst_s:.2f}x, load {worst_l:.2f}x")
 
 
 def main() -> int:
@@ -194,12 +215,16 @@ def main() -> int:
                     "of 256)")
     ap.add_argument("--settle", type=float, default=2.0, help="seconds between a worker's "
                     "start-up and its first request (vLLM warms its engine up meanwhile)")
+    ap.add_argument("--raw", help="write every run's figures (JSON) to this file")
+    ap.add_argument("--compare", action="store_true", help="also measure without the start-up "
+                    "warm-up (interleaved)")
     ap.add_argument("--inline", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(RESULT + json.dumps(child(json.loads(args.child))), flush=True)
         return 0
+    print(f"load average {os.getloadavg()[0]:.1f} at the start")
     workdir = Path(tempfile.mkdtemp(prefix="kvplug-first-"))
     redis = None
     try:
@@ -210,11 +235,17 @@ def main() -> int:
 
             redis = RedisServer(workdir / "redis")
             url = redis.url
-        rows: dict[str, list[dict]] = {t: [] for t in tiers}
-        for run in range(args.runs):  # tiers alternate within a run: load spread evenly
+        arms = [True, False] if args.compare else [True]
+        rows: dict[str, list[dict]] = {f"{t}{'' if w else ' (lazy)'}": [] for t in tiers
+                                       for w in arms}
+        for run in range(args.runs):  # tiers and arms alternate within a run: load spread evenly
             for tier in tiers:
-                rows[tier].append(measure(tier, run, args, workdir, url))
-        print(json.dumps(rows))
+                for warm in arms:
+                    rows[f"{tier}{'' if warm else ' (lazy)'}"].append(
+                        measure(tier, run, args, workdir, url, warm))
+        if args.raw:
+            Path(args.raw).write_text(json.dumps(rows))
+        print(f"load average {os.getloadavg()[0]:.1f} at the end")
         report(rows)
     finally:
         if redis is not None:

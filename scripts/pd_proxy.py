@@ -8,12 +8,11 @@ examples do; those work with kvplug unchanged.
     python scripts/pd_proxy.py --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
         [--host 127.0.0.1] [--port 8000]
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the client's
+Routes (FastAPI reads their annotations at run time: no ``from __future__ import annotations``
+here): ``POST /v1/completions``, ``POST /v1/chat/completions`` (the client's
 ``Authorization`` header is passed on to both engines), ``GET /v1/models`` and ``GET /health``
 (the decode engine's). Needs fastapi, uvicorn and httpx (vLLM's own dependencies).
 """
-
-from __future__ import annotations
 
 import argparse
 import copy
@@ -94,9 +93,15 @@ def build_app(prefill: str, decode: str, timeout_s: float = 600.0) -> Any:
         r = await client.get(decode + "/v1/models", headers=headers(request))
         return Response(r.content, r.status_code, media_type="application/json")
 
+    async def healthy(url: str) -> bool:
+        try:
+            return (await client.get(url + "/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     @app.get("/health")
     async def health() -> Response:
-        ok = [(await client.get(u + "/health")).status_code == 200 for u in (prefill, decode)]
+        ok = [await healthy(u) for u in (prefill, decode)]
         return JSONResponse({"prefill": ok[0], "decode": ok[1]}, 200 if all(ok) else 503)
 
     return app

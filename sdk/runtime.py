@@ -161,9 +161,29 @@ class Runtime:
         """Return once any of ``futures`` is done, or after ``timeout`` seconds."""
         wait(futures, timeout, return_when=FIRST_COMPLETED)
 
+    def start_threads(self, pool: Executor, workers: int, timeout: float = 1.0) -> None:
+        """Start ``workers`` threads of ``pool`` (an idle executor of this runtime) now: a pool
+        starts its threads on demand, so its first calls would wait for them (an engine's first
+        store, its first load). Each thread waits at a barrier until all exist; a pool that
+        cannot run them all within ``timeout`` (busy) is left as it is."""
+        gate = threading.Barrier(workers + 1)
+        for _ in range(workers):
+            pool.submit(_arrive, gate, timeout)
+        try:
+            gate.wait(timeout)
+        except threading.BrokenBarrierError:
+            pass
+
     def wait_all(self, futures: Collection[Future], timeout: float | None) -> bool:
         """Wait until every one of ``futures`` is done (up to ``timeout`` seconds); True if so."""
         return not wait(futures, timeout).not_done
+
+
+def _arrive(gate: threading.Barrier, timeout: float) -> None:
+    try:
+        gate.wait(timeout)
+    except threading.BrokenBarrierError:
+        pass
 
 
 #: The runtime every kvplug object uses unless given another.

@@ -31,10 +31,19 @@ from .logs import LogOnce
 from .memory import MemoryFormat, MemoryObj, heap_memory_obj
 from .read_memory import DEFAULT_MAX_HEAP_FALLBACK, ChunkGeometry, ReadMemory
 from .runtime import THREADS, Runtime
-from .tier_calls import BATCH_GET_KEYS, MAX_ENCODER_QUEUE, Tier, WaitBudget, release
+from .tier_calls import (
+    BATCH_GET_KEYS,
+    MAX_ENCODER_QUEUE,
+    TIER_THREADS,
+    Tier,
+    WaitBudget,
+    release,
+)
 from .tier_setup import ScopedHooks, build_tier
 
 logger = logging.getLogger("kvplug.storage")
+#: threads a batched read of a slower tier is spread over
+READERS = 8
 
 def auth_keyring(config: KVPlugConfig) -> Keyring | None:
     """The keyring of ``config``'s ``auth_key_env`` (and previous keys), or ``None`` without it;
@@ -77,7 +86,7 @@ class StorageManager:
         #: The deployment's keyring (``auth_key_env``): handed to every tier, never global.
         self.auth = auth_keyring(self.config)
         # Bounded tier calls run on each tier's own pool; batched_get fans out over this one.
-        self._readers = runtime.executor(8, "kvplug-read")
+        self._readers = runtime.executor(READERS, "kvplug-read")
         names = self.config.tier_names()
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -695,6 +704,16 @@ class StorageManager:
         if self._tiers:  # reads refused or sent to the heap: the manager's, shown with L1
             out[self._tiers[0].name].update(self.reads.stats())
         return out
+
+    def start_threads(self) -> None:
+        """Start the readers' and every tier's call threads now (an engine's start-up), not on
+        the first store and load that need them."""
+        self.runtime.start_threads(self._readers, READERS)
+        for tier in self._tiers:
+            if tier.pool is not None:
+                self.runtime.start_threads(tier.pool, TIER_THREADS)
+            if tier.encoder is not None:
+                self.runtime.start_threads(tier.encoder, 1)
 
     def close(self) -> None:
         """Drain writes and release every tier; idempotent."""

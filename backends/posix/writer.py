@@ -62,6 +62,7 @@ class Writer:
         self.counters = dict.fromkeys(
             ("writes", "disk_bytes_written", "dropped_puts", "failed_puts", "skipped_puts"), 0)
         self._pool = runtime.executor(threads, f"kvplug-{directory.name}")
+        runtime.start_threads(self._pool, threads)  # now, not on the first store
 
     def submit(self, keys: Sequence[CacheKey], rels: Sequence[str],
                objs: Sequence[MemoryObj]) -> None:

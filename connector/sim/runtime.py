@@ -225,6 +225,9 @@ class SimRuntime(Runtime):
     def wait_first(self, futures: Any, timeout: float) -> None:
         """Never waits: the schedule decides when a queued task runs."""
 
+    def start_threads(self, pool: Any, workers: int, timeout: float = 1.0) -> None:
+        """Nothing to start: a pool's tasks run when the schedule says."""
+
     def wait_all(self, futures: Any, timeout: float | None) -> bool:
         """Run each future's task (a gated one: the wait times out)."""
         for f in list(futures):

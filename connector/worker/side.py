@@ -100,6 +100,7 @@ class WorkerSide:
                             order_at_submit=self.layout.zeroes_new_blocks)
                  if async_save_enabled(self.cfg, self.kv.device.type) else None)
         self.transfers = Transfers(loads, Stores(parts, self.stats, saves))
+        self.transfers.warm_up()
         path = socket_path(self.ident.engine_id, self.ident.rank, self.ident.pp_rank)
         if self.runtime.remote_lookups:  # else the caller calls _on_lookup (a simulation)
             self.service = LookupService(path, self._on_lookup, self.release)

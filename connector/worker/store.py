@@ -337,6 +337,10 @@ class AsyncSaves:
         self._closed = False
 
     # -- engine thread -------------------------------------------------------------------------
+    def start_threads(self) -> None:
+        """Start the save thread now (at start-up), not on the first save."""
+        self.runtime.start_threads(self._pool, 1)
+
     def expect(self, md: KVPlugMetadata) -> None:
         """vLLM bound ``md`` for the coming step: its requests with a save count as held (vLLM
         keeps their blocks at finish) and as busy until this step's :meth:`submit`, whichever
