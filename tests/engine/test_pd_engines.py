@@ -68,6 +68,11 @@ def engines(tmp_path_factory):
         consumer = EngineProcess("decode", model, transfer_config(
             "kvplug", {"tiers": tiers(root, srv.url, False), "handoff_wait_s": WAIT_S},
             role="kv_consumer"), ENGINE, base)
+        # each engine's own first steps (as an operator's warm-up request): the figures of the
+        # first P/D round below are then kvplug's first store and first load
+        off = {"kvplug_load": False, "kvplug_save": False}
+        producer.ask(prompt(2900, 699), 1, off)
+        consumer.ask(prompt(2900, 699), TOKENS, off)
         yield producer, consumer, srv
     finally:
         for e in (producer, consumer):
