@@ -29,8 +29,10 @@ one route per job, in job order. A gather whose memory objects overlap never tak
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from itertools import chain
 from typing import NamedTuple, Protocol
 
 import torch
@@ -46,7 +48,7 @@ BlockIds = Sequence[int] | torch.Tensor
 #: run; shorter ones through an index. CUDA: an index kernel and one large copy beat many small
 #: copies below ~1 MiB (H100/H200, benchmarks/RESULTS.md); CPU: runs skip the index route's second
 #: pass over the bytes, which costs more than a copy call from ~64 KiB on (bench_host_cost).
-RUN_BYTES = {"cuda": 1 << 20, "cpu": 64 << 10}
+RUN_BYTES = {"cuda": 1 << 20, "cpu": 16 << 10}
 
 
 class PageJob(NamedTuple):
@@ -64,11 +66,13 @@ class Job(NamedTuple):
     pages: torch.Tensor
 
 
-def _ids(kv: PagedKV, block_ids: BlockIds, unique: bool) -> list[int]:
-    ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else [int(b) for b in block_ids]
-    if ids and not (min(ids) >= 0 and max(ids) < kv.num_blocks):
-        bad = next(b for b in ids if not 0 <= b < kv.num_blocks)
-        raise IndexError(f"block id {bad} out of range [0, {kv.num_blocks})")
+def _int64(values: Iterable[int]) -> torch.Tensor:
+    """A host int64 tensor of ``values`` (through an array: a quarter of ``torch.tensor``'s time)."""
+    return torch.frombuffer(array("q", values), dtype=torch.int64)
+
+
+def _ids(block_ids: BlockIds, unique: bool) -> list[int]:
+    ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else list(map(int, block_ids))
     if unique and len(set(ids)) != len(ids):
         dup = sorted(b for b, c in Counter(ids).items() if c > 1)
         raise ValueError(f"block ids {dup} repeat within one scatter job; each is written once")
@@ -77,23 +81,23 @@ def _ids(kv: PagedKV, block_ids: BlockIds, unique: bool) -> list[int]:
 
 def _check_obj(kv: PagedKV, obj: torch.Tensor, n: int, what: str) -> None:
     want = (kv.num_layers, n, kv.page_bytes)
-    if obj.dtype != torch.uint8 or tuple(obj.shape) != want:
+    if obj.dtype != torch.uint8 or obj.shape != want:
         raise ValueError(
             f"{what} must be a uint8 tensor of shape {list(want)} [layers, blocks, page bytes], "
             f"got {obj.dtype} {list(obj.shape)}"
         )
     if n and obj.stride(2) != 1:
         raise ValueError(f"{what}'s page dimension must be contiguous, strides {obj.stride()}")
-    if kv.device.type != "cuda" and obj.device != kv.device:
-        raise ValueError(f"{what} is on {obj.device}, the KV cache on {kv.device}")
-    if obj.device.type == "cuda" and obj.device != kv.device:
-        raise ValueError(f"{what} is on {obj.device}, the KV cache on {kv.device}")
+    device = obj.device
+    if device != kv.device and (kv.device.type != "cuda" or device.type == "cuda"):
+        raise ValueError(f"{what} is on {device}, the KV cache on {kv.device}")
 
 
 def check_job(kv: PagedKV, job: PageJob | tuple[BlockIds, torch.Tensor], to_engine: bool) -> Job:
-    """One job, validated (``to_engine``: a scatter, whose block ids must not repeat)."""
+    """One job, validated but for the range of its block ids (``to_engine``: a scatter, whose
+    block ids must not repeat)."""
     block_ids, pages = job
-    ids = _ids(kv, block_ids, unique=to_engine)
+    ids = _ids(block_ids, unique=to_engine)
     _check_obj(kv, pages, len(ids), "src" if to_engine else "out")
     return Job(ids, pages)
 
@@ -112,20 +116,22 @@ class CopyPlan:
 
     ``copy_layer`` moves one layer of every job, ``copy_all`` every layer; each is a fixed number
     of torch calls per route, and a plan has one route (one per job only when scatter jobs name
-    the same block). ``jobs`` are validated (:func:`plan_copies` validates them).
+    the same block). ``jobs`` are validated (:func:`plan_copies` validates them); ``bulk``: the
+    plan moves all layers at once (``copy_all``), which makes runs of blocks longer per copy.
     """
 
-    def __init__(self, kv: PagedKV, jobs: list[Job], to_engine: bool) -> None:
+    def __init__(self, kv: PagedKV, jobs: list[Job], to_engine: bool, bulk: bool) -> None:
         self.kv = kv
         self.jobs = jobs
         self.to_engine = to_engine
-        self.routes = _routes(kv, jobs, to_engine)
+        self.bulk = bulk
+        self.routes = _routes(kv, jobs, to_engine, bulk)
 
     def without(self, dropped: Collection[int]) -> CopyPlan:
         """A plan for every job but those at the indices ``dropped``: their blocks and pages are
         neither read nor written by it."""
         return CopyPlan(self.kv, [j for i, j in enumerate(self.jobs) if i not in dropped],
-                        self.to_engine)
+                        self.to_engine, self.bulk)
 
     def copy_layer(self, layer: int, copier: torch.cuda.Stream | None = None) -> None:
         for route in self.routes:
@@ -136,39 +142,50 @@ class CopyPlan:
             route.bulk()
 
 
-def plan_copies(
-    kv: PagedKV, jobs: Sequence[PageJob | tuple[BlockIds, torch.Tensor]], to_engine: bool
-) -> CopyPlan:
+def plan_copies(kv: PagedKV, jobs: Sequence[PageJob | tuple[BlockIds, torch.Tensor]],
+                to_engine: bool, bulk: bool = False) -> CopyPlan:
     """Validate every job (before any byte moves) and resolve them into one plan."""
-    return CopyPlan(kv, [check_job(kv, job, to_engine) for job in jobs], to_engine)
+    checked = [check_job(kv, job, to_engine) for job in jobs]
+    ids = list(chain.from_iterable(j.ids for j in checked))
+    if ids and not (min(ids) >= 0 and max(ids) < kv.num_blocks):
+        bad = next(b for b in ids if not 0 <= b < kv.num_blocks)
+        raise IndexError(f"block id {bad} out of range [0, {kv.num_blocks})")
+    return CopyPlan(kv, checked, to_engine, bulk)
 
 
-def _routes(kv: PagedKV, jobs: list[Job], to_engine: bool) -> list[_Route]:
+def _routes(kv: PagedKV, jobs: list[Job], to_engine: bool, bulk: bool) -> list[_Route]:
     live = [j for j in jobs if j.ids]
     if not live:
         return []
     if to_engine and len(live) > 1:
         if len(set().union(*(j.ids for j in live))) < sum(len(j.ids) for j in live):
-            return [_route(kv, [j], to_engine) for j in live]  # one block, several jobs: in order
-    return [_route(kv, live, to_engine)]
+            return [_route(kv, [j], to_engine, bulk) for j in live]  # one block, two jobs: in order
+    return [_route(kv, live, to_engine, bulk)]
 
 
-def _route(kv: PagedKV, jobs: list[Job], to_engine: bool) -> _Route:
-    blocks = torch.tensor([b for j in jobs for b in j.ids], dtype=torch.int64)
-    runs = _count_runs(blocks, [len(j.ids) for j in jobs])
-    if blocks.numel() * kv.page_bytes >= RUN_BYTES.get(kv.device.type, RUN_BYTES["cuda"]) * runs:
-        return _RunsRoute(kv, jobs, to_engine)
+def _route(kv: PagedKV, jobs: list[Job], to_engine: bool, bulk: bool) -> _Route:
+    ids = list(chain.from_iterable(j.ids for j in jobs))
+    per_run = kv.page_bytes * (kv.num_layers if bulk and _all_layers(kv) else 1)
+    long_run = RUN_BYTES.get(kv.device.type, RUN_BYTES["cuda"])
+    if len(ids) * per_run >= long_run * len(jobs) and (  # runs never span two jobs
+            len(ids) * per_run >= long_run * _count_runs(jobs)):
+        return _RunsRoute(kv, jobs, to_engine, bulk)
+    blocks = _int64(ids)
     start = _common_rows(kv, jobs, to_engine)
     if start is not None:
         return _RowsRoute(kv, jobs, blocks, to_engine, start)
     return _StagedRoute(kv, jobs, blocks, to_engine)
 
 
-def _count_runs(blocks: torch.Tensor, sizes: list[int]) -> int:
-    """Runs of consecutive block ids in ``blocks`` (jobs of ``sizes``), none across two jobs."""
-    breaks = blocks[1:] != blocks[:-1] + 1
-    breaks[torch.tensor(sizes[:-1], dtype=torch.int64).cumsum(0) - 1] = True
-    return int(breaks.sum()) + 1
+def _all_layers(kv: PagedKV) -> bool:
+    """Whether one copy may move a run of blocks of every layer: on CPU, through ``kv.stacked``.
+    (On CUDA such a strided copy to host memory would be staged by torch and could synchronise.)"""
+    return kv.stacked is not None and kv.device.type != "cuda"
+
+
+def _count_runs(jobs: list[Job]) -> int:
+    """Runs of consecutive block ids in all ``jobs``, none across two jobs."""
+    return sum(1 + sum(b != a + 1 for a, b in zip(j.ids, j.ids[1:])) for j in jobs)
 
 
 def _common_rows(kv: PagedKV, jobs: list[Job], to_engine: bool) -> int | None:
@@ -245,20 +262,24 @@ class _RowsRoute:
 
     def __init__(self, kv: PagedKV, jobs: list[Job], blocks: torch.Tensor, to_engine: bool,
                  start: int) -> None:
-        P, L, N = kv.page_bytes, kv.num_layers, blocks.numel()
+        P, L = kv.page_bytes, kv.num_layers
         rows = _rows(jobs[0].pages, start, P)
         self.word = word_size(kv.word, rows.data_ptr())
         self.rows = words(rows, self.word)
         self.engine = kv.word_views(self.word)
         self.kv, self.to_engine, self.blocks = kv, to_engine, blocks
-        # page k of job j in layer l is row first_j + l * step_j + k, the job's pages starting at
-        # position before_j of the plan's blocks
-        sizes = torch.tensor([len(j.ids) for j in jobs])
-        first = torch.tensor([(j.pages.storage_offset() - start) // P for j in jobs])
-        step = torch.tensor([j.pages.stride(0) // P for j in jobs])
-        before = sizes.cumsum(0) - sizes
-        rows0 = torch.arange(N) + torch.repeat_interleave(first - before, sizes)
-        self.index = rows0 + torch.arange(L)[:, None] * torch.repeat_interleave(step, sizes)
+        # page k of job j in layer l is row first_j + k + l * step_j (the job's pages start at
+        # row first_j, its layers step_j rows apart)
+        first = [(j.pages.storage_offset() - start) // P for j in jobs]
+        step = [j.pages.stride(0) // P if L > 1 else 0 for j in jobs]
+        rows0 = _int64(chain.from_iterable(
+            range(f, f + len(j.ids)) for f, j in zip(first, jobs, strict=True)))
+        layers = torch.arange(L)[:, None]
+        if len(set(step)) == 1:
+            self.index = rows0 + layers * step[0]
+        else:
+            steps = chain.from_iterable([s] * len(j.ids) for s, j in zip(step, jobs, strict=True))
+            self.index = rows0 + layers * _int64(steps)
         self._device: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
         self._bulk: tuple[_EngineRows, torch.Tensor] | None = None
 
@@ -319,42 +340,33 @@ class _StagedRoute:
         engine, blocks, slabs = self.engine[layer], self._blocks(), self.slabs[layer]
         if copier is None:
             if self.to_engine:
-                staged = self._staged(blocks.numel(), slabs, self.sizes)
+                staged = self._buffer(blocks.numel())
+                self._copy(staged.split(self.sizes), slabs)
                 engine.index_copy_(0, blocks, words(staged, self.word))
             else:
-                self._unstage(torch.index_select(engine, 0, blocks), slabs, self.sizes)
+                staged = torch.index_select(engine, 0, blocks).view(torch.uint8)
+                self._copy(slabs, staged.split(self.sizes))
             return
         current = torch.cuda.current_stream(engine.device)
         if self.to_engine:
             with torch.cuda.stream(copier):
-                staged = self._staged(blocks.numel(), slabs, self.sizes)
+                staged = self._buffer(blocks.numel())
+                self._copy(staged.split(self.sizes), slabs)
             current.wait_stream(copier)
             engine.index_copy_(0, blocks, words(staged, self.word))
             staged.record_stream(current)
         else:
-            staged = torch.index_select(engine, 0, blocks)
+            staged = torch.index_select(engine, 0, blocks).view(torch.uint8)
             copier.wait_stream(current)
             with torch.cuda.stream(copier):
-                self._unstage(staged, slabs, self.sizes)
+                self._copy(slabs, staged.split(self.sizes))
             staged.record_stream(copier)
 
-    def _staged(self, rows: int, objs: Sequence[torch.Tensor], sizes: list[int],
-                shapes: list[tuple[int, ...]] | None = None) -> torch.Tensor:
-        """A buffer on the engine's device filled with ``objs`` one after the other (uint8)."""
-        staged = torch.empty((rows, self.kv.page_bytes), dtype=torch.uint8, device=self.kv.device)
-        parts = staged.split(sizes)
-        if shapes is not None:
-            parts = [p.view(s) for p, s in zip(parts, shapes, strict=True)]
-        torch._foreach_copy_(parts, objs, non_blocking=self.non_blocking)
-        return staged
+    def _buffer(self, rows: int) -> torch.Tensor:
+        return torch.empty((rows, self.kv.page_bytes), dtype=torch.uint8, device=self.kv.device)
 
-    def _unstage(self, staged: torch.Tensor, objs: Sequence[torch.Tensor], sizes: list[int],
-                 shapes: list[tuple[int, ...]] | None = None) -> None:
-        """``staged``'s rows (words) into ``objs``, one after the other."""
-        parts = staged.view(torch.uint8).split(sizes)
-        if shapes is not None:
-            parts = [p.view(s) for p, s in zip(parts, shapes, strict=True)]
-        torch._foreach_copy_(objs, parts, non_blocking=self.non_blocking)
+    def _copy(self, dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+        torch._foreach_copy_(dst, src, non_blocking=self.non_blocking)
 
     def bulk(self) -> None:
         if self._bulk is None:
@@ -365,14 +377,30 @@ class _StagedRoute:
                 return
             self._bulk = (eng, _on(self.kv.device, self._object_order(eng)))
         eng, index = self._bulk
-        L = self.kv.num_layers
-        sizes = [L * n for n in self.sizes]
-        shapes = [(L, n, self.kv.page_bytes) for n in self.sizes]
         if self.to_engine:
-            staged = self._staged(index.numel(), self.pages, sizes, shapes)
+            staged = self._buffer(index.numel())
+            self._copy(*self._whole(staged)[::-1])
             eng.rows.index_copy_(0, index, words(staged, self.word))
         else:
-            self._unstage(torch.index_select(eng.rows, 0, index), self.pages, sizes, shapes)
+            staged = torch.index_select(eng.rows, 0, index).view(torch.uint8)
+            self._copy(*self._whole(staged))
+
+    def _whole(self, staged: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each object and its part of ``staged`` (all its pages, job after job); an object that
+        is not one dense block goes layer by layer (a host copy of it would be staged by torch,
+        and on CUDA synchronously)."""
+        objs: list[torch.Tensor] = []
+        parts: list[torch.Tensor] = []
+        L = self.kv.num_layers
+        for pages, part in zip(self.pages, staged.split([L * n for n in self.sizes]), strict=True):
+            part = part.view(pages.shape)
+            if pages.is_contiguous():
+                objs.append(pages)
+                parts.append(part)
+            else:
+                objs += pages.unbind(0)
+                parts += part.unbind(0)
+        return objs, parts
 
     def _object_order(self, eng: _EngineRows) -> torch.Tensor:
         """The KV rows of every job's pages ``[layers, n]`` in the job's own order, job after job:
@@ -389,37 +417,49 @@ class _StagedRoute:
 
 class _RunsRoute:
     """Long runs of consecutive block ids: one copy per run between the pages and the object, all
-    in one ``_foreach_copy_`` per layer (per bulk call, through ``kv.stacked``)."""
+    in one ``_foreach_copy_`` per layer (per bulk call on CPU, through ``kv.stacked``)."""
 
-    def __init__(self, kv: PagedKV, jobs: list[Job], to_engine: bool) -> None:
+    def __init__(self, kv: PagedKV, jobs: list[Job], to_engine: bool, bulk: bool) -> None:
         self.kv, self.to_engine = kv, to_engine
         self.non_blocking = kv.device.type == "cuda"
-        objs, spans = [], []
+        self.objs: list[torch.Tensor] = []  # every run's pages, all layers: [layers, n, page]
+        self.spans: list[tuple[int, int]] = []  # its first block and length
         for job in jobs:
             for pos, first, n in coalesce_runs(job.ids):
-                objs.append(job.pages.narrow(1, pos, n))
-                spans.append((first, n))
-        st = kv.stacked
-        #: all layers of each run ([layers, n, page]), when the layers are evenly spaced
-        self.all_layers = None if st is None else (
-            objs, [st.narrow(1, first, n) for first, n in spans])
-        self.obj_layers = list(zip(*(o.unbind(0) for o in objs), strict=True))
-        if st is not None:
-            self.engine_layers = list(zip(*(e.unbind(0) for e in self.all_layers[1]),
-                                          strict=True))
-        else:
-            self.engine_layers = [tuple(v.narrow(0, f, n) for f, n in spans) for v in kv.views]
+                self.objs.append(job.pages.narrow(1, pos, n))
+                self.spans.append((first, n))
+        #: the same runs of the KV cache, all layers ([layers, n, page]), where one copy may
+        #: move them (:func:`_all_layers`)
+        self.engine = ([kv.stacked.narrow(1, f, n) for f, n in self.spans]  # type: ignore[union-attr]
+                       if _all_layers(kv) else None)
+        self._layers: tuple[list, list] | None = None
+        if not (bulk and self.engine is not None):
+            self._by_layer()  # a layer-wise plan: every step only copies
+
+    def _by_layer(self) -> tuple[list, list]:
+        """Each run's slice of each layer, objects and KV cache: ``[layer][run]``."""
+        if self._layers is None:
+            objs = list(zip(*(o.unbind(0) for o in self.objs), strict=True))
+            st = self.kv.stacked
+            if st is not None:
+                engine = list(zip(*(st.narrow(1, f, n).unbind(0) for f, n in self.spans),
+                                  strict=True))
+            else:
+                engine = [tuple(v.narrow(0, f, n) for f, n in self.spans) for v in self.kv.views]
+            self._layers = (objs, engine)
+        return self._layers
 
     def _move(self, objs: Sequence[torch.Tensor], engine: Sequence[torch.Tensor]) -> None:
         dst, src = (engine, objs) if self.to_engine else (objs, engine)
         torch._foreach_copy_(dst, src, non_blocking=self.non_blocking)
 
     def layer(self, layer: int, copier: torch.cuda.Stream | None) -> None:
-        self._move(self.obj_layers[layer], self.engine_layers[layer])
+        objs, engine = self._by_layer()
+        self._move(objs[layer], engine[layer])
 
     def bulk(self) -> None:
-        if self.all_layers is None:
+        if self.engine is None:
             for layer in range(self.kv.num_layers):
                 self.layer(layer, None)
         else:
-            self._move(*self.all_layers)
+            self._move(self.objs, self.engine)

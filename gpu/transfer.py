@@ -34,7 +34,7 @@ Jobs = Sequence[PageJob | tuple[BlockIds, torch.Tensor]]
 
 
 def _run(kv: PagedKV, jobs: Jobs, to_engine: bool) -> None:
-    plan = plan_copies(kv, jobs, to_engine)
+    plan = plan_copies(kv, jobs, to_engine, bulk=True)
     if kv.device.type != "cuda":
         plan.copy_all()
         return
@@ -58,7 +58,7 @@ def gather_many_async(kv: PagedKV, jobs: Jobs) -> torch.cuda.Event | None:
     has, the caller must not read ``out`` nor let the blocks be overwritten (e.g. make the
     engine's stream wait on the event). On CPU the copy is done on return (``None``).
     """
-    plan = plan_copies(kv, jobs, False)
+    plan = plan_copies(kv, jobs, False, bulk=True)
     if kv.device.type != "cuda":
         plan.copy_all()
         return None
