@@ -161,7 +161,7 @@ class PagedKV:
         #: the largest word every layer's pages can be moved in (see :func:`word_size`)
         self.word = word_size(*(x for v in views
                                 for x in (v.size(1), v.stride(0), v.storage_offset(), v.data_ptr())))
-        self._words: dict[int, list[torch.Tensor]] = {}
+        self._words: dict[tuple[int, bool], list[torch.Tensor]] = {}
         self._streams: dict[str, object] = {}
 
     @classmethod
@@ -237,10 +237,13 @@ class PagedKV:
             raise KeyError(f"unknown KV layer {layer_name!r}") from None
 
     def word_views(self, word: int) -> list[torch.Tensor]:
-        """``views`` as ``word``-byte integers (a divisor of :attr:`word`), built once."""
-        got = self._words.get(word)
+        """``views`` as ``word``-byte integers (a divisor of :attr:`word`), built once per
+        inference mode: a view made in inference mode is an inference tensor, which only
+        inference mode may write (vLLM's thread runs in it; tests and other threads may not)."""
+        key = (word, torch.is_inference_mode_enabled())
+        got = self._words.get(key)
         if got is None:
-            got = self._words[word] = [words(v, word) for v in self.views]
+            got = self._words[key] = [words(v, word) for v in self.views]
         return got
 
     def stream(self, role: str) -> torch.cuda.Stream:
