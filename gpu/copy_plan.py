@@ -103,6 +103,8 @@ def check_job(kv: PagedKV, job: PageJob | tuple[BlockIds, torch.Tensor], to_engi
 
 
 class _Route(Protocol):
+    name: str  # "rows", "staged" or "runs"
+
     def layer(self, layer: int, copier: torch.cuda.Stream | None) -> None:
         """Move layer ``layer`` of every job (CUDA: on the current stream; a staged route's host
         copies on ``copier`` when given)."""
@@ -171,9 +173,11 @@ def _route(kv: PagedKV, jobs: list[Job], to_engine: bool, bulk: bool) -> _Route:
             len(ids) * per_run >= long_run * _count_runs(jobs)):
         return _RunsRoute(kv, jobs, to_engine, bulk)
     blocks = _int64(ids)
-    start = _common_rows(kv, jobs, to_engine)
+    start = _common_rows(kv, jobs)
     if start is not None:
-        return _RowsRoute(kv, jobs, blocks, to_engine, start)
+        rows = _RowsRoute(kv, jobs, blocks, to_engine, start)
+        if to_engine or rows.each_row_once():
+            return rows
     return _StagedRoute(kv, jobs, blocks, to_engine)
 
 
@@ -188,26 +192,20 @@ def _count_runs(jobs: list[Job]) -> int:
     return sum(1 + sum(b != a + 1 for a, b in zip(j.ids, j.ids[1:])) for j in jobs)
 
 
-def _common_rows(kv: PagedKV, jobs: list[Job], to_engine: bool) -> int | None:
+def _common_rows(kv: PagedKV, jobs: list[Job]) -> int | None:
     """The byte from which every job's pages are whole rows of one page in one storage on the
     engine's device, or None. Each job's pages must be rows apart within a layer and its layers
-    not interleaved; a gather's objects must not overlap (every row is written once)."""
+    not interleaved."""
     P, L = kv.page_bytes, kv.num_layers
     first = jobs[0].pages
     storage = first.untyped_storage().data_ptr()
     start = first.storage_offset() % P
-    spans = []
     for job in jobs:
         p = job.pages
-        n, offset, layer_stride = p.size(1), p.storage_offset(), p.stride(0)
+        n, layer_stride = p.size(1), p.stride(0)
         if (p.device != kv.device or p.untyped_storage().data_ptr() != storage
-                or offset % P != start or (n > 1 and p.stride(1) != P)
+                or p.storage_offset() % P != start or (n > 1 and p.stride(1) != P)
                 or (L > 1 and (layer_stride % P or layer_stride < n * P))):
-            return None
-        spans.append((offset, offset + (L - 1) * layer_stride + n * P))
-    if not to_engine:
-        spans.sort()
-        if any(nxt[0] < prev[1] for prev, nxt in zip(spans, spans[1:])):
             return None
     return start
 
@@ -260,6 +258,8 @@ class _RowsRoute:
     per layer (per bulk call, with the KV cache as rows) between the pages and the storage's
     rows."""
 
+    name = "rows"
+
     def __init__(self, kv: PagedKV, jobs: list[Job], blocks: torch.Tensor, to_engine: bool,
                  start: int) -> None:
         P, L = kv.page_bytes, kv.num_layers
@@ -280,8 +280,20 @@ class _RowsRoute:
         else:
             steps = chain.from_iterable([s] * len(j.ids) for s, j in zip(step, jobs, strict=True))
             self.index = rows0 + layers * _int64(steps)
+        self._spans = [(j.pages.storage_offset(),
+                        j.pages.storage_offset() + (L - 1) * j.pages.stride(0) + len(j.ids) * P)
+                       for j in jobs]
         self._device: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
         self._bulk: tuple[_EngineRows, torch.Tensor] | None = None
+
+    def each_row_once(self) -> bool:
+        """Whether no two pages of the plan are one row, so one ``index_copy_`` writes each
+        once (a gather's objects): their extents apart, else (slices of one object) every row
+        distinct."""
+        spans = sorted(self._spans)
+        if all(nxt[0] >= prev[1] for prev, nxt in zip(spans, spans[1:])):
+            return True
+        return self.index.unique().numel() == self.index.numel()
 
     def _indices(self) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         if self._device is None:
@@ -318,6 +330,8 @@ class _StagedRoute:
     """Objects elsewhere (host memory for a CUDA cache, several storages): one index call between
     the pages and a buffer on the engine's device, and one copy per object slab, all in one
     ``_foreach_copy_``."""
+
+    name = "staged"
 
     def __init__(self, kv: PagedKV, jobs: list[Job], blocks: torch.Tensor,
                  to_engine: bool) -> None:
@@ -418,6 +432,8 @@ class _StagedRoute:
 class _RunsRoute:
     """Long runs of consecutive block ids: one copy per run between the pages and the object, all
     in one ``_foreach_copy_`` per layer (per bulk call on CPU, through ``kv.stacked``)."""
+
+    name = "runs"
 
     def __init__(self, kv: PagedKV, jobs: list[Job], to_engine: bool, bulk: bool) -> None:
         self.kv, self.to_engine = kv, to_engine

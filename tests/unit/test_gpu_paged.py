@@ -563,11 +563,16 @@ def test_scatter_jobs_naming_one_block_apply_in_order_and_a_drop_reverts_to_the_
 
 
 def test_gather_jobs_into_one_object_keep_job_order(use_route) -> None:  # noqa: ANN001
-    """Two gather jobs writing the same object (overlapping outs): never the rows route (one
-    index call would write its rows in no defined order); the later job's pages stay."""
+    """Gather jobs into slices of one object (their extents interleave, their pages do not)
+    take the rows route; two jobs writing the same pages never do (one index call would write
+    those rows in no defined order), and the later job's pages stay."""
     fx = use_route("rows")
     kv = PagedKV.from_kv_caches(fx.caches)
     obj = chunk_objects("pool", fx.L, [3], fx.page)[0]
+    halves = [([5, 6], obj[:, :2]), ([11], obj[:, 2:])]
+    assert route_of(kv, halves, False, False) == ["rows"]
+    assert list(layerwise_store(kv, halves)) == list(range(fx.L))
+    assert_obj_matches(obj, fx.ref_obj([5, 6, 11]))
     jobs = [([1, 2, 3], obj), ([7, 8, 9], obj)]
     assert route_of(kv, jobs, False, True) == ["staged"]
     gather_many(kv, jobs)
