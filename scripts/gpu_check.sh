@@ -17,6 +17,11 @@ python3 -m pytest -q -ra -p no:cacheprovider tests/unit/test_gpu_cuda.py tests/u
 for b in bench_gpu_transfer bench_gpu_harness bench_gds; do
   echo "== benchmarks.$b"; python3 -m "benchmarks.$b" 2>&1
 done | tee "$OUT/bench.log"
+# host time per layer step with 1, 16 and 32 chunk jobs (goal: <= 100 us with 32), beside the
+# per-job gpu/ that scripts/gpu_bundle.sh exported
+echo "== benchmarks.bench_host_cost --device cuda" | tee -a "$OUT/bench.log"
+python3 -m benchmarks.bench_host_cost --device cuda --rounds 9 \
+  --before "$( [ -d .whl/gpu-before ] && echo .whl/gpu-before )" 2>&1 | tee -a "$OUT/bench.log"
 # the harness's overlapped CUDA runs under compute-sanitizer (the negative controls race on purpose)
 for tool in racecheck synccheck; do
   echo "== compute-sanitizer --tool $tool"
