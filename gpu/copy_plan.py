@@ -169,9 +169,10 @@ def _route(kv: PagedKV, jobs: list[Job], to_engine: bool, bulk: bool) -> _Route:
     ids = list(chain.from_iterable(j.ids for j in jobs))
     per_run = kv.page_bytes * (kv.num_layers if bulk and _all_layers(kv) else 1)
     long_run = RUN_BYTES.get(kv.device.type, RUN_BYTES["cuda"])
-    if len(ids) * per_run >= long_run * len(jobs) and (  # runs never span two jobs
-            len(ids) * per_run >= long_run * _count_runs(jobs)):
-        return _RunsRoute(kv, jobs, to_engine, bulk)
+    if len(ids) * per_run >= long_run * len(jobs):  # else short: runs never span two jobs
+        runs = [coalesce_runs(j.ids) for j in jobs]
+        if len(ids) * per_run >= long_run * sum(map(len, runs)):
+            return _RunsRoute(kv, jobs, runs, to_engine, bulk)
     blocks = _int64(ids)
     start = _common_rows(kv, jobs)
     if start is not None:
@@ -185,11 +186,6 @@ def _all_layers(kv: PagedKV) -> bool:
     """Whether one copy may move a run of blocks of every layer: on CPU, through ``kv.stacked``.
     (On CUDA such a strided copy to host memory would be staged by torch and could synchronise.)"""
     return kv.stacked is not None and kv.device.type != "cuda"
-
-
-def _count_runs(jobs: list[Job]) -> int:
-    """Runs of consecutive block ids in all ``jobs``, none across two jobs."""
-    return sum(1 + sum(b != a + 1 for a, b in zip(j.ids, j.ids[1:])) for j in jobs)
 
 
 def _common_rows(kv: PagedKV, jobs: list[Job]) -> int | None:
@@ -435,13 +431,14 @@ class _RunsRoute:
 
     name = "runs"
 
-    def __init__(self, kv: PagedKV, jobs: list[Job], to_engine: bool, bulk: bool) -> None:
+    def __init__(self, kv: PagedKV, jobs: list[Job], runs: list[list[tuple[int, int, int]]],
+                 to_engine: bool, bulk: bool) -> None:
         self.kv, self.to_engine = kv, to_engine
         self.non_blocking = kv.device.type == "cuda"
         self.objs: list[torch.Tensor] = []  # every run's pages, all layers: [layers, n, page]
         self.spans: list[tuple[int, int]] = []  # its first block and length
-        for job in jobs:
-            for pos, first, n in coalesce_runs(job.ids):
+        for job, job_runs in zip(jobs, runs, strict=True):
+            for pos, first, n in job_runs:
                 self.objs.append(job.pages.narrow(1, pos, n))
                 self.spans.append((first, n))
         #: the same runs of the KV cache, all layers ([layers, n, page]), where one copy may
