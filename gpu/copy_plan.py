@@ -45,9 +45,10 @@ __all__ = ["CopyPlan", "PageJob", "plan_copies"]
 BlockIds = Sequence[int] | torch.Tensor
 
 #: Runs of consecutive block ids this many bytes long on average (per device type) move run by
-#: run; shorter ones through an index. CUDA: an index kernel and one large copy beat many small
-#: copies below ~1 MiB (H100/H200, benchmarks/RESULTS.md); CPU: runs skip the index route's second
-#: pass over the bytes, which costs more than a copy call from ~64 KiB on (bench_host_cost).
+#: run; shorter ones through an index. CUDA: the per-job code's threshold (an index kernel and one
+#: large copy below it; its H100/H200 figures in benchmarks/RESULTS.md). CPU: a run copied
+#: straight skips the index route's second pass over its bytes, which costs more than the copy
+#: call from ~16 KiB on (benchmarks/bench_host_cost.py).
 RUN_BYTES = {"cuda": 1 << 20, "cpu": 16 << 10}
 
 
@@ -60,10 +61,14 @@ class PageJob(NamedTuple):
 
 
 class Job(NamedTuple):
-    """A validated job: its block ids as ints, and its pages."""
+    """A validated job: its block ids as ints, its pages, and where they lie (bytes: the first
+    page's offset in its storage, the strides between layers and between pages)."""
 
     ids: list[int]
     pages: torch.Tensor
+    offset: int
+    layer_stride: int
+    page_stride: int
 
 
 def _int64(values: Iterable[int]) -> torch.Tensor:
@@ -93,13 +98,14 @@ def _check_obj(kv: PagedKV, obj: torch.Tensor, n: int, what: str) -> None:
         raise ValueError(f"{what} is on {device}, the KV cache on {kv.device}")
 
 
-def check_job(kv: PagedKV, job: PageJob | tuple[BlockIds, torch.Tensor], to_engine: bool) -> Job:
+def _check_job(kv: PagedKV, job: PageJob | tuple[BlockIds, torch.Tensor], to_engine: bool) -> Job:
     """One job, validated but for the range of its block ids (``to_engine``: a scatter, whose
     block ids must not repeat)."""
     block_ids, pages = job
     ids = _ids(block_ids, unique=to_engine)
     _check_obj(kv, pages, len(ids), "src" if to_engine else "out")
-    return Job(ids, pages)
+    layer_stride, page_stride, _ = pages.stride()
+    return Job(ids, pages, pages.storage_offset(), layer_stride, page_stride)
 
 
 class _Route(Protocol):
@@ -147,7 +153,7 @@ class CopyPlan:
 def plan_copies(kv: PagedKV, jobs: Sequence[PageJob | tuple[BlockIds, torch.Tensor]],
                 to_engine: bool, bulk: bool = False) -> CopyPlan:
     """Validate every job (before any byte moves) and resolve them into one plan."""
-    checked = [check_job(kv, job, to_engine) for job in jobs]
+    checked = [_check_job(kv, job, to_engine) for job in jobs]
     ids = list(chain.from_iterable(j.ids for j in checked))
     if ids and not (min(ids) >= 0 and max(ids) < kv.num_blocks):
         bad = next(b for b in ids if not 0 <= b < kv.num_blocks)
@@ -172,6 +178,8 @@ def _route(kv: PagedKV, jobs: list[Job], to_engine: bool, bulk: bool) -> _Route:
     if len(ids) * per_run >= long_run * len(jobs):  # else short: runs never span two jobs
         runs = [coalesce_runs(j.ids) for j in jobs]
         if len(ids) * per_run >= long_run * sum(map(len, runs)):
+            if not (to_engine or bulk or kv.device.type == "cuda"):
+                return _JobIndexRoute(kv, jobs)
             return _RunsRoute(kv, jobs, runs, to_engine, bulk)
     blocks = _int64(ids)
     start = _common_rows(kv, jobs)
@@ -194,14 +202,15 @@ def _common_rows(kv: PagedKV, jobs: list[Job]) -> int | None:
     not interleaved."""
     P, L = kv.page_bytes, kv.num_layers
     first = jobs[0].pages
+    if first.device != kv.device:
+        return None
     storage = first.untyped_storage().data_ptr()
-    start = first.storage_offset() % P
+    start = jobs[0].offset % P
     for job in jobs:
-        p = job.pages
-        n, layer_stride = p.size(1), p.stride(0)
-        if (p.device != kv.device or p.untyped_storage().data_ptr() != storage
-                or p.storage_offset() % P != start or (n > 1 and p.stride(1) != P)
-                or (L > 1 and (layer_stride % P or layer_stride < n * P))):
+        n, layer_stride = len(job.ids), job.layer_stride
+        if (job.offset % P != start or (n > 1 and job.page_stride != P)
+                or (L > 1 and (layer_stride % P or layer_stride < n * P))
+                or job.pages.untyped_storage().data_ptr() != storage):
             return None
     return start
 
@@ -235,7 +244,7 @@ def _engine_rows(kv: PagedKV, word: int) -> _EngineRows | None:
         return None
     start = st.storage_offset() % P
     rows = _rows(st, start, P)
-    if rows.data_ptr() % word:
+    if rows.data_ptr() % word or start % word:
         return None
     return _EngineRows(words(rows, word), (st.storage_offset() - start) // P,
                        st.stride(0) // P, st.stride(1) // P)
@@ -260,14 +269,14 @@ class _RowsRoute:
                  start: int) -> None:
         P, L = kv.page_bytes, kv.num_layers
         rows = _rows(jobs[0].pages, start, P)
-        self.word = word_size(kv.word, rows.data_ptr())
+        self.word = word_size(kv.word, rows.data_ptr(), start)
         self.rows = words(rows, self.word)
         self.engine = kv.word_views(self.word)
         self.kv, self.to_engine, self.blocks = kv, to_engine, blocks
         # page k of job j in layer l is row first_j + k + l * step_j (the job's pages start at
         # row first_j, its layers step_j rows apart)
-        first = [(j.pages.storage_offset() - start) // P for j in jobs]
-        step = [j.pages.stride(0) // P if L > 1 else 0 for j in jobs]
+        first = [(j.offset - start) // P for j in jobs]
+        step = [j.layer_stride // P if L > 1 else 0 for j in jobs]
         rows0 = _int64(chain.from_iterable(
             range(f, f + len(j.ids)) for f, j in zip(first, jobs, strict=True)))
         layers = torch.arange(L)[:, None]
@@ -276,11 +285,10 @@ class _RowsRoute:
         else:
             steps = chain.from_iterable([s] * len(j.ids) for s, j in zip(step, jobs, strict=True))
             self.index = rows0 + layers * _int64(steps)
-        self._spans = [(j.pages.storage_offset(),
-                        j.pages.storage_offset() + (L - 1) * j.pages.stride(0) + len(j.ids) * P)
+        self._spans = [(j.offset, j.offset + (L - 1) * j.layer_stride + len(j.ids) * P)
                        for j in jobs]
         self._device: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
-        self._bulk: tuple[_EngineRows, torch.Tensor] | None = None
+        self._bulk: tuple[_EngineRows, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def each_row_once(self) -> bool:
         """Whether no two pages of the plan are one row, so one ``index_copy_`` writes each
@@ -476,3 +484,32 @@ class _RunsRoute:
                 self.layer(layer, None)
         else:
             self._move(self.objs, self.engine)
+
+
+class _JobIndexRoute:
+    """A CPU layer-wise gather of long runs (large pages): per job, one ``index_select`` straight
+    into its slab of the layer, page by page at memcpy speed in one pass over the bytes. The
+    bytes dwarf one call per job here; a copy per run ran ~2x slower for single-block runs of
+    64 KiB pages, and its views (one per run and layer) cost more to build."""
+
+    name = "index"
+
+    def __init__(self, kv: PagedKV, jobs: list[Job]) -> None:
+        self.kv = kv
+        self.word = word_size(kv.word, *(x for j in jobs
+                                          for x in (j.pages.data_ptr(), j.layer_stride,
+                                                    j.page_stride)))
+        self.engine = kv.word_views(self.word)
+        self.blocks = _int64(chain.from_iterable(j.ids for j in jobs)).split(
+            [len(j.ids) for j in jobs])
+        #: each job's slab of each layer, as words: ``[layer][job]``
+        self.slabs = list(zip(*(words(j.pages, self.word).unbind(0) for j in jobs), strict=True))
+
+    def layer(self, layer: int, copier: torch.cuda.Stream | None) -> None:
+        engine = self.engine[layer]
+        for blocks, slab in zip(self.blocks, self.slabs[layer], strict=True):
+            torch.index_select(engine, 0, blocks, out=slab)
+
+    def bulk(self) -> None:
+        for layer in range(self.kv.num_layers):
+            self.layer(layer, None)

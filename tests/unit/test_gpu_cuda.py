@@ -287,17 +287,17 @@ def test_chunk_jobs_in_one_plan_without_host_sync(route: str, device: str) -> No
     assert_loaded(fx, snap, [b for s in src for b in s], every_dst)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@CUDA
+@pytest.mark.cuda
 @pytest.mark.parametrize("route", list(CHUNK_ROUTES))
-def test_chunk_job_steps_ask_torch_the_same_for_one_job_and_for_eight(route: str,
-                                                                       device: str) -> None:
-    """Host work per layer step independent of the jobs, on the device's own routes: every
-    layer-wise store and load step of eight chunk jobs makes the torch calls one job's makes."""
+def test_cuda_chunk_job_steps_ask_torch_the_same_for_one_job_and_for_eight(route: str) -> None:
+    """Host work per layer step independent of the jobs on CUDA (tests/unit/test_gpu_paged.py
+    checks CPU's routes): every layer-wise store and load step of eight chunk jobs makes the
+    torch calls one job's makes."""
     per_step: dict[tuple[str, int], list[int]] = {}
     for count in (1, 8):
-        fx, kv, src, dst, how = chunk_case(route, device, count)
-        objs = chunk_objects(how, fx.L, [CHUNK] * count, fx.page, device=device,
-                             pin=device == "cuda")
+        fx, kv, src, dst, how = chunk_case(route, "cuda", count)
+        objs = chunk_objects(how, fx.L, [CHUNK] * count, fx.page, device="cuda", pin=True)
         for direction, ids in (("store", src), ("load", dst)):
             jobs = list(zip(ids, objs, strict=True))
             steps = (layerwise_store(kv, jobs) if direction == "store"

@@ -405,6 +405,11 @@ def route_of(kv: PagedKV, jobs: list, to_engine: bool, bulk: bool) -> list[str]:
     return [r.name for r in plan_copies(kv, jobs, to_engine, bulk).routes]
 
 
+def expected_route(route: str, to_engine: bool, bulk: bool) -> str:
+    """Long runs on CPU: a layer-wise gather goes job by job through an index (``index``)."""
+    return "index" if route == "runs" and not (to_engine or bulk) else route
+
+
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-layer"])
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "MLA", "BLHNC"])
 @pytest.mark.parametrize("route", list(ROUTES))
@@ -422,7 +427,8 @@ def test_one_plan_moves_many_chunk_jobs_byte_exact(route: str, layout: str, stac
     for gather_call in ("bulk", "layer-wise"):
         objs = chunk_objects(how, fx.L, pages, fx.page)
         jobs = [(ids, o[:, u]) for ids, o, u in zip(src, objs, used, strict=True)]
-        assert route_of(kv, jobs, False, gather_call == "bulk") == [route]
+        bulk = gather_call == "bulk"
+        assert route_of(kv, jobs, False, bulk) == [expected_route(route, False, bulk)]
         if gather_call == "bulk":
             gather_many(kv, jobs)
         else:
@@ -452,7 +458,8 @@ def test_a_layer_step_asks_torch_the_same_for_one_job_and_for_many(route: str, d
                                                                    use_route) -> None:  # noqa: ANN001
     """Host work per layer step does not grow with the jobs: every step of a layer-wise store or
     load of 12 chunk jobs makes exactly the torch calls a step of one job makes (per-job code
-    made ~24 calls per job and layer)."""
+    made ~24 calls per job and layer). The one exception by design: a CPU gather of long runs
+    (large pages, where the bytes dwarf the calls) makes one ``index_select`` per job."""
     fx = use_route(route)
     kv = PagedKV.from_kv_caches(fx.caches)
     rng = random.Random(direction)
@@ -461,7 +468,8 @@ def test_a_layer_step_asks_torch_the_same_for_one_job_and_for_many(route: str, d
         objs = chunk_objects(ROUTES[route], fx.L, [4] * count, fx.page)
         ids = rng.sample(range(1, fx.B), 4 * count)
         jobs = [(ids[4 * j: 4 * j + 4], o) for j, o in enumerate(objs)]
-        assert route_of(kv, jobs, direction == "load", False) == [route]
+        assert route_of(kv, jobs, direction == "load", False) == [
+            expected_route(route, direction == "load", False)]
         steps = (layerwise_store if direction == "store" else layerwise_load)(kv, jobs)
         calls = []
         for _ in range(fx.L):
@@ -471,7 +479,8 @@ def test_a_layer_step_asks_torch_the_same_for_one_job_and_for_many(route: str, d
         steps.close()
         per_step[count] = calls
     assert min(per_step[1]) > 0, "the counter saw no torch call"
-    assert per_step[12] == per_step[1]
+    extra = 11 if expected_route(route, direction == "load", False) == "index" else 0
+    assert per_step[12] == [c + extra for c in per_step[1]]
 
 
 def dropped_load(fx: KVFixture, route: str,
