@@ -183,7 +183,7 @@ def main() -> None:
                    help=f"page sizes in bytes, comma-separated, of {sorted(PAGES)}")
     p.add_argument("--patterns", default="contiguous,random")
     p.add_argument("--rounds", type=int, default=None,
-                   help="timed rounds per case (default 40, 5 with 64 KiB pages)")
+                   help="timed rounds per case (default 40, 9 with 64 KiB pages)")
     p.add_argument("--before", default=BEFORE,
                    help="the per-job gpu/: a git revision or a folder of its files ('': none)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -204,7 +204,7 @@ def main() -> None:
           "HostMemoryPool; medians")
     for page in map(int, args.pages.split(",")):
         heads, width = PAGES[page]
-        rounds = args.rounds or (40 if page < 65536 else 5)
+        rounds = args.rounds or (40 if page < 65536 else 9)
         for pattern in args.patterns.split(","):
             case = Case(heads, width, pattern, impls, args.device)
             med = measure(case, impls, rounds, sync)
