@@ -6,7 +6,7 @@ blocks for a 256-token chunk). Moved job by job, each job costs host time per la
 chunk jobs a layer-wise step was 1,024 Python-level copies that the engine's own kernel launches
 waited behind. A :class:`CopyPlan` validates every job and resolves, once, the engine blocks of
 all jobs and where each page of each memory object lies; a layer of every job (or a bulk call)
-then moves along one *route*, chosen for the plan:
+then moves along one *route*, chosen for the plan (one of four):
 
 * **rows**: the memory objects are on the engine's device, in one storage, at whole pages from one
   another (as L1's host pool allocates them). That storage is seen as rows of one page; a layer
@@ -18,9 +18,11 @@ then moves along one *route*, chosen for the plan:
   one copy per object (its slab of the layer), all in one ``torch._foreach_copy_``. A layer-wise
   transfer on CUDA makes those copies on a second stream, so one layer's index kernel overlaps
   another layer's PCIe copies.
-* **runs**: runs of consecutive block ids are long (whole chunks of adjacent blocks of large
+* **runs**: runs of consecutive block ids are long (whole chunks of adjacent blocks, or large
   pages): one copy per run, straight between the pages and the object (no second pass over the
   bytes), all in one ``_foreach_copy_``.
+* **index**: a CPU layer-wise gather of such long runs: per job, one ``index_select`` straight
+  into its slab (one call per job, which the bytes of pages this large dwarf).
 
 Index calls move pages as the widest integer words the addresses allow (:func:`word_size`). Scatter
 jobs that name the same block are applied in order (the later job's page stays): such a plan takes
@@ -109,7 +111,7 @@ def _check_job(kv: PagedKV, job: PageJob | tuple[BlockIds, torch.Tensor], to_eng
 
 
 class _Route(Protocol):
-    name: str  # "rows", "staged" or "runs"
+    name: str  # "rows", "staged", "runs" or "index"
 
     def layer(self, layer: int, copier: torch.cuda.Stream | None) -> None:
         """Move layer ``layer`` of every job (CUDA: on the current stream; a staged route's host
