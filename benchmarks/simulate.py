@@ -52,8 +52,9 @@ def main() -> int:
 
         t0 = time.monotonic()
         seeds, differ = replay_check(fig.digests, args.replay_check, args.jobs, faults)
+        hash_seeds = "1001" + (f"..{1000 + args.jobs}" if args.jobs > 1 else "")
         print(f"replay check: {len(seeds)} seeds, each alone in a fresh process "
-              f"(PYTHONHASHSEED 1001..{1000 + args.jobs}), {len(differ)} differ from the search, "
+              f"(PYTHONHASHSEED {hash_seeds}), {len(differ)} differ from the search, "
               f"{(time.monotonic() - t0) / 60:.1f} minutes")
         for seed, recorded, again in differ[:20]:
             print(f"  seed {seed}: searched {recorded}, alone {again}")
