@@ -147,6 +147,7 @@ class TierContext:
             wait and clock reading of the backend comes from (``runtime.executor(n, name)``
             for writer or I/O threads, ``daemon=True`` for service threads that must not hold up
             exit; ``runtime.event()``, ``runtime.condition(lock)``, ``runtime.monotonic()``,
+            ``runtime.time()`` for wall-clock stamps such as an LRU in file mtimes,
             ``runtime.ticker(fn, interval_s, name)``). Production passes real threads
             (:data:`kvplug.runtime.THREADS`); ``kvplug simulate`` passes the deterministic
             simulation's, which runs every task on one thread when its schedule says so. A
