@@ -78,12 +78,14 @@ class BadEntries:
             self._other.discard(name)
 
     def read_header(self, name: str, read: cf.ReadAt, size: int | None, auth: cf.Keyring | None,
-                    delete: Callable[[], object]) -> tuple[cf.ChunkHeader, bytes] | None:
-        """:func:`kvplug.chunkfile.read_header` of entry ``name`` with the policy applied:
-        ``None`` for a corrupt entry (deleted), one of another version (left) or one that
-        ``read`` found unavailable (raising :class:`Unavailable`: a plain miss)."""
+                    delete: Callable[[], object],
+                    max_header: int | None = None) -> tuple[cf.ChunkHeader, bytes] | None:
+        """:func:`kvplug.chunkfile.read_header` of entry ``name`` (a header of at most
+        ``max_header`` bytes) with the policy applied: ``None`` for a corrupt entry (deleted),
+        one of another version (left) or one that ``read`` found unavailable (raising
+        :class:`Unavailable`: a plain miss)."""
         try:
-            return cf.read_header(read, size, auth)
+            return cf.read_header(read, size, auth, max_header)
         except Unavailable:
             return None
         except ChunkVersionError as exc:

@@ -190,7 +190,7 @@ class PosixBackend:
         """How chunk bytes move between memory and files (the gds tier: through kvikio)."""
         opts = self.opts
         return ChunkFileIO(ctx.allocate, ctx.auth, fsync=opts.fsync, direct=self.o_direct,
-                           file_mode=opts.mode, gid=opts.gid)
+                           file_mode=opts.mode, gid=opts.gid, header_limit=ctx.header_limit)
 
     def _log_once(self, what: str, msg: str, *args: object) -> None:
         """Warn about one kind of problem once per tier (later ones are counted in stats)."""
