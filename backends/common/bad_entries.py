@@ -7,6 +7,8 @@
 * **Another format version** (a node of another kvplug version wrote it, a rolling upgrade):
   counted (``other_version``), logged once, a miss and left in place; remembered for
   :data:`OTHER_VERSION_TTL_S` so lookups miss it without a read and stores do not overwrite it.
+  Only without a keyring: with ``auth_key_env`` an entry of another version is an
+  authentication failure (:func:`kvplug.chunkfile.decode_header`), corrupt like any other.
 
 :class:`BadEntries` applies it; :meth:`BadEntries.read_header` is the chunk-file parse with the
 policy applied to what it raises. The tier says how an entry is deleted (a callable per call: a

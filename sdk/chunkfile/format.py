@@ -29,10 +29,11 @@ An *authenticated* chunk (written with a :class:`~.auth.Keyring`, see :mod:`.aut
 version ``"1+mac"`` (``"1+codec+mac"``), ``checksum_algo`` ``"aes256-gmac"`` with one 32-hex tag
 per layer, ``mac_key_id`` and ``mac_salt`` entries, and ``header_mac`` (32 hex) in place of
 ``header_xxh3``. A reader without a keyring sees another format version (a miss, left in place);
-a reader with one refuses any chunk that is not authenticated under one of its keys
-(:class:`~.auth.AuthError`). Its key fields record :func:`stored_key`: the chunk hash, which
-anyone computes from a guessed prompt, is replaced by the chunk's keyed name digest, so no header
-confirms a guess. Without a keyring nothing here changes.
+a reader with one refuses any chunk that is not authenticated under one of its keys, and any of
+another format version, authenticated or not (:class:`~.auth.AuthError`: nothing a writer
+without the secret plants can hold a name against the next store). Its key fields record
+:func:`stored_key`: the chunk hash, which anyone computes from a guessed prompt, is replaced by
+the chunk's keyed name digest, so no header confirms a guess. Without a keyring nothing here changes.
 """
 
 from __future__ import annotations
@@ -397,8 +398,13 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None,
         raise ChunkFormatError(f"format {meta.get('format')!r} is not {FORMAT_NAME!r}")
     encoded = "codec" in meta
     version = meta.get("format_version")
-    if auth is not None and not (isinstance(version, str) and version.endswith(MAC_VERSION_SUFFIX)):
-        raise auth.failure(f"chunk of format version {version!r} carries no MAC")
+    if auth is not None and version != _version(encoded, True):
+        # under a keyring, an entry that is not an authenticated chunk of this version is an
+        # authentication failure (deleted, replaced by the next store), never "another
+        # version's, left in place": a writer without the secret would squat every name
+        mac = isinstance(version, str) and version.endswith(MAC_VERSION_SUFFIX)
+        raise auth.failure(f"chunk of format version {version!r} " + (
+            f"is not this version's ({_version(encoded, True)!r})" if mac else "carries no MAC"))
     if version != _version(encoded, auth is not None):
         raise ChunkVersionError(
             f"format version {version!r} is not {_version(encoded, auth is not None)!r}"
