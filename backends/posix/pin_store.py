@@ -3,7 +3,10 @@
 A pinned chunk file is pinned as a lookup pins it (``PosixBackend._pin``: never evicted by this process,
 held open against others) and listed in ``<root>/kvplug-pins.json`` (the tier's file mode, 0600
 by default; written atomically, under an ``flock`` of the root so processes sharing the directory
-merge their changes, each adding and removing only its own). At start-up the listed files are
+merge their changes, each adding and removing only its own). The lock is waited for at most
+:data:`LOCK_WAIT_S` (whoever can open the root — a group member of a group-shared directory —
+can hold a lock on it for good): past it, the pins hold in this process but the file is not
+updated; counted (``pins_not_saved``), logged, and reported by the management call. At start-up the listed files are
 pinned again before the scan trims the directory to its capacity, so a restart never evicts them.
 
 The file is untrusted (whoever can write the directory wrote it): it never chooses a path or a
@@ -19,11 +22,13 @@ logged.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,6 +46,9 @@ logger = logging.getLogger("kvplug.backends.posix")
 PIN_FILE = "kvplug-pins.json"
 #: the largest pins file read (about 50,000 pins)
 MAX_PIN_FILE = 8 << 20
+#: The longest wait for the root's lock (processes sharing the directory hold it for one update).
+LOCK_WAIT_S = 2.0
+_LOCK_RETRY_S = 0.02
 _REL = re.compile(r"[0-9a-f]{2}/[A-Za-z0-9_-][A-Za-z0-9._-]{0,250}\.safetensors")
 
 
@@ -96,10 +104,21 @@ class PinFile:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        """An exclusive ``flock`` of the root (processes sharing it update the file in turn)."""
+        """An exclusive ``flock`` of the root (processes sharing it update the file in turn),
+        waited for at most :data:`LOCK_WAIT_S`: ``TimeoutError`` past it, never a thread held
+        for good by whoever holds a lock on the root."""
         dfd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            fcntl.flock(dfd, fcntl.LOCK_EX)
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(errno.EWOULDBLOCK, f"another process held a lock on "
+                                           f"{self.root} for {LOCK_WAIT_S:g} s") from None
+                    time.sleep(_LOCK_RETRY_S)
             yield
         finally:
             os.close(dfd)  # releases the lock
@@ -130,6 +149,7 @@ class OperatorPins:
         self._max_pinned = max_fraction
         self._pin = pin
         self._pins: dict[str, int] = {}  # rel -> bytes (from the index), under the tier's lock
+        self._not_saved = 0  # updates of the pins file that failed (its lock not had, a write)
 
     def _save(self, added: Sequence[str], removed: Sequence[str]) -> None:
         if self._file is None:
@@ -137,9 +157,11 @@ class OperatorPins:
         try:
             self._file.update(added, removed)
         except OSError as exc:
+            with self._dir.lock:
+                self._not_saved += 1
             logger.warning("tier %r: cannot update the pins file %s (%s): the pins hold until "
-                           "this process ends, not across a restart", self._dir.name,
-                           self._file.path, exc)
+                           "this process ends, not across a restart (counted in stats as "
+                           "pins_not_saved)", self._dir.name, self._file.path, exc)
 
     def around_scan(self, trim: Callable[[], None]) -> None:
         """The start-up scan's ``trim`` with the listed pins restored around it: pinned (in the
@@ -227,4 +249,5 @@ class OperatorPins:
     def stats(self) -> dict[str, float]:
         with self._dir.lock:
             return {"operator_pinned": len(self._pins),
-                    "operator_pinned_bytes": sum(self._pins.values())}
+                    "operator_pinned_bytes": sum(self._pins.values()),
+                    "pins_not_saved": self._not_saved}
