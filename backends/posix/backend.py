@@ -180,8 +180,9 @@ class PosixBackend:
         self.reader = Reader(self.directory, self.writer, self.held, self.files, self._log_once)
         self.operator_pins = OperatorPins(
             self.directory, self.held,
-            PinFile(self.root, opts.mode, opts.gid, self.name) if writable else None,
-            ctx.max_pinned_fraction, self._pin)
+            PinFile(self.root, opts.mode, opts.gid, self.name, ctx.auth) if writable else None,
+            ctx.max_pinned_fraction, self._pin,
+            lambda rel: self.files.problem(self.directory.path(rel), rel))
         self._lock = self.directory.lock
         self._rt = ctx.runtime
         self.directory.start_scan(self.operator_pins.around_scan)

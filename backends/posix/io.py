@@ -324,6 +324,27 @@ class ChunkFileIO:
         """The file of ``rel`` is gone or unusable: its header is not reused."""
         self.headers.pop(rel)
 
+    def problem(self, path: str, rel: str) -> str | None:
+        """Why the file at ``path`` (``rel`` under the root) is not a chunk of this tier: not a
+        regular file, a header that fails its checks (with the keyring, its MAC), or — without a
+        keyring, where names follow keys — a key that is not its name's; ``None`` when it is
+        one, or when there is no file."""
+        try:
+            fd = fs.open_chunk(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        try:
+            header, _ = cf.read_header_fd(fd, None, self.auth, self.header_limit())
+        except ChunkFormatError as exc:
+            return str(exc)
+        finally:
+            os.close(fd)
+        if self.auth is None and cf.relative_chunk_path(header.key) != rel:
+            return "it holds another key than its name's"
+        return None
+
 
 def layer_range_copy(obj: MemoryObj, layers: tuple[int, int],
                      allocate: Callable[..., MemoryObj | None]) -> MemoryObj | None:
