@@ -7,8 +7,8 @@ FIFO named like a chunk blocks the I/O thread that opens it for good. So a ``fil
 not go through it: every object path ``<root>/<dir>/.../<name>`` is reached from the root's
 descriptor one directory at a time (``O_DIRECTORY | O_NOFOLLOW``, missing ones created with the
 tier's private mode), and the object is opened, stat-ed, renamed into place or unlinked relative
-to its directory's descriptor, with :mod:`kvplug.backends.posix.fs`'s flags (``O_NOFOLLOW |
-O_NONBLOCK`` and an ``fstat`` that requires a regular file). A link, a FIFO or anything but a
+to its directory's descriptor, with the posix tier's flags (:mod:`kvplug.chunkfile.beneath`:
+``O_NOFOLLOW | O_NONBLOCK`` and an ``fstat`` that requires a regular file). A link, a FIFO or anything but a
 regular file where an object should be is a missing object (a miss, never opened, never
 followed); the root is the operator's, resolved once at start.
 
@@ -30,9 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from kvplug import chunkfile as cf
-from kvplug.chunkfile.atomic import FILE_MODE, atomic_file_at, dir_mode_for, make_dirs, set_mode
-
-from ..posix import fs
+from kvplug.chunkfile import beneath
+from kvplug.chunkfile.atomic import FILE_MODE, atomic_file_at, dir_mode_for, make_dirs
 
 
 class LocalFiles:
@@ -55,57 +54,25 @@ class LocalFiles:
             raise FileNotFoundError(errno.ENOENT, "not an object under the tier's root", path)
         return parts[:-1], parts[-1]
 
-    def _subdir(self, fd: int, part: str, create: bool) -> int:
-        """A descriptor of directory ``part`` in the directory open as ``fd``, never through a
-        link (created, private, where ``create`` and missing)."""
-        made = False
-        try:
-            try:
-                sub = os.open(part, fs.DIR_FLAGS, dir_fd=fd)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                try:
-                    os.mkdir(part, self.dir_mode, dir_fd=fd)
-                    made = True
-                except FileExistsError:  # another writer made it meanwhile
-                    pass
-                sub = os.open(part, fs.DIR_FLAGS, dir_fd=fd)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise FileNotFoundError(errno.ENOENT, "a link or a file where a directory "
-                                        "should be", part) from None
-            raise
-        if made:
-            set_mode(sub, self.dir_mode)  # exactly: the umask may have narrowed the mkdir
-        return sub
-
-    @contextlib.contextmanager
-    def _dir(self, dirs: list[str], create: bool = False) -> Iterator[int]:
-        """A descriptor of the directory ``root/dirs...``, reached one directory at a time."""
-        fd = os.open(self.real, fs.DIR_FLAGS)
-        try:
-            for part in dirs:
-                sub = self._subdir(fd, part, create)
-                os.close(fd)
-                fd = sub
-            yield fd
-        finally:
-            os.close(fd)
-
     def _open(self, path: str) -> int:
         """A descriptor of object ``path`` for reading: a regular file, never blocking."""
         dirs, name = self._parts(path)
-        with self._dir(dirs) as dfd:
-            try:
-                return fs.require_regular(os.open(name, fs.READ_FLAGS, dir_fd=dfd), path)
-            except fs.NotRegular:
-                raise FileNotFoundError(errno.ENOENT, "not a regular file", path) from None
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise FileNotFoundError(errno.ENOENT, "a symlink, not an object",
-                                            path) from None
-                raise
+        try:
+            return beneath.open_below(self.real, "/".join((*dirs, name)))
+        except beneath.NotRegular:
+            raise FileNotFoundError(errno.ENOENT, "a link or not a regular file", path) from None
+
+    @contextlib.contextmanager
+    def _dir(self, path: str, create: bool = False) -> Iterator[tuple[int, str]]:
+        """``(descriptor of object path's directory, its name)``, the directory reached one at
+        a time below the root (created, private, where ``create``)."""
+        dirs, name = self._parts(path)
+        try:
+            with beneath.dir_below(self.real, dirs, self.dir_mode if create else None) as dfd:
+                yield dfd, name
+        except beneath.NotRegular:
+            raise FileNotFoundError(errno.ENOENT, "a link or a file where a directory should "
+                                    "be", path) from None
 
     def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
         """The object's bytes ``[start, end)`` (all of them by default)."""
@@ -127,8 +94,7 @@ class LocalFiles:
     def size(self, path: str) -> int | None:
         """The object's size, ``None`` when it is missing or not a regular file."""
         try:
-            dirs, name = self._parts(path)
-            with self._dir(dirs) as dfd:
+            with self._dir(path) as (dfd, name):
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
             return None
@@ -136,8 +102,7 @@ class LocalFiles:
 
     def write(self, path: str, data: bytes) -> None:
         """The whole object, atomically (temporary name, rename), private (``file_mode``)."""
-        dirs, name = self._parts(path)
-        with self._dir(dirs, create=True) as dfd, \
+        with self._dir(path, create=True) as (dfd, name), \
                 atomic_file_at(dfd, name, file_mode=self.file_mode) as tmp:
             fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
             try:
@@ -149,8 +114,7 @@ class LocalFiles:
 
     def remove(self, path: str) -> None:
         """Delete the entry (a link itself, never its target; nothing outside the root)."""
-        dirs, name = self._parts(path)
-        with self._dir(dirs) as dfd:
+        with self._dir(path) as (dfd, name):
             os.unlink(name, dir_fd=dfd)
 
     def _walk(self) -> Iterator[tuple[str, str, int, os.stat_result]]:
