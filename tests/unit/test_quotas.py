@@ -170,10 +170,11 @@ def test_processes_sharing_a_directory_count_each_tenant_the_same(tmp_path):
 
 
 # -- the connector: a request's tenant reaches its keys ------------------------------------------------
-def test_the_scheduler_sends_the_tenant_of_the_salt_or_the_params(tmp_path):
+def test_the_scheduler_sends_the_tenant_of_the_salt_only(tmp_path):
     """vLLM's own Scheduler (no engine): a salted request's lookup and its save carry the id of
-    its salt, one with ``kv_transfer_params["tenant"]`` the id of that, one with neither none;
-    the worker's keys carry it, so the salt never travels."""
+    its salt; one naming a tenant in ``kv_transfer_params["tenant"]`` (without its salt: it
+    would be charged to and evict that tenant's entries) and one with neither carry none; the
+    worker's keys carry it, so the salt never travels."""
     pytest.importorskip("vllm")
     from kvplug.connector.demo.model import make_model
     from kvplug.connector.protocol.lookup import Lookup
@@ -196,7 +197,7 @@ def test_the_scheduler_sends_the_tenant_of_the_salt_or_the_params(tmp_path):
     so = s.schedule()
     md = so.kv_connector_metadata
     s.update_from_output(so, model_runner_output(so))
-    want = {"salted": tenant_id(SALT_A), "named": tenant_id("team-b"), "plain": ""}
+    want = {"salted": tenant_id(SALT_A), "named": "", "plain": ""}
     assert side.lookup.tenants == want
     assert {r.req_id: r.tenant for r in md.requests} == want
     msg = Lookup(1, "salted", [b"h" * 32], [], tenant=want["salted"])
