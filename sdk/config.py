@@ -50,8 +50,8 @@ _LIKE_SECRET = re.compile(r"[0-9a-fA-F]{32,}")
 _UNECHOED = ("auth_key_env", "auth_previous_key_envs")
 ENV_PREFIX = "KVPLUG_"
 #: Environment variables with a meaning of their own (not config overrides).
-RESERVED_ENV = {"KVPLUG_CONFIG", "KVPLUG_CACHE_DIR", "KVPLUG_LOG_LEVEL", "KVPLUG_LOAD_BACKENDS",
-                "KVPLUG_LOAD_CODECS"}
+RESERVED_ENV = {"KVPLUG_CONFIG", "KVPLUG_CACHE_DIR", "KVPLUG_TENANT_KEY_FILE", "KVPLUG_LOG_LEVEL",
+                "KVPLUG_LOAD_BACKENDS", "KVPLUG_LOAD_CODECS"}
 
 
 def default_cache_dir() -> Path:
