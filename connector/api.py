@@ -41,6 +41,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from kvplug.policies.tenants import tenant_id
+from kvplug.redact import looks_like_variable
 from pydantic import BaseModel, ConfigDict, Field
 
 from .compat import drops_last_block
@@ -467,7 +468,10 @@ def api_keys(args: Namespace, config: ConnectorConfig | None,
     if name:
         value = environ.get(name)
         if not value:
-            raise RuntimeError(f"kvplug: management_key_env names ${name}, which is unset or "
+            shown = f"${name}" if looks_like_variable(name) else (
+                "something that looks like a key, not a variable's name (not shown: give the "
+                "NAME of the variable holding the key, never the key)")
+            raise RuntimeError(f"kvplug: management_key_env names {shown}, which is unset or "
                                "empty in the API server's environment; set it (the management "
                                "API stays closed without it) or remove management_key_env")
         return [_digest(value)]
