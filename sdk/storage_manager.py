@@ -107,7 +107,8 @@ class StorageManager:
     # -- construction ---------------------------------------------------------------------------
     def _add_tier(self, index: int, cfg: TierConfig, extra: dict[str, Any]) -> None:
         tier = build_tier(index, cfg, self.reads.allocate, self.chunk_size, extra,
-                          self.runtime, self.memory_regions, self.reads.read_limit, self.auth)
+                          self.runtime, self.memory_regions, self.reads.read_limit, self.auth,
+                          self.reads.header_limit)
         self._hooks.register(tier.backend, f"tier:{tier.name}", {tier.name})
         self._hooks.register(tier.metrics, f"metrics:{tier.name}", {tier.name})
         # Registered last, so it wraps the metrics: they count the bytes the tier really moves.
