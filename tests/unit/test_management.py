@@ -24,6 +24,13 @@ def config(tmp_path) -> dict:
          "options": {"path": str(tmp_path / "chunks"), "capacity": "64MiB"}}]}
 
 
+def policy_config(tmp_path) -> dict:
+    cfg = config(tmp_path)
+    cfg["tiers"][0]["eviction"] = "s3fifo"
+    cfg["tiers"][1]["admission"] = {"policy": "tinylfu", "min_count": 3}
+    return cfg
+
+
 def store(mgr: StorageManager, ids: list[int]) -> None:
     for i in ids:
         obj = fill_random(mgr, seed=i)
@@ -72,20 +79,31 @@ def test_clear_tiers_is_complete_only_when_nothing_is_left(tmp_path):
                                              "admission": {"policy": "always"}}
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    import os
+
     return subprocess.run([sys.executable, "-m", "kvplug.cli", *args], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env={**os.environ, **env})
 
 
 def test_cache_status_and_clear_on_the_stores_without_an_engine(tmp_path):
+    """``kvplug cache status|clear --config``, the config setting policies (status shows them
+    by name and settings, in JSON and in the table)."""
     cfg = tmp_path / "kvplug.yaml"
-    cfg.write_text(json.dumps(config(tmp_path)))  # JSON is YAML
+    cfg.write_text(json.dumps(policy_config(tmp_path)))  # JSON is YAML
     with StorageManager(config(tmp_path)) as mgr:
         store(mgr, list(range(7)))
     out = cli("cache", "status", "--config", str(cfg), "--json")
     assert out.returncode == 0, out.stderr
-    disk = {t["name"]: t for t in json.loads(out.stdout)["tiers"]}["disk"]
+    tiers = {t["name"]: t for t in json.loads(out.stdout)["tiers"]}
+    disk = tiers["disk"]
     assert disk["entries"] == 7 and disk["used_bytes"] > 0
+    assert disk["policies"]["admission"] == {"policy": "tinylfu", "min_count": 3}
+    assert tiers["ram"]["policies"]["eviction"] == {"policy": "s3fifo"}
+    out = cli("cache", "status", "--config", str(cfg), COLUMNS="200")
+    assert out.returncode == 0, out.stderr
+    assert "tinylfu (min_count=3)" in out.stdout and "s3fifo" in out.stdout
+    assert "PolicyConfig" not in out.stdout and "policy=" not in out.stdout
     out = cli("cache", "clear", "--config", str(cfg), "--tier", "disk")
     assert out.returncode == 0, out.stderr + out.stdout
     assert "done" in out.stdout and "disk" in out.stdout
@@ -277,13 +295,6 @@ def test_a_clear_of_an_unreachable_store_is_never_complete():
             assert keyed.get("complete", keyed["remaining"] == 0) and whole["complete"] is True
 
 
-def policy_config(tmp_path) -> dict:
-    cfg = config(tmp_path)
-    cfg["tiers"][0]["eviction"] = "s3fifo"
-    cfg["tiers"][1]["admission"] = {"policy": "tinylfu", "min_count": 3}
-    return cfg
-
-
 def test_status_reports_configured_policies_by_name_and_settings(tmp_path):
     """Policies set in the config are reported as plain data (name and options), so the
     workers' msgpack answer and ``--json`` can carry them; unset ones name the default."""
@@ -297,22 +308,6 @@ def test_status_reports_configured_policies_by_name_and_settings(tmp_path):
     with StorageManager(config(tmp_path)) as mgr:  # no policy set: the defaults by name
         assert {t["name"]: t["policies"] for t in tier_status(mgr)}["ram"] == {
             "eviction": {"policy": "lru"}, "admission": {"policy": "always"}}
-
-
-def test_cache_status_without_an_engine_shows_policies(tmp_path):
-    cfg = tmp_path / "kvplug.yaml"
-    cfg.write_text(json.dumps(policy_config(tmp_path)))
-    out = cli("cache", "status", "--config", str(cfg), "--json")
-    assert out.returncode == 0, out.stderr
-    tiers = {t["name"]: t for t in json.loads(out.stdout)["tiers"]}
-    assert tiers["disk"]["policies"]["admission"] == {"policy": "tinylfu", "min_count": 3}
-    assert tiers["ram"]["policies"]["eviction"] == {"policy": "s3fifo"}
-    out = subprocess.run([sys.executable, "-m", "kvplug.cli", "cache", "status", "--config",
-                          str(cfg)], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "COLUMNS": "200"})
-    assert out.returncode == 0, out.stderr
-    assert "tinylfu (min_count=3)" in out.stdout and "s3fifo" in out.stdout
-    assert "PolicyConfig" not in out.stdout and "policy=" not in out.stdout
 
 
 def test_management_service_answers_an_unencodable_answer_with_an_error_at_once():
