@@ -73,7 +73,8 @@ class Faults:
         from .values import STORES
 
         store = STORES.get(self.urls[rank])
-        if store is not None:  # the value store: one value's last byte flipped
+        if store is not None and (self.cfg.lower == "values" or pick % 2):
+            # the value store (behind L1, or behind posix every other pick): a byte flipped
             names = sorted(store.values)
             if names:
                 name = names[pick % len(names)]
@@ -89,6 +90,15 @@ class Faults:
         st = self.workers[rank].storage
         for t in st._tiers:
             if t.pool is not None:
+                t.pool.gated = on
+
+    def gate_remote(self, rank: int, on: bool) -> None:
+        """A three-tier stack's remote tier (the value store behind posix) blocks or answers
+        again: its calls time out while it blocks (with ``late``, their results arrive when it
+        answers again)."""
+        st = self.workers[rank].storage
+        for t in st._tiers:
+            if t.name == "values" and t.pool is not None:
                 t.pool.gated = on
 
     def outage(self, rank: int, on: bool) -> None:

@@ -19,10 +19,18 @@ and every place kvplug would block decides from the simulation's state, never fr
 A *late* call: a gated pool's task that times out may be marked as started (``late``), so the
 caller cannot cancel it (``Future.cancel`` fails, as for a call a real thread is running) and its
 result arrives when the gate opens, long after its caller gave up (``Tier._late`` cleans up).
+
+Whose time: while the simulation runs vLLM's engine thread (:meth:`SimRuntime.engine_thread`,
+around each worker hook), every jump of the clock counts as the engine's wait
+(``engine_waited``), and every task it waits on through ``Future.result`` (or ``wait_all``)
+runs as the engine thread too: a tier call made there is in ``engine_calls`` (timed out or
+not). A task a wait runs because it happens to be runnable (``Event.wait``, ``Condition.wait``
+and ``wait_for``, the schedule's own steps) runs as its own thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future
@@ -35,9 +43,11 @@ from kvplug.runtime import Runtime
 class SimFuture(Future):
     """A Future whose blocking ``result`` asks the simulation instead of waiting."""
 
-    def __init__(self, rt: SimRuntime, pool: SimExecutor, fn: Callable[[], Any]) -> None:
+    def __init__(self, rt: SimRuntime, pool: SimExecutor, fn: Callable[[], Any],
+                 call: tuple[Any, tuple, dict] = (None, (), {})) -> None:
         super().__init__()
         self.rt, self.pool, self.fn = rt, pool, fn
+        self.call = call  # what was submitted: (function, args, keyword arguments)
         self.started = False  # marked running at a timeout (a late call): cannot be cancelled
 
     def run(self) -> None:
@@ -52,18 +62,22 @@ class SimFuture(Future):
 
     def result(self, timeout: float | None = None) -> Any:
         if not self.done():
+            if self.rt.engine and self.rt.on_engine_call is not None:
+                self.rt.on_engine_call(self)  # a call the engine thread waits for
             if timeout is not None and self.pool.gated:
-                self.rt.clock += timeout
+                fn = self.call[0]
+                self.rt.waited(timeout, f"{getattr(fn, 'name', '') or getattr(fn, '__name__', '?')}"
+                                        f" on {self.pool.name}")
                 if self.rt.late and not self.started:  # a real thread had begun it
                     self.started = self.set_running_or_notify_cancel()
                     self.rt.late_calls += self.started
                 raise FutureTimeout()
-            self.rt.run_task(self)
+            self.rt.run_task(self, waited_on=True)
         return super().result(0)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self.done():
-            self.rt.run_task(self)
+            self.rt.run_task(self, waited_on=True)
         return super().exception(0)
 
 
@@ -78,7 +92,7 @@ class SimExecutor:
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> SimFuture:
         if self.closed:
             raise RuntimeError(f"cannot schedule new futures after shutdown ({self.name})")
-        fut = SimFuture(self.rt, self, lambda: fn(*args, **kw))
+        fut = SimFuture(self.rt, self, lambda: fn(*args, **kw), (fn, args, kw))
         if threading.get_ident() != self.rt.owner:  # a foreign thread (fsspec's loop): at once
             self.rt.foreign += 1
             fut.run()
@@ -99,7 +113,7 @@ class SimExecutor:
                 self.rt.queue.remove(f)
                 f.cancel()
             elif wait:
-                self.rt.run_task(f)
+                self.rt.run_task(f, waited_on=True)
 
 
 class SimEvent:
@@ -141,7 +155,7 @@ class SimCondition:
                     self.rt.run_task(f)
                     ran = True
             if not ran:
-                self.rt.clock += timeout or 0.0
+                self.rt.waited(timeout or 0.0)
         finally:
             self.lock.acquire()
         return ran
@@ -153,7 +167,7 @@ class SimCondition:
         while not result:
             ready = self.rt.runnable()
             if not ready:
-                self.rt.clock += timeout or 0.0
+                self.rt.waited(timeout or 0.0)
                 return predicate()
             self.lock.release()
             try:
@@ -204,6 +218,14 @@ class SimRuntime(Runtime):
         self.ran = 0
         self.owner = threading.get_ident()
         self.on_task: Callable[[SimFuture], None] | None = None  # after every task (invariants)
+        #: the code running is vLLM's engine thread (see the module docstring)
+        self.engine = False
+        self.engine_waited = 0.0  # simulated seconds the engine thread waited (clock jumps)
+        self.engine_waits: list[tuple[float, str]] = []  # each of them: (seconds, on what)
+        self.engine_doing = ""  # what the engine thread runs (for the record of its waits)
+        self.running: SimFuture | None = None  # the task running now (None: no task)
+        #: told of every task the engine thread waits for (a tier call: which tier, what keys)
+        self.on_engine_call: Callable[[SimFuture], None] | None = None
 
     def executor(self, workers: int, name: str, daemon: bool = False) -> SimExecutor:
         pool = SimExecutor(self, workers, name)
@@ -222,6 +244,23 @@ class SimRuntime(Runtime):
     def monotonic(self) -> float:
         return self.clock
 
+    def waited(self, seconds: float, on: str = "a condition") -> None:
+        """The running thread waited ``seconds`` (a timeout) ``on`` something: the clock jumps."""
+        self.clock += seconds
+        if self.engine:
+            self.engine_waited += seconds
+            self.engine_waits.append((seconds, f"{on} in {self.engine_doing}"))
+
+    @contextlib.contextmanager
+    def engine_thread(self, doing: str = "") -> Iterator[None]:
+        """Run the block as vLLM's engine thread (its waits are the engine's), ``doing``
+        something (named in the record of its waits)."""
+        prev, self.engine, self.engine_doing = self.engine, True, doing
+        try:
+            yield
+        finally:
+            self.engine = prev
+
     def wait_first(self, futures: Any, timeout: float) -> None:
         """Never waits: the schedule decides when a queued task runs."""
 
@@ -229,10 +268,12 @@ class SimRuntime(Runtime):
         """Run each future's task (a gated one: the wait times out)."""
         for f in list(futures):
             if not f.done() and isinstance(f, SimFuture):
+                if self.engine and self.on_engine_call is not None:
+                    self.on_engine_call(f)
                 if f.pool.gated:
-                    self.clock += timeout or 0.0
+                    self.waited(timeout or 0.0, f"a task of {f.pool.name}")
                     return False
-                self.run_task(f)
+                self.run_task(f, waited_on=True)
         return all(f.done() for f in futures)
 
     def runnable(self) -> list[SimFuture]:
@@ -248,13 +289,20 @@ class SimRuntime(Runtime):
             out.append(f)
         return out
 
-    def run_task(self, fut: SimFuture) -> None:
+    def run_task(self, fut: SimFuture, waited_on: bool = False) -> None:
+        """Run ``fut``'s task now: as the thread that waits for it (``waited_on``: its
+        ``result``), else as a thread of its own."""
         if fut in self.queue:
             self.queue.remove(fut)
         if fut.done():
             return
         self.ran += 1
-        fut.run()
+        prev, self.engine = self.engine, self.engine and waited_on
+        outer, self.running = self.running, fut
+        try:
+            fut.run()
+        finally:
+            self.engine, self.running = prev, outer
         if self.on_task is not None:
             self.on_task(fut)
 
