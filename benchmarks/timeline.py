@@ -113,7 +113,10 @@ def install(prefix: str) -> None:
           lambda a, k, out: f"over={len(out)}", cpu=True)
     _wrap(load.BackgroundLoads, "wait_idle", "worker.wait_idle")
     _wrap(load.BackgroundLoads, "submit", "worker.bg_submit")
-    _wrap(StorageManager, "batched_get", "sm.batched_get",
+    _wrap(StorageManager, "batched_get_where", "sm.batched_get_where",
+          lambda a, k, out: f"n={len(out[0])} hit={sum(o is not None for o in out[0])}",
+          cpu=True)
+    _wrap(StorageManager, "read_pinned", "sm.read_pinned",
           lambda a, k, out: f"n={len(out)} hit={sum(o is not None for o in out)}", cpu=True)
     _wrap(PosixBackend, "get", "posix.get")
     _wrap(pool, "populate_pages", "pool.populate", cpu=True)

@@ -17,6 +17,9 @@ meets it:
   its KV at a position depends on the next token, so vLLM recomputes the last block of every
   prefix hit; both say so with ``SpeculativeConfig.use_eagle_block_drop()``
   (:func:`drops_last_block`).
+* A step scheduled before the previous step's output is processed (vLLM's engine-core batch
+  queue, ``max_concurrent_batches``: asynchronous scheduling, pipeline parallelism): both have
+  the property (:func:`runs_ahead`).
 * Attributes of scheduler objects read with a default (``SchedulerOutput.preempted_req_ids``,
   ``kv_connector_block_state``, ``Request.num_in_flight_tokens``): present in both.
 
@@ -210,6 +213,23 @@ def api_problems(cls: type, api: dict[str, dict[str, Sig]]) -> tuple[list[str], 
     notes = [f"{cls.__name__}.{n}: not in this vLLM's base classes (never called by it)"
              for n in sorted(own - seen)]
     return problems, notes
+
+
+def runs_ahead(vllm_config: Any) -> str | None:
+    """Why vLLM may run a step before the previous step's output reached its scheduler, or
+    ``None`` when it never does. Its engine core keeps a batch queue of
+    ``vllm_config.max_concurrent_batches`` steps: 2 under asynchronous scheduling, the pipeline
+    parallel size with PP > 1 (the plain ``Scheduler`` then schedules step N+1 before step N's
+    output, load errors included, comes back). A synchronous load that fails in step N is then
+    read by step N+1 before vLLM recovers: every load must be a background one."""
+    sched = vllm_config.scheduler_config
+    pp = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)
+    depth = getattr(vllm_config, "max_concurrent_batches", pp)
+    if getattr(sched, "async_scheduling", False):
+        return f"asynchronous scheduling (a batch queue of {max(depth, 2)})"
+    if depth > 1:
+        return f"a batch queue of {depth} (pipeline parallel size {pp})"
+    return None
 
 
 def drops_last_block(vllm_config: Any) -> bool:

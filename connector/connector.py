@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.platforms import current_platform
 
-from .compat import drops_last_block, event_group_fields
+from .compat import drops_last_block, event_group_fields, runs_ahead
 from .prom import KVPlugPromMetrics, hit_sources
 from .protocol.config import async_save_enabled, load_connector_config
 from .protocol.groups import layout_of
@@ -117,9 +117,7 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched = SchedulerSide(self.config, block_size, self.kv_role, client,
                                         self.layout,
                                         drop_last_block=drops_last_block(vllm_config),
-                                        async_scheduling=bool(getattr(
-                                            vllm_config.scheduler_config, "async_scheduling",
-                                            False)))
+                                        runs_ahead=runs_ahead(vllm_config))
             if self._events_on:
                 fields = event_group_fields(kv_cache_config)
                 self._book = TierEventBook(

@@ -75,7 +75,8 @@ _TIER_COUNTERS = {
     "tier_corrupt.": ("vllm:kvplug_corrupt_entries", "corrupt entries found (treated as misses)"),
     "tier_auth_failures.": ("vllm:kvplug_auth_failures",
                             "chunks that failed authentication (auth_key_env): never served"),
-    "tier_faults.": ("vllm:kvplug_tier_faults", "tier calls that raised or timed out"),
+    "tier_faults.": ("vllm:kvplug_tier_faults", "tier calls that raised or timed out (reads "
+                     "past a step's inline_load_deadline_s included)"),
     "tier_evictions.": ("vllm:kvplug_evictions", "entries the tier evicted"),
 }
 assert {k + "." for k in TIER_COUNTERS} <= set(_TIER_COUNTERS)

@@ -139,12 +139,25 @@ class PagedKV:
         self._streams: dict[str, object] = {}
 
     @classmethod
-    def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor]) -> PagedKV:
+    def from_kv_caches(cls, kv_caches: Mapping[str, torch.Tensor],
+                       num_blocks: int | None = None) -> PagedKV:
         """Page views for vLLM's ``register_kv_caches`` argument (layer name -> KV tensor).
 
         All distinct layers must share device, dtype, block count and page size. Aliases (two
         names, one tensor: same storage, offset and geometry) are kept once, in first-seen order.
+        ``num_blocks``: the engine's block count (vLLM's ``KVCacheConfig``); a tensor whose
+        dimension 0 is not it (a layout with K/V first, ``[2, num_blocks, ...]``) is refused.
         """
+        if num_blocks:
+            for name, t in kv_caches.items():
+                if t.dim() and t.size(0) != num_blocks:
+                    raise KVLayoutError(
+                        f"{_describe(name, t)}: dimension 0 has {t.size(0)} entries but the "
+                        f"engine has {num_blocks} KV blocks; kvplug needs the block dimension "
+                        "first ([num_blocks, ...] per layer, as vLLM 0.32+ lays it out). A "
+                        "tensor with K and V first ([2, num_blocks, ...]) is an older vLLM "
+                        "layout: use vLLM >= 0.32"
+                    )
         names: list[str] = []
         views: list[torch.Tensor] = []
         aliases: dict[str, int] = {}

@@ -349,10 +349,12 @@ class BackendClass(Protocol):
       (approximate: ``kvplug.backends.common.tenant_budget``); such a tier, or one with
       ``eviction_policy``, accepts a ``quotas`` setting. Default ``False``.
 
-    An instance may also set ``call_bound_s: float`` — the longest one of its hook calls can wait
-    (its client bounds every round trip, its breaker the failures). Where that is within the
-    tier's ``timeout_s``, kvplug calls it on the caller's thread instead of handing the call to
-    the tier's pool (:mod:`kvplug.tier_calls`); the tier still may block. Default: none.
+    An instance may also set ``call_bound_s: float`` — the longest one of its hook calls can wait,
+    all included: a connection pool's wait, every round trip, a reply that arrives slowly over
+    many reads (a socket timeout bounds one read, not a reply), the failures before its breaker
+    opens. Where that is within the tier's ``timeout_s``, kvplug calls it on the caller's thread
+    instead of handing the call to the tier's pool (:mod:`kvplug.tier_calls`); the tier still
+    may block. A bound that leaves any wait out must not be declared. Default: none.
 
     Not ``runtime_checkable``: every member but ``__init__`` is optional, so ``isinstance`` could
     not tell a backend class from any other; :func:`class_contract_problems` checks it instead.

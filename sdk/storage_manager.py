@@ -31,7 +31,7 @@ from .logs import LogOnce
 from .memory import MemoryFormat, MemoryObj, heap_memory_obj
 from .read_memory import DEFAULT_MAX_HEAP_FALLBACK, ChunkGeometry, ReadMemory
 from .runtime import THREADS, Runtime
-from .tier_calls import BATCH_GET_KEYS, MAX_ENCODER_QUEUE, Tier, release
+from .tier_calls import BATCH_GET_KEYS, MAX_ENCODER_QUEUE, Tier, WaitBudget, release
 from .tier_setup import ScopedHooks, build_tier
 
 logger = logging.getLogger("kvplug.storage")
@@ -137,27 +137,55 @@ class StorageManager:
             tier.name, tier.config.backend, hook, type(exc).__name__, exc,
         )
 
-    def _call(self, tier: Tier, hook: str, bounded: bool = False, **kwargs: Any) -> Any:
+    def _call(self, tier: Tier, hook: str, bounded: bool = False,
+              budget: WaitBudget | None = None, **kwargs: Any) -> Any:
         """Call one tier's hook: its backend's answer itself (every hook is ``firstresult``,
-        :mod:`kvplug.hookspecs`); exceptions (and, if ``bounded``, timeouts) become ``None``."""
-        caller = tier.hooks[hook]
-        if not bounded or tier.direct:
+        :mod:`kvplug.hookspecs`); exceptions (and, if ``bounded``, timeouts) become ``None``.
+        ``budget``: the call is bounded by what is left of it too (and never started once it is
+        spent), even where the tier's own client bounds its calls (``direct``)."""
+        if tier.inline or (budget is None and (not bounded or tier.direct)):
             try:
-                return caller(**kwargs)
+                return tier.hooks[hook](**kwargs)
             except Exception as exc:  # noqa: BLE001 - a tier fault is a miss
                 self._fault(tier, hook, exc)
                 return None
-        fut = tier.submit(hook, kwargs)
+        if budget is not None and budget.spent():
+            return self._over_budget(tier, hook, budget)
+        return self._wait(tier, hook, tier.submit(hook, kwargs), kwargs, budget)
+
+    def _wait(self, tier: Tier, hook: str, fut: Any, kwargs: dict[str, Any],
+              budget: WaitBudget | None = None) -> Any:
+        """The answer of a call submitted to the tier's pool, waited for at most the tier's
+        ``timeout_s`` (and what is left of ``budget``); past it, abandoned (a late result
+        releases what it holds) and a miss."""
+        timeout = tier.config.timeout_s if budget is None else \
+            min(tier.config.timeout_s, budget.remaining())
+        since = self.runtime.monotonic()
         try:
-            return fut.result(timeout=tier.config.timeout_s)
+            return fut.result(timeout=timeout)
         except FutureTimeout:
-            tier.timeouts += 1
             tier.abandon(hook, fut, kwargs)
+            if budget is not None and timeout < tier.config.timeout_s:
+                return self._over_budget(tier, hook, budget)
+            tier.timeouts += 1
             self._fault(tier, hook, TimeoutError(f"no answer within {tier.config.timeout_s}s"))
             return None
         except Exception as exc:  # noqa: BLE001
             self._fault(tier, hook, exc)
             return None
+        finally:
+            if budget is not None:
+                budget.charge(since)
+
+    def _over_budget(self, tier: Tier, hook: str, budget: WaitBudget) -> None:
+        """A read the batch's wait allowance did not cover: a miss, counted, logged once."""
+        tier.deadline_misses += 1
+        self._log_once((tier.name, "budget"),
+                       "tier %r (%s): %s not answered within the engine step's allowance of "
+                       "%.3gs for reads (inline_load_deadline_s) — treated as a miss (vLLM "
+                       "recomputes); further ones are counted in stats (deadline_misses)",
+                       tier.name, tier.config.backend, hook, budget.seconds)
+        return None
 
     # -- allocation -----------------------------------------------------------------------------
     def memory_regions(self) -> list[tuple[int, int]]:
@@ -324,6 +352,11 @@ class StorageManager:
         :data:`~.tier_calls.BATCH_GET_KEYS` keys (concurrently, except a local medium's small
         values: :data:`~.tier_calls.SEQUENTIAL_READ_BYTES`), any other with one ``get`` per key
         (slow tiers concurrently). Lower-tier hits are promoted into L1."""
+        return self.batched_get_where(keys)[0]
+
+    def batched_get_where(self, keys: Sequence[CacheKey]
+                          ) -> tuple[list[MemoryObj | None], list[str | None]]:
+        """:meth:`batched_get`, and the name of the tier each object came from (None: missed)."""
         keys = list(keys)
         out: list[MemoryObj | None] = [None] * len(keys)
         served = [-1] * len(keys)
@@ -333,19 +366,74 @@ class StorageManager:
                 break
             for i, obj in zip(todo, self._read_from(tier, [keys[i] for i in todo])):
                 if obj is not None:
-                    out[i] = obj
-                    served[i] = tier.index
-                    if tier.index > 0:
-                        self.promote(keys[i], obj)
+                    self._hit(keys[i], obj, tier, i, out, served)
             todo = [i for i in todo if out[i] is None]
-        hit = [i for i in range(len(keys)) if out[i] is not None]
-        if hit:
-            self._used([keys[i] for i in hit], [out[i] for i in hit],  # type: ignore[misc]
-                       [served[i] for i in hit])
+        self._served(keys, out, served)
+        return out, [self._tiers[i].name if i >= 0 else None for i in served]
+
+    def read_pinned(self, keys: Sequence[CacheKey], tiers: Sequence[str],
+                    budget: WaitBudget) -> list[MemoryObj | None]:
+        """What an engine step may read: each key from the one tier named for it (where its
+        lookup found and pinned it), never from another, and only from a tier that never
+        blocks or reads a medium on this machine (``local_medium``); every call of the batch
+        shares ``budget`` (:meth:`wait_budget`). A key whose tier misses, is another kind, or
+        is not answered within the budget is a miss. Lower-tier hits are promoted into L1."""
+        keys = list(keys)
+        out: list[MemoryObj | None] = [None] * len(keys)
+        served = [-1] * len(keys)
+        for tier in self._tiers:
+            todo = [i for i, name in enumerate(tiers) if name == tier.name]
+            if not todo:
+                continue
+            if not (tier.inline or tier.local):
+                self._log_once((tier.name, "read_pinned"),
+                               "tier %r (%s) may block and is no local medium: an engine step "
+                               "never reads it; %d key(s) sent there are misses (vLLM "
+                               "recomputes)", tier.name, tier.config.backend, len(todo))
+                continue
+            for i, obj in zip(todo, self._read_from(tier, [keys[i] for i in todo], budget)):
+                if obj is not None:
+                    self._hit(keys[i], obj, tier, i, out, served)
+        self._served(keys, out, served)
         return out
 
-    def _read_from(self, tier: Tier, keys: list[CacheKey]) -> list[MemoryObj | None]:
-        """One tier's answers for ``keys`` (see :meth:`batched_get`)."""
+    def _hit(self, key: CacheKey, obj: MemoryObj, tier: Tier, i: int,
+             out: list[MemoryObj | None], served: list[int]) -> None:
+        """Key ``i`` of a batch read was found on ``tier``: noted, and promoted into L1 from
+        a lower tier."""
+        out[i], served[i] = obj, tier.index
+        if tier.index > 0:
+            self.promote(key, obj)
+
+    def _served(self, keys: list[CacheKey], objs: list[MemoryObj | None],
+                served: list[int]) -> None:
+        """A batch read is over: every hit is a use (admission policies)."""
+        hit = [i for i in range(len(keys)) if objs[i] is not None]
+        if hit:
+            self._used([keys[i] for i in hit], [objs[i] for i in hit],  # type: ignore[misc]
+                       [served[i] for i in hit])
+
+    def wait_budget(self, seconds: float) -> WaitBudget:
+        """An allowance of ``seconds`` of waiting shared by a batch of reads (:meth:`read_pinned`,
+        :meth:`get_layers`), on this manager's clock."""
+        return WaitBudget(seconds, self.runtime.monotonic)
+
+    def find_inline(self, key: CacheKey) -> str | None:
+        """The first tier that never blocks and holds ``key`` (no pin), or ``None``: where a
+        step may read a key no lookup pinned, without waiting on anything."""
+        for tier in self._tiers:
+            if tier.inline:
+                found = self._call(tier, "contains", keys=[key], pin=False)
+                if isinstance(found, list) and found and found[0]:
+                    return tier.name
+        return None
+
+    def _read_from(self, tier: Tier, keys: list[CacheKey],
+                   budget: WaitBudget | None = None) -> list[MemoryObj | None]:
+        """One tier's answers for ``keys`` (see :meth:`batched_get`; ``budget``: see
+        :meth:`_read_within`)."""
+        if budget is not None and not tier.inline:
+            return self._read_within(tier, keys, budget)
         if len(keys) > 1 and tier.implements("batched_get"):
             groups = [keys[i : i + BATCH_GET_KEYS] for i in range(0, len(keys), BATCH_GET_KEYS)]
             parts = (self._readers.map(lambda g: self._batch_from(tier, g), groups)
@@ -360,9 +448,49 @@ class StorageManager:
             return [one(k) for k in keys]
         return list(self._readers.map(one, keys))
 
+    def _read_within(self, tier: Tier, keys: list[CacheKey],
+                     budget: WaitBudget) -> list[MemoryObj | None]:
+        """:meth:`_read_from` under one wait allowance for the whole batch: its calls go to the
+        tier's own pool (never the shared readers, which background loads may keep busy) and
+        are waited for with what is left of ``budget``; once it is spent, the rest are misses
+        without a call. A local medium's small values one call after another, others all
+        submitted at once (:data:`~.tier_calls.SEQUENTIAL_READ_BYTES`)."""
+        batched = len(keys) > 1 and tier.implements("batched_get")
+        step = BATCH_GET_KEYS if batched else 1
+        groups = [keys[i : i + step] for i in range(0, len(keys), step)]
+        hook = "batched_get" if batched else "get"
+
+        def args(group: list[CacheKey]) -> dict[str, Any]:
+            return {"keys": group} if batched else {"key": group[0]}
+
+        def answer(group: list[CacheKey], got: Any) -> list[MemoryObj | None]:
+            return self._batch_answer(tier, group, got) if batched else [got]
+
+        out: list[MemoryObj | None] = []
+        if tier.reads_in_sequence() or len(groups) == 1:
+            for g in groups:
+                out += answer(g, self._call(tier, hook, budget=budget, **args(g)))
+            return out
+        calls = [(g, args(g)) for g in groups]
+        futs = [tier.submit(hook, kw) for _, kw in calls] if not budget.spent() else []
+        for i, (g, kw) in enumerate(calls):
+            if i >= len(futs) or budget.spent():
+                if i < len(futs):
+                    tier.abandon(hook, futs[i], kw)
+                out += answer(g, self._over_budget(tier, hook, budget))
+                continue
+            out += answer(g, self._wait(tier, hook, futs[i], kw, budget))
+        return out
+
     def _batch_from(self, tier: Tier, keys: list[CacheKey]) -> list[MemoryObj | None]:
         """One bounded ``batched_get`` call; a fault, a timeout or a wrong answer: all misses."""
-        got = self._call(tier, "batched_get", bounded=True, keys=keys)
+        return self._batch_answer(tier, keys, self._call(tier, "batched_get", bounded=True,
+                                                         keys=keys))
+
+    def _batch_answer(self, tier: Tier, keys: list[CacheKey], got: Any
+                      ) -> list[MemoryObj | None]:
+        """A tier's ``batched_get`` answer for ``keys`` as one object (or None) per key; a
+        wrong answer (not a list of one answer per key) is a fault and all misses."""
         if isinstance(got, list) and len(got) == len(keys):
             tier.saw_reads(got)
             return got
@@ -389,14 +517,16 @@ class StorageManager:
         return any(t.name == tier and t.implements("get_layers") for t in self._tiers)
 
     def get_layers(self, key: CacheKey, first_layer: int, num_layers: int,
-                   tier: str | None = None) -> MemoryObj | None:
+                   tier: str | None = None, budget: WaitBudget | None = None
+                   ) -> MemoryObj | None:
         """Layers ``[first_layer, first_layer + num_layers)`` of a chunk from the first tier that
         reads layer ranges and has it (only from ``tier`` when given); ``None`` if none has it.
-        Layer-wise loads use it for chunks that lookup found in such a tier."""
+        Layer-wise loads use it for chunks that lookup found in such a tier; ``budget``: the
+        call waits at most what is left of it (:meth:`wait_budget`)."""
         for t in self._tiers:
             if not t.implements("get_layers") or tier not in (None, t.name):
                 continue
-            obj = self._call(t, "get_layers", bounded=True, key=key,
+            obj = self._call(t, "get_layers", bounded=True, budget=budget, key=key,
                              first_layer=first_layer, num_layers=num_layers)
             if obj is not None:
                 if first_layer == 0:  # a layer-wise load reads layer 0 once per use
@@ -535,6 +665,7 @@ class StorageManager:
             entry = tier.metrics.snapshot()
             entry["faults"] = tier.faults
             entry["timeouts"] = tier.timeouts
+            entry["deadline_misses"] = tier.deadline_misses
             if tier.auth is not None:
                 entry["auth_failures"] = tier.auth.failures
             if tier.admission is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any
 
@@ -41,6 +42,28 @@ BATCH_GET_KEYS = 16
 SEQUENTIAL_READ_BYTES = 2 << 20
 #: Puts queued for a tier's encoder beyond this are dropped (counted as codec_dropped_puts).
 MAX_ENCODER_QUEUE = 64
+
+
+class WaitBudget:
+    """One allowance of waiting on tiers, shared by every call of a batch (an engine step's
+    in-step reads): each call waits at most what is left, and what it waited is taken off, so a
+    hung medium costs the batch the allowance once, not a timeout per call or group of keys.
+    ``clock`` is the runtime's (:meth:`kvplug.runtime.Runtime.monotonic`)."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float]) -> None:
+        self.seconds = seconds
+        self.clock = clock
+        self.left = seconds
+
+    def remaining(self) -> float:
+        return max(0.0, self.left)
+
+    def spent(self) -> bool:
+        return self.left <= 0.0
+
+    def charge(self, since: float) -> None:
+        """Take off the time waited since ``since`` (a reading of ``clock``)."""
+        self.left -= max(0.0, self.clock() - since)
 
 
 def release(objs: list) -> None:
@@ -71,6 +94,8 @@ class Tier:
         self.hooks: dict[str, Any] = {}
         self.faults = 0
         self.timeouts = 0
+        #: reads a batch's wait allowance did not cover (:class:`WaitBudget`): misses
+        self.deadline_misses = 0
         #: Pure in-memory tiers declare ``never_blocks = True`` and are called inline; every other
         #: tier's get/contains runs on the tier's own pool, bounded by its ``timeout_s``.
         self.inline = bool(getattr(backend, "never_blocks", False))

@@ -6,9 +6,9 @@ ValueStoreTier`; this module says how to reach the server: the URL (``redis://``
 ``unix://``), a cluster or not, the password from the URL or an environment variable (never
 logged), TLS files for ``rediss://`` (the CA, a client certificate and key; checked at startup),
 and ``timeout_s`` as the client's socket timeout, with no retries (:mod:`.client`).
-``get_layers`` reads a layer range with ``GETRANGE``. On one server every call is bounded by the
-client (``call_bound_s``), so where that is within the tier's ``timeout_s`` kvplug calls the tier
-from the caller's thread, without a hand-off (:mod:`kvplug.tier_calls`).
+``get_layers`` reads a layer range with ``GETRANGE``. The tier declares no ``call_bound_s``: the
+socket timeout bounds each read, not a reply trickled over many reads, nor the wait for a pooled
+connection, so its calls run on the tier's pool under ``timeout_s`` (:mod:`kvplug.tier_calls`).
 """
 
 from __future__ import annotations
@@ -67,16 +67,6 @@ class RespBackend(ValueStoreTier):
         def _tls_files(self) -> RespBackend.Options:
             check_tls(self.url, {k: getattr(self, k) for k in TLS_OPTIONS})
             return self
-
-    def __init__(self, ctx: TierContext) -> None:
-        super().__init__(ctx)
-        opts: RespBackend.Options = ctx.options
-        if not opts.cluster:
-            #: The longest one call waits on one server (kvplug.tier_calls): each round trip at
-            #: most a connect and a reply, each within timeout_s, and breaker_threshold failures
-            #: open the breaker, which then refuses the call's further round trips. A cluster's
-            #: masters each have a breaker of their own: no such bound.
-            self.call_bound_s = 2 * opts.timeout_s * opts.breaker_threshold
 
     def open_io(self, ctx: TierContext, breaker: CircuitBreaker) -> tuple[ValueIO, str]:
         opts: RespBackend.Options = ctx.options

@@ -53,6 +53,12 @@ class ConnectorConfig(KVPlugConfig):
         "as hits from RAM do; a hit past it loads in the background, a step later. 0: every "
         "such hit in the background. Hits on remote tiers always load in the background",
     )
+    inline_load_deadline_s: float = Field(
+        default=0.5, gt=0,
+        description="the longest an engine step waits, in all, on the reads of its in-step "
+        "loads from a local medium (posix, gds): one allowance per step, not per call; what is "
+        "not read by then is a load error (vLLM recomputes those blocks). RAM hits never wait",
+    )
     model_name: str | None = Field(
         default=None, description="the model name used in keys (default: vLLM's model)"
     )

@@ -58,6 +58,8 @@ class GroupLayout:
     zeroes_new_blocks: bool = False
     #: KV bytes of one block on one worker, every group's layers (0: unknown)
     block_bytes: int = 0
+    #: the engine's KV blocks (``KVCacheConfig.num_blocks``; 0: unknown)
+    num_blocks: int = 0
 
     @property
     def multi(self) -> bool:
@@ -114,10 +116,11 @@ def layout_of(kv_cache_config: Any, block_size: int) -> GroupLayout:
     zeroes = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
     nbytes = sum(int(getattr(g.kv_cache_spec, "page_size_bytes", 0) or 0) * len(g.layer_names)
                  for g in groups)
+    blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
     if len(groups) <= 1:
         n = len(groups[0].layer_names) if groups else 0
         return GroupLayout([GroupInfo(0, FULL, "single", num_layers=n)], block_size, zeroes,
-                           nbytes)
+                           nbytes, blocks)
     out = []
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
@@ -125,7 +128,7 @@ def layout_of(kv_cache_config: Any, block_size: int) -> GroupLayout:
         if getattr(spec, "block_size", block_size) != block_size:
             kind = UNSUPPORTED
         out.append(GroupInfo(i, kind, type(spec).__name__, window, len(g.layer_names)))
-    return GroupLayout(out, block_size, zeroes, nbytes)
+    return GroupLayout(out, block_size, zeroes, nbytes, blocks)
 
 
 def group_hash(chunk_hash: bytes, group: GroupInfo) -> bytes:

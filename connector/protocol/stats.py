@@ -50,7 +50,7 @@ TIER_COUNTERS: dict[str, tuple[str, ...]] = {
     "tier_dropped_stores": ("dropped_puts", "skipped_puts", "failed_puts"),
     "tier_corrupt": ("corrupt",),
     "tier_auth_failures": ("auth_failures",),
-    "tier_faults": ("faults",),
+    "tier_faults": ("faults", "deadline_misses"),
     "tier_evictions": ("evictions", "evicted"),
 }
 #: Per-tier levels sampled from ``StorageManager.stats()``: stats key -> the tier's own field.

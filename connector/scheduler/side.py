@@ -24,12 +24,17 @@ loaded (vLLM recomputes it; its chunk is fetched and only the blocks before it w
 while a request decodes its KV is stored only one block behind what is computed (the drafter
 may still rewrite the last accepted position); at the request's end the rest is stored.
 
-vLLM's asynchronous scheduling (on by default where supported) schedules step N+1 before step N's
-output reaches the scheduler. A synchronous load that fails in step N is reported in N's output,
-but N+1 has already run over the unloaded blocks, and vLLM's recompute rolls the request back
-without dropping N+1's sampled token: a wrong token would be served. So every load is a
-background one there (the request waits in ``WAITING_FOR_REMOTE_KVS`` and is not scheduled until
-vLLM has taken the load's result, errors included). Found by the simulation (seed 107).
+In-step loads (a hit in L1, or a small one on a local disk, written inside the step that uses
+it) are only safe where vLLM cannot run a step before the previous step's output is processed.
+Its engine core keeps a batch queue of ``max_concurrent_batches`` steps: under asynchronous
+scheduling (on by default where supported) and under pipeline parallelism (the plain Scheduler
+with a queue as deep as the pipeline) step N+1 is scheduled and run before step N's output, and
+its load errors, reach the scheduler. A synchronous load that fails in step N is then read by
+N+1 over the unloaded blocks (and stored from them), and vLLM's recompute rolls the request
+back without dropping N+1's sampled token: a wrong token would be served. So every load is a
+background one there (``runs_ahead``, :func:`..compat.runs_ahead`): the request waits in
+``WAITING_FOR_REMOTE_KVS`` and is not scheduled until vLLM has taken the load's result, errors
+included. Found by the simulation (seed 107; pipeline parallelism: its batch-queue kind).
 """
 
 from __future__ import annotations
@@ -102,7 +107,7 @@ class SchedulerSide:
     def __init__(
         self, config: ConnectorConfig, block_size: int, role: str, lookup: LookupFn,
         layout: GroupLayout | None = None, drop_last_block: bool = False,
-        async_scheduling: bool = False,
+        runs_ahead: str | None = None,
     ) -> None:
         self.layout = layout or GroupLayout()  # KV cache groups (..protocol.groups)
         if config.chunk_size % block_size and self.layout.servable:
@@ -114,8 +119,15 @@ class SchedulerSide:
         self.bs = block_size
         #: an EAGLE/MTP drafter: the last block of a hit is recomputed (module docstring)
         self.drop_last_block = drop_last_block
-        #: vLLM's asynchronous scheduling: every load is a background one (module docstring)
-        self.async_scheduling = async_scheduling
+        #: why vLLM may run a step before the previous step's output is processed (its batch
+        #: queue: asynchronous scheduling, pipeline parallelism), or None: then every load is a
+        #: background one (module docstring)
+        self.runs_ahead = runs_ahead
+        if layout is None or layout.servable:
+            logger.info("kvplug: %s", f"every load in the background: vLLM runs steps ahead of "
+                        f"their outputs ({runs_ahead})" if runs_ahead else
+                        "hits in RAM (and small ones on a local disk) load inside the engine step: "
+                        "vLLM processes each step's output before the next step runs")
         self.role = role
         self.lookup = lookup
         self.stats = StatsRecorder()
@@ -271,8 +283,8 @@ class SchedulerSide:
         t.slow_chunks = frozenset(slow)
         loaded = range(num_computed_tokens // self.cs, -(-hit // self.cs))
         # several KV cache groups: vLLM takes load failures only as failed async loads;
-        # asynchronous scheduling: see the module docstring
-        t.load_background = (self.layout.multi or self.async_scheduling
+        # vLLM running steps ahead of their outputs: see the module docstring
+        t.load_background = (self.layout.multi or bool(self.runs_ahead)
                              or any(i in loaded for i in slow)
                              or (any(i in loaded for i in local)
                                  and not self._inline_budget(hit - num_computed_tokens)))
@@ -412,7 +424,10 @@ class SchedulerSide:
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
         for req_id in meta.preempted:  # blocks freed after their copies: nothing holds them now
             if (t := self.trackers.get(req_id)) is not None:  # (the workers forget them too)
-                t.sent_save = False
+                # its block table went back to vLLM, which hands those blocks to other
+                # requests: it no longer names this request's KV (a resumed request gets a new
+                # one), so no rule may follow blocks through it (UnwrittenBlocks.failed)
+                t.sent_save, t.block_ids, t.tables = False, [], ()
         self._follow_blocks(so)
         state = getattr(so, "kv_connector_block_state", None)
         work = [(req_id, 0) for req_id in self._background]

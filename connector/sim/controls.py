@@ -205,7 +205,7 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
 
         def sched_init(self: Any, *args: Any, **kw: Any) -> None:
             real_sched_init(self, *args, **kw)
-            self.async_scheduling = False
+            self.runs_ahead = None
 
         return [(SchedulerSide, "__init__", sched_init)]
     if name == "neighbour_wrong_bytes":  # the simulation's neighbour reads it (faults.py)

@@ -3,9 +3,15 @@
 
 * **plan** (:func:`plan_load`): which pages of which stored chunk go to which blocks (one part per
   KV cache group, :func:`..protocol.groups.load_parts`), and the tier each chunk is in;
-* **fetch**: the chunks from the tiers (:meth:`StorageManager.batched_get`: L1, else a slower tier,
-  promoted into L1); layer-wise, a chunk in a tier that reads layer ranges is staged and read one
-  layer at a time just before that layer is scattered (:class:`LayerReads`);
+* **fetch**: the chunks from the tiers. Inside the step (an in-step load), each chunk only from the
+  tier its lookup pinned it in, which never blocks (L1) or is a local medium, all of the step's
+  reads sharing one wait allowance (``inline_load_deadline_s``;
+  :meth:`StorageManager.read_pinned`): a miss there, a chunk no lookup of this rank pinned (with
+  TP > 1 the hit is the minimum over ranks) and not in L1, or a read past the allowance is a load
+  error, never a call to another tier on the engine thread. A background load reads from
+  whichever tier holds the chunk (:meth:`StorageManager.batched_get_where`: L1, else a slower
+  tier, promoted into L1), off the step. Layer-wise, a chunk in a tier that reads layer ranges is
+  staged and read one layer at a time just before that layer is scattered (:class:`LayerReads`);
 * **validate** (:func:`valid_pages`): every chunk (every layer) is checked before any of its bytes
   reach a block; a chunk that fails makes it and everything after it in its request a load error;
 * **scatter**: into the blocks (:mod:`kvplug.gpu`), in bulk or layer by layer;
@@ -47,6 +53,7 @@ from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, MemoryObj
 from kvplug.runtime import THREADS, Runtime
 from kvplug.storage_manager import StorageManager
+from kvplug.tier_calls import WaitBudget
 
 from ..protocol import groups
 from ..protocol.metadata import KVPlugMetadata, LoadSpec, ReqMeta
@@ -110,7 +117,10 @@ class RequestLoad:
         return [c for c in self.chunks if c.block_ids and self.ok(c)]
 
 
-TierOf = Callable[[CacheKey], "str | None"]  # the tier holding a key (None: no tier does)
+TierOf = Callable[[CacheKey], "str | None"]  # where to read a key from (None: nowhere)
+#: A background load's chunk that no lookup of this rank pinned: read from whichever tier holds
+#: it (off the step; the tier that served it is noted when the fetch is over).
+ANY_TIER = ""
 
 
 # -- 1. plan ---------------------------------------------------------------------------------------
@@ -118,9 +128,8 @@ def plan_load(md: KVPlugMetadata, r: ReqMeta, key: Callable[[bytes], CacheKey], 
               layout: groups.GroupLayout | None = None) -> RequestLoad:
     """The chunks of ``r``'s load and their blocks: one :class:`ChunkLoad` per chunk, or per KV
     cache group part of a chunk with several groups (a sliding group writes only its live
-    blocks). A chunk a block table cannot hold, or that no tier holds (``tier_of``: where lookup
-    pinned it, else where it is now; with TP>1 a rank may be sent a key it never pinned), fails
-    with everything after it."""
+    blocks). A chunk a block table cannot hold, or that ``tier_of`` finds nowhere to read from
+    (see :meth:`Loads.submit`), fails with everything after it."""
     assert r.load is not None
     spec, bs = r.load, md.block_size
     ld = RequestLoad(r, spec, bs)
@@ -152,18 +161,20 @@ def plan_load(md: KVPlugMetadata, r: ReqMeta, key: Callable[[bytes], CacheKey], 
 
 class Loads:
     """One worker's loads, step by step, each along plan -> fetch -> validate -> scatter -> report
-    (see the module docstring). Built once the KV cache and the tiers exist; ``tier_of`` and
-    ``release`` are lookup's pins (where it found a request's keys; drop them)."""
+    (see the module docstring). Built once the KV cache and the tiers exist; ``pinned`` and
+    ``release`` are lookup's pins (the tier it pinned each of a request's keys in; drop them);
+    ``deadline_s``: the step's allowance of waiting on in-step reads."""
 
     def __init__(self, parts: TransferParts, layerwise: bool, reports: LoadReports,
-                 background: BackgroundLoads, tier_of: Callable[[str], TierOf],
-                 release: Callable[[list[str]], None]) -> None:
+                 background: BackgroundLoads, pinned: Callable[[str], dict[CacheKey, str]],
+                 release: Callable[[list[str]], None], deadline_s: float) -> None:
         self.kv, self.storage, self.layout, self.key = parts
         self.layerwise = layerwise
         self.reports = reports
         self.background = background
-        self.tier_of = tier_of
+        self.pinned = pinned
         self.release = release
+        self.deadline_s = deadline_s
         self._done: list[RequestLoad] = []  # loads scattered (or failed), reported by _finish()
         self._objs: list[MemoryObj] = []  # what their scatter reads from
         self._steps: Generator[int, None, None] | None = None  # layer-wise scatter
@@ -188,32 +199,46 @@ class Loads:
         if md is None:
             return
         jobs: list[PageJob] = []
-        reads = LayerReads(self.storage, self.kv.num_layers) if self.layerwise else None
+        budget = self.storage.wait_budget(self.deadline_s)  # the step's, for every in-step read
+        reads = LayerReads(self.storage, self.kv.num_layers, budget) if self.layerwise else None
         for r in md.requests:
             if r.load is None:
                 continue
             t0 = time.perf_counter()
-            ld = plan_load(md, r, self.key, self.tier_of(r.req_id), self.layout)  # 1. plan
+            where = self._where(self.pinned(r.req_id), r.load.background)
+            ld = plan_load(md, r, self.key, where, self.layout)  # 1. plan
             if r.load.background:
                 ld.epoch = self.epoch
                 self.background.submit(ld)  # 2. fetch, off the step (see finished)
                 continue
-            got = self._fetch(ld, reads)  # 2. fetch
+            got = self._fetch(ld, reads, budget)  # 2. fetch
             self._validate(ld, got, jobs, reads)  # 3. validate
             ld.seconds += time.perf_counter() - t0
             self._done.append(ld)
         self._scatter(jobs, reads)  # 4. scatter, then 5. report (_finish)
 
-    def _fetch(self, ld: RequestLoad, reads: LayerReads | None) -> dict[int, MemoryObj | None]:
-        """Step 2: the whole chunks, by ``id`` of the chunk (a chunk read by layer is fetched in
-        the scatter, :class:`LayerReads`); a fetch that raises leaves them all missing."""
+    def _where(self, pinned: dict[CacheKey, str], background: bool) -> TierOf:
+        """Where a load reads each key from: the tier its lookup pinned it in. A key no lookup
+        of this rank pinned: a background load reads it from whichever tier holds it
+        (:data:`ANY_TIER`), an in-step load only from a tier that never blocks (RAM), else from
+        nowhere (a load error: never a lookup over the other tiers on the engine thread)."""
+        if background:
+            return lambda k: pinned.get(k, ANY_TIER)
+        return lambda k: pinned.get(k) or self.storage.find_inline(k)
+
+    def _fetch(self, ld: RequestLoad, reads: LayerReads | None,
+               budget: WaitBudget) -> dict[int, MemoryObj | None]:
+        """Step 2, in the step: the whole chunks, by ``id`` of the chunk, each from its planned
+        tier within the step's ``budget`` (a chunk read by layer is fetched in the scatter,
+        :class:`LayerReads`); a fetch that raises leaves them all missing."""
         for c in ld.chunks:
             c.by_layer = (reads is not None and bool(c.block_ids)
                           and self.storage.reads_layers(c.tier))
         whole = [c for c in ld.chunks if not c.by_layer]
         try:
-            return dict(zip(map(id, whole), self.storage.batched_get([c.key for c in whole]),
-                            strict=True))
+            got = self.storage.read_pinned([c.key for c in whole], [c.tier for c in whole],
+                                           budget)
+            return dict(zip(map(id, whole), got, strict=True))
         except Exception:
             logger.exception("kvplug load of %s failed", ld.req.req_id)
             return {}
@@ -360,12 +385,14 @@ class LayerReads:
     copied to the blocks (``layerwise_load``'s ``before``), from the tier lookup found them in.
 
     Each is staged in memory from ``allocate``; once whole, a chunk from a lower tier is promoted
-    into L1 (as a whole-chunk ``get`` does).
+    into L1 (as a whole-chunk ``get`` does). Every read waits at most what is left of the step's
+    ``budget`` (shared with its whole-chunk reads).
     """
 
-    def __init__(self, storage: StorageManager, num_layers: int) -> None:
+    def __init__(self, storage: StorageManager, num_layers: int, budget: WaitBudget) -> None:
         self.storage = storage
         self.num_layers = num_layers
+        self.budget = budget
         self.items: list[tuple[RequestLoad, ChunkLoad, MemoryObj]] = []
 
     def add(self, ld: RequestLoad, chunk: ChunkLoad, staging: MemoryObj) -> None:
@@ -378,7 +405,7 @@ class LayerReads:
             if not ld.ok(c):
                 continue
             t0 = time.perf_counter()
-            part = self.storage.get_layers(c.key, layer, 1, tier=c.tier)
+            part = self.storage.get_layers(c.key, layer, 1, tier=c.tier, budget=self.budget)
             good = valid_pages(part, (1, c.num_pages, staging.tensor.shape[2]), c.end - c.start)
             if good:
                 staging.tensor[layer].copy_(part.tensor[0])  # type: ignore[union-attr]
@@ -392,22 +419,23 @@ class LayerReads:
         return drop
 
 
-Fetch = Callable[[Sequence[CacheKey]], list[MemoryObj | None]]
+#: A background load's fetch: the objects, and the tier each came from (None: missed).
+Fetch = Callable[[Sequence[CacheKey]], "tuple[list[MemoryObj | None], list[str | None]]"]
 
 
 def _drop(fut: Future) -> None:
     """Release what a fetch nobody will use brought (a cancelled load's, when it arrives)."""
     if fut.cancelled() or fut.exception() is not None:
         return
-    for obj in fut.result():
+    for obj in fut.result()[0]:
         if obj is not None:
             obj.ref_down()
 
 
 class BackgroundLoads:
     """Loads vLLM waits for in ``WAITING_FOR_REMOTE_KVS``: each request's chunks are fetched on a
-    worker-owned pool (``fetch``: :meth:`StorageManager.batched_get`, which bounds every tier call
-    by the tier's ``timeout_s`` and promotes into L1). The caller takes finished fetches on its own
+    worker-owned pool (``fetch``: :meth:`StorageManager.batched_get_where`, which bounds every
+    tier call by the tier's ``timeout_s`` and promotes into L1). The caller takes finished fetches on its own
     thread (:meth:`take_done`) and writes the blocks there; a cancelled load's objects are dropped
     when its fetch ends, never written."""
 
@@ -424,7 +452,7 @@ class BackgroundLoads:
 
     def submit(self, ld: RequestLoad) -> None:
         """Start fetching every chunk of ``ld`` (in chunk order)."""
-        def run() -> list[MemoryObj | None]:
+        def run() -> tuple[list[MemoryObj | None], list[str | None]]:
             t0 = time.perf_counter()
             try:
                 return self._fetch([c.key for c in ld.chunks])
@@ -466,9 +494,12 @@ class BackgroundLoads:
         out = []
         for _, (ld, fut) in done:
             try:
-                objs = fut.result()
+                objs, tiers = fut.result()
             except Exception:  # noqa: BLE001 - a fetch that raised is a load error
-                objs = []
+                objs, tiers = [], []
+            for c, tier in zip(ld.chunks, tiers, strict=False):
+                if c.tier == ANY_TIER and tier is not None:
+                    c.tier = tier  # where a chunk no lookup pinned was found
             out.append((ld, list(objs) + [None] * (len(ld.chunks) - len(objs))))
         return out
 

@@ -83,7 +83,7 @@ class WorkerSide:
             logger.warning("%s", self.layout.unsupported_message())
             return
         self._kv_caches = dict(kv_caches)
-        self.kv = PagedKV.from_kv_caches(kv_caches)
+        self.kv = PagedKV.from_kv_caches(kv_caches, self.layout.num_blocks or None)
         self.kv_dtype = str(self.kv.kv_dtype).removeprefix("torch.")
         bs = self.layout.block_size or 1  # unknown: a chunk of single-token pages bounds it
         self.storage = StorageManager(self.cfg, runtime=self.runtime, geometry=ChunkGeometry(
@@ -91,8 +91,8 @@ class WorkerSide:
             self.cfg.chunk_size))  # reads of any other shape are refused before allocating
         parts = TransferParts(self.kv, self.storage, self.layout, self.key)
         loads = Loads(parts, self.cfg.layerwise, self._reports,
-                      BackgroundLoads(self.storage.batched_get, runtime=self.runtime),
-                      self._tier_of, self.release)
+                      BackgroundLoads(self.storage.batched_get_where, runtime=self.runtime),
+                      self.pinned, self.release, self.cfg.inline_load_deadline_s)
         saves = (AsyncSaves(self.kv, self.storage, self.stats, self.runtime,
                             order_at_submit=self.layout.zeroes_new_blocks)
                  if async_save_enabled(self.cfg, self.kv.device.type) else None)
@@ -259,15 +259,13 @@ class WorkerSide:
             if held:
                 self.storage.unpin(*held)
 
-    def _tier_of(self, req_id: str) -> Callable[[CacheKey], str | None]:
-        """Where each key of ``req_id``'s load is: where lookup pinned it, else (a key this rank
-        never pinned: with TP>1 the hit is the minimum over ranks) the tier holding it now."""
+    def pinned(self, req_id: str) -> dict[CacheKey, str]:
+        """The tier each key of ``req_id``'s last lookup on this rank was found (and pinned) in.
+        With TP > 1 the hit is the minimum over ranks, so a load may name a key (a shorter
+        partial chunk) this rank never pinned: not in the answer."""
         with self._lock:
             keys, tiers = self._pins.get(req_id, ([], []))
-        pinned = dict(zip(keys, tiers, strict=False))
-        storage = self.storage
-        assert storage is not None
-        return lambda k: pinned[k] if k in pinned else storage.contains(k)
+        return dict(zip(keys, tiers, strict=False))
 
     def bind(self, md: KVPlugMetadata | None) -> None:
         """vLLM bound the coming step's metadata (before its forward, before any ``get_finished``

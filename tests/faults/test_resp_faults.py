@@ -283,3 +283,78 @@ def test_a_full_write_queue_drops_counts_and_says_which_option(tmp_path, caplog)
     finally:
         mgr.close()
         server.stop()
+
+
+class TrickleServer:
+    """A TCP server speaking just enough RESP: ``HELLO`` gets the protocol, every other command
+    but ``EXISTS`` ``+OK``, at once;
+    ``EXISTS`` gets a valid integer reply sent one byte every ``gap`` seconds, each byte within
+    the client's socket timeout (a server or network that trickles: a fault a real redis-server
+    cannot be made to show)."""
+
+    REPLY = b":" + b"0" * 17 + b"1\r\n"  # 21 bytes: the integer 1
+
+    def __init__(self, gap: float) -> None:
+        import socket
+
+        self.gap = gap
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.sent_whole = threading.Event()
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._client, args=(conn,), daemon=True).start()
+
+    def _client(self, conn) -> None:
+        with conn:
+            buf = b""
+            while not self.stop.is_set():
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buf += data
+                while b"\r\n" in buf:  # one command per array; answer by its name
+                    command, buf = buf.upper(), b""
+                    if b"HELLO" in command:  # redis-py's handshake (RESP3): the protocol
+                        conn.sendall(b"%1\r\n+proto\r\n:3\r\n")
+                        continue
+                    if b"EXISTS" not in command:
+                        conn.sendall(b"+OK\r\n")
+                        continue
+                    for byte in self.REPLY:
+                        if self.stop.wait(self.gap):
+                            return
+                        conn.sendall(bytes([byte]))
+                    self.sent_whole.set()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+def test_a_reply_trickled_within_the_socket_timeout_is_still_bounded_by_the_tier_timeout():
+    """resp's socket timeout bounds each read, not a reply: a reply trickled a byte per 0.3 s
+    (socket timeout 0.5 s) takes 6.3 s. Its calls therefore run on the tier's pool under the
+    tier's ``timeout_s`` (1 s): the lookup is unknown (``None``), counted as a timeout, and
+    answered before the server has sent the whole reply. Before: resp declared ``call_bound_s``
+    (2 x 0.5 s x 1 failure), was called on the caller's thread, and the lookup waited for the
+    whole reply (True, after 6.3 s)."""
+    srv = TrickleServer(gap=0.3)
+    mgr = StorageManager({"tiers": [{"backend": "resp", "timeout_s": 1.0, "options": {
+        "url": f"redis://127.0.0.1:{srv.port}/0", "timeout_s": 0.5, "negative_cache_s": 0,
+        "breaker_threshold": 1}}], "chunk_size": 16})
+    try:
+        assert not mgr._tiers[0].direct
+        answer = timed(mgr.holds, "resp", [key(1)])
+        assert not srv.sent_whole.is_set()  # answered while the reply was still trickling
+        assert answer is None and stats(mgr)["timeouts"] == 1
+    finally:
+        srv.close()
+        mgr.close()

@@ -294,11 +294,15 @@ class FaultTier:
 def make_scheduler(model_dir: str | os.PathLike[str], extra: dict[str, Any] | None = None,
                    role: str = "kv_both", block_size: int = 128, num_blocks: int = 200,
                    max_num_batched_tokens: int = 4096, prefix_caching: bool = False,
-                   policy: str = "recompute", groups: list[Any] | None = None) -> Any:
+                   policy: str = "recompute", groups: list[Any] | None = None,
+                   pipeline_parallel_size: int = 1, async_scheduling: bool = False,
+                   scheduling_policy: str = "fcfs") -> Any:
     """A real vLLM ``Scheduler`` whose SCHEDULER-role connector is kvplug's. Saves are
     synchronous unless ``extra`` says otherwise: with asynchronous saves vLLM holds every
     finished request that saved until a worker reports it, and no worker runs here.
-    ``groups``: vLLM ``KVCacheGroupSpec``s (hybrid models); one full-attention group if None."""
+    ``groups``: vLLM ``KVCacheGroupSpec``s (hybrid models); one full-attention group if None.
+    ``pipeline_parallel_size``, ``async_scheduling``: what vLLM's config says (the engine core's
+    batch queue; the scheduler itself is the plain one either way)."""
     engine_env()
     extra = {"async_save": False, **(extra or {})}
     import torch
@@ -307,6 +311,7 @@ def make_scheduler(model_dir: str | os.PathLike[str], extra: dict[str, Any] | No
         DeviceConfig,
         KVTransferConfig,
         ModelConfig,
+        ParallelConfig,
         SchedulerConfig,
         VllmConfig,
     )
@@ -320,11 +325,14 @@ def make_scheduler(model_dir: str | os.PathLike[str], extra: dict[str, Any] | No
     cache.num_gpu_blocks = num_blocks
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=4096, enable_chunked_prefill=True,
-                            is_encoder_decoder=False)
+                            is_encoder_decoder=False, policy=scheduling_policy)
     vc = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched,
                     device_config=DeviceConfig("cpu"),
+                    parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
                     kv_transfer_config=KVTransferConfig(**transfer_config("kvplug", extra, role,
                                                                          policy)))
+    if async_scheduling:  # VllmConfig resolves it off on CPU; a CUDA engine's default
+        vc.scheduler_config.async_scheduling = True
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
                              dtype=torch.float32)
     kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],

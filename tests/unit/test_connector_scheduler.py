@@ -229,3 +229,30 @@ def test_eagle_drafter_hit_ends_a_block_early_and_decode_stores_a_block_behind(m
     # chunk [1280, 1536) is complete in the step that computes token 1535 (without a drafter
     # it is stored in that step); here a block later
     assert saved_at[(1280, 1536)] == 1536 + 128, saved_at
+
+
+def test_a_preempted_requests_old_block_table_names_no_blocks(model_dir):
+    """Priority scheduling preempts ``a`` (low priority) for ``b``, which then grows into a's
+    freed blocks (b: [1, 2, 3, 4, 5, 11, 10, 9], a's old table [6, 7, 8, 9, 10]). A load error on
+    b's last block 9 must mark only it: through a's stale table it marked block 10 as well, a
+    block b wrote itself (before: ``unwritten.blocks == {9, 10}``, so b's next steps reading
+    block 10 got a spurious load error and were recomputed)."""
+    s, side, _ = build(model_dir, block_size=16, num_blocks=12, max_num_batched_tokens=512,
+                       scheduling_policy="priority")
+    s.add_request(make_request("a", prompt(80, 1), max_tokens=40, priority=5))
+    s.add_request(make_request("b", prompt(80, 2), max_tokens=40, priority=0))
+    old_a: list[int] = []
+    preempted = False
+    for _ in range(60):
+        t = side.trackers.get("a")
+        old_a = (list(t.block_ids) if t is not None else []) or old_a
+        so, _ = step(s)
+        preempted = preempted or "a" in so.preempted_req_ids
+        table = s.kv_cache_manager.get_block_ids("b")[0]
+        if preempted and len(set(table) & set(old_a)) >= 2:
+            break
+    assert preempted and side.trackers["a"].block_ids == []
+    reused = [b for b in table if b in old_a]
+    assert old_a.index(reused[-1]) < old_a.index(reused[-2])  # a's order differs from b's
+    side.update_connector_output(None, invalid_blocks={table[-1]})
+    assert side.unwritten.blocks == {table[-1]}

@@ -53,6 +53,27 @@ def stored_request(model_dir, fake):
 def test_l1_hit_loads_inline(model_dir):
     s, side, r = stored_request(model_dir, FakeLookup())
     assert side.get_num_new_matched_tokens(r, 0) == (1024, False)
+    assert side.runs_ahead is None
+
+
+@pytest.mark.parametrize("engine", [{"pipeline_parallel_size": 2}, {"pipeline_parallel_size": 4},
+                                    {"async_scheduling": True}])
+def test_an_engine_that_runs_steps_ahead_loads_every_hit_in_the_background(model_dir, engine):
+    """vLLM's engine core runs a batch queue of ``max_concurrent_batches`` steps: under pipeline
+    parallelism (the plain Scheduler, a queue as deep as the pipeline) and asynchronous
+    scheduling, step N+1 runs before step N's load errors reach the scheduler, so an in-step load
+    that fails would be read and stored as wrong KV. Every load is a background one there, RAM
+    hits included. (Under PP this failed before: the rule looked at asynchronous scheduling only,
+    and the L1 hit was ``(1024, False)``, an in-step load.)"""
+    s = make_scheduler(model_dir, **engine)
+    side, fake = s.connector._sched, FakeLookup()
+    side.lookup = fake
+    r = make_request("a", prompt(1100, 1))
+    side._track(r)
+    fake.stored.update(side._full_hashes(side.trackers["a"], 4))
+    assert s.vllm_config.max_concurrent_batches > 1
+    assert side.runs_ahead and ("batch queue" in side.runs_ahead)
+    assert side.get_num_new_matched_tokens(r, 0) == (1024, True)
 
 
 @pytest.mark.parametrize("fails", [False, True])

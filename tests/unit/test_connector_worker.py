@@ -37,9 +37,9 @@ def stored(tmp_path, monkeypatch):
     calls: list[tuple[bytes, int]] = []
     real = w.storage.get_layers
 
-    def spy(key, first_layer, num_layers, tier=None):
+    def spy(key, first_layer, num_layers, tier=None, budget=None):
         calls.append((key.chunk_hash, first_layer))
-        return real(key, first_layer, num_layers, tier=tier)
+        return real(key, first_layer, num_layers, tier=tier, budget=budget)
 
     monkeypatch.setattr(w.storage, "get_layers", spy)
     want = fx.ref_obj(SRC)
@@ -78,8 +78,8 @@ def test_a_layer_that_fails_fails_its_chunk_and_the_rest(stored, monkeypatch):
     fx, w, calls, want = stored
     spy = w.storage.get_layers
 
-    def broken(key, first_layer, num_layers, tier=None):
-        obj = spy(key, first_layer, num_layers, tier=tier)
+    def broken(key, first_layer, num_layers, tier=None, budget=None):
+        obj = spy(key, first_layer, num_layers, tier=tier, budget=budget)
         if key.chunk_hash == HASHES[1] and first_layer == 2:
             obj.ref_down()
             return None
@@ -94,3 +94,25 @@ def test_a_layer_that_fails_fails_its_chunk_and_the_rest(stored, monkeypatch):
     assert torch.equal(got[:, :2], want[:, :2])  # chunk 0 whole
     assert torch.equal(got[:2, 2:], want[:2, 2:])  # layers read before the failure
     assert bool((got[2, 2:] == POISON).all())  # nothing of the failed layer reached a block
+
+
+def test_registration_refuses_a_kv_layout_that_is_not_block_first(tmp_path):
+    """The worker compares the registered tensors with vLLM's ``KVCacheConfig`` (16 blocks): a
+    ``[2, num_blocks, ...]`` tensor would otherwise be taken for a cache of 2 blocks."""
+    from kvplug.connector.protocol.groups import layout_of
+    from kvplug.gpu import KVLayoutError
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    kcc = KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    cfg = ConnectorConfig(chunk_size=CHUNK, tiers=[{"backend": "local_cpu"}])
+    w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"),
+                   layout_of(kcc, BS))
+    try:
+        with pytest.raises(KVLayoutError, match=r"'l0'.*2 entries.*16 KV blocks"):
+            w.register_kv_caches({"l0": torch.zeros(2, 16, BS, 2, 8, dtype=torch.float16)})
+        w.register_kv_caches({"l0": torch.zeros(16, BS, 2, 8, dtype=torch.float16)})
+        assert w.kv is not None and w.kv.num_blocks == 16
+    finally:
+        w.close()

@@ -146,6 +146,22 @@ def test_mismatched_layers_and_empty_are_rejected() -> None:
         PagedKV.from_kv_caches({"o": torch.as_strided(a.tensors[0], (4, 2, 4, 8), (8, 32, 8, 1))})
 
 
+def test_a_kv_first_layout_is_refused_against_the_engines_block_count() -> None:
+    """vLLM's older per-layer layout ``[2, num_blocks, block_size, heads, head_dim]`` (K and V
+    first) is dense per "page" of dimension 0, so without the engine's block count it registered
+    silently as a cache of 2 blocks (before: no error). Given ``num_blocks`` (vLLM's
+    ``KVCacheConfig``), it is refused with the layout named; the block-first layout of the same
+    bytes is accepted (the negative control)."""
+    blocks = 16
+    kv_first = torch.zeros(2, blocks, 4, 2, 8, dtype=torch.float16)
+    assert PagedKV.from_kv_caches({"l0": kv_first}).num_blocks == 2  # what slipped through
+    with pytest.raises(KVLayoutError, match=r"'l0'.*dimension 0 has 2 entries.*16 KV blocks"
+                                            r".*\[2, num_blocks, \.\.\.\]"):
+        PagedKV.from_kv_caches({"l0": kv_first}, num_blocks=blocks)
+    block_first = kv_first.permute(1, 0, 2, 3, 4).contiguous()
+    assert PagedKV.from_kv_caches({"l0": block_first}, num_blocks=blocks).num_blocks == blocks
+
+
 # ---------------------------------------------------------------- bulk
 
 
