@@ -221,8 +221,10 @@ class SimRuntime(Runtime):
         #: the code running is vLLM's engine thread (see the module docstring)
         self.engine = False
         self.engine_waited = 0.0  # simulated seconds the engine thread waited (clock jumps)
-        self.engine_waits: list[tuple[float, str]] = []  # each of them: (seconds, on what)
-        self.engine_doing = ""  # what the engine thread runs (for the record of its waits)
+        #: each of them: (whose engine thread: a worker's rank, seconds, on what)
+        self.engine_waits: list[tuple[Any, float, str]] = []
+        self.engine_who: Any = None  # whose engine thread runs (each worker has its own)
+        self.engine_doing = ""  # what it runs (for the record of its waits)
         self.running: SimFuture | None = None  # the task running now (None: no task)
         #: told of every task the engine thread waits for (a tier call: which tier, what keys)
         self.on_engine_call: Callable[[SimFuture], None] | None = None
@@ -249,13 +251,14 @@ class SimRuntime(Runtime):
         self.clock += seconds
         if self.engine:
             self.engine_waited += seconds
-            self.engine_waits.append((seconds, f"{on} in {self.engine_doing}"))
+            self.engine_waits.append((self.engine_who, seconds, f"{on} in {self.engine_doing}"))
 
     @contextlib.contextmanager
-    def engine_thread(self, doing: str = "") -> Iterator[None]:
-        """Run the block as vLLM's engine thread (its waits are the engine's), ``doing``
-        something (named in the record of its waits)."""
-        prev, self.engine, self.engine_doing = self.engine, True, doing
+    def engine_thread(self, who: Any = None, doing: str = "") -> Iterator[None]:
+        """Run the block as ``who``'s engine thread (vLLM's thread in a worker process: its
+        waits are the engine's), ``doing`` something (named in the record of its waits)."""
+        prev, self.engine = self.engine, True
+        self.engine_who, self.engine_doing = who, doing
         try:
             yield
         finally:

@@ -326,7 +326,7 @@ class World(Checks, Faults, ManageEvents):
             prev: dict[str, tuple[list[bytes], list[bytes]]] = {}
             for m, (g, j) in enumerate(self.layers):
                 if layerwise:
-                    self._hook("wait_for_layer_load", lambda r=runner, j=j:
+                    self._hook(rank, "wait_for_layer_load", lambda r=runner, j=j:
                                r.wait_for_layer_load(f"f{j}"))
                 for req_id, start, end, tokens, ph, tables in reqs:
                     want = self.oracle.slots(rank, m, tokens, end, ph)
@@ -345,7 +345,7 @@ class World(Checks, Faults, ManageEvents):
                         cur[p] = v
                     prev[req_id] = (cur, want)
                 if layerwise:
-                    self._hook("save_kv_layer", lambda r=runner, j=j:
+                    self._hook(rank, "save_kv_layer", lambda r=runner, j=j:
                                r.save_kv_layer(f"f{j}", self._md))
             for req_id, start, end, *_ in reqs:  # the logits' read of the last layer
                 cur, want = prev[req_id]
@@ -437,10 +437,11 @@ class World(Checks, Faults, ManageEvents):
         self.clients.arrived(req_id, prompt)
 
     # -- one engine step -------------------------------------------------------------------------
-    def _hook(self, what: str, fn: Any) -> Any:
-        """One of the model runner's calls into a worker, on vLLM's engine thread (I10)."""
+    def _hook(self, rank: int, what: str, fn: Any) -> Any:
+        """One of the model runner's calls into rank ``rank``'s worker, on vLLM's engine thread
+        there (I10)."""
         self.stalls.hook = what
-        with self.rt.engine_thread(what):
+        with self.rt.engine_thread(rank, what):
             return self._crashing(what, fn)
 
     def step(self, mid: tuple | None = None) -> None:
@@ -493,31 +494,31 @@ class World(Checks, Faults, ManageEvents):
         if self.cfg.zeroing == "v2":  # update_requests, then pre_forward's handle_preemptions
             self.zero_new_blocks(so, "as the V2 runner zeroes new blocks (before "
                                      "handle_preemptions)")
-        for runner in self.runners:
-            self._hook("handle_preemptions", lambda r=runner: r.handle_preemptions(md))
+        for rank, runner in enumerate(self.runners):
+            self._hook(rank, "handle_preemptions", lambda r=runner: r.handle_preemptions(md))
         if self.cfg.zeroing == "v1":  # _update_states, after handle_preemptions
             self.zero_new_blocks(so, "as the V1 runner zeroes new blocks")
-        for runner in self.runners:  # vLLM's bind_connector_metadata
-            self._hook("bind", lambda r=runner: r.bind(md))
+        for rank, runner in enumerate(self.runners):  # vLLM's bind_connector_metadata
+            self._hook(rank, "bind", lambda r=runner: r.bind(md))
         self.poison_and_check_copies("before the forward", so, md)
         sync = getattr(so, "has_sync_kv_loads", True)
         if sync:
-            for runner in self.runners:
-                self._hook("start_load_kv", lambda r=runner: r.start_load_kv(md))
+            for rank, runner in enumerate(self.runners):
+                self._hook(rank, "start_load_kv", lambda r=runner: r.start_load_kv(md))
         samples = self._samples(so)
         tainted, sampled_at = self.forward(so, samples)
         if not sync:
-            for runner in self.runners:
-                self._hook("start_load_kv", lambda r=runner: r.start_load_kv(md))
+            for rank, runner in enumerate(self.runners):
+                self._hook(rank, "start_load_kv", lambda r=runner: r.start_load_kv(md))
         outs = []
         finished = Sorted(so.finished_req_ids)
-        for runner in self.runners:
+        for rank, runner in enumerate(self.runners):
             if self.cfg.order == "0.32":
-                self._hook("wait_for_save", lambda r=runner: r.wait_for_save(md))
-            kout = self._hook("get_finished", lambda r=runner: r.output(finished))
+                self._hook(rank, "wait_for_save", lambda r=runner: r.wait_for_save(md))
+            kout = self._hook(rank, "get_finished", lambda r=runner: r.output(finished))
             if self.cfg.order != "0.32":
-                self._hook("wait_for_save", lambda r=runner: r.wait_for_save(md))
-            self._hook("clear_connector_metadata", runner.clear)
+                self._hook(rank, "wait_for_save", lambda r=runner: r.wait_for_save(md))
+            self._hook(rank, "clear_connector_metadata", runner.clear)
             outs.append(kout)
         self.stalls.end_step(c["steps"])
         for rank, k in enumerate(outs):
