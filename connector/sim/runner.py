@@ -25,12 +25,11 @@ class DirectRunner:
         self.worker, self.watch = worker, watch
 
     def register_kv_caches(self, caches: dict[str, Any], events: bool, max_chunks: int) -> None:
-        from kvplug.connector.worker.tier_watch import TierWatch
+        from kvplug.connector.worker.tier_watch import watch_tiers
 
         self.worker.register_kv_caches(caches)
         if events and self.worker.storage is not None:  # as KVPlugConnector does
-            self.watch = TierWatch(self.worker.storage, max_chunks)
-            self.worker.on_epoch = self.watch.forget
+            self.watch = watch_tiers(self.worker, max_chunks)
 
     def handle_preemptions(self, md: Any) -> None:
         self.worker.handle_preemptions(md)

@@ -152,6 +152,11 @@ class WorkerSide:
         return self.ident.key(self.kv_dtype, chunk_hash, self.epoch if epoch is None else epoch,
                               tenant)
 
+    def of_current_epoch(self, key: CacheKey) -> bool:
+        """Whether ``key`` is keyed under the current weights epoch (as :meth:`key` makes
+        them)."""
+        return key.model_digest == self.key(key.chunk_hash).model_digest
+
     def sync_epoch(self, md: KVPlugMetadata | None) -> None:
         """Switch to the step's weights epoch before anything else of the step: the scheduler
         drew a new one (the weights changed). L1 (this engine's own memory) is emptied; shared
