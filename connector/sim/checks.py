@@ -1,8 +1,9 @@
-"""The invariants of the simulation (I1-I5, see docs/architecture.md), as a part of
+"""The invariants of the simulation (I1-I8, see docs/architecture.md), as a part of
 :class:`.world.World`: what each saved chunk must hold and the check of every stored or loaded
-chunk against it (I1), vLLM's block pool and the copies in flight (I4), what the workers report
-to vLLM (I3), and the end state (I1 over every tier, I5). I2 is checked in the step, where the
-forward pass's taint is known.
+chunk against it (I1), vLLM's block pool, the poison and the copies in flight (I4), what the
+workers report to vLLM (I3), the tiers' capacities and pins (I6, I7), and the end state (I1 over
+every tier, I5). I2 is checked in the step, where the forward pass's taint is known; I8 in
+:mod:`.manage`, I9 and I11 in :mod:`.clients`, I10 in :mod:`.stalls`.
 """
 
 from __future__ import annotations

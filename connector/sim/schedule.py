@@ -81,7 +81,7 @@ def _engines44(seed: int, cfg: SimConfig) -> SimConfig:
     if rng.random() < 0.06 and not cfg.shared_dir and not cfg.neighbour:  # 16/256: costly
         bs, cs = PRODUCTION_GEOMETRY
         cfg = replace(cfg, block_size=bs, chunk_size=cs, window=cfg.window * 8,
-                      num_blocks=rng.choice((48, 64, 96) if cfg.hybrid else (40, 56, 80)),
+                      num_blocks=rng.choice((64, 80, 96) if cfg.hybrid else (40, 56, 80)),
                       max_batched=rng.choice((96, 160, 256)))
     if rng.random() < 0.15:
         cfg = replace(cfg, priority=True)
@@ -128,6 +128,8 @@ def events_for(seed: int, n: int = 40) -> list[tuple]:
             if spells.random() < 0.1:
                 slow.append(("remote", spells.randrange(RANKS), spells.random() < 0.6))
         out = slow
+    if _loads_disk_hits_in_step(cfg):
+        out = _with_hangs(seed, out)
     if cfg.neighbour:  # another process on rank 0's directory (SimConfig)
         nb = random.Random(seed * 7919 + 5)
         with_nb: list[tuple] = []
@@ -138,6 +140,36 @@ def events_for(seed: int, n: int = 40) -> list[tuple]:
                                 nb.randrange(32)))
         out = with_nb
     return with_manage_events(seed, out)  # issue 34's clears and pins (a stream of their own)
+
+
+def _loads_disk_hits_in_step(cfg: SimConfig) -> bool:
+    """Whether ``cfg``'s engine loads disk hits inside the step: posix behind L1, one KV cache
+    group, no batch queue, an inline budget."""
+    return (not cfg.hybrid and not cfg.async_scheduling and cfg.batch_queue == 1
+            and cfg.lower == "posix" and not cfg.tier and cfg.inline_chunks != 0)
+
+
+def _with_hangs(seed: int, events: list[tuple]) -> list[tuple]:
+    """In half the engines that load disk hits inside the step (a stream of its own, whose
+    first draw leaves the suite's regression seeds out), after some steps: a rank's L1 emptied
+    and a request for the last prefix seen (that rank's hits come from disk, inside the step),
+    and that rank's disk hanging for the step, between the lookups and the loads (an in-step
+    read of a hung medium)."""
+    rng = random.Random(seed * 7919 + 47)
+    if rng.random() >= 0.5:
+        return events
+    out: list[tuple] = []
+    prefix: tuple[int, ...] = ()
+    for ev in events:
+        out.append(ev)
+        if ev[0] == "arrive":
+            prefix = ev[1]
+        if ev[0] == "step" and prefix and rng.random() < 0.4:
+            rank = rng.randrange(RANKS)
+            out += [("evict", rank, "local_cpu", None),
+                    ("arrive", prefix, (rng.randrange(3, 1000),), 2),
+                    ("step", ("gate", rank, True)), ("gate", rank, False)]
+    return out
 
 
 def _base_events(seed: int, n: int, bs: int, cs: int) -> list[tuple]:

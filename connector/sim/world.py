@@ -84,6 +84,9 @@ class Sorted(set):
 class World(Checks, Faults, ManageEvents):
     """One seed's engine (see the module docstring)."""
 
+    #: I2 on every forward (a negative control switches it off to show I9 sees what it sees)
+    check_reads = True
+
     def __init__(self, cfg: SimConfig) -> None:
         from kvplug.connector.protocol.config import ConnectorConfig
         from kvplug.connector.protocol.groups import layout_of
@@ -539,8 +542,8 @@ class World(Checks, Faults, ManageEvents):
                 setattr(ko, name, Sorted(getattr(ko, name)))
         invalid = set(ko.invalid_block_ids or ())
         for r, q in sorted(tainted.items()):  # I2: wrong KV read, and vLLM told in this step
-            if r not in self.s.requests:  # aborted mid-step: vLLM drops what it computed
-                continue
+            if r not in self.s.requests or not self.check_reads:  # aborted mid-step: vLLM
+                continue  # drops what it computed
             if self.layout.multi:  # several groups: vLLM takes failed requests, not blocks
                 told = r in (ko.failed_recving or ())
             else:  # the first block read wrong (or one before it): vLLM recomputes from there
