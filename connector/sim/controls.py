@@ -49,7 +49,7 @@ FAULTS = {
     # an engine whose drafter reads the target's hidden states (EAGLE, MTP: SimConfig.
     # drop_last_block): vLLM is told the whole hit although the last block is not loaded
     "tell_the_dropped_block": "I2",
-    # issue 44: the engine step never waits on a tier (I10). An in-step load reads through
+    # the engine step never waits on a tier (I10). An in-step load reads through
     # every tier (StorageManager.batched_get) instead of only the one its lookup pinned...
     "fall_through_to_remote": "I10",
     # ...each of its reads waits the tier's whole timeout_s instead of what is left of the
@@ -75,7 +75,7 @@ DIRECTED_FAULTS = {
     "store_after_failed_load": "I1",
     "forget_unwritten": "I2",  # a failed load's blocks are not followed until written
     "store_over_unwritten": "I1",  # a step that reads an unwritten block still stores (#33)
-    # issue 44 (I10): a key the rank never pinned is located with storage.contains over every
+    # I10: a key the rank never pinned is located with storage.contains over every
     # tier and read from wherever it is, on the engine thread. With TP > 1 the hit is the
     # minimum over ranks, so a rank is sent a shorter partial chunk than the one it found:
     # that takes two partial chunks in one chunk, which block 4 / chunk 8 never has (one

@@ -168,12 +168,26 @@ def _vllm_config(cfg: SimConfig) -> Any:
     vc.parallel_config.pipeline_parallel_size = cfg.batch_queue
     vc.parallel_config.tensor_parallel_size = cfg.tp  # the ranks KV events wait for
     vc.kv_transfer_config.kv_load_failure_policy = cfg.load_failure_policy
+    if cfg.load_failure_policy == "fail":
+        _quiet_failed_loads()
     vc.kv_events_config = (KVEventsConfig(enable_kv_cache_events=True, publisher="null")
                            if cfg.kv_events else None)
     vc.kv_transfer_config.kv_connector_extra_config = {
         "chunk_size": cfg.chunk_size, "async_save": cfg.async_save, "layerwise": cfg.layerwise,
         "report_to_client": False, "log_every_load": False, "save_decode": True}
     return vc
+
+
+def _quiet_failed_loads() -> None:
+    """vLLM logs an error for every request its ``fail`` policy fails; the simulation fails
+    thousands on purpose (``SimConfig.load_failure_policy``): those lines are dropped."""
+    import logging
+
+    if "quiet" in _MODEL:
+        return
+    _MODEL["quiet"] = True
+    logging.getLogger("vllm.v1.core.sched.scheduler").addFilter(
+        lambda rec: "due to KV load failure" not in rec.getMessage())
 
 
 def _block_hasher(block_size: int = BS) -> Any:

@@ -63,11 +63,11 @@ def config_for(seed: int, faults: frozenset[str] = frozenset(),
         cfg = replace(cfg, drop_last_block=True)
     if more33.random() < 0.35:  # the real lookup client and services, answers when scheduled
         cfg = replace(cfg, remote_lookup=True)
-    return _engines44(seed, cfg)
+    return _engine_kinds(seed, cfg)
 
 
-def _engines44(seed: int, cfg: SimConfig) -> SimConfig:
-    """Issue 44's kinds, from a stream of their own (every older seed keeps its configuration):
+def _engine_kinds(seed: int, cfg: SimConfig) -> SimConfig:
+    """The engines drawn last, from a stream of their own (the other draws are unchanged):
     pipeline parallelism's batch queue, three tiers with a remote store, production geometry,
     priority scheduling, the ``fail`` policy, speculative decoding, KV events, the workers
     through ``KVPlugConnector``."""

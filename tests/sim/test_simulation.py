@@ -82,7 +82,7 @@ ENGINE_KINDS = ("config TP 1", "config TP 4", "config zeroing v2", "config zeroi
                 "config inline disk-hit budget 1 chunk(s)", "config real lookup path",
                 "lookups answered after the first ask", "lookup timeouts (real client)",
                 "lookups expired at a service")
-#: issue 44's kinds: PP batch queues of 2 and 4 (the plain Scheduler), three tiers whose remote
+#: PP batch queues of 2 and 4 (the plain Scheduler), three tiers whose remote
 #: is slow, hung or gone, production geometry, priority scheduling (preemption), the fail
 #: policy (a request failed), drafts rejected, KV events, the connector's worker half, tokens
 #: compared, a disk hanging mid-step with the step's read deadline spent, poisoned blocks
@@ -125,7 +125,7 @@ SCHEDULES["a failed synchronous load, the request's save in that step"] = (
     [("arrive", _P, (395, 523, 556, 835, 261, 102, 667, 895), 5), ("step",), ("drain",),
      ("arrive", _P, (835, 640, 562, 490, 804, 824, 449, 377), 5), ("lose", 1, 0)],
     "store_after_failed_load")
-#: issue 44, I10: two ranks, two partial chunks in one chunk (block 4, chunk 16), rank 0's L1
+#: I10: two ranks, two partial chunks in one chunk (block 4, chunk 16), rank 0's L1
 #: emptied and rank 1's longer partial evicted: the hit is rank 1's shorter one, which rank 0
 #: never pinned; rank 0 loads it inside the step only from RAM (here: a load error, vLLM
 #: recomputes), never by asking its disk on the engine thread
