@@ -10,8 +10,10 @@ own state:
 * **I11** (:class:`EventCheck`), KV events say what the tiers hold: with vLLM's KV events on,
   kvplug's ``BlockStored`` for a tier never announces a block the tier is already announced to
   hold, its ``BlockRemoved`` only withdraws blocks announced (each once); at quiescence, after
-  a last look at every tier, every block still announced for a tier is covered by a chunk that
-  tier holds on every rank (a router that follows the events is never sent to a miss).
+  a last look at every tier (past the watch's back-off from a tier that did not answer and its
+  wait for a store in flight: the events catch up within them), every block still announced
+  for a tier is covered by a chunk that tier holds on every rank (a router that follows the
+  events is sent to a miss at most that long).
 """
 
 from __future__ import annotations
@@ -109,11 +111,15 @@ class EventCheck:
         """The last look (every tier swept, the news handed to the scheduler's book), then
         every block still announced is held on every rank."""
         from kvplug.connector.protocol.metadata import KVPlugKVEvents
+        from kvplug.connector.worker.tier_watch import PENDING_S
 
         w = self.world
         book = getattr(w.s.connector, "_book", None)
         if book is None or any(x is None for x in watches):
             return
+        # past the watch's back-off from a tier that did not answer (30 s at most) and its wait
+        # for a store handed to a tier that may block (PENDING_S): its news catch up by then
+        w.rt.clock += PENDING_S + 30.0
         for watch in watches:
             for tier in w.workers[0].storage.tier_names:
                 watch.dirty(tier)
