@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from .engine import Violation
+from .oracle import prefix_hashes
 
 
 class ClientCheck:
@@ -58,9 +59,10 @@ class ClientCheck:
         w = self.world
         prompt, got = self.prompts[req_id], self.received[req_id]
         tokens = prompt + got
+        ph = prefix_hashes(tokens)
         for i, t in enumerate(got):
             p = len(prompt) + i - 1  # the position whose logits sampled it
-            want = w.oracle.token(w.tp, tokens, p)
+            want = w.oracle.token(w.tp, tokens, p, ph)
             if t != want:
                 raise Violation("I9", f"{req_id}'s client received token {t} at index {p + 1}, "
                                       f"where the oracle's KV samples {want} (tokens before it: "

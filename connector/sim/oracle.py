@@ -76,11 +76,12 @@ class Oracle:
             out.append(v)
         return out
 
-    def token(self, ranks: int, tokens: Sequence[int], p: int) -> int:
+    def token(self, ranks: int, tokens: Sequence[int], p: int,
+              ph: list[bytes] | None = None) -> int:
         """The token the model samples after position ``p`` of ``tokens`` over the oracle's KV
-        (:func:`token_of`)."""
+        (:func:`token_of`; ``ph``: :func:`prefix_hashes` of at least ``tokens[: p + 1]``)."""
         last = self.num_layers - 1
-        ph = prefix_hashes(tokens[: p + 1])
+        ph = ph if ph is not None else prefix_hashes(tokens[: p + 1])
         reads = []
         for rank in range(ranks):
             slots = self.slots(rank, last, tokens, p + 1, ph)
