@@ -126,7 +126,10 @@ class TierContext:
             ``read_header``, ``chunk_name``, ``relative_chunk_path``...): chunks are then
             MAC'd and keyed-named, and one that fails the check raises
             :class:`~kvplug.chunkfile.AuthError` (a ``ChunkFormatError``: a miss; delete it so
-            the next store replaces it). Never log it or put it in an exception.
+            the next store replaces it). With ``encrypt: true`` (``auth.encrypts``) the same
+            calls encrypt each layer and ``verify_layers`` decrypts what was read, in place
+            (set the class attribute ``encrypts``, see :class:`BackendClass`). Never log it or
+            put it in an exception.
         eviction: the tier's eviction policy (:mod:`kvplug.policyspecs`, ``eviction: {policy:
             ...}`` in the tier's config; ``lru`` by default), for a backend whose class sets
             ``eviction_policy = True``: it tells the policy every entry stored, used and removed,
@@ -140,10 +143,15 @@ class TierContext:
         read_limit: ``read_limit() -> int | None`` — the most bytes of one stored chunk a tier
             may receive before it can parse the header (a value read whole); a longer value is
             a miss. ``None`` when the host sets no bound.
+        header_limit: ``header_limit() -> int | None`` — the most bytes of a stored chunk's
+            header a tier may read and parse (a chunk of the engine's layers; pass it as
+            ``max_header`` to ``kvplug.chunkfile.read_header``): a longer one is refused after
+            its first bytes. ``None``: ``kvplug.chunkfile.MAX_HEADER``.
         runtime: the :class:`kvplug.runtime.Runtime` every thread, pool, event, condition
             wait and clock reading of the backend comes from (``runtime.executor(n, name)``
             for writer or I/O threads, ``daemon=True`` for service threads that must not hold up
             exit; ``runtime.event()``, ``runtime.condition(lock)``, ``runtime.monotonic()``,
+            ``runtime.time()`` for wall-clock stamps such as an LRU in file mtimes,
             ``runtime.ticker(fn, interval_s, name)``). Production passes real threads
             (:data:`kvplug.runtime.THREADS`); ``kvplug simulate`` passes the deterministic
             simulation's, which runs every task on one thread when its schedule says so. A
@@ -161,6 +169,7 @@ class TierContext:
     memory_regions: Callable[[], list[tuple[int, int]]] = list
     auth: Keyring | None = None
     read_limit: Callable[[], int | None] = lambda: None
+    header_limit: Callable[[], int | None] = lambda: None
     eviction: Any = None
     quotas: Any = None
     runtime: Runtime = THREADS
@@ -344,6 +353,12 @@ class BackendClass(Protocol):
     * ``eviction_policy: bool`` — the tier orders its victims by ``ctx.eviction`` (a pluggable
       eviction policy, :mod:`kvplug.policyspecs`); only such a tier accepts an ``eviction``
       setting in its config. Default ``False``.
+    * ``encrypts: bool`` — the tier stores chunks only through :mod:`kvplug.chunkfile` with
+      ``ctx.auth`` (``encode_chunk``, ``read_header``, ``verify_layers``), so under the config's
+      ``encrypt: true`` what it stores is ciphertext (the library encrypts and decrypts). With
+      ``encrypt: true`` a tier that may block and does not set it is refused at startup: its
+      store would hold plaintext. A ``never_blocks`` tier (process memory, like L1) keeps
+      plaintext. Default ``False``.
     * ``budget_quotas: bool`` — a tier whose store evicts by itself but keeps ``ctx.quotas`` by
       counting the bytes it stores per tenant and skipping a store past its tenant's quota
       (approximate: ``kvplug.backends.common.tenant_budget``); such a tier, or one with
@@ -366,7 +381,7 @@ class BackendClass(Protocol):
 #: The optional class attributes of :class:`BackendClass` and their defaults.
 CLASS_DEFAULTS: dict[str, Any] = {"Options": None, "never_blocks": False, "local_medium": False,
                                   "unbounded": False, "eviction_policy": False,
-                                  "budget_quotas": False}
+                                  "budget_quotas": False, "encrypts": False}
 
 
 def class_contract_problems(cls: type) -> list[str]:
@@ -378,7 +393,8 @@ def class_contract_problems(cls: type) -> list[str]:
     if model is not None and not (isinstance(model, type) and issubclass(model, BaseModel)):
         problems.append(f"Options is {model!r}, not a pydantic model class: derive it from "
                         "kvplug.config.BaseOptions (or remove it to receive the raw dict)")
-    for flag in ("never_blocks", "local_medium", "unbounded", "eviction_policy", "budget_quotas"):
+    for flag in ("never_blocks", "local_medium", "unbounded", "eviction_policy", "budget_quotas",
+                 "encrypts"):
         value = getattr(cls, flag, False)
         if not isinstance(value, bool):
             problems.append(f"{flag} is {value!r}; set it to True or False")

@@ -258,6 +258,7 @@ def pin_keys(storage: StorageManager, keys: Sequence[CacheKey], tiers: Sequence[
     out: dict[str, dict[str, Any]] = {}
     for name in tiers or storage.tier_names:
         faults = _faults(storage, name)
+        unsaved = storage.stats().get(name, {}).get("pins_not_saved", 0)
         try:
             answer = storage.operator_pin(name, every, pin)
         except ConfigError as exc:
@@ -293,6 +294,10 @@ def pin_keys(storage: StorageManager, keys: Sequence[CacheKey], tiers: Sequence[
                            "evicted): warm the prompt, then pin again")
         if "complete" not in res:
             res["complete"] = not res.get("refused") and not res.get("absent")
+        if s.get("pins_not_saved", 0) > unsaved:
+            res.update(complete=False, error="the tier's pins file could not be updated (its "
+                       "lock was held by another process, or a write failed; see the log): the "
+                       "change holds in this process, not across a restart; try again")
         if _faults(storage, name) > faults:
             res.update(complete=False, error="the tier's pin raised or timed out (see the log)")
         out[name] = res

@@ -5,9 +5,9 @@ a :class:`Runtime`: the connector's (the save thread, the background-load pool, 
 StorageManager's readers and each tier's call pool and encoder) and every backend's (a backend
 gets it as ``TierContext.runtime``: the posix writers, start-up scan and reaper, the value
 tiers' writers, fsspec's pool, ``TierWatch``). Production uses :data:`THREADS` (real threads,
-``time.monotonic``); the deterministic simulation (``kvplug.connector.sim``) passes its own,
-which queues every submitted task and runs it when the seed's schedule says so, on one thread,
-so one seed is one exact interleaving.
+``time.monotonic`` and ``time.time``); the deterministic simulation (``kvplug.connector.sim``)
+passes its own, which queues every submitted task and runs it when the seed's schedule says so,
+on one thread, and keeps its own clocks, so one seed is one exact interleaving.
 
 A runtime's objects behave like their ``threading`` / ``concurrent.futures`` counterparts:
 ``executor(...).submit`` returns a :class:`concurrent.futures.Future` (``result(timeout)`` may
@@ -156,6 +156,11 @@ class Runtime:
 
     def monotonic(self) -> float:
         return time.monotonic()
+
+    def time(self) -> float:
+        """The wall clock (seconds since the epoch): for stamps other processes compare, such
+        as a file's mtime in an LRU shared through a directory."""
+        return time.time()
 
     def wait_first(self, futures: Collection[Future], timeout: float) -> None:
         """Return once any of ``futures`` is done, or after ``timeout`` seconds."""

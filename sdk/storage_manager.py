@@ -41,7 +41,8 @@ def auth_keyring(config: KVPlugConfig) -> Keyring | None:
     ``ConfigError`` naming a variable that is unset, short or undecodable."""
     if not config.auth_key_env:
         return None
-    return Keyring.from_env(config.auth_key_env, config.auth_previous_key_envs)
+    return Keyring.from_env(config.auth_key_env, config.auth_previous_key_envs,
+                            encrypt=config.encrypt)
 
 
 @dataclass
@@ -97,7 +98,8 @@ class StorageManager:
     # -- construction ---------------------------------------------------------------------------
     def _add_tier(self, index: int, cfg: TierConfig, extra: dict[str, Any]) -> None:
         tier = build_tier(index, cfg, self.reads.allocate, self.chunk_size, extra,
-                          self.runtime, self.memory_regions, self.reads.read_limit, self.auth)
+                          self.runtime, self.memory_regions, self.reads.read_limit, self.auth,
+                          self.reads.header_limit)
         self._hooks.register(tier.backend, f"tier:{tier.name}", {tier.name})
         self._hooks.register(tier.metrics, f"metrics:{tier.name}", {tier.name})
         # Registered last, so it wraps the metrics: they count the bytes the tier really moves.

@@ -45,11 +45,13 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
                chunk_size: int, extra: dict[str, Any], runtime: Runtime = THREADS,
                memory_regions: Callable[[], list[tuple[int, int]]] = list,
                read_limit: Callable[[], int | None] = lambda: None,
-               auth: Keyring | None = None) -> Tier:
-    """Start tier ``index``'s backend (``allocate``, ``memory_regions``, ``read_limit``: its
-    ``ctx``'s; ``auth``: the deployment's keyring, the tier gets its own view of it) and its codec
+               auth: Keyring | None = None,
+               header_limit: Callable[[], int | None] = lambda: None) -> Tier:
+    """Start tier ``index``'s backend (``allocate``, ``memory_regions``, ``read_limit``,
+    ``header_limit``: its ``ctx``'s; ``auth``: the deployment's keyring, the tier gets its own view of it) and its codec
     wrapper; a bad option or a backend that fails to start is a clear error naming the tier."""
     cls, info = load_backend_class(cfg.backend)
+    _check_encrypts(cls, cfg, auth)
     tier_auth = auth.for_tier(cfg.tier_name) if auth is not None else None
     options = _validated_options(cls, cfg)
     ctx = TierContext(
@@ -61,6 +63,7 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
         memory_regions=memory_regions,
         auth=tier_auth,
         read_limit=read_limit,
+        header_limit=header_limit,
         eviction=_eviction_policy(cls, cfg, options),
         quotas=None if cfg.quotas is None else TenantQuotas.from_config(cfg.quotas, auth),
         runtime=runtime,
@@ -85,6 +88,19 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
             build_policy("admission", cfg.admission, cfg.tier_name, _capacity(options)),
             cfg.tier_name)
     return tier
+
+
+def _check_encrypts(cls: type, cfg: TierConfig, auth: Keyring | None) -> None:
+    """Under ``encrypt: true``, a tier that may block must declare that it stores ciphertext
+    (``encrypts``); a ``never_blocks`` tier is process memory and keeps plaintext, as L1 does."""
+    if auth is None or not auth.encrypts or getattr(cls, "never_blocks", False) \
+            or getattr(cls, "encrypts", False):
+        return
+    raise ConfigError(
+        f"tier {cfg.tier_name!r}: encrypt: true, but backend {cfg.backend!r} does not say it "
+        "encrypts what it stores (its class does not set encrypts = True), so its store would "
+        "hold plaintext KV; remove the tier, or use a backend that stores chunks through "
+        "kvplug.chunkfile with ctx.auth (posix, fsspec, resp, mooncake) and sets encrypts")
 
 
 def _capacity(options: Any) -> int | None:

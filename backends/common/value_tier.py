@@ -97,6 +97,9 @@ class ValueStoreTier:
     Options: type[RemoteOptions] = ValueStoreOptions
     #: ``quotas`` are kept by counting what this process stores (:mod:`.tenant_budget`)
     budget_quotas = True
+    #: Values in the chunk format through kvplug.chunkfile with ctx.auth: ciphertext under
+    #: ``encrypt: true``.
+    encrypts = True
     #: What log lines call the store (e.g. "Valkey/Redis store").
     kind = "key-value store"
     #: Whether the capacity index learns every value lookups and reads find (also those other
@@ -123,6 +126,7 @@ class ValueStoreTier:
                                       clock=ctx.runtime.monotonic)
         self.io, self.url = self.open_io(ctx, self.breaker)
         self.io.read_limit = ctx.read_limit  # a value longer than one chunk is never received
+        self._header_limit = ctx.header_limit
         self._allocate = ctx.allocate
         self._auth = ctx.auth  # keyed names and MACs (auth_key_env), or None
         self._log_once = LogOnce(logger)
@@ -297,7 +301,7 @@ class ValueStoreTier:
 
     def _holds(self, name: str, key: CacheKey, header: cf.ChunkHeader) -> bool:
         """Whether ``header`` is ``key``'s; else the value is corrupt (deleted)."""
-        if header.key == cf.stored_key(key, self._auth):
+        if cf.holds(header, key, self._auth):
             return True
         self._corrupt(name, "the value holds another key")
         return False
@@ -417,7 +421,7 @@ class ValueStoreTier:
             self._corrupt(name, str(exc))
             return None
         header = self._parse(name, lambda off, k: head[off : off + k], layout.size)
-        other = header is not None and header.key != cf.stored_key(key, self._auth)
+        other = header is not None and not cf.holds(header, key, self._auth)
         if header is None or other or not layout.fits(header):
             obj.ref_down()
             if other:
@@ -502,12 +506,19 @@ class ValueStoreTier:
                 self._count("headers_reused")
                 return header
         parsed = self._bad.read_header(name, read, size, self._auth,
-                                       lambda: self._lost(name, delete=True))
+                                       lambda: self._lost(name, delete=True), self._max_header())
         if parsed is None:
             self._headers.pop(name)
             return None
         self._headers.put(name, *parsed)
         return parsed[0]
+
+    def _max_header(self) -> int | None:
+        """The most header bytes read of a value: a header of the engine's chunks
+        (``ctx.header_limit``), never more than a whole value may be (``ctx.read_limit``); a
+        longer one is corrupt before more than its first bytes are fetched."""
+        limits = [n for n in (self._header_limit(), self.io.read_limit()) if n is not None]
+        return min(limits) if limits else None
 
     def _fill(self, name: str, header: cf.ChunkHeader, meta: MemoryObjMeta, view: memoryview,
               first: int, count: int, base: int, obj: MemoryObj | None = None,

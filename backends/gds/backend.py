@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
+from kvplug.errors import ConfigError
 from kvplug.hookspecs import TierContext, hookimpl
 from pydantic import ByteSize, Field
 
@@ -73,6 +74,12 @@ class GDSBackend(PosixBackend):
         mode = decide(found, opts.fallback, ctx.name)
         if mode is Mode.GDS and opts.compat_mode == "on":
             mode = Mode.COMPAT
+        if mode is not Mode.POSIX and ctx.auth is not None and ctx.auth.encrypts:
+            raise ConfigError(
+                f"tier {ctx.name!r} (backend 'gds'): encrypt: true cannot be kept through kvikio "
+                "(GPUDirect Storage moves the bytes between file and memory without the CPU, "
+                "which is what encrypts and decrypts them); serve this directory with the "
+                "'posix' backend (same files), or drop encrypt")
         self.mode = mode
         self.probe = found
         self.kvikio_config: dict[str, object] = {}
@@ -99,7 +106,8 @@ class GDSBackend(PosixBackend):
             return super()._chunk_io(ctx)
         opts: GDSBackend.Options = ctx.options
         return gds_io.KvikioFileIO(ctx.allocate, ctx.auth, fsync=opts.fsync, file_mode=opts.mode,
-                                   gid=opts.gid, verify_device=opts.verify_device)
+                                   gid=opts.gid, verify_device=opts.verify_device,
+                                   header_limit=ctx.header_limit)
 
     @hookimpl
     def stats(self) -> dict[str, float]:

@@ -127,7 +127,7 @@ class Directory:
                 current = self.index.begin_merge()
                 doomed = self.reaper.doomed()  # evicted before the scan: not indexed again
             try:
-                found = scan(self.root)
+                found = scan(self.root, self._rt.time)
                 for rel in doomed:
                     found.entries.pop(pack_rel(rel, register=False), None)
                 prepared = PosixIndex.prepare_merge(current, found)
@@ -265,7 +265,7 @@ class Directory:
         """Make ``rel`` the most recently used entry here and in the LRU shared with other
         processes (its mtime, bumped at most every ``_TOUCH_EVERY_S``); an entry not in the
         index is added with ``size`` (skipped if ``size`` is None). False if the file is gone."""
-        now = time.time()
+        now = self._rt.time()
         with self.lock:
             due = self.index.touch(rel, now, size, _TOUCH_EVERY_S)
         try:

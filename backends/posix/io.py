@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 from kvplug import chunkfile as cf
 from kvplug.chunkfile.atomic import FILE_MODE, dir_mode_for, make_dirs
 from kvplug.errors import ChunkFormatError, ChunkVersionError
@@ -173,11 +174,11 @@ def write_chunk(
     Raises ``OSError`` (full disk, read-only directory...) after removing the temporary file."""
     size = len(header) + sum(len(b) for b in bufs)
     layers = cf.chunk_layout(obj.meta)[0]
-    whole = memoryview(obj.byte_view.numpy()) if obj.nbytes else None
-    if whole is not None and len(bufs) == layers:  # no padding: one buffer for all layers
+    whole, address = _one_buffer(bufs) if len(bufs) == layers else (None, 0)
+    if whole is not None:  # no padding: one buffer for all layers
         bufs = [whole]
     flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC  # atomic_file created it (its mode)
-    if direct and whole is not None and len(bufs) == 1 and _address(obj) % cf.ALIGN == 0:
+    if direct and whole is not None and address % cf.ALIGN == 0:
         flags |= O_DIRECT
         head = _aligned_buffer("header", len(header))[: len(header)]
         head[:] = header
@@ -189,6 +190,20 @@ def write_chunk(
         finally:
             os.close(fd)
     return size
+
+
+def _one_buffer(bufs: Sequence[memoryview]) -> tuple[memoryview | None, int]:
+    """``(view, address)`` of the layers' buffers as one view where they lie back to back in
+    one array (the object's own memory, or the ciphertext an encrypted chunk is written from);
+    ``(None, 0)`` where they do not."""
+    if not bufs or any(b.obj is not bufs[0].obj for b in bufs):
+        return None, 0
+    base = np.frombuffer(bufs[0].obj, dtype=np.uint8)
+    starts = [np.frombuffer(b, dtype=np.uint8).ctypes.data for b in bufs]
+    if any(b - a != len(v) for a, b, v in zip(starts, starts[1:], bufs)):
+        return None, 0
+    at = starts[0] - base.ctypes.data
+    return memoryview(base)[at : at + sum(len(b) for b in bufs)], starts[0]
 
 
 def _aligned_reader(fd: int) -> Callable[[int, int], memoryview]:
@@ -203,10 +218,12 @@ def _aligned_reader(fd: int) -> Callable[[int, int], memoryview]:
 
 
 def read_checked_header(fd: int, st: os.stat_result, key: CacheKey,
-                        known: Known | None = None, auth: cf.Keyring | None = None) -> Known:
+                        known: Known | None = None, auth: cf.Keyring | None = None,
+                        max_header: int | None = None) -> Known:
     """``(header, its bytes)`` of the open chunk file ``fd``, checked to hold ``key``. ``known``
     from an earlier read or write of the same path is reused when the file still starts with
-    exactly its bytes (the parse is a pure function of them). Raises :class:`CorruptChunk` for a
+    exactly its bytes (the parse is a pure function of them); a header longer than
+    ``max_header`` (the engine's, ``ctx.header_limit``) is corrupt before it is read. Raises :class:`CorruptChunk` for a
     damaged file or one of another key, :class:`ForeignChunk` for one of another format version."""
     if known is not None and known[0].file_size == st.st_size:
         # bytes == bytes is a memcmp (a memoryview compared with bytes goes item by item)
@@ -214,7 +231,7 @@ def read_checked_header(fd: int, st: os.stat_result, key: CacheKey,
             header, raw = known
             return _check_key(header, raw, key, auth, st.st_ino)
     try:
-        header, raw = cf.read_header(_aligned_reader(fd), st.st_size, auth)
+        header, raw = cf.read_header(_aligned_reader(fd), st.st_size, auth, max_header)
     except ChunkVersionError as exc:
         raise ForeignChunk(str(exc), st.st_ino) from None
     except ChunkFormatError as exc:
@@ -224,7 +241,7 @@ def read_checked_header(fd: int, st: os.stat_result, key: CacheKey,
 
 def _check_key(header: cf.ChunkHeader, raw: bytes, key: CacheKey, auth: cf.Keyring | None,
                ino: int) -> Known:
-    if header.key != cf.stored_key(key, auth):
+    if not cf.holds(header, key, auth):
         raise CorruptChunk(f"file holds key {header.key}, not {key}", ino)
     return header, raw
 
@@ -238,20 +255,22 @@ def read_chunk(
     direct: bool = False,
     known: Known | None = None,
     auth: cf.Keyring | None = None,
+    max_header: int | None = None,
 ) -> tuple[MemoryObj | None, int, Known]:
     """Read the chunk of ``key`` (or ``layers=(first, count)`` of it) from the open chunk file
     ``fd`` (:func:`.fs.open_chunk`; the caller closes it, and must not share its open file
     description: ``direct`` sets ``O_DIRECT`` on it) into memory from ``allocate``.
 
-    ``known`` is ``(header, its bytes)`` from an earlier read or write of this path (see
-    :func:`read_checked_header`). Returns ``(obj, file_size, (header, its bytes))``; ``obj`` is
+    ``known`` is ``(header, its bytes)`` from an earlier read or write of this path, and
+    ``max_header`` the longest header read (see :func:`read_checked_header`). Returns
+    ``(obj, file_size, (header, its bytes))``; ``obj`` is
     ``None`` when ``allocate`` had no memory. Raises :class:`CorruptChunk` if the file is
     damaged or holds another key (:class:`ForeignChunk`: of another format version),
     ``ValueError`` for a bad layer range."""
     if direct:
         _set_direct(fd, True)
     st = os.fstat(fd)
-    known = read_checked_header(fd, st, key, known, auth)
+    known = read_checked_header(fd, st, key, known, auth, max_header)
     header = known[0]
     first, count, meta = header.select(layers)
     obj = allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
@@ -279,14 +298,17 @@ class ChunkFileIO:
     """How the posix tier moves one chunk's bytes between memory and its file: :func:`write_chunk`
     and :func:`read_chunk` (vectored, O_DIRECT where ``direct``), with the header of every file it
     wrote or read kept in a :class:`~kvplug.backends.common.chunks.HeaderCache` by relative path
-    (a file that still starts with the same bytes is not parsed again). The gds tier's
+    (a file that still starts with the same bytes is not parsed again); ``header_limit()`` is
+    the longest header read (``ctx.header_limit``). The gds tier's
     :class:`kvplug.backends.gds.io.KvikioFileIO` moves the bytes through kvikio instead."""
 
     def __init__(self, allocate: Callable[..., MemoryObj | None], auth: cf.Keyring | None, *,
                  fsync: bool = False, direct: bool = False, file_mode: int = FILE_MODE,
-                 gid: int | None = None) -> None:
+                 gid: int | None = None,
+                 header_limit: Callable[[], int | None] = lambda: None) -> None:
         self.allocate = allocate
         self.auth = auth
+        self.header_limit = header_limit
         self.fsync, self.direct, self.file_mode, self.gid = fsync, direct, file_mode, gid
         self.headers = HeaderCache()
 
@@ -308,13 +330,35 @@ class ChunkFileIO:
         """:func:`read_chunk` of the open file ``fd`` (a private open file description) of
         ``rel``: ``(obj or None when memory is full, file size)``; raises as it does."""
         obj, size, (header, raw) = read_chunk(fd, key, self.allocate, layers, direct=self.direct,
-                                              known=self.headers.known(rel), auth=self.auth)
+                                              known=self.headers.known(rel), auth=self.auth,
+                                              max_header=self.header_limit())
         self.headers.put(rel, header, raw)
         return obj, size
 
     def forget(self, rel: str) -> None:
         """The file of ``rel`` is gone or unusable: its header is not reused."""
         self.headers.pop(rel)
+
+    def problem(self, path: str, rel: str) -> str | None:
+        """Why the file at ``path`` (``rel`` under the root) is not a chunk of this tier: not a
+        regular file, a header that fails its checks (with the keyring, its MAC), or — without a
+        keyring, where names follow keys — a key that is not its name's; ``None`` when it is
+        one, or when there is no file."""
+        try:
+            fd = fs.open_chunk(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        try:
+            header, _ = cf.read_header_fd(fd, None, self.auth, self.header_limit())
+        except ChunkFormatError as exc:
+            return str(exc)
+        finally:
+            os.close(fd)
+        if self.auth is None and cf.relative_chunk_path(header.key) != rel:
+            return "it holds another key than its name's"
+        return None
 
 
 def layer_range_copy(obj: MemoryObj, layers: tuple[int, int],

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import os
-import time
 from collections.abc import Sequence
 
 from kvplug.keys import CacheKey
@@ -116,8 +115,9 @@ class Writer:
                 return
             reserved = size
             written = write_file(path)
+            stamp = self._stamp(path)
             with self._lock:
-                self._dir.index.add(rel, written, time.time())
+                self._dir.index.add(rel, written, stamp)
                 # in the same lock: the file is counted once (indexed), never twice (reserved too)
                 self._dir.index.unreserve(reserved, key.tenant)
                 reserved = 0
@@ -145,6 +145,17 @@ class Writer:
                 self._releasing -= 1
                 if not self.pending and not self._releasing:
                     self._idle.notify_all()
+
+    def _stamp(self, path: str) -> float:
+        """Give a file just written its LRU stamp from the runtime's wall clock (its mtime, the
+        order processes sharing the directory evict in), so the index and the file agree and a
+        simulated clock orders the files, not the kernel's; the stamp."""
+        stamp = self._rt.time()
+        try:
+            fs.touch_chunk(path, stamp)
+        except OSError:
+            pass  # gone already (evicted by another process), or read-only: the stamp is advisory
+        return stamp
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued write is done and the writer holds no object."""

@@ -90,7 +90,7 @@ class RequestTracker:
     report: dict[str, Any] = field(default_factory=dict)  # returned in kv_transfer_params
     #: its KV may predate a weights reset: no load nor store until it starts over (see reset)
     stale: bool = False
-    #: its tenant id (cache_salt, else kv_transfer_params["tenant"]; hashed: never the value)
+    #: its tenant id (of its cache_salt only; hashed: never the salt)
     tenant: str = ""
 
 
@@ -209,12 +209,12 @@ class SchedulerSide:
         return t
 
     def _tenant_of(self, request: Request) -> str:
-        """The request's tenant id: of its ``cache_salt``, else of a ``tenant`` in its
-        ``kv_transfer_params`` (:func:`kvplug.policies.tenants.tenant_id`; keyed by the
-        deployment secret with ``auth_key_env``); ``""`` without either."""
-        params: dict[str, Any] = request.kv_transfer_params or {}
-        value = getattr(request, "cache_salt", None) or params.get("tenant")
-        return tenant_id(str(value), self._auth) if value else ""
+        """The request's tenant id: of its ``cache_salt`` only
+        (:func:`kvplug.policies.tenants.tenant_id`), ``""`` without one. A tenant is never
+        taken from ``kv_transfer_params``: a client could name another tenant there without its
+        salt, charging and evicting that tenant's entries (or a fresh name, a fresh quota)."""
+        salt = getattr(request, "cache_salt", None)
+        return tenant_id(str(salt), self._auth) if salt else ""
 
     def _allow(self, t: RequestTracker) -> None:
         """What the request may do: load and store unless its role or its params say no."""

@@ -5,6 +5,7 @@ happens when vLLM's own scheduler stalls (every request aborted, as clients that
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .engine import Violation
@@ -87,7 +88,9 @@ class Faults:
                        and not p.name.startswith("."))
         if files:
             f = files[pick % len(files)]
+            mtime = f.stat().st_mtime_ns  # the tier's LRU stamp, from the simulated clock
             f.write_bytes(_flipped(f.read_bytes(), pick))
+            os.utime(f, ns=(mtime, mtime))  # not the real clock's, which would not replay
 
     def gate(self, rank: int, on: bool) -> None:
         st = self.workers[rank].storage

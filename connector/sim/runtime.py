@@ -14,7 +14,9 @@ and every place kvplug would block decides from the simulation's state, never fr
   reaper): runs runnable tasks in queue order until the predicate holds, else times out;
 * a ticker (``TierWatch``) is a task queued on ``wake()``;
 * a task submitted from a thread the simulation does not own (fsspec's event loop) runs there at
-  once: such work is outside the simulation's control.
+  once: such work is outside the simulation's control;
+* the clocks are the simulation's: ``monotonic`` moves only when a wait times out, ``time`` (the
+  wall clock of posix's mtime stamps) one millisecond per reading besides.
 
 A *late* call: a gated pool's task that times out may be marked as started (``late``), so the
 caller cannot cancel it (``Future.cancel`` fails, as for a call a real thread is running) and its
@@ -38,6 +40,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from kvplug.runtime import Runtime
+
+#: the simulated wall clock's origin (ms since the epoch, September 2020): before any real
+#: file's mtime, so one the simulation did not stamp is the newest, whatever the real time
+WALL_EPOCH_MS = 1_600_000_000_000
 
 
 class SimFuture(Future):
@@ -216,6 +222,7 @@ class SimRuntime(Runtime):
         self.late_calls = 0
         self.foreign = 0  # tasks submitted from threads the simulation does not own
         self.ran = 0
+        self.wall_reads = 0  # readings of the wall clock (time)
         self.owner = threading.get_ident()
         self.on_task: Callable[[SimFuture], None] | None = None  # after every task (invariants)
         #: the code running is vLLM's engine thread (see the module docstring)
@@ -263,6 +270,13 @@ class SimRuntime(Runtime):
             yield
         finally:
             self.engine = prev
+
+    def time(self) -> float:
+        """A wall clock that replays: the simulated clock after :data:`WALL_EPOCH_MS`, plus a
+        millisecond per reading, so no two stamps tie (posix orders its files by mtime, in ms:
+        a tie would fall to the order a directory lists them in)."""
+        self.wall_reads += 1
+        return (WALL_EPOCH_MS + round(self.clock * 1000) + self.wall_reads) / 1000
 
     def wait_first(self, futures: Any, timeout: float) -> None:
         """Never waits: the schedule decides when a queued task runs."""

@@ -225,6 +225,12 @@ class Outcome:
     counts: dict[str, int] = field(default_factory=dict)  # what it exercised (World.counts)
     trace: list[str] = field(default_factory=list)  # a digest after every event (World.trace)
 
+    @property
+    def digest(self) -> str:
+        """The whole run in one digest (the trace's last, which folds in every event, the end,
+        the violation and every count): what a replay of the seed must give again."""
+        return self.trace[-1] if self.trace else ""
+
 
 def run(cfg: SimConfig, events: list[tuple]) -> Outcome:
     """Apply ``events`` then quiesce; the first violation (or crash) ends the run."""
@@ -249,9 +255,9 @@ def _run(cfg: SimConfig, events: list[tuple]) -> Outcome:
         out.events = w.n_events
         w.close()
         out.counts = dict(w.counts)
+        out.counts.update(w.figures)
         w.note("end", out.at, str(out.violation), sorted(out.counts.items()))
         out.trace = w.trace
-        out.counts.update(w.figures)
     return out
 
 
@@ -299,12 +305,3 @@ def reproduce(seed: int, faults: frozenset[str] = frozenset(), budget: int = 300
     small = shrink(cfg, out.schedule, out.violation.inv, budget)
     again = run(cfg, small)
     return describe(seed, replace(cfg), small, again.violation)
-
-
-def trace_digests(start: int, stop: int, n: int = 40) -> dict[int, str]:
-    """Per seed of ``[start, stop)`` (``n`` events each): a digest of its every event's trace
-    (:attr:`World.trace`), to compare runs in other processes (another ``PYTHONHASHSEED``)."""
-    import hashlib
-
-    return {seed: hashlib.blake2b(" ".join(run_seed(seed, n=n).trace).encode(),
-                                  digest_size=12).hexdigest() for seed in range(start, stop)}

@@ -17,6 +17,8 @@ class Figures:
     failures: list[tuple[int, str]] = field(default_factory=list)  # (seed, violation)
     seconds: float = 0.0
     counts: Counter = field(default_factory=Counter)  # what the schedules exercised
+    #: each seed's outcome (Outcome.digest), for a replay check (.replay)
+    digests: dict[int, str] = field(default_factory=dict)
 
 
 def _range(args: tuple[int, int, frozenset[str], float, tuple[str, str]]) -> Figures:
@@ -36,6 +38,7 @@ def _range(args: tuple[int, int, frozenset[str], float, tuple[str, str]]) -> Fig
         f.schedules += 1
         f.events += out.events
         merge(f.counts, out.counts)
+        f.digests[seed] = out.digest
         if out.violation is not None:
             f.failures.append((seed, str(out.violation)))
     f.seconds = time.monotonic() - t0
@@ -69,6 +72,7 @@ def _add(total: Figures, r: Figures) -> None:
     total.events += r.events
     total.failures += r.failures
     merge(total.counts, r.counts)
+    total.digests.update(r.digests)
 
 
 def merge(total: Counter, counts: dict[str, int]) -> None:

@@ -218,8 +218,8 @@ class World(Checks, Faults, ManageEvents):
         #: speculative decoding: the drafter's guesses (SimConfig.spec_tokens)
         self._drafter = random.Random(f"drafts {replace(cfg, faults=frozenset())}")
         self.counts: Counter[str] = Counter()  # what the schedule exercised (figures)
-        #: figures that depend on the tiers' own threads (posix writes, deletes): reported with
-        #: the counts but kept out of the trace, which must replay exactly
+        #: figures read from the tiers' stats at quiescence (posix evictions, rescans, vanished
+        #: files): reported with the counts, in the trace's end
         self.figures: Counter[str] = Counter()
         self.violation: Violation | None = None  # raised inside kvplug (which may swallow it)
         self.lost: list[set] = [set() for _ in range(tp)]  # keys whose next read fails (see lose)

@@ -108,30 +108,41 @@ def atomic_file(path: str | os.PathLike[str], *, fsync: bool = False, file_mode:
     dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
                   | (os.O_NOFOLLOW if no_follow else 0))
     try:
-        name = temp_name(path.name)
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     file_mode, dir_fd=dfd)
-        try:
-            try:
-                set_mode(fd, file_mode, gid)  # exactly: the umask may have narrowed the create
-            finally:
-                os.close(fd)
+        with atomic_file_at(dfd, path.name, fsync=fsync, file_mode=file_mode, gid=gid) as name:
             yield path.parent / name
-            if fsync:
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            os.replace(name, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException:  # never a partial file left behind (through the directory's fd)
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=dfd)
-            raise
-        if fsync:
-            os.fsync(dfd)
     finally:
         os.close(dfd)
     if fsync:
         for d in created:  # a directory this write created: its own entry, in its parent
             fsync_path(d.parent, directory=True)
+
+
+@contextlib.contextmanager
+def atomic_file_at(dfd: int, name: str, *, fsync: bool = False, file_mode: int = FILE_MODE,
+                   gid: int | None = None) -> Iterator[str]:
+    """:func:`atomic_file` in the directory open as ``dfd`` (the caller's, never resolved again:
+    a tier that opened it without following a link writes nowhere else): yields the temporary
+    file's name in it, renames it over ``name`` on normal exit (then fsyncs the directory with
+    ``fsync``), removes it on any exception."""
+    tmp = temp_name(name)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 file_mode, dir_fd=dfd)
+    try:
+        try:
+            set_mode(fd, file_mode, gid)  # exactly: the umask may have narrowed the create
+        finally:
+            os.close(fd)
+        yield tmp
+        if fsync:
+            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:  # never a partial file left behind (through the directory's fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
+    if fsync:
+        os.fsync(dfd)

@@ -18,6 +18,9 @@ alter KV, and whoever can list it cannot confirm a guessed prompt from a name:
 * **Names.** A chunk's name is 64 hex of a keyed BLAKE2b of its key string under a names key
   derived from the *oldest* key of the ring (the last of ``auth_previous_key_envs``, else the
   current one), so a rotation that keeps the old key as previous keeps every name.
+* **Encryption** (``encrypt: true``, :mod:`.crypt`): a keyring made with ``encrypt=True`` seals
+  each chunk with a :class:`~.crypt.ChunkCipher` instead (each layer AES-256-GCM under a key
+  derived from the secret and the chunk's tenant) and accepts only encrypted chunks.
 
 A :class:`Keyring` has no global state: the StorageManager builds one from its config and hands
 each tier a view (:meth:`Keyring.for_tier`) that counts and logs once that tier's failures.
@@ -38,6 +41,7 @@ from collections.abc import Mapping, Sequence
 
 from ..errors import ChunkFormatError, ConfigError
 from ..keys import CacheKey
+from .crypt import ChunkCipher, TenantKeys
 
 logger = logging.getLogger("kvplug.auth")
 
@@ -164,7 +168,8 @@ class Keyring:
     Its repr shows key ids only; the secrets never reach a log, an exception or a command's
     output. :meth:`for_tier` gives each tier a view with its own failure count."""
 
-    def __init__(self, current: bytes, previous: Sequence[bytes] = (), tier: str = "") -> None:
+    def __init__(self, current: bytes, previous: Sequence[bytes] = (), tier: str = "",
+                 encrypt: bool = False) -> None:
         if len(current) < MIN_SECRET or any(len(p) < MIN_SECRET for p in previous):
             raise ConfigError(f"auth: secrets need at least {MIN_SECRET} bytes")
         try:
@@ -184,22 +189,29 @@ class Keyring:
         self.tier = tier
         self._lock = threading.Lock()
         self.failures = 0
+        #: ``encrypt: true``: chunks are sealed by a :class:`~.crypt.ChunkCipher` (and only
+        #: encrypted chunks are accepted).
+        self.encrypts = encrypt
+        self._tenant_keys = TenantKeys()
 
     @classmethod
     def from_env(cls, variable: str, previous: Sequence[str] = (),
-                 environ: Mapping[str, str] | None = None) -> Keyring:
+                 environ: Mapping[str, str] | None = None, encrypt: bool = False) -> Keyring:
         """The keyring of the secrets held by these environment variables (``ConfigError``
-        naming a variable that is unset, short or undecodable)."""
+        naming a variable that is unset, short or undecodable); ``encrypt``: see
+        :attr:`encrypts`."""
         return cls(decode_secret(variable, environ),
-                   [decode_secret(v, environ) for v in previous])
+                   [decode_secret(v, environ) for v in previous], encrypt=encrypt)
 
     def for_tier(self, tier: str) -> Keyring:
         """A view of the same keys that counts and logs (once) the failures of ``tier``."""
-        return Keyring(self._current, self._previous, tier)
+        view = Keyring(self._current, self._previous, tier, self.encrypts)
+        view._tenant_keys = self._tenant_keys  # derived once for every tier
+        return view
 
     def __repr__(self) -> str:
         return (f"Keyring(key_id={self.key_id!r}, previous={len(self._keys) - 1}, "
-                f"tier={self.tier!r})")
+                f"tier={self.tier!r}, encrypts={self.encrypts})")
 
     __str__ = __repr__
 
@@ -207,9 +219,29 @@ class Keyring:
         raise TypeError("a Keyring is not picklable: build it from the config in each process")
 
     # -- chunks ---------------------------------------------------------------------------------
-    def seal(self, key: CacheKey) -> ChunkMac:
-        """The MACs for a fresh write of ``key``'s chunk (current key, new salt)."""
-        return ChunkMac(self, self.key_id, self._current, secrets.token_bytes(SALT_BYTES), key)
+    def seal(self, key: CacheKey) -> ChunkMac | ChunkCipher:
+        """The MACs for a fresh write of ``key``'s chunk (current key, new salt); with
+        :attr:`encrypts`, its cipher (the current key's tenant key of ``key.tenant``)."""
+        salt = secrets.token_bytes(SALT_BYTES)
+        if self.encrypts:
+            return ChunkCipher(self, self.key_id, self._tenant_keys.get(
+                self.key_id, self._current, key.tenant), salt, key.tenant)
+        return ChunkMac(self, self.key_id, self._current, salt, key)
+
+    def cipher(self, key_id: str, salt_hex: str, tenant: str) -> ChunkCipher:
+        """The cipher of a stored encrypted chunk of ``tenant``; :class:`AuthError` (counted)
+        for an unknown key id or a malformed salt."""
+        master = self._keys.get(key_id)
+        if master is None:
+            raise self.failure(f"chunk encrypted with unknown key id {key_id[:16]!r}")
+        try:
+            salt = bytes.fromhex(salt_hex)
+        except ValueError:
+            salt = b""
+        if len(salt) != SALT_BYTES:
+            raise self.failure("chunk has a malformed salt")
+        return ChunkCipher(self, key_id, self._tenant_keys.get(key_id, master, tenant), salt,
+                           tenant)
 
     def opener(self, key_id: str, salt_hex: str, key: CacheKey) -> ChunkMac:
         """The MACs of a stored chunk; :class:`AuthError` (counted) for an unknown key id."""

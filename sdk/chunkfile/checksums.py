@@ -31,7 +31,9 @@ def layer_checksums(obj: MemoryObj, mac=None) -> list[str]:  # noqa: ANN001 - Ch
 
 def verify_layer(header, index: int, data) -> bool:  # noqa: ANN001 - ChunkHeader, any buffer
     """Whether ``data`` (one layer's bytes) matches the header's checksum for layer ``index``
-    (its MAC, for an authenticated chunk: a mismatch is counted as an auth failure)."""
+    (its MAC, for an authenticated chunk: a mismatch is counted as an auth failure). For an
+    encrypted chunk ``data`` is its ciphertext, decrypted **in place** when writable (what a
+    reader then serves), and its GCM tag checked."""
     if not 0 <= index < header.num_layers:
         return False
     view = memoryview(data).cast("B")
@@ -44,7 +46,8 @@ def verify_layer(header, index: int, data) -> bool:  # noqa: ANN001 - ChunkHeade
 
 def verify_layers(header, first_layer: int, data) -> bool:  # noqa: ANN001 - ChunkHeader, buffer
     """Verify consecutive layers starting at ``first_layer`` held contiguously in ``data`` (each
-    layer as :func:`verify_layer` does; the ranges checked once, not per layer: a chunk of 256 KiB
+    layer as :func:`verify_layer` does, so an encrypted chunk's are decrypted in place; the
+    ranges checked once, not per layer: a chunk of 256 KiB
     has 32 layers of 8 KiB, whose per-layer calls cost more than hashing them)."""
     view = memoryview(data).cast("B")
     n = header.layer_nbytes

@@ -29,10 +29,21 @@ An *authenticated* chunk (written with a :class:`~.auth.Keyring`, see :mod:`.aut
 version ``"1+mac"`` (``"1+codec+mac"``), ``checksum_algo`` ``"aes256-gmac"`` with one 32-hex tag
 per layer, ``mac_key_id`` and ``mac_salt`` entries, and ``header_mac`` (32 hex) in place of
 ``header_xxh3``. A reader without a keyring sees another format version (a miss, left in place);
-a reader with one refuses any chunk that is not authenticated under one of its keys
-(:class:`~.auth.AuthError`). Its key fields record :func:`stored_key`: the chunk hash, which
-anyone computes from a guessed prompt, is replaced by the chunk's keyed name digest, so no header
-confirms a guess. Without a keyring nothing here changes.
+a reader with one refuses any chunk that is not authenticated under one of its keys, and any of
+another format version, authenticated or not (:class:`~.auth.AuthError`: nothing a writer
+without the secret plants can hold a name against the next store). Its key fields record
+:func:`stored_key`: the chunk hash, which anyone computes from a guessed prompt, is replaced by
+the chunk's keyed name digest, so no header confirms a guess. Without a keyring nothing here
+changes.
+
+An *encrypted* chunk (a keyring made with ``encrypt=True``, see :mod:`.crypt`) has the format
+version ``"1+enc"``, ``checksum_algo`` ``"aes256-gcm"`` with one 32-hex GCM tag per layer (its
+layers are ciphertext, same sizes, same offsets), ``mac_key_id``, ``mac_salt``, the chunk's
+``tenant`` id (also in its name) and ``sealed``: the key fields, shape, dtype, memory format,
+token count and codec, encrypted. Only the geometry stays readable (``num_layers``,
+``num_blocks``, ``page_bytes``: the tensor table shows it anyway). The header is authenticated
+by ``header_mac`` as above. A keyring that encrypts refuses every chunk that is not encrypted (a
+downgrade); one that does not refuses encrypted chunks (no MAC suffix).
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..errors import ChunkFormatError, ChunkVersionError, ConfigError
@@ -51,6 +63,7 @@ from ..keys import CacheKey
 from ..memory import MemoryFormat, MemoryObj, MemoryObjMeta
 from .auth import MAC_ALGO, TAG_HEX
 from .checksums import CHECKSUM_ALGO, checksum, split_layers
+from .crypt import ENC_ALGO, ENC_VERSION_SUFFIX, TAG_BYTES, ChunkCipher
 
 if TYPE_CHECKING:  # pragma: no cover
     from .auth import ChunkMac, Keyring
@@ -65,8 +78,17 @@ ALIGN = 4096
 #: Reading this many leading bytes gives :func:`header_size`; headers of up to ~60 layers fit in
 #: it entirely (check ``header_size(prefix) <= len(prefix)`` and read the rest otherwise).
 HEADER_PROBE = 4096
-#: Upper bound accepted for the JSON header (a corrupt length is rejected before any read).
-MAX_HEADER = 16 << 20
+#: Upper bound accepted for a header (length prefix, JSON, padding) where no engine's geometry
+#: bounds it (``kvplug inspect``, the SDK on its own): a chunk of some 4,000 layers. A corrupt
+#: length is rejected before any read.
+MAX_HEADER = 1 << 20
+#: Header bytes besides its layers' entries: the fixed metadata, the key fields (model name,
+#: dtype, layout, digests, tenant) and a codec's description, with room to spare (about 1 KiB
+#: is used).
+HEADER_BASE = 8 << 10
+#: Header bytes per layer: two tensor entries with their offsets and shape (pages, page bytes),
+#: and a checksum or a tag, with room to spare (about 210 are used).
+HEADER_PER_LAYER = 256
 _HDR_CK_FIELD = "header_xxh3"
 _ZERO_CK = "0" * 16
 _HDR_MAC_FIELD = "header_mac"
@@ -142,7 +164,9 @@ class ChunkHeader:
     codec: str = ""
     #: The MACs of an authenticated chunk (:class:`~.auth.ChunkMac`): ``checksums`` are its
     #: layer tags and :func:`~.checksums.verify_layer` checks them; ``None`` for a plain chunk.
-    mac: ChunkMac | None = field(default=None, compare=False, repr=False)
+    #: An encrypted chunk's :class:`~.crypt.ChunkCipher`: its layer tags are GCM tags, and
+    #: verifying a layer decrypts it in place.
+    mac: ChunkMac | ChunkCipher | None = field(default=None, compare=False, repr=False)
 
     @property
     def codec_info(self) -> dict:
@@ -229,6 +253,18 @@ def stored_key(key: CacheKey, auth: Keyring | None = None) -> CacheKey:
     return key.with_hash(bytes.fromhex(auth.name_digest(key.to_string())))
 
 
+def holds(header: ChunkHeader, key: CacheKey, auth: Keyring | None = None) -> bool:
+    """Whether a checked ``header`` is ``key``'s chunk (the key it records is
+    :func:`stored_key`). With a keyring, names are keyed: a chunk of another key (another
+    prompt's, another tenant's) under this key's name was put there by hand, a replay, so it is
+    counted as an authentication failure. Every reader asks this before reading a layer."""
+    if header.key == stored_key(key, auth):
+        return True
+    if auth is not None:
+        auth.failed("the chunk holds another key (replayed under this name)")
+    return False
+
+
 def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
                   mac: ChunkMac | None = None) -> bytes:
     """The padded header (length prefix + JSON) of a chunk holding ``meta``'s bytes; with
@@ -245,7 +281,26 @@ def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
         raise ValueError(f"{len(checksums)} checksums for {layers} layers")
     field_name, zero = (_HDR_MAC_FIELD, _ZERO_MAC) if mac is not None else (_HDR_CK_FIELD,
                                                                           _ZERO_CK)
-    metadata = {
+    if isinstance(mac, ChunkCipher):
+        metadata = _sealed_metadata(key, meta, checksums, mac)
+    else:
+        metadata = _readable_metadata(key, meta, checksums, mac, field_name, zero)
+    meta_json = json.dumps(metadata, separators=(",", ":"))
+    body = (_BODY_OPEN + meta_json + _tensor_table(layers, blocks, page_bytes)).encode()
+    total = align_up(8 + len(body))
+    raw = bytearray(struct.pack("<Q", total - 8) + body + b" " * (total - 8 - len(body)))
+    digest = (checksum(raw) if mac is None else mac.header_tag(bytes(raw))).encode()
+    at = raw.index(f'"{field_name}":"{zero}"'.encode()) + len(field_name) + 4
+    raw[at : at + len(zero)] = digest
+    return bytes(raw)
+
+
+def _readable_metadata(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
+                       mac: ChunkMac | None, field_name: str, zero: str) -> dict[str, str]:
+    """The ``__metadata__`` of a plain or authenticated chunk: every field readable."""
+    encoded = meta.fmt is MemoryFormat.ENCODED
+    layers, blocks, page_bytes = chunk_layout(meta)
+    return {
         field_name: zero,
         "format": FORMAT_NAME,
         "format_version": _version(encoded, mac is not None),
@@ -262,14 +317,51 @@ def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
         "checksum_algo": CHECKSUM_ALGO if mac is None else MAC_ALGO,
         "checksums": json.dumps(list(checksums)),
     }
-    meta_json = json.dumps(metadata, separators=(",", ":"))
-    body = (_BODY_OPEN + meta_json + _tensor_table(layers, blocks, page_bytes)).encode()
-    total = align_up(8 + len(body))
-    raw = bytearray(struct.pack("<Q", total - 8) + body + b" " * (total - 8 - len(body)))
-    digest = (checksum(raw) if mac is None else mac.header_tag(bytes(raw))).encode()
-    at = raw.index(f'"{field_name}":"{zero}"'.encode()) + len(field_name) + 4
-    raw[at : at + len(zero)] = digest
-    return bytes(raw)
+
+
+def _sealed_metadata(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
+                     cipher: ChunkCipher) -> dict[str, str]:
+    """The ``__metadata__`` of an encrypted chunk: the key fields and the object's meta sealed
+    (``sealed``), the geometry, the key id, salt and tenant readable (what decrypting needs)."""
+    layers, blocks, page_bytes = chunk_layout(meta)
+    veiled = {**key.fields(), "num_tokens": str(meta.num_tokens),
+              "shape": json.dumps(list(meta.shape)), "dtype": _DTYPE_NAMES[meta.dtype],
+              "fmt": meta.fmt.value, "codec": meta.codec}
+    return {
+        _HDR_MAC_FIELD: _ZERO_MAC,
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION + ENC_VERSION_SUFFIX,
+        "num_layers": str(layers),
+        "num_blocks": str(blocks),
+        "page_bytes": str(page_bytes),
+        "mac_key_id": cipher.key_id,
+        "mac_salt": cipher.salt.hex(),
+        "tenant": cipher.tenant,
+        "sealed": cipher.seal_fields(json.dumps(veiled, separators=(",", ":")).encode()),
+        "checksum_algo": ENC_ALGO,
+        "checksums": json.dumps(list(checksums)),
+    }
+
+
+def _unseal(meta: dict[str, str], auth: Keyring) -> tuple[dict[str, str], ChunkCipher]:
+    """An encrypted chunk's metadata with its sealed fields opened, and its cipher;
+    :class:`~.auth.AuthError` (counted) for any chunk that is not encrypted under the ring."""
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION + ENC_VERSION_SUFFIX:
+        raise auth.failure(f"chunk of format version {version!r} is not encrypted")
+    tenant = meta.get("tenant", "")
+    if len(tenant) not in (0, 16) or not all(c in "0123456789abcdef" for c in tenant):
+        raise auth.failure("chunk names a malformed tenant")
+    cipher = auth.cipher(meta.get("mac_key_id", ""), meta.get("mac_salt", ""), tenant)
+    try:
+        veiled = json.loads(cipher.open_fields(meta.get("sealed", "")))
+    except (ValueError, RecursionError):
+        veiled = None
+    if not isinstance(veiled, dict) or not all(isinstance(v, str) for v in veiled.values()) \
+            or veiled.get("tenant", "") != tenant:
+        raise auth.failure("the header's sealed fields are malformed")
+    opened = {k: v for k, v in veiled.items() if k != "codec" or v}
+    return {**meta, **opened}, cipher
 
 
 def encode_chunk(key: CacheKey, obj: MemoryObj,
@@ -299,7 +391,13 @@ def encode_chunk_with_header(
     key = stored_key(key, auth)
     layer_views = split_layers(obj.byte_view.numpy(), chunk_layout(obj.meta)[0])
     mac = auth.seal(key) if auth is not None else None
-    sums = layer_sums(layer_views, mac)
+    if isinstance(mac, ChunkCipher):  # the file holds ciphertext: written from a buffer of it
+        n = len(layer_views[0]) if layer_views else 0
+        cipher_text = np.empty(n * len(layer_views) + TAG_BYTES, dtype=np.uint8)
+        sums = mac.encrypt_layers(layer_views, cipher_text)
+        layer_views = split_layers(cipher_text[: n * len(layer_views)], len(layer_views))
+    else:
+        sums = layer_sums(layer_views, mac)
     header = encode_header(key, obj.meta, sums, mac)
     pad = align_up(len(layer_views[0])) - len(layer_views[0]) if layer_views else 0
     bufs: list[memoryview] = []
@@ -310,14 +408,25 @@ def encode_chunk_with_header(
     return header, bufs, make_header(key, obj.meta, sums, len(header), mac)
 
 
-def header_size(prefix8: bytes | memoryview) -> int:
-    """Bytes of header (length prefix + JSON + padding) announced by a file's first 8 bytes."""
+def max_header_bytes(num_layers: int) -> int:
+    """The most bytes the header of a chunk of at most ``num_layers`` layers takes (what an
+    engine whose chunks have that many layers accepts, before reading or parsing any of it)."""
+    return min(MAX_HEADER, align_up(8 + HEADER_BASE + HEADER_PER_LAYER * max(1, num_layers)))
+
+
+def header_size(prefix8: bytes | memoryview, max_header: int | None = None) -> int:
+    """Bytes of header (length prefix + JSON + padding) announced by a file's first 8 bytes; at
+    most ``max_header`` (:func:`max_header_bytes` of the engine's layers; ``None``:
+    :data:`MAX_HEADER`), else :class:`ChunkFormatError` before anything more is read."""
     if len(prefix8) < 8:
         raise ChunkFormatError(f"chunk file shorter than 8 bytes ({len(prefix8)})")
     (n,) = struct.unpack_from("<Q", prefix8, 0)
     total = 8 + n
-    if n < 2 or n > MAX_HEADER or total % ALIGN:
+    if n < 2 or total > MAX_HEADER or total % ALIGN:
         raise ChunkFormatError(f"header length {n} is not a valid kvplug chunk header length")
+    if max_header is not None and total > max_header:
+        raise ChunkFormatError(f"header of {total} bytes is longer than the {max_header} a chunk "
+                               "of this engine has")
     return total
 
 
@@ -342,29 +451,29 @@ def _json_list(meta: dict[str, str], name: str) -> list:
 
 
 def _metadata(raw: bytes) -> object:
-    """The ``__metadata__`` object of a header. Only the metadata is parsed when the JSON starts
-    as every writer starts it: the rest (the tensor table, the padding) is checked byte for byte
-    against the canonical encoding by :func:`decode_header` anyway. Anything else is parsed
-    whole (and then fails that comparison, with the parser's own message on bad JSON)."""
+    """The ``__metadata__`` object of a header. Only the metadata is parsed, and only when the
+    JSON starts as every writer starts it: the rest (the tensor table, the padding) is checked
+    byte for byte against the canonical encoding by :func:`decode_header` anyway, and a header
+    that starts otherwise can never pass that check, so it is refused unparsed. What is parsed
+    is bounded by the header's length (:func:`header_size`)."""
+    if not raw.startswith(_BODY_OPEN.encode(), 8):
+        raise ChunkFormatError("header does not start as a kvplug chunk header's JSON")
     try:
-        text = raw[8:].decode("utf-8")
-        if text.startswith(_BODY_OPEN):
-            return _JSON.raw_decode(text, len(_BODY_OPEN))[0]
-        doc = json.loads(text)
+        return _JSON.raw_decode(raw[8:].decode("utf-8"), len(_BODY_OPEN))[0]
     except (ValueError, RecursionError) as exc:  # RecursionError: deeply nested JSON
         raise ChunkFormatError(f"header is not valid JSON: {exc}") from None
-    return doc.get("__metadata__") if isinstance(doc, dict) else None
 
 
 def decode_header(prefix: bytes | memoryview, file_size: int | None = None,
-                  auth: Keyring | None = None) -> ChunkHeader:
+                  auth: Keyring | None = None, max_header: int | None = None) -> ChunkHeader:
     """Parse and check a chunk header from the file's leading bytes (at least
-    :func:`header_size` of them). Raises :class:`ChunkFormatError` on anything wrong: length,
+    :func:`header_size` of them; at most ``max_header``, see there). Raises
+    :class:`ChunkFormatError` on anything wrong: length,
     JSON, header checksum, format version, key fields, layout, or a ``file_size`` that differs
     from what the header implies. With ``auth`` (a keyring), the chunk must be authenticated
     under one of its keys: anything else is an :class:`~.auth.AuthError` (counted there), and
     the header returned verifies its layers by their tags."""
-    total = header_size(prefix)
+    total = header_size(prefix, max_header)
     if len(prefix) < total:
         raise ChunkFormatError(f"need {total} header bytes, got {len(prefix)}")
     if file_size is not None and file_size < total:
@@ -375,11 +484,19 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None,
         raise ChunkFormatError("header has no string-valued __metadata__")
     if meta.get("format") != FORMAT_NAME:
         raise ChunkFormatError(f"format {meta.get('format')!r} is not {FORMAT_NAME!r}")
+    cipher = None
+    if auth is not None and auth.encrypts:  # the sealed fields opened, the version checked
+        meta, cipher = _unseal(meta, auth)
     encoded = "codec" in meta
     version = meta.get("format_version")
-    if auth is not None and not (isinstance(version, str) and version.endswith(MAC_VERSION_SUFFIX)):
-        raise auth.failure(f"chunk of format version {version!r} carries no MAC")
-    if version != _version(encoded, auth is not None):
+    if cipher is None and auth is not None and version != _version(encoded, True):
+        # under a keyring, an entry that is not an authenticated chunk of this version is an
+        # authentication failure (deleted, replaced by the next store), never "another
+        # version's, left in place": a writer without the secret would squat every name
+        mac = isinstance(version, str) and version.endswith(MAC_VERSION_SUFFIX)
+        raise auth.failure(f"chunk of format version {version!r} " + (
+            f"is not this version's ({_version(encoded, True)!r})" if mac else "carries no MAC"))
+    if cipher is None and version != _version(encoded, auth is not None):
         raise ChunkVersionError(
             f"format version {version!r} is not {_version(encoded, auth is not None)!r}"
         )
@@ -410,7 +527,8 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None,
     ):
         raise ChunkFormatError("shape/dtype disagree with num_layers/num_blocks/page_bytes")
     sums = _json_list(meta, "checksums")
-    algo, width = (CHECKSUM_ALGO, 16) if auth is None else (MAC_ALGO, TAG_HEX)
+    algo, width = (CHECKSUM_ALGO, 16) if auth is None else (
+        ENC_ALGO if cipher is not None else MAC_ALGO, TAG_HEX)
     if meta.get("checksum_algo") != algo or len(sums) != layers or not all(
         isinstance(s, str) and len(s) == width for s in sums
     ):
@@ -418,7 +536,8 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None,
             raise auth.failure("layer tags are missing or malformed")
         raise ChunkFormatError("layer checksums are missing or malformed")
     if auth is not None:
-        mac = auth.opener(meta.get("mac_key_id", ""), meta.get("mac_salt", ""), key)
+        mac = cipher if cipher is not None else auth.opener(
+            meta.get("mac_key_id", ""), meta.get("mac_salt", ""), key)
         expect = encode_header(key, obj_meta, sums, mac)
         if expect != raw:
             raise auth.failure("header MAC mismatch or a header not in canonical form")
@@ -469,7 +588,8 @@ def make_header(
         layer_nbytes=layer_nbytes, checksums=[str(s) for s in checksums],
         file_size=header_bytes + layers * stride, header_bytes=header_bytes,
         shape=tuple(meta.shape), dtype=meta.dtype, fmt=meta.fmt,
-        version=_version(meta.fmt is MemoryFormat.ENCODED, mac is not None),
+        version=FORMAT_VERSION + ENC_VERSION_SUFFIX if isinstance(mac, ChunkCipher)
+        else _version(meta.fmt is MemoryFormat.ENCODED, mac is not None),
         codec=meta.codec, mac=mac,
     )
 

@@ -24,6 +24,7 @@ by asserting that no tier had a fault or a timeout (:meth:`BackendConformance.as
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ from kvplug.storage_manager import StorageManager
 SHAPES = [((2, 1, 4096), torch.uint8), ((4, 2, 8192), torch.uint8), ((3, 1, 1024), torch.int32)]
 CHUNK_SHAPE = (2, 2, 4096)  # 16 KiB per chunk
 CHUNK_BYTES = 2 * 2 * 4096
+_SECRET_ENV = "CONFORMANCE_KIT_SECRET"
 
 
 def make_key(i: int, *, model: str = "conformance/model", rank: int = 0, ws: int = 1) -> CacheKey:
@@ -106,10 +108,13 @@ class BackendConformance:
             yield mgr
 
     @contextmanager
-    def opened(self, make_tiers, capacity: int | None = None) -> Iterator[StorageManager]:
-        """A manager over ``make_tiers(capacity)`` (roomy by default), closed on exit; a clean
-        exit also asserts that no tier had a fault or a timeout, close included."""
-        mgr = StorageManager({"tiers": make_tiers(capacity or self.roomy), "chunk_size": 16})
+    def opened(self, make_tiers, capacity: int | None = None,
+               **settings: Any) -> Iterator[StorageManager]:
+        """A manager over ``make_tiers(capacity)`` (roomy by default; ``settings``: more of the
+        config), closed on exit; a clean exit also asserts that no tier had a fault or a
+        timeout, close included."""
+        mgr = StorageManager({"tiers": make_tiers(capacity or self.roomy), "chunk_size": 16,
+                              **settings})
         try:
             yield mgr
         except BaseException:
@@ -501,4 +506,42 @@ class BackendConformance:
                 if mgr.reads_layers(name):
                     part = mgr.get_layers(key, 1, 1, tier=name)
                     assert part is not None and torch.equal(part.byte_view, want[8192:16384])
+                    part.ref_down()
+
+    def test_encrypted_at_rest(self, make_tiers, monkeypatch):
+        """With ``encrypt: true`` (a fresh secret in the environment), each tier that may block
+        and sets ``encrypts`` gives back random bytes exactly, with their meta, from its own
+        ``get`` and ``get_layers`` (the chunk library decrypts what it stored); a tier that may
+        block without ``encrypts`` is refused at startup, naming it (its store would hold
+        plaintext). ``never_blocks`` tiers (process memory, like L1) keep plaintext."""
+        from kvplug.errors import ConfigError
+        from kvplug.plugins import load_backend_class
+
+        monkeypatch.setenv(_SECRET_ENV, os.urandom(32).hex())
+        settings = {"auth_key_env": _SECRET_ENV, "encrypt": True}
+        tiers = make_tiers(self.roomy)
+        classes = [load_backend_class(t["backend"])[0] for t in tiers]
+        if any(not getattr(c, "never_blocks", False) and not getattr(c, "encrypts", False)
+               for c in classes):
+            with pytest.raises(ConfigError, match="does not say it encrypts"):
+                StorageManager({"tiers": tiers, "chunk_size": 16, **settings})
+            return
+        with self.opened(make_tiers, **settings) as mgr:
+            shape, key = (3, 2, 4096), make_key(47)
+            obj = fill_random(mgr, shape=shape, seed=47, num_tokens=21)
+            want = _bytes(obj)
+            self._put(mgr, [key], [obj])
+            obj.ref_down()
+            for name, backend in tiers_of(mgr):
+                if not call_hook(backend, "contains", keys=[key], pin=False)[0]:
+                    continue
+                own = call_hook(backend, "get", key=key)
+                assert own is not None, f"tier {name!r} lost an encrypted chunk"
+                assert torch.equal(own.byte_view, want), f"tier {name!r}: other bytes"
+                assert tuple(own.tensor.shape) == shape and own.num_tokens == 21
+                own.ref_down()
+                if implements(backend, "get_layers"):
+                    part = call_hook(backend, "get_layers", key=key, first_layer=1, num_layers=2)
+                    assert part is not None and torch.equal(part.byte_view, want[8192:]), (
+                        f"tier {name!r}: get_layers of an encrypted chunk")
                     part.ref_down()

@@ -23,7 +23,7 @@ def master(tmp_path):
 
 
 def manager(master: MooncakeMaster, current: str | None = aa.KEY_A,
-            previous: list[str] | None = None) -> StorageManager:
+            previous: list[str] | None = None, encrypt: bool = False) -> StorageManager:
     options = {"master": master.address, "global_segment_size": "64MiB",
                "local_buffer_size": "32MiB", "timeout_s": 2.0, "negative_cache_s": 0}
     cfg: dict = {"chunk_size": 16, "tiers": [{"backend": "mooncake", "timeout_s": 10.0,
@@ -32,6 +32,8 @@ def manager(master: MooncakeMaster, current: str | None = aa.KEY_A,
         cfg["auth_key_env"] = current
     if previous:
         cfg["auth_previous_key_envs"] = previous
+    if encrypt:
+        cfg["encrypt"] = True
     return StorageManager(cfg)
 
 
@@ -83,3 +85,14 @@ def test_rotation(master):
             raw.write(raw.name_of(k), chunk)
             assert aa.hit(dropped, k) is None
             assert aa.failures(dropped, "mooncake") >= 1
+
+
+def test_encrypted_at_rest(master):
+    """``encrypt: true`` on Mooncake: exact round trips, ciphertext in the store, every forgery
+    a counted miss (tests/support/encrypt_attacks.py)."""
+    from tests.support import encrypt_attacks as ea
+
+    with manager(master, encrypt=True) as mgr:
+        raw = raw_of(mgr)
+        ea.check_round_trip_ciphertext(mgr, "mooncake", raw)
+        ea.check_forgeries_never_served(mgr, "mooncake", raw, aa.KEY_A)

@@ -1,10 +1,14 @@
-"""Backend threads come from ``TierContext.runtime`` (kvplug.runtime): under the simulation's
-runtime a tier starts no thread of its own, and its background work is a task the simulation
-runs when it says so. Every thread started is recorded (short-lived ones too)."""
+"""Backend threads and clocks come from ``TierContext.runtime`` (kvplug.runtime): under the
+simulation's runtime a tier starts no thread of its own, its background work is a task the
+simulation runs when it says so, and the clocks it reads are the simulation's. Every thread
+started is recorded (short-lived ones too), every real clock kvplug reads during a seed."""
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
+from collections import Counter
 
 import pytest
 from kvplug.connector.sim.runtime import SimRuntime
@@ -104,3 +108,34 @@ def test_step_stats_never_wait_on_a_hung_tier(tmp_path):
         disk.pool.gated = False
         rt.drain()
         w.close()
+
+
+#: the clocks that order or time out what kvplug does (perf_counter and thread_time measure
+#: durations for stats, and a rescan's CPU cost)
+CLOCKS = ("time", "monotonic", "time_ns", "monotonic_ns")
+
+
+def test_kvplug_reads_no_real_clock_under_the_simulation(monkeypatch):
+    """While seeds run, no kvplug module outside the simulation reads a real clock: one would
+    make a seed's outcome depend on how fast the machine runs, so a seed found in a long
+    search might not replay alone (posix stamped its LRU with ``time.time()``: ties in the
+    same millisecond decided what a rescan evicted). Calls are recorded, the real value
+    returned; a clock bound before the test (a default argument) is not seen."""
+    pytest.importorskip("vllm")
+    from kvplug.connector.sim.schedule import run_seed
+
+    reads: Counter[str] = Counter()
+    for name in CLOCKS:
+        real = getattr(time, name)
+
+        def read(real=real, name=name):
+            caller = sys._getframe(1)
+            module = caller.f_globals.get("__name__", "")
+            if module.startswith("kvplug.") and not module.startswith("kvplug.connector.sim"):
+                reads[f"{module}:{caller.f_lineno} time.{name}()"] += 1
+            return real()
+
+        monkeypatch.setattr(time, name, read)
+    runs = [run_seed(seed, n=20) for seed in range(12)]
+    assert sum(o.counts.get("posix rescans", 0) for o in runs) > 0  # the path that read one
+    assert not reads, dict(reads)

@@ -135,6 +135,39 @@ def test_management_key_replaces_vllms_key_and_fails_closed():
     assert api_keys(Namespace(api_key=None), load_connector_config({}), environ={}) == []
 
 
+def test_an_open_management_api_is_warned_about_once_naming_the_fix(caplog):
+    """Neither ``--api-key`` (``VLLM_API_KEY``) nor ``management_key_env``: the API plugin's keys
+    are none (clear, pin and status answer anyone), and it says so once, naming the fix; with
+    either key set it says nothing."""
+    import logging
+    from argparse import Namespace
+
+    import pytest
+
+    pytest.importorskip("vllm")
+    from kvplug.connector import api
+    from kvplug.connector.protocol.config import load_connector_config
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "management API" in r.getMessage()]
+
+    cfg = load_connector_config({})
+    api._open_warning.reset()  # (once per process: another test may have warned)
+    caplog.set_level(logging.WARNING, logger="kvplug")
+    assert api.api_keys(Namespace(api_key=None), cfg, environ={}) == []
+    assert api.api_keys(Namespace(api_key=None), cfg, environ={}) == []
+    assert len(warnings()) == 1, warnings()
+    assert "open" in warnings()[0] and "management_key_env" in warnings()[0]
+    assert "--api-key" in warnings()[0]
+    caplog.clear()
+    api._open_warning.reset()
+    assert api.api_keys(Namespace(api_key=["k1"]), cfg, environ={})
+    assert api.api_keys(Namespace(api_key=None), cfg, environ={"VLLM_API_KEY": "k2"})
+    assert api.api_keys(Namespace(api_key=None), load_connector_config(
+        {"management_key_env": "KV_M"}), environ={"KV_M": "k3"})
+    assert warnings() == []
+
+
 def test_a_clear_is_announced_as_removals_per_tier(tmp_path):
     """KV events follow a management clear: the workers' TierWatch sees its evicts and reports
     every cleared chunk leaving every tier (BlockRemoved for routers)."""
