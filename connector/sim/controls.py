@@ -81,6 +81,10 @@ DIRECTED_FAULTS = {
     # that takes two partial chunks in one chunk, which block 4 / chunk 8 never has (one
     # partial per chunk) and the few production-geometry seeds do not reach in the CI set
     "unpinned_tail_read": "I10",
+    # in-step loads under pipeline parallelism's batch queue (runs_ahead not seen): a load
+    # that fails in step N is heard of after N+1, scheduled before N's output, read the
+    # unloaded blocks (the same patch as sync_loads_under_async_scheduling)
+    "sync_loads_under_a_batch_queue": "I2",
 }
 
 
@@ -217,7 +221,7 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
             self.order_at_submit = False
 
         return [(store.AsyncSaves, "__init__", init)]
-    if name == "sync_loads_under_async_scheduling":
+    if name in ("sync_loads_under_async_scheduling", "sync_loads_under_a_batch_queue"):
         from kvplug.connector.scheduler.side import SchedulerSide
 
         real_sched_init = SchedulerSide.__init__

@@ -138,9 +138,20 @@ SCHEDULES["a rank is sent a partial chunk it never pinned"] = (
      ("evict", 0, "local_cpu", None), ("evict", 1, "all", 1),  # rank 1 loses [16, 24)
      ("arrive", _Q, (*_S, 7), 2), ("step",)],
     "unpinned_tail_read")
+#: a PP batch queue of 2 (the plain Scheduler): a 27-token prompt hits 16 tokens in L1 and one
+#: chunk is lost after the lookup; step N+1 computes the prompt's rest before step N's output
+#: reaches vLLM. Loads are background ones under any batch queue (runs_ahead): the fetch comes
+#: after the loss, and nothing reads unloaded blocks; with in-step loads, N+1 reads them
+SCHEDULES["a load lost under a PP batch queue"] = (
+    SimConfig(hybrid=False, num_blocks=24, max_batched=8, prefix_caching=False,
+              async_save=True, layerwise=False, order="0.32", batch_queue=2),
+    [("arrive", _Q, (7,), 1), ("step",), ("step",), ("step",), ("step",), ("drain",),
+     ("arrive", _Q, _S, 2), ("step", ("lose", 0, 0)), ("step",), ("step",)],
+    "sync_loads_under_a_batch_queue")
 #: load errors each directed schedule must see (the failed load; with an unwritten hit, the hit
-#: reported as one too)
-_MIN_LOAD_ERRORS = {"store_after_failed_load": 1, "unpinned_tail_read": 1}
+#: reported as one too; none where the load runs after the loss)
+_MIN_LOAD_ERRORS = {"store_after_failed_load": 1, "unpinned_tail_read": 1,
+                    "sync_loads_under_a_batch_queue": 0}
 
 #: issue 33, defect 1: the same, with an 11-token suffix after the prefix-cache hit: the step
 #: that reads the unwritten blocks also computes chunk [16, 24) over them, which must not be
