@@ -305,12 +305,16 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=16,
                    help="blocks per job in the chunk-jobs rows (the connector's: a chunk)")
     p.add_argument("--only", choices=("all", "one-job", "chunk-jobs"), default="all")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per request (default 4096; 8192 = 32 chunk jobs of 16 blocks)")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.small:
         sys.exit("no CUDA device: the Llama-3-8B shape is for a GPU; run with --small on CPU")
     dev = torch.device("cuda" if cuda else "cpu")
     s = SMALL if args.small else LLAMA3_8B
+    if args.tokens:
+        s = s._replace(tokens=args.tokens)
     repeats = args.repeats or (3 if args.small else 9)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     print(f"device: {device_name(dev)}")

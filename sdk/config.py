@@ -169,19 +169,6 @@ class TierConfig(_Strict):
     def _policy_shorthand(cls, value: Any) -> Any:
         return {"policy": value} if isinstance(value, str) else value
 
-    @model_validator(mode="after")
-    def _known_policies(self) -> TierConfig:
-        from .policies.registry import check_choice  # the registry imports this module
-
-        for kind in ("eviction", "admission"):
-            chosen = getattr(self, kind)
-            if chosen is not None:
-                try:
-                    check_choice(kind, chosen.policy, f"tier {self.tier_name!r}")
-                except ConfigError as exc:
-                    raise ValueError(str(exc)) from None
-        return self
-
     @property
     def tier_name(self) -> str:
         return self.name or self.backend

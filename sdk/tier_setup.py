@@ -25,7 +25,7 @@ from .hookspecs import PROJECT, BackendSpec, TierContext
 from .memory import MemoryObj
 from .plugins import load_backend_class
 from .policies.gate import AdmissionGate
-from .policies.registry import build_policy
+from .policies.registry import build_policy, check_policies
 from .policies.tenants import TenantQuotas
 from .redact import Redactor, describe_validation_error
 from .runtime import THREADS, Runtime
@@ -50,6 +50,7 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
     """Start tier ``index``'s backend (``allocate``, ``memory_regions``, ``read_limit``,
     ``header_limit``: its ``ctx``'s; ``auth``: the deployment's keyring, the tier gets its own view of it) and its codec
     wrapper; a bad option or a backend that fails to start is a clear error naming the tier."""
+    check_policies(cfg)
     cls, info = load_backend_class(cfg.backend)
     _check_encrypts(cls, cfg, auth)
     tier_auth = auth.for_tier(cfg.tier_name) if auth is not None else None

@@ -250,7 +250,8 @@ def test_chunk_jobs_in_one_plan_without_host_sync(route: str, device: str) -> No
         for to_engine, objs in ((False, bulk), (True, staging)):
             for whole in (True, False):
                 ids = dst if to_engine else src
-                assert route_names(kv, list(zip(ids, objs, strict=True)), to_engine, whole) == [route]
+                want = "staged" if whole and route == "runs" else route  # a bulk call: staged
+                assert route_names(kv, list(zip(ids, objs, strict=True)), to_engine, whole) == [want]
     with no_host_sync(device):
         event = gather_many_async(kv, list(zip(src, bulk, strict=True)))
         steps = layerwise_store(kv, list(zip(src, lw, strict=True)), wait=False)
@@ -313,5 +314,5 @@ def test_cuda_chunk_job_steps_ask_torch_the_same_for_one_job_and_for_eight(route
             steps.close()
             per_step[direction, count] = calls
     for direction in ("store", "load"):
-        assert min(per_step[direction, 1]) > 0
+        assert max(per_step[direction, 1]) > 0  # (a load's last steps issue nothing: ahead)
         assert per_step[direction, 8] == per_step[direction, 1], direction
