@@ -1,5 +1,5 @@
 """A long search with kvplug's deterministic simulation (kvplug.connector.sim): random schedules of vLLM's
-real Scheduler and kvplug's real connector, the invariants I1-I8 checked after every event.
+real Scheduler and kvplug's real connector, the invariants I1-I11 checked after every event.
 
     python -m benchmarks.simulate --seeds 100000 --minutes 30 [--start 1000000] [--jobs 2]
                                   [--replay-check 200]

@@ -34,7 +34,7 @@ from .protocol.stats import KVPlugStats
 from .scheduler.events import TierEventBook, event_key, events_enabled
 from .scheduler.side import SchedulerSide
 from .worker.side import WorkerSide
-from .worker.tier_watch import TierWatch
+from .worker.tier_watch import TierWatch, watch_tiers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -180,8 +180,7 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
         if self._events_on and self._worker.storage is not None:
-            self._watch = TierWatch(self._worker.storage, self.config.kv_events_max_chunks)
-            self._worker.on_epoch = self._watch.forget
+            self._watch = watch_tiers(self._worker, self.config.kv_events_max_chunks)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # Bound before the forward in every vLLM runner and call order: the worker learns here

@@ -37,7 +37,7 @@ def _range(args: tuple[int, int, frozenset[str], float, tuple[str, str]]) -> Fig
         out = run_seed(seed, faults, tier=tier)
         f.schedules += 1
         f.events += out.events
-        f.counts.update(out.counts)
+        merge(f.counts, out.counts)
         f.digests[seed] = out.digest
         if out.violation is not None:
             f.failures.append((seed, str(out.violation)))
@@ -71,8 +71,14 @@ def _add(total: Figures, r: Figures) -> None:
     total.schedules += r.schedules
     total.events += r.events
     total.failures += r.failures
-    total.counts.update(r.counts)
+    merge(total.counts, r.counts)
     total.digests.update(r.digests)
+
+
+def merge(total: Counter, counts: dict[str, int]) -> None:
+    """Add ``counts`` to ``total``: sums, except the figures named ``max ...`` (the largest)."""
+    for k, v in counts.items():
+        total[k] = max(total[k], v) if k.startswith("max ") else total[k] + v
 
 
 def report(seed: int, faults: frozenset[str] = frozenset()) -> str:

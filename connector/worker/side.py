@@ -25,6 +25,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from functools import partial
+from typing import Any
 
 import torch
 from kvplug.gpu import PagedKV
@@ -39,7 +40,7 @@ from ..protocol.identity import Identity
 from ..protocol.lookup import Lookup, LookupService, socket_path
 from ..protocol.manage import ManageService, WorkerManagement, manage_path
 from ..protocol.metadata import KVPlugMetadata, KVPlugWorkerMeta
-from ..protocol.stats import KVPlugStats, StatsRecorder
+from ..protocol.stats import TENANT_SAMPLE_S, KVPlugStats, StatsRecorder
 from .load import BackgroundLoads, Loads
 from .load_report import LoadReports
 from .store import AsyncSaves, Stores
@@ -78,6 +79,9 @@ class WorkerSide:
         self.epoch = ""
         self.on_epoch: Callable[[], None] | None = None  # told when the epoch changes
         self._asleep = False  # vLLM 0.33 sleep mode: the KV memory is gone until resume()
+        #: samples the tiers' bytes per tenant on a thread of its own (asking a tier may wait on
+        #: it: never on vLLM's step), woken by each step's ``take_stats``
+        self._tenant_sampler: Any = None
         self._kv_caches: Mapping[str, torch.Tensor] = {}
 
     # -- setup ---------------------------------------------------------------------------------
@@ -101,6 +105,8 @@ class WorkerSide:
                  if async_save_enabled(self.cfg, self.kv.device.type) else None)
         self.transfers = Transfers(loads, Stores(parts, self.stats, saves))
         self.transfers.warm_up()
+        self._tenant_sampler = self.runtime.ticker(self._sample_tenants, TENANT_SAMPLE_S,
+                                                   "kvplug-tenant-stats")
         path = socket_path(self.ident.engine_id, self.ident.rank, self.ident.pp_rank)
         if self.runtime.remote_lookups:  # else the caller calls _on_lookup (a simulation)
             self.service = LookupService(path, self._on_lookup, self.release)
@@ -150,6 +156,11 @@ class WorkerSide:
         return self.ident.key(self.kv_dtype, chunk_hash, self.epoch if epoch is None else epoch,
                               tenant)
 
+    def of_current_epoch(self, key: CacheKey) -> bool:
+        """Whether ``key`` is keyed under the current weights epoch (as :meth:`key` makes
+        them)."""
+        return key.model_digest == self.key(key.chunk_hash).model_digest
+
     def sync_epoch(self, md: KVPlugMetadata | None) -> None:
         """Switch to the step's weights epoch before anything else of the step: the scheduler
         drew a new one (the weights changed). L1 (this engine's own memory) is emptied; shared
@@ -181,6 +192,9 @@ class WorkerSide:
         return self.transfers.stores.saves if self.transfers is not None else None
 
     def close(self) -> None:
+        if self._tenant_sampler is not None:
+            self._tenant_sampler.close(timeout=5)
+            self._tenant_sampler = None
         if self.transfers is not None:
             self.transfers.close()  # before the tiers: the saves' puts finish first
         if self.service is not None:
@@ -336,11 +350,25 @@ class WorkerSide:
         return self._reports.take_report()
 
     def take_stats(self) -> KVPlugStats | None:
-        """This step's counters, with what the tiers' own counters grew by since the last step."""
+        """This step's counters, with what the tiers' own counters grew by since the last step
+        (the bytes per tenant are sampled off the step: :meth:`_sample_tenants`)."""
         if self.storage is not None:
             self.stats.sample_tiers(self.storage.stats())
-            self.stats.sample_tenants(self.storage)
+        if self._tenant_sampler is not None:
+            self._tenant_sampler.wake()
         return self.stats.take()
+
+    def _sample_tenants(self) -> None:
+        """The tiers' bytes per tenant into the stats (at most every ``TENANT_SAMPLE_S``), on the
+        sampler's thread: a tier that may block answers through its pool, within its timeout."""
+        storage = self.storage
+        if storage is None:
+            return
+        try:
+            self.stats.sample_tenants(storage)
+        except Exception:  # noqa: BLE001 - a gauge; the next sample tries again
+            logger.exception("kvplug worker rank %d: sampling the tiers' bytes per tenant failed",
+                             self.ident.rank)
 
     def take_failed(self) -> set[str]:
         """Requests whose load failed (several KV cache groups: vLLM's ``failed_recving``)."""

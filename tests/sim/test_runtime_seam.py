@@ -69,6 +69,47 @@ def test_mooncake_client_setup_is_a_runtime_task(started, monkeypatch):
     assert started == []
 
 
+def test_step_stats_never_wait_on_a_hung_tier(tmp_path):
+    """vLLM asks the workers for their stats in every step (``get_kv_connector_stats``). The
+    tiers' bytes per tenant are sampled on a thread of their own: a disk tier that does not
+    answer (its pool gated, every call timing out) costs the engine thread nothing; the sampler's
+    thread waits it out. Before, ``take_stats`` asked each tier on the engine thread: 5 s
+    (posix's ``timeout_s``) of the step (simulation seed 1, I10)."""
+    import uuid
+
+    import torch
+    from kvplug.connector.protocol.config import ConnectorConfig
+    from kvplug.connector.worker.side import WorkerSide, _Identity
+
+    from tests.support.gpu_kv_fixture import KVFixture
+
+    pytest.importorskip("vllm")
+    rt = SimRuntime()
+    cfg = ConnectorConfig(chunk_size=8, log_every_load=False, tiers=[
+        {"backend": "local_cpu", "options": {"capacity": "1MiB", "prefault": True}},
+        {"backend": "posix", "options": {"path": str(tmp_path / "disk"), "io_threads": 1}}])
+    w = WorkerSide(cfg, _Identity("m", "LBHNC-bs4", 1, 0, f"t-{uuid.uuid4().hex[:8]}"),
+                   runtime=rt)
+    w.register_kv_caches(KVFixture("LBHNC", torch.bfloat16, L=2, B=8).caches)
+    rt.drain()
+    disk = next(t for t in w.storage._tiers if t.name == "posix")
+    disk.pool.gated = True  # the disk hangs
+    try:
+        with rt.engine_thread(0, "get_kv_connector_stats"):
+            w.take_stats()
+        assert rt.engine_waited == 0.0 and rt.engine_waits == []
+        sampler = [f for f in rt.queue if f.pool.name == "kvplug-tenant-stats"]
+        assert len(sampler) == 1  # the sample is the sampler's task
+        clock = rt.clock
+        rt.drain()  # its own thread waits out the hung disk
+        assert rt.clock == clock + disk.config.timeout_s and disk.timeouts == 1
+        assert rt.engine_waited == 0.0
+    finally:
+        disk.pool.gated = False
+        rt.drain()
+        w.close()
+
+
 #: the clocks that order or time out what kvplug does (perf_counter and thread_time measure
 #: durations for stats, and a rescan's CPU cost)
 CLOCKS = ("time", "monotonic", "time_ns", "monotonic_ns")

@@ -1,5 +1,5 @@
 """The deterministic simulation (kvplug.connector.sim) in the suite: a fixed set of CI seeds must hold every
-protocol invariant (I1-I5, docs/architecture.md), each invariant's negative control must be caught
+protocol invariant (I1-I11, docs/architecture.md), each invariant's negative control must be caught
 within that set, a failing seed shrinks to a short reproduction, and a seed replays exactly.
 
 vLLM's real Scheduler and KV cache manager, kvplug's real scheduler side, worker side, lookup,
@@ -82,6 +82,20 @@ ENGINE_KINDS = ("config TP 1", "config TP 4", "config zeroing v2", "config zeroi
                 "config inline disk-hit budget 1 chunk(s)", "config real lookup path",
                 "lookups answered after the first ask", "lookup timeouts (real client)",
                 "lookups expired at a service")
+#: PP batch queues of 2 and 4 (the plain Scheduler), three tiers whose remote
+#: is slow, hung or gone, production geometry, priority scheduling (preemption), the fail
+#: policy (a request failed), drafts rejected, KV events, the connector's worker half, tokens
+#: compared, a disk hanging mid-step with the step's read deadline spent, poisoned blocks
+ENGINE_KINDS += ("config batch queue 2 (pipeline parallel)",
+                 "config batch queue 4 (pipeline parallel)", "batch-queue steps ahead of an output",
+                 "config three tiers, remote slow", "config three tiers, remote hung",
+                 "config three tiers, remote gone", "config block size 16, chunk size 256",
+                 "config priority scheduling", "preempted", "config load failure policy fail",
+                 "requests finished error (tokens not compared)", "draft tokens rejected",
+                 "config KV events on", "KV events: blocks stored", "KV events: blocks removed",
+                 "config workers through KVPlugConnector", "requests whose tokens matched the "
+                 "oracle's", "event step (gate mid-step)", "max engine wait in a step (ms)",
+                 "blocks poisoned")
 
 _A, _X = tuple(range(100, 116)), tuple(range(200, 247))  # a 2-chunk prompt; one filling the cache
 #: directed schedules, one per defect a search found, each with the fault that undoes its fix
@@ -111,9 +125,33 @@ SCHEDULES["a failed synchronous load, the request's save in that step"] = (
     [("arrive", _P, (395, 523, 556, 835, 261, 102, 667, 895), 5), ("step",), ("drain",),
      ("arrive", _P, (835, 640, 562, 490, 804, 824, 449, 377), 5), ("lose", 1, 0)],
     "store_after_failed_load")
+#: I10: two ranks, two partial chunks in one chunk (block 4, chunk 16), rank 0's L1
+#: emptied and rank 1's longer partial evicted: the hit is rank 1's shorter one, which rank 0
+#: never pinned; rank 0 loads it inside the step only from RAM (here: a load error, vLLM
+#: recomputes), never by asking its disk on the engine thread
+_Q, _S = tuple(range(100, 116)), tuple(range(300, 311))
+SCHEDULES["a rank is sent a partial chunk it never pinned"] = (
+    SimConfig(hybrid=False, num_blocks=24, max_batched=32, prefix_caching=False,
+              async_save=True, layerwise=False, order="0.33", chunk_size=16),
+    [("arrive", _Q, _S, 2), ("step",), ("step",), ("step",), ("drain",),  # [16, 24) stored
+     ("arrive", _Q, _S[:5], 2), ("step",), ("step",), ("step",), ("drain",),  # [16, 20) too
+     ("evict", 0, "local_cpu", None), ("evict", 1, "all", 1),  # rank 1 loses [16, 24)
+     ("arrive", _Q, (*_S, 7), 2), ("step",)],
+    "unpinned_tail_read")
+#: a PP batch queue of 2 (the plain Scheduler): a 27-token prompt hits 16 tokens in L1 and one
+#: chunk is lost after the lookup; step N+1 computes the prompt's rest before step N's output
+#: reaches vLLM. Loads are background ones under any batch queue (runs_ahead): the fetch comes
+#: after the loss, and nothing reads unloaded blocks; with in-step loads, N+1 reads them
+SCHEDULES["a load lost under a PP batch queue"] = (
+    SimConfig(hybrid=False, num_blocks=24, max_batched=8, prefix_caching=False,
+              async_save=True, layerwise=False, order="0.32", batch_queue=2),
+    [("arrive", _Q, (7,), 1), ("step",), ("step",), ("step",), ("step",), ("drain",),
+     ("arrive", _Q, _S, 2), ("step", ("lose", 0, 0)), ("step",), ("step",)],
+    "sync_loads_under_a_batch_queue")
 #: load errors each directed schedule must see (the failed load; with an unwritten hit, the hit
-#: reported as one too)
-_MIN_LOAD_ERRORS = {"store_after_failed_load": 1}
+#: reported as one too; none where the load runs after the loss)
+_MIN_LOAD_ERRORS = {"store_after_failed_load": 1, "unpinned_tail_read": 1,
+                    "sync_loads_under_a_batch_queue": 0}
 
 #: issue 33, defect 1: the same, with an 11-token suffix after the prefix-cache hit: the step
 #: that reads the unwritten blocks also computes chunk [16, 24) over them, which must not be
