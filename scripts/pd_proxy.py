@@ -25,7 +25,8 @@ PREFILL_ONLY = {"max_tokens": 1, "stream": False}
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill engine's request: the client's, for one token, not streamed; the client's
-    own ``kv_transfer_params`` (e.g. a ``tenant``) kept, ``do_remote_decode`` added."""
+    own ``kv_transfer_params`` kept, ``do_remote_decode`` added (the ``cache_salt``, a
+    request's tenant, is part of the body: both engines get it)."""
     out = copy.deepcopy(body)
     out.update(PREFILL_ONLY)
     if "max_completion_tokens" in out:

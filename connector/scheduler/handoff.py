@@ -54,18 +54,13 @@ def keys_identity(keys_digest: str, epoch: str) -> str:
     return hashlib.sha256(f"{keys_digest}\0{epoch}".encode()).hexdigest()[:16]
 
 
-def offer(tokens: int, last_hash: bytes, keys: str, ttl_s: float, tiers: list[str],
-          params: dict[str, Any] | None) -> dict[str, Any]:
+def offer(tokens: int, last_hash: bytes, keys: str, ttl_s: float,
+          tiers: list[str]) -> dict[str, Any]:
     """A producer's ``kv_transfer_params`` for a request whose first ``tokens`` it stores (the
-    chunk ending there hashed ``last_hash``). A ``tenant`` the request named is handed on too:
-    the proxy replaces the decode request's ``kv_transfer_params`` with these, and the
-    consumer's keys must be the tenant's, as the producer's are."""
-    out: dict[str, Any] = {HANDOFF_KEY: {"v": VERSION, "tokens": tokens, "hash": last_hash.hex(),
-                                         "keys": keys, "ttl_s": ttl_s, "tiers": tiers}}
-    tenant = (params or {}).get("tenant")
-    if tenant:
-        out["tenant"] = tenant
-    return out
+    chunk ending there hashed ``last_hash``). The request's tenant is its ``cache_salt``, which
+    a proxy sends to both engines with the request (and which is in the hash)."""
+    return {HANDOFF_KEY: {"v": VERSION, "tokens": tokens, "hash": last_hash.hex(), "keys": keys,
+                          "ttl_s": ttl_s, "tiers": tiers}}
 
 
 @dataclass(frozen=True)

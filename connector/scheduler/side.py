@@ -579,8 +579,7 @@ class SchedulerSide:
         last = self._hashes_for(t, (tokens - 1) // self.cs * self.cs, tokens)[-1]
         self.stats.add("handoff_offers")
         return handoff.offer(tokens, last, handoff.keys_identity(self.keys_digest, self.epoch),
-                             self.cfg.handoff_wait_s, self.cfg.tier_names(),
-                             t.request.kv_transfer_params)
+                             self.cfg.handoff_wait_s, self.cfg.tier_names())
 
     def _handoff_receive(self, t: RequestTracker) -> None:
         """A consumer's new request: wait for the chunks its hand-off names, if it has one that

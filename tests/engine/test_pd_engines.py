@@ -8,10 +8,10 @@ One pair of engines serves every case, in order (the engines start once: the sui
 * posix: the producer stores these prompts on posix only (their tenant's resp quota is 0): the
   consumer loads every token the producer's hand-off names, from posix, outputs equal to its
   own cold run's (chunked at chunk boundaries: what a colocated engine's hit equals on CPU);
-* resp: the same, on resp only (the tenant named in ``kv_transfer_params``, handed on by the
-  producer); for the last prompt the redis-server is paused (SIGSTOP) from before the prefill
-  until half a second after its answer, so the producer's store lands after the decode request
-  arrived (the consumer's first lookup waits for the server too, then finds less, or all);
+* resp: the same, on resp only (another tenant, its ``cache_salt``); for the last prompt the
+  redis-server is paused (SIGSTOP) from before the prefill until half a second after its
+  answer, so the producer's store lands after the decode request arrived (the consumer's first
+  lookup waits for the server too, then finds less, or all);
 * a deadline that passes: the producer's stores of this tenant land nowhere (quota 0 on both):
   the consumer waits its ``handoff_wait_s``, then computes the prompt, exact;
 * the producer killed right after its answer, while it stores: the consumer loads what landed
@@ -82,14 +82,13 @@ def engines(tmp_path_factory):
         print(f"PD-ENGINES wall {time.monotonic() - t0:.1f} s")
 
 
-def pd(producer, consumer, p: list[int], *, params: dict | None = None,
-       cache_salt: str | None = None, before_prefill=None, before_decode=None
-       ) -> tuple[dict, dict]:
+def pd(producer, consumer, p: list[int], *, cache_salt: str | None = None,
+       before_prefill=None, before_decode=None) -> tuple[dict, dict]:
     """A proxy's round: the prefill (max_tokens=1), then at once the decode with the prefill's
     kv_transfer_params."""
     if before_prefill is not None:
         before_prefill()
-    pre = producer.ask(p, 1, {"do_remote_decode": True, **(params or {})}, cache_salt)
+    pre = producer.ask(p, 1, {"do_remote_decode": True}, cache_salt)
     if before_decode is not None:
         before_decode()
     dec = consumer.ask(p, TOKENS, pre["params"], cache_salt)
@@ -104,8 +103,8 @@ def test_decode_gets_every_named_token_at_once_and_computes_past_a_deadline(engi
     producer, consumer, srv = engines
     runs = {"posix": ([prompt(n, 700 + i) for i, n in enumerate(LENGTHS)], {"cache_salt":
                                                                              "posix-only"}),
-            "resp": ([prompt(n, 710 + i) for i, n in enumerate(LENGTHS)], {"params": {
-                "tenant": "resp-only"}})}
+            "resp": ([prompt(n, 710 + i) for i, n in enumerate(LENGTHS)], {"cache_salt":
+                                                                             "resp-only"})}
     figures: dict = {}
     results: dict = {}
     resume = threading.Timer(0.5, srv.resume)  # the resp run's last prompt: a late store
@@ -130,7 +129,7 @@ def test_decode_gets_every_named_token_at_once_and_computes_past_a_deadline(engi
     # the deadline: the producer's stores of tenant "lost" land nowhere
     lost = prompt(2900, 720)
     resume.join()
-    pre, late = pd(producer, consumer, lost, params={"tenant": "lost"})
+    pre, late = pd(producer, consumer, lost, cache_salt="lost")
     got = late["params"]["kvplug"]
     assert pre["params"][HANDOFF]["tokens"] == 2816
     assert got["handoff"]["outcome"] == "expired" and got["loaded_tokens"] == 0, got
@@ -140,11 +139,10 @@ def test_decode_gets_every_named_token_at_once_and_computes_past_a_deadline(engi
     # every output equals the consumer's own cold run of the prompt (no load)
     off = {"kvplug_load": False}
     for tier, (prompts, how) in runs.items():
-        salt = how.get("cache_salt")
         for p, dec in zip(prompts, results[tier], strict=True):
-            ref = consumer.ask(p, TOKENS, {**off, **how.get("params", {})}, salt)
+            ref = consumer.ask(p, TOKENS, off, how["cache_salt"])
             assert same(dec, ref), (tier, dec, ref)
-    assert same(late, consumer.ask(lost, TOKENS, {**off, "tenant": "lost"}))
+    assert same(late, consumer.ask(lost, TOKENS, off, "lost"))
     # the producer killed while it stores: what landed is loaded, the rest computed, exact
     killed = prompt(2944, 730)
     ref = consumer.ask(killed, TOKENS, off)

@@ -21,14 +21,15 @@ def test_prefill_asks_one_token_and_decode_gets_the_prefills_params():
     p = proxy()
     body = {"model": "m", "prompt": "hello", "max_tokens": 64, "stream": True,
             "stream_options": {"include_usage": True}, "max_completion_tokens": 64,
-            "kv_transfer_params": {"tenant": "team-a"}, "cache_salt": "s"}
+            "kv_transfer_params": {"kvplug_load": True}, "cache_salt": "s"}
     pre = p.prefill_body(body)
     assert (pre["max_tokens"], pre["max_completion_tokens"], pre["stream"]) == (1, 1, False)
     assert "stream_options" not in pre and pre["cache_salt"] == "s"
-    assert pre["kv_transfer_params"] == {"tenant": "team-a", "do_remote_decode": True}
-    handoff = {"kvplug_handoff": {"v": 1, "tokens": 2816}, "tenant": "team-a"}
+    assert pre["kv_transfer_params"] == {"kvplug_load": True, "do_remote_decode": True}
+    handoff = {"kvplug_handoff": {"v": 1, "tokens": 2816}}
     dec = p.decode_body(body, {"kv_transfer_params": handoff, "choices": []})
-    assert dec["kv_transfer_params"] == handoff and dec["max_tokens"] == 64 and dec["stream"]
-    assert body["max_tokens"] == 64 and body["kv_transfer_params"] == {"tenant": "team-a"}
+    assert dec["kv_transfer_params"] == {"kvplug_load": True, **handoff}
+    assert dec["max_tokens"] == 64 and dec["stream"] and dec["cache_salt"] == "s"
+    assert body["max_tokens"] == 64 and body["kv_transfer_params"] == {"kvplug_load": True}
     # a prefill engine that names nothing (kv_both, or a request it did not store)
     assert "kv_transfer_params" not in p.decode_body({"prompt": "x"}, {"kv_transfer_params": None})
