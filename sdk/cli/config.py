@@ -79,6 +79,14 @@ def check_config(path: Path) -> tuple[KVPlugConfig, list[dict[str, Any]], list[s
     return cfg, tiers, problems
 
 
+def check_or_fail(path: Path) -> None:
+    """Validate a kvplug YAML now (:func:`check_config`), so a bad key fails before vLLM spends a
+    minute starting: one line naming every problem, exit 1."""
+    _, _, problems = check_config(path)
+    if problems:
+        fail(f"{path}: " + "; ".join(problems))
+
+
 @click.group("config")
 def config_group() -> None:
     """Work with kvplug config files."""

@@ -33,7 +33,8 @@ from pathlib import Path
 import click
 
 from ..redact import redact_argv
-from .common import err_console, fail
+from .common import VLLM_INSTALL_HINT, err_console, fail
+from .config import check_or_fail
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: vLLM 0.32 warns (twice) that this module entry point is deprecated in favour of the ``vllm``
@@ -81,18 +82,7 @@ def plugins_env(current: str | None) -> str:
 def _check_vllm() -> None:
     """Fail with one line unless vLLM's server module can be found (without importing vLLM)."""
     if importlib.util.find_spec("vllm") is None:
-        from .main import VLLM_INSTALL_HINT
-
         fail(f"vLLM is not installed in {sys.executable}; {VLLM_INSTALL_HINT}")
-
-
-def _check_kvplug_config(path: Path) -> None:
-    """Validate the kvplug YAML now, so a bad key fails before vLLM spends a minute starting."""
-    from .config import check_config
-
-    _, _, problems = check_config(path)
-    if problems:
-        fail(f"{path}: " + "; ".join(problems))
 
 
 @click.command("serve", context_settings={"ignore_unknown_options": True,
@@ -120,7 +110,7 @@ def serve_cmd(model: str, kvplug_config: Path | None, kv_role: str, print_comman
         fail("kvplug serve sets --kv-transfer-config itself; put kvplug's settings in "
              "--kvplug-config FILE (or start vLLM directly)")
     if kvplug_config is not None:
-        _check_kvplug_config(kvplug_config)
+        check_or_fail(kvplug_config)
     argv = server_command(model, vllm_args, kvplug_config, kv_role)
     if print_command:  # shown, never the secrets it passes (vLLM too masks --api-key)
         click.echo(shlex.join(redact_argv(argv)))
