@@ -147,11 +147,10 @@ def bidirectional(kv: PagedKV, out: torch.Tensor, dev_flat: torch.Tensor,
     return both, both_base
 
 
-def bench_overlap(kv: PagedKV, s: Shape, repeats: int, sync: Callable[[], None]) -> None:
-    dev, n = kv.device, s.tokens // BLOCK_SIZE
-    sc = scenarios(kv.num_blocks, n, seed=1)["random"]
-    src, out = alloc_host(kv, n), alloc_host(kv, n)
-    gather(kv, sc.src_ids, src)
+def forward_model(s: Shape, dev: torch.device) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One Llama-3-8B-shaped layer's matmuls at ``s.tokens`` tokens (QKV, O, gate/up, down;
+    attention's own kernel left out), and the forward pass of every layer: the compute a
+    layer-wise transfer overlaps with."""
     q, kvd = s.q_heads * s.head, s.kv_heads * s.head
 
     def weight(rows: int, cols: int) -> torch.Tensor:
@@ -169,6 +168,17 @@ def bench_overlap(kv: PagedKV, s: Shape, repeats: int, sync: Callable[[], None])
     def alone() -> None:
         for _ in range(s.layers):
             layer()
+
+    return layer, alone
+
+
+def bench_overlap(kv: PagedKV, s: Shape, repeats: int, sync: Callable[[], None]) -> None:
+    dev, n = kv.device, s.tokens // BLOCK_SIZE
+    sc = scenarios(kv.num_blocks, n, seed=1)["random"]
+    src, out = alloc_host(kv, n), alloc_host(kv, n)
+    gather(kv, sc.src_ids, src)
+    q, kvd = s.q_heads * s.head, s.kv_heads * s.head
+    layer, alone = forward_model(s, dev)
 
     def with_kv() -> None:
         load = layerwise_load(kv, [(sc.dst_ids, src)])
@@ -239,24 +249,7 @@ def bench_chunk_jobs(kv: PagedKV, s: Shape, repeats: int, sync: Callable[[], Non
         return
     sc = scenarios(kv.num_blocks, n, seed=1)["random"]
     load_jobs, store_jobs = jobs(sc.dst_ids), jobs(sc.store_ids)
-    q, kvd = s.q_heads * s.head, s.kv_heads * s.head
-    dev = kv.device
-
-    def weight(rows: int, cols: int) -> torch.Tensor:
-        return torch.randn(rows, cols, device=dev, dtype=DTYPE) / rows**0.5
-
-    x = torch.randn(s.tokens, s.hidden, device=dev, dtype=DTYPE)
-    w_qkv, w_o = weight(s.hidden, q + 2 * kvd), weight(q, s.hidden)
-    w_gu, w_down = weight(s.hidden, 2 * s.ffn), weight(s.ffn, s.hidden)
-
-    def layer() -> None:
-        h = (x @ w_qkv)[:, :q] @ w_o + x
-        gu = h @ w_gu
-        (torch.nn.functional.silu(gu[:, : s.ffn]) * gu[:, s.ffn :]) @ w_down
-
-    def alone() -> None:
-        for _ in range(s.layers):
-            layer()
+    layer, alone = forward_model(s, kv.device)
 
     def load_only() -> None:
         load = layerwise_load(kv, load_jobs)
