@@ -120,14 +120,9 @@ class LocalFiles:
     def _walk(self) -> Iterator[tuple[str, str, int, os.stat_result]]:
         """``(directory path, name, directory fd, stat)`` of every regular file below the root,
         no link followed."""
-        for top, _dirs, names, dfd in os.fwalk(self.real, follow_symlinks=False):
-            for name in names:
-                try:
-                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                except OSError:  # removed meanwhile
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    yield top, name, dfd, st
+        for top, name, dfd, st in beneath.entries_below(self.real):
+            if stat.S_ISREG(st.st_mode):
+                yield top, name, dfd, st
 
     def find(self) -> dict[str, dict[str, Any]]:
         """Every regular file below the root: ``{path: {"size", "mtime"}}`` (paths as the tier

@@ -228,32 +228,31 @@ class Keyring:
                 self.key_id, self._current, key.tenant), salt, key.tenant)
         return ChunkMac(self, self.key_id, self._current, salt, key)
 
-    def cipher(self, key_id: str, salt_hex: str, tenant: str) -> ChunkCipher:
-        """The cipher of a stored encrypted chunk of ``tenant``; :class:`AuthError` (counted)
-        for an unknown key id or a malformed salt."""
+    def _stored(self, key_id: str, salt_hex: str, what: str) -> tuple[bytes, bytes]:
+        """The secret a stored chunk's key id names and its salt; :class:`AuthError` (counted)
+        for an unknown key id or a malformed salt (``what``: "encrypted", "signed")."""
         master = self._keys.get(key_id)
         if master is None:
-            raise self.failure(f"chunk encrypted with unknown key id {key_id[:16]!r}")
+            raise self.failure(f"chunk {what} with unknown key id {key_id[:16]!r}")
         try:
             salt = bytes.fromhex(salt_hex)
         except ValueError:
             salt = b""
         if len(salt) != SALT_BYTES:
-            raise self.failure("chunk has a malformed salt")
+            raise self.failure(f"chunk {what} with a malformed salt")
+        return master, salt
+
+    def cipher(self, key_id: str, salt_hex: str, tenant: str) -> ChunkCipher:
+        """The cipher of a stored encrypted chunk of ``tenant``; :class:`AuthError` (counted)
+        for an unknown key id or a malformed salt."""
+        master, salt = self._stored(key_id, salt_hex, "encrypted")
         return ChunkCipher(self, key_id, self._tenant_keys.get(key_id, master, tenant), salt,
                            tenant)
 
     def opener(self, key_id: str, salt_hex: str, key: CacheKey) -> ChunkMac:
-        """The MACs of a stored chunk; :class:`AuthError` (counted) for an unknown key id."""
-        master = self._keys.get(key_id)
-        if master is None:
-            raise self.failure(f"chunk signed with unknown key id {key_id[:16]!r}")
-        try:
-            salt = bytes.fromhex(salt_hex)
-        except ValueError:
-            salt = b""
-        if len(salt) != SALT_BYTES:
-            raise self.failure("chunk has a malformed MAC salt")
+        """The MACs of a stored chunk; :class:`AuthError` (counted) for an unknown key id or a
+        malformed salt."""
+        master, salt = self._stored(key_id, salt_hex, "signed")
         return ChunkMac(self, key_id, master, salt, key)
 
     def failure(self, why: str) -> AuthError:

@@ -96,3 +96,16 @@ def open_below(root: str, rel: str) -> int:
                 raise NotRegular(exc.errno, "a symlink, not a file", rel) from None
             raise
     return require_regular(fd, rel)
+
+
+def entries_below(root: str) -> Iterator[tuple[str, str, int, os.stat_result]]:
+    """``(directory path, name, directory fd, lstat)`` of every entry below ``root`` that is not
+    a directory, no link followed (a link is an entry, never entered); an entry removed
+    meanwhile is left out. The descriptor is valid only until the next item."""
+    for top, _dirs, names, dfd in os.fwalk(root, follow_symlinks=False):
+        for name in names:
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:  # removed meanwhile
+                continue
+            yield top, name, dfd, st

@@ -33,6 +33,7 @@ from rich.table import Table
 
 from .. import chunkfile as cf
 from ..chunkfile import beneath
+from ..chunkfile.beneath import entries_below
 from ..errors import ChunkFormatError
 from ..policies.tenants import tenant_of_name
 from ..redact import Redactor
@@ -78,14 +79,9 @@ class Store:
         if self.fs is not None:
             return self.fs.find(self.root, detail=True)
         out: dict[str, dict[str, Any]] = {}
-        for base, _dirs, names, dfd in os.fwalk(self.root, follow_symlinks=False):
-            for name in names:
-                try:
-                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                except FileNotFoundError:  # evicted meanwhile
-                    continue
-                out[os.path.join(base, name)] = {"size": st.st_size, "mtime": st.st_mtime,
-                                                 "regular": stat.S_ISREG(st.st_mode)}
+        for base, name, _dfd, st in entries_below(self.root):
+            out[os.path.join(base, name)] = {"size": st.st_size, "mtime": st.st_mtime,
+                                             "regular": stat.S_ISREG(st.st_mode)}
         return out
 
     def files(self) -> tuple[list[FileInfo], list[FileInfo]]:
