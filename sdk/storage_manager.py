@@ -26,9 +26,10 @@ import torch
 from .chunkfile.auth import Keyring
 from .config import KVPlugConfig, TierConfig, load_config
 from .errors import ConfigError
+from .heap import HeapBuffers
 from .keys import CacheKey
 from .logs import LogOnce
-from .memory import MemoryFormat, MemoryObj, heap_memory_obj
+from .memory import MemoryFormat, MemoryObj
 from .read_memory import DEFAULT_MAX_HEAP_FALLBACK, ChunkGeometry, ReadMemory
 from .runtime import THREADS, Runtime
 from .tier_calls import BATCH_GET_KEYS, MAX_ENCODER_QUEUE, Tier, WaitBudget, release
@@ -74,6 +75,8 @@ class StorageManager:
         cap = self.config.max_heap_fallback
         self.reads = ReadMemory(self.allocate, self._pool_sizes,
                                 DEFAULT_MAX_HEAP_FALLBACK if cap is None else int(cap), geometry)
+        #: Memory when no tier owns a pool: buffers reused, not faulted in afresh (:mod:`.heap`).
+        self.heap = HeapBuffers()
         #: The deployment's keyring (``auth_key_env``): handed to every tier, never global.
         self.auth = auth_keyring(self.config)
         # Bounded tier calls run on each tier's own pool; batched_get fans out over this one.
@@ -205,7 +208,8 @@ class StorageManager:
         fmt: MemoryFormat = MemoryFormat.KV_PAGES,
         num_tokens: int = 0,
     ) -> MemoryObj | None:
-        """Memory for a chunk from the first tier owning a pool; heap if none does; None if full."""
+        """Memory for a chunk from the first tier owning a pool; heap if none does (buffers
+        reused: :mod:`.heap`); None if full."""
         owners = 0
         for tier in self._tiers:
             if not tier.implements("allocate"):
@@ -217,7 +221,7 @@ class StorageManager:
                 return obj
         if owners:
             return None
-        return heap_memory_obj(tuple(shape), dtype, fmt, num_tokens)
+        return self.heap.allocate(tuple(shape), dtype, fmt, num_tokens)
 
     @property
     def geometry(self) -> ChunkGeometry | None:
@@ -682,6 +686,8 @@ class StorageManager:
             out[tier.name] = entry
         if self._tiers:  # reads refused or sent to the heap: the manager's, shown with L1
             out[self._tiers[0].name].update(self.reads.stats())
+            if any(self.heap.counts.values()):  # no tier owns a pool: heap memory reused
+                out[self._tiers[0].name].update(self.heap.stats())
         return out
 
     def close(self) -> None:
@@ -700,6 +706,7 @@ class StorageManager:
         for tier in self._tiers:
             tier.shutdown()
         self._readers.shutdown(wait=False, cancel_futures=True)
+        self.heap.clear()
 
     def __enter__(self) -> StorageManager:
         return self
