@@ -201,9 +201,9 @@ class KvikioFileIO(ChunkFileIO):
 
     def prepare_write(self, key: CacheKey, rel: str,
                       obj: MemoryObj) -> tuple[int, Callable[[str], int]]:
-        return chunk_file_size(key, obj, self.auth), lambda path: write_chunk(
+        return chunk_file_size(key, obj, self.auth), lambda path, dir_fd=None: write_chunk(
             path, key, obj, fsync=self.fsync, auth=self.auth, file_mode=self.file_mode,
-            gid=self.gid)
+            gid=self.gid)  # kvikio opens by path: the shard's descriptor is not used
 
     def read(self, fd: int, key: CacheKey, rel: str,
              layers: tuple[int, int] | None) -> tuple[MemoryObj | None, int]:

@@ -122,3 +122,13 @@ def touch_chunk(path: str, stamp: float) -> None:
         os.utime(name, (stamp, stamp), dir_fd=dfd, follow_symlinks=False)
     finally:
         os.close(dfd)
+
+
+def stat_in(dir_fd: int, name: str) -> os.stat_result | None:
+    """The ``stat`` of the regular file ``name`` in the directory open as ``dir_fd`` (no link
+    followed), or None when it is missing or not a regular file."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None

@@ -1,7 +1,8 @@
 """File I/O of the posix tier: atomic chunk writes and vectored reads straight into memory objects.
 
-Writes go through :func:`kvplug.chunkfile.atomic_file` (temporary name, rename, optional fsync),
-so a reader in this or another process sees a whole file or none. Reads use ``os.preadv`` into
+Writes go through :func:`kvplug.chunkfile.atomic.atomic_create` (temporary name, rename, optional
+fsync, all through the shard directory's descriptor), so a reader in this or another process
+sees a whole file or none. Reads use ``os.preadv`` into
 the destination object's memory (no intermediate ``bytes``), then verify every layer checksum.
 O_DIRECT is used where it was asked for, the file system accepts it and the buffers are aligned;
 otherwise the same call goes through the page cache. Headers are decoded by the chunk-file
@@ -22,8 +23,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 from kvplug import chunkfile as cf
-from kvplug.chunkfile.atomic import FILE_MODE, dir_mode_for, make_dirs
+from kvplug.chunkfile.atomic import FILE_MODE, atomic_create, dir_mode_for, directory_of, make_dirs
 from kvplug.errors import ChunkFormatError, ChunkVersionError
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryObj
@@ -166,29 +168,34 @@ def write_chunk(
     direct: bool = False,
     file_mode: int = FILE_MODE,
     gid: int | None = None,
+    dir_fd: int | None = None,
 ) -> int:
     """Write a chunk (``header, bufs = chunkfile.encode_chunk(key, obj)``) at ``path``
     atomically; returns the file size. ``obj`` must stay referenced until this returns. The file
     gets ``file_mode`` and group ``gid``; a shard directory that is a symlink is refused.
+    ``dir_fd``: the shard directory, open already (:func:`kvplug.chunkfile.atomic.directory_of`);
+    the file is then created, written and renamed through it and the descriptor of its
+    temporary file, the layers written from the object's own memory in one ``pwritev``.
 
     Raises ``OSError`` (full disk, read-only directory...) after removing the temporary file."""
+    if dir_fd is None:
+        with directory_of(path, fsync=fsync, file_mode=file_mode, gid=gid, no_follow=True) as dfd:
+            return write_chunk(path, obj, header, bufs, fsync=fsync, direct=direct,
+                               file_mode=file_mode, gid=gid, dir_fd=dfd)
     size = len(header) + sum(len(b) for b in bufs)
     layers = cf.chunk_layout(obj.meta)[0]
     whole, address = _one_buffer(bufs) if len(bufs) == layers else (None, 0)
     if whole is not None:  # no padding: one buffer for all layers
         bufs = [whole]
-    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC  # atomic_file created it (its mode)
+    flags = 0
     if direct and whole is not None and address % cf.ALIGN == 0:
-        flags |= O_DIRECT
+        flags = O_DIRECT
         head = _aligned_buffer("header", len(header))[: len(header)]
         head[:] = header
         header = head
-    with cf.atomic_file(path, fsync=fsync, file_mode=file_mode, gid=gid, no_follow=True) as tmp:
-        fd = os.open(tmp, flags)
-        try:
-            _io_all(os.pwritev, fd, [memoryview(header), *bufs], 0)
-        finally:
-            os.close(fd)
+    with atomic_create(dir_fd, os.path.basename(path), fsync=fsync, file_mode=file_mode,
+                       gid=gid, flags=flags) as fd:
+        _io_all(os.pwritev, fd, [memoryview(header), *bufs], 0)
     return size
 
 
@@ -244,6 +251,14 @@ def _check_key(header: cf.ChunkHeader, raw: bytes, key: CacheKey, auth: cf.Keyri
     return header, raw
 
 
+def _bytes_of(obj: MemoryObj) -> memoryview:
+    """The object's memory as a flat byte view (a uint8 tensor's numpy view: no torch views)."""
+    t = obj.tensor
+    if t.dtype == torch.uint8 and t.is_contiguous():
+        return memoryview(t.numpy()).cast("B")
+    return memoryview(obj.byte_view.numpy())
+
+
 def read_chunk(
     fd: int,
     key: CacheKey,
@@ -259,13 +274,20 @@ def read_chunk(
     description: ``direct`` sets ``O_DIRECT`` on it) into memory from ``allocate``.
 
     ``known`` is ``(header, its bytes)`` from an earlier read or write of this path (see
-    :func:`read_checked_header`). Returns ``(obj, file_size, (header, its bytes))``; ``obj`` is
-    ``None`` when ``allocate`` had no memory. Raises :class:`CorruptChunk` if the file is
-    damaged or holds another key (:class:`ForeignChunk`: of another format version),
-    ``ValueError`` for a bad layer range."""
+    :func:`read_checked_header`): where the file is still its size and the read starts at layer
+    0, the header and the layers are read in one call (:func:`_read_in_one`). Returns ``(obj,
+    file_size, (header, its bytes))``; ``obj`` is ``None`` when ``allocate`` had no memory.
+    Raises :class:`CorruptChunk` if the file is damaged or holds another key
+    (:class:`ForeignChunk`: of another format version), ``ValueError`` for a bad layer range."""
     if direct:
         _set_direct(fd, True)
     st = os.fstat(fd)
+    if known is not None and known[0].file_size == st.st_size and (layers is None or
+                                                                   layers[0] == 0):
+        done = _read_in_one(fd, st, key, allocate, layers, direct, known, auth)
+        if done is not None:
+            return done
+        known = None  # the file starts with other bytes now: parsed again
     known = read_checked_header(fd, st, key, known, auth)
     header = known[0]
     first, count, meta = header.select(layers)
@@ -274,7 +296,7 @@ def read_chunk(
         return None, st.st_size, known
     try:
         if count and header.layer_nbytes:
-            dest = memoryview(obj.byte_view.numpy())
+            dest = _bytes_of(obj)
             pad = _aligned_buffer("pad", cf.ALIGN)
             offset, bufs = cf.read_buffers(header, dest, first, count, pad)
             want = sum(len(b) for b in bufs)
@@ -287,6 +309,49 @@ def read_chunk(
     except BaseException:
         obj.ref_down()
         raise
+    return obj, st.st_size, known
+
+
+def _read_in_one(fd: int, st: os.stat_result, key: CacheKey,
+                 allocate: Callable[..., MemoryObj | None], layers: tuple[int, int] | None,
+                 direct: bool, known: Known,
+                 auth: cf.Keyring | None) -> tuple[MemoryObj | None, int, Known] | None:
+    """:func:`read_chunk` of layers from 0 with the header ``known``: one ``preadv`` of the
+    header (into scratch memory) and the layers (straight into the object), then the header
+    bytes compared with ``known``'s and every layer read verified while its bytes are still in
+    the cache. ``None`` (nothing kept) when the file starts with other bytes now: the caller
+    parses it again."""
+    header, raw = known
+    _check_key(header, raw, key, auth, st.st_ino)
+    _, count, meta = header.select(layers)
+    if header.header_bytes != len(raw):
+        return None
+    obj = allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
+    if obj is None:
+        return None, st.st_size, known
+    try:
+        head = _aligned_buffer("header", len(raw))[: len(raw)]
+        bufs = [head]
+        dest = None
+        if count and header.layer_nbytes:
+            dest = _bytes_of(obj)
+            _, layer_bufs = cf.read_buffers(header, dest, 0, count, _aligned_buffer("pad", cf.ALIGN))
+            bufs += layer_bufs
+        want = sum(len(b) for b in bufs)
+        if direct and (len(bufs) > 2 or (_address(obj) | want) % cf.ALIGN):
+            _set_direct(fd, False)  # unaligned: this read goes through the page cache
+        got = _io_all(os.preadv, fd, bufs, 0)
+        stale = got < len(raw) or bytes(head) != raw  # bytes == bytes: one memcmp
+        if not stale and got != want:
+            raise CorruptChunk("file ended early (truncated while reading)", st.st_ino)
+        if not stale and dest is not None and not cf.verify_layers(header, 0, dest):
+            raise CorruptChunk("layer checksum mismatch", st.st_ino)
+    except BaseException:
+        obj.ref_down()
+        raise
+    if stale:
+        obj.ref_down()
+        return None
     return obj, st.st_size, known
 
 
@@ -306,13 +371,15 @@ class ChunkFileIO:
         self.headers = HeaderCache()
 
     def prepare_write(self, key: CacheKey, rel: str,
-                      obj: MemoryObj) -> tuple[int, Callable[[str], int]]:
-        """The file's size and a function that writes it at a path (returns bytes written)."""
+                      obj: MemoryObj) -> tuple[int, Callable[[str, int | None], int]]:
+        """The file's size and a function ``write_file(path, dir_fd)`` that writes it at a path
+        (through its shard directory's descriptor ``dir_fd`` where the caller holds it open:
+        :func:`write_chunk`); it returns the bytes written."""
         header, bufs, head = cf.encode_chunk_with_header(key, obj, self.auth)
 
-        def write_file(path: str) -> int:
+        def write_file(path: str, dir_fd: int | None = None) -> int:
             written = write_chunk(path, obj, header, bufs, fsync=self.fsync, direct=self.direct,
-                                  file_mode=self.file_mode, gid=self.gid)
+                                  file_mode=self.file_mode, gid=self.gid, dir_fd=dir_fd)
             self.headers.put(rel, head, bytes(header))
             return written
 

@@ -86,7 +86,7 @@ class Reader:
             self._warn("read", "read of %s failed: %r", self._dir.path(rel), exc)
             return None
         finally:
-            for d in (fd, held):
+            for d in (fd, held if held != fd else None):
                 if d is not None:
                     os.close(d)
         if obj is None:
@@ -115,7 +115,9 @@ class Reader:
     def _open(self, rel: str, held: int | None) -> int:
         """A private descriptor of ``rel``'s file: a fresh open of the ``held`` one (the file a
         pin keeps, even if unlinked since), else of the path (:func:`.fs.open_chunk`: no link
-        followed, no blocking open, a regular file)."""
+        followed, no blocking open, a regular file). Without O_DIRECT the ``held`` duplicate
+        itself serves (reads name their offsets, so a shared open file description
+        is harmless; only O_DIRECT, set on it per read, needs a description of its own)."""
         if held is not None:
-            return fs.reopen(fd_path(held))
+            return fs.reopen(fd_path(held)) if self.files.direct else held
         return fs.open_chunk(self._dir.path(rel))
