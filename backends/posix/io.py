@@ -13,6 +13,7 @@ is the tier's part that uses them, with the header cache shared by every remote 
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -71,28 +72,38 @@ def _address(obj: MemoryObj) -> int:
 
 
 def _io_all(op: Callable, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
-    """Run ``os.pwritev``/``os.preadv`` until every buffer is done; returns bytes moved.
+    """Run ``os.pwritev``/``os.preadv`` until every buffer is done; returns bytes moved (one
+    call in the usual case: up to ``IOV_MAX`` buffers, moved whole).
 
     A read that hits end of file stops early (the caller compares the count)."""
-    pending = [b for b in bufs if len(b)]
     total = 0
-    i = 0
-    while i < len(pending):
-        n = op(fd, pending[i : i + IOV_MAX], offset)
-        if n <= 0:
-            if op is os.pwritev:
-                raise OSError(errno.EIO, "pwritev wrote nothing")
-            break
-        offset += n
-        total += n
-        while n and i < len(pending):
-            if n >= len(pending[i]):
-                n -= len(pending[i])
-                i += 1
-            else:
-                pending[i] = pending[i][n:]
-                n = 0
+    while bufs:
+        batch, bufs = bufs[:IOV_MAX], bufs[IOV_MAX:]
+        want = sum(len(b) for b in batch)
+        while want:
+            n = op(fd, batch, offset)
+            if n <= 0:
+                if op is os.pwritev:
+                    raise OSError(errno.EIO, "pwritev wrote nothing")
+                return total
+            total += n
+            offset += n
+            want -= n
+            if want:
+                batch = _after(batch, n)
     return total
+
+
+def _after(bufs: Sequence[memoryview], n: int) -> list[memoryview]:
+    """What is left of ``bufs`` once their first ``n`` bytes are moved."""
+    rest: list[memoryview] = []
+    for b in bufs:
+        if n >= len(b):
+            n -= len(b)
+            continue
+        rest.append(memoryview(b)[n:] if n else b)
+        n = 0
+    return rest
 
 
 def writable_dir(root: Path, file_mode: int = FILE_MODE, gid: int | None = None) -> str | None:
@@ -183,13 +194,9 @@ def write_chunk(
             return write_chunk(path, obj, header, bufs, fsync=fsync, direct=direct,
                                file_mode=file_mode, gid=gid, dir_fd=dfd)
     size = len(header) + sum(len(b) for b in bufs)
-    layers = cf.chunk_layout(obj.meta)[0]
-    whole, address = _one_buffer(bufs) if len(bufs) == layers else (None, 0)
-    if whole is not None:  # no padding: one buffer for all layers
-        bufs = [whole]
     flags = 0
-    if direct and whole is not None and address % cf.ALIGN == 0:
-        flags = O_DIRECT
+    if direct and all(len(b) % cf.ALIGN == 0 and _view_address(b) % cf.ALIGN == 0 for b in bufs):
+        flags = O_DIRECT  # every buffer aligned (the layers of an aligned object, unpadded)
         head = _aligned_buffer("header", len(header))[: len(header)]
         head[:] = header
         header = head
@@ -199,18 +206,12 @@ def write_chunk(
     return size
 
 
-def _one_buffer(bufs: Sequence[memoryview]) -> tuple[memoryview | None, int]:
-    """``(view, address)`` of the layers' buffers as one view where they lie back to back in
-    one array (the object's own memory, or the ciphertext an encrypted chunk is written from);
-    ``(None, 0)`` where they do not."""
-    if not bufs or any(b.obj is not bufs[0].obj for b in bufs):
-        return None, 0
-    base = np.frombuffer(bufs[0].obj, dtype=np.uint8)
-    starts = [np.frombuffer(b, dtype=np.uint8).ctypes.data for b in bufs]
-    if any(b - a != len(v) for a, b, v in zip(starts, starts[1:], bufs)):
-        return None, 0
-    at = starts[0] - base.ctypes.data
-    return memoryview(base)[at : at + sum(len(b) for b in bufs)], starts[0]
+def _view_address(view: memoryview) -> int:
+    """The address of a buffer's first byte (for the alignment O_DIRECT needs)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):  # read-only (padding from a bytes object), or empty
+        return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
 
 
 def _aligned_reader(fd: int) -> Callable[[int, int], memoryview]:

@@ -200,3 +200,25 @@ def test_a_write_that_fails_midway_leaves_no_file(tmp_path, monkeypatch):
     assert got is not None and torch.equal(got.byte_view, src.byte_view)
     got.ref_down()
     be.close()
+
+
+def test_vectored_io_finishes_short_transfers_in_order(tmp_path):
+    """``_io_all`` moves every byte of every buffer in order when the kernel moves fewer per call
+    (a short write, past IOV_MAX buffers) and a read stops at the end of the file."""
+    data = os.urandom(5000)
+    bufs = [memoryview(data)[i : i + 3] for i in range(0, 5000, 3)]  # 1667 buffers > IOV_MAX
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        calls = []
+
+        def short_write(f, bs, off):
+            calls.append(len(bs))
+            return os.pwritev(f, [bytes(b"".join(bytes(x) for x in bs))[:700]], off)
+
+        assert posix_io._io_all(short_write, fd, bufs, 0) == 5000
+        assert os.pread(fd, 6000, 0) == data and len(calls) > 3
+        out = [bytearray(100) for _ in range(60)]  # 6000 bytes asked, 5000 there
+        assert posix_io._io_all(os.preadv, fd, [memoryview(b) for b in out], 0) == 5000
+        assert b"".join(out)[:5000] == data
+    finally:
+        os.close(fd)
