@@ -338,7 +338,9 @@ class StorageManager:
     def get(self, key: CacheKey, *, promote: bool = True) -> MemoryObj | None:
         """The chunk from the fastest tier holding it; a lower-tier hit is promoted into L1."""
         for tier in self._tiers:
-            obj = self._call(tier, "get", bounded=True, key=key)
+            obj = self._read_nowait(tier, [key])[0] if tier.reads_nowait() else None
+            if obj is None:
+                obj = self._call(tier, "get", bounded=True, key=key)
             if obj is not None:
                 if promote and tier.index > 0:
                     self.promote(key, obj)
@@ -435,8 +437,27 @@ class StorageManager:
 
     def _read_from(self, tier: Tier, keys: list[CacheKey],
                    budget: WaitBudget | None = None) -> list[MemoryObj | None]:
-        """One tier's answers for ``keys`` (see :meth:`batched_get`; ``budget``: see
-        :meth:`_read_within`)."""
+        """One tier's answers for ``keys``: what it reads without waiting, on this thread
+        (``batched_get_nowait``), then the rest through its bounded calls (see
+        :meth:`batched_get`; ``budget``: see :meth:`_read_within`)."""
+        if not tier.reads_nowait():
+            return self._read_waiting(tier, keys, budget)
+        out = self._read_nowait(tier, keys)
+        rest = [i for i, obj in enumerate(out) if obj is None]
+        if rest:
+            for i, obj in zip(rest, self._read_waiting(tier, [keys[i] for i in rest], budget)):
+                out[i] = obj
+        return out
+
+    def _read_nowait(self, tier: Tier, keys: list[CacheKey]) -> list[MemoryObj | None]:
+        """What ``tier`` reads of ``keys`` without waiting on its medium, on the caller's thread
+        (``batched_get_nowait``; a fault or a wrong answer: nothing read)."""
+        return self._batch_answer(tier, keys, self._call(tier, "batched_get_nowait", keys=keys),
+                                  "batched_get_nowait")
+
+    def _read_waiting(self, tier: Tier, keys: list[CacheKey],
+                      budget: WaitBudget | None = None) -> list[MemoryObj | None]:
+        """:meth:`_read_from` through the tier's calls that may wait."""
         if budget is not None and not tier.inline:
             return self._read_within(tier, keys, budget)
         if len(keys) > 1 and tier.implements("batched_get"):
@@ -492,17 +513,17 @@ class StorageManager:
         return self._batch_answer(tier, keys, self._call(tier, "batched_get", bounded=True,
                                                          keys=keys))
 
-    def _batch_answer(self, tier: Tier, keys: list[CacheKey], got: Any
-                      ) -> list[MemoryObj | None]:
-        """A tier's ``batched_get`` answer for ``keys`` as one object (or None) per key; a
-        wrong answer (not a list of one answer per key) is a fault and all misses."""
+    def _batch_answer(self, tier: Tier, keys: list[CacheKey], got: Any,
+                      hook: str = "batched_get") -> list[MemoryObj | None]:
+        """A tier's ``batched_get`` (``hook``) answer for ``keys`` as one object (or None) per
+        key; a wrong answer (not a list of one answer per key) is a fault and all misses."""
         if isinstance(got, list) and len(got) == len(keys):
             tier.saw_reads(got)
             return got
         if got is not None:
             if isinstance(got, list):
                 release(got)
-            self._fault(tier, "batched_get", ValueError(
+            self._fault(tier, hook, ValueError(
                 f"answered {type(got).__name__} of length {len(got) if isinstance(got, list) else '-'}"
                 f" for {len(keys)} keys; a list of one answer per key is expected"))
         return [None] * len(keys)

@@ -121,6 +121,7 @@ class Tier:
         self.admission: Any = None
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
+        self._nowait: bool | None = None  # learned on first use (the hooks are wired then)
 
     def start_encoder(self) -> None:
         self.encoder = self.runtime.executor(1, f"kvplug-enc-{self.name}")
@@ -150,6 +151,16 @@ class Tier:
 
     def implements(self, hook: str) -> bool:
         return any(impl.plugin is self.backend for impl in self.hooks[hook].get_hookimpls())
+
+    def reads_nowait(self) -> bool:
+        """Whether the tier reads what it can without waiting, on the caller's thread, before
+        any bounded call (``batched_get_nowait``; a tier that never blocks is called inline
+        anyway, and a tier with a codec decodes on its bounded calls, off the caller's
+        thread)."""
+        if self._nowait is None:
+            codec = self.codec is not None and self.codec.codec is not None
+            self._nowait = not (self.inline or codec) and self.implements("batched_get_nowait")
+        return self._nowait
 
     def saw_reads(self, objs: list) -> None:
         """Note the size of the last value of a batch this tier answered."""

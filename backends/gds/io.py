@@ -205,6 +205,10 @@ class KvikioFileIO(ChunkFileIO):
             path, key, obj, fsync=self.fsync, auth=self.auth, file_mode=self.file_mode,
             gid=self.gid)  # kvikio opens by path: the shard's descriptor is not used
 
+    def read_nowait(self, fd: int, key: CacheKey, rel: str) -> None:
+        """kvikio reads cannot be asked not to wait: every read goes through :meth:`read`."""
+        return None
+
     def read(self, fd: int, key: CacheKey, rel: str,
              layers: tuple[int, int] | None) -> tuple[MemoryObj | None, int]:
         return read_chunk(fd, key, self.allocate, layers, verify_device=self.verify_device,

@@ -37,8 +37,13 @@ from . import fs
 logger = logging.getLogger("kvplug.backends.posix")
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+#: ``statfs`` types of file systems held in memory (tmpfs, ramfs): a read there never waits on a
+#: device, and the kernel refuses ``RWF_NOWAIT`` on them (EOPNOTSUPP)
+MEMORY_FILE_SYSTEMS = (0x01021994, 0x858458F6)
 IOV_MAX = 1024
 _local = threading.local()
+_UNKNOWN = object()
 
 #: ``(the parsed header, the header's bytes)`` of one chunk file, as
 #: :meth:`kvplug.backends.common.chunks.HeaderCache.known` keeps them.
@@ -71,9 +76,11 @@ def _address(obj: MemoryObj) -> int:
     return obj.tensor.data_ptr()
 
 
-def _io_all(op: Callable, fd: int, bufs: Sequence[memoryview], offset: int) -> int:
+def _io_all(op: Callable, fd: int, bufs: Sequence[memoryview], offset: int,
+            flags: int = 0) -> int:
     """Run ``os.pwritev``/``os.preadv`` until every buffer is done; returns bytes moved (one
-    call in the usual case: up to ``IOV_MAX`` buffers, moved whole).
+    call in the usual case: up to ``IOV_MAX`` buffers, moved whole). ``flags``: a read's
+    ``RWF_*`` flags (``RWF_NOWAIT``: ``BlockingIOError`` where it would wait).
 
     A read that hits end of file stops early (the caller compares the count)."""
     total = 0
@@ -81,7 +88,7 @@ def _io_all(op: Callable, fd: int, bufs: Sequence[memoryview], offset: int) -> i
         batch, bufs = bufs[:IOV_MAX], bufs[IOV_MAX:]
         want = sum(len(b) for b in batch)
         while want:
-            n = op(fd, batch, offset)
+            n = op(fd, batch, offset, flags) if flags else op(fd, batch, offset)
             if n <= 0:
                 if op is os.pwritev:
                     raise OSError(errno.EIO, "pwritev wrote nothing")
@@ -160,6 +167,34 @@ def probe_o_direct(root: Path) -> str | None:
     return None
 
 
+def nowait_read_flags(fd: int) -> int | None:
+    """The ``preadv`` flags with which a read of ``fd``'s file system never waits:
+    ``RWF_NOWAIT`` where the kernel honours it (a page-cache miss is ``BlockingIOError``), 0 on
+    a file system held in memory; ``None`` where neither holds (no read can promise it)."""
+    if not RWF_NOWAIT:
+        return None
+    try:
+        os.preadv(fd, [bytearray(1)], 0, RWF_NOWAIT)
+    except BlockingIOError:
+        pass  # honoured: that byte was not cached
+    except OSError as exc:
+        if exc.errno != errno.EOPNOTSUPP:
+            return None
+        return 0 if _fs_type(fd) in MEMORY_FILE_SYSTEMS else None
+    return RWF_NOWAIT
+
+
+def _fs_type(fd: int) -> int | None:
+    """``fstatfs``'s ``f_type`` of ``fd`` (its first field), or None."""
+    try:
+        buf = ctypes.create_string_buffer(512)  # larger than any struct statfs
+        if ctypes.CDLL(None, use_errno=True).fstatfs(fd, buf) != 0:
+            return None
+        return ctypes.c_long.from_buffer(buf).value
+    except (OSError, AttributeError):
+        return None
+
+
 def direct_io_usable(root: Path, tier: str) -> bool:
     """Whether O_DIRECT works in ``root`` (:func:`probe_o_direct`); warns why not."""
     why = probe_o_direct(root)
@@ -214,30 +249,32 @@ def _view_address(view: memoryview) -> int:
         return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
 
 
-def _aligned_reader(fd: int) -> Callable[[int, int], memoryview]:
+def _aligned_reader(fd: int, flags: int = 0) -> Callable[[int, int], memoryview]:
     """``read(offset, length)`` of ``fd`` into this thread's page-aligned buffer (O_DIRECT-safe
-    for the aligned offsets and lengths a header read asks for)."""
+    for the aligned offsets and lengths a header read asks for), ``preadv`` flags ``flags``."""
 
     def read(offset: int, length: int) -> memoryview:
         buf = _aligned_buffer("header", offset + length)
-        return buf[offset : offset + _io_all(os.preadv, fd, [buf[offset : offset + length]], offset)]
+        got = _io_all(os.preadv, fd, [buf[offset : offset + length]], offset, flags)
+        return buf[offset : offset + got]
 
     return read
 
 
 def read_checked_header(fd: int, st: os.stat_result, key: CacheKey,
-                        known: Known | None = None, auth: cf.Keyring | None = None) -> Known:
+                        known: Known | None = None, auth: cf.Keyring | None = None,
+                        read_flags: int = 0) -> Known:
     """``(header, its bytes)`` of the open chunk file ``fd``, checked to hold ``key``. ``known``
     from an earlier read or write of the same path is reused when the file still starts with
     exactly its bytes (the parse is a pure function of them). Raises :class:`CorruptChunk` for a
     damaged file or one of another key, :class:`ForeignChunk` for one of another format version."""
     if known is not None and known[0].file_size == st.st_size:
         # bytes == bytes is a memcmp (a memoryview compared with bytes goes item by item)
-        if bytes(_aligned_reader(fd)(0, len(known[1]))) == known[1]:
+        if bytes(_aligned_reader(fd, read_flags)(0, len(known[1]))) == known[1]:
             header, raw = known
             return _check_key(header, raw, key, auth, st.st_ino)
     try:
-        header, raw = cf.read_header(_aligned_reader(fd), st.st_size, auth)
+        header, raw = cf.read_header(_aligned_reader(fd, read_flags), st.st_size, auth)
     except ChunkVersionError as exc:
         raise ForeignChunk(str(exc), st.st_ino) from None
     except ChunkFormatError as exc:
@@ -269,10 +306,12 @@ def read_chunk(
     direct: bool = False,
     known: Known | None = None,
     auth: cf.Keyring | None = None,
+    read_flags: int = 0,
 ) -> tuple[MemoryObj | None, int, Known]:
     """Read the chunk of ``key`` (or ``layers=(first, count)`` of it) from the open chunk file
     ``fd`` (:func:`.fs.open_chunk`; the caller closes it, and must not share its open file
-    description: ``direct`` sets ``O_DIRECT`` on it) into memory from ``allocate``.
+    description: ``direct`` sets ``O_DIRECT`` on it) into memory from ``allocate``, every
+    ``preadv`` with ``read_flags`` (``RWF_NOWAIT``: ``BlockingIOError`` rather than a wait).
 
     ``known`` is ``(header, its bytes)`` from an earlier read or write of this path (see
     :func:`read_checked_header`): where the file is still its size and the read starts at layer
@@ -285,11 +324,11 @@ def read_chunk(
     st = os.fstat(fd)
     if known is not None and known[0].file_size == st.st_size and (layers is None or
                                                                    layers[0] == 0):
-        done = _read_in_one(fd, st, key, allocate, layers, direct, known, auth)
+        done = _read_in_one(fd, st, key, allocate, layers, direct, known, auth, read_flags)
         if done is not None:
             return done
         known = None  # the file starts with other bytes now: parsed again
-    known = read_checked_header(fd, st, key, known, auth)
+    known = read_checked_header(fd, st, key, known, auth, read_flags)
     header = known[0]
     first, count, meta = header.select(layers)
     obj = allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
@@ -303,7 +342,7 @@ def read_chunk(
             want = sum(len(b) for b in bufs)
             if direct and (len(bufs) > 1 or (_address(obj) | want | offset) % cf.ALIGN):
                 _set_direct(fd, False)  # unaligned: this read goes through the page cache
-            if _io_all(os.preadv, fd, bufs, offset) != want:
+            if _io_all(os.preadv, fd, bufs, offset, read_flags) != want:
                 raise CorruptChunk("file ended early (truncated while reading)", st.st_ino)
             if not cf.verify_layers(header, first, dest):
                 raise CorruptChunk("layer checksum mismatch", st.st_ino)
@@ -315,8 +354,8 @@ def read_chunk(
 
 def _read_in_one(fd: int, st: os.stat_result, key: CacheKey,
                  allocate: Callable[..., MemoryObj | None], layers: tuple[int, int] | None,
-                 direct: bool, known: Known,
-                 auth: cf.Keyring | None) -> tuple[MemoryObj | None, int, Known] | None:
+                 direct: bool, known: Known, auth: cf.Keyring | None,
+                 read_flags: int = 0) -> tuple[MemoryObj | None, int, Known] | None:
     """:func:`read_chunk` of layers from 0 with the header ``known``: one ``preadv`` of the
     header (into scratch memory) and the layers (straight into the object), then the header
     bytes compared with ``known``'s and every layer read verified while its bytes are still in
@@ -341,7 +380,7 @@ def _read_in_one(fd: int, st: os.stat_result, key: CacheKey,
         want = sum(len(b) for b in bufs)
         if direct and (len(bufs) > 2 or (_address(obj) | want) % cf.ALIGN):
             _set_direct(fd, False)  # unaligned: this read goes through the page cache
-        got = _io_all(os.preadv, fd, bufs, 0)
+        got = _io_all(os.preadv, fd, bufs, 0, read_flags)
         stale = got < len(raw) or bytes(head) != raw  # bytes == bytes: one memcmp
         if not stale and got != want:
             raise CorruptChunk("file ended early (truncated while reading)", st.st_ino)
@@ -370,6 +409,7 @@ class ChunkFileIO:
         self.auth = auth
         self.fsync, self.direct, self.file_mode, self.gid = fsync, direct, file_mode, gid
         self.headers = HeaderCache()
+        self._nowait: int | None | object = _UNKNOWN  # read flags that never wait
 
     def prepare_write(self, key: CacheKey, rel: str,
                       obj: MemoryObj) -> tuple[int, Callable[[str, int | None], int]]:
@@ -394,6 +434,27 @@ class ChunkFileIO:
                                               known=self.headers.known(rel), auth=self.auth)
         self.headers.put(rel, header, raw)
         return obj, size
+
+    def read_nowait(self, fd: int, key: CacheKey, rel: str) -> tuple[MemoryObj | None, int] | None:
+        """:meth:`read` of the whole chunk with no read that waits (:func:`nowait_read_flags`,
+        learned from the first file), of a file whose header is known and still its first
+        bytes (one ``preadv``: :func:`_read_in_one`; nothing parsed). ``None`` where that does
+        not hold, or the file system cannot promise it (or with O_DIRECT, whose reads always
+        wait on the device); ``BlockingIOError`` where a read would wait;
+        :class:`CorruptChunk` for a damaged file."""
+        known = self.headers.known(rel)
+        if self.direct or known is None:  # a header is parsed (and judged) by a bounded read
+            return None
+        if self._nowait is _UNKNOWN:
+            self._nowait = nowait_read_flags(fd)
+        if self._nowait is None:
+            return None
+        st = os.fstat(fd)
+        if known[0].file_size != st.st_size:
+            return None
+        done = _read_in_one(fd, st, key, self.allocate, None, False, known, self.auth,
+                            self._nowait)
+        return None if done is None else (done[0], done[1])
 
     def forget(self, rel: str) -> None:
         """The file of ``rel`` is gone or unusable: its header is not reused."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from kvplug import chunkfile as cf
 from kvplug.backends.posix import PosixBackend
 from kvplug.backends.posix import io as posix_io
 from kvplug.backends.posix import writer as posix_writer
-from kvplug.hookspecs import TierContext
+from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, heap_memory_obj
 
@@ -222,3 +223,138 @@ def test_vectored_io_finishes_short_transfers_in_order(tmp_path):
         assert b"".join(out)[:5000] == data
     finally:
         os.close(fd)
+
+
+# -- reads without waiting (batched_get_nowait) --------------------------------------------------
+class Bounded:
+    """A wrapper on one tier counting its bounded reads (the calls handed to its pool)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    @hookimpl(wrapper=True)
+    def get(self, key):
+        self.calls.append("get")
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def batched_get(self, keys):
+        self.calls.append("batched_get")
+        return (yield)
+
+
+def posix_manager(root):
+    from kvplug.storage_manager import StorageManager
+
+    mgr = StorageManager({"tiers": [{"backend": "posix", "options": {"path": str(root)}}]})
+    spy = Bounded()
+    mgr.add_wrapper(spy, tiers=["posix"])
+    return mgr, spy
+
+
+def stored_in(mgr, n: int, shape=(4, 2, 4096)) -> dict[int, torch.Tensor]:
+    want = {}
+    for i in range(n):
+        obj = mgr.allocate(shape, torch.uint8, num_tokens=32)
+        obj.tensor.copy_(random_obj(i, shape).tensor)
+        want[i] = obj.tensor.clone()
+        mgr.batched_put([key(i)], [obj])
+        obj.ref_down()
+    assert mgr.flush(30)
+    return want
+
+
+def test_a_chunk_in_the_page_cache_is_read_on_the_callers_thread(tmp_path):
+    """Files just written are in the page cache: ``get`` and ``batched_get`` read them on the
+    calling thread (no bounded call handed to the tier's pool), with the stored bytes."""
+    mgr, spy = posix_manager(tmp_path)
+    want = stored_in(mgr, 20)
+    got = mgr.get(key(0))
+    assert got is not None and torch.equal(got.tensor, want[0])
+    got.ref_down()
+    objs = mgr.batched_get([key(i) for i in range(20)] + [key(404)])
+    assert objs[20] is None
+    for i, obj in enumerate(objs[:20]):
+        assert obj is not None and torch.equal(obj.tensor, want[i])
+        obj.ref_down()
+    assert spy.calls == ["get"], "only the key never stored is asked the bounded way"
+    st = mgr.stats()["posix"]
+    assert st["reads_without_wait"] == 21 and st["hits"] == 21 and st["misses"] == 1
+    mgr.close()
+
+
+def test_a_chunk_only_on_the_device_is_read_the_bounded_way(tmp_path):
+    """A file dropped from the page cache (``POSIX_FADV_DONTNEED``) would need a device read: it
+    is not read on the caller's thread but by the bounded call, with the stored bytes. On a file
+    system held in memory (tmpfs) nothing waits, so the caller's thread reads it."""
+    mgr, spy = posix_manager(tmp_path)
+    want = stored_in(mgr, 1, (4, 8, 4096))
+    path = cf.chunk_path(tmp_path, key(0))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages only can be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        in_memory = posix_io.nowait_read_flags(fd) == 0
+    finally:
+        os.close(fd)
+    got = mgr.get(key(0))
+    assert got is not None and torch.equal(got.tensor, want[0])
+    got.ref_down()
+    assert spy.calls == ([] if in_memory else ["get"])
+    assert mgr.stats()["posix"]["reads_without_wait"] == int(in_memory)
+    mgr.close()
+
+
+def test_a_damaged_or_linked_entry_is_left_to_the_bounded_read(tmp_path):
+    """A read without waiting that finds a damaged file or a symlink does nothing about it
+    (returns nothing, counts nothing, deletes nothing); the bounded read that follows counts it
+    once and deletes the damaged file; the link is never followed."""
+    mgr, spy = posix_manager(tmp_path)
+    stored_in(mgr, 2)
+    path = cf.chunk_path(tmp_path, key(0))
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 5)
+        f.write(b"\xff\x00\xff\x00\xff")
+    disk = mgr.backend(0)
+    assert disk.batched_get_nowait(keys=[key(0)]) == [None]
+    assert path.exists() and disk.stats()["corrupt"] == 0
+    assert mgr.get(key(0)) is None
+    assert disk.stats()["corrupt"] == 1 and not path.exists()
+    secret = tmp_path.parent / f"{tmp_path.name}-secret"
+    secret.write_bytes(b"x" * 4096)
+    other = cf.chunk_path(tmp_path, key(1))
+    other.unlink()
+    other.symlink_to(secret)
+    assert disk.batched_get_nowait(keys=[key(1)]) == [None]
+    assert mgr.get(key(1)) is None and secret.read_bytes() == b"x" * 4096
+    assert spy.calls == ["get", "get"]
+    mgr.close()
+
+
+def test_a_pinned_chunk_is_read_through_its_held_file_without_waiting(tmp_path, monkeypatch):
+    """A chunk pinned by a lookup and then deleted by another process is read on the caller's
+    thread through the file the pin holds open, and its LRU stamp (the file's mtime) is bumped
+    off that thread."""
+    from kvplug.backends.posix import directory as posix_dir
+
+    monkeypatch.setattr(posix_dir, "_TOUCH_EVERY_S", -1.0)  # every read bumps the stamp
+    mgr, spy = posix_manager(tmp_path)
+    want = stored_in(mgr, 1)
+    path = cf.chunk_path(tmp_path, key(0))
+    assert mgr.lookup_prefix([key(0)], pin=True).num_chunks == 1
+    os.utime(path, (1_000_000, 1_000_000))  # after the pin's own bump
+    got = mgr.get(key(0))
+    assert got is not None and torch.equal(got.tensor, want[0])
+    got.ref_down()
+    deadline = time.monotonic() + 30  # a hang guard: the bump runs on the reaper's thread
+    while os.stat(path).st_mtime < 2_000_000:
+        assert time.monotonic() < deadline, "the LRU stamp was never bumped"
+        time.sleep(0.01)
+    path.unlink()  # another process evicts it
+    got = mgr.get(key(0))
+    assert got is not None and torch.equal(got.tensor, want[0])
+    got.ref_down()
+    assert spy.calls == []
+    assert mgr.stats()["posix"]["reads_without_wait"] == 2
+    mgr.unpin([key(0)], tiers=["posix"])
+    mgr.close()
