@@ -439,8 +439,10 @@ class StorageManager:
                    budget: WaitBudget | None = None) -> list[MemoryObj | None]:
         """One tier's answers for ``keys``: what it reads without waiting, on this thread
         (``batched_get_nowait``), then the rest through its bounded calls (see
-        :meth:`batched_get`; ``budget``: see :meth:`_read_within`)."""
-        if not tier.reads_nowait():
+        :meth:`batched_get`; ``budget``: see :meth:`_read_within`). A batch of a local
+        medium's large values is spread over threads instead, whose copies run in parallel
+        (:data:`~.tier_calls.SEQUENTIAL_READ_BYTES`)."""
+        if not tier.reads_nowait() or (len(keys) > 1 and not tier.reads_in_sequence()):
             return self._read_waiting(tier, keys, budget)
         out = self._read_nowait(tier, keys)
         rest = [i for i, obj in enumerate(out) if obj is None]

@@ -424,7 +424,7 @@ class ChunkFileIO:
             self.headers.put(rel, head, bytes(header))
             return written
 
-        return len(header) + sum(len(b) for b in bufs), write_file
+        return head.file_size, write_file
 
     def read(self, fd: int, key: CacheKey, rel: str,
              layers: tuple[int, int] | None) -> tuple[MemoryObj | None, int]:
