@@ -58,7 +58,10 @@ class HeapBuffers:
             raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
             skew = (-raw.data_ptr()) % ALIGN
             buf = raw[skew : skew + nbytes]
-        view = buf.view(dtype).view(meta.shape) if nbytes else torch.empty(meta.shape, dtype=dtype)
+        if not nbytes:
+            view = torch.empty(meta.shape, dtype=dtype)
+        else:
+            view = (buf if dtype == torch.uint8 else buf.view(dtype)).view(meta.shape)
         return MemoryObj(view, meta, release=lambda _obj, b=buf: self._give_back(b))
 
     def _make_room(self, nbytes: int) -> None:

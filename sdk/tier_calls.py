@@ -122,6 +122,7 @@ class Tier:
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
         self._nowait: bool | None = None  # learned on first use (the hooks are wired then)
+        self._implements: dict[str, bool] = {}
 
     def start_encoder(self) -> None:
         self.encoder = self.runtime.executor(1, f"kvplug-enc-{self.name}")
@@ -150,7 +151,13 @@ class Tier:
         return not pending or self.runtime.wait_all(pending, timeout)
 
     def implements(self, hook: str) -> bool:
-        return any(impl.plugin is self.backend for impl in self.hooks[hook].get_hookimpls())
+        """Whether the tier's backend implements ``hook`` (its hook implementations are fixed
+        when it is registered, so the answer is kept)."""
+        known = self._implements.get(hook)
+        if known is None:
+            known = any(impl.plugin is self.backend for impl in self.hooks[hook].get_hookimpls())
+            self._implements[hook] = known
+        return known
 
     def reads_nowait(self) -> bool:
         """Whether the tier reads what it can without waiting, on the caller's thread, before

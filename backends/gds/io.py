@@ -205,7 +205,7 @@ class KvikioFileIO(ChunkFileIO):
             path, key, obj, fsync=self.fsync, auth=self.auth, file_mode=self.file_mode,
             gid=self.gid)  # kvikio opens by path: the shard's descriptor is not used
 
-    def read_nowait(self, fd: int, key: CacheKey, rel: str) -> None:
+    def read_nowait(self, fd: int, key: CacheKey, rel: str, st: object = None) -> None:
         """kvikio reads cannot be asked not to wait: every read goes through :meth:`read`."""
         return None
 

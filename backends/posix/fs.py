@@ -163,10 +163,10 @@ class CachedOpener:
         except (OSError, AttributeError):
             self.close()
 
-    def open(self, rel: str) -> int | None:
+    def open(self, rel: str) -> tuple[int, os.stat_result] | None:
         """A descriptor of the regular file ``rel`` (relative to the root) opened without any
-        wait, or None: not in the caches, missing, a link, not a regular file, or no
-        ``openat2`` here (the bounded path then decides what it is)."""
+        wait, and its ``stat``; or None: not in the caches, missing, a link, not a regular
+        file, or no ``openat2`` here (the bounded path then decides what it is)."""
         if self._fd is None:
             return None
         number, root, _, how, size = self._args
@@ -176,9 +176,13 @@ class CachedOpener:
                 self.close()  # no openat2 (or RESOLVE_CACHED) here: never asked again
             return None
         try:
-            return require_regular(int(fd), rel)
+            st = os.fstat(fd)
         except OSError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            os.close(fd)
             return None
+        return fd, st
 
     def close(self) -> None:
         fd, self._fd = self._fd, None

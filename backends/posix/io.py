@@ -435,13 +435,14 @@ class ChunkFileIO:
         self.headers.put(rel, header, raw)
         return obj, size
 
-    def read_nowait(self, fd: int, key: CacheKey, rel: str) -> tuple[MemoryObj | None, int] | None:
+    def read_nowait(self, fd: int, key: CacheKey, rel: str,
+                    st: os.stat_result | None = None) -> tuple[MemoryObj | None, int] | None:
         """:meth:`read` of the whole chunk with no read that waits (:func:`nowait_read_flags`,
         learned from the first file), of a file whose header is known and still its first
         bytes (one ``preadv``: :func:`_read_in_one`; nothing parsed). ``None`` where that does
         not hold, or the file system cannot promise it (or with O_DIRECT, whose reads always
         wait on the device); ``BlockingIOError`` where a read would wait;
-        :class:`CorruptChunk` for a damaged file."""
+        :class:`CorruptChunk` for a damaged file. ``st``: ``fd``'s ``fstat``, where known."""
         known = self.headers.known(rel)
         if self.direct or known is None:  # a header is parsed (and judged) by a bounded read
             return None
@@ -449,7 +450,7 @@ class ChunkFileIO:
             self._nowait = nowait_read_flags(fd)
         if self._nowait is None:
             return None
-        st = os.fstat(fd)
+        st = st or os.fstat(fd)
         if known[0].file_size != st.st_size:
             return None
         done = _read_in_one(fd, st, key, self.allocate, None, False, known, self.auth,

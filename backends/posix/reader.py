@@ -123,10 +123,10 @@ class Reader:
         if rel in self._dir.reaper:  # evicted, its file not deleted yet
             return None
         held = self._held.dup(rel)
-        fd = None
+        fd = st = None
         try:
-            fd = held if held is not None else self._cached.open(rel)
-            read = None if fd is None else self.files.read_nowait(fd, key, rel)
+            fd, st = (held, None) if held is not None else (self._cached.open(rel) or (None, None))
+            read = None if fd is None else self.files.read_nowait(fd, key, rel, st)
         except CorruptChunk as exc:  # judged here, acted on by the bounded read (it may wait)
             with self._dir.lock:
                 self._verdicts[rel] = exc
