@@ -6,11 +6,13 @@
 alone in a StorageManager, a store is ``batched_put`` + ``flush``, a load ``get`` or
 ``batched_get``; :class:`kvplug.cli.bench.RawFiles`: ``pwritev``/``preadv`` of the same encoded
 chunk files, no fsync on either side), for each value size and batch: every round stores a fresh
-set of values on both sides, loads each of them back (comparing bytes, outside the timing) and
-removes them; the sides alternate which goes first. Per side and phase: MB/s of wall time and MB
-per CPU-second (the process's, writer and reader threads included: what the work costs, which
-other processes on a shared machine move least); the ratio is kvplug / raw in the same round,
-the median over rounds. The load average is printed at the start and the end.
+set of values on both sides, loads each of them back (each answer compared, outside the timing,
+and released before the next call) and removes them; the sides alternate which goes first.
+Per side and phase: MB/s of wall time and MB per CPU-second (the process's, writer and reader
+threads included: what the work costs, which other processes on a shared machine move least);
+the ratio is kvplug / raw in the same round, the median over rounds. Then CPU µs per value of
+tight loops over 96 stored values (:func:`per_value`). The load average is printed at the start
+and the end.
 """
 
 from __future__ import annotations
@@ -48,25 +50,20 @@ def one_round(target, values: Values, run: bytes, first: int, n: int, batch: int
     finally:
         for obj in objs:
             obj.ref_down()
-    got: list = []
-    excluded = [0.0, 0.0]  # comparing bytes inside the timed loop (batch 1) is left out
+    excluded = [0.0, 0.0]  # comparing the bytes loaded is left out of the timing
 
     def load() -> None:
-        for k, _ in groups:
-            answer = target.load(k)
-            if batch == 1:  # one value at a time, released before the next (kvplug bench's)
-                w, c = timed(lambda a=answer, i=len(got): check(target, values, [ids[i]], a))
-                excluded[0] += w
-                excluded[1] += c
-                answer = None
-            got.append(answer)
+        done = 0
+        for k, _ in groups:  # each answer checked and released before the next call (as in
+            answer = target.load(k)  # kvplug bench: memory freed by one call serves the next)
+            w, c = timed(lambda a=answer, d=done: check(target, values, ids[d : d + len(a)], a))
+            excluded[0] += w
+            excluded[1] += c
+            done += len(k)
 
     try:
         wall, cpu = timed(load)
         spent = (wall - excluded[0], cpu - excluded[1])
-        for (g, _), answer in zip(groups, got):
-            if answer is not None:
-                check(target, values, [ids[keys.index(k)] for k in g], answer)
     finally:
         target.remove(keys)
     return {"store": store, "load": spent}
@@ -81,6 +78,47 @@ def check(target, values: Values, ids: list[int], answer: list) -> None:  # noqa
     finally:
         for got in answer:
             target.release(got)
+
+
+def per_value(kv: TierTarget, raw: RawFiles, size: int, run: bytes, rounds: int) -> None:
+    """CPU µs per value of tight loops over 96 stored values, the sides interleaved: loads one
+    value a call (each answer released before the next: plain reads reuse one buffer) and 96 a
+    call (96 answers held at once: plain reads take fresh memory), and stores of 96 (+ their
+    removal)."""
+    values = Values(size, seed=size + 1)
+    keys = [bench_key(run + b"pv", i) for i in range(96)]
+    objs = [values.obj(i, 256) for i in range(96)]
+    fresh = [0]
+
+    def stored_and_removed(target) -> None:  # noqa: ANN001
+        ks = [bench_key(run + b"st", fresh[0] + i) for i in range(96)]
+        fresh[0] += 96
+        target.store(ks, objs)
+        target.remove(ks)
+
+    loops = {
+        "load, 1 a call": (lambda: [kv.release(kv.load([k])[0]) for k in keys],
+                           lambda: [raw.load([k]) and None for k in keys]),
+        "load, 96 a call": (lambda: [kv.release(o) for o in kv.load(keys)],
+                            lambda: raw.load(keys)),
+        "store + remove, 96 a call": (lambda: stored_and_removed(kv),
+                                      lambda: stored_and_removed(raw)),
+    }
+    kv.store(keys, objs)
+    raw.store(keys, objs)
+    try:
+        for name, (mine, plain) in loops.items():
+            spent: dict[str, list[float]] = {"kvplug": [], "raw": []}
+            for r in range(rounds):
+                for who, fn in [("kvplug", mine), ("raw", plain)][:: 1 if r % 2 == 0 else -1]:
+                    spent[who].append(timed(fn)[1] / 96 * 1e6)
+            k, p = statistics.median(spent["kvplug"]), statistics.median(spent["raw"])
+            print(f"| {size >> 10} KiB | {name} | {k:.0f} | {p:.0f} | {p / k:.2f}x |", flush=True)
+    finally:
+        for obj in objs:
+            obj.ref_down()
+        kv.remove(keys)
+        raw.remove(keys)
 
 
 def rates(spent: list[tuple[float, float]], mb: float) -> tuple[float, float]:
@@ -130,6 +168,10 @@ def main() -> None:
                     print(f"| {size >> 10} KiB | {batch} | {ph} | {kvw:.0f} | {raww:.0f} | "
                           f"{ratio[0]:.2f}x | {kvc:.0f} | {rawc:.0f} | {ratio[1]:.2f}x |",
                           flush=True)
+        print("\n| value | loop | kvplug µs CPU/value | raw µs CPU/value | raw / kvplug |")
+        print("|---|---|---|---|---|")
+        for size in [parse_size(s) for s in args.sizes.split(",")]:
+            per_value(kv, raw, size, run, max(args.rounds, 9))
     finally:
         kv.close()
         raw.close()
