@@ -23,19 +23,24 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
 from kvplug.gpu import (  # noqa: E402
     PagedKV,
+    PageJob,
     alloc_host,
     gather,
+    gather_many,
     gather_many_async,
     layerwise_load,
     layerwise_store,
     scatter,
+    scatter_many,
 )
 
 from benchmarks.bench_gpu_transfer import paired, row, timed
@@ -188,25 +193,139 @@ def bench_overlap(kv: PagedKV, s: Shape, repeats: int, sync: Callable[[], None])
           f"added {(tw / tc - 1) * 100:+.1f}% (goal <= 10%)")
 
 
+def chunk_objects(kv: PagedKV, n: int, chunk: int) -> list[torch.Tensor]:
+    """Memory objects as L1's pool hands them to the connector: one contiguous
+    ``[layers, chunk, page]`` object per chunk, all in one pinned host buffer."""
+    pool = torch.empty((n // chunk, kv.num_layers, chunk, kv.page_bytes), dtype=torch.uint8,
+                       pin_memory=kv.device.type == "cuda")
+    return list(pool)
+
+
+def bench_chunk_jobs(kv: PagedKV, s: Shape, repeats: int, sync: Callable[[], None],
+                     chunk: int) -> None:
+    """The connector's job shape: a request's transfer as one job per chunk of ``chunk`` blocks
+    (32 jobs of 16 blocks for 4k tokens), each job its own memory object, bulk and layer-wise,
+    against one pinned copy of the same bytes; then the layer-wise overlap with a load alone and
+    with a load and a store (``wait=False``) in the same step, as the connector runs them."""
+    n = s.tokens // BLOCK_SIZE
+    nbytes = kv.num_layers * n * kv.page_bytes
+    cuda = kv.device.type == "cuda"
+    dev_flat = torch.ones(nbytes, dtype=torch.uint8, device=kv.device)
+    host_flat = torch.ones(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    objs = chunk_objects(kv, n, chunk)
+
+    def d2h() -> None:
+        host_flat.copy_(dev_flat, non_blocking=True)
+
+    def h2d() -> None:
+        dev_flat.copy_(host_flat, non_blocking=True)
+
+    def jobs(ids: list[int]) -> list[PageJob]:
+        return [PageJob(ids[i * chunk:(i + 1) * chunk], o) for i, o in enumerate(objs)]
+
+    print(f"chunk jobs: {n // chunk} jobs of {chunk} blocks ({nbytes / 2**20:.0f} MiB each way), "
+          "each its own object (the connector's shape); ratio against one pinned copy_")
+    for name, sc in scenarios(kv.num_blocks, n).items():
+        st, ld = jobs(sc.store_ids), jobs(sc.dst_ids)
+        rows = [
+            (f"store  bulk       {name}", lambda st=st: gather_many(kv, st), d2h),
+            (f"store  layer-wise {name}", lambda st=st: drain(layerwise_store(kv, st)), d2h),
+            (f"load   bulk       {name}", lambda ld=ld: scatter_many(kv, ld), h2d),
+            (f"load   layer-wise {name}", lambda ld=ld: drain(layerwise_load(kv, ld)), h2d),
+        ]
+        for label, fn, base in rows:
+            print(row(label, nbytes, *paired(fn, base, repeats, sync)))
+    if not cuda:
+        return
+    sc = scenarios(kv.num_blocks, n, seed=1)["random"]
+    load_jobs, store_jobs = jobs(sc.dst_ids), jobs(sc.store_ids)
+    q, kvd = s.q_heads * s.head, s.kv_heads * s.head
+    dev = kv.device
+
+    def weight(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, device=dev, dtype=DTYPE) / rows**0.5
+
+    x = torch.randn(s.tokens, s.hidden, device=dev, dtype=DTYPE)
+    w_qkv, w_o = weight(s.hidden, q + 2 * kvd), weight(q, s.hidden)
+    w_gu, w_down = weight(s.hidden, 2 * s.ffn), weight(s.ffn, s.hidden)
+
+    def layer() -> None:
+        h = (x @ w_qkv)[:, :q] @ w_o + x
+        gu = h @ w_gu
+        (torch.nn.functional.silu(gu[:, : s.ffn]) * gu[:, s.ffn :]) @ w_down
+
+    def alone() -> None:
+        for _ in range(s.layers):
+            layer()
+
+    def load_only() -> None:
+        load = layerwise_load(kv, load_jobs)
+        for _ in range(s.layers):
+            next(load)
+            layer()
+        load.close()
+
+    def load_and_store() -> None:
+        load = layerwise_load(kv, load_jobs)
+        store = layerwise_store(kv, store_jobs, wait=False)
+        for _ in range(s.layers):
+            next(load)
+            layer()
+            next(store)
+        load.close()
+        drain(store)
+
+    def host_in(fn: Callable[[], None]) -> float:
+        """Host seconds inside the transfer calls of one step (compute launched, not awaited)."""
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        sync()
+        return t1 - t0
+
+    tl, tc = paired(load_only, alone, repeats, sync)
+    tb, tc2 = paired(load_and_store, alone, repeats, sync)
+    print(f"chunk jobs overlap: compute alone {tc * 1e3:.2f} ms; with a layer-wise load of "
+          f"{len(load_jobs)} chunk jobs {tl * 1e3:.2f} ms ({(tl / tc - 1) * 100:+.1f}%); with load "
+          f"+ store (wait=False) {tb * 1e3:.2f} ms ({(tb / tc2 - 1) * 100:+.1f}%, goal <= 10%)")
+    steps = [host_in(load_and_store) for _ in range(repeats)]
+    launch = [host_in(alone) for _ in range(repeats)]
+    step, bare = statistics.median(steps), statistics.median(launch)
+    print(f"chunk jobs host time: a step's calls with load + store {step * 1e3:.2f} ms vs "
+          f"compute launches alone {bare * 1e3:.2f} ms ({(step - bare) / s.layers * 1e6:.0f} µs "
+          "per layer step, goal <= 100)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="reduced shape (CPU smoke run)")
     p.add_argument("--layout", default="LBNHC", choices=HARNESS_LAYOUTS)
     p.add_argument("--repeats", type=int, default=None, help="timed runs per row (median)")
+    p.add_argument("--chunk", type=int, default=16,
+                   help="blocks per job in the chunk-jobs rows (the connector's: a chunk)")
+    p.add_argument("--only", choices=("all", "one-job", "chunk-jobs"), default="all")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per request (default 4096; 8192 = 32 chunk jobs of 16 blocks)")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.small:
         sys.exit("no CUDA device: the Llama-3-8B shape is for a GPU; run with --small on CPU")
     dev = torch.device("cuda" if cuda else "cpu")
     s = SMALL if args.small else LLAMA3_8B
+    if args.tokens:
+        s = s._replace(tokens=args.tokens)
     repeats = args.repeats or (3 if args.small else 9)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     print(f"device: {device_name(dev)}")
     print(f"KV: {args.layout}, {s.layers} layers x {s.kv_heads} KV heads x head {s.head}, {DTYPE}, "
           f"block {BLOCK_SIZE}{' (--small)' if args.small else ' (Llama-3-8B)'}; median of {repeats}")
     kv = build(s, args.layout, dev)
-    bench_transfers(kv, s, repeats, sync)
-    bench_overlap(kv, s, repeats, sync)
+    if args.only in ("all", "one-job"):
+        bench_transfers(kv, s, repeats, sync)
+        bench_overlap(kv, s, repeats, sync)
+    if args.only in ("all", "chunk-jobs"):
+        bench_chunk_jobs(kv, s, repeats, sync, args.chunk)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""The long fuzz campaign on stored bytes (issue 32): the suite's targets (tests/support/stored_bytes_fuzz.py:
-chunk-file header, codec frames, the posix, fsspec and value tiers' reads, the resp reply parser)
-fed mutated and hostile chunks by hypothesis for a time budget per target, then the counts.
+"""The long fuzz campaign on stored bytes: the suite's targets (tests/support/stored_bytes_fuzz.py:
+chunk-file header, codec frames, the posix, fsspec and value tiers' reads, the resp reply parser,
+headers built to cost a parser, posix pins files) fed mutated and hostile inputs by hypothesis
+for a time budget per target, then the counts.
 
     python -m benchmarks.fuzz_stored_bytes --seconds 60          # per target
     python -m benchmarks.fuzz_stored_bytes --seconds 20 --targets posix,resp --seed 7
@@ -68,7 +69,8 @@ def campaign(targets: list[str], seconds: float, first_seed: int) -> int:
     for t in targets:
         print(f"{t:<8} {k.runs[t]:>9} {k.misses[t]:>8} {k.served[t]:>13}")
     print(f"total examples={sum(k.runs.values())} exceptions={k.exceptions} "
-          f"largest tensor a read made={k.biggest_tensor} bytes")
+          f"largest tensor a read made={k.biggest_tensor} bytes, "
+          f"largest Python memory a hostile header's read took={k.biggest_parse} bytes")
     for f in failures:
         print("FAILURE", f)
     return 1 if k.exceptions else 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import logging
 import os
 import secrets
 import threading
@@ -40,7 +41,9 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from kvplug.logs import LogOnce
 from kvplug.policies.tenants import tenant_id
+from kvplug.redact import looks_like_variable
 from pydantic import BaseModel, ConfigDict, Field
 
 from .compat import drops_last_block
@@ -57,9 +60,14 @@ from .protocol.manage import (
 )
 from .scheduler.side import SchedulerSide
 
+logger = logging.getLogger("kvplug.connector")
+
 PREFIX = "/kvplug/v1"
-#: how long a lookup through the scheduler's path may take before it answers a miss
-LOOKUP_DEADLINE_S = 30.0
+#: how long a lookup through the scheduler's path may take before it answers 503 (each of its
+#: lookups ends within ``lookup_timeout_s``; this only bounds a wedged worker): with the
+#: workers' wait (:data:`.protocol.manage.MANAGE_TIMEOUT_S`) a call answers within 40 s, under
+#: the 60 s HTTP proxies in front of vLLM commonly allow
+LOOKUP_DEADLINE_S = 20.0
 
 
 # -- request and response bodies (the OpenAPI schema) ------------------------------------------
@@ -458,21 +466,37 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
+#: Says once per process that ``/kvplug/v1`` answers anyone (no key of either kind).
+_open_warning = LogOnce(logger)
+
+
 def api_keys(args: Namespace, config: ConnectorConfig | None,
              environ: Any = os.environ) -> list[bytes]:
     """Digests of the keys that open ``/kvplug/v1``: the value of ``management_key_env`` when the
-    kvplug config names one, else vLLM's ``--api-key`` (or ``VLLM_API_KEY``); none: open. A
-    named variable that is unset or empty is an error naming it (never an open API)."""
+    kvplug config names one, else vLLM's ``--api-key`` (or ``VLLM_API_KEY``); none: open, which
+    is logged once (a warning naming the fix) when kvplug's connector runs (``config``). A named
+    variable that is unset or empty is an error naming it (never an open API)."""
     name = config.management_key_env if config is not None else None
     if name:
         value = environ.get(name)
         if not value:
-            raise RuntimeError(f"kvplug: management_key_env names ${name}, which is unset or "
+            shown = f"${name}" if looks_like_variable(name) else (
+                "something that looks like a key, not a variable's name (not shown: give the "
+                "NAME of the variable holding the key, never the key)")
+            raise RuntimeError(f"kvplug: management_key_env names {shown}, which is unset or "
                                "empty in the API server's environment; set it (the management "
                                "API stays closed without it) or remove management_key_env")
         return [_digest(value)]
-    keys = getattr(args, "api_key", None) or [environ.get("VLLM_API_KEY")]
-    return [_digest(k) for k in keys if k]
+    keys = [_digest(k) for k in getattr(args, "api_key", None) or [environ.get("VLLM_API_KEY")]
+            if k]
+    if not keys and config is not None:
+        _open_warning("open", "kvplug: the management API (/kvplug/v1: clear, pin, unpin, lookup, "
+                      "status) is open: neither vLLM's --api-key (VLLM_API_KEY) nor the kvplug "
+                      "config's management_key_env is set, so anyone who reaches this server's "
+                      "port can clear or pin the cache and see what it holds (pins persist); set "
+                      "management_key_env: NAME (a variable holding the key only operators and "
+                      "routers have) or start the server with --api-key")
+    return keys
 
 
 def _authorized(request: Request,

@@ -27,14 +27,14 @@ from .compat import drops_last_block, event_group_fields, runs_ahead
 from .prom import KVPlugPromMetrics, hit_sources
 from .protocol.config import async_save_enabled, load_connector_config
 from .protocol.groups import layout_of
-from .protocol.identity import build_identity
+from .protocol.identity import build_identity, keys_digest
 from .protocol.lookup import LookupClient, socket_path
 from .protocol.metadata import KVPlugKVEvents, KVPlugMetadata, KVPlugWorkerMeta
 from .protocol.stats import KVPlugStats
 from .scheduler.events import TierEventBook, event_key, events_enabled
 from .scheduler.side import SchedulerSide
 from .worker.side import WorkerSide
-from .worker.tier_watch import TierWatch
+from .worker.tier_watch import TierWatch, watch_tiers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -114,10 +114,15 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
             # every worker (TP rank x PP stage) answers; the hit is the minimum over them
             client = LookupClient([socket_path(engine_id, r, p) for p in range(pp)
                                    for r in range(tp)], self.config.lookup_timeout_s)
+            # disaggregated prefill: hand-offs name the keys' identity (.scheduler.handoff)
+            digest = keys_digest(build_identity(vllm_config, self.config, tp_rank=0,
+                                                kv_cache_config=kv_cache_config)) \
+                if self.kv_role in ("kv_producer", "kv_consumer") else ""
             self._sched = SchedulerSide(self.config, block_size, self.kv_role, client,
                                         self.layout,
                                         drop_last_block=drops_last_block(vllm_config),
-                                        runs_ahead=runs_ahead(vllm_config))
+                                        runs_ahead=runs_ahead(vllm_config),
+                                        keys_digest=digest)
             if self._events_on:
                 fields = event_group_fields(kv_cache_config)
                 self._book = TierEventBook(
@@ -156,7 +161,15 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def requires_kv_delivery(self) -> bool:
-        return False  # a best-effort cache: a producer's requests never wait on a consumer
+        """False in every role. vLLM, when True (its default for a producer), drops the output
+        of a request preempted while it was in flight and recomputes the request, because a
+        producer that hands off blocks would hand off blocks the preemption freed. kvplug's
+        producer hands off nothing from blocks at the end: its saves were sent as the prompt
+        was computed, and a preemption orders the next step after their copies
+        (``handle_preemptions``), so what its hand-off names is being stored whatever becomes
+        of the request. A store lost downstream costs the consumer its wait, then a recompute
+        of those tokens: never wrong KV, and never a prefill run twice."""
+        return False
 
     # -- worker side ---------------------------------------------------------------------------
     def _meta(self) -> KVPlugMetadata | None:
@@ -167,8 +180,7 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
         if self._events_on and self._worker.storage is not None:
-            self._watch = TierWatch(self._worker.storage, self.config.kv_events_max_chunks)
-            self._worker.on_epoch = self._watch.forget
+            self._watch = watch_tiers(self._worker, self.config.kv_events_max_chunks)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # Bound before the forward in every vLLM runner and call order: the worker learns here
@@ -201,8 +213,10 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         # reports its own: the default get_finished_count (the world size) is right.
         if self._worker is None:
             return None, None
-        idle = (md := self._meta()) is not None and md.idle  # no forward: wait a little
-        sent, recving = self._worker.get_finished(finished_req_ids, idle)
+        md = self._meta()
+        idle = md is not None and md.idle  # no forward: wait a little
+        sent, recving = self._worker.get_finished(finished_req_ids, idle,
+                                                  pause=idle and md is not None and md.handoffs)
         return sent or None, recving or None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:

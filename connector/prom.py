@@ -7,7 +7,9 @@ counters show with prometheus_client's ``_total`` suffix. Per-tier metrics carry
 (the tier's name in the kvplug config); labels for a tier appear once it has something to count.
 Per-tier levels (used and capacity bytes, entries, breakers open) are gauges, fed with their
 changes (:data:`.stats.TIER_GAUGES`), as is the bytes held per tier and tenant (label ``tenant``:
-the tenant's 16-hex id, never its salt; one series per tenant a tier holds). These names are a
+the tenant's 16-hex id, never its salt; one series per tenant a tier holds, for the
+:data:`.stats.TENANT_SERIES` tenants holding the most, the rest summed as ``other``; a tenant's
+series goes when it holds nothing). These names are a
 stable interface: dashboards and alerts (``deploy/``) use them; README.md "Metrics" lists them.
 """
 
@@ -115,6 +117,7 @@ class KVPlugPromMetrics(KVConnectorPromMetrics):
                         for prefix, (name, doc) in _TIER_GAUGES.items()}
         self._tenants = self._gauge_cls(name=_TENANT_GAUGE[0], documentation=_TENANT_GAUGE[1],
                                         labelnames=[*tiered, "tenant"], multiprocess_mode="sum")
+        self._tenant_levels: dict[tuple[object, ...], float] = {}  # per series, to drop at 0
         self._latency = self._histogram_cls(
             name="vllm:kvplug_load_seconds", labelnames=tiered, buckets=LATENCY_BUCKETS,
             documentation="seconds per request load, by the farthest tier it read from")
@@ -135,7 +138,7 @@ class KVPlugPromMetrics(KVConnectorPromMetrics):
             if prefix + "." == TENANT_PREFIX:
                 name, _, tenant = tier.rpartition(".")
                 if value:
-                    self._tenants.labels(*values, name, tenant).inc(value)
+                    self._tenant_change((*values, name, tenant), value)
                 continue
             if prefix + "." == LATENCY_PREFIX:
                 hist = self._latency.labels(*values, tier)
@@ -145,3 +148,18 @@ class KVPlugPromMetrics(KVConnectorPromMetrics):
                 counter.labels(*values, tier).inc(value)
             elif (gauge := self._levels.get(prefix + ".")) is not None and value:
                 gauge.labels(*values, tier).inc(value)
+
+    def _tenant_change(self, labels: tuple[object, ...], change: float) -> None:
+        """Add ``change`` to one tenant's series; a series back at 0 (the tenant left the tier,
+        or fell among the ``other`` tenants) is removed, so departed tenants leave none."""
+        level = self._tenant_levels.get(labels, 0.0) + change
+        remove = getattr(self._tenants, "remove", None)  # (Ray's gauges have none: kept at 0)
+        if level <= 0 and remove is not None:
+            self._tenant_levels.pop(labels, None)
+            try:
+                remove(*labels)
+            except KeyError:  # never shown
+                pass
+            return
+        self._tenant_levels[labels] = level
+        self._tenants.labels(*labels).inc(change)

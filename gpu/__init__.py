@@ -4,7 +4,9 @@ Takes plain tensors and block ids (no vLLM import). ``PagedKV.from_kv_caches`` b
 ``(num_blocks, page_bytes)`` byte views per layer once; ``gather``/``scatter`` (and ``*_many``,
 whose jobs are ``PageJob(block_ids, pages)`` in both directions) move whole chunks,
 ``layerwise_store``/``layerwise_load`` move one layer per step (CUDA: a dedicated stream and
-per-layer events; CPU: plain copies). ``blocks`` maps tokens to pages.
+per-layer events; CPU: plain copies). Each call resolves all its jobs into one copy plan
+(``copy_plan``), so its host work per layer does not grow with the number of jobs. ``blocks``
+maps tokens to pages.
 """
 
 from .blocks import blocks_for_tokens, coalesce_runs, num_pages, pages_for_tokens

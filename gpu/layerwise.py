@@ -5,7 +5,9 @@ Both functions validate every job when called and return a generator that yields
 ``gather_many`` / ``scatter_many``, and the memory objects they fill or read are byte-identical to
 the bulk ones. A load may fill its sources just in time: ``before(i)`` runs right before layer
 ``i``'s copies are queued (e.g. to read that layer from a tier) and names the jobs to leave out
-from layer ``i`` on (their source failed).
+from layer ``i`` on (their source failed). Every step moves one layer of every job with a fixed
+number of torch calls (one :class:`~.copy_plan.CopyPlan` per call; a dropped job makes a plan
+without it, so its blocks are never written from then on).
 
 Synchronisation contract on CUDA (on CPU every step is a plain synchronous copy, so each point
 below holds trivially):
@@ -41,12 +43,13 @@ Load (``layerwise_load``; the engine calls ``next()`` before layer ``i`` reads i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Generator, Sequence
+from collections.abc import Callable, Collection, Generator
 
 import torch
 
+from .copy_plan import CopyPlan, plan_copies
 from .page_views import PagedKV
-from .transfer import BlockIds, PageJob, Plan, copy_layer, plan_jobs
+from .transfer import Jobs
 
 __all__ = ["LayerSteps", "layerwise_load", "layerwise_store"]
 
@@ -111,16 +114,9 @@ class LayerSteps(Generator[int, None, None]):
             pass
 
 
-Jobs = Sequence[PageJob | tuple[BlockIds, torch.Tensor]]
 #: ``before(layer)`` of a load: fill layer ``layer`` of the sources; returns the indices of jobs
 #: to leave out from this layer on (empty or ``None`` when all is well).
 BeforeLayer = Callable[[int], Collection[int] | None]
-
-
-def _copy_layer(kv: PagedKV, pairs: list[tuple[Plan, torch.Tensor]], layer: int,
-                to_engine: bool, copier: torch.cuda.Stream | None = None) -> None:
-    for plan, pages in pairs:
-        copy_layer(kv, layer, plan, pages, to_engine, copier)
 
 
 def layerwise_store(kv: PagedKV, jobs: Jobs, wait: bool = True) -> LayerSteps:
@@ -130,10 +126,9 @@ def layerwise_store(kv: PagedKV, jobs: Jobs, wait: bool = True) -> LayerSteps:
     with ``wait=False`` on CUDA, at once, leaving the generator's ``event`` to complete with them
     (no host synchronisation in the engine step).
     """
-    pairs = plan_jobs(kv, jobs, to_engine=False)
+    plan = plan_copies(kv, jobs, to_engine=False)
     if kv.device.type != "cuda":
-        return LayerSteps(kv.num_layers, lambda layer: _copy_layer(kv, pairs, layer, False),
-                          lambda: None)
+        return LayerSteps(kv.num_layers, plan.copy_layer, lambda: None)
     stream = kv.stream("store")
     copier = kv.stream("store-copy")  # staged jobs' PCIe copies, beside the next index kernel
     last = kv.num_layers - 1
@@ -142,7 +137,7 @@ def layerwise_store(kv: PagedKV, jobs: Jobs, wait: bool = True) -> LayerSteps:
     def step(layer: int) -> None:
         stream.wait_stream(torch.cuda.current_stream(kv.device))
         with torch.cuda.stream(stream):
-            _copy_layer(kv, pairs, layer, False, copier)
+            plan.copy_layer(layer, copier)
         if layer != last:
             return
         stream.wait_stream(copier)  # the store's completion covers both streams
@@ -169,16 +164,20 @@ def layerwise_load(
 
     Yields ``kv.num_layers`` times. On CUDA, copies are queued from the call on, two layers ahead.
     """
-    pairs = plan_jobs(kv, jobs, to_engine=True)
+    every = plan_copies(kv, jobs, to_engine=True)
+    plan: CopyPlan = every
     dropped: set[int] = set()
 
     copier = kv.stream("load-copy") if kv.device.type == "cuda" else None
 
     def copy(layer: int) -> None:
+        nonlocal plan
         if before is not None:
-            dropped.update(before(layer) or ())
-        live = [p for i, p in enumerate(pairs) if i not in dropped] if dropped else pairs
-        _copy_layer(kv, live, layer, True, copier)
+            failed = set(before(layer) or ()) - dropped
+            if failed:  # a plan without them: their blocks are never written from here on
+                dropped.update(failed)
+                plan = every.without(dropped)
+        plan.copy_layer(layer, copier)
 
     if kv.device.type != "cuda":
         return LayerSteps(kv.num_layers, copy, lambda: None)

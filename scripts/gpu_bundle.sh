@@ -15,5 +15,8 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manyl
   'pydantic==2.*' 'pydantic-core' 'annotated-types' 'typing-inspection' 'typing-extensions>=4.16' \
   'cbor2' 'pyzmq' 'msgspec' 'cryptography' 'cffi' 'pycparser' 'kvikio-cu13==26.10.*' 'libkvikio-cu13==26.10.*' 'rapids-logger==0.3.*'
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w .whl .
+# the per-job gpu/ that benchmarks/bench_host_cost.py measures beside this one (no git over there)
+before=$(sed -n 's/^BEFORE = "\([0-9a-f]*\)".*/\1/p' benchmarks/bench_host_cost.py)
+rm -rf .whl/gpu-before && mkdir -p .whl/gpu-before && git archive "$before" gpu | tar -x --strip-components=1 -C .whl/gpu-before
 du -sh .whl
 ls .whl

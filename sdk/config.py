@@ -21,7 +21,7 @@ import logging
 import os
 import re
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
@@ -40,7 +40,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
-from .redact import Redactor, is_secret_name, scrub
+from .redact import Redactor, is_secret_name, redact_data, scrub
 
 logger = logging.getLogger("kvplug.config")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
@@ -50,8 +50,8 @@ _LIKE_SECRET = re.compile(r"[0-9a-fA-F]{32,}")
 _UNECHOED = ("auth_key_env", "auth_previous_key_envs")
 ENV_PREFIX = "KVPLUG_"
 #: Environment variables with a meaning of their own (not config overrides).
-RESERVED_ENV = {"KVPLUG_CONFIG", "KVPLUG_CACHE_DIR", "KVPLUG_LOG_LEVEL", "KVPLUG_LOAD_BACKENDS",
-                "KVPLUG_LOAD_CODECS"}
+RESERVED_ENV = {"KVPLUG_CONFIG", "KVPLUG_CACHE_DIR", "KVPLUG_TENANT_KEY_FILE", "KVPLUG_LOG_LEVEL",
+                "KVPLUG_LOAD_BACKENDS", "KVPLUG_LOAD_CODECS"}
 
 
 def default_cache_dir() -> Path:
@@ -81,6 +81,15 @@ class BaseOptions(BaseModel):
     codecs should derive their ``Options`` from it too."""
 
     model_config = ConfigDict(extra="forbid")
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        """The fields a ``repr`` shows, secrets masked (:func:`kvplug.redact.redact_data`: values
+        under secret names, URL credentials); nested settings mask their own."""
+        for name, value in super().__repr_args__():
+            if name is None or isinstance(value, BaseModel):
+                yield name, value
+            else:
+                yield name, redact_data({name: value})[name]
 
     @field_validator("*", mode="before")
     @classmethod
@@ -159,19 +168,6 @@ class TierConfig(_Strict):
     @classmethod
     def _policy_shorthand(cls, value: Any) -> Any:
         return {"policy": value} if isinstance(value, str) else value
-
-    @model_validator(mode="after")
-    def _known_policies(self) -> TierConfig:
-        from .policies.registry import check_choice  # the registry imports this module
-
-        for kind in ("eviction", "admission"):
-            chosen = getattr(self, kind)
-            if chosen is not None:
-                try:
-                    check_choice(kind, chosen.policy, f"tier {self.tier_name!r}")
-                except ConfigError as exc:
-                    raise ValueError(str(exc)) from None
-        return self
 
     @property
     def tier_name(self) -> str:

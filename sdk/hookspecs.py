@@ -144,10 +144,15 @@ class TierContext:
         read_limit: ``read_limit() -> int | None`` — the most bytes of one stored chunk a tier
             may receive before it can parse the header (a value read whole); a longer value is
             a miss. ``None`` when the host sets no bound.
+        header_limit: ``header_limit() -> int | None`` — the most bytes of a stored chunk's
+            header a tier may read and parse (a chunk of the engine's layers; pass it as
+            ``max_header`` to ``kvplug.chunkfile.read_header``): a longer one is refused after
+            its first bytes. ``None``: ``kvplug.chunkfile.MAX_HEADER``.
         runtime: the :class:`kvplug.runtime.Runtime` every thread, pool, event, condition
             wait and clock reading of the backend comes from (``runtime.executor(n, name)``
             for writer or I/O threads, ``daemon=True`` for service threads that must not hold up
             exit; ``runtime.event()``, ``runtime.condition(lock)``, ``runtime.monotonic()``,
+            ``runtime.time()`` for wall-clock stamps such as an LRU in file mtimes,
             ``runtime.ticker(fn, interval_s, name)``). Production passes real threads
             (:data:`kvplug.runtime.THREADS`); ``kvplug simulate`` passes the deterministic
             simulation's, which runs every task on one thread when its schedule says so. A
@@ -165,6 +170,7 @@ class TierContext:
     memory_regions: Callable[[], list[tuple[int, int]]] = list
     auth: Keyring | None = None
     read_limit: Callable[[], int | None] = lambda: None
+    header_limit: Callable[[], int | None] = lambda: None
     eviction: Any = None
     quotas: Any = None
     runtime: Runtime = THREADS
@@ -274,6 +280,14 @@ class BackendSpec:
         (pins count: pinning twice needs two unpins). Never block on slow I/O longer than the
         tier's timeout; on doubt, answer ``False``.
         """
+
+    @hookspec(firstresult=True)
+    def forget_misses(self, keys: Sequence[CacheKey]) -> None:
+        """Optional, and needed by every tier that remembers misses (a negative cache, a lookup
+        cache): forget any remembered miss of these keys, so the next :meth:`contains` asks the
+        store itself. Called before a lookup of chunks another engine announced it is storing
+        (disaggregated prefill: the producer's hand-off), which a remembered miss would hide
+        until it expires. Cheap; never blocks."""
 
     @hookspec(firstresult=True)
     def unpin(self, keys: Sequence[CacheKey]) -> None:

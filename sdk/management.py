@@ -29,10 +29,12 @@ chains its chunk hashes over them, so no lookup of such a prompt hits past the c
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .config import PolicyConfig
 from .errors import ConfigError
 from .keys import CacheKey
 from .storage_manager import StorageManager
@@ -41,6 +43,8 @@ from .storage_manager import StorageManager
 ALL_BYTES = 1 << 62
 #: how long a clear waits for queued writes to land and a disk tier's deletes to happen
 SETTLE_S = 10.0
+#: the policy a tier runs when its config sets none (status reports it so)
+DEFAULT_POLICIES = {"eviction": "lru", "admission": "always"}
 #: what status shows of a tier's own counters (the rest are in /metrics)
 STATUS_FIELDS = ("entries", "bytes", "capacity", "pinned", "operator_pinned",
                  "operator_pinned_bytes", "pending_writes", "pending_deletes",
@@ -50,6 +54,15 @@ STATUS_FIELDS = ("entries", "bytes", "capacity", "pinned", "operator_pinned",
 
 def _count(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def policy_settings(chosen: PolicyConfig | None, default: str) -> dict[str, Any]:
+    """A tier's eviction or admission policy as its config says it (``{"policy": NAME,
+    ...options}``; ``default`` when none is set), in plain JSON values: a status answer is
+    encoded by msgpack and JSON, which take no config objects."""
+    if chosen is None:
+        return {"policy": default}
+    return json.loads(json.dumps({"policy": chosen.policy, **chosen.options()}, default=str))
 
 
 def tier_status(storage: StorageManager) -> list[dict[str, Any]]:
@@ -69,8 +82,8 @@ def tier_status(storage: StorageManager) -> list[dict[str, Any]]:
             "operator_pinned": _count(s.get("operator_pinned")),
             "operator_pinned_bytes": _count(s.get("operator_pinned_bytes")),
             "breaker": None if breaker is None else ("open" if breaker else "closed"),
-            "policies": {"eviction": getattr(cfg, "eviction", None) or "lru",
-                         "admission": getattr(cfg, "admission", None) or "always"},
+            "policies": {kind: policy_settings(getattr(cfg, kind, None), default)
+                         for kind, default in DEFAULT_POLICIES.items()},
             "counters": {k: s[k] for k in STATUS_FIELDS if k in s},
         })
     return out
@@ -258,6 +271,7 @@ def pin_keys(storage: StorageManager, keys: Sequence[CacheKey], tiers: Sequence[
     out: dict[str, dict[str, Any]] = {}
     for name in tiers or storage.tier_names:
         faults = _faults(storage, name)
+        unsaved = storage.stats().get(name, {}).get("pins_not_saved", 0)
         try:
             answer = storage.operator_pin(name, every, pin)
         except ConfigError as exc:
@@ -293,6 +307,10 @@ def pin_keys(storage: StorageManager, keys: Sequence[CacheKey], tiers: Sequence[
                            "evicted): warm the prompt, then pin again")
         if "complete" not in res:
             res["complete"] = not res.get("refused") and not res.get("absent")
+        if s.get("pins_not_saved", 0) > unsaved:
+            res.update(complete=False, error="the tier's pins file could not be updated (its "
+                       "lock was held by another process, or a write failed; see the log): the "
+                       "change holds in this process, not across a restart; try again")
         if _faults(storage, name) > faults:
             res.update(complete=False, error="the tier's pin raised or timed out (see the log)")
         out[name] = res

@@ -17,7 +17,10 @@ take lives here, checked **before** any byte is allocated:
 
 A refused read is ``None`` (a miss: vLLM recomputes), counted (``reads_refused_geometry``,
 ``reads_refused_heap``) and logged once. :meth:`ReadMemory.read_limit` is the same bound for a
-tier that must receive a whole stored value before it can parse it (``ctx.read_limit``).
+tier that must receive a whole stored value before it can parse it (``ctx.read_limit``), and
+:meth:`ReadMemory.header_limit` the bound of a chunk's header, applied before any of it past the
+first bytes is read or parsed (``ctx.header_limit``: a header of a chunk of the engine's layers,
+its names and a codec's description, with a small margin).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .chunkfile.format import ALIGN, MAX_HEADER, align_up
+from .chunkfile.format import ALIGN, MAX_HEADER, align_up, max_header_bytes
 from .codecs.frame import MAX_DESCRIPTION
 from .logs import LogOnce
 from .memory import MemoryFormat, MemoryObj, MemoryObjMeta
@@ -72,10 +75,14 @@ class ChunkGeometry:
         return self.layer_bytes + self.layer_bytes // 8 + MAX_DESCRIPTION + ALIGN
 
     @property
+    def header_bytes(self) -> int:
+        """Bound of one stored chunk's header (:func:`~.chunkfile.format.max_header_bytes`)."""
+        return max_header_bytes(self.num_layers)
+
+    @property
     def stored_bytes(self) -> int:
         """Bound of one stored chunk (a file or a value: header, aligned layers or frames)."""
-        header = align_up(64 * 1024 + 512 * self.num_layers)
-        return header + self.num_layers * align_up(max(self.layer_bytes, self.frame_bytes))
+        return self.header_bytes + self.num_layers * align_up(max(self.layer_bytes, self.frame_bytes))
 
     def refuses(self, shape: tuple[int, ...], dtype: torch.dtype, fmt: MemoryFormat,
                 num_tokens: int) -> str | None:
@@ -145,6 +152,13 @@ class ReadMemory:
         if self.geometry is not None:
             return self.geometry.stored_bytes
         return 2 * self.object_limit() + MAX_HEADER
+
+    def header_limit(self) -> int:
+        """The most bytes of a stored chunk's header a tier may read and parse: that of a chunk
+        of this engine's layers, or, without geometry, ``MAX_HEADER``."""
+        if self.geometry is not None:
+            return self.geometry.header_bytes
+        return MAX_HEADER
 
     def refuses(self, shape: tuple[int, ...], dtype: torch.dtype, fmt: MemoryFormat,
                 num_tokens: int) -> str | None:

@@ -16,7 +16,13 @@ Three parts, applied together wherever text leaves kvplug:
   password is inside every word; it is replaced where it stands alone: ``'x'``, ``=x``).
 
 Command lines (:func:`redact_argv`): the value of ``--api-key``, ``--hf-token`` and any flag whose
-name says secret, in both ``--flag VALUE`` and ``--flag=VALUE`` forms.
+name says secret, in both ``--flag VALUE`` and ``--flag=VALUE`` forms, abbreviated as argparse
+accepts them (``--api-k``) or spelt with underscores (``--api_key``).
+
+Names are read in any case and spelling (``AWS_SECRET_ACCESS_KEY``, ``secretKey``,
+``Authorization``, ``passphrase``); a URL's user-info runs to the last ``@`` of its authority, so
+a password holding ``@`` or a quote is masked whole. A variable's name (a ``*_env`` option) is
+shown only when it looks like one (:func:`looks_like_variable`): a key pasted there is masked.
 """
 
 from __future__ import annotations
@@ -24,36 +30,58 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+from urllib.parse import unquote
 
 MASK = "***"
 #: A key or flag whose name holds one of these words (as a ``_``/``-``/camelCase part, or the end
 #: of one: ``apikey``, ``secretkey``) holds a secret.
-SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "pwd", "credential",
-                "credentials", "auth", "session", "signature", "user", "username")
+SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "pwd", "passphrase", "credential",
+                "credentials", "auth", "authorization", "bearer", "cookie", "session",
+                "signature", "user", "username")
 #: Secrets shorter than this are replaced only as whole tokens.
 SHORT = 6
 
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<info>[^/@\s'\"]*)@")
+#: a URL's user-info: everything up to the LAST ``@`` of its authority (a password may hold ``@``,
+#: quotes or ``:``); over-masking a neighbour in text without spaces is the safe side
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<info>[^/?#\s]*)@")
 _QUERY = re.compile(r"(?P<sep>[?&;])(?P<name>[A-Za-z0-9_.\-]+)=(?P<value>[^&#\s'\"]*)")
-_NAME_PARTS = re.compile(r"[a-z0-9]+|[A-Z][a-z0-9]*")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CAMEL = (re.compile(r"([A-Z]+)([A-Z][a-z])"), re.compile(r"([a-z0-9])([A-Z])"))
+_VARIABLE = re.compile(r"[A-Z_][A-Z0-9_]{0,127}")
+_LIKE_KEY = re.compile(r"[0-9a-fA-F]{32,}")
+
+
+def _name_parts(name: str) -> list[str]:
+    """The words of a name in any spelling: ``AWS_SECRET_ACCESS_KEY``, ``awsSecretKey``,
+    ``AWSSecretKey``, ``api-key`` all give their lower-case words."""
+    text = str(name)
+    for camel in _CAMEL:
+        text = camel.sub(r"\1_\2", text)
+    return [p for p in re.split(r"[^a-z0-9]+", text.lower()) if p]
 
 
 def is_secret_name(name: str) -> bool:
-    """Whether a key, query parameter or flag called ``name`` holds a secret."""
-    for part in _NAME_PARTS.findall(str(name)):
-        part = part.lower()
+    """Whether a key, query parameter, header or flag called ``name`` holds a secret."""
+    for part in _name_parts(name):
         if part in SECRET_WORDS or part.endswith(("password", "secret", "token", "key")):
             return True
     return False
 
 
+def looks_like_variable(value: str) -> bool:
+    """Whether ``value`` (what a ``*_env`` option holds) looks like an environment variable's
+    name, fit to print: upper-case letters, digits and underscores, not a run of hex, and short
+    or with an underscore. Anything else may be a secret pasted where its name belongs."""
+    return bool(_VARIABLE.fullmatch(value)) and not _LIKE_KEY.fullmatch(value) and (
+        len(value) <= 24 or "_" in value)
+
+
 def _env_name(key: str, value: Any) -> bool:
-    """A ``*_env``/``*_envs`` option names environment variables, which are not secrets."""
+    """A ``*_env``/``*_envs`` option names environment variables, which are not secrets (shown
+    when they look like names: :func:`looks_like_variable`)."""
     k = str(key).lower()
     values = value if isinstance(value, (list, tuple)) else [value]
     return k.endswith(("_env", "_envs")) and all(
-        isinstance(v, str) and _ENV_NAME.match(v) for v in values)
+        isinstance(v, str) and looks_like_variable(v) for v in values)
 
 
 def scrub(text: str) -> str:
@@ -78,11 +106,21 @@ def redact_data(value: Any) -> Any:
 
 
 def _url_secrets(text: str) -> Iterable[str]:
+    """The user and password of each URL's user-info (the password whole: it may hold ``:``), and
+    the values of secret query parameters; each also as percent-decoded (a client's message may
+    show the decoded form)."""
+    found: list[str] = []
     for m in _USERINFO.finditer(text):
-        yield from (p for p in m["info"].split(":") if p)
+        user, _, password = m["info"].partition(":")
+        found += [user, password]
     for m in _QUERY.finditer(text):
-        if is_secret_name(m["name"]) and m["value"]:
-            yield m["value"]
+        if is_secret_name(m["name"]):
+            found.append(m["value"])
+    for value in found:
+        if value:
+            yield value
+            if "%" in value and unquote(value) != value:
+                yield unquote(value)
 
 
 def secrets_in(value: Any, sensitive: bool = False) -> list[str]:
@@ -136,8 +174,14 @@ SECRET_FLAGS = ("--api-key", "--hf-token")
 
 
 def _secret_flag(flag: str) -> bool:
-    return flag in SECRET_FLAGS or (flag.startswith("--") and is_secret_name(flag[2:])
-                                    and not flag.endswith(("-file", "-path", "-env")))
+    """Whether ``flag`` takes a secret: one of :data:`SECRET_FLAGS` or abbreviated as argparse
+    accepts (``--api-k``), in either spelling (``--api_key``), or a flag whose name says secret."""
+    if not flag.startswith("--"):
+        return False
+    norm = flag.replace("_", "-")
+    if len(norm) >= 4 and any(f.startswith(norm) for f in SECRET_FLAGS):
+        return True
+    return is_secret_name(norm[2:]) and not norm.endswith(("-file", "-path", "-env"))
 
 
 def redact_argv(argv: Sequence[str]) -> list[str]:

@@ -5,9 +5,9 @@ a :class:`Runtime`: the connector's (the save thread, the background-load pool, 
 StorageManager's readers and each tier's call pool and encoder) and every backend's (a backend
 gets it as ``TierContext.runtime``: the posix writers, start-up scan and reaper, the value
 tiers' writers, fsspec's pool, ``TierWatch``). Production uses :data:`THREADS` (real threads,
-``time.monotonic``); the deterministic simulation (``kvplug.connector.sim``) passes its own,
-which queues every submitted task and runs it when the seed's schedule says so, on one thread,
-so one seed is one exact interleaving.
+``time.monotonic`` and ``time.time``); the deterministic simulation (``kvplug.connector.sim``)
+passes its own, which queues every submitted task and runs it when the seed's schedule says so,
+on one thread, and keeps its own clocks, so one seed is one exact interleaving.
 
 A runtime's objects behave like their ``threading`` / ``concurrent.futures`` counterparts:
 ``executor(...).submit`` returns a :class:`concurrent.futures.Future` (``result(timeout)`` may
@@ -157,13 +157,38 @@ class Runtime:
     def monotonic(self) -> float:
         return time.monotonic()
 
+    def time(self) -> float:
+        """The wall clock (seconds since the epoch): for stamps other processes compare, such
+        as a file's mtime in an LRU shared through a directory."""
+        return time.time()
+
     def wait_first(self, futures: Collection[Future], timeout: float) -> None:
         """Return once any of ``futures`` is done, or after ``timeout`` seconds."""
         wait(futures, timeout, return_when=FIRST_COMPLETED)
 
+    def start_threads(self, pool: Executor, workers: int, timeout: float = 1.0) -> None:
+        """Start ``workers`` threads of ``pool`` (an idle executor of this runtime) now: a pool
+        starts its threads on demand, so its first calls would wait for them (an engine's first
+        store, its first load). Each thread waits at a barrier until all exist; a pool that
+        cannot run them all within ``timeout`` (busy) is left as it is."""
+        gate = threading.Barrier(workers + 1)
+        for _ in range(workers):
+            pool.submit(_arrive, gate, timeout)
+        try:
+            gate.wait(timeout)
+        except threading.BrokenBarrierError:
+            pass
+
     def wait_all(self, futures: Collection[Future], timeout: float | None) -> bool:
         """Wait until every one of ``futures`` is done (up to ``timeout`` seconds); True if so."""
         return not wait(futures, timeout).not_done
+
+
+def _arrive(gate: threading.Barrier, timeout: float) -> None:
+    try:
+        gate.wait(timeout)
+    except threading.BrokenBarrierError:
+        pass
 
 
 #: The runtime every kvplug object uses unless given another.

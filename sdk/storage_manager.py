@@ -32,10 +32,19 @@ from .logs import LogOnce
 from .memory import MemoryFormat, MemoryObj
 from .read_memory import DEFAULT_MAX_HEAP_FALLBACK, ChunkGeometry, ReadMemory
 from .runtime import THREADS, Runtime
-from .tier_calls import BATCH_GET_KEYS, MAX_ENCODER_QUEUE, Tier, WaitBudget, release
+from .tier_calls import (
+    BATCH_GET_KEYS,
+    MAX_ENCODER_QUEUE,
+    TIER_THREADS,
+    Tier,
+    WaitBudget,
+    release,
+)
 from .tier_setup import ScopedHooks, build_tier
 
 logger = logging.getLogger("kvplug.storage")
+#: threads a batched read of a slower tier is spread over
+READERS = 8
 
 def auth_keyring(config: KVPlugConfig) -> Keyring | None:
     """The keyring of ``config``'s ``auth_key_env`` (and previous keys), or ``None`` without it;
@@ -80,7 +89,7 @@ class StorageManager:
         #: The deployment's keyring (``auth_key_env``): handed to every tier, never global.
         self.auth = auth_keyring(self.config)
         # Bounded tier calls run on each tier's own pool; batched_get fans out over this one.
-        self._readers = runtime.executor(8, "kvplug-read")
+        self._readers = runtime.executor(READERS, "kvplug-read")
         names = self.config.tier_names()
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -101,7 +110,8 @@ class StorageManager:
     # -- construction ---------------------------------------------------------------------------
     def _add_tier(self, index: int, cfg: TierConfig, extra: dict[str, Any]) -> None:
         tier = build_tier(index, cfg, self.reads.allocate, self.chunk_size, extra,
-                          self.runtime, self.memory_regions, self.reads.read_limit, self.auth)
+                          self.runtime, self.memory_regions, self.reads.read_limit, self.auth,
+                          self.reads.header_limit)
         self._hooks.register(tier.backend, f"tier:{tier.name}", {tier.name})
         self._hooks.register(tier.metrics, f"metrics:{tier.name}", {tier.name})
         # Registered last, so it wraps the metrics: they count the bytes the tier really moves.
@@ -562,8 +572,13 @@ class StorageManager:
                 return obj
         return None
 
-    def lookup_prefix(self, keys: Sequence[CacheKey], pin: bool = False) -> PrefixLookup:
-        """How many leading ``keys`` some tier holds; optionally pin them where they are."""
+    def lookup_prefix(self, keys: Sequence[CacheKey], pin: bool = False,
+                      fresh: bool = False) -> PrefixLookup:
+        """How many leading ``keys`` some tier holds; optionally pin them where they are.
+        ``fresh``: no tier answers from a miss it remembers (``forget_misses`` first): keys
+        another engine announced it is storing."""
+        if fresh:
+            self.forget_misses(keys)
         n = len(keys)
         where: list[str | None] = [None] * n
         for tier in self._tiers:
@@ -581,6 +596,13 @@ class StorageManager:
             if beyond:
                 self.unpin([k for k, _ in beyond], [t for _, t in beyond])
         return PrefixLookup(prefix, [w for w in where[:prefix] if w is not None], pin)
+
+    def forget_misses(self, keys: Sequence[CacheKey]) -> None:
+        """Every tier that remembers misses forgets those of ``keys`` (the optional
+        ``forget_misses`` hook)."""
+        for tier in self._tiers:
+            if keys and tier.implements("forget_misses"):
+                self._call(tier, "forget_misses", keys=list(keys))
 
     def unpin(self, keys: Sequence[CacheKey], tiers: Sequence[str]) -> None:
         """Release pins taken by ``lookup_prefix(pin=True)``; ``tiers[i]`` is where key i is."""
@@ -712,6 +734,16 @@ class StorageManager:
             if any(self.heap.counts.values()):  # no tier owns a pool: heap memory reused
                 out[self._tiers[0].name].update(self.heap.stats())
         return out
+
+    def start_threads(self) -> None:
+        """Start the readers' and every tier's call threads now (an engine's start-up), not on
+        the first store and load that need them."""
+        self.runtime.start_threads(self._readers, READERS)
+        for tier in self._tiers:
+            if tier.pool is not None:
+                self.runtime.start_threads(tier.pool, TIER_THREADS)
+            if tier.encoder is not None:
+                self.runtime.start_threads(tier.encoder, 1)
 
     def close(self) -> None:
         """Drain writes and release every tier; idempotent."""

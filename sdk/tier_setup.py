@@ -25,7 +25,7 @@ from .hookspecs import PROJECT, BackendSpec, TierContext
 from .memory import MemoryObj
 from .plugins import load_backend_class
 from .policies.gate import AdmissionGate
-from .policies.registry import build_policy
+from .policies.registry import build_policy, check_policies
 from .policies.tenants import TenantQuotas
 from .redact import Redactor, describe_validation_error
 from .runtime import THREADS, Runtime
@@ -37,8 +37,8 @@ logger = logging.getLogger("kvplug.storage")
 HOOKS = (
     "allocate", "memory_regions", "batched_submit_put", "get", "batched_get",
     "batched_get_nowait", "get_layers",
-    "contains", "unpin", "operator_pin", "operator_unpin", "evict", "tenant_usage",
-    "evict_tenant", "flush", "close", "stats",
+    "contains", "forget_misses", "unpin", "operator_pin", "operator_unpin", "evict",
+    "tenant_usage", "evict_tenant", "flush", "close", "stats",
 )
 
 
@@ -46,10 +46,12 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
                chunk_size: int, extra: dict[str, Any], runtime: Runtime = THREADS,
                memory_regions: Callable[[], list[tuple[int, int]]] = list,
                read_limit: Callable[[], int | None] = lambda: None,
-               auth: Keyring | None = None) -> Tier:
-    """Start tier ``index``'s backend (``allocate``, ``memory_regions``, ``read_limit``: its
-    ``ctx``'s; ``auth``: the deployment's keyring, the tier gets its own view of it) and its codec
+               auth: Keyring | None = None,
+               header_limit: Callable[[], int | None] = lambda: None) -> Tier:
+    """Start tier ``index``'s backend (``allocate``, ``memory_regions``, ``read_limit``,
+    ``header_limit``: its ``ctx``'s; ``auth``: the deployment's keyring, the tier gets its own view of it) and its codec
     wrapper; a bad option or a backend that fails to start is a clear error naming the tier."""
+    check_policies(cfg)
     cls, info = load_backend_class(cfg.backend)
     _check_encrypts(cls, cfg, auth)
     tier_auth = auth.for_tier(cfg.tier_name) if auth is not None else None
@@ -63,6 +65,7 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
         memory_regions=memory_regions,
         auth=tier_auth,
         read_limit=read_limit,
+        header_limit=header_limit,
         eviction=_eviction_policy(cls, cfg, options),
         quotas=None if cfg.quotas is None else TenantQuotas.from_config(cfg.quotas, auth),
         runtime=runtime,

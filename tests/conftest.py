@@ -34,7 +34,10 @@ Engines (tests/support/vllm_helpers.py), kept to the suite's 15-minute budget on
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -121,12 +124,21 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if NO_ENGINE and item.get_closest_marker("vllm"):
         pytest.skip(NO_ENGINE)
 
+#: One tenant key for the session's processes (sdk/policies/tenants.py), never the user's own: the
+#: tenant ids a test computes (some at import) are those its engines, servers and tiers compute.
+_TENANT_KEY_DIR = tempfile.mkdtemp(prefix="kvplug-test-tenant-key-")
+TENANT_KEY_FILE = os.path.join(_TENANT_KEY_DIR, "tenant.key")
+os.environ["KVPLUG_TENANT_KEY_FILE"] = TENANT_KEY_FILE
+atexit.register(shutil.rmtree, _TENANT_KEY_DIR, True)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_kvplug_env(monkeypatch, tmp_path_factory):
     for name in list(os.environ):
         if name.startswith("KVPLUG_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("KVPLUG_CACHE_DIR", str(tmp_path_factory.mktemp("kvplug-cache")))
+    monkeypatch.setenv("KVPLUG_TENANT_KEY_FILE", TENANT_KEY_FILE)
 
 
 @pytest.fixture(scope="module", autouse=True)

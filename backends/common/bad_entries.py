@@ -7,6 +7,8 @@
 * **Another format version** (a node of another kvplug version wrote it, a rolling upgrade):
   counted (``other_version``), logged once, a miss and left in place; remembered for
   :data:`OTHER_VERSION_TTL_S` so lookups miss it without a read and stores do not overwrite it.
+  Only without a keyring: with ``auth_key_env`` an entry of another version is an
+  authentication failure (:func:`kvplug.chunkfile.decode_header`), corrupt like any other.
 
 :class:`BadEntries` applies it; :meth:`BadEntries.read_header` is the chunk-file parse with the
 policy applied to what it raises. The tier says how an entry is deleted (a callable per call: a
@@ -78,12 +80,14 @@ class BadEntries:
             self._other.discard(name)
 
     def read_header(self, name: str, read: cf.ReadAt, size: int | None, auth: cf.Keyring | None,
-                    delete: Callable[[], object]) -> tuple[cf.ChunkHeader, bytes] | None:
-        """:func:`kvplug.chunkfile.read_header` of entry ``name`` with the policy applied:
-        ``None`` for a corrupt entry (deleted), one of another version (left) or one that
-        ``read`` found unavailable (raising :class:`Unavailable`: a plain miss)."""
+                    delete: Callable[[], object],
+                    max_header: int | None = None) -> tuple[cf.ChunkHeader, bytes] | None:
+        """:func:`kvplug.chunkfile.read_header` of entry ``name`` (a header of at most
+        ``max_header`` bytes) with the policy applied: ``None`` for a corrupt entry (deleted),
+        one of another version (left) or one that ``read`` found unavailable (raising
+        :class:`Unavailable`: a plain miss)."""
         try:
-            return cf.read_header(read, size, auth)
+            return cf.read_header(read, size, auth, max_header)
         except Unavailable:
             return None
         except ChunkVersionError as exc:

@@ -126,6 +126,7 @@ class ValueStoreTier:
                                       clock=ctx.runtime.monotonic)
         self.io, self.url = self.open_io(ctx, self.breaker)
         self.io.read_limit = ctx.read_limit  # a value longer than one chunk is never received
+        self._header_limit = ctx.header_limit
         self._allocate = ctx.allocate
         self._auth = ctx.auth  # keyed names and MACs (auth_key_env), or None
         self._log_once = LogOnce(logger)
@@ -208,6 +209,13 @@ class ValueStoreTier:
         if pin:
             self._pins.pin_all(n for n, hit in zip(names, result) if hit)
         return result
+
+    @hookimpl
+    def forget_misses(self, keys: Sequence[CacheKey]) -> None:
+        names = [self.name_of(k) for k in keys]
+        with self._lock:
+            for name in names:
+                self._absent.discard(name)
 
     @hookimpl
     def unpin(self, keys: Sequence[CacheKey]) -> None:
@@ -505,12 +513,19 @@ class ValueStoreTier:
                 self._count("headers_reused")
                 return header
         parsed = self._bad.read_header(name, read, size, self._auth,
-                                       lambda: self._lost(name, delete=True))
+                                       lambda: self._lost(name, delete=True), self._max_header())
         if parsed is None:
             self._headers.pop(name)
             return None
         self._headers.put(name, *parsed)
         return parsed[0]
+
+    def _max_header(self) -> int | None:
+        """The most header bytes read of a value: a header of the engine's chunks
+        (``ctx.header_limit``), never more than a whole value may be (``ctx.read_limit``); a
+        longer one is corrupt before more than its first bytes are fetched."""
+        limits = [n for n in (self._header_limit(), self.io.read_limit()) if n is not None]
+        return min(limits) if limits else None
 
     def _fill(self, name: str, header: cf.ChunkHeader, meta: MemoryObjMeta, view: memoryview,
               first: int, count: int, base: int, obj: MemoryObj | None = None,

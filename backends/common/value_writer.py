@@ -100,6 +100,7 @@ class ValueWriter:
         #: the writer threads: daemon threads of the tier's runtime (kvplug.runtime), one task
         #: per burst of stores (a simulation orders each against everything else)
         self._pool = runtime.executor(threads, f"kvplug-{self._name}-w", daemon=True)
+        runtime.start_threads(self._pool, threads)  # now, not on the first store
 
     # -- what lookups and eviction need to know -------------------------------------------------
     def known(self, names: Sequence[str], trust_written: bool) -> list[bool | None]:

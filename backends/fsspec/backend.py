@@ -29,7 +29,7 @@ from pydantic import ByteSize, Field, field_validator
 from ..common.breaker import CircuitBreaker
 from ..common.value_io import ValueIO
 from ..common.value_tier import RemoteOptions, ValueStoreTier
-from .io import FsspecIO, Redactor, open_filesystem, remove_stale_local_temps
+from .io import FsspecIO, Redactor, open_filesystem
 
 logger = logging.getLogger("kvplug.backends.fsspec")
 
@@ -70,7 +70,7 @@ class FsspecBackend(ValueStoreTier):
         fs, self.root = open_filesystem(opts.url, opts.storage_options, opts.timeout_s,
                                         self.redact)
         io = FsspecIO(ctx.name, fs, opts.timeout_s, opts.io_threads, breaker, self.redact,
-                      ctx.runtime)
+                      ctx.runtime, self.root)
         return io, self.redact(opts.url)
 
     def batch_bytes(self) -> int:
@@ -78,8 +78,8 @@ class FsspecBackend(ValueStoreTier):
 
     def __init__(self, ctx: TierContext) -> None:
         super().__init__(ctx)
-        if self.io.is_local:  # crashed local writers' temporary files (object stores have none)
-            removed = remove_stale_local_temps(self.root)
+        if self.io.local is not None:  # crashed writers' temporary files (object stores: none)
+            removed = self.io.local.remove_stale_temps()
             if removed:
                 logger.info("tier %r: removed %d stale temporary file(s) under %s", self.name,
                             removed, self.url)

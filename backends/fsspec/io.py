@@ -3,8 +3,10 @@
 All operations are coroutines run on one event loop: the filesystem's own loop for async
 filesystems (s3fs, gcsfs, ...), where ``fs._cat_file`` and friends are awaited directly, or
 fsspec's IO loop for synchronous ones (``memory``, ``file``), whose blocking calls go to a small
-thread pool. ``asyncio.wait_for`` cancels a call that runs past its timeout inside the loop, and
-the calling thread waits on the future with a slightly longer bound, so a dead store never hangs a
+thread pool; a ``file://`` store is not reached through fsspec's local filesystem at all but
+through :class:`~.local.LocalFiles` (the posix tier's rules: no link followed, no blocking
+open). ``asyncio.wait_for`` cancels a call that runs past its timeout inside the loop, and the
+calling thread waits on the future with a slightly longer bound, so a dead store never hangs a
 caller. Credentials are scrubbed from every message this module produces (:class:`Redactor`).
 :class:`FsspecIO` is the tier's :class:`~kvplug.backends.common.value_io.ValueIO`: the same small
 interface resp and mooncake implement, behind the tier's circuit breaker.
@@ -14,21 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem, get_loop
-from kvplug import chunkfile as cf
 from kvplug.errors import ConfigError
 from kvplug.redact import Redactor
 from kvplug.runtime import THREADS, Runtime
 
 from ..common.breaker import CircuitBreaker
 from ..common.value_io import ValueIO
+from .local import LocalFiles
 
 T = TypeVar("T")
 
@@ -84,7 +84,7 @@ class FsspecIO(ValueIO):
 
     def __init__(self, name: str, fs: fsspec.AbstractFileSystem, timeout_s: float,
                  io_threads: int, breaker: CircuitBreaker, redact: Redactor,
-                 runtime: Runtime = THREADS) -> None:
+                 runtime: Runtime = THREADS, root: str = "") -> None:
         super().__init__(name, breaker, redact)
         self.fs = fs
         self.timeout_s = timeout_s
@@ -94,7 +94,8 @@ class FsspecIO(ValueIO):
         # blocking filesystems' calls, from fsspec's event loop thread (kvplug.runtime's pool:
         # fsspec's own loop thread stays outside a simulation's control)
         self._pool = None if self.is_async else runtime.executor(io_threads, "kvplug-fsspec-io")
-        self.is_local = "file" in _protocols(fs) or "local" in _protocols(fs)
+        #: a ``file://`` store's objects, under the posix tier's rules (None: another store)
+        self.local = LocalFiles(root) if {"file", "local"} & set(_protocols(fs)) else None
         cat = getattr(fs, "_cat_file", None)
         # s3fs issues a HEAD before every whole-object read unless told to read in one request.
         self._cat_kwargs = (
@@ -140,6 +141,8 @@ class FsspecIO(ValueIO):
 
     # -- primitives (coroutines) --------------------------------------------------------------
     async def cat(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        if self.local is not None:
+            return await self._blocking(self.local.read, path, start, end)
         if self.is_async:
             if start is None and end is None:
                 return await self.fs._cat_file(path, **self._cat_kwargs)
@@ -148,15 +151,17 @@ class FsspecIO(ValueIO):
 
     async def put(self, path: str, data: bytes) -> None:
         """Write a whole object so that readers see all of it or nothing."""
-        if self.is_async:
+        if self.local is not None:
+            await self._blocking(self.local.write, path, data)
+        elif self.is_async:
             await self.fs._pipe_file(path, data)
-        elif self.is_local:
-            await self._blocking(_local_atomic_write, path, data)
         else:
             await self._blocking(self.fs.pipe_file, path, data)
 
     async def size(self, path: str) -> int | None:
         """Object size, or ``None`` when it does not exist."""
+        if self.local is not None:
+            return await self._blocking(self.local.size, path)
         try:
             if self.is_async:
                 info = await self.fs._info(path)
@@ -170,7 +175,9 @@ class FsspecIO(ValueIO):
 
     async def rm(self, path: str) -> None:
         try:
-            if self.is_async:
+            if self.local is not None:
+                await self._blocking(self.local.remove, path)
+            elif self.is_async:
                 await self.fs._rm_file(path)
             else:
                 await self._blocking(self.fs.rm_file, path)
@@ -179,6 +186,8 @@ class FsspecIO(ValueIO):
 
     async def find(self, root: str) -> dict[str, dict[str, Any]]:
         try:
+            if self.local is not None:
+                return await self._blocking(self.local.find)
             if self.is_async:
                 return await self.fs._find(root, detail=True)
             return await self._blocking(self.fs.find, root, detail=True)
@@ -274,28 +283,3 @@ class FsspecIO(ValueIO):
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     proto = fs.protocol
     return (proto,) if isinstance(proto, str) else tuple(proto)
-
-
-def _local_atomic_write(path: str, data: bytes) -> None:
-    """A ``file://`` object written whole: temporary name, then rename (the chunk-file rule)."""
-    with cf.atomic_file(path) as tmp, open(tmp, "wb") as f:
-        f.write(data)
-
-
-def remove_stale_local_temps(root: str) -> int:
-    """Delete the temporary files that ``file://`` writers killed mid-write left under ``root``
-    (older than ``chunkfile.TEMP_MAX_AGE_S``: no live write takes that long); how many."""
-    now = time.time()
-    removed = 0
-    for d, _, names in os.walk(root):
-        for name in names:
-            if not cf.is_temp(name):
-                continue
-            path = os.path.join(d, name)
-            try:
-                if cf.is_stale_temp(name, os.stat(path).st_mtime, now):
-                    os.unlink(path)
-                    removed += 1
-            except OSError:  # removed by another process meanwhile, or not ours to delete
-                continue
-    return removed

@@ -106,7 +106,8 @@ class GDSBackend(PosixBackend):
             return super()._chunk_io(ctx)
         opts: GDSBackend.Options = ctx.options
         return gds_io.KvikioFileIO(ctx.allocate, ctx.auth, fsync=opts.fsync, file_mode=opts.mode,
-                                   gid=opts.gid, verify_device=opts.verify_device)
+                                   gid=opts.gid, verify_device=opts.verify_device,
+                                   header_limit=ctx.header_limit)
 
     @hookimpl
     def stats(self) -> dict[str, float]:

@@ -127,12 +127,12 @@ def write_chunk(path: str | Path, key: CacheKey, obj: MemoryObj, *, fsync: bool 
     return head.file_size
 
 
-def _read_header(fd: int, key: CacheKey,
-                 auth: cf.Keyring | None = None) -> tuple[cf.ChunkHeader, int]:
+def _read_header(fd: int, key: CacheKey, auth: cf.Keyring | None = None,
+                 max_header: int | None = None) -> tuple[cf.ChunkHeader, int]:
     """The checked header of ``key``'s open file and its inode. :class:`CorruptChunk` if it is
-    damaged or holds another key."""
+    damaged, longer than ``max_header`` or holds another key."""
     st = os.fstat(fd)
-    return read_checked_header(fd, st, key, auth=auth)[0], st.st_ino
+    return read_checked_header(fd, st, key, auth=auth, max_header=max_header)[0], st.st_ino
 
 
 def _read_layers(fd: int, header: cf.ChunkHeader, ino: int, dest: torch.Tensor,
@@ -160,11 +160,12 @@ def _read_layers(fd: int, header: cf.ChunkHeader, ino: int, dest: torch.Tensor,
 
 def read_chunk(fd: int, key: CacheKey, allocate: Callable[..., MemoryObj | None],
                layers: tuple[int, int] | None = None, *, verify_device: bool = True,
-               auth: cf.Keyring | None = None) -> tuple[MemoryObj | None, int]:
+               auth: cf.Keyring | None = None,
+               max_header: int | None = None) -> tuple[MemoryObj | None, int]:
     """Same contract as the posix tier's ``read_chunk`` (an open chunk file ``fd``, opened by
     :func:`kvplug.backends.posix.fs.open_chunk`), through kvikio: ``(obj, file_size)`` (with
     ``auth``, every read is verified, ``verify_device`` or not)."""
-    header, ino = _read_header(fd, key, auth)
+    header, ino = _read_header(fd, key, auth, max_header)
     first, count, meta = header.select(layers)
     obj = allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
     if obj is None:
@@ -195,8 +196,10 @@ class KvikioFileIO(ChunkFileIO):
 
     def __init__(self, allocate: Callable[..., MemoryObj | None], auth: cf.Keyring | None, *,
                  fsync: bool = False, file_mode: int = FILE_MODE, gid: int | None = None,
-                 verify_device: bool = True) -> None:
-        super().__init__(allocate, auth, fsync=fsync, file_mode=file_mode, gid=gid)
+                 verify_device: bool = True,
+                 header_limit: Callable[[], int | None] = lambda: None) -> None:
+        super().__init__(allocate, auth, fsync=fsync, file_mode=file_mode, gid=gid,
+                         header_limit=header_limit)
         self.verify_device = verify_device
 
     def prepare_write(self, key: CacheKey, rel: str,
@@ -212,4 +215,4 @@ class KvikioFileIO(ChunkFileIO):
     def read(self, fd: int, key: CacheKey, rel: str,
              layers: tuple[int, int] | None) -> tuple[MemoryObj | None, int]:
         return read_chunk(fd, key, self.allocate, layers, verify_device=self.verify_device,
-                          auth=self.auth)
+                          auth=self.auth, max_header=self.header_limit())

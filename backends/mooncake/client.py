@@ -33,9 +33,17 @@ from ..common.value_io import StoreRefused, ValueIO
 
 logger = logging.getLogger("kvplug.backends.mooncake")
 
-#: Mooncake's codes: an object that does not exist; codes at or below RPC_FAILED are outages.
+#: Mooncake's codes: an object that does not exist; one the master holds a lease on (it was
+#: read or asked about within its ``default_kv_lease_ttl``, 10 s by default: a remove of it is
+#: refused); codes at or below RPC_FAILED are outages.
 OBJECT_NOT_FOUND = -704
+OBJECT_HAS_LEASE = -706
 RPC_FAILED = -900
+#: How often a remove Mooncake refused for a lease is asked again (on the tier's next calls).
+LEASED_RETRY_S = 1.0
+#: Removes refused for a lease remembered at once; past it the oldest is forgotten (left to
+#: Mooncake's own eviction) and said once in the log.
+MAX_LEASED = 1 << 16
 
 
 class MooncakeError(ConnectionError):
@@ -54,7 +62,13 @@ def _store_class() -> Any:
 class MooncakeIO(ValueIO):
     """Mooncake Store's primitives: batch existence, reads in pieces into registered memory
     (L1's pool, this thread's buffers), batch upserts from registered memory (``put`` would keep
-    an older value), batch removes."""
+    an older value), batch removes.
+
+    Mooncake's master leases an object to whoever reads it or asks whether it exists, and
+    refuses to remove it until the lease ends (10 s by default). A name whose remove was refused
+    is gone as far as this tier is concerned (evicted for room, cleared by an operator): it is
+    answered absent and never read (asking would renew the lease) until a later write stores it
+    again, and its remove is asked again on the tier's next calls until Mooncake takes it."""
 
     reads_into = True
 
@@ -74,6 +88,10 @@ class MooncakeIO(ValueIO):
         self._buffers: list[np.ndarray] = []  # this client's own buffers (kept alive)
         self._regions: list[tuple[int, int]] = []  # registered [start, end)
         self._closed = False
+        #: names whose remove Mooncake refused for a lease -> when it was last asked
+        self._leased: dict[str, float] = {}
+        self._leased_lock = threading.Lock()
+        self._clock = runtime.monotonic
         # one task on a daemon pool of the tier's runtime (kvplug.runtime: a simulation's orders it)
         setup = runtime.executor(1, f"kvplug-{name}-setup", daemon=True)
         setup.submit(self._set_up_early)
@@ -143,11 +161,63 @@ class MooncakeIO(ValueIO):
         if code <= RPC_FAILED:
             raise MooncakeError(f"{what} failed ({code})")
 
+    # -- removes Mooncake refused for a lease (see the class docstring) ---------------------------
+    def _gone(self, names: Sequence[str]) -> set[str]:
+        """Of ``names``, those removed as far as this tier is concerned (their remove waits for
+        a lease to end); the removes that are due are asked again first."""
+        self._remove_leased()
+        with self._leased_lock:
+            return {n for n in names if n in self._leased} if self._leased else set()
+
+    def _remove_leased(self) -> None:
+        """Ask again for the removes refused at least :data:`LEASED_RETRY_S` ago."""
+        now = self._clock()
+        with self._leased_lock:
+            due = [n for n, at in self._leased.items() if now - at >= LEASED_RETRY_S]
+            for n in due:
+                self._leased[n] = now
+        if due:
+            self._removed(due, self.store().batch_remove(due))
+
+    def _removed(self, names: Sequence[str], codes: Sequence[int]) -> None:
+        """Note the answers of a batch remove: a refusal for a lease is remembered (asked again
+        later), anything else ends it; an outage raises."""
+        now = self._clock()
+        with self._leased_lock:
+            for n, c in zip(names, codes):
+                if c == OBJECT_HAS_LEASE:
+                    self._leased.setdefault(n, now)
+                else:
+                    self._leased.pop(n, None)
+            while len(self._leased) > MAX_LEASED:
+                self._leased.pop(next(iter(self._leased)))
+                self._said_once("leased", "tier %r: more than %d removes wait for Mooncake's "
+                                "leases; the oldest are left to Mooncake's own eviction",
+                                self.name, MAX_LEASED)
+        for c in codes:
+            self._check(c, "batch_remove")
+
+    def _stored(self, names: Sequence[str]) -> None:
+        """These names hold what was just written: no remove of theirs is pending any more."""
+        if self._leased:
+            with self._leased_lock:
+                for n in names:
+                    self._leased.pop(n, None)
+
+    def _said_once(self, what: str, msg: str, *args: Any) -> None:
+        if not getattr(self, f"_told_{what}", False):
+            setattr(self, f"_told_{what}", True)
+            logger.warning(msg, *args)
+
     def _exists(self, names: Sequence[str]) -> list[bool | None]:
-        codes = self.store().batch_is_exist(names if isinstance(names, list) else list(names))
+        gone = self._gone(names)
+        ask = [n for n in names if n not in gone]
+        codes = self.store().batch_is_exist(ask) if ask else []
         if min(codes, default=0) <= RPC_FAILED:
             self._check(min(codes), "batch_is_exist")
-        return [True if c == 1 else False if c == 0 else None for c in codes]
+        answers = dict(zip(ask, codes))
+        return [False if n in gone else True if answers[n] == 1 else False if answers[n] == 0
+                else None for n in names]
 
     def _slab(self, store: Any, size: int) -> np.ndarray:
         """This thread's read buffer for whole values, grown to ``size`` bytes when needed."""
@@ -160,6 +230,8 @@ class MooncakeIO(ValueIO):
         """The value as a view of this thread's read buffer (valid until its next read). One
         call when the buffer is large enough (the usual case once a thread has read a chunk);
         ``get_size`` only on a miss or a value larger than the buffer."""
+        if self._gone([name]):
+            return None
         store = self.store()
         slab = getattr(self._local, "slab", None)
         if slab is not None:
@@ -195,8 +267,14 @@ class MooncakeIO(ValueIO):
 
     def _get_into_many(self, names: Sequence[str],
                        pieces: Sequence[Sequence[tuple[int, int]]]) -> list[int | None]:
-        codes = self.store().batch_get_into_multi_buffers(
-            list(names), [[a for a, _ in p] for p in pieces], [[n for _, n in p] for p in pieces])
+        gone = self._gone(names)
+        ask = [i for i, n in enumerate(names) if n not in gone]
+        got = self.store().batch_get_into_multi_buffers(
+            [names[i] for i in ask], [[a for a, _ in pieces[i]] for i in ask],
+            [[n for _, n in pieces[i]] for i in ask]) if ask else []
+        codes = [OBJECT_NOT_FOUND] * len(names)
+        for i, code in zip(ask, got):
+            codes[i] = code
         out: list[int | None] = []
         for code, p in zip(codes, pieces):
             if code >= 0:
@@ -216,17 +294,19 @@ class MooncakeIO(ValueIO):
             codes = store.batch_upsert_from(names, where, [len(v) for _, v in items])
             for c in codes:
                 self._check(c, "batch_upsert_from")
+            self._stored([n for n, c in zip(names, codes) if c == 0])
             return [None if c == 0 else StoreRefused(f"batch_upsert_from refused ({c}: full or "
                                                      "too large)") for c in codes]
         rc = store.upsert_batch(names, [v for _, v in items])
         if rc == 0:
+            self._stored(names)
             return [None] * len(items)
         self._check(rc, "upsert_batch")
         return [StoreRefused(f"upsert_batch refused ({rc}: full or too large)")] * len(items)
 
     def _delete(self, names: Sequence[str]) -> None:
-        for c in self.store().batch_remove(list(names)):
-            self._check(c, "batch_remove")
+        names = list(names)
+        self._removed(names, self.store().batch_remove(names))
 
     def close(self) -> None:
         with self._store_lock:

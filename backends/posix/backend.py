@@ -182,8 +182,9 @@ class PosixBackend:
         self.reader = Reader(self.directory, self.writer, self.held, self.files, self._log_once)
         self.operator_pins = OperatorPins(
             self.directory, self.held,
-            PinFile(self.root, opts.mode, opts.gid, self.name) if writable else None,
-            ctx.max_pinned_fraction, self._pin)
+            PinFile(self.root, opts.mode, opts.gid, self.name, ctx.auth) if writable else None,
+            ctx.max_pinned_fraction, self._pin,
+            lambda rel: self.files.problem(self.directory.path(rel), rel))
         self._lock = self.directory.lock
         self._rt = ctx.runtime
         self.directory.start_scan(self.operator_pins.around_scan)
@@ -192,7 +193,7 @@ class PosixBackend:
         """How chunk bytes move between memory and files (the gds tier: through kvikio)."""
         opts = self.opts
         return ChunkFileIO(ctx.allocate, ctx.auth, fsync=opts.fsync, direct=self.o_direct,
-                           file_mode=opts.mode, gid=opts.gid)
+                           file_mode=opts.mode, gid=opts.gid, header_limit=ctx.header_limit)
 
     def _log_once(self, what: str, msg: str, *args: object) -> None:
         """Warn about one kind of problem once per tier (later ones are counted in stats)."""

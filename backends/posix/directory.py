@@ -128,7 +128,7 @@ class Directory:
                 current = self.index.begin_merge()
                 doomed = self.reaper.doomed()  # evicted before the scan: not indexed again
             try:
-                found = scan(self.root)
+                found = scan(self.root, self._rt.time)
                 for rel in doomed:
                     found.entries.pop(pack_rel(rel, register=False), None)
                 prepared = PosixIndex.prepare_merge(current, found)
@@ -268,7 +268,7 @@ class Directory:
         index is added with ``size`` (skipped if ``size`` is None). False if the file is gone.
         ``later``: the mtime is bumped on the reaper's thread (a read that must not wait on the
         file system), and True is returned."""
-        now = time.time()
+        now = self._rt.time()
         with self.lock:
             due = self.index.touch(rel, now, size, _TOUCH_EVERY_S)
             start = later and due and not self._stamps

@@ -8,7 +8,8 @@ a FIFO or a device where a chunk file or a shard directory should be. So a chunk
 descriptor (``openat``-style), with ``O_NOFOLLOW | O_NONBLOCK`` and an ``fstat`` that requires a
 regular file. An entry that is a link, a FIFO or anything but a regular file raises
 :class:`NotRegular` (a miss: counted, logged once, left in place); the root itself is the
-operator's, resolved once at start.
+operator's, resolved once at start. The flags and the regular-file check are
+:mod:`kvplug.chunkfile.beneath`'s, the one rule every reader of such a directory follows.
 """
 
 from __future__ import annotations
@@ -17,15 +18,10 @@ import errno
 import os
 import stat
 
-#: how every chunk file is opened for reading
-READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-#: how a shard directory is opened (a symlink there fails with ELOOP)
-DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+from kvplug.chunkfile.beneath import DIR_FLAGS, READ_FLAGS, NotRegular, require_regular
 
-
-class NotRegular(OSError):
-    """The entry at a chunk path (or its shard directory) is not a regular file (directory):
-    a symlink, a FIFO, a socket, a device. Never opened for I/O, never followed."""
+__all__ = ["DIR_FLAGS", "READ_FLAGS", "NotRegular", "lstat_chunk", "open_chunk", "open_dir",
+           "reopen", "require_regular", "touch_chunk", "touch_in", "unlink_chunk"]
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -67,19 +63,6 @@ def reopen(fd_path: str, flags: int = 0) -> int:
     return require_regular(os.open(fd_path, (READ_FLAGS & ~os.O_NOFOLLOW) | flags), fd_path)
 
 
-def require_regular(fd: int, path: str) -> int:
-    """``fd`` if it is a regular file; else closes it and raises :class:`NotRegular`."""
-    try:
-        mode = os.fstat(fd).st_mode
-    except BaseException:
-        os.close(fd)
-        raise
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise NotRegular(errno.EINVAL, f"not a regular file ({stat.filemode(mode)})", path)
-    return fd
-
-
 def lstat_chunk(path: str) -> os.stat_result | None:
     """The ``stat`` of a chunk file, or None when it is missing or not a regular file (no link
     followed, the shard's included)."""
@@ -119,9 +102,14 @@ def touch_chunk(path: str, stamp: float) -> None:
     parent, name = _split(path)
     dfd = open_dir(parent)
     try:
-        os.utime(name, (stamp, stamp), dir_fd=dfd, follow_symlinks=False)
+        touch_in(dfd, name, stamp)
     finally:
         os.close(dfd)
+
+
+def touch_in(dir_fd: int, name: str, stamp: float) -> None:
+    """:func:`touch_chunk` of the file ``name`` in the shard directory open as ``dir_fd``."""
+    os.utime(name, (stamp, stamp), dir_fd=dir_fd, follow_symlinks=False)
 
 
 def stat_in(dir_fd: int, name: str) -> os.stat_result | None:

@@ -134,15 +134,17 @@ def _is_shard(name: str) -> bool:
     return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
 
 
-def scan(root: Path, tmp_max_age_s: float = cf.TEMP_MAX_AGE_S) -> ScanResult:
+def scan(root: Path, clock: Callable[[], float] = time.time,
+         tmp_max_age_s: float = cf.TEMP_MAX_AGE_S) -> ScanResult:
     """Every chunk file under ``root`` (``"shard/name"`` -> size, mtime). Temporary files older
-    than ``tmp_max_age_s`` (left by a writer that crashed, in any process) are deleted.
+    than ``tmp_max_age_s`` at ``clock()`` (the wall clock of the tier's runtime; left by a
+    writer that crashed, in any process) are deleted.
 
     Only real directories and regular files count: a symlinked shard directory is never entered
     and a link, FIFO or device at a chunk name never indexed (:mod:`.fs`), so no eviction can
     reach outside ``root``. Each shard is read through its own descriptor, so what is listed and
     deleted is what that descriptor holds even if the name is swapped meanwhile."""
-    started = time.time()
+    started = clock()
     entries: dict[int | str, int] = {}
     try:
         with os.scandir(root) as it:

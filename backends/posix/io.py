@@ -263,18 +263,21 @@ def _aligned_reader(fd: int, flags: int = 0) -> Callable[[int, int], memoryview]
 
 def read_checked_header(fd: int, st: os.stat_result, key: CacheKey,
                         known: Known | None = None, auth: cf.Keyring | None = None,
-                        read_flags: int = 0) -> Known:
+                        max_header: int | None = None, read_flags: int = 0) -> Known:
     """``(header, its bytes)`` of the open chunk file ``fd``, checked to hold ``key``. ``known``
     from an earlier read or write of the same path is reused when the file still starts with
-    exactly its bytes (the parse is a pure function of them). Raises :class:`CorruptChunk` for a
-    damaged file or one of another key, :class:`ForeignChunk` for one of another format version."""
+    exactly its bytes (the parse is a pure function of them); a header longer than
+    ``max_header`` (the engine's, ``ctx.header_limit``) is corrupt before it is read. Raises
+    :class:`CorruptChunk` for a damaged file or one of another key, :class:`ForeignChunk` for one
+    of another format version."""
     if known is not None and known[0].file_size == st.st_size:
         # bytes == bytes is a memcmp (a memoryview compared with bytes goes item by item)
         if bytes(_aligned_reader(fd, read_flags)(0, len(known[1]))) == known[1]:
             header, raw = known
             return _check_key(header, raw, key, auth, st.st_ino)
     try:
-        header, raw = cf.read_header(_aligned_reader(fd, read_flags), st.st_size, auth)
+        header, raw = cf.read_header(_aligned_reader(fd, read_flags), st.st_size, auth,
+                                     max_header)
     except ChunkVersionError as exc:
         raise ForeignChunk(str(exc), st.st_ino) from None
     except ChunkFormatError as exc:
@@ -306,6 +309,7 @@ def read_chunk(
     direct: bool = False,
     known: Known | None = None,
     auth: cf.Keyring | None = None,
+    max_header: int | None = None,
     read_flags: int = 0,
 ) -> tuple[MemoryObj | None, int, Known]:
     """Read the chunk of ``key`` (or ``layers=(first, count)`` of it) from the open chunk file
@@ -313,12 +317,13 @@ def read_chunk(
     description: ``direct`` sets ``O_DIRECT`` on it) into memory from ``allocate``, every
     ``preadv`` with ``read_flags`` (``RWF_NOWAIT``: ``BlockingIOError`` rather than a wait).
 
-    ``known`` is ``(header, its bytes)`` from an earlier read or write of this path (see
-    :func:`read_checked_header`): where the file is still its size and the read starts at layer
-    0, the header and the layers are read in one call (:func:`_read_in_one`). Returns ``(obj,
-    file_size, (header, its bytes))``; ``obj`` is ``None`` when ``allocate`` had no memory.
-    Raises :class:`CorruptChunk` if the file is damaged or holds another key
-    (:class:`ForeignChunk`: of another format version), ``ValueError`` for a bad layer range."""
+    ``known`` is ``(header, its bytes)`` from an earlier read or write of this path, and
+    ``max_header`` the longest header read (see :func:`read_checked_header`): where the file is
+    still its size and the read starts at layer 0, the header and the layers are read in one
+    call (:func:`_read_in_one`). Returns ``(obj, file_size, (header, its bytes))``; ``obj`` is
+    ``None`` when ``allocate`` had no memory. Raises :class:`CorruptChunk` if the file is damaged
+    or holds another key (:class:`ForeignChunk`: of another format version), ``ValueError`` for
+    a bad layer range."""
     if direct:
         _set_direct(fd, True)
     st = os.fstat(fd)
@@ -328,7 +333,7 @@ def read_chunk(
         if done is not None:
             return done
         known = None  # the file starts with other bytes now: parsed again
-    known = read_checked_header(fd, st, key, known, auth, read_flags)
+    known = read_checked_header(fd, st, key, known, auth, max_header, read_flags)
     header = known[0]
     first, count, meta = header.select(layers)
     obj = allocate(meta.shape, meta.dtype, meta.fmt, meta.num_tokens)
@@ -399,14 +404,17 @@ class ChunkFileIO:
     """How the posix tier moves one chunk's bytes between memory and its file: :func:`write_chunk`
     and :func:`read_chunk` (vectored, O_DIRECT where ``direct``), with the header of every file it
     wrote or read kept in a :class:`~kvplug.backends.common.chunks.HeaderCache` by relative path
-    (a file that still starts with the same bytes is not parsed again). The gds tier's
+    (a file that still starts with the same bytes is not parsed again); ``header_limit()`` is
+    the longest header read (``ctx.header_limit``). The gds tier's
     :class:`kvplug.backends.gds.io.KvikioFileIO` moves the bytes through kvikio instead."""
 
     def __init__(self, allocate: Callable[..., MemoryObj | None], auth: cf.Keyring | None, *,
                  fsync: bool = False, direct: bool = False, file_mode: int = FILE_MODE,
-                 gid: int | None = None) -> None:
+                 gid: int | None = None,
+                 header_limit: Callable[[], int | None] = lambda: None) -> None:
         self.allocate = allocate
         self.auth = auth
+        self.header_limit = header_limit
         self.fsync, self.direct, self.file_mode, self.gid = fsync, direct, file_mode, gid
         self.headers = HeaderCache()
         self._nowait: int | None | object = _UNKNOWN  # read flags that never wait
@@ -431,7 +439,8 @@ class ChunkFileIO:
         """:func:`read_chunk` of the open file ``fd`` (a private open file description) of
         ``rel``: ``(obj or None when memory is full, file size)``; raises as it does."""
         obj, size, (header, raw) = read_chunk(fd, key, self.allocate, layers, direct=self.direct,
-                                              known=self.headers.known(rel), auth=self.auth)
+                                              known=self.headers.known(rel), auth=self.auth,
+                                              max_header=self.header_limit())
         self.headers.put(rel, header, raw)
         return obj, size
 
@@ -460,6 +469,27 @@ class ChunkFileIO:
     def forget(self, rel: str) -> None:
         """The file of ``rel`` is gone or unusable: its header is not reused."""
         self.headers.pop(rel)
+
+    def problem(self, path: str, rel: str) -> str | None:
+        """Why the file at ``path`` (``rel`` under the root) is not a chunk of this tier: not a
+        regular file, a header that fails its checks (with the keyring, its MAC), or — without a
+        keyring, where names follow keys — a key that is not its name's; ``None`` when it is
+        one, or when there is no file."""
+        try:
+            fd = fs.open_chunk(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        try:
+            header, _ = cf.read_header_fd(fd, None, self.auth, self.header_limit())
+        except ChunkFormatError as exc:
+            return str(exc)
+        finally:
+            os.close(fd)
+        if self.auth is None and cf.relative_chunk_path(header.key) != rel:
+            return "it holds another key than its name's"
+        return None
 
 
 def layer_range_copy(obj: MemoryObj, layers: tuple[int, int],

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import os
-import time
 from collections.abc import Sequence
 
 from kvplug.chunkfile.atomic import directory_of
@@ -63,6 +62,7 @@ class Writer:
             ("writes", "disk_bytes_written", "dropped_puts", "failed_puts", "skipped_puts"), 0)
         self._threads = threads
         self._pool = runtime.executor(threads, f"kvplug-{directory.name}")
+        runtime.start_threads(self._pool, threads)  # now, not on the first store
 
     def submit(self, keys: Sequence[CacheKey], rels: Sequence[str],
                objs: Sequence[MemoryObj]) -> None:
@@ -112,7 +112,8 @@ class Writer:
             # and the rename
             with directory_of(path, fsync=files.fsync, file_mode=files.file_mode, gid=files.gid,
                               no_follow=True) as dfd:
-                st = fs.stat_in(dfd, os.path.basename(path))
+                name = os.path.basename(path)
+                st = fs.stat_in(dfd, name)
                 if st is not None:  # another process (or an earlier run) stored it already
                     # counted as this write would have been: room made within the capacity and
                     # the tenant's quota first (else this view holds more than either allows)
@@ -132,8 +133,9 @@ class Writer:
                     return
                 reserved = size
                 written = write_file(path, dfd)
+                stamp = self._stamp(dfd, name)
             with self._lock:
-                self._dir.index.add(rel, written, time.time())
+                self._dir.index.add(rel, written, stamp)
                 # in the same lock: the file is counted once (indexed), never twice (reserved too)
                 self._dir.index.unreserve(reserved, key.tenant)
                 reserved = 0
@@ -172,6 +174,18 @@ class Writer:
             self._releasing -= 1
             if not self.pending and not self._releasing:
                 self._idle.notify_all()
+
+    def _stamp(self, dir_fd: int, name: str) -> float:
+        """Give the file ``name`` just written in the shard open as ``dir_fd`` its LRU stamp from
+        the runtime's wall clock (its mtime, the order processes sharing the directory evict
+        in), so the index and the file agree and a simulated clock orders the files, not the
+        kernel's; the stamp."""
+        stamp = self._rt.time()
+        try:
+            fs.touch_in(dir_fd, name, stamp)
+        except OSError:
+            pass  # gone already (evicted by another process), or read-only: the stamp is advisory
+        return stamp
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued write is done and the writer holds no object."""

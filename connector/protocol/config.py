@@ -99,6 +99,14 @@ class ConnectorConfig(KVPlugConfig):
         "--api-key guards it, which every API client has. Set it where clients are tenants, so "
         "only operators and routers can clear or look up",
     )
+    handoff_wait_s: float = Field(
+        default=10.0, ge=0,
+        description="disaggregated prefill: how long a consumer waits (in the background, never "
+        "an engine step) for the chunks a producer's hand-off names before it computes what is "
+        "missing. A kv_producer offers it with every request's hand-off (kv_transfer_params); a "
+        "kv_consumer waits the smaller of the offered and its own, from when it sees the "
+        "request. 0: a consumer never waits",
+    )
     report_to_client: bool = Field(
         default=False,
         description="return the per-request report (hit tokens, tiers) in kv_transfer_params; "

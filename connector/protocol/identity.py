@@ -68,6 +68,16 @@ class Identity:
                         tenant=tenant)
 
 
+def keys_digest(ident: Identity) -> str:
+    """16 hex naming everything in a chunk's key but its hash, ranks, tenant and weights epoch:
+    engines with the same digest make the same key for the same chunk, rank and tenant (a
+    disaggregated consumer waits only for a producer it shares keys with). The KV tensor
+    dtype is left out: the model's dtype and ``cache_dtype``, which are in, decide it."""
+    fields = [ident.model, ident.model_digest, ident.layout, ident.world_size, ident.cache_dtype,
+              ident.scales, ident.pp_size]
+    return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
+
+
 def _plain(value: Any) -> Any:
     """JSON-able plain values (a callable ``hf_overrides`` becomes its qualified name)."""
     if callable(value) and not isinstance(value, type):

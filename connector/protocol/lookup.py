@@ -63,6 +63,9 @@ class Lookup(msgspec.Struct, tag=True):
     deadline: float = float("inf")
     epoch: str = ""  # the scheduler's weights epoch: keys are looked up under it
     tenant: str = ""  # the request's tenant id: keys are looked up under it
+    #: chunks another engine announced it is storing (a producer's hand-off): no tier answers
+    #: from a miss it remembers (StorageManager.lookup_prefix's ``fresh``)
+    fresh: bool = False
 
 
 class Release(msgspec.Struct, tag=True):
@@ -385,12 +388,13 @@ class LookupClient:
         self.epoch = epoch
 
     def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]],
-               tenant: str = "") -> int | None:
+               tenant: str = "", fresh: bool = False) -> int | None:
         """Leading stored tokens (minimum over ranks); ``None`` while a rank has not answered;
-        0 when a rank is late past the deadline or absent."""
+        0 when a rank is late past the deadline or absent. ``fresh``: the tiers forget the
+        misses they remember of these chunks first (:attr:`Lookup.fresh`)."""
         if not hashes and not tails:
             return 0
-        query = (tuple(hashes), tuple(tails), self.epoch, tenant)
+        query = (tuple(hashes), tuple(tails), self.epoch, tenant, fresh)
         p = self._pending.get(req_id)
         if p is None or p.query != query:
             if p is not None:
@@ -416,7 +420,8 @@ class LookupClient:
         self._next_id += 1
         p = _Pending(self._next_id, query, self.clock() + self.timeout_s)
         payload = _encode(Lookup(p.id, req_id, list(query[0]), list(query[1]),
-                                 deadline=p.deadline, epoch=self.epoch, tenant=query[3]))
+                                 deadline=p.deadline, epoch=self.epoch, tenant=query[3],
+                                 fresh=query[4]))
         try:
             for s in self._socks:
                 s.send(payload, zmq.NOBLOCK)

@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvplug.connector")
 
+#: how long the API server waits for a worker's answer: under the 60 s that HTTP proxies in
+#: front of vLLM commonly allow a response (nginx's ``proxy_read_timeout``) and the 120 s of
+#: ``kvplug cache ... --url``, so the caller gets the API's 503 naming the rank, not a proxy's
+#: 504 (a clear still running past it goes on in the worker; the 503 says so)
+MANAGE_TIMEOUT_S = 20.0
 #: hashes one management message may name (a clear of a prefix names a chunk per block end)
 MAX_MANAGE_HASHES = 65536
 
@@ -161,7 +166,18 @@ class ManageService(RouterService):
 
     def _serve(self, frames: list[bytes]) -> None:
         if len(frames) == 2:  # [client identity, request]
-            self._sock.send_multipart([frames[0], _encode(self._answer(frames[1]))])
+            self._sock.send_multipart([frames[0], self._encoded(self._answer(frames[1]))])
+
+    def _encoded(self, reply: ManageReply) -> bytes:
+        """The reply's bytes; an answer msgpack cannot encode (a value that is no plain data)
+        is answered as an error at once, never dropped (the caller would wait its whole
+        timeout for nothing)."""
+        try:
+            return _encode(reply)
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+            logger.exception("kvplug management answer could not be encoded")
+            return _encode(ManageReply(False, error=f"the worker's answer could not be encoded "
+                                                    f"({type(exc).__name__}: {exc})"))
 
     def _answer(self, payload: bytes) -> ManageReply:
         try:
@@ -181,7 +197,7 @@ class ManageService(RouterService):
 class ManageClient:
     """The API server's side: send one message to every rank, wait for each reply (bounded)."""
 
-    def __init__(self, paths: list[Path], timeout_s: float = 60.0) -> None:
+    def __init__(self, paths: list[Path], timeout_s: float = MANAGE_TIMEOUT_S) -> None:
         self.paths = paths
         self.timeout_s = timeout_s
 
@@ -212,7 +228,8 @@ class ManageClient:
                     poller.unregister(s)
             return [replies.get(i) or ManageReply(
                 False, error=f"no answer from the worker at {p} within {self.timeout_s:g}s "
-                             "(is the engine up, with kvplug's connector?)")
+                             "(is the engine up, with kvplug's connector? A clear or pin may "
+                             "still be running there: ask status again)")
                 for i, p in enumerate(self.paths)]
         finally:
             for s in socks:
@@ -220,11 +237,12 @@ class ManageClient:
             ctx.term()
 
 
-def client_for(engine_id: str, tp: int, pp: int, timeout_s: float = 60.0) -> ManageClient:
+def client_for(engine_id: str, tp: int, pp: int,
+               timeout_s: float = MANAGE_TIMEOUT_S) -> ManageClient:
     """A client of every worker (TP x PP) of engine ``engine_id``."""
     return ManageClient([manage_path(engine_id, r, p) for p in range(pp) for r in range(tp)],
                         timeout_s)
 
 
-__all__ = ["ManageClear", "ManageClient", "ManageLookup", "ManagePin", "ManageReply",
+__all__ = ["MANAGE_TIMEOUT_S", "ManageClear", "ManageClient", "ManageLookup", "ManagePin", "ManageReply",
            "ManageService", "ManageStatus", "WorkerManagement", "client_for", "manage_path"]

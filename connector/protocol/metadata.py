@@ -89,6 +89,9 @@ class KVPlugMetadata(KVConnectorMetadata):
     epoch: str = ""
     #: vLLM scheduled no token this step (it runs no forward pass; only waits on loads)
     idle: bool = False
+    #: (an idle step) requests wait for chunks a producer named (..scheduler.handoff): the
+    #: step pauses a little, rather than vLLM running empty steps back to back meanwhile
+    handoffs: bool = False
     #: blocks this step reads that a failed load left unwritten: every worker reports them as
     #: load errors, so vLLM recomputes them (see :mod:`..scheduler.unwritten`)
     unwritten: list[int] = field(default_factory=list)

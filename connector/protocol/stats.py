@@ -66,8 +66,28 @@ TIER_GAUGES: dict[str, str] = {
 #: Per-tier, per-tenant bytes held (a tier's ``tenant_usage``): keys ``<this><tier>.<tenant id>``
 #: (``-`` for chunks without a tenant), sent as changes like :data:`TIER_GAUGES`.
 TENANT_PREFIX = "tier_tenant_bytes."
+#: Tenants a tier reports by id (those holding the most bytes); the others' bytes are summed under
+#: :data:`OTHER_TENANTS`, so a deployment with thousands of tenants keeps a bounded number of series.
+TENANT_SERIES = 100
+OTHER_TENANTS = "other"
 #: how often a worker asks its tiers for their bytes per tenant (a disk tier counts its index)
 TENANT_SAMPLE_S = 10.0
+
+
+def capped_tenants(usage: dict[str, int]) -> dict[str, float]:
+    """One tier's bytes per tenant as reported: the :data:`TENANT_SERIES` tenants holding the
+    most by id (``-``: chunks without a tenant, always), the rest summed under
+    :data:`OTHER_TENANTS`; tenants holding nothing left out."""
+    out: dict[str, float] = {}
+    named = sorted(((n, t) for t, n in usage.items() if t and n), reverse=True)
+    for nbytes, tenant in named[:TENANT_SERIES]:
+        out[tenant] = nbytes
+    rest = sum(n for n, _ in named[TENANT_SERIES:])
+    if rest:
+        out[OTHER_TENANTS] = rest
+    if usage.get("", 0):
+        out["-"] = usage[""]
+    return out
 
 
 class KVPlugStats(KVConnectorStats):
@@ -170,9 +190,10 @@ class StatsRecorder:
 
     def sample_tenants(self, storage: Any, now: float | None = None) -> None:
         """Every :data:`TENANT_SAMPLE_S` at most (and never sooner than 50x the time the last
-        sample took), by the storage's runtime clock: each tier's bytes per tenant id (the tiers that can list them:
-        ``StorageManager.tenant_usage``), as changes since the last sample (a tenant gone is sent
-        back to 0). Only tenant ids, never a salt."""
+        sample took), by the storage's runtime clock: each tier's bytes per tenant id (the tiers
+        that can list them: ``StorageManager.tenant_usage``; :func:`capped_tenants`), as changes
+        since the last sample (a tenant gone is sent back to 0, and the front end drops its
+        series). Only tenant ids, never a salt."""
         clock = storage.runtime.monotonic  # (the simulation's own clock under it: replays)
         now = clock() if now is None else now
         if now - self._tenants_at < max(TENANT_SAMPLE_S, 50 * self._tenants_cost):
@@ -181,8 +202,8 @@ class StatsRecorder:
         start = clock()
         current: dict[str, float] = {}
         for tier in storage.tier_names:
-            for tenant, nbytes in (storage.tenant_usage(tier) or {}).items():
-                current[f"{TENANT_PREFIX}{tier}.{tenant or '-'}"] = nbytes
+            for tenant, nbytes in capped_tenants(storage.tenant_usage(tier) or {}).items():
+                current[f"{TENANT_PREFIX}{tier}.{tenant}"] = nbytes
         self._tenants_cost = max(0.0, clock() - start)
         with self._lock:
             for full in set(current) | set(self._tenant_seen):

@@ -41,11 +41,13 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvplug.logs import LogOnce
 from kvplug.policies.tenants import tenant_id
 from kvplug.storage_manager import auth_keyring
 from kvplug.tokens import TokenDatabase
@@ -55,6 +57,8 @@ from ..protocol.groups import GroupLayout
 from ..protocol.identity import chunk_extra_keys
 from ..protocol.metadata import KVPlugMetadata, KVPlugWorkerMeta, LoadSpec, ReqMeta, SaveSpec
 from ..protocol.stats import StatsRecorder
+from . import handoff
+from .handoff import HandoffWait
 from .tenants import TenantGate
 from .unwritten import UnwrittenBlocks
 
@@ -90,13 +94,16 @@ class RequestTracker:
     report: dict[str, Any] = field(default_factory=dict)  # returned in kv_transfer_params
     #: its KV may predate a weights reset: no load nor store until it starts over (see reset)
     stale: bool = False
-    #: its tenant id (cache_salt, else kv_transfer_params["tenant"]; hashed: never the value)
+    #: its tenant id (of its cache_salt only; hashed: never the salt)
     tenant: str = ""
+    #: a consumer's wait for the chunks a producer's hand-off named (.handoff)
+    handoff: HandoffWait | None = None
 
 
 class LookupFn(Protocol):
     def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]],
-               tenant: str = "") -> int | None: ...  # None: not answered yet, ask again
+               tenant: str = "", fresh: bool = False
+               ) -> int | None: ...  # None: not answered yet, ask again
 
     def release(self, req_ids: list[str]) -> None: ...
 
@@ -107,7 +114,7 @@ class SchedulerSide:
     def __init__(
         self, config: ConnectorConfig, block_size: int, role: str, lookup: LookupFn,
         layout: GroupLayout | None = None, drop_last_block: bool = False,
-        runs_ahead: str | None = None,
+        runs_ahead: str | None = None, keys_digest: str = "",
     ) -> None:
         self.layout = layout or GroupLayout()  # KV cache groups (..protocol.groups)
         if config.chunk_size % block_size and self.layout.servable:
@@ -148,6 +155,11 @@ class SchedulerSide:
         #: the weights epoch keys are made under ("": the weights on disk); see :meth:`reset`
         self.epoch = ""
         self.draw_epoch: Callable[[], str] = partial(secrets.token_hex, 8)  # a fresh epoch
+        #: what this engine's keys are made of (..protocol.identity.keys_digest): a producer
+        #: names it in its hand-offs, a consumer waits only for hand-offs naming its own
+        self.keys_digest = keys_digest
+        self.clock: Callable[[], float] = time.monotonic  # hand-off waits
+        self._handoff_log = LogOnce(logger)
         if config.fresh_epoch_at_start:
             self._new_epoch("start-up (fresh_epoch_at_start)")
 
@@ -205,16 +217,18 @@ class SchedulerSide:
                                can_load=False, can_save=False)
             self._allow(t)
             t.tenant = self._tenant_of(request)
+            if self.role == "kv_consumer":
+                self._handoff_receive(t)
             self.trackers[request.request_id] = t
         return t
 
     def _tenant_of(self, request: Request) -> str:
-        """The request's tenant id: of its ``cache_salt``, else of a ``tenant`` in its
-        ``kv_transfer_params`` (:func:`kvplug.policies.tenants.tenant_id`; keyed by the
-        deployment secret with ``auth_key_env``); ``""`` without either."""
-        params: dict[str, Any] = request.kv_transfer_params or {}
-        value = getattr(request, "cache_salt", None) or params.get("tenant")
-        return tenant_id(str(value), self._auth) if value else ""
+        """The request's tenant id: of its ``cache_salt`` only
+        (:func:`kvplug.policies.tenants.tenant_id`), ``""`` without one. A tenant is never
+        taken from ``kv_transfer_params``: a client could name another tenant there without its
+        salt, charging and evicting that tenant's entries (or a fresh name, a fresh quota)."""
+        salt = getattr(request, "cache_salt", None)
+        return tenant_id(str(salt), self._auth) if salt else ""
 
     def _allow(self, t: RequestTracker) -> None:
         """What the request may do: load and store unless its role or its params say no."""
@@ -249,12 +263,16 @@ class SchedulerSide:
         cap = (request.num_tokens - 1) // self.bs * self.bs
         if cap <= num_computed_tokens and not t.can_save:
             return 0, False  # vLLM holds it all; a lookup would only say what not to store again
+        if t.handoff is not None and self._handoff_later(t):
+            return None, False  # the chunks a producer named: looked up again a little later
         full = cap // self.cs
         hashes = self._full_hashes(t, full)
         n = t.refine[1] if t.refine is not None and t.refine[0] == request.num_tokens else full
         timeouts = getattr(self.lookup, "timeouts", 0)
         found = self._ask(t, hashes[:n], cap)
         timed_out = getattr(self.lookup, "timeouts", 0) > timeouts  # a late rank: no second ask
+        if t.handoff is not None and self._handoff_pending(t, found, num_computed_tokens):
+            return None, False  # not all of it stored yet: wait (.handoff)
         if found is not None and not timed_out and n == full and found < full * self.cs \
                 and cap > num_computed_tokens:
             n = found // self.cs  # the first missing full chunk: try the partial ones in it
@@ -320,8 +338,10 @@ class SchedulerSide:
         top = min(cap, (n + 1) * self.cs - self.bs)
         tails = [(e, self._partial_hash(t, e)) for e in range(top, n * self.cs, -self.bs)]
         timeouts = getattr(self.lookup, "timeouts", 0)
-        found = (self.lookup.lookup(t.request.request_id, hashes, tails, tenant=t.tenant)
-                 if t.tenant else self.lookup.lookup(t.request.request_id, hashes, tails))
+        scope: dict[str, Any] = {"tenant": t.tenant} if t.tenant else {}
+        if t.handoff is not None:  # chunks a producer named: no tier answers from a stale miss
+            scope["fresh"] = True
+        found = self.lookup.lookup(t.request.request_id, hashes, tails, **scope)
         if (late := getattr(self.lookup, "timeouts", 0) - timeouts) > 0:
             self.stats.add("lookup_timeouts", late)
         return found
@@ -419,6 +439,7 @@ class SchedulerSide:
         """One ReqMeta per scheduled request that loads or stores something this step."""
         meta = KVPlugMetadata(chunk_size=self.cs, block_size=self.bs, epoch=self.epoch,
                               idle=not getattr(so, "total_num_scheduled_tokens", 1))
+        meta.handoffs = meta.idle and self._handoffs_waiting()
         meta.requests, self._finishing = self._finishing, []
         self._inline_spent = 0  # the next step's budget
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
@@ -531,12 +552,95 @@ class SchedulerSide:
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         """Forget the request (the workers drop its pins); return what kvplug did for it, which
         vLLM hands back to the caller as ``kv_transfer_params["kvplug"]`` when
-        ``report_to_client`` is on (off: every API client would learn what others cached)."""
+        ``report_to_client`` is on (off: every API client would learn what others cached), and,
+        from a producer, its hand-off (:mod:`.handoff`: what it stores of this request alone)."""
         t = self.trackers.pop(request.request_id, None)
         if t is not None and t.asking:  # finished (aborted) while its lookup was in flight
             self.lookup.release([request.request_id])
+        offered = self._handoff_offer(t) if t is not None and self.role == "kv_producer" else None
         if t is None or not self.cfg.report_to_client:
-            return None
+            return offered
         rep = {"lookup_hit_tokens": t.lookup_tokens, "loaded_tokens": 0, "tiers": {},
                "load_ms": 0.0, "failed_blocks": 0, "stored_tokens": t.stored_tokens, **t.report}
-        return {"kvplug": rep}
+        return {**(offered or {}), "kvplug": rep}
+
+    # -- disaggregated prefill: the producer's hand-off and the consumer's wait (.handoff) --------
+    def _handoff_offer(self, t: RequestTracker) -> dict[str, Any] | None:
+        """A producer's hand-off for a finished request: the leading tokens whose chunks it
+        sent to be stored (every block but the one holding the prompt's last token, what a
+        consumer with the same prompt looks up; less if the prompt was not all computed: its
+        full chunks), named by the chained hash of the chunk ending there. None: nothing."""
+        if not t.can_save or t.stale:
+            return None
+        prompt_end = (t.prompt_len - 1) // self.bs * self.bs
+        tokens = prompt_end if t.saved_end >= prompt_end else t.stored_tokens // self.cs * self.cs
+        if tokens <= 0:
+            return None
+        last = self._hashes_for(t, (tokens - 1) // self.cs * self.cs, tokens)[-1]
+        self.stats.add("handoff_offers")
+        return handoff.offer(tokens, last, handoff.keys_identity(self.keys_digest, self.epoch),
+                             self.cfg.handoff_wait_s, self.cfg.tier_names())
+
+    def _handoff_receive(self, t: RequestTracker) -> None:
+        """A consumer's new request: wait for the chunks its hand-off names, if it has one that
+        names this prompt (the same chained hash) under this engine's keys."""
+        named = handoff.named_in(t.request.kv_transfer_params)
+        if named is None or not t.can_load:
+            return
+        if isinstance(named, str):
+            return self._handoff_ignored(t, named)
+        if named.keys != handoff.keys_identity(self.keys_digest, self.epoch):
+            return self._handoff_ignored(t, "its producer's keys differ from this engine's "
+                                            "(model, layout, parallelism, KV dtype or weights "
+                                            "epoch): it could never find them")
+        r = t.request
+        if named.tokens % self.bs or named.tokens > r.num_tokens \
+                or self._hashes_for(t, (named.tokens - 1) // self.cs * self.cs,
+                                    named.tokens)[-1] != named.last_hash:
+            return self._handoff_ignored(t, "it names another prompt than the request's")
+        cap = (r.num_tokens - 1) // self.bs * self.bs
+        target = named.tokens if named.tokens <= cap else cap // self.cs * self.cs
+        wait = min(named.ttl_s, self.cfg.handoff_wait_s)
+        if target > 0 and wait > 0:
+            now = self.clock()
+            t.handoff = HandoffWait(target, now, now + wait)
+            self.stats.add("handoff_waits")
+
+    def _handoffs_waiting(self) -> bool:
+        """Whether a request waits for chunks a producer named."""
+        return any(t.handoff is not None and t.handoff.waiting for t in self.trackers.values())
+
+    def _handoff_ignored(self, t: RequestTracker, why: str) -> None:
+        self.stats.add("handoff_ignored")
+        t.report["handoff"] = {"outcome": "ignored", "why": why}
+        self._handoff_log(why, "kvplug: a request's hand-off is ignored (%s); it loads what a "
+                          "lookup finds now, without waiting (further ones are counted in "
+                          "handoff_ignored, not logged)", why)
+
+    def _handoff_later(self, t: RequestTracker) -> bool:
+        """A waiting request whose next lookup is not due yet (none in flight, the deadline
+        not passed)."""
+        w = t.handoff
+        assert w is not None
+        now = self.clock()
+        return w.waiting and not t.asking and now < w.deadline and not w.due(now)
+
+    def _handoff_pending(self, t: RequestTracker, found: int | None,
+                         num_computed_tokens: int) -> bool:
+        """After a lookup for a waiting request: whether it keeps waiting (it found less than
+        the producer named and the deadline is ahead; its pins are dropped, the next lookup
+        spaced). An answer still to come is the usual path's (it asks again)."""
+        w = t.handoff
+        assert w is not None
+        if not w.waiting or found is None:
+            return False
+        now = self.clock()
+        if found < w.target and num_computed_tokens < w.target and now < w.deadline:
+            self.lookup.release([t.request.request_id])
+            t.asking = False
+            w.missed(now)
+            return True
+        outcome = "expired" if found < w.target and num_computed_tokens < w.target else "ready"
+        t.report["handoff"] = w.end(outcome, now)
+        self.stats.add(f"handoff_{outcome}")
+        return False

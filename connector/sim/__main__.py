@@ -11,7 +11,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvplug simulate", description=(
         "Run kvplug's deterministic simulation (vLLM's real scheduler, kvplug's connector, "
-        "the invariants I1-I5) against a backend behind L1."))
+        "the invariants I1-I11) against a backend behind L1."))
     ap.add_argument("--backend", required=True,
                     help="entry-point name or 'package.module:Class'")
     ap.add_argument("--options", default="{}",

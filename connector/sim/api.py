@@ -3,7 +3,7 @@
 vLLM's real scheduler, kvplug's real connector (scheduler side, two TP ranks' workers), L1
 (``local_cpu``) and the backend under test behind it, every kvplug task and every task the
 backend runs through ``TierContext.runtime`` ordered by the seed; the oracle and the invariants
-I1-I5 (docs/architecture.md) checked after every event. A failing seed prints its shrunk
+I1-I11 (docs/architecture.md) checked after every event. A failing seed prints its shrunk
 schedule and a one-line command that replays it.
 """
 
@@ -54,7 +54,7 @@ def replay_command(backend: str, options: str, seed: int) -> str:
 def simulate(backend: str, options: dict[str, Any] | str | None = None, seeds: int = 200,
              start: int = 0, jobs: int = 1, minutes: float = 0.0) -> Result:
     """Run seeds ``[start, start + seeds)`` against ``backend`` (behind L1); every violation
-    of I1-I5 a failure. ``jobs`` processes (forked); ``minutes`` > 0 stops early."""
+    of I1-I11 a failure. ``jobs`` processes (forked); ``minutes`` > 0 stops early."""
     import logging
     import time
 

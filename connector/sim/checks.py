@@ -1,8 +1,9 @@
-"""The invariants of the simulation (I1-I5, see docs/architecture.md), as a part of
+"""The invariants of the simulation (I1-I8, see docs/architecture.md), as a part of
 :class:`.world.World`: what each saved chunk must hold and the check of every stored or loaded
-chunk against it (I1), vLLM's block pool and the copies in flight (I4), what the workers report
-to vLLM (I3), and the end state (I1 over every tier, I5). I2 is checked in the step, where the
-forward pass's taint is known.
+chunk against it (I1), vLLM's block pool, the poison and the copies in flight (I4), what the
+workers report to vLLM (I3), the tiers' capacities and pins (I6, I7), and the end state (I1 over
+every tier, I5). I2 is checked in the step, where the forward pass's taint is known; I8 in
+:mod:`.manage`, I9 and I11 in :mod:`.clients`, I10 in :mod:`.stalls`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .engine import BS, POISON, TENSORS, Violation
+from .engine import POISON, TENSORS, Violation
 from .oracle import SLOT
 
 
@@ -118,8 +119,8 @@ class Checks:
         if ent is None:
             return None
         g, s, e, tokens = ent
-        pages = -(-(e - s) // BS)
-        out = np.zeros((TENSORS, pages, BS * SLOT), dtype=np.uint8)
+        pages = -(-(e - s) // self.bs)
+        out = np.zeros((TENSORS, pages, self.bs * SLOT), dtype=np.uint8)
         for m, (gg, j) in enumerate(self.layers):
             if gg != g:
                 continue
@@ -169,21 +170,45 @@ class Checks:
         pool = self.s.kv_cache_manager.block_pool
         return {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
 
-    def poison_and_check_copies(self, when: str) -> None:
+    def poison_and_check_copies(self, when: str, so: Any, md: Any) -> None:
         """I4, right before the forward pass (the first moment vLLM may rewrite a block it
         freed: every kvplug hook that must order a copy first has run): no block vLLM handed
-        back is read or written by a copy still in flight. Free blocks are then poisoned (the
-        forward may rewrite them), unless vLLM's prefix cache may still serve them; a copy that
-        reads one later stores poison, which I1 catches."""
+        back is read or written by a copy still in flight. Then every block whose content vLLM
+        does not vouch for is poisoned: free blocks its prefix cache cannot serve (no block hash
+        in its cached-block map), and blocks allocated since the last forward that vLLM does not
+        count as computed (its own prefix hit); a copy that reads one later stores poison (I1),
+        a forward that reads one is tainted (I2)."""
         free = self.free_blocks() - self.spare  # freed mid-step: the batch in flight owns them
         self.check_copies(free, when, "freed blocks")
         held = self.held_blocks()
         fresh = held - self.owned  # allocated by this schedule: vLLM's contract says garbage
         self.owned = held
-        if not self.cfg.prefix_caching and (free or fresh):
-            idx = torch.tensor(sorted(free | fresh))
+        if self.cfg.prefix_caching:
+            blocks = self.s.kv_cache_manager.block_pool.blocks
+            free = {b for b in free if blocks[b].block_hash is None}
+            fresh -= self._computed_blocks(so, md)
+        if free or fresh:
+            self.counts["blocks poisoned"] += len(free | fresh)
+            idx = sorted(free | fresh)
             for t in self.kv:
-                t[:, idx] = POISON
+                t.numpy()[:, idx] = POISON  # (a view: numpy's indexing costs far less here)
+
+    def _computed_blocks(self, so: Any, md: Any) -> set[int]:
+        """The blocks of this step's requests (and of the loads it starts) that vLLM counts as
+        computed before the step: its own prefix hit, never a load's target."""
+        loads = {r.req_id: r.load.start for r in md.requests if r.load is not None}
+        mgr = self.s.kv_cache_manager
+        out: set[int] = set()
+        for req_id in set(so.num_scheduled_tokens) | set(loads):
+            req = self.s.requests.get(req_id)
+            if req is None:
+                continue
+            done = req.num_computed_tokens - so.num_scheduled_tokens.get(req_id, 0)
+            if req_id in loads:  # vLLM's own hit ends where the load begins
+                done = loads[req_id]
+            for table in mgr.get_block_ids(req_id):
+                out.update(table[:done // self.bs])
+        return out - {0}
 
     def check_copies(self, blocks: set[int], when: str, what_blocks: str) -> None:
         """I4: no save copy or background load still in flight touches ``blocks`` (blocks vLLM
@@ -217,9 +242,9 @@ class Checks:
         self.check_copies(ids | {c.dst_block_id for c in cow}, when, "blocks it rewrites")
         self.counts["blocks zeroed by the model runner"] += len(ids)
         if ids:
-            idx = torch.tensor(sorted(ids))
+            idx = sorted(ids)
             for t in self.kv:
-                t[:, idx] = 0
+                t.numpy()[:, idx] = 0
         for c in cow:  # attention groups never make partial hits (Mamba's): for completeness
             self.counts["copy-on-write block copies"] += 1
             for t in self.kv:
@@ -375,8 +400,9 @@ class Checks:
         sched = self.s.connector._sched  # disk hits the scheduler had loaded inside the step
         self.figures["disk hits loaded inline"] += int(
             sched.stats.totals().get("inline_local_loads", 0))
-        if self.rt.queue:
-            raise Violation("I5", f"{len(self.rt.queue)} tasks still queued")
+        left = [f for f in self.rt.queue if f.pool.name != "kvplug-events"]  # (this check's
+        if left:  # evictions woke the KV events' watch: its look comes after, I11)
+            raise Violation("I5", f"{len(left)} tasks still queued")
         if threading.active_count() > self.threads0 + 8:
             raise Violation("I5", f"{threading.active_count()} threads (started with "
                                   f"{self.threads0})")

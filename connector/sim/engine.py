@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-BS, CS = 4, 8  # vLLM block size and kvplug chunk size (tokens)
+#: vLLM block size and kvplug chunk size (tokens) of most seeds (``SimConfig.block_size`` and
+#: ``chunk_size``); :data:`PRODUCTION_GEOMETRY` in a few
+BS, CS = 4, 8
+PRODUCTION_GEOMETRY = (16, 256)
 TENSORS = 2  # KV tensors per rank (each holds one layer of every group)
 RANKS = 2  # TP ranks by default (a seed's ``SimConfig.tp``: 1, 2 or 4)
 POISON = 0xEE
@@ -77,6 +80,26 @@ class SimConfig:
     #: the real lookup path (:class:`SimRemoteLookup`): the scheduler's ZeroMQ client and each
     #: rank's service, their answers when the schedule runs them; else answered at once
     remote_lookup: bool = False
+    block_size: int = BS  # vLLM's block size (tokens)
+    chunk_size: int = CS  # kvplug's chunk size (tokens)
+    #: pipeline parallelism's batch queue (vLLM's engine core, ``max_concurrent_batches``): the
+    #: plain Scheduler, each step's output handed to it after ``batch_queue - 1`` more steps were
+    #: scheduled and ran (vLLM's config says ``pipeline_parallel_size = batch_queue``); 1: none
+    batch_queue: int = 1
+    #: three tiers: L1, posix and, behind them, the value tier as a remote store that is "slow"
+    #: (spells of calls timing out, results arriving late), "hung" (blocked until quiescence)
+    #: or "gone" (down until quiescence); "": two tiers
+    remote: str = ""
+    priority: bool = False  # vLLM's priority scheduling; requests draw priorities (preemption)
+    #: vLLM's ``kv_load_failure_policy``: "fail" fails a request whose load failed
+    load_failure_policy: str = "recompute"
+    #: speculative decoding: drafts per decode step (a drafter that guesses right or wrong, so
+    #: vLLM rejects some and rolls ``num_computed_tokens`` back); 0: none
+    spec_tokens: int = 0
+    kv_events: bool = False  # vLLM's KV events on: kvplug's TierWatch and TierEventBook
+    #: the workers driven through ``KVPlugConnector``'s worker half, as vLLM's model runner calls
+    #: it (``get_transfer_results``, ``get_finished``'s idle wait...); else ``WorkerSide`` directly
+    via_connector: bool = False
 
 
 _MODEL: dict[str, Any] = {}
@@ -132,27 +155,52 @@ def _vllm_config(cfg: SimConfig) -> Any:
         _MODEL["vc"] = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BS),
                                   scheduler_config=sched, device_config=DeviceConfig("cpu"),
                                   kv_transfer_config=xfer)
+    from vllm.config import KVEventsConfig
+
     vc = _MODEL["vc"]
+    vc.cache_config.block_size = cfg.block_size
     vc.cache_config.enable_prefix_caching = cfg.prefix_caching
     vc.cache_config.num_gpu_blocks = cfg.num_blocks
     vc.scheduler_config.max_num_batched_tokens = cfg.max_batched
     vc.scheduler_config.async_scheduling = cfg.async_scheduling  # kvplug's connector reads it
+    vc.scheduler_config.policy = "priority" if cfg.priority else "fcfs"
+    # what max_concurrent_batches reads (the engine core's batch queue; kvplug's connector too)
+    vc.parallel_config.pipeline_parallel_size = cfg.batch_queue
+    vc.parallel_config.tensor_parallel_size = cfg.tp  # the ranks KV events wait for
+    vc.kv_transfer_config.kv_load_failure_policy = cfg.load_failure_policy
+    if cfg.load_failure_policy == "fail":
+        _quiet_failed_loads()
+    vc.kv_events_config = (KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+                           if cfg.kv_events else None)
     vc.kv_transfer_config.kv_connector_extra_config = {
-        "chunk_size": CS, "async_save": cfg.async_save, "layerwise": cfg.layerwise,
+        "chunk_size": cfg.chunk_size, "async_save": cfg.async_save, "layerwise": cfg.layerwise,
         "report_to_client": False, "log_every_load": False, "save_decode": True}
     return vc
 
 
-def _block_hasher() -> Any:
+def _quiet_failed_loads() -> None:
+    """vLLM logs an error for every request its ``fail`` policy fails; the simulation fails
+    thousands on purpose (``SimConfig.load_failure_policy``): those lines are dropped."""
+    import logging
+
+    if "quiet" in _MODEL:
+        return
+    _MODEL["quiet"] = True
+    logging.getLogger("vllm.v1.core.sched.scheduler").addFilter(
+        lambda rec: "due to KV load failure" not in rec.getMessage())
+
+
+def _block_hasher(block_size: int = BS) -> Any:
     """vLLM's per-request block hasher (prefix caching), as its engine core builds it."""
-    if "hasher" not in _MODEL:
+    name = f"hasher-{block_size}"
+    if name not in _MODEL:
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
         fn = get_hash_fn_by_name("sha256_cbor")
         init_none_hash(fn)
-        _MODEL["hasher"] = get_request_block_hasher(BS, fn)
-    return _MODEL["hasher"]
+        _MODEL[name] = get_request_block_hasher(block_size, fn)
+    return _MODEL[name]
 
 
 class SimLookup:

@@ -5,6 +5,7 @@ happens when vLLM's own scheduler stalls (every request aborted, as clients that
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .engine import Violation
@@ -44,12 +45,15 @@ class Faults:
             self._crashing("abort", lambda: self.s.finish_requests(
                 live[pick % len(live)], RequestStatus.FINISHED_ABORTED))
 
-    def evict(self, rank: int, tier: str, pick: int) -> None:
+    def evict(self, rank: int, tier: str, pick: int | None) -> None:
+        """One stored chunk (``pick``) evicted from a tier of ``rank`` (or from all); every
+        chunk it holds when ``pick`` is None."""
         keys = self.stored[rank]
         if keys:
             st = self.workers[rank].storage
             st.flush(5)
-            st.evict(keys=[keys[pick % len(keys)]], tiers=None if tier == "all" else [tier])
+            st.evict(keys=list(keys) if pick is None else [keys[pick % len(keys)]],
+                     tiers=None if tier == "all" else [tier])
 
     def lose(self, rank: int, pick: int) -> None:
         """Reads of a stored chunk on ``rank`` find nothing, in every tier, until the current (or
@@ -73,7 +77,8 @@ class Faults:
         from .values import STORES
 
         store = STORES.get(self.urls[rank])
-        if store is not None:  # the value store: one value's last byte flipped
+        if store is not None and (self.cfg.lower == "values" or pick % 2):
+            # the value store (behind L1, or behind posix every other pick): a byte flipped
             names = sorted(store.values)
             if names:
                 name = names[pick % len(names)]
@@ -83,12 +88,23 @@ class Faults:
                        and not p.name.startswith("."))
         if files:
             f = files[pick % len(files)]
+            mtime = f.stat().st_mtime_ns  # the tier's LRU stamp, from the simulated clock
             f.write_bytes(_flipped(f.read_bytes(), pick))
+            os.utime(f, ns=(mtime, mtime))  # not the real clock's, which would not replay
 
     def gate(self, rank: int, on: bool) -> None:
         st = self.workers[rank].storage
         for t in st._tiers:
             if t.pool is not None:
+                t.pool.gated = on
+
+    def gate_remote(self, rank: int, on: bool) -> None:
+        """A three-tier stack's remote tier (the value store behind posix) blocks or answers
+        again: its calls time out while it blocks (with ``late``, their results arrive when it
+        answers again)."""
+        st = self.workers[rank].storage
+        for t in st._tiers:
+            if t.name == "values" and t.pool is not None:
                 t.pool.gated = on
 
     def outage(self, rank: int, on: bool) -> None:
@@ -159,7 +175,9 @@ class Faults:
 
         reqs = list(self.s.requests.values())
         serving = getattr(self.lookup, "serving", lambda f: False)  # the lookups' answers
-        if [f for f in self.rt.queue if not serving(f)] or not reqs:
+        owed = [f for f in self.rt.queue  # (the workers' stats sampler: a gauge, owed nobody)
+                if not serving(f) and f.pool.name != "kvplug-tenant-stats"]
+        if owed or not reqs:
             return False
         waiting = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS,
                    RequestStatus.PREEMPTED)

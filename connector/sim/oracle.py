@@ -5,6 +5,10 @@ hash of the rank, the layer, the token prefix and (layer >= 1) the bytes *actual
 slots the previous layer attends to (all earlier positions for full attention, the window for a
 sliding-window layer). So KV computed over a stale, foreign or poisoned block differs from the
 oracle's, which is the same function over the oracle's own slots.
+
+The simulated model samples its next token from the KV it read (:func:`token_of`: the last
+layer's slots the position attends to, on every rank, as logits would), so a request whose
+forward read wrong KV is handed a token the oracle (:meth:`Oracle.token`) would not produce.
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ def slot_value(rank: int, layer: int, ph: bytes, attended: bytes) -> bytes:
 
 def digest(slots: list[bytes]) -> bytes:
     return hashlib.blake2b(b"".join(slots), digest_size=12).digest()
+
+
+def token_of(reads: Sequence[bytes]) -> int:
+    """The token the simulated model samples after a position: a function of what its logits
+    read on every rank (``reads``: per rank, the :func:`digest` of the last layer's slots the
+    position attends to)."""
+    h = hashlib.blake2b(b"".join(reads), digest_size=4).digest()
+    return 3 + int.from_bytes(h, "little") % 997
 
 
 class Oracle:
@@ -63,3 +75,15 @@ class Oracle:
                 memo[k] = v
             out.append(v)
         return out
+
+    def token(self, ranks: int, tokens: Sequence[int], p: int,
+              ph: list[bytes] | None = None) -> int:
+        """The token the model samples after position ``p`` of ``tokens`` over the oracle's KV
+        (:func:`token_of`; ``ph``: :func:`prefix_hashes` of at least ``tokens[: p + 1]``)."""
+        last = self.num_layers - 1
+        ph = ph if ph is not None else prefix_hashes(tokens[: p + 1])
+        reads = []
+        for rank in range(ranks):
+            slots = self.slots(rank, last, tokens, p + 1, ph)
+            reads.append(digest([slots[q] for q in self.attends(last, p)]))
+        return token_of(reads)

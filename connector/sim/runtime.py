@@ -14,15 +14,25 @@ and every place kvplug would block decides from the simulation's state, never fr
   reaper): runs runnable tasks in queue order until the predicate holds, else times out;
 * a ticker (``TierWatch``) is a task queued on ``wake()``;
 * a task submitted from a thread the simulation does not own (fsspec's event loop) runs there at
-  once: such work is outside the simulation's control.
+  once: such work is outside the simulation's control;
+* the clocks are the simulation's: ``monotonic`` moves only when a wait times out, ``time`` (the
+  wall clock of posix's mtime stamps) one millisecond per reading besides.
 
 A *late* call: a gated pool's task that times out may be marked as started (``late``), so the
 caller cannot cancel it (``Future.cancel`` fails, as for a call a real thread is running) and its
 result arrives when the gate opens, long after its caller gave up (``Tier._late`` cleans up).
+
+Whose time: while the simulation runs vLLM's engine thread (:meth:`SimRuntime.engine_thread`,
+around each worker hook), every jump of the clock counts as the engine's wait
+(``engine_waited``), and every task it waits on through ``Future.result`` (or ``wait_all``)
+runs as the engine thread too: a tier call made there is in ``engine_calls`` (timed out or
+not). A task a wait runs because it happens to be runnable (``Event.wait``, ``Condition.wait``
+and ``wait_for``, the schedule's own steps) runs as its own thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future
@@ -31,13 +41,19 @@ from typing import Any
 
 from kvplug.runtime import Runtime
 
+#: the simulated wall clock's origin (ms since the epoch, September 2020): before any real
+#: file's mtime, so one the simulation did not stamp is the newest, whatever the real time
+WALL_EPOCH_MS = 1_600_000_000_000
+
 
 class SimFuture(Future):
     """A Future whose blocking ``result`` asks the simulation instead of waiting."""
 
-    def __init__(self, rt: SimRuntime, pool: SimExecutor, fn: Callable[[], Any]) -> None:
+    def __init__(self, rt: SimRuntime, pool: SimExecutor, fn: Callable[[], Any],
+                 call: tuple[Any, tuple, dict] = (None, (), {})) -> None:
         super().__init__()
         self.rt, self.pool, self.fn = rt, pool, fn
+        self.call = call  # what was submitted: (function, args, keyword arguments)
         self.started = False  # marked running at a timeout (a late call): cannot be cancelled
 
     def run(self) -> None:
@@ -52,18 +68,22 @@ class SimFuture(Future):
 
     def result(self, timeout: float | None = None) -> Any:
         if not self.done():
+            if self.rt.engine and self.rt.on_engine_call is not None:
+                self.rt.on_engine_call(self)  # a call the engine thread waits for
             if timeout is not None and self.pool.gated:
-                self.rt.clock += timeout
+                fn = self.call[0]
+                self.rt.waited(timeout, f"{getattr(fn, 'name', '') or getattr(fn, '__name__', '?')}"
+                                        f" on {self.pool.name}")
                 if self.rt.late and not self.started:  # a real thread had begun it
                     self.started = self.set_running_or_notify_cancel()
                     self.rt.late_calls += self.started
                 raise FutureTimeout()
-            self.rt.run_task(self)
+            self.rt.run_task(self, waited_on=True)
         return super().result(0)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self.done():
-            self.rt.run_task(self)
+            self.rt.run_task(self, waited_on=True)
         return super().exception(0)
 
 
@@ -78,7 +98,7 @@ class SimExecutor:
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> SimFuture:
         if self.closed:
             raise RuntimeError(f"cannot schedule new futures after shutdown ({self.name})")
-        fut = SimFuture(self.rt, self, lambda: fn(*args, **kw))
+        fut = SimFuture(self.rt, self, lambda: fn(*args, **kw), (fn, args, kw))
         if threading.get_ident() != self.rt.owner:  # a foreign thread (fsspec's loop): at once
             self.rt.foreign += 1
             fut.run()
@@ -99,7 +119,7 @@ class SimExecutor:
                 self.rt.queue.remove(f)
                 f.cancel()
             elif wait:
-                self.rt.run_task(f)
+                self.rt.run_task(f, waited_on=True)
 
 
 class SimEvent:
@@ -141,7 +161,7 @@ class SimCondition:
                     self.rt.run_task(f)
                     ran = True
             if not ran:
-                self.rt.clock += timeout or 0.0
+                self.rt.waited(timeout or 0.0)
         finally:
             self.lock.acquire()
         return ran
@@ -153,7 +173,7 @@ class SimCondition:
         while not result:
             ready = self.rt.runnable()
             if not ready:
-                self.rt.clock += timeout or 0.0
+                self.rt.waited(timeout or 0.0)
                 return predicate()
             self.lock.release()
             try:
@@ -202,8 +222,19 @@ class SimRuntime(Runtime):
         self.late_calls = 0
         self.foreign = 0  # tasks submitted from threads the simulation does not own
         self.ran = 0
+        self.wall_reads = 0  # readings of the wall clock (time)
         self.owner = threading.get_ident()
         self.on_task: Callable[[SimFuture], None] | None = None  # after every task (invariants)
+        #: the code running is vLLM's engine thread (see the module docstring)
+        self.engine = False
+        self.engine_waited = 0.0  # simulated seconds the engine thread waited (clock jumps)
+        #: each of them: (whose engine thread: a worker's rank, seconds, on what)
+        self.engine_waits: list[tuple[Any, float, str]] = []
+        self.engine_who: Any = None  # whose engine thread runs (each worker has its own)
+        self.engine_doing = ""  # what it runs (for the record of its waits)
+        self.running: SimFuture | None = None  # the task running now (None: no task)
+        #: told of every task the engine thread waits for (a tier call: which tier, what keys)
+        self.on_engine_call: Callable[[SimFuture], None] | None = None
 
     def executor(self, workers: int, name: str, daemon: bool = False) -> SimExecutor:
         pool = SimExecutor(self, workers, name)
@@ -222,17 +253,47 @@ class SimRuntime(Runtime):
     def monotonic(self) -> float:
         return self.clock
 
+    def waited(self, seconds: float, on: str = "a condition") -> None:
+        """The running thread waited ``seconds`` (a timeout) ``on`` something: the clock jumps."""
+        self.clock += seconds
+        if self.engine:
+            self.engine_waited += seconds
+            self.engine_waits.append((self.engine_who, seconds, f"{on} in {self.engine_doing}"))
+
+    @contextlib.contextmanager
+    def engine_thread(self, who: Any = None, doing: str = "") -> Iterator[None]:
+        """Run the block as ``who``'s engine thread (vLLM's thread in a worker process: its
+        waits are the engine's), ``doing`` something (named in the record of its waits)."""
+        prev, self.engine = self.engine, True
+        self.engine_who, self.engine_doing = who, doing
+        try:
+            yield
+        finally:
+            self.engine = prev
+
+    def time(self) -> float:
+        """A wall clock that replays: the simulated clock after :data:`WALL_EPOCH_MS`, plus a
+        millisecond per reading, so no two stamps tie (posix orders its files by mtime, in ms:
+        a tie would fall to the order a directory lists them in)."""
+        self.wall_reads += 1
+        return (WALL_EPOCH_MS + round(self.clock * 1000) + self.wall_reads) / 1000
+
     def wait_first(self, futures: Any, timeout: float) -> None:
         """Never waits: the schedule decides when a queued task runs."""
+
+    def start_threads(self, pool: Any, workers: int, timeout: float = 1.0) -> None:
+        """Nothing to start: a pool's tasks run when the schedule says."""
 
     def wait_all(self, futures: Any, timeout: float | None) -> bool:
         """Run each future's task (a gated one: the wait times out)."""
         for f in list(futures):
             if not f.done() and isinstance(f, SimFuture):
+                if self.engine and self.on_engine_call is not None:
+                    self.on_engine_call(f)
                 if f.pool.gated:
-                    self.clock += timeout or 0.0
+                    self.waited(timeout or 0.0, f"a task of {f.pool.name}")
                     return False
-                self.run_task(f)
+                self.run_task(f, waited_on=True)
         return all(f.done() for f in futures)
 
     def runnable(self) -> list[SimFuture]:
@@ -248,13 +309,20 @@ class SimRuntime(Runtime):
             out.append(f)
         return out
 
-    def run_task(self, fut: SimFuture) -> None:
+    def run_task(self, fut: SimFuture, waited_on: bool = False) -> None:
+        """Run ``fut``'s task now: as the thread that waits for it (``waited_on``: its
+        ``result``), else as a thread of its own."""
         if fut in self.queue:
             self.queue.remove(fut)
         if fut.done():
             return
         self.ran += 1
-        fut.run()
+        prev, self.engine = self.engine, self.engine and waited_on
+        outer, self.running = self.running, fut
+        try:
+            fut.run()
+        finally:
+            self.engine, self.running = prev, outer
         if self.on_task is not None:
             self.on_task(fut)
 

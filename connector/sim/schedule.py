@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 from .controls import injected
-from .engine import CS, RANKS, SimConfig, Violation
+from .engine import PRODUCTION_GEOMETRY, RANKS, SimConfig, Violation
 from .manage import with_manage_events
 from .world import World
 
@@ -63,6 +63,38 @@ def config_for(seed: int, faults: frozenset[str] = frozenset(),
         cfg = replace(cfg, drop_last_block=True)
     if more33.random() < 0.35:  # the real lookup client and services, answers when scheduled
         cfg = replace(cfg, remote_lookup=True)
+    return _engine_kinds(seed, cfg)
+
+
+def _engine_kinds(seed: int, cfg: SimConfig) -> SimConfig:
+    """The engines drawn last, from a stream of their own (the other draws are unchanged):
+    pipeline parallelism's batch queue, three tiers with a remote store, production geometry,
+    priority scheduling, the ``fail`` policy, speculative decoding, KV events, the workers
+    through ``KVPlugConnector``."""
+    rng = random.Random(seed * 7919 + 44)
+    x = rng.random()
+    if x < 0.12 and not cfg.async_scheduling:  # the plain Scheduler behind a batch queue
+        cfg = replace(cfg, batch_queue=2 if x < 0.08 else 4)
+    x = rng.random()
+    if x < 0.18 and cfg.lower == "posix" and not cfg.tier:
+        cfg = replace(cfg, remote=("slow", "slow", "hung", "gone")[int(x / 0.045)])
+    if rng.random() < 0.06 and not cfg.shared_dir and not cfg.neighbour:  # 16/256: costly
+        bs, cs = PRODUCTION_GEOMETRY
+        cfg = replace(cfg, block_size=bs, chunk_size=cs, window=cfg.window * 8,
+                      num_blocks=rng.choice((64, 80, 96) if cfg.hybrid else (40, 56, 80)),
+                      max_batched=rng.choice((96, 160, 256)))
+    if rng.random() < 0.15:
+        cfg = replace(cfg, priority=True)
+    if rng.random() < 0.15:
+        cfg = replace(cfg, load_failure_policy="fail")
+    x = rng.random()
+    if x < 0.12 and not cfg.async_scheduling and cfg.batch_queue == 1 \
+            and cfg.block_size < PRODUCTION_GEOMETRY[0]:  # (vLLM: none with PP)
+        cfg = replace(cfg, spec_tokens=1 + int(x / 0.04))
+    if rng.random() < 0.2 and cfg.batch_queue == 1:  # a PP stage's workers are not simulated
+        cfg = replace(cfg, kv_events=True)
+    if rng.random() < 0.3:
+        cfg = replace(cfg, via_connector=True)
     return cfg
 
 
@@ -75,7 +107,8 @@ def _has_lossless() -> bool:
 def events_for(seed: int, n: int = 40) -> list[tuple]:
     """Seed ``seed``'s events: issue 22's kinds, then issue 33's inserted from a stream of
     their own (mid-step aborts; the value store's outages and partial batches)."""
-    evs = _base_events(seed, n)
+    cfg = config_for(seed)
+    evs = _base_events(seed, n, cfg.block_size, cfg.chunk_size)
     more = random.Random(seed * 7919 + 3)
     out: list[tuple] = []
     for ev in evs:
@@ -87,7 +120,17 @@ def events_for(seed: int, n: int = 40) -> list[tuple]:
             out.append(("outage", more.randrange(RANKS), more.random() < 0.6))
         elif x < 0.10:
             out.append(("partial", more.randrange(RANKS)))
-    if config_for(seed).neighbour:  # another process on rank 0's directory (SimConfig)
+    if cfg.remote == "slow":  # a remote tier's slow spells (its calls time out), a stream
+        spells = random.Random(seed * 7919 + 45)  # of their own
+        slow: list[tuple] = []
+        for ev in out:
+            slow.append(ev)
+            if spells.random() < 0.1:
+                slow.append(("remote", spells.randrange(RANKS), spells.random() < 0.6))
+        out = slow
+    if _loads_disk_hits_in_step(cfg):
+        out = _with_hangs(seed, out)
+    if cfg.neighbour:  # another process on rank 0's directory (SimConfig)
         nb = random.Random(seed * 7919 + 5)
         with_nb: list[tuple] = []
         for ev in out:
@@ -99,9 +142,43 @@ def events_for(seed: int, n: int = 40) -> list[tuple]:
     return with_manage_events(seed, out)  # issue 34's clears and pins (a stream of their own)
 
 
-def _base_events(seed: int, n: int) -> list[tuple]:
+def _loads_disk_hits_in_step(cfg: SimConfig) -> bool:
+    """Whether ``cfg``'s engine loads disk hits inside the step: posix behind L1, one KV cache
+    group, no batch queue, an inline budget."""
+    return (not cfg.hybrid and not cfg.async_scheduling and cfg.batch_queue == 1
+            and cfg.lower == "posix" and not cfg.tier and cfg.inline_chunks != 0)
+
+
+def _with_hangs(seed: int, events: list[tuple]) -> list[tuple]:
+    """In half the engines that load disk hits inside the step (a stream of its own, whose
+    first draw leaves the suite's regression seeds out), after some steps: a rank's L1 emptied
+    and a request for the last prefix seen (that rank's hits come from disk, inside the step),
+    and that rank's disk hanging for the step, between the lookups and the loads (an in-step
+    read of a hung medium)."""
+    rng = random.Random(seed * 7919 + 47)
+    if rng.random() >= 0.5:
+        return events
+    out: list[tuple] = []
+    prefix: tuple[int, ...] = ()
+    for ev in events:
+        out.append(ev)
+        if ev[0] == "arrive":
+            prefix = ev[1]
+        if ev[0] == "step" and prefix and rng.random() < 0.4:
+            rank = rng.randrange(RANKS)
+            out += [("evict", rank, "local_cpu", None),
+                    ("arrive", prefix, (rng.randrange(3, 1000),), 2),
+                    ("step", ("gate", rank, True)), ("gate", rank, False)]
+    return out
+
+
+def _base_events(seed: int, n: int, bs: int, cs: int) -> list[tuple]:
     rng = random.Random(seed)
-    prefixes = [tuple(rng.randrange(3, 1000) for _ in range(rng.choice((CS, 2 * CS, 3 * CS, 5))))
+    # production geometry's prompts: a chunk, a chunk and some blocks, two chunks but two blocks
+    # (within the model's 512 tokens)
+    sizes = (cs, 2 * cs, 3 * cs, 5) if cs < PRODUCTION_GEOMETRY[1] else \
+        (cs, cs + 5 * bs + 3, 2 * cs - 2 * bs, 5)
+    prefixes = [tuple(rng.randrange(3, 1000) for _ in range(rng.choice(sizes)))
                 for _ in range(3)]
     evs: list[tuple] = []
     for _ in range(n):
@@ -148,6 +225,12 @@ class Outcome:
     counts: dict[str, int] = field(default_factory=dict)  # what it exercised (World.counts)
     trace: list[str] = field(default_factory=list)  # a digest after every event (World.trace)
 
+    @property
+    def digest(self) -> str:
+        """The whole run in one digest (the trace's last, which folds in every event, the end,
+        the violation and every count): what a replay of the seed must give again."""
+        return self.trace[-1] if self.trace else ""
+
 
 def run(cfg: SimConfig, events: list[tuple]) -> Outcome:
     """Apply ``events`` then quiesce; the first violation (or crash) ends the run."""
@@ -172,9 +255,9 @@ def _run(cfg: SimConfig, events: list[tuple]) -> Outcome:
         out.events = w.n_events
         w.close()
         out.counts = dict(w.counts)
+        out.counts.update(w.figures)
         w.note("end", out.at, str(out.violation), sorted(out.counts.items()))
         out.trace = w.trace
-        out.counts.update(w.figures)
     return out
 
 
@@ -222,12 +305,3 @@ def reproduce(seed: int, faults: frozenset[str] = frozenset(), budget: int = 300
     small = shrink(cfg, out.schedule, out.violation.inv, budget)
     again = run(cfg, small)
     return describe(seed, replace(cfg), small, again.violation)
-
-
-def trace_digests(start: int, stop: int, n: int = 40) -> dict[int, str]:
-    """Per seed of ``[start, stop)`` (``n`` events each): a digest of its every event's trace
-    (:attr:`World.trace`), to compare runs in other processes (another ``PYTHONHASHSEED``)."""
-    import hashlib
-
-    return {seed: hashlib.blake2b(" ".join(run_seed(seed, n=n).trace).encode(),
-                                  digest_size=12).hexdigest() for seed in range(start, stop)}

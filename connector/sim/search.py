@@ -17,6 +17,8 @@ class Figures:
     failures: list[tuple[int, str]] = field(default_factory=list)  # (seed, violation)
     seconds: float = 0.0
     counts: Counter = field(default_factory=Counter)  # what the schedules exercised
+    #: each seed's outcome (Outcome.digest), for a replay check (.replay)
+    digests: dict[int, str] = field(default_factory=dict)
 
 
 def _range(args: tuple[int, int, frozenset[str], float, tuple[str, str]]) -> Figures:
@@ -35,7 +37,8 @@ def _range(args: tuple[int, int, frozenset[str], float, tuple[str, str]]) -> Fig
         out = run_seed(seed, faults, tier=tier)
         f.schedules += 1
         f.events += out.events
-        f.counts.update(out.counts)
+        merge(f.counts, out.counts)
+        f.digests[seed] = out.digest
         if out.violation is not None:
             f.failures.append((seed, str(out.violation)))
     f.seconds = time.monotonic() - t0
@@ -68,7 +71,14 @@ def _add(total: Figures, r: Figures) -> None:
     total.schedules += r.schedules
     total.events += r.events
     total.failures += r.failures
-    total.counts.update(r.counts)
+    merge(total.counts, r.counts)
+    total.digests.update(r.digests)
+
+
+def merge(total: Counter, counts: dict[str, int]) -> None:
+    """Add ``counts`` to ``total``: sums, except the figures named ``max ...`` (the largest)."""
+    for k, v in counts.items():
+        total[k] = max(total[k], v) if k.startswith("max ") else total[k] + v
 
 
 def report(seed: int, faults: frozenset[str] = frozenset()) -> str:

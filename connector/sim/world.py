@@ -1,13 +1,15 @@
 """One simulated engine: vLLM's real Scheduler (or its AsyncScheduler) and KV cache manager, one
-kvplug worker per TP rank (1, 2 or 4: real WorkerSide, StorageManager, local_cpu and posix tiers)
-over CPU paged KV, every kvplug task run by :class:`.runtime.SimRuntime`, and the invariants
-checked after every event.
+kvplug worker per TP rank (1, 2 or 4: real WorkerSide, StorageManager, local_cpu and posix tiers,
+or three tiers with a remote value store) over CPU paged KV, every kvplug task run by
+:class:`.runtime.SimRuntime`, and the invariants checked after every event.
 
-The forward pass writes oracle-style KV (:mod:`.oracle`). Each event of a schedule
-(:mod:`.schedule`) is applied by :meth:`World.apply`; :meth:`World.quiesce` finishes every request
-and task and checks the end state. A violation raises :class:`Violation` naming the invariant.
-What the engine is built from is in :mod:`.engine`, the checks in :mod:`.checks`, the injected
-faults in :mod:`.faults`.
+The forward pass writes oracle-style KV (:mod:`.oracle`) and samples each token from the KV it
+read. Each event of a schedule (:mod:`.schedule`) is applied by :meth:`World.apply`;
+:meth:`World.quiesce` finishes every request and task and checks the end state. A violation
+raises :class:`Violation` naming the invariant. What the engine is built from is in
+:mod:`.engine`, how the model runner calls the workers in :mod:`.runner`, the checks in
+:mod:`.checks`, :mod:`.stalls` (I10) and :mod:`.clients` (I9, I11), the injected faults in
+:mod:`.faults`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import shutil
 import tempfile
 import threading
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,9 +32,8 @@ import numpy as np
 import torch
 
 from .checks import Checks, ReqLog, _neighbour_store_plugin, _put_check_plugin
+from .clients import ClientCheck, EventCheck
 from .engine import (
-    BS,
-    CS,
     TENSORS,
     SimConfig,
     SimLookup,
@@ -45,12 +46,14 @@ from .engine import (
 )
 from .faults import Faults
 from .manage import ManageEvents
-from .oracle import SLOT, Oracle, digest, prefix_hashes, slot_value
+from .oracle import SLOT, Oracle, digest, prefix_hashes, slot_value, token_of
+from .runner import ConnectorRunner, DirectRunner
 from .runtime import SimRuntime
+from .stalls import StallCheck
 from .values import STORES
 
 _STEP = "step"  # a step's part of the trace (folded into its event's digest)
-_RANKED = frozenset(("lose", "evict", "corrupt", "gate", "outage", "partial"))  # ev[1]: a rank
+_RANKED = frozenset(("lose", "evict", "corrupt", "gate", "outage", "partial", "remote"))  # ev[1]: a rank
 
 
 @functools.cache
@@ -81,6 +84,9 @@ class Sorted(set):
 class World(Checks, Faults, ManageEvents):
     """One seed's engine (see the module docstring)."""
 
+    #: I2 on every forward (a negative control switches it off to show I9 sees what it sees)
+    check_reads = True
+
     def __init__(self, cfg: SimConfig) -> None:
         from kvplug.connector.protocol.config import ConnectorConfig
         from kvplug.connector.protocol.groups import layout_of
@@ -97,33 +103,42 @@ class World(Checks, Faults, ManageEvents):
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.cfg = cfg
+        self.bs, self.cs = bs, cs = cfg.block_size, cfg.chunk_size
         self.rt = SimRuntime()
+        self.stalls = StallCheck(self)  # I10
+        self.clients = ClientCheck(self)  # I9
+        self.kv_events = EventCheck(self) if cfg.kv_events else None  # I11
         self.events: list[tuple] = []
         self.n_events = 0
         _fast_discovery()
         self.tmp = Path(tempfile.mkdtemp(prefix="kvplug-sim-", dir=_tmp_root()))
         vc = _vllm_config(cfg)
-        full = FullAttentionSpec(BS, num_kv_heads=1, head_size=SLOT // 2, dtype=torch.float16)
+        full = FullAttentionSpec(bs, num_kv_heads=1, head_size=SLOT // 2, dtype=torch.float16)
         groups = [KVCacheGroupSpec(["f0", "f1"], full)]
         if cfg.hybrid:
-            swa = SlidingWindowSpec(BS, num_kv_heads=1, head_size=SLOT // 2, dtype=torch.float16,
+            swa = SlidingWindowSpec(bs, num_kv_heads=1, head_size=SLOT // 2, dtype=torch.float16,
                                     sliding_window=cfg.window)
             groups.append(KVCacheGroupSpec(["s0", "s1"], swa))
         kcc = (_zeroing_kv_cache_config() if cfg.zeroing else KVCacheConfig)(
             num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         #: vLLM's asynchronous scheduling: step N+1 is scheduled (and run) before step N's
-        #: output reaches the scheduler (its engine core's batch queue of two)
+        #: output reaches the scheduler (its engine core's batch queue of two); pipeline
+        #: parallelism: the plain Scheduler behind a batch queue of ``batch_queue``
         sched_cls = AsyncScheduler if cfg.async_scheduling else Scheduler
-        self.layout = layout_of(kcc, BS)
+        self.depth = 2 if cfg.async_scheduling else cfg.batch_queue
+        self.layout = layout_of(kcc, bs)
         if cfg.inline_chunks is not None:  # the scheduler's budget for disk hits inside a step
             vc.kv_transfer_config.kv_connector_extra_config["inline_load_bytes"] = (
-                cfg.inline_chunks * CS * self.layout.block_bytes // BS)
-        self.s = sched_cls(vllm_config=vc, kv_cache_config=kcc, log_stats=False, block_size=BS,
+                cfg.inline_chunks * cs * self.layout.block_bytes // bs)
+        self.s = sched_cls(vllm_config=vc, kv_cache_config=kcc, log_stats=False, block_size=bs,
                            structured_output_manager=StructuredOutputManager(vc))
+        if self.kv_events is not None:  # the scheduler publishes each step's events there
+            self.s.kv_event_publisher = self.kv_events
         # model layers in forward order: (group, tensor)
         self.layers = ([(g, j) for j in range(TENSORS) for g in range(len(groups))])
         self.oracle = Oracle(len(self.layers), self._attends)
         self.workers: list[Any] = []
+        self.runners: list[DirectRunner] = []  # how the model runner calls each (.runner)
         self.kv: list[torch.Tensor] = []
         engine = f"sim-{uuid.uuid4().hex[:8]}"
         self.rt.late = cfg.late
@@ -134,33 +149,44 @@ class World(Checks, Faults, ManageEvents):
                   "options": {"capacity": "32KiB" if cfg.small_tiers else "1MiB",
                               "prefault": True}}  # its ticker: a simulation task
             tiers = [l1, self._lower_tier(rank)]
+            if cfg.remote:  # the value store behind posix (a remote tier of a three-tier stack)
+                tiers.append(self._value_tier(rank))
             if cfg.tenants:  # a tenant's chunks: a few in L1 (2-4 chunks)
                 l1["quotas"] = {"default": 512}
-            ccfg = ConnectorConfig(chunk_size=CS, async_save=cfg.async_save,
+            ccfg = ConnectorConfig(chunk_size=cs, async_save=cfg.async_save,
                                    layerwise=cfg.layerwise and not cfg.hybrid,
                                    log_every_load=False, save_decode=True, tiers=tiers)
-            w = WorkerSide(ccfg, Identity("sim", f"sim-bs{BS}", tp, rank, engine), self.layout,
+            w = WorkerSide(ccfg, Identity("sim", f"sim-bs{bs}", tp, rank, engine), self.layout,
                            runtime=self.rt)
-            t = torch.zeros((TENSORS, cfg.num_blocks, BS, SLOT), dtype=torch.uint8)
+            t = torch.zeros((TENSORS, cfg.num_blocks, bs, SLOT), dtype=torch.uint8)
             caches = {}
             for _gi, g in enumerate(groups):
                 for j, name in enumerate(g.layer_names):
                     caches[name] = t[j]
-            w.register_kv_caches(caches)
+            runner = ConnectorRunner(w, ccfg, self.layout) if cfg.via_connector \
+                else DirectRunner(w)
+            runner.register_kv_caches(caches, cfg.kv_events, ccfg.kv_events_max_chunks)
             assert w.storage is not None
             w.storage.add_wrapper(_put_check_plugin(self, rank))
             self.watch_evictions(rank, w.storage)
+            self.stalls.watch(rank, w.storage)
             self.workers.append(w)
+            self.runners.append(runner)
             self.kv.append(t)
         #: SimConfig.neighbour: another process's StorageManager on rank 0's posix directory
         self.nb = None
         if cfg.neighbour and cfg.lower == "posix" and not cfg.tier:
             from kvplug.storage_manager import StorageManager
 
-            self.nb = StorageManager(ConnectorConfig(chunk_size=CS, tiers=[self._lower_tier(0)]),
+            self.nb = StorageManager(ConnectorConfig(chunk_size=cs, tiers=[self._lower_tier(0)]),
                                      runtime=self.rt)
             self.nb.add_wrapper(_neighbour_store_plugin(self))
         self.rt.drain()  # the tiers' start-up work (posix's scan of its empty directory)
+        for rank in range(tp):  # a remote tier hung or gone from the start (SimConfig.remote)
+            if cfg.remote == "hung":
+                self.gate_remote(rank, True)
+            elif cfg.remote == "gone":
+                self.outage(rank, True)
         if cfg.remote_lookup:
             self.lookup = SimRemoteLookup(
                 self.workers, self.rt, self.s.connector._sched.cfg.lookup_timeout_s,
@@ -182,11 +208,18 @@ class World(Checks, Faults, ManageEvents):
         self.owned: set[int] = set()  # blocks requests held at the last forward
         self.spare: set[int] = set()  # blocks an abort freed mid-step (see step)
         self._snap: dict[str, Any] = {}  # the requests and tables of the step in flight
-        #: asynchronous scheduling: the step that ran, its output not handed to vLLM yet
-        self._pending: tuple[Any, Any, Any] | None = None
+        self._drafts: dict[str, list[int]] = {}  # the step's draft tokens (speculative decoding)
+        #: the tokens the model runner sampled, by request and index (the scheduler learns them
+        #: a step or more later under asynchronous scheduling)
+        self.runner_tokens: dict[str, dict[int, int]] = {}
+        #: the engine core's batch queue (asynchronous scheduling, pipeline parallelism): steps
+        #: that ran, newest first, their output not handed to vLLM yet
+        self._queue: deque[tuple[Any, Any, Any]] = deque()
+        #: speculative decoding: the drafter's guesses (SimConfig.spec_tokens)
+        self._drafter = random.Random(f"drafts {replace(cfg, faults=frozenset())}")
         self.counts: Counter[str] = Counter()  # what the schedule exercised (figures)
-        #: figures that depend on the tiers' own threads (posix writes, deletes): reported with
-        #: the counts but kept out of the trace, which must replay exactly
+        #: figures read from the tiers' stats at quiescence (posix evictions, rescans, vanished
+        #: files): reported with the counts, in the trace's end
         self.figures: Counter[str] = Counter()
         self.violation: Violation | None = None  # raised inside kvplug (which may swallow it)
         self.lost: list[set] = [set() for _ in range(tp)]  # keys whose next read fails (see lose)
@@ -206,9 +239,7 @@ class World(Checks, Faults, ManageEvents):
             tier = {"backend": backend, "name": "tier",
                     "options": json.loads(options.replace("{tmp}", str(self.tmp / f"r{rank}")))}
         elif cfg.lower == "values":
-            tier = {"backend": "kvplug.connector.sim.values:SimValueTier", "name": "values",
-                    "options": {"url": self.urls[rank], "io_threads": 1, "timeout_s": 1.0,
-                                "negative_cache_s": 0.5, "breaker_backoff_s": 1.0}}
+            tier = self._value_tier(rank)
         else:  # issue 34: the policies and quotas under test (admission: any tier)
             tier = {"backend": "posix", "eviction": cfg.eviction,
                     "options": {"path": str(self.disk_dir(rank)), "io_threads": 1,
@@ -220,6 +251,13 @@ class World(Checks, Faults, ManageEvents):
         if cfg.codec:
             tier["codec"] = cfg.codec
         return tier
+
+    def _value_tier(self, rank: int) -> dict[str, Any]:
+        """The simulated value store (:mod:`.values`) as a tier: behind L1, or behind posix
+        (``SimConfig.remote``: a remote tier of a three-tier stack)."""
+        return {"backend": "kvplug.connector.sim.values:SimValueTier", "name": "values",
+                "options": {"url": self.urls[rank], "io_threads": 1, "timeout_s": 1.0,
+                            "negative_cache_s": 0.5, "breaker_backoff_s": 1.0}}
 
     def disk_dir(self, rank: int) -> Path:
         """Rank ``rank``'s posix directory: its own, or one shared by every rank's process
@@ -235,23 +273,34 @@ class World(Checks, Faults, ManageEvents):
         return range(0, p + 1)
 
     def tokens_of(self, req: Any, end: int) -> list[int]:
-        """The request's first ``end`` tokens. With asynchronous scheduling the scheduler's
-        request lacks the tokens of steps whose output it has not seen (placeholders): the
-        model runner has them (here: :meth:`sampled`, a function of the request and position)."""
+        """The request's first ``end`` tokens as the model runner has them: the scheduler's,
+        then this step's drafts (speculative decoding), then the tokens the runner sampled that
+        the scheduler has not seen yet (asynchronous scheduling's placeholders)."""
         tokens = list(req.all_token_ids)[:end]
-        tokens += [self.sampled(req.request_id, p) for p in range(len(tokens), end)]
+        drafts = self._drafts.get(req.request_id, ())
+        known = self.runner_tokens.get(req.request_id, {})
+        for p in range(len(tokens), end):
+            i = p - req.num_tokens
+            if 0 <= i < len(drafts):
+                tokens.append(drafts[i])
+            elif p in known:
+                tokens.append(known[p])
+            else:  # never sampled (not seen so far): a token of its own, counted
+                self.figures["placeholder tokens the runner never sampled"] += 1
+                tokens.append(3 + int.from_bytes(hashlib.blake2b(
+                    f"{req.request_id}:{p}".encode(), digest_size=4).digest(), "little") % 997)
         return tokens
 
-    def sampled(self, req_id: str, p: int) -> int:
-        return 3 + int.from_bytes(hashlib.blake2b(f"{req_id}:{p}".encode(),
-                                                  digest_size=4).digest(), "little") % 997
-
-    def forward(self, so: Any) -> dict[str, int]:
+    def forward(self, so: Any, samples: dict[str, range]) -> tuple[dict[str, int],
+                                                                   dict[str, list[int]]]:
         """The fake model: layer by layer (every request's tokens of a layer, then the next
         layer, as a real forward pass), on every rank, write every scheduled token's KV, then
         read the last layer's (as the logits would), so every layer's KV is read by some
         computation. Returns the requests that read KV other than the oracle's (tainted), each
-        with the first position (any layer, any rank) whose read was wrong."""
+        with the first position (any layer, any rank) whose read was wrong, and the tokens
+        sampled at each position of ``samples`` (per request): a function of the last layer's
+        KV each position attends to, on every rank (:func:`.oracle.token_of`)."""
+        bs = self.bs
         tainted: dict[str, int] = {}
         reqs = []
         for req_id, n in so.num_scheduled_tokens.items():
@@ -261,6 +310,7 @@ class World(Checks, Faults, ManageEvents):
             reqs.append((req_id, end - n, end, tokens, prefix_hashes(tokens), tables))
         layerwise = self.cfg.layerwise and not self.cfg.hybrid
         last = len(self.layers) - 1
+        reads: dict[str, list[list[bytes]]] = {r: [[] for _ in ps] for r, ps in samples.items()}
 
         def check_read(req_id: str, m: int, start: int, end: int, got: list[bytes],
                        want: list[bytes]) -> None:
@@ -275,11 +325,12 @@ class World(Checks, Faults, ManageEvents):
 
         for rank in range(self.tp):
             buf = self.kv[rank].numpy()
-            w = self.workers[rank]
+            runner = self.runners[rank]
             prev: dict[str, tuple[list[bytes], list[bytes]]] = {}
             for m, (g, j) in enumerate(self.layers):
                 if layerwise:
-                    w.wait_for_layer_load(f"f{j}")
+                    self._hook(rank, "wait_for_layer_load", lambda r=runner, j=j:
+                               r.wait_for_layer_load(f"f{j}"))
                 for req_id, start, end, tokens, ph, tables in reqs:
                     want = self.oracle.slots(rank, m, tokens, end, ph)
                     table = tables[g]
@@ -293,18 +344,21 @@ class World(Checks, Faults, ManageEvents):
                         else:
                             v = slot_value(rank, m, ph[p],
                                            digest([before[q] for q in self._attends(m - 1, p)]))
-                        buf[j, table[p // BS], p % BS] = np.frombuffer(v, dtype=np.uint8)
+                        buf[j, table[p // bs], p % bs] = np.frombuffer(v, dtype=np.uint8)
                         cur[p] = v
                     prev[req_id] = (cur, want)
                 if layerwise:
-                    w.save_kv_layer(f"f{j}", self._md)
+                    self._hook(rank, "save_kv_layer", lambda r=runner, j=j:
+                               r.save_kv_layer(f"f{j}", self._md))
             for req_id, start, end, *_ in reqs:  # the logits' read of the last layer
-                check_read(req_id, last, start, end, *prev[req_id])
-        return tainted
+                cur, want = prev[req_id]
+                check_read(req_id, last, start, end, cur, want)
+                for i, p in enumerate(samples.get(req_id, ())):
+                    reads[req_id][i].append(digest([cur[q] for q in self._attends(last, p)]))
+        return tainted, {r: [token_of(x) for x in xs] for r, xs in reads.items()}
 
-    @staticmethod
-    def _read(buf: np.ndarray, j: int, table: list[int], end: int) -> list[bytes]:
-        nb = -(-end // BS)
+    def _read(self, buf: np.ndarray, j: int, table: list[int], end: int) -> list[bytes]:
+        nb = -(-end // self.bs)
         raw = buf[j, table[:nb]].tobytes()
         return [raw[p * SLOT:(p + 1) * SLOT] for p in range(end)]
 
@@ -342,6 +396,8 @@ class World(Checks, Faults, ManageEvents):
                 self.reset()
             elif kind == "outage":
                 self.outage(ev[1], ev[2])
+            elif kind == "remote":  # a three-tier stack's remote tier slow (gated) or not
+                self.gate_remote(ev[1], ev[2])
             elif kind == "partial":
                 self.partial(ev[1])
             elif kind == "clear":  # issue 34: an operator's clears and pins (.manage)
@@ -375,23 +431,40 @@ class World(Checks, Faults, ManageEvents):
         self.next_req += 1
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         salt = f"sim-tenant-{prefix[0] % 2}" if self.cfg.tenants else None
-        self.s.add_request(Request(req_id, list(prefix) + list(suffix), sp, None,
-                                   block_hasher=_block_hasher(), cache_salt=salt))
+        # priority scheduling: a priority from the request's tokens (lower runs first)
+        priority = (suffix[0] if suffix else prefix[-1]) % 3 if self.cfg.priority else 0
+        prompt = list(prefix) + list(suffix)
+        self.s.add_request(Request(req_id, prompt, sp, None, priority=priority,
+                                   block_hasher=_block_hasher(self.bs), cache_salt=salt))
         self.log[req_id] = ReqLog()
+        self.clients.arrived(req_id, prompt)
 
     # -- one engine step -------------------------------------------------------------------------
+    def _hook(self, rank: int, what: str, fn: Any) -> Any:
+        """One of the model runner's calls into rank ``rank``'s worker, on vLLM's engine thread
+        there (I10)."""
+        self.stalls.hook = what
+        with self.rt.engine_thread(rank, what):
+            return self._crashing(what, fn)
+
     def step(self, mid: tuple | None = None) -> None:
         """One engine step; ``mid``: an event that happens between the scheduler's decisions
         (lookups, pins) and the workers' first hook (another thread's work, a tier losing a
-        chunk after lookup)."""
+        chunk after lookup). With a batch queue (asynchronous scheduling, pipeline
+        parallelism) the step's output reaches the scheduler later (:meth:`_queued`)."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+        if self._pipelined() and self._queue and not self.s.has_requests():
+            self._update(*self._queue.pop())  # vLLM's engine core: nothing to schedule
+            return
         so = self._crashing("schedule", self.s.schedule)
         mgr = self.s.kv_cache_manager
         # what the model runner was handed: an abort mid-step (vLLM's asynchronous scheduling
         # takes aborts while a batch runs) frees the request in the scheduler, not in the batch
         self._snap = {r: (self.s.requests[r], [list(t) for t in mgr.get_block_ids(r)])
                       for r in so.num_scheduled_tokens}
+        self._drafts = {r: list(d) for r, d in
+                        (getattr(so, "scheduled_spec_decode_tokens", None) or {}).items()}
         free0 = self.free_blocks()
         if mid is not None:
             self.apply(mid)
@@ -405,8 +478,11 @@ class World(Checks, Faults, ManageEvents):
         if self.cfg.async_scheduling:  # steps that ran ahead of tokens vLLM had not seen
             c["async steps ahead of their tokens"] += any(
                 self._snap[r][0].num_output_placeholders > 1 for r in so.num_scheduled_tokens)
+        elif self._pipelined():  # steps scheduled before an earlier step's output was seen
+            c["batch-queue steps ahead of an output"] += bool(self._queue)
         c["preempted"] += len(md.preempted)
         c["unwritten blocks read"] += len(md.unwritten)
+        c["draft tokens scheduled"] += sum(map(len, self._drafts.values()))
         trackers = self.s.connector._sched.trackers
         for r in md.requests:
             if r.load is not None:
@@ -417,110 +493,167 @@ class World(Checks, Faults, ManageEvents):
             if r.save is not None:
                 c["saves"] += 1
         self.register(md)
+        self.stalls.begin_step()
         if self.cfg.zeroing == "v2":  # update_requests, then pre_forward's handle_preemptions
             self.zero_new_blocks(so, "as the V2 runner zeroes new blocks (before "
                                      "handle_preemptions)")
-        for w in self.workers:
-            self._crashing("handle_preemptions", lambda w=w: w.handle_preemptions(md))
+        for rank, runner in enumerate(self.runners):
+            self._hook(rank, "handle_preemptions", lambda r=runner: r.handle_preemptions(md))
         if self.cfg.zeroing == "v1":  # _update_states, after handle_preemptions
             self.zero_new_blocks(so, "as the V1 runner zeroes new blocks")
-        for w in self.workers:  # vLLM's bind_connector_metadata (KVPlugConnector -> bind)
-            if hasattr(w, "bind"):
-                self._crashing("bind", lambda w=w: w.bind(md))
-        self.poison_and_check_copies("before the forward")
+        for rank, runner in enumerate(self.runners):  # vLLM's bind_connector_metadata
+            self._hook(rank, "bind", lambda r=runner: r.bind(md))
+        self.poison_and_check_copies("before the forward", so, md)
         sync = getattr(so, "has_sync_kv_loads", True)
         if sync:
-            for w in self.workers:
-                self._crashing("start_load_kv", lambda w=w: w.start_load_kv(md))
-        tainted = self.forward(so)
+            for rank, runner in enumerate(self.runners):
+                self._hook(rank, "start_load_kv", lambda r=runner: r.start_load_kv(md))
+        samples = self._samples(so)
+        tainted, sampled_at = self.forward(so, samples)
         if not sync:
-            for w in self.workers:
-                self._crashing("start_load_kv", lambda w=w: w.start_load_kv(md))
+            for rank, runner in enumerate(self.runners):
+                self._hook(rank, "start_load_kv", lambda r=runner: r.start_load_kv(md))
         outs = []
         finished = Sorted(so.finished_req_ids)
-        for w in self.workers:
+        for rank, runner in enumerate(self.runners):
             if self.cfg.order == "0.32":
-                self._crashing("wait_for_save", lambda w=w: w.wait_for_save(md))
-            kout = self._crashing("get_finished", lambda w=w: self._worker_output(w, finished))
+                self._hook(rank, "wait_for_save", lambda r=runner: r.wait_for_save(md))
+            kout = self._hook(rank, "get_finished", lambda r=runner: r.output(finished))
             if self.cfg.order != "0.32":
-                self._crashing("wait_for_save", lambda w=w: w.wait_for_save(md))
+                self._hook(rank, "wait_for_save", lambda r=runner: r.wait_for_save(md))
+            self._hook(rank, "clear_connector_metadata", runner.clear)
             outs.append(kout)
+        self.stalls.end_step(c["steps"])
         for rank, k in enumerate(outs):
             for r in k.finished_sending or ():
                 self._count(rank, r, "sending")
         ids = list(so.num_scheduled_tokens)
-        sampled = []
-        for r in ids:
-            req = self._snap[r][0]
-            if self.cfg.async_scheduling:  # a token at the end of every step past the prompt
-                sampled.append([] if req.is_prefill_chunk
-                               else [self.sampled(r, req.num_computed_tokens)])
-            else:
-                sampled.append([self.sampled(r, req.num_tokens)]
-                               if req.num_computed_tokens >= req.num_tokens else [])
-        runner = []
+        sampled = [self._verified(r, sampled_at.get(r, []), samples.get(r)) for r in ids]
+        runner_outputs = []
         for k in outs:
             o = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                   sampled_token_ids=[list(x) for x in sampled])
             o.kv_connector_output = k
-            runner.append(o)
-        out = self.agg.aggregate(runner)
+            runner_outputs.append(o)
+        out = self.agg.aggregate(runner_outputs)
         ko: KVConnectorOutput = out.kv_connector_output
         for name in ("finished_sending", "finished_recving"):  # vLLM iterates them: see Sorted
             if getattr(ko, name):
                 setattr(ko, name, Sorted(getattr(ko, name)))
         invalid = set(ko.invalid_block_ids or ())
         for r, q in sorted(tainted.items()):  # I2: wrong KV read, and vLLM told in this step
-            if r not in self.s.requests:  # aborted mid-step: vLLM drops what it computed
-                continue
+            if r not in self.s.requests or not self.check_reads:  # aborted mid-step: vLLM
+                continue  # drops what it computed
             if self.layout.multi:  # several groups: vLLM takes failed requests, not blocks
                 told = r in (ko.failed_recving or ())
             else:  # the first block read wrong (or one before it): vLLM recomputes from there
                 table = self.s.kv_cache_manager.get_block_ids(r)[0]
-                told = bool(invalid.intersection(table[:q // BS + 1]))
+                told = bool(invalid.intersection(table[:q // self.bs + 1]))
             if not told:
                 raise Violation("I2", f"{r}'s forward read KV that is not its oracle from token "
-                                      f"{q} (block {q // BS}) and no load error for that block "
-                                      "or an earlier one reached vLLM in that step")
+                                      f"{q} (block {q // self.bs}) and no load error for that "
+                                      "block or an earlier one reached vLLM in that step")
         self.note(_STEP, sorted(so.num_scheduled_tokens.items()), sorted(so.finished_req_ids),
                   [(r, mgr.get_block_ids(r)) for r in sorted(so.num_scheduled_tokens)],
                   *(sorted(x or ()) for x in (ko.finished_sending, ko.finished_recving,
                                               ko.failed_recving, ko.invalid_block_ids)),
-                  sorted(tainted.items()))
+                  sorted(tainted.items()), sampled)
         c["load errors"] += bool(ko.invalid_block_ids) + len(ko.failed_recving or ())
         c["tainted forwards"] += len(tainted)
         for lost in self.lost:
             lost.clear()
-        if self.cfg.async_scheduling:  # step N's output reaches vLLM after step N+1 ran
-            prev, self._pending = self._pending, (so, out, ko)
-            if prev is not None:
-                self._update(*prev)
+        self._queued(so, out, ko)
+
+    def _pipelined(self) -> bool:
+        """Pipeline parallelism's batch queue (the plain Scheduler; not asynchronous
+        scheduling's, which the simulation runs as before: one step ahead, always)."""
+        return self.depth > 1 and not self.cfg.async_scheduling
+
+    def _queued(self, so: Any, out: Any, ko: Any) -> None:
+        """The step's output into the engine core's batch queue; the oldest one handed to the
+        scheduler once the queue is full (vLLM's ``step_with_batch_queue``: it schedules while
+        the queue has room and there is something to run)."""
+        self._queue.appendleft((so, out, ko))
+        if self._pipelined():
+            if len(self._queue) < self.depth and (so.total_num_scheduled_tokens > 0
+                                                  or self.s.has_requests()):
+                return
+            self._update(*self._queue.pop())
+            return
+        while len(self._queue) >= self.depth:
+            self._update(*self._queue.pop())
+
+    def _samples(self, so: Any) -> dict[str, range]:
+        """Per scheduled request, the positions whose logits sample a token: the last one when
+        the step reaches the end of the tokens the scheduler has (asynchronous scheduling: every
+        step past the prompt), and each draft's position (speculative decoding)."""
+        out = {}
+        for r, n in so.num_scheduled_tokens.items():
+            req = self._snap[r][0]
+            end = req.num_computed_tokens
+            if self.cfg.async_scheduling:
+                if not req.is_prefill_chunk:
+                    out[r] = range(end - 1, end)
+            elif end >= req.num_tokens:
+                out[r] = range(max(end - n, req.num_tokens - 1), end)
+        return out
+
+    def _verified(self, req_id: str, tokens: list[int], at: range | None) -> list[int]:
+        """The tokens the step hands vLLM for ``req_id``: the one sampled, or with drafts, each
+        draft the model agrees with and the token after the last of them (vLLM rolls the
+        rejected ones back); noted as the model runner's."""
+        drafts = self._drafts.get(req_id)
+        if drafts and tokens:
+            out = [tokens[0]]
+            for i, d in enumerate(drafts):
+                if i + 1 >= len(tokens) or d != tokens[i]:
+                    break
+                out.append(tokens[i + 1])
+            self.counts["draft tokens rejected"] += len(drafts) - (len(out) - 1)
         else:
-            self._update(so, out, ko)
+            out = tokens[-1:]
+        if at is not None:
+            known = self.runner_tokens.setdefault(req_id, {})
+            for i, t in enumerate(out):
+                known[at.start + 1 + i] = t
+        return out
 
     def _update(self, so: Any, out: Any, ko: Any) -> None:
-        """Hand one step's output to vLLM's scheduler (I3 on it first)."""
+        """Hand one step's output to vLLM's scheduler (I3 on it first, I9 on what it sends the
+        clients); a drafter then proposes the next drafts."""
         self._check_reports(ko)
-        self._crashing("update_from_output", lambda: self.s.update_from_output(so, out))
+        sent = self._crashing("update_from_output", lambda: self.s.update_from_output(so, out))
         self.owned = self.held_blocks()
+        self.clients.outputs(sent)
+        if self.cfg.spec_tokens:
+            self._draft()
+
+    def _draft(self) -> None:
+        """Speculative decoding: the drafter's guesses for every running request, most of them
+        the oracle's tokens (a drafter that is often right), the others random (rejected)."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        ids, drafts = [], []
+        for req in list(self.s.running):
+            if req.is_finished() or req.is_prefill_chunk:
+                continue
+            tokens, guess = list(req.all_token_ids), []
+            for _ in range(self.cfg.spec_tokens):
+                t = (self.oracle.token(self.tp, tokens, len(tokens) - 1)
+                     if self._drafter.random() < 0.7 else self._drafter.randrange(3, 1000))
+                guess.append(t)
+                tokens.append(t)
+            ids.append(req.request_id)
+            drafts.append(guess)
+        if ids:
+            self._crashing("update_draft_token_ids",
+                           lambda: self.s.update_draft_token_ids(DraftTokenIds(ids, drafts)))
 
     def flush_output(self) -> None:
-        """Asynchronous scheduling with nothing left to schedule: vLLM's engine core takes the
-        last step's output."""
-        if self._pending is not None:
-            prev, self._pending = self._pending, None
-            self._update(*prev)
-
-    def _worker_output(self, w: Any, finished: set[str]) -> Any:
-        """What vLLM's model runner collects from one worker (KVPlugConnector's routing)."""
-        from vllm.v1.outputs import KVConnectorOutput
-
-        sent, recv = w.get_finished(finished)
-        return KVConnectorOutput(finished_sending=sent or None, finished_recving=recv or None,
-                                 failed_recving=w.take_failed(),
-                                 invalid_block_ids=w.take_load_errors(),
-                                 kv_connector_worker_meta=w.take_report(),
-                                 kv_connector_stats=w.take_stats())
+        """A batch queue with nothing left to schedule: vLLM's engine core takes the oldest
+        output."""
+        if self._queue:
+            self._update(*self._queue.pop())
 
     # -- the end ------------------------------------------------------------------------------------
     def quiesce(self, max_steps: int = 300) -> None:
@@ -531,7 +664,7 @@ class World(Checks, Faults, ManageEvents):
                 self.gate(rank, False)
                 self.outage(rank, False)
             for i in range(max_steps):
-                if not self.s.has_requests() and not self.rt.queue and self._pending is None:
+                if not self.s.has_requests() and not self.rt.queue and not self._queue:
                     break
                 self.rt.drain()
                 if self.s.has_requests():  # as vLLM's engine: also to hand over finished ids
@@ -548,6 +681,8 @@ class World(Checks, Faults, ManageEvents):
                                       f"{len(self.rt.queue)} tasks queued")
             self.release_operator_pins()
             self.check_end()
+            if self.kv_events is not None:  # I11, after a last look at every tier
+                self.kv_events.check_end([r.watch for r in self.runners])
 
     def close(self) -> None:
         if self.closed:
@@ -572,6 +707,20 @@ class World(Checks, Faults, ManageEvents):
           else "config no last-block drop"] += 1
         c["config inline disk-hit budget " + ("default" if self.cfg.inline_chunks is None
                                               else f"{self.cfg.inline_chunks} chunk(s)")] += 1
+        c[f"config block size {self.bs}, chunk size {self.cs}"] += 1
+        c[f"config batch queue {self.cfg.batch_queue} (pipeline parallel)"
+          if self._pipelined() else "config no pipeline-parallel batch queue"] += 1
+        c[f"config three tiers, remote {self.cfg.remote}" if self.cfg.remote
+          else "config two tiers"] += 1
+        c["config priority scheduling" if self.cfg.priority else "config fcfs scheduling"] += 1
+        c[f"config load failure policy {self.cfg.load_failure_policy}"] += 1
+        c[f"config {self.cfg.spec_tokens} draft token(s) a step" if self.cfg.spec_tokens
+          else "config no speculative decoding"] += 1
+        c["config KV events on" if self.cfg.kv_events else "config KV events off"] += 1
+        c["config workers through KVPlugConnector" if self.cfg.via_connector
+          else "config workers through WorkerSide"] += 1
+        c.update(self.stalls.counts)
+        c["max engine wait in a step (ms)"] = round(self.stalls.max_waited * 1000)
         c["late tier calls (begun, timed out)"] += self.rt.late_calls
         for rank in range(self.tp):
             self.gate(rank, False)
@@ -583,6 +732,9 @@ class World(Checks, Faults, ManageEvents):
             c["lookups expired at a service"] += sum(s.expired for s in self.lookup.services)
             with contextlib.suppress(Exception):
                 self.lookup.close()
+        for runner in self.runners:
+            with contextlib.suppress(Exception):
+                runner.close()
         for w in self.workers:
             with contextlib.suppress(Exception):
                 w.close()

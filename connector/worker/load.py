@@ -441,6 +441,7 @@ class BackgroundLoads:
 
     def __init__(self, fetch: Fetch, threads: int = 4, runtime: Runtime = THREADS) -> None:
         self._fetch = fetch
+        self._threads = threads
         self._pool = runtime.executor(threads, "kvplug-load")
         self._runtime = runtime
         self._lock = threading.Lock()
@@ -449,6 +450,10 @@ class BackgroundLoads:
     def __len__(self) -> int:
         with self._lock:
             return len(self._inflight)
+
+    def start_threads(self) -> None:
+        """Start the fetch threads now (at start-up), not on the first background loads."""
+        self._runtime.start_threads(self._pool, self._threads)
 
     def submit(self, ld: RequestLoad) -> None:
         """Start fetching every chunk of ``ld`` (in chunk order)."""

@@ -25,6 +25,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from functools import partial
+from typing import Any
 
 import torch
 from kvplug.gpu import PagedKV
@@ -39,7 +40,7 @@ from ..protocol.identity import Identity
 from ..protocol.lookup import Lookup, LookupService, socket_path
 from ..protocol.manage import ManageService, WorkerManagement, manage_path
 from ..protocol.metadata import KVPlugMetadata, KVPlugWorkerMeta
-from ..protocol.stats import KVPlugStats, StatsRecorder
+from ..protocol.stats import TENANT_SAMPLE_S, KVPlugStats, StatsRecorder
 from .load import BackgroundLoads, Loads
 from .load_report import LoadReports
 from .store import AsyncSaves, Stores
@@ -49,6 +50,9 @@ logger = logging.getLogger("kvplug.connector")
 
 
 _Identity = Identity  # the key fields of this worker (built by .identity.build_identity)
+#: how long an idle step pauses while requests wait for a producer's chunks (as long as a step
+#: without a forward waits for a background fetch: .load.IDLE_WAIT_S)
+HANDOFF_PAUSE_S = 0.01
 
 
 class WorkerSide:
@@ -75,6 +79,9 @@ class WorkerSide:
         self.epoch = ""
         self.on_epoch: Callable[[], None] | None = None  # told when the epoch changes
         self._asleep = False  # vLLM 0.33 sleep mode: the KV memory is gone until resume()
+        #: samples the tiers' bytes per tenant on a thread of its own (asking a tier may wait on
+        #: it: never on vLLM's step), woken by each step's ``take_stats``
+        self._tenant_sampler: Any = None
         self._kv_caches: Mapping[str, torch.Tensor] = {}
 
     # -- setup ---------------------------------------------------------------------------------
@@ -97,6 +104,9 @@ class WorkerSide:
                             order_at_submit=self.layout.zeroes_new_blocks)
                  if async_save_enabled(self.cfg, self.kv.device.type) else None)
         self.transfers = Transfers(loads, Stores(parts, self.stats, saves))
+        self.transfers.warm_up()
+        self._tenant_sampler = self.runtime.ticker(self._sample_tenants, TENANT_SAMPLE_S,
+                                                   "kvplug-tenant-stats")
         path = socket_path(self.ident.engine_id, self.ident.rank, self.ident.pp_rank)
         if self.runtime.remote_lookups:  # else the caller calls _on_lookup (a simulation)
             self.service = LookupService(path, self._on_lookup, self.release)
@@ -146,6 +156,11 @@ class WorkerSide:
         return self.ident.key(self.kv_dtype, chunk_hash, self.epoch if epoch is None else epoch,
                               tenant)
 
+    def of_current_epoch(self, key: CacheKey) -> bool:
+        """Whether ``key`` is keyed under the current weights epoch (as :meth:`key` makes
+        them)."""
+        return key.model_digest == self.key(key.chunk_hash).model_digest
+
     def sync_epoch(self, md: KVPlugMetadata | None) -> None:
         """Switch to the step's weights epoch before anything else of the step: the scheduler
         drew a new one (the weights changed). L1 (this engine's own memory) is emptied; shared
@@ -177,6 +192,9 @@ class WorkerSide:
         return self.transfers.stores.saves if self.transfers is not None else None
 
     def close(self) -> None:
+        if self._tenant_sampler is not None:
+            self._tenant_sampler.close(timeout=5)
+            self._tenant_sampler = None
         if self.transfers is not None:
             self.transfers.close()  # before the tiers: the saves' puts finish first
         if self.service is not None:
@@ -204,13 +222,13 @@ class WorkerSide:
         if self.transfers is not None:  # an asynchronous save of these chunks: let its put end
             self.transfers.wait(puts=keys + [key(h) for _, h in msg.tails],
                                 timeout=self.cfg.lookup_timeout_s / 2)
-        found = self.storage.lookup_prefix(keys, pin=msg.pin)
+        found = self.storage.lookup_prefix(keys, pin=msg.pin, fresh=msg.fresh)
         pinned, tiers = keys[: found.num_chunks], list(found.tiers)
         tokens = found.num_chunks * self.cfg.chunk_size
         if found.num_chunks == len(keys):
             for end, h in msg.tails:
                 k = key(h)
-                tail = self.storage.lookup_prefix([k], pin=msg.pin)
+                tail = self.storage.lookup_prefix([k], pin=msg.pin, fresh=msg.fresh)
                 if tail.num_chunks:
                     pinned.append(k)
                     tiers.extend(tail.tiers)
@@ -239,7 +257,7 @@ class WorkerSide:
         assert storage is not None
 
         def contains(keys: list[CacheKey]) -> tuple[int, list[str]]:
-            found = storage.lookup_prefix(keys, pin=msg.pin)
+            found = storage.lookup_prefix(keys, pin=msg.pin, fresh=msg.fresh)
             return found.num_chunks, list(found.tiers)
 
         hit = lookup_groups(self.layout, key, contains, msg.hashes, msg.tails,
@@ -300,17 +318,23 @@ class WorkerSide:
             self.transfers.submit(Store(md))
 
     def get_finished(self, finished: set[str] | frozenset[str] = frozenset(),
-                     idle: bool = False) -> tuple[set[str], set[str]]:
+                     idle: bool = False, pause: bool = False) -> tuple[set[str], set[str]]:
         """vLLM's ``get_finished``: (``finished_sending``, ``finished_recving``). Sending: finished
         requests whose last save is over (asynchronous saves: every finished request that had a
         save, once no copy reads its blocks; ``finished``: the requests vLLM finished since the
         last step). Receiving: background loads that are over. Drops finished requests' pins.
         ``idle``: the step ran no forward (a short wait for a fetch, see
-        :meth:`.load.BackgroundLoads.wait_idle`)."""
+        :meth:`.load.BackgroundLoads.wait_idle`). ``pause``: requests wait for chunks a
+        producer named (:mod:`..scheduler.handoff`): an idle step that reports nothing waits
+        :data:`HANDOFF_PAUSE_S`, so vLLM does not run empty steps back to back meanwhile (they
+        hold a core, and in-process the GIL the tiers' threads need)."""
         if self.transfers is None:
             return set(), set()
         try:
-            return tuple(self.transfers.finished(finished, idle))  # type: ignore[return-value]
+            done = self.transfers.finished(finished, idle)
+            if pause and not done.sending and not done.recving:
+                self.runtime.event().wait(HANDOFF_PAUSE_S)
+            return tuple(done)  # type: ignore[return-value]
         finally:
             self.release(finished)
 
@@ -326,11 +350,25 @@ class WorkerSide:
         return self._reports.take_report()
 
     def take_stats(self) -> KVPlugStats | None:
-        """This step's counters, with what the tiers' own counters grew by since the last step."""
+        """This step's counters, with what the tiers' own counters grew by since the last step
+        (the bytes per tenant are sampled off the step: :meth:`_sample_tenants`)."""
         if self.storage is not None:
             self.stats.sample_tiers(self.storage.stats())
-            self.stats.sample_tenants(self.storage)
+        if self._tenant_sampler is not None:
+            self._tenant_sampler.wake()
         return self.stats.take()
+
+    def _sample_tenants(self) -> None:
+        """The tiers' bytes per tenant into the stats (at most every ``TENANT_SAMPLE_S``), on the
+        sampler's thread: a tier that may block answers through its pool, within its timeout."""
+        storage = self.storage
+        if storage is None:
+            return
+        try:
+            self.stats.sample_tenants(storage)
+        except Exception:  # noqa: BLE001 - a gauge; the next sample tries again
+            logger.exception("kvplug worker rank %d: sampling the tiers' bytes per tenant failed",
+                             self.ident.rank)
 
     def take_failed(self) -> set[str]:
         """Requests whose load failed (several KV cache groups: vLLM's ``failed_recving``)."""

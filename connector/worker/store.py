@@ -337,6 +337,20 @@ class AsyncSaves:
         self._closed = False
 
     # -- engine thread -------------------------------------------------------------------------
+    def start_threads(self) -> None:
+        """Start the save thread now (at start-up), and run its copy path once there (block 0
+        of every layer into an L1 object that is not stored): the first save would set them up
+        on the way (the thread; on CPU, torch's thread team for that thread's copies)."""
+        self.runtime.start_threads(self._pool, 1)
+        page = self.storage.allocate((self.kv.num_layers, 1, self.kv.page_bytes), num_tokens=1)
+        if page is None:
+            return
+        try:
+            self._pool.submit(gather_many, self.kv, [PageJob([0], page.tensor)]).result(
+                timeout=30)
+        finally:
+            page.ref_down()
+
     def expect(self, md: KVPlugMetadata) -> None:
         """vLLM bound ``md`` for the coming step: its requests with a save count as held (vLLM
         keeps their blocks at finish) and as busy until this step's :meth:`submit`, whichever

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvplug.hookspecs import hookimpl
@@ -25,6 +25,8 @@ from ..protocol.metadata import KVPlugKVEvents, TierEvent
 
 if TYPE_CHECKING:
     from kvplug.storage_manager import StorageManager
+
+    from .side import WorkerSide
 
 logger = logging.getLogger("kvplug.connector")
 
@@ -61,8 +63,13 @@ class TierWatch:
     """Worker side: which chunks entered and left each tier (see the module docstring)."""
 
     def __init__(self, storage: StorageManager, max_chunks: int = 16384,
-                 interval_s: float = 0.2) -> None:
+                 interval_s: float = 0.2,
+                 current: Callable[[CacheKey], bool] | None = None) -> None:
         self.storage = storage
+        #: whether a key is of this engine's weights epoch: news only about those (a chunk
+        #: stored under an earlier epoch, landing after a reset, shares its chunk hash with the
+        #: new epoch's key, and the scheduler's book counts ranks by chunk hash)
+        self.current = current or (lambda key: True)
         self._rt = storage.runtime  # its ticker and clock (kvplug.runtime; a simulation's)
         self.max_chunks = max_chunks
         self.interval_s = interval_s
@@ -86,7 +93,8 @@ class TierWatch:
         with self._lock:
             pending = self._pending[tier]
             for k in keys:
-                pending.setdefault(k, now)
+                if self.current(k):
+                    pending.setdefault(k, now)
         self._ticker.wake()
 
     def dirty(self, tier: str) -> None:
@@ -199,6 +207,15 @@ class TierWatch:
                     if not hit and key in held and key not in self._pending[tier]:
                         del held[key]
                         self._out.append(TierEvent(False, tier, key.chunk_hash))
+
+
+def watch_tiers(worker: WorkerSide, max_chunks: int) -> TierWatch:
+    """A :class:`TierWatch` on ``worker``'s tiers that follows its weights epochs: news only
+    about the current epoch's keys, and nothing watched so far once the epoch changes."""
+    assert worker.storage is not None
+    watch = TierWatch(worker.storage, max_chunks, current=worker.of_current_epoch)
+    worker.on_epoch = watch.forget
+    return watch
 
 
 # -- scheduler side ------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import NamedTuple
 
-from kvplug.gpu import PagedKV
+from kvplug.gpu import PagedKV, PageJob, gather_many, scatter_many
 from kvplug.keys import CacheKey
 from kvplug.storage_manager import StorageManager
 
@@ -112,6 +112,27 @@ class Transfers:
             return self.stores.wait(freed=freed, puts=puts, timeout=timeout)
         self.loads.wait()
         return self.stores.wait()
+
+    def warm_up(self) -> None:
+        """Set up now (vLLM registering its KV cache, before any step) what the first store and
+        the first load would otherwise set up on the way: the save thread, the background-load
+        threads, the tiers' call threads, and the copy paths between blocks and L1 memory, run
+        once on block 0 of every layer (read, then written back with its own bytes: vLLM has
+        run nothing on the cache yet). benchmarks/bench_first_request.py measures the first
+        store and load against the second."""
+        self.loads.background.start_threads()
+        if self.stores.saves is not None:
+            self.stores.saves.start_threads()
+        storage, kv = self.loads.storage, self.loads.kv
+        storage.start_threads()
+        page = storage.allocate((kv.num_layers, 1, kv.page_bytes), num_tokens=1)
+        if page is None:
+            return
+        try:
+            gather_many(kv, [PageJob([0], page.tensor)])
+            scatter_many(kv, [PageJob([0], page.tensor)])
+        finally:
+            page.ref_down()
 
     def close(self) -> None:
         """Drop the loads in flight; finish every save (before the tiers close)."""

@@ -37,6 +37,7 @@ from .format import (
     holds,
     layer_sums,
     make_header,
+    max_header_bytes,
     read_buffers,
     stored_key,
 )
@@ -65,7 +66,8 @@ __all__ = [
     "align_up", "atomic_file", "check_layer_range", "checksum", "chunk_layout", "chunk_name",
     "chunk_path", "decode_header", "discard_on_failure", "encode_chunk", "encode_chunk_with_header",
     "encode_header", "format_version", "fsync_path", "header_size", "holds", "is_chunk_file",
-    "is_stale_temp", "is_temp", "layer_checksums", "make_header", "read_buffers", "read_header",
+    "is_stale_temp", "is_temp", "layer_checksums", "make_header", "max_header_bytes",
+    "read_buffers", "read_header",
     "read_header_fd", "relative_chunk_path", "shard_of", "split_layers", "stored_key", "temp_name",
     "verify_layer", "verify_layers",
 ]

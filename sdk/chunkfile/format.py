@@ -29,10 +29,12 @@ An *authenticated* chunk (written with a :class:`~.auth.Keyring`, see :mod:`.aut
 version ``"1+mac"`` (``"1+codec+mac"``), ``checksum_algo`` ``"aes256-gmac"`` with one 32-hex tag
 per layer, ``mac_key_id`` and ``mac_salt`` entries, and ``header_mac`` (32 hex) in place of
 ``header_xxh3``. A reader without a keyring sees another format version (a miss, left in place);
-a reader with one refuses any chunk that is not authenticated under one of its keys
-(:class:`~.auth.AuthError`). Its key fields record :func:`stored_key`: the chunk hash, which
-anyone computes from a guessed prompt, is replaced by the chunk's keyed name digest, so no header
-confirms a guess. Without a keyring nothing here changes.
+a reader with one refuses any chunk that is not authenticated under one of its keys, and any of
+another format version, authenticated or not (:class:`~.auth.AuthError`: nothing a writer
+without the secret plants can hold a name against the next store). Its key fields record
+:func:`stored_key`: the chunk hash, which anyone computes from a guessed prompt, is replaced by
+the chunk's keyed name digest, so no header confirms a guess. Without a keyring nothing here
+changes.
 
 An *encrypted* chunk (a keyring made with ``encrypt=True``, see :mod:`.crypt`) has the format
 version ``"1+enc"``, ``checksum_algo`` ``"aes256-gcm"`` with one 32-hex GCM tag per layer (its
@@ -76,8 +78,17 @@ ALIGN = 4096
 #: Reading this many leading bytes gives :func:`header_size`; headers of up to ~60 layers fit in
 #: it entirely (check ``header_size(prefix) <= len(prefix)`` and read the rest otherwise).
 HEADER_PROBE = 4096
-#: Upper bound accepted for the JSON header (a corrupt length is rejected before any read).
-MAX_HEADER = 16 << 20
+#: Upper bound accepted for a header (length prefix, JSON, padding) where no engine's geometry
+#: bounds it (``kvplug inspect``, the SDK on its own): a chunk of some 4,000 layers. A corrupt
+#: length is rejected before any read.
+MAX_HEADER = 1 << 20
+#: Header bytes besides its layers' entries: the fixed metadata, the key fields (model name,
+#: dtype, layout, digests, tenant) and a codec's description, with room to spare (about 1 KiB
+#: is used).
+HEADER_BASE = 8 << 10
+#: Header bytes per layer: two tensor entries with their offsets and shape (pages, page bytes),
+#: and a checksum or a tag, with room to spare (about 210 are used).
+HEADER_PER_LAYER = 256
 _HDR_CK_FIELD = "header_xxh3"
 _ZERO_CK = "0" * 16
 _HDR_MAC_FIELD = "header_mac"
@@ -397,14 +408,25 @@ def encode_chunk_with_header(
     return header, bufs, make_header(key, obj.meta, sums, len(header), mac)
 
 
-def header_size(prefix8: bytes | memoryview) -> int:
-    """Bytes of header (length prefix + JSON + padding) announced by a file's first 8 bytes."""
+def max_header_bytes(num_layers: int) -> int:
+    """The most bytes the header of a chunk of at most ``num_layers`` layers takes (what an
+    engine whose chunks have that many layers accepts, before reading or parsing any of it)."""
+    return min(MAX_HEADER, align_up(8 + HEADER_BASE + HEADER_PER_LAYER * max(1, num_layers)))
+
+
+def header_size(prefix8: bytes | memoryview, max_header: int | None = None) -> int:
+    """Bytes of header (length prefix + JSON + padding) announced by a file's first 8 bytes; at
+    most ``max_header`` (:func:`max_header_bytes` of the engine's layers; ``None``:
+    :data:`MAX_HEADER`), else :class:`ChunkFormatError` before anything more is read."""
     if len(prefix8) < 8:
         raise ChunkFormatError(f"chunk file shorter than 8 bytes ({len(prefix8)})")
     (n,) = struct.unpack_from("<Q", prefix8, 0)
     total = 8 + n
-    if n < 2 or n > MAX_HEADER or total % ALIGN:
+    if n < 2 or total > MAX_HEADER or total % ALIGN:
         raise ChunkFormatError(f"header length {n} is not a valid kvplug chunk header length")
+    if max_header is not None and total > max_header:
+        raise ChunkFormatError(f"header of {total} bytes is longer than the {max_header} a chunk "
+                               "of this engine has")
     return total
 
 
@@ -429,29 +451,29 @@ def _json_list(meta: dict[str, str], name: str) -> list:
 
 
 def _metadata(raw: bytes) -> object:
-    """The ``__metadata__`` object of a header. Only the metadata is parsed when the JSON starts
-    as every writer starts it: the rest (the tensor table, the padding) is checked byte for byte
-    against the canonical encoding by :func:`decode_header` anyway. Anything else is parsed
-    whole (and then fails that comparison, with the parser's own message on bad JSON)."""
+    """The ``__metadata__`` object of a header. Only the metadata is parsed, and only when the
+    JSON starts as every writer starts it: the rest (the tensor table, the padding) is checked
+    byte for byte against the canonical encoding by :func:`decode_header` anyway, and a header
+    that starts otherwise can never pass that check, so it is refused unparsed. What is parsed
+    is bounded by the header's length (:func:`header_size`)."""
+    if not raw.startswith(_BODY_OPEN.encode(), 8):
+        raise ChunkFormatError("header does not start as a kvplug chunk header's JSON")
     try:
-        text = raw[8:].decode("utf-8")
-        if text.startswith(_BODY_OPEN):
-            return _JSON.raw_decode(text, len(_BODY_OPEN))[0]
-        doc = json.loads(text)
+        return _JSON.raw_decode(raw[8:].decode("utf-8"), len(_BODY_OPEN))[0]
     except (ValueError, RecursionError) as exc:  # RecursionError: deeply nested JSON
         raise ChunkFormatError(f"header is not valid JSON: {exc}") from None
-    return doc.get("__metadata__") if isinstance(doc, dict) else None
 
 
 def decode_header(prefix: bytes | memoryview, file_size: int | None = None,
-                  auth: Keyring | None = None) -> ChunkHeader:
+                  auth: Keyring | None = None, max_header: int | None = None) -> ChunkHeader:
     """Parse and check a chunk header from the file's leading bytes (at least
-    :func:`header_size` of them). Raises :class:`ChunkFormatError` on anything wrong: length,
+    :func:`header_size` of them; at most ``max_header``, see there). Raises
+    :class:`ChunkFormatError` on anything wrong: length,
     JSON, header checksum, format version, key fields, layout, or a ``file_size`` that differs
     from what the header implies. With ``auth`` (a keyring), the chunk must be authenticated
     under one of its keys: anything else is an :class:`~.auth.AuthError` (counted there), and
     the header returned verifies its layers by their tags."""
-    total = header_size(prefix)
+    total = header_size(prefix, max_header)
     if len(prefix) < total:
         raise ChunkFormatError(f"need {total} header bytes, got {len(prefix)}")
     if file_size is not None and file_size < total:
@@ -467,9 +489,13 @@ def decode_header(prefix: bytes | memoryview, file_size: int | None = None,
         meta, cipher = _unseal(meta, auth)
     encoded = "codec" in meta
     version = meta.get("format_version")
-    if cipher is None and auth is not None and not (
-            isinstance(version, str) and version.endswith(MAC_VERSION_SUFFIX)):
-        raise auth.failure(f"chunk of format version {version!r} carries no MAC")
+    if cipher is None and auth is not None and version != _version(encoded, True):
+        # under a keyring, an entry that is not an authenticated chunk of this version is an
+        # authentication failure (deleted, replaced by the next store), never "another
+        # version's, left in place": a writer without the secret would squat every name
+        mac = isinstance(version, str) and version.endswith(MAC_VERSION_SUFFIX)
+        raise auth.failure(f"chunk of format version {version!r} " + (
+            f"is not this version's ({_version(encoded, True)!r})" if mac else "carries no MAC"))
     if cipher is None and version != _version(encoded, auth is not None):
         raise ChunkVersionError(
             f"format version {version!r} is not {_version(encoded, auth is not None)!r}"

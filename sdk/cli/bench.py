@@ -893,7 +893,8 @@ def _preflight(target: TierTarget, tier: TierConfig, redact: Redactor) -> None:
     finally:
         target.remove([key])
     if not kept or not kept[0]:
-        where = {k: v for k, v in tier.options.items() if k in ("url", "path", "master")}
+        where = ", ".join(f"{k}={redact(str(v))}" for k, v in tier.options.items()
+                          if k in ("url", "path", "master"))  # never a repr: it escapes quotes
         fail(redact(f"tier {target.name!r} (backend {tier.backend!r}) did not keep a test value "
-             f"({target.fault_hint()}); is its medium reachable and writable? {where or ''} "
+             f"({target.fault_hint()}); is its medium reachable and writable? {where} "
              "Check the server address / directory in the tier's options."))

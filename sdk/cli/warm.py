@@ -183,9 +183,9 @@ def warm_cmd(url: str | None, prompts_file: Path, model: str | None,
         if model is None:
             fail("give --url (a running `kvplug serve`) or --model (an engine started here)")
         if kvplug_config is not None:
-            from .serve import _check_kvplug_config
+            from .config import check_or_fail
 
-            _check_kvplug_config(kvplug_config)
+            check_or_fail(kvplug_config)
         # vLLM logs to stdout by default: to stderr here, so stdout is the summary (--json)
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         from kvplug.connector.warm_local import LocalEngine

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from ..config import PolicyConfig
+from ..config import PolicyConfig, TierConfig
 from ..errors import BackendLoadError, BackendValidationError, ConfigError, KVPlugError
 from ..plugins import BackendInfo, check_hookimpls, discover_entry_points
 from ..policyspecs import REQUIRED_HOOKS, SPECS, PolicyContext
@@ -107,6 +107,17 @@ def check_choice(kind: str, name: str, where: str) -> type:
             f"{where}: {kind}: policy {name!r} is an {cls.kind} policy, not an {kind} one; "
             f"{kind} policies: {', '.join(policies_of_kind(kind))}")
     return cls
+
+
+def check_policies(tier: TierConfig) -> None:
+    """The policies a tier's config names (``eviction``, ``admission``) are installed and of
+    their kind: a :class:`ConfigError` naming the value and the choices, checked where tiers are
+    built (:mod:`kvplug.tier_setup`) and by ``kvplug config check`` (the config schema itself
+    loads no entry points)."""
+    for kind in ("eviction", "admission"):
+        chosen = getattr(tier, kind)
+        if chosen is not None:
+            check_choice(kind, chosen.policy, f"tier {tier.tier_name!r}")
 
 
 def build_policy(kind: str, cfg: PolicyConfig | None, tier: str, capacity: int | None = None,

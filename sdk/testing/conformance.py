@@ -543,6 +543,11 @@ class BackendConformance:
             with pytest.raises(ConfigError, match="does not say it encrypts"):
                 StorageManager({"tiers": tiers, "chunk_size": 16, **settings})
             return
+        try:  # a tier that cannot keep the bytes encrypted where it runs refuses, naming it
+            StorageManager({"tiers": tiers, "chunk_size": 16, **settings}).close()
+        except ConfigError as exc:  # (gds through kvikio: the CPU never sees the bytes)
+            assert "encrypt" in str(exc), exc
+            return
         with self.opened(make_tiers, **settings) as mgr:
             shape, key = (3, 2, 4096), make_key(47)
             obj = fill_random(mgr, shape=shape, seed=47, num_tokens=21)

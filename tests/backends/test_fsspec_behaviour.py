@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import threading
 import time
 
 import fsspec
 import pytest
 import torch
+from kvplug import chunkfile as cf
 from kvplug.errors import ConfigError
 from kvplug.keys import CacheKey
 from kvplug.storage_manager import StorageManager
@@ -61,6 +64,24 @@ def test_contains_is_batched_and_misses_are_cached():
         _put(b, range(1))
         time.sleep(0.5)
         assert a.lookup_prefix(keys).num_chunks == 1
+
+
+def test_a_fresh_lookup_is_never_answered_by_a_remembered_miss():
+    """Chunks another engine announced (a disaggregated producer's hand-off) are looked up
+    ``fresh``: the tier forgets its remembered misses of them first, so a chunk stored since
+    the miss is found at once, not when the memory expires (here: in a minute)."""
+    with _mgr(negative_cache_s=60) as a, _mgr(negative_cache_s=0.0) as b:
+        keys = [make_key(i) for i in range(4)]
+        assert a.lookup_prefix(keys).num_chunks == 0  # the misses are remembered
+        _put(b, range(3))
+        assert a.lookup_prefix(keys).num_chunks == 0  # the control: hidden by the memory
+        assert a.stats()["fsspec"]["negative_hits"] >= 1
+        remote = a.stats()["fsspec"]["remote_lookups"]
+        found = a.lookup_prefix(keys, pin=True, fresh=True)
+        assert found.num_chunks == 3 and found.tiers == ["fsspec"] * 3
+        assert a.stats()["fsspec"]["remote_lookups"] == remote + 4  # asked the store itself
+        a.unpin(keys[:3], found.tiers)
+        assert a.lookup_prefix(keys).num_chunks == 3  # the forgotten misses stay forgotten
 
 
 def test_full_write_queue_drops_without_blocking():
@@ -203,6 +224,72 @@ def test_file_url_writes_through_the_shared_temp_name_rule(tmp_path, monkeypatch
     with _mgr(f"file://{tmp_path}", namespace_dirs=False) as mgr:
         _put(mgr, range(2))
     assert len(renamed) == 2 and all(cf.is_temp(name) for name in renamed), renamed
+
+def test_file_url_never_follows_a_symlinked_directory(tmp_path):
+    """A writer of the directory replaces a shard and a namespace directory with symlinks to a
+    directory elsewhere: stores there are dropped, never written outside the root; a chunk file
+    put outside under the right name is never served; an eviction through the link deletes
+    nothing outside (the negative control: a real directory of the same name works)."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    for namespace_dirs in (False, True):
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir()
+        with _mgr(f"file://{root}", namespace_dirs=namespace_dirs, negative_cache_s=0) as mgr:
+            path = _backend(mgr).path_of(make_key(1))
+            linked = os.path.dirname(path) if not namespace_dirs else \
+                os.path.dirname(os.path.dirname(path))
+            os.symlink(outside, linked)
+            _put(mgr, [1])
+            assert not any(outside.rglob("*")), "a store was written outside the root"
+            planted = outside / os.path.relpath(path, linked)
+            planted.parent.mkdir(parents=True, exist_ok=True)
+            real = fill_random(mgr, seed=1)
+            header, bufs = cf.encode_chunk(make_key(1), real)
+            planted.write_bytes(header + b"".join(bytes(b) for b in bufs))
+            real.ref_down()
+            assert mgr.get(make_key(1)) is None, "a chunk outside the root was served"
+            mgr.evict([make_key(1)])
+            assert planted.exists(), "an eviction deleted a file outside the root"
+            os.unlink(linked)
+            _put(mgr, [1])  # the control: a real directory there works
+            got = mgr.get(make_key(1))
+            assert got is not None
+            got.ref_down()
+        shutil.rmtree(outside)
+        outside.mkdir()
+
+
+def test_file_url_fifos_named_like_chunks_never_block_its_threads(tmp_path):
+    """Two FIFOs named like chunks (as many as the tier has I/O threads): reads of them are
+    misses, and a stored chunk and a new store still work (its threads are free)."""
+    root = tmp_path / "root"
+    fifos = []
+    with _mgr(f"file://{root}", namespace_dirs=False, io_threads=2, timeout_s=2,
+              negative_cache_s=0) as mgr:
+        try:
+            _put(mgr, [0])
+            for i in (1, 2):
+                path = _backend(mgr).path_of(make_key(i))
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                os.mkfifo(path)
+                fifos.append(path)
+            assert mgr.get(make_key(1)) is None and mgr.get(make_key(2)) is None
+            got = mgr.get(make_key(0))
+            assert got is not None, "a stored chunk missed after reads of FIFOs"
+            got.ref_down()
+            _put(mgr, [3])
+            got = mgr.get(make_key(3))
+            assert got is not None, "a new store missed after reads of FIFOs"
+            got.ref_down()
+            assert mgr.stats()["fsspec"]["timeouts"] == 0
+        finally:
+            for path in fifos:  # a reader blocked in open (the finding) is let go
+                try:
+                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError:
+                    pass
+
 
 def test_layer_reads_are_ranged_and_verified():
     with _mgr() as mgr:

@@ -200,3 +200,32 @@ def test_tier_alone_reads_a_batch_without_a_copy_per_value(master):
     finally:
         reader.close()
         writer.close()
+
+
+def test_a_remove_refused_for_a_lease_is_a_miss_at_once_and_done_later(tmp_path):
+    """Mooncake's master leases an object to whoever reads it or asks whether it exists and
+    refuses its remove until the lease ends (1 s here; 10 s by default). An eviction (for room,
+    or an operator's clear) of a chunk a lookup just found is a miss at once, the chunk stored
+    again is served with its new bytes, and the remove is asked again until Mooncake takes it.
+    Before: the refusal was ignored: the tier forgot the chunk while Mooncake kept it, so the
+    next lookup found it again (the conformance kit's pins test failed when its lookups fell
+    within a lease of the evictions)."""
+    m = MooncakeMaster(tmp_path / "mooncake", lease_ms=1000)
+    try:
+        with StorageManager({"tiers": [tier(m)], "chunk_size": 16}) as mgr:
+            old, other = _put(mgr, 1), _put(mgr, 2)
+            assert mgr.flush(10) and _exact(mgr, 1, old)  # a read: Mooncake leases it
+            mgr.evict([make_key(1)])
+            assert mgr.lookup_prefix([make_key(1)]).num_chunks == 0
+            assert mgr.get(make_key(1)) is None
+            store = mgr.backend("mooncake").io.store()
+            name = mgr.backend("mooncake").name_of(make_key(1))
+            deadline = time.monotonic() + HANG
+            while store.batch_is_exist([name]) != [0]:  # removed once its lease ended
+                assert time.monotonic() < deadline, "the refused remove was never done"
+                time.sleep(1.2)  # a lease past: this check's own lease ends too
+                assert _exact(mgr, 2, other)  # a tier call: the pending remove is asked again
+            new = put_random(mgr, make_key(1), 101)
+            assert mgr.flush(10) and _exact(mgr, 1, new) and not torch.equal(new, old)
+    finally:
+        m.stop()

@@ -16,6 +16,7 @@ from kvplug.backends.posix import io as posix_io
 from kvplug.hookspecs import TierContext
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, heap_memory_obj
+from kvplug.runtime import Runtime
 from kvplug.storage_manager import StorageManager
 from safetensors import safe_open
 
@@ -271,6 +272,44 @@ def test_reads_bump_the_shared_lru(tmp_path, monkeypatch):
     other = backend(tmp_path, capacity=3 * file_size)  # another process's view: file mtimes
     put(other, 3)
     assert other.contains(keys=[key(0), key(1)], pin=False) == [True, False]
+    be.close()
+    other.close()
+
+
+class SetClock(Runtime):
+    """Real threads, and a wall clock the test sets (as the deterministic simulation keeps its
+    own): what the tier stamps its LRU with."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_lru_stamps_are_the_runtimes_wall_clock(tmp_path):
+    """A file's LRU stamp (its mtime, the order every process on the directory evicts in) is the
+    tier's runtime's wall clock, on write and on a read's bump, never the kernel's: a simulated
+    clock decides what a rescan evicts, whatever the real time and however fast it runs."""
+    file_size = cf.ALIGN + 3 * cf.align_up(2 * 2500)
+    base = 1_000_000_000.0  # 2001: the real clock is years later
+    clock = SetClock(base)
+    options = PosixBackend.Options(path=str(tmp_path), capacity=3 * file_size)
+    be = PosixBackend(TierContext("disk", options, heap_memory_obj, runtime=clock))
+    assert be.wait_indexed(60)
+    for i, at in ((0, 3.0), (1, 1.0), (2, 2.0)):  # stamped out of their real order
+        clock.now = base + at
+        put(be, i)
+    clock.now = base + 5.0
+    be.get(key=key(1)).ref_down()  # 1 is the most recent now, 2 the oldest
+    mtimes = [os.stat(tmp_path / be._rel(key(i))).st_mtime for i in range(3)]
+    assert mtimes == [base + 3.0, base + 5.0, base + 2.0]
+    other_opts = PosixBackend.Options(path=str(tmp_path), capacity=3 * file_size)
+    other = PosixBackend(TierContext("disk", other_opts, heap_memory_obj,
+                                     runtime=SetClock(base + 10.0)))  # another process's view
+    assert other.wait_indexed(60)
+    put(other, 3)
+    assert other.contains(keys=[key(i) for i in range(4)], pin=False) == [True, True, False, True]
     be.close()
     other.close()
 

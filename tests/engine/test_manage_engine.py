@@ -1,6 +1,7 @@
 """kvplug's management API, ``kvplug cache``, ``kvplug warm`` and the deploy/ files on one real
-``kvplug serve`` (the tiny model, RAM in front of a posix directory, vLLM's prefix cache off so
-every cached token a request reports was loaded by kvplug, ``--api-key`` set).
+``kvplug serve`` (the tiny model, RAM in front of a posix directory, eviction and admission
+policies set on them, vLLM's prefix cache off so every cached token a request reports was loaded
+by kvplug, ``--api-key`` set).
 
 What the API says is checked against what the engine does: a lookup's tokens against the
 ``cached_tokens`` the same prompt then reports; a clear against the files left on disk, a lookup
@@ -37,8 +38,12 @@ def server(tmp_path_factory):
     model = make_model("tiny", root=tmp_path_factory.getbasetemp() / "models")
     store = base / "chunks"
     cfg = base / "kvplug.yaml"
+    # policies set (ones that leave these tests' stores and hits as without them): status
+    # reports them by name and settings
     cfg.write_text("tiers:\n  - backend: local_cpu\n    options: {capacity: 256MiB}\n"
-                   f"  - backend: posix\n    options: {{path: {store}, capacity: 1GiB}}\n")
+                   "    eviction: s3fifo\n"
+                   f"  - backend: posix\n    options: {{path: {store}, capacity: 1GiB}}\n"
+                   "    admission: {policy: always}\n")
     port = free_port()
     argv = kvplug_cli("serve", str(model), "--kvplug-config", str(cfg), "--port", str(port),
                       "--api-key", KEY, *TINY_SERVER_ARGS)
@@ -191,6 +196,10 @@ def test_status_and_clears_that_cannot_be_done(server):
     assert tiers["posix"]["capacity_bytes"] == 1 << 30 and tiers["posix"]["may_block"]
     assert tiers["local_cpu"]["entries"] > 0 and tiers["posix"]["used_bytes"] > 0
     assert len(out["ranks"]) == 1 and out["chunk_size"] == 256
+    assert tiers["local_cpu"]["policies"] == {"eviction": {"policy": "s3fifo"},
+                                              "admission": {"policy": "always"}}
+    assert tiers["posix"]["policies"] == {"eviction": {"policy": "lru"},
+                                          "admission": {"policy": "always"}}
     status, out = http(url, "/kvplug/v1/clear", {"scope": "tier", "tiers": ["nope"]})
     assert status == 404 and "nope" in out["error"]["message"]  # vLLM's error body
 
@@ -218,7 +227,7 @@ def test_cache_commands_over_http(server):
     assert out.returncode == 0, out.stderr
     assert "done" in out.stdout and "local_cpu" in out.stdout
     out = run("cache", "status", "--url", url)
-    assert out.returncode == 0 and "posix" in out.stdout
+    assert out.returncode == 0 and "posix" in out.stdout and "s3fifo" in out.stdout
 
 
 def test_warm_prefills_what_is_not_held_and_resumes(server, tmp_path):

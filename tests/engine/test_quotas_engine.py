@@ -2,8 +2,8 @@
 hits hold when B has a quota; a tenant C without one (the negative control, same engine) floods
 the same way and evicts A's chunks.
 
-Tenants are named in ``kv_transfer_params`` (``{"tenant": ...}``; a ``cache_salt`` works the
-same way, tests/unit/test_quotas.py). One posix tier of 16 MiB; a tiny-model chunk of 256 tokens is a
+A request's tenant is its ``cache_salt`` (never a name in ``kv_transfer_params``:
+tests/unit/test_quotas.py). One posix tier of 16 MiB; a tiny-model chunk of 256 tokens is a
 ~0.5 MiB file; A stores 4 chunks, then B sends 10 prompts of 4 chunks (~21 MiB), then A asks again.
 """
 
@@ -36,7 +36,7 @@ def test_a_flooding_tenant_leaves_the_other_tenants_hits(model, tmp_path):
     tier = {"backend": "posix", "options": {"path": str(root), "capacity": "16MiB"},
             "quotas": {"tenants": {"team-b": "3MiB"}}}
     kv = transfer_config("kvplug", {"tiers": [tier], "async_save": False})
-    a, b, c = {"tenant": "team-a"}, {"tenant": "team-b"}, {"tenant": "team-c"}
+    a, b, c = {"cache_salt": "team-a"}, {"cache_salt": "team-b"}, {"cache_salt": "team-c"}
     flood_c = [prompt(1024, 980 + i) for i in range(10)]
     out = run_scenario(model, kv, [("gen", A, a), *[("gen", p, b) for p in FLOOD], ("gen", A, a),
                                    *[("gen", p, c) for p in flood_c], ("gen", A, a)])

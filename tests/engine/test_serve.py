@@ -34,6 +34,22 @@ def test_print_command_configures_the_connector_by_name(tmp_path):
                   "kv_connector_extra_config": {"config_file": str(cfg.resolve())}}
 
 
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_kv_role_sets_the_disaggregated_roles(role):
+    """``--kv-role``: the prefill and decode engines of disaggregated prefill (README)."""
+    from click.testing import CliRunner
+    from kvplug.cli.serve import serve_cmd
+
+    out = CliRunner().invoke(serve_cmd, ["some/model", "--kv-role", role, "--port", "8100",
+                                         "--print-command"])
+    assert out.exit_code == 0, out.output
+    argv = shlex.split(out.output)
+    assert json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_role"] == role
+    assert argv[-2:] == ["--port", "8100"]  # not passed on to vLLM as its own flag
+    bad = CliRunner().invoke(serve_cmd, ["some/model", "--kv-role", "kv_sideways"])
+    assert bad.exit_code == 2 and "kv_sideways" in bad.output
+
+
 def test_bad_kvplug_config_and_own_flag_fail_before_vllm_starts(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("tiers:\n  - backend: local_cpu\n    options: {capacity: 64MiB, bogus: 1}\n")

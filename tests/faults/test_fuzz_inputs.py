@@ -2,11 +2,13 @@
 config loader and the lookup socket.
 
 * Chunk files: random and mutated headers (flipped bytes, random length prefixes, truncations,
-  metadata values replaced by hostile ones, garbage, nested JSON). The only exception that may
+  metadata values replaced by hostile ones, garbage, nested JSON, bodies built to cost a parser:
+  millions of empty lists, deep nesting, many keys, a huge string). The only exception that may
   leave the reader is the documented :class:`~kvplug.errors.ChunkFormatError`; no read asks for
-  more bytes than the file holds (beyond the fixed 4 KiB probe); a header the reader accepts
-  describes exactly this file. The posix and fsspec (``file://``) tiers answer every such file
-  with a miss or the original bytes, never an exception or other bytes.
+  more bytes than the file holds (beyond the fixed 4 KiB probe), nor, for an engine's reader,
+  more than its chunks' header bound; a header the reader accepts describes exactly this file.
+  The posix and fsspec (``file://``) tiers answer every such file with a miss or the original
+  bytes, never an exception or other bytes.
 * Config: wrong keys, types and sizes at every level: a :class:`~kvplug.errors.ConfigError` whose
   message names the key and what is allowed.
 * Lookup socket: random frames and mutated messages are dropped and counted; the service keeps
@@ -33,6 +35,8 @@ from kvplug.memory import MemoryFormat, heap_memory_obj
 
 SEED = 16
 N_READER = 600
+#: The header bound of an engine whose chunks have 3 layers (the most ``_valid`` makes).
+ENGINE_HEADER = cf.max_header_bytes(3)
 
 # -- the chunk-file reader -------------------------------------------------------------------------
 
@@ -64,10 +68,31 @@ def _with_header(data: bytes, doc: object, rng: random.Random) -> bytes:
     return struct.pack("<Q", total - 8) + body + b" " * (total - 8 - len(body)) + data[hb:]
 
 
+def costly_body(rng: random.Random, size: int) -> bytes:
+    """A header body of about ``size`` bytes built to cost a parser: empty lists by the million,
+    deep nesting, many keys, one huge string, inside the metadata object or instead of it."""
+    open_ = rng.choice([b'{"__metadata__":{"format":', b'{"__metadata__":', b"", b'{"a":'])
+    kind = rng.randrange(4)
+    if kind == 0:
+        body = b"[" + b"[]," * (size // 3) + b"[]]"
+    elif kind == 1:
+        depth = min(size // 2, 200_000)
+        body = b"[" * depth + b"]" * depth
+    elif kind == 2:
+        body = b"{" + b",".join(b'"k%d":"v"' % i for i in range(size // 12)) + b"}"
+    else:
+        body = b'"' + b"A" * size + b'"'
+    return open_ + body + b"}" * open_.count(b"{")
+
+
 def mutate(data: bytes, rng: random.Random) -> bytes:
     """One random mutation of a valid chunk file (or a file of random bytes)."""
     hb = cf.header_size(data[:8])
-    kind = rng.randrange(9)
+    kind = rng.randrange(10)
+    if kind == 9:  # a body built to cost a parser, its length prefix valid (bounded, aligned)
+        size = cf.MAX_HEADER - 200 if rng.random() < 0.05 else rng.choice([100, 4000, 40_000,
+                                                                            200_000])
+        return _with_header(data, costly_body(rng, size), rng)
     if kind == 0:  # flipped bytes in the header
         out = bytearray(data)
         for _ in range(rng.randint(1, 4)):
@@ -129,8 +154,17 @@ def test_reader_fuzz_only_documented_errors_and_bounded_reads(tmp_path):
                 header = None
             except Exception as exc:  # pragma: no cover - the failure this test looks for
                 pytest.fail(f"case {i}: {type(exc).__name__} escaped the reader: {exc!r:.300}")
+            mark = len(asked)
+            try:  # the same file read by an engine of small chunks (their header bound)
+                cf.read_header(read, size, max_header=ENGINE_HEADER)
+            except ChunkFormatError:
+                pass
+            except Exception as exc:  # pragma: no cover - the failure this test looks for
+                pytest.fail(f"case {i}: {type(exc).__name__} escaped the reader: {exc!r:.300}")
         limit = max(size, cf.HEADER_PROBE)
         assert all(off + n <= limit for off, n in asked), (i, size, asked)
+        bounded = asked[mark:]
+        assert sum(n for _, n in bounded) <= max(ENGINE_HEADER, cf.HEADER_PROBE), (i, bounded)
         if header is not None:  # accepted: it must describe this very file
             outcomes["accepted"] += 1
             assert header.file_size == size and raw == data[: header.header_bytes]

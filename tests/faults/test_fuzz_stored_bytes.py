@@ -1,8 +1,9 @@
 """The fuzz campaign on stored bytes, short run (issue 32): every target of
 :mod:`stored_bytes_fuzz` (chunk-file header, codec frames, the posix, fsspec and value tiers'
-reads, the resp reply parser) fed mutated and hostile chunks by hypothesis, derandomized (the
-same examples every run) and bounded. No exception escapes, nothing is imported, no read makes a
-tensor past the engine's geometry, and nothing but the valid chunk is ever served.
+reads, the resp reply parser; headers built to cost a parser; posix pins files) fed mutated and
+hostile inputs by hypothesis, derandomized (the same examples every run) and bounded. No
+exception escapes, nothing is imported, no read makes a tensor past the engine's geometry or
+reads a header past its bound, and nothing but the valid chunk (the sealed pins) is accepted.
 
 The long campaign (more examples, counts printed): ``python -m benchmarks.fuzz_stored_bytes``.
 """
@@ -17,7 +18,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from tests.support.stored_bytes_fuzz import TARGETS, Campaign  # noqa: E402
 
-EXAMPLES = {"header": 120, "frame": 60, "posix": 40, "fsspec": 40, "value": 60, "resp": 80}
+EXAMPLES = {"header": 120, "frame": 60, "posix": 40, "fsspec": 40, "value": 60, "resp": 80,
+            "bounds": 40, "pins": 64}
 OPS = st.lists(st.integers(0, 6), min_size=1, max_size=3)
 
 

@@ -16,6 +16,7 @@ Real tiers: posix on sparse files, fsspec on moto's S3 server, resp on a real re
 from __future__ import annotations
 
 import os
+import struct
 import tracemalloc
 
 import pytest
@@ -294,3 +295,100 @@ def test_sparse_claim_allocation_is_measured_by_the_watch(monkeypatch):
     del t, b
     assert w.torch_max == 512 << 20 and w.python_peak >= 8 << 20
     assert os.path.exists("/proc/self")
+
+
+# -- headers: their length bounded by the engine's geometry before any of it is parsed -----------
+HEADER_BOMB = 16 << 20
+GEOMETRY = (4, 2, 4096, 16)
+
+
+def list_bomb() -> bytes:
+    """A 16 MiB header of empty JSON lists (``[],[],...``) inside the metadata, whose length
+    prefix says so: parsed, it is millions of Python lists."""
+    head = b'{"__metadata__":{"format":['
+    count = (HEADER_BOMB - 8 - len(head) - 4) // 3
+    body = head + b"[]," * count + b"[]]}}"
+    return struct.pack("<Q", HEADER_BOMB - 8) + body + b" " * (HEADER_BOMB - 8 - len(body))
+
+
+def test_list_bomb_is_a_header_the_old_bound_accepted():
+    """The negative control of the tests below: the bomb's announced length is one the format
+    accepted before headers were bounded by the geometry (16 MiB), and its JSON parses."""
+    bomb = list_bomb()
+    assert len(bomb) == HEADER_BOMB and HEADER_BOMB % cf.ALIGN == 0
+    assert struct.unpack("<Q", bomb[:8])[0] + 8 == HEADER_BOMB
+    assert bomb[8:].decode().rstrip().endswith("[]]}}")
+    engine = cf.max_header_bytes(GEOMETRY[0])
+    assert engine < 64 << 10 and HEADER_BOMB > 256 * engine
+
+
+def test_posix_with_auth_refuses_a_16mib_header_before_parsing_it(tmp_path, monkeypatch):
+    from kvplug.read_memory import ChunkGeometry
+
+    from tests.support.auth_attacks import KEY_A, set_secrets
+
+    set_secrets(monkeypatch.setenv)
+    root = tmp_path / "d"
+    cfg = {"chunk_size": 16, "auth_key_env": KEY_A, "tiers": [posix(root)]}
+    with StorageManager(cfg, geometry=ChunkGeometry(*GEOMETRY)) as mgr:
+        good = fill_random(mgr, SHAPE, seed=11, num_tokens=16)
+        expect = good.byte_view.clone()
+        mgr.batched_put([make_key(0)], [good])
+        good.ref_down()
+        assert mgr.flush(30)
+        path = root / cf.relative_chunk_path(make_key(1), mgr.auth)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(list_bomb())
+        with AllocWatch(monkeypatch) as w:
+            assert mgr.get(make_key(1)) is None
+        assert w.python_peak < 1 << 20, f"reading the header took {w.python_peak} bytes"
+        assert mgr.stats()["disk"]["corrupt"] == 1
+        got = mgr.get(make_key(0))  # the control: this engine's own chunk still reads
+        assert got is not None and torch.equal(got.byte_view, expect)
+        got.ref_down()
+
+
+def test_fsspec_with_geometry_refuses_a_16mib_header_before_fetching_it(tmp_path, monkeypatch):
+    import fsspec
+    from kvplug.read_memory import ChunkGeometry
+
+    url = f"memory://headers-{os.getpid()}-{os.urandom(4).hex()}"
+    tier = {"backend": "fsspec", "name": "remote", "options": {"url": url,
+                                                                "negative_cache_s": 0}}
+    with StorageManager({"chunk_size": 16, "tiers": [tier]},
+                        geometry=ChunkGeometry(*GEOMETRY)) as mgr:
+        be = mgr.backend("remote")
+        fsspec.filesystem("memory").pipe_file(be.path_of(make_key(1)), list_bomb())
+        with AllocWatch(monkeypatch) as w:
+            assert mgr.get(make_key(1)) is None
+            assert mgr.get_layers(make_key(1), 0, 1) is None
+        assert w.python_peak < 1 << 20, f"reading the header took {w.python_peak} bytes"
+        assert mgr.stats()["remote"]["corrupt"] >= 1
+
+
+def test_resp_get_layers_never_fetches_a_16mib_header(tmp_path):
+    from kvplug.read_memory import ChunkGeometry
+
+    from tests.support.redis_server import RedisServer
+
+    srv = RedisServer(tmp_path / "redis")
+    try:
+        tier = {"backend": "resp", "name": "kv", "options": {"url": srv.url,
+                                                             "negative_cache_s": 0}}
+        with StorageManager({"chunk_size": 16, "tiers": [tier]},
+                            geometry=ChunkGeometry(*GEOMETRY)) as mgr:
+            r = srv.client()
+            name = mgr.backend("kv").name_of(make_key(1))
+            r.set(name, list_bomb())
+
+            def sent() -> int:
+                return int(r.info("stats")["total_net_output_bytes"])
+
+            before = sent()
+            assert mgr.get_layers(make_key(1), 0, 1) is None
+            fetched = sent() - before
+            assert fetched < 64 << 10, f"the tier fetched {fetched} bytes of a header"
+            assert mgr.stats()["kv"]["corrupt"] == 1
+            r.close()
+    finally:
+        srv.stop()

@@ -114,11 +114,17 @@ def failures(mgr: StorageManager, tier: str) -> float:
 
 def forgeries(k: CacheKey, real: bytes | None = None) -> dict[str, bytes]:
     """Chunks an attacker without the secret makes for ``k``: plain (the public library, a valid
-    xxh3), signed with the attacker's own secret, and (given ``k``'s real chunk) that one's
-    public key id and salt kept while the MACs are the attacker's."""
+    xxh3), signed with the attacker's own secret, a 4 KiB header claiming another format
+    version (a squatter: left in place as a rolling upgrade's entry, it would block the name for
+    good), and (given ``k``'s real chunk) that one's public key id and salt kept while the MACs
+    are the attacker's."""
     evil = random_obj(666)
-    out = {"plain chunk, valid xxh3": encoded(k, evil),
-           "own secret": encoded(k, evil, cf.Keyring(os.urandom(32)))}
+    own = encoded(k, evil, cf.Keyring(os.urandom(32)))
+    squatter = own[: header_bytes(own)].replace(b'"format_version":"1+mac"',
+                                                b'"format_version":"2+mac"')
+    assert len(squatter) == 4096 and b'"2+mac"' in squatter
+    out = {"plain chunk, valid xxh3": encoded(k, evil), "own secret": own,
+           "another format version (2+mac), 4 KiB": squatter}
     if real is not None:
         fields = public_fields(real)
         forged = bytearray(encoded(k, evil, cf.Keyring(os.urandom(32))))

@@ -62,7 +62,7 @@ def check_round_trip_ciphertext(mgr: StorageManager, tier: str, raw: aa.Raw) -> 
         got = aa.hit(mgr, k)
         assert got is not None and torch.equal(got, ref), f"{tier}: {k} round trip"
         rows = ref.view(aa.SHAPE[0], -1)
-        for layer in range(aa.SHAPE[0]):
+        for layer in range(aa.SHAPE[0] if mgr.reads_layers(tier) else 0):  # mooncake: whole only
             part = aa.layer_hit(mgr, k, layer)
             assert part is not None and torch.equal(part, rows[layer]), f"{tier}: layer {layer}"
         stored = raw.read(raw.name_of(k))
@@ -76,7 +76,11 @@ def check_round_trip_ciphertext(mgr: StorageManager, tier: str, raw: aa.Raw) -> 
         assert_no_plaintext(stored, ref, f"{tier}: {k}")
     assert aa.failures(mgr, tier) == 0
     # The same key stored again (deleted first, so the tier writes it anew): another salt, so
-    # another key: no 16-byte block of ciphertext repeats at the same place.
+    # another key: no 16-byte block of ciphertext repeats at the same place. Not on Mooncake,
+    # which refuses to remove an object for 10 s after any read or lookup of it (its lease);
+    # the salt is drawn by the chunk library, the same for every tier.
+    if tier == "mooncake":
+        return
     k = keys[0]
     first = raw.read(raw.name_of(k))
     mgr.evict([k])

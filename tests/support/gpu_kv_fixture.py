@@ -4,9 +4,12 @@ reference (computed from the layout's known offsets, never through kvplug's view
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
+from kvplug.pool import HostMemoryPool
+from torch.overrides import TorchFunctionMode
 
 LAYOUTS = ["LBHNC", "LBNHC", "MLA"]
 DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn]
@@ -143,3 +146,44 @@ def id_patterns(rng: random.Random, B: int) -> dict[str, tuple[list[int], list[i
         "runs": ([3, 4, 5, 9, 10, 1], [12, 13, 14, 15, 6, 7]),
         "reversed": ([8, 7, 6, 5], [2, 1, 15, 14]),
     }
+
+
+class TorchCalls(TorchFunctionMode):
+    """Counts the calls into torch made inside it (functions, tensor methods and attributes:
+    the host's work of a transfer, one count per call however many bytes or tensors it moves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.calls[getattr(func, "__name__", str(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+def chunk_objects(route: str, L: int, sizes: list[int], page: int, *, device: str = "cpu",
+                  pin: bool = False, offset: int = 0) -> list[torch.Tensor]:
+    """Poisoned memory objects ``[L, n, page]``, one per size, as a copy plan's routes take them:
+    ``"pool"``: from one real ``HostMemoryPool`` (as L1 allocates them: the rows route on CPU,
+    the staged one for a CUDA cache; ``pin`` pins it); ``"arena"``: carved from one buffer on
+    ``device`` at ``offset`` bytes (rows, whatever the alignment); ``"apart"``: each its own
+    tensor, its pages two pages apart (staged, even for one job alone)."""
+    if route == "pool":
+        pool = HostMemoryPool(sum(L * n * page + 4096 for n in sizes) + 4096, pin_memory=pin,
+                              prefault=False)
+        objs = [pool.allocate((L, n, page)).tensor for n in sizes]  # type: ignore[union-attr]
+        for o in objs:
+            o.fill_(POISON)
+        return objs
+    if route == "arena":
+        arena = poisoned((offset + sum(L * n * page for n in sizes),), device=device)
+        objs, at = [], offset
+        for n in sizes:
+            objs.append(arena[at: at + L * n * page].view(L, n, page))
+            at += L * n * page
+        return objs
+    return [poisoned((L, 2 * n, page), device=device, pin=pin)[:, ::2] for n in sizes]

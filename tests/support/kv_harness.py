@@ -23,6 +23,9 @@ the layout alone, never kvplug's views): the loaded pages against the originals 
 other blocks, what the compute side read, the stored memory object, and every other page of the
 cache (destinations are poisoned first, so a page that was not written shows).
 
+``chunk=``: the store and the load are split into jobs of that many blocks, slices of one
+memory object each, as the connector builds one job per chunk (one copy plan for all of them).
+
 Negative control (``drop=``): at one layer, the harness drops one wait. On CUDA, the ``next()``
 of that layer runs with a *bystander* stream current, so kvplug orders that stream instead of the
 compute stream: the real race, made certain by sleeping long at that layer (the compute side
@@ -102,6 +105,13 @@ def page_rows(buf: torch.Tensor, layout: str, L: int, B: int) -> torch.Tensor:
     return flat.view(L, B, -1)
 
 
+def _jobs(ids: list[int], obj: torch.Tensor, chunk: int | None) -> list[tuple[list[int], torch.Tensor]]:
+    """One job for ``ids`` and ``obj``, or one per ``chunk`` blocks (slices of ``obj``)."""
+    if not chunk:
+        return [(ids, obj)]
+    return [(ids[a: a + chunk], obj[:, a: a + chunk]) for a in range(0, len(ids), chunk)]
+
+
 class PipelineHarness:
     """One vLLM-shaped KV cache on ``device`` and the layer loop of :meth:`run` over it."""
 
@@ -152,11 +162,13 @@ class PipelineHarness:
 
     # ---------------------------------------------------------------- the run
 
-    def run(self, sc: Scenario, drop: str | None = None, race_layer: int | None = None) -> list[Mismatch]:
+    def run(self, sc: Scenario, drop: str | None = None, race_layer: int | None = None,
+            chunk: int | None = None) -> list[Mismatch]:
         """Play one forward pass (see the module docstring); return every byte-level mismatch.
 
         ``drop`` ("store" or "load") removes that wait at ``race_layer`` (default: the middle
-        layer); an empty list means everything is byte exact.
+        layer); ``chunk``: jobs of that many blocks instead of one job per direction; an empty
+        list means everything is byte exact.
         """
         if drop not in (None, *DROPS):
             raise ValueError(f"drop must be one of {DROPS} or None, got {drop!r}")
@@ -196,8 +208,8 @@ class PipelineHarness:
         seen: list[torch.Tensor] = []
         emulate = None if self.cuda else drop  # CPU: reorder instead of racing
         with self._engine():
-            store = layerwise_store(self.kv, [(sc.store_ids, out)])
-            load = layerwise_load(self.kv, [(sc.dst_ids, src)], before)
+            store = layerwise_store(self.kv, _jobs(sc.store_ids, out, chunk))
+            load = layerwise_load(self.kv, _jobs(sc.dst_ids, src, chunk), before)
             for i in range(self.L):
                 racy = i == k
                 if racy and emulate == "load":

@@ -80,7 +80,10 @@ class MooncakeMaster(ServerProcess):
     start_s = 20.0
     graceful = False
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, lease_ms: int | None = None) -> None:
+        """``lease_ms``: the master's ``default_kv_lease_ttl`` (Mooncake's own default, 10 s, if
+        None): how long after a read or an existence check it refuses to remove an object."""
+        self.lease_ms = lease_ms
         if not in_private_netns():
             pytest.skip("a Mooncake master runs only inside a private network namespace")
         if master_binary() is None:
@@ -94,8 +97,9 @@ class MooncakeMaster(ServerProcess):
         return f"127.0.0.1:{self.port}"
 
     def argv(self) -> list[str]:
+        lease = [] if self.lease_ms is None else [f"--default_kv_lease_ttl={self.lease_ms}"]
         return [master_binary(), "--rpc_address=127.0.0.1", f"--rpc_port={self.port}",
-                "--enable_metric_reporting=false", "--enable_http_metadata_server=false"]
+                "--enable_metric_reporting=false", "--enable_http_metadata_server=false", *lease]
 
     def ready(self) -> bool:
         try:

@@ -42,8 +42,10 @@ def free_port() -> int:
 
 
 def server_env(base: Path) -> dict[str, str]:
-    """The environment without the caller's KVPLUG_* settings, with a small CPU KV cache."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPLUG_")}
+    """The environment without the caller's KVPLUG_* settings (but the suite's tenant key: the
+    server's tenant ids are the test's), with a small CPU KV cache."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("KVPLUG_") or k == "KVPLUG_TENANT_KEY_FILE"}
     env.update(KVPLUG_CACHE_DIR=str(base / "cache"), VLLM_CPU_KVCACHE_SPACE="1",
                TOKENIZERS_PARALLELISM="false",
                VLLM_ENABLE_V1_MULTIPROCESSING="1")  # a server's real layout (engine_env's is 0)

@@ -15,14 +15,28 @@ every example:
 Targets: ``header`` (``read_header``/``decode_header``), ``frame`` (``parse_frame`` and the codec
 wrapper's decode), and each tier's read through a StorageManager: ``posix``, ``fsspec``
 (``file://``), ``value`` (the value tier over an in-memory store), ``resp`` (the reply parser
-over a socket).
+over a socket). Two more start from hostile inputs of their own:
+
+* ``bounds``: headers built to cost a parser (a length prefix up to ``MAX_HEADER`` over millions
+  of empty lists, deep nesting, many keys, a huge string; a squatter's version) read by the
+  library with the engine's header bound, and by the posix and value tiers (with a keyring):
+  never more header bytes read than the bound, the Python memory a read takes (tracemalloc's
+  peak) bounded, never served;
+* ``pins``: a posix tier's pins file (``kvplug-pins.json``), valid and sealed, mutated (bit flips,
+  cuts, nesting, junk names, a list changed under the old seal, forms other than kvplug's) and
+  decoded with and without the keyring: only :class:`~kvplug.backends.posix.pin_store.NotPins`
+  leaves, what is accepted lists only chunk names, and under a keyring only the sealed list;
+  every 16th through a real tier's start-up scan (it ends; nothing but the listed chunk is
+  pinned).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import socket
+import struct
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -47,7 +61,10 @@ GEOMETRY = ChunkGeometry(LAYERS, PAGES, PAGE, tokens=32)
 PLANTED = ("this", "antigravity", "smtplib", "kvplug_fuzz_planted", "xml.dom.minidom")
 CODEC_NAMES = [*PLANTED, *(f"{m}:Codec" for m in PLANTED), "os:system", "lossless", "fp8", "",
                "builtins:eval", "kvplug.codecs.lossless:LosslessCodec", "x" * 5000]
-TARGETS = ("header", "frame", "posix", "fsspec", "value", "resp")
+TARGETS = ("header", "frame", "posix", "fsspec", "value", "resp", "bounds", "pins")
+#: The Python memory one read of a hostile header may take (tracemalloc's peak): parsing a header
+#: within the geometry's bound costs a few hundred KiB at most.
+PARSE_BOUND = 2 << 20
 
 
 def key_of(i: int) -> CacheKey:
@@ -175,6 +192,73 @@ def mutate_chunk(data: bytes, seed: int, ops: Sequence[int]) -> bytes:
     return data
 
 
+def hostile_header(seed: int, ops: Sequence[int]) -> bytes:
+    """A chunk file whose header is built to cost a parser (see the module docstring), its
+    length prefix announcing up to :data:`~kvplug.chunkfile.MAX_HEADER` (the file may be
+    shorter than announced)."""
+    from tests.faults.test_fuzz_inputs import costly_body
+
+    rng = random.Random(seed)
+    op = ops[0] % 4 if ops else 0
+    if op == 3:  # a squatter: a valid, authenticated-looking header of another version
+        k, good, _ = valid_chunk(seed, False)
+        raw = cf.encode_chunk(k, heap_memory_obj((LAYERS, PAGES, PAGE), num_tokens=32),
+                              cf.Keyring(random.Random(seed).randbytes(32)))[0]
+        return raw.replace(b'"1+mac"', rng.choice([b'"2+mac"', b'"1+foo"', b'"9+mac"'])) + \
+            good[cf.header_size(good[:8]):]
+    announced = rng.choice([cf.ALIGN, 3 * cf.ALIGN, 16 * cf.ALIGN, 64 * cf.ALIGN, cf.MAX_HEADER])
+    body = costly_body(rng, announced - 64)[: announced - 8]
+    if op == 1:  # the file shorter than announced
+        body = body[: rng.randrange(len(body) + 1)]
+    head = struct.pack("<Q", announced - 8) + body
+    return head + b" " * (announced - len(head)) if op != 1 else head
+
+
+def valid_pins(seed: int, auth: cf.Keyring | None) -> tuple[list[str], str]:
+    """A pins list and the file kvplug writes for it (sealed with ``auth``)."""
+    from kvplug.backends.posix.pin_store import encode_pins
+
+    rng = random.Random(seed)
+    pins = [f"{rng.randrange(256):02x}/{key_of(rng.randrange(1 << 30)).namespace}."
+            f"{rng.randbytes(8).hex()}.safetensors" for _ in range(rng.randint(0, 6))]
+    return pins, encode_pins(pins, auth)
+
+
+def mutate_pins(text: str, seed: int, ops: Sequence[int], auth: cf.Keyring | None) -> str:
+    """``text`` (a pins file) through ``ops`` (0: bit flips; 1: a cut; 2: nested JSON or a list
+    bomb put in; 3: a junk or hostile name added; 4: the list changed under the old seal; 5:
+    another JSON form of the same list; 6: unchanged)."""
+    from tests.faults.test_fuzz_inputs import HOSTILE, costly_body
+
+    rng = random.Random(seed)
+    for op in ops:
+        if op == 0 and text:
+            b = bytearray(text.encode())
+            for _ in range(rng.randint(1, 4)):
+                b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+            text = b.decode("latin-1")
+        elif op == 1:
+            text = text[: rng.randrange(len(text) + 1)]
+        elif op == 2:
+            at = rng.randrange(len(text) + 1)
+            text = text[:at] + costly_body(rng, rng.choice([50, 5000, 200_000])).decode() + \
+                text[at:]
+        elif op == 3:
+            name = rng.choice(["../../etc/passwd", "00/x.safetensors\u0000", "ab/" + "a" * 300,
+                               "zz/x.safetensors", "ab/.hidden.safetensors", *HOSTILE[:6]])
+            text = text.replace('"pins": [', f'"pins": [{json.dumps(name)}, ', 1)
+        elif op == 4:
+            text = text.replace('.safetensors"', '.x.safetensors"', 1)
+        elif op == 5:
+            try:
+                doc = json.loads(text)
+            except (ValueError, RecursionError):  # not JSON (any more): nothing to respell
+                continue
+            text = json.dumps(doc, indent=rng.choice([None, 1]), sort_keys=rng.random() < 0.5,
+                              separators=rng.choice([None, (",", ":")]))
+    return text
+
+
 # -- what every example must satisfy ----------------------------------------------------------
 @dataclass
 class Counts:
@@ -185,6 +269,7 @@ class Counts:
     served: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TARGETS, 0))
     exceptions: int = 0
     biggest_tensor: int = 0
+    biggest_parse: int = 0  # tracemalloc's peak of one read of a hostile header (bounds)
 
 
 class TensorWatch:
@@ -248,11 +333,21 @@ class Campaign:
         for m in PLANTED:
             sys.modules.pop(m, None)
 
+        self.ring = cf.Keyring(random.Random(7).randbytes(32))
+        self.authed = {}  # tiers with a keyring, made when the bounds target first runs
+        self.pins_at = 0
+
     def close(self) -> None:
-        for mgr in (self.posix, self.fsspec, self.value):
+        for mgr in (self.posix, self.fsspec, self.value, *self.authed.values()):
             mgr.close()
 
     def run(self, target: str, seed: int, encoded: bool, ops: Sequence[int]) -> None:
+        if target in ("bounds", "pins"):
+            self.counts.runs[target] += 1
+            served = getattr(self, f"_{target}")(seed, encoded, ops)
+            nothing_imported()
+            (self.counts.served if served else self.counts.misses)[target] += 1
+            return
         k, good, pages = valid_chunk(seed, encoded)
         data = mutate_chunk(good, seed, ops)
         self.counts.runs[target] += 1
@@ -343,7 +438,8 @@ class Campaign:
         elif choice == 3:
             reply = rng.choice([b"-ERR x\r\n", b"_\r\n", b"$-1\r\n", b"$0\r\n\r\n", b"+OK\r\n",
                                 b"$--1\r\n", b"$" + b"9" * 70 + b"\r\n", rng.randbytes(100)])
-        dest = torch.zeros(len(data) + 1, dtype=torch.uint8)
+        # the harness's buffer, not a read's allocation: made outside torch.empty/zeros (the watch)
+        dest = torch.frombuffer(bytearray(len(data) + 1), dtype=torch.uint8)
         a, b = socket.socketpair()
         a.settimeout(2)
         def send() -> None:
@@ -368,6 +464,107 @@ class Campaign:
             a.close()
             t.join(5)
             b.close()
+
+
+    def _authed(self, kind: str) -> StorageManager:
+        """A posix or value tier with a keyring (``auth_key_env`` through the environment)."""
+        import os
+
+        from kvplug.storage_manager import StorageManager
+
+        if kind not in self.authed:
+            os.environ.setdefault("KVPLUG_FUZZ_SECRET", random.Random(9).randbytes(32).hex())
+            tier = ({"backend": "posix", "name": "t", "options": {
+                "path": str(self.root / "pa"), "rescan_interval_s": 3600}} if kind == "posix"
+                else {"backend": "tests.support.stored_bytes_fuzz:DictValueTier", "name": "t",
+                      "options": {"negative_cache_s": 0}})
+            self.authed[kind] = StorageManager({"chunk_size": 32, "tiers": [tier],
+                                                "auth_key_env": "KVPLUG_FUZZ_SECRET"},
+                                               geometry=GEOMETRY)
+        return self.authed[kind]
+
+    def _bounds(self, seed: int, encoded: bool, ops: Sequence[int]) -> bool:
+        """A hostile header read by the library under the engine's bound, then planted for the
+        posix or the value tier (both with a keyring): nothing past the bound is read, the
+        memory a read takes is bounded, nothing is served."""
+        import tracemalloc
+
+        data = hostile_header(seed, ops)
+        bound = GEOMETRY.header_bytes
+        asked: list[int] = []
+
+        def read(off: int, n: int) -> bytes:
+            asked.append(n)
+            return data[off : off + n]
+
+        tracemalloc.start()
+        try:
+            try:
+                cf.read_header(read, len(data), self.ring, bound)
+                raise AssertionError("a hostile header was accepted")
+            except ChunkFormatError:
+                pass
+            assert sum(asked) <= max(bound, cf.HEADER_PROBE), f"read {sum(asked)} header bytes"
+            k = key_of(seed)
+            mgr = self._authed("posix" if encoded else "value")
+            be = mgr.backend("t")
+            if encoded:
+                path = self.root / "pa" / cf.relative_chunk_path(k, mgr.auth)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+            else:
+                STORE[be.name_of(k)] = data
+            base = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            served = [mgr.get(k), mgr.get_layers(k, 0, 1)]
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        self.counts.biggest_parse = max(self.counts.biggest_parse, peak)
+        assert peak <= PARSE_BOUND, f"a read of a hostile header took {peak} bytes"
+        assert served == [None, None], "a hostile header was served"
+        if encoded:
+            path.unlink(missing_ok=True)
+        else:
+            STORE.pop(be.name_of(k), None)
+        return False
+
+    def _pins(self, seed: int, encoded: bool, ops: Sequence[int]) -> bool:
+        """A mutated pins file decoded with and without the keyring (``encoded``: sealed);
+        every 16th example read by a real posix tier's start-up scan. ``True`` when the mutated
+        file was accepted (its list is then checked)."""
+        from kvplug.backends.posix.pin_store import NotPins, decode_pins
+        from kvplug.storage_manager import StorageManager
+
+        auth = self.ring if encoded else None
+        pins, text = valid_pins(seed, auth)
+        bad = mutate_pins(text, seed, ops, auth)
+        accepted = []
+        for ring in ((None, auth) if auth is not None else (None,)):
+            try:
+                got = decode_pins(bad, ring)
+            except NotPins:
+                continue
+            assert all(re.fullmatch(r"[0-9a-f]{2}/[A-Za-z0-9_-][A-Za-z0-9._-]*\.safetensors", p)
+                       for p in got), got
+            if ring is not None:
+                assert got == pins, "a list not sealed with the key was accepted"
+            accepted.append(ring)
+        self.pins_at += 1
+        if self.pins_at % 16 == 0:  # through a real tier's scan: it ends, pins only chunks
+            root = self.root / f"pins-{self.pins_at}"
+            k = key_of(seed)
+            obj = heap_memory_obj((LAYERS, PAGES, PAGE), num_tokens=32)
+            header, bufs = cf.encode_chunk(k, obj)
+            (root / cf.relative_chunk_path(k)).parent.mkdir(parents=True)
+            (root / cf.relative_chunk_path(k)).write_bytes(header + b"".join(map(bytes, bufs)))
+            listed = bad.replace('"pins": [', f'"pins": ["{cf.relative_chunk_path(k)}", ', 1)
+            (root / "kvplug-pins.json").write_text(listed, errors="surrogateescape")
+            with StorageManager({"chunk_size": 32, "tiers": [{"backend": "posix", "name": "t",
+                                 "options": {"path": str(root)}}]}) as mgr:
+                assert mgr.backend("t").wait_indexed(30), "the start-up scan did not end"
+                assert mgr.stats()["t"]["operator_pinned"] <= 1
+        return bool(accepted) and bad != text
 
 
 # -- the value tier over an in-memory store ---------------------------------------------------

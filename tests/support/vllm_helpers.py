@@ -99,15 +99,21 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 8,
 
 def generate_full(llm: Any, prompts: list[list[int]], max_tokens: int = 8,
                   params: list[dict[str, Any] | None] | None = None) -> list[dict[str, Any]]:
-    """Greedy generation with everything a test checks: tokens, logprobs, kvplug's report."""
+    """Greedy generation with everything a test checks: tokens, logprobs, kvplug's report.
+    ``params[i]`` is prompt ``i``'s ``kv_transfer_params``, but for a ``cache_salt`` entry: the
+    prompt's salt (its tenant)."""
     from vllm import SamplingParams, TokensPrompt
 
-    sps = []
+    sps, salts = [], []
     for extra in params or [None] * len(prompts):
+        extra = dict(extra or {})
+        salts.append(extra.pop("cache_salt", None))
         sps.append(SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0,
                                   ignore_eos=True,
                                   extra_args={"kv_transfer_params": extra} if extra else None))
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
+    inputs = [TokensPrompt(prompt_token_ids=p, **({"cache_salt": salt} if salt else {}))
+              for p, salt in zip(prompts, salts, strict=True)]
+    outs = llm.generate(inputs, sps, use_tqdm=False)
     result = []
     for o in outs:
         c = o.outputs[0]
@@ -393,10 +399,12 @@ class FakeLookup:
         self.stored: set[bytes] = set()
         self.calls: list[tuple[str, int]] = []
         self.released: list[str] = []
+        self.fresh: list[bool] = []  # per call: whether the tiers were told to forget misses
 
     def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]],
-               tenant: str = "") -> int:
+               tenant: str = "", fresh: bool = False) -> int:
         self.calls.append((req_id, len(hashes)))
+        self.fresh.append(fresh)
         n = next((i for i, h in enumerate(hashes) if h not in self.stored), len(hashes))
         if n == len(hashes):
             for end, h in tails:

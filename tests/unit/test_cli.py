@@ -178,6 +178,40 @@ def test_inspect_s3_store(s3):  # noqa: F811 - the fixture imported above
     assert "3 chunks" in out.stdout and "conformance/model" in out.stdout
 
 
+def test_inspect_on_a_hostile_directory(tmp_path):
+    """What a writer of the directory plants: a FIFO named like a chunk (opened, it would hang
+    inspect), a symlink named like a chunk to a file elsewhere (followed, its first bytes were
+    printed as a header length), a shard that is a symlink to a directory of chunks elsewhere,
+    and a name holding a terminal escape sequence and rich markup. Inspect opens none of the
+    first three, reports them, and shows the name escaped; the real chunks are counted."""
+    root, outside = tmp_path / "store", tmp_path / "outside"
+    _fill_posix(root, {"org/model-a": 2})
+    _fill_posix(outside, {"org/elsewhere": 3})
+    shard = root / "ee"
+    shard.mkdir()
+    os.mkfifo(shard / "fifo.safetensors")
+    private = tmp_path / "private.bin"
+    leak = int.from_bytes(os.urandom(6), "little") << 12  # a plausible header length
+    private.write_bytes(leak.to_bytes(8, "little") + os.urandom(64))
+    os.symlink(private, shard / "link.safetensors")
+    os.symlink(next(p for p in outside.iterdir() if p.is_dir()), root / "ff")
+    hostile = "\x1b]0;owned\x07\x1b[2J[bold red]x"
+    (shard / f"{hostile}.safetensors").write_bytes(b"junk")
+    out = kvplug("inspect", str(root), timeout=60)
+    shown = out.stdout + out.stderr
+    assert out.returncode == 0, out.stderr
+    assert "2 chunks" in out.stdout and "org/elsewhere" not in shown
+    assert str(leak) not in shown and hex(leak)[2:] not in shown, "a link's target was read"
+    assert "\x1b" not in shown and "\x07" not in shown, "an escape sequence reached the terminal"
+    assert "[bold red]x" in out.stdout  # markup shown as text
+    assert "fifo.safetensors" in out.stdout and "link.safetensors" in out.stdout
+    assert out.stdout.count("not a regular file") == 2
+    report = json.loads(kvplug("inspect", str(root), "--json", timeout=60).stdout)
+    assert report["chunks"] == 2
+    assert {c["path"].rsplit("/", 1)[1] for c in report["corrupt"]} == {
+        "fifo.safetensors", "link.safetensors", f"{hostile}.safetensors"}
+
+
 def test_inspect_missing_path_is_a_clear_error(tmp_path):
     out = kvplug("inspect", str(tmp_path / "nope"))
     assert out.returncode == 1 and "is not a directory" in out.stderr

@@ -87,7 +87,8 @@ def test_hit_split_counts_the_external_tokens_of_slow_chunks():
 
 def test_bytes_per_tenant_reach_a_gauge_labelled_by_the_tenant_id_only(tmp_path):
     """Real tiers (RAM, posix) hold two tenants' chunks: the per-tenant gauge says each tier's
-    bytes per tenant id, follows a clear of one tenant back to 0, and never shows a salt."""
+    bytes per tenant id, drops the series of a tenant cleared away (a departed tenant leaves no
+    series behind), and never shows a salt."""
     import dataclasses
 
     from kvplug.management import clear_tenant
@@ -124,6 +125,51 @@ def test_bytes_per_tenant_reach_a_gauge_labelled_by_the_tenant_id_only(tmp_path)
         assert rec.take() is None
         rec.sample_tenants(mgr, now=111.0)
         prom.observe(rec.take().data, 0)
-        assert level("ram", a) == 0 and level("disk", a) == 0 and level("ram", b) == 16 << 10
+        assert level("ram", a) is None and level("disk", a) is None, "a departed tenant's series"
+        assert level("ram", b) == 16 << 10
     text = __import__("prometheus_client").generate_latest(reg).decode()
-    assert "salt-a-secret" not in text and a in text
+    assert "salt-a-secret" not in text and a not in text and b in text
+
+
+def test_tenant_series_are_capped_per_tier_and_go_with_their_tenants():
+    """200 tenants hold a chunk each in RAM: at most ``TENANT_SERIES`` of them are series of
+    their own (the largest), the rest are summed under ``other``, the bytes add up; once every
+    tenant has left, no series is left (200 departed tenants used to leave 200)."""
+    import dataclasses
+
+    from kvplug.connector.protocol.stats import TENANT_SERIES
+    from kvplug.management import clear_tenant
+    from kvplug.policies.tenants import tenant_id
+    from kvplug.storage_manager import StorageManager
+    from kvplug.testing import fill_random, make_key
+
+    reg = CollectorRegistry()
+    types = {cls: partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
+    prom = KVPlugPromMetrics(SimpleNamespace(kv_transfer_config=None), types,
+                             ["model_name", "engine"], {0: ["m", "0"]})
+    tenants = [tenant_id(f"salt-{i}") for i in range(200)]
+    cfg = {"chunk_size": 16, "tiers": [
+        {"backend": "local_cpu", "name": "ram", "options": {"capacity": "8MiB"}}]}
+    rec = StatsRecorder()
+
+    def series() -> dict[str, float]:
+        return {s.labels["tenant"]: s.value for m in reg.collect()
+                if m.name == "vllm:kvplug_tier_tenant_bytes" for s in m.samples}
+
+    with StorageManager(cfg) as mgr:
+        for i, tenant in enumerate(tenants):
+            obj = fill_random(mgr, (2, 2, 1024) if i % 2 else (2, 2, 2048), seed=i)
+            mgr.batched_put([dataclasses.replace(make_key(i), tenant=tenant)], [obj])
+            obj.ref_down()
+        rec.sample_tenants(mgr, now=100.0)
+        prom.observe(rec.take().data, 0)
+        shown = series()
+        assert len(shown) == TENANT_SERIES + 1 < len(tenants), len(shown)
+        assert sum(shown.values()) == 100 * 8192 + 100 * 4096
+        big = {t for i, t in enumerate(tenants) if not i % 2}
+        assert set(shown) - {"other"} <= big and shown["other"] > 0
+        for tenant in tenants:
+            clear_tenant(mgr, tenant)
+        rec.sample_tenants(mgr, now=111.0)
+        prom.observe(rec.take().data, 0)
+        assert series() == {}, "departed tenants left series behind"

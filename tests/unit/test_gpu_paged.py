@@ -19,6 +19,7 @@ from kvplug.gpu import (
     PagedKV,
     alloc_host,
     blocks_for_tokens,
+    copy_plan,
     gather,
     gather_many,
     layerwise_load,
@@ -27,14 +28,17 @@ from kvplug.gpu import (
     scatter,
     scatter_many,
 )
+from kvplug.gpu.copy_plan import plan_copies
 
 from tests.support.gpu_kv_fixture import (
     DTYPES,
     LAYOUTS,
     POISON,
     KVFixture,
+    TorchCalls,
     assert_loaded,
     assert_obj_matches,
+    chunk_objects,
     id_patterns,
     poisoned,
     snapshot_of,
@@ -355,3 +359,289 @@ def test_layerwise_generators_validate_eagerly_and_close() -> None:
     with pytest.raises(StopIteration):
         next(steps)
     assert list(layerwise_load(kv, [])) == list(range(fx.L))
+
+
+# ---------------------------------------------------------------- one copy plan for many jobs
+#
+# The connector's shape: one job per chunk, many chunks per step. A call resolves all its jobs
+# into one plan that takes one route (rows: objects in L1's host pool; staged: objects apart;
+# runs: long runs of blocks); every route is checked against the byte reference here.
+
+#: route -> how its objects are allocated
+ROUTES = {"rows": "pool", "staged": "apart", "runs": "pool"}
+
+
+@pytest.fixture
+def use_route(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """``use_route(route)``: a small KV cache whose plans take ``route`` (runs of blocks count as
+    long for the runs route, never for the others, so small pages exercise every route)."""
+
+    def use(route: str, layout: str = "LBHNC", seed: int = 0) -> KVFixture:
+        monkeypatch.setitem(copy_plan.RUN_BYTES, "cpu", 0 if route == "runs" else 1 << 62)
+        return KVFixture(layout, torch.bfloat16, L=4, B=64, H=2, N=4, C=8, seed=seed)
+
+    return use
+
+
+def chunk_jobs(rng: random.Random) -> tuple[list[list[int]], list[int], list[slice]]:
+    """Source ids of six chunk jobs, each object's page count, and the pages each job uses:
+    a run, ids shared with another job, scattered ids, a partial chunk (3 pages), a chunk whose
+    first two pages are skipped (a slice of its object), runs mixed with singles."""
+    scattered = rng.sample(range(20, 64), 14)
+    ids = [
+        [10, 11, 12, 13],
+        [10, 11, *scattered[:2]],
+        scattered[2:6],
+        [4, 5, scattered[6]],
+        scattered[7:11],
+        [1, 2, *scattered[11:13], 60][:4],
+    ]
+    pages = [4, 4, 4, 3, 6, 4]
+    used = [slice(0, 4), slice(0, 4), slice(0, 4), slice(0, 3), slice(2, 6), slice(0, 4)]
+    return ids, pages, used
+
+
+def route_of(kv: PagedKV, jobs: list, to_engine: bool, bulk: bool) -> list[str]:
+    return [r.name for r in plan_copies(kv, jobs, to_engine, bulk).routes]
+
+
+def expected_route(route: str, to_engine: bool, bulk: bool) -> str:
+    """Long runs on CPU: a layer-wise gather goes job by job through an index (``index``)."""
+    return "index" if route == "runs" and not (to_engine or bulk) else route
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-layer"])
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "MLA", "BLHNC"])
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_one_plan_moves_many_chunk_jobs_byte_exact(route: str, layout: str, stacked: bool,
+                                                   use_route) -> None:  # noqa: ANN001
+    """Bulk and layer-wise, both ways, six chunk jobs in one plan: every page where the
+    reference puts it, the pages a job does not name untouched (poisoned objects and blocks)."""
+    fx = use_route(route, layout, seed=len(route + layout))
+    kv = PagedKV.from_kv_caches(fx.caches)
+    if not stacked:
+        kv.stacked = None
+    snap = snapshot_of(fx)
+    src, pages, used = chunk_jobs(random.Random(route + layout))
+    how = ROUTES[route]
+    for gather_call in ("bulk", "layer-wise"):
+        objs = chunk_objects(how, fx.L, pages, fx.page)
+        jobs = [(ids, o[:, u]) for ids, o, u in zip(src, objs, used, strict=True)]
+        bulk = gather_call == "bulk"
+        assert route_of(kv, jobs, False, bulk) == [expected_route(route, False, bulk)]
+        if gather_call == "bulk":
+            gather_many(kv, jobs)
+        else:
+            assert list(layerwise_store(kv, jobs)) == list(range(fx.L))
+        for (ids, got), o, u in zip(jobs, objs, used, strict=True):
+            assert_obj_matches(got, snap.ref_obj(ids))
+            assert bool((o[:, : u.start] == POISON).all()), "a page the job did not name changed"
+        assert_loaded(fx, snap, [], [])  # a gather writes no block
+
+    dst = random.Random(layout).sample(range(1, fx.B), sum(len(i) for i in src))
+    it = iter(dst)
+    loads = [([next(it) for _ in ids], got) for ids, got in jobs]
+    all_src = [b for ids in src for b in ids]
+    for scatter_call in ("bulk", "layer-wise"):
+        assert route_of(kv, loads, True, scatter_call == "bulk") == [route]
+        fx.poison(dst)
+        if scatter_call == "bulk":
+            scatter_many(kv, loads)
+        else:
+            assert list(layerwise_load(kv, loads)) == list(range(fx.L))
+        assert_loaded(fx, snap, all_src, dst)
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_a_layer_step_asks_torch_the_same_for_one_job_and_for_many(route: str, direction: str,
+                                                                   use_route) -> None:  # noqa: ANN001
+    """Host work per layer step does not grow with the jobs: every step of a layer-wise store or
+    load of 12 chunk jobs makes exactly the torch calls a step of one job makes (per-job code
+    made ~24 calls per job and layer). The one exception by design: a CPU gather of long runs
+    (large pages, where the bytes dwarf the calls) makes one ``index_select`` per job."""
+    fx = use_route(route)
+    kv = PagedKV.from_kv_caches(fx.caches)
+    rng = random.Random(direction)
+    per_step = {}
+    for count in (1, 12):
+        objs = chunk_objects(ROUTES[route], fx.L, [4] * count, fx.page)
+        ids = rng.sample(range(1, fx.B), 4 * count)
+        jobs = [(ids[4 * j: 4 * j + 4], o) for j, o in enumerate(objs)]
+        assert route_of(kv, jobs, direction == "load", False) == [
+            expected_route(route, direction == "load", False)]
+        steps = (layerwise_store if direction == "store" else layerwise_load)(kv, jobs)
+        calls = []
+        for _ in range(fx.L):
+            with TorchCalls() as seen:
+                next(steps)
+            calls.append(seen.total)
+        steps.close()
+        per_step[count] = calls
+    assert min(per_step[1]) > 0, "the counter saw no torch call"
+    extra = 11 if expected_route(route, direction == "load", False) == "index" else 0
+    assert per_step[12] == [c + extra for c in per_step[1]]
+
+
+def dropped_load(fx: KVFixture, route: str,
+                 drops: dict[int, list[int]]) -> tuple[KVFixture, list, list]:
+    """A layer-wise load of five chunk jobs into ``fx`` whose sources are filled just in time,
+    ``before`` dropping ``drops[layer]`` at that layer; returns the snapshot taken before, the
+    source and destination ids."""
+    kv = PagedKV.from_kv_caches(fx.caches)
+    snap = snapshot_of(fx)
+    rng = random.Random(route)
+    ids = rng.sample(range(1, fx.B), 40)
+    src, dst = [ids[4 * j: 4 * j + 4] for j in range(5)], [ids[20 + 4 * j: 24 + 4 * j] for j in range(5)]
+    full = [snap.ref_obj(s) for s in src]
+    staged = chunk_objects(ROUTES[route], fx.L, [4] * 5, fx.page)
+    fx.poison([b for d in dst for b in d])
+
+    def before(layer: int) -> list[int]:
+        for s, f in zip(staged, full, strict=True):
+            s[layer].copy_(f[layer])
+        return drops.get(layer, [])
+
+    jobs = list(zip(dst, staged, strict=True))
+    assert route_of(kv, jobs, True, False) == [route]
+    assert list(layerwise_load(kv, jobs, before)) == list(range(fx.L))
+    return snap, src, dst
+
+
+def written_after_drop(fx: KVFixture, snap: KVFixture, src: list, dst: list,
+                       dropped_at: dict[int, int]) -> list[tuple[int, int]]:
+    """(layer, block) pages that break the drop contract: a job's page missing before its drop,
+    or not poisoned from its drop on; every other job's pages must all be in place."""
+    bad = []
+    for j, (s_ids, d_ids) in enumerate(zip(src, dst, strict=True)):
+        stop = dropped_at.get(j, fx.L)
+        for layer in range(fx.L):
+            for s, d in zip(s_ids, d_ids, strict=True):
+                got = fx.ref_page(layer, d)
+                ok = (torch.equal(got, snap.ref_page(layer, s)) if layer < stop
+                      else bool((got == POISON).all()))
+                if not ok:
+                    bad.append((layer, d))
+    return bad
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_a_dropped_job_is_never_written_again(route: str, use_route) -> None:  # noqa: ANN001
+    """``before`` drops job 1 at layer 2 and job 4 before any layer: one plan for all jobs must
+    leave exactly their pages from then on (and write every other page). Negative control: the
+    same load without the drops writes those pages, and the check sees it."""
+    dropped_at = {1: 2, 4: 0}
+    fx = use_route(route, "LBNHC")
+    snap, src, dst = dropped_load(fx, route, {2: [1], 0: [4], 3: [4, 1]})  # repeats are fine
+    assert written_after_drop(fx, snap, src, dst, dropped_at) == []
+    fx = use_route(route, "LBNHC")
+    snap, src, dst = dropped_load(fx, route, {})
+    bad = written_after_drop(fx, snap, src, dst, dropped_at)
+    assert sorted(bad) == sorted([(layer, d) for layer in (2, 3) for d in dst[1]]
+                                 + [(layer, d) for layer in range(4) for d in dst[4]])
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_scatter_jobs_naming_one_block_apply_in_order_and_a_drop_reverts_to_the_earlier(
+    route: str, use_route,  # noqa: ANN001
+) -> None:
+    """Jobs 0 and 2 both write block 30: bulk and layer-wise, the later job's page stays. Dropped
+    at layer 1, job 2 has written layer 0 only, and from layer 1 on the block holds job 0's page
+    (a plan rebuilt without job 2, never one that skips both)."""
+    fx = use_route(route)
+    kv = PagedKV.from_kv_caches(fx.caches)
+    snap = snapshot_of(fx)
+    src = [[1, 2], [3, 4], [5, 6]]
+    dst = [[30, 31], [32, 33], [34, 30]]
+    objs = chunk_objects(ROUTES[route], fx.L, [2, 2, 2], fx.page)
+    gather_many(kv, list(zip(src, objs, strict=True)))
+    jobs = list(zip(dst, objs, strict=True))
+    assert route_of(kv, jobs, True, False) == [route] * 3  # one route per job, in order
+    fx.poison([30, 31, 32, 33, 34])
+    scatter_many(kv, jobs)
+    assert_loaded(fx, snap, [2, 3, 4, 5, 6], [31, 32, 33, 34, 30])
+    fx.poison([30, 31, 32, 33, 34])
+    for _ in layerwise_load(kv, jobs):
+        pass
+    assert_loaded(fx, snap, [2, 3, 4, 5, 6], [31, 32, 33, 34, 30])
+    fx.poison([30])
+    assert list(layerwise_load(kv, jobs, lambda layer: [2] if layer == 1 else [])) == [0, 1, 2, 3]
+    assert torch.equal(fx.ref_page(0, 30), snap.ref_page(0, 6))
+    for layer in (1, 2, 3):
+        assert torch.equal(fx.ref_page(layer, 30), snap.ref_page(layer, 1)), layer
+
+
+def test_gather_jobs_into_one_object_keep_job_order(use_route) -> None:  # noqa: ANN001
+    """Gather jobs into slices of one object (their extents interleave, their pages do not)
+    take the rows route; two jobs writing the same pages never do (one index call would write
+    those rows in no defined order), and the later job's pages stay."""
+    fx = use_route("rows")
+    kv = PagedKV.from_kv_caches(fx.caches)
+    obj = chunk_objects("pool", fx.L, [3], fx.page)[0]
+    halves = [([5, 6], obj[:, :2]), ([11], obj[:, 2:])]
+    assert route_of(kv, halves, False, False) == ["rows"]
+    assert list(layerwise_store(kv, halves)) == list(range(fx.L))
+    assert_obj_matches(obj, fx.ref_obj([5, 6, 11]))
+    jobs = [([1, 2, 3], obj), ([7, 8, 9], obj)]
+    assert route_of(kv, jobs, False, True) == ["staged"]
+    gather_many(kv, jobs)
+    assert_obj_matches(obj, fx.ref_obj([7, 8, 9]))
+    obj.fill_(POISON)
+    assert list(layerwise_store(kv, jobs)) == list(range(fx.L))
+    assert_obj_matches(obj, fx.ref_obj([7, 8, 9]))
+
+
+@pytest.mark.parametrize("offset", [0, 1, 4])
+def test_rows_route_at_any_alignment(offset: int, use_route) -> None:  # noqa: ANN001
+    """Objects carved from one buffer at 8-, 1- and 4-byte alignment: the index calls move the
+    widest words the addresses allow (8, 1, 4 bytes), the bytes are the same."""
+    fx = use_route("rows", "LBNHC")
+    kv = PagedKV.from_kv_caches(fx.caches)
+    snap = snapshot_of(fx)
+    src = [[3, 9, 1, 22], [40, 41, 42], [17, 5, 63, 6]]
+    objs = chunk_objects("arena", fx.L, [len(s) for s in src], fx.page, offset=offset)
+    jobs = list(zip(src, objs, strict=True))
+    plan = plan_copies(kv, jobs, False)
+    assert [(r.name, r.word) for r in plan.routes] == [("rows", {0: 8, 1: 1, 4: 4}[offset])]
+    gather_many(kv, jobs)
+    for ids, o in jobs:
+        assert_obj_matches(o, snap.ref_obj(ids))
+    dst = [[10, 11, 12, 13], [50, 51, 52], [30, 29, 28, 27]]
+    fx.poison([b for d in dst for b in d])
+    for _ in layerwise_load(kv, list(zip(dst, objs, strict=True))):
+        pass
+    assert_loaded(fx, snap, [b for s in src for b in s], [b for d in dst for b in d])
+
+
+def test_a_bad_job_among_many_is_refused_before_any_byte_moves(use_route) -> None:  # noqa: ANN001
+    fx = use_route("rows")
+    kv = PagedKV.from_kv_caches(fx.caches)
+    objs = chunk_objects("pool", fx.L, [2, 2, 2], fx.page)
+    with pytest.raises(IndexError, match="block id 64 out of range"):
+        gather_many(kv, [([1, 2], objs[0]), ([3, 4], objs[1]), ([5, 64], objs[2])])
+    with pytest.raises(ValueError, match=r"block ids \[7\] repeat"):
+        layerwise_load(kv, [([1, 2], objs[0]), ([7, 7], objs[1])])
+    assert all(bool((o == POISON).all()) for o in objs)
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_transfers_in_and_out_of_inference_mode_share_one_cache(route: str, use_route) -> None:  # noqa: ANN001
+    """vLLM's thread stores in inference mode; a test or another thread then loads outside it
+    through the same ``PagedKV``. Views made in inference mode are inference tensors, which
+    only inference mode may write: nothing made for one call may be reused by the other (a
+    cache of word views did, and the load raised ``Inplace update to inference tensor``)."""
+    fx = use_route(route)
+    kv = PagedKV.from_kv_caches(fx.caches)
+    snap = snapshot_of(fx)
+    src, dst = [[3, 4, 9, 1], [20, 21]], [[40, 41, 42, 43], [50, 52]]
+    objs = chunk_objects(ROUTES[route], fx.L, [4, 2], fx.page)
+    with torch.inference_mode():
+        gather_many(kv, list(zip(src, objs, strict=True)))
+        assert list(layerwise_store(kv, list(zip(src, objs, strict=True)))) == list(range(fx.L))
+    fx.poison([b for d in dst for b in d])
+    for _ in layerwise_load(kv, list(zip(dst, objs, strict=True))):
+        pass
+    assert_loaded(fx, snap, [b for s in src for b in s], [b for d in dst for b in d])
+    fx.poison([b for d in dst for b in d])
+    scatter_many(kv, list(zip(dst, objs, strict=True)))
+    assert_loaded(fx, snap, [b for s in src for b in s], [b for d in dst for b in d])

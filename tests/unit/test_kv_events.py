@@ -304,3 +304,39 @@ def test_watch_backs_off_a_tier_that_does_not_answer(tmp_path):
     finally:
         watch.close()
         sm.close()
+
+
+def test_watch_reports_only_the_current_weights_epoch(tmp_path):
+    """After ``reset_cache`` (a new weights epoch) a save queued under the old epoch may still
+    land. Its key has the chunk hash of the new epoch's key for the same tokens, and the
+    scheduler's book counts the ranks holding a chunk by that hash: news about it counted this
+    rank twice (old and new key) and announced a block other ranks did not hold, a router's
+    miss (simulation seed 149, I11). The watch reports the current epoch's keys only."""
+    import uuid
+
+    import torch
+    from kvplug.connector.protocol.config import ConnectorConfig
+    from kvplug.connector.protocol.metadata import KVPlugMetadata
+    from kvplug.connector.worker.side import WorkerSide, _Identity
+    from kvplug.connector.worker.tier_watch import watch_tiers
+
+    from tests.support.gpu_kv_fixture import KVFixture
+
+    cfg = ConnectorConfig(chunk_size=256, log_every_load=False, tiers=[
+        {"name": "ram", "backend": "local_cpu", "options": {"capacity": "4MiB"}}])
+    w = WorkerSide(cfg, _Identity("m", "LBHNC-bs16", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
+    w.register_kv_caches(KVFixture("LBHNC", torch.bfloat16, L=2, B=32).caches)
+    watch = watch_tiers(w, 16)
+    try:
+        chunk = random.Random(7).randbytes(32)
+        old = w.key(chunk)
+        w.sync_epoch(KVPlugMetadata(256, 16, epoch="e1"))  # the weights changed
+        new = w.key(chunk)
+        assert new.chunk_hash == old.chunk_hash and new != old
+        _put(w.storage, [old])  # a save of the old weights lands after the reset
+        assert _drain(watch, 1, rounds=5) == []
+        _put(w.storage, [new])
+        assert _drain(watch, 1) == [TierEvent(True, "ram", chunk)]
+    finally:
+        watch.close()
+        w.close()

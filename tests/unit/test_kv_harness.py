@@ -83,6 +83,21 @@ def test_overlapped_store_and_load_are_byte_exact(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_chunk_jobs_overlapped_are_byte_exact_bf16(layout: str, pattern: str, device: str) -> None:
+    """The connector's shape: the store and the load each as chunk jobs of 2 (CPU) or 4 (CUDA)
+    blocks in one copy plan, and a dropped wait still caught at its layer only."""
+    h, n = harness(layout, "bf16", device)
+    sc = scenarios(h.B, n, seed=3)[pattern]
+    chunk = n // 4
+    assert h.run(sc, chunk=chunk) == []
+    k = h.L // 2
+    bad = h.run(sc, drop="load", race_layer=k, chunk=chunk)
+    assert set(bad) == {Mismatch("read", k, b) for b in sc.dst_ids}
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_repeated_runs_on_one_cache_stay_exact(device: str) -> None:
     """Streams, plans and events are reused across forward passes of one PagedKV."""
     h, n = harness("LBNHC", "bf16", device)

@@ -24,6 +24,13 @@ def config(tmp_path) -> dict:
          "options": {"path": str(tmp_path / "chunks"), "capacity": "64MiB"}}]}
 
 
+def policy_config(tmp_path) -> dict:
+    cfg = config(tmp_path)
+    cfg["tiers"][0]["eviction"] = "s3fifo"
+    cfg["tiers"][1]["admission"] = {"policy": "tinylfu", "min_count": 3}
+    return cfg
+
+
 def store(mgr: StorageManager, ids: list[int]) -> None:
     for i in ids:
         obj = fill_random(mgr, seed=i)
@@ -68,23 +75,35 @@ def test_clear_tiers_is_complete_only_when_nothing_is_left(tmp_path):
         status = {t["name"]: t for t in tier_status(mgr)}
         assert status["ram"]["entries"] == 0 and status["disk"]["used_bytes"] == 0
         assert status["disk"]["capacity_bytes"] == 64 << 20 and status["disk"]["may_block"]
-        assert status["ram"]["policies"] == {"eviction": "lru", "admission": "always"}
+        assert status["ram"]["policies"] == {"eviction": {"policy": "lru"},
+                                             "admission": {"policy": "always"}}
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    import os
+
     return subprocess.run([sys.executable, "-m", "kvplug.cli", *args], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env={**os.environ, **env})
 
 
 def test_cache_status_and_clear_on_the_stores_without_an_engine(tmp_path):
+    """``kvplug cache status|clear --config``, the config setting policies (status shows them
+    by name and settings, in JSON and in the table)."""
     cfg = tmp_path / "kvplug.yaml"
-    cfg.write_text(json.dumps(config(tmp_path)))  # JSON is YAML
+    cfg.write_text(json.dumps(policy_config(tmp_path)))  # JSON is YAML
     with StorageManager(config(tmp_path)) as mgr:
         store(mgr, list(range(7)))
     out = cli("cache", "status", "--config", str(cfg), "--json")
     assert out.returncode == 0, out.stderr
-    disk = {t["name"]: t for t in json.loads(out.stdout)["tiers"]}["disk"]
+    tiers = {t["name"]: t for t in json.loads(out.stdout)["tiers"]}
+    disk = tiers["disk"]
     assert disk["entries"] == 7 and disk["used_bytes"] > 0
+    assert disk["policies"]["admission"] == {"policy": "tinylfu", "min_count": 3}
+    assert tiers["ram"]["policies"]["eviction"] == {"policy": "s3fifo"}
+    out = cli("cache", "status", "--config", str(cfg), COLUMNS="200")
+    assert out.returncode == 0, out.stderr
+    assert "tinylfu (min_count=3)" in out.stdout and "s3fifo" in out.stdout
+    assert "PolicyConfig" not in out.stdout and "policy=" not in out.stdout
     out = cli("cache", "clear", "--config", str(cfg), "--tier", "disk")
     assert out.returncode == 0, out.stderr + out.stdout
     assert "done" in out.stdout and "disk" in out.stdout
@@ -133,6 +152,39 @@ def test_management_key_replaces_vllms_key_and_fails_closed():
     with pytest.raises(RuntimeError, match=r"\$OPS_KEY"):
         api_keys(Namespace(api_key=None), cfg, environ={})
     assert api_keys(Namespace(api_key=None), load_connector_config({}), environ={}) == []
+
+
+def test_an_open_management_api_is_warned_about_once_naming_the_fix(caplog):
+    """Neither ``--api-key`` (``VLLM_API_KEY``) nor ``management_key_env``: the API plugin's keys
+    are none (clear, pin and status answer anyone), and it says so once, naming the fix; with
+    either key set it says nothing."""
+    import logging
+    from argparse import Namespace
+
+    import pytest
+
+    pytest.importorskip("vllm")
+    from kvplug.connector import api
+    from kvplug.connector.protocol.config import load_connector_config
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "management API" in r.getMessage()]
+
+    cfg = load_connector_config({})
+    api._open_warning.reset()  # (once per process: another test may have warned)
+    caplog.set_level(logging.WARNING, logger="kvplug")
+    assert api.api_keys(Namespace(api_key=None), cfg, environ={}) == []
+    assert api.api_keys(Namespace(api_key=None), cfg, environ={}) == []
+    assert len(warnings()) == 1, warnings()
+    assert "open" in warnings()[0] and "management_key_env" in warnings()[0]
+    assert "--api-key" in warnings()[0]
+    caplog.clear()
+    api._open_warning.reset()
+    assert api.api_keys(Namespace(api_key=["k1"]), cfg, environ={})
+    assert api.api_keys(Namespace(api_key=None), cfg, environ={"VLLM_API_KEY": "k2"})
+    assert api.api_keys(Namespace(api_key=None), load_connector_config(
+        {"management_key_env": "KV_M"}), environ={"KV_M": "k3"})
+    assert warnings() == []
 
 
 def test_a_clear_is_announced_as_removals_per_tier(tmp_path):
@@ -241,3 +293,55 @@ def test_a_clear_of_an_unreachable_store_is_never_complete():
         else:
             assert held == [False] * 3
             assert keyed.get("complete", keyed["remaining"] == 0) and whole["complete"] is True
+
+
+def test_status_reports_configured_policies_by_name_and_settings(tmp_path):
+    """Policies set in the config are reported as plain data (name and options), so the
+    workers' msgpack answer and ``--json`` can carry them; unset ones name the default."""
+    with StorageManager(policy_config(tmp_path)) as mgr:
+        status = {t["name"]: t for t in tier_status(mgr)}
+        assert status["ram"]["policies"] == {"eviction": {"policy": "s3fifo"},
+                                             "admission": {"policy": "always"}}
+        assert status["disk"]["policies"] == {"eviction": {"policy": "lru"},
+                                              "admission": {"policy": "tinylfu", "min_count": 3}}
+        assert json.loads(json.dumps(tier_status(mgr))) == tier_status(mgr)
+    with StorageManager(config(tmp_path)) as mgr:  # no policy set: the defaults by name
+        assert {t["name"]: t["policies"] for t in tier_status(mgr)}["ram"] == {
+            "eviction": {"policy": "lru"}, "admission": {"policy": "always"}}
+
+
+def test_management_service_answers_an_unencodable_answer_with_an_error_at_once():
+    """An answer msgpack cannot encode (a config object, as status once returned) is an error
+    reply to the caller, never a dropped message it waits its whole timeout for; the service
+    answers the next call as usual."""
+    import tempfile
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("vllm")
+    from kvplug.config import PolicyConfig
+    from kvplug.connector.protocol.manage import (
+        ManageClient,
+        ManageLookup,
+        ManageService,
+        ManageStatus,
+    )
+
+    def handle(msg):
+        if isinstance(msg, ManageStatus):
+            return {"tiers": [{"policies": {"eviction": PolicyConfig(policy="s3fifo")}}]}
+        return {"tiers": {"ram": {"held": 7, "served": 7}}}
+
+    with tempfile.TemporaryDirectory(prefix="kvm-", dir="/tmp") as d:
+        path = Path(d) / "manage.sock"
+        service = ManageService(path, handle)
+        try:
+            client = ManageClient([path], timeout_s=10)  # a dropped answer: "no answer"
+            (reply,) = client.ask(ManageStatus())
+            assert not reply.ok and "could not be encoded" in reply.error, reply
+            assert "PolicyConfig" in reply.error and "no answer" not in reply.error
+            (again,) = client.ask(ManageLookup([b"x" * 32]))
+            assert again.ok and again.body == {"tiers": {"ram": {"held": 7, "served": 7}}}
+        finally:
+            service.close()

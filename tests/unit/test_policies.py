@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -87,11 +88,20 @@ def test_reference_policies_are_declared_as_entry_points():
     ({"backend": "local_cpu", "admission": "s3fifo"},
      ["'s3fifo' is an eviction policy", "admission policies: always, tinylfu"]),
 ])
-def test_a_bad_policy_name_names_the_value_and_the_choices(tier, needle):
+def test_a_bad_policy_name_names_the_value_and_the_choices(tier, needle, tmp_path):
+    """Where tiers are built (the config's schema loads no entry points), and by ``kvplug config
+    check`` before anything starts."""
+    from kvplug.cli.config import check_config
+
+    assert load_config({"tiers": [tier]}).tiers[0].backend == "local_cpu"
     with pytest.raises(ConfigError) as err:
-        load_config({"tiers": [tier]})
+        StorageManager({"tiers": [tier]})
     for part in needle:
         assert part in str(err.value), str(err.value)
+    path = tmp_path / "k.yaml"
+    path.write_text(json.dumps({"tiers": [tier]}))
+    _, _, problems = check_config(path)
+    assert len(problems) == 1 and all(part in problems[0] for part in needle), problems
 
 
 def test_bad_policy_options_name_the_option_and_the_allowed_ones(tmp_path):

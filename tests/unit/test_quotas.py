@@ -170,10 +170,11 @@ def test_processes_sharing_a_directory_count_each_tenant_the_same(tmp_path):
 
 
 # -- the connector: a request's tenant reaches its keys ------------------------------------------------
-def test_the_scheduler_sends_the_tenant_of_the_salt_or_the_params(tmp_path):
+def test_the_scheduler_sends_the_tenant_of_the_salt_only(tmp_path):
     """vLLM's own Scheduler (no engine): a salted request's lookup and its save carry the id of
-    its salt, one with ``kv_transfer_params["tenant"]`` the id of that, one with neither none;
-    the worker's keys carry it, so the salt never travels."""
+    its salt; one naming a tenant in ``kv_transfer_params["tenant"]`` (without its salt: it
+    would be charged to and evict that tenant's entries) and one with neither carry none; the
+    worker's keys carry it, so the salt never travels."""
     pytest.importorskip("vllm")
     from kvplug.connector.demo.model import make_model
     from kvplug.connector.protocol.lookup import Lookup
@@ -196,7 +197,7 @@ def test_the_scheduler_sends_the_tenant_of_the_salt_or_the_params(tmp_path):
     so = s.schedule()
     md = so.kv_connector_metadata
     s.update_from_output(so, model_runner_output(so))
-    want = {"salted": tenant_id(SALT_A), "named": tenant_id("team-b"), "plain": ""}
+    want = {"salted": tenant_id(SALT_A), "named": "", "plain": ""}
     assert side.lookup.tenants == want
     assert {r.req_id: r.tenant for r in md.requests} == want
     msg = Lookup(1, "salted", [b"h" * 32], [], tenant=want["salted"])
@@ -227,3 +228,32 @@ def test_kvplug_inspect_counts_each_tenant(tmp_path):
     assert sorted(g["tenant"] for g in report["groups"]) == sorted([a, b, "-"])
     text = CliRunner().invoke(cli, ["inspect", str(tmp_path / "c")]).output
     assert a in text and SALT_A not in text and SALT_B not in text
+
+
+def test_without_auth_names_carry_no_unkeyed_hash_of_a_salt(tmp_path):
+    """Without ``auth_key_env`` the id in object names is keyed too (the deployment's tenant key:
+    drawn once, kept private): the unkeyed 64-bit hash of a salt, which anyone computes from a
+    guessed salt, is in no name. Another process agrees on the ids (the key is shared)."""
+    import hashlib
+    import stat
+
+    from tests.support.engine_processes import run_python
+
+    unkeyed = hashlib.blake2b(SALT_A.encode(), digest_size=8, person=b"kvplug-tenant").hexdigest()
+    a = tenant_id(SALT_A)
+    tiers = [{"backend": "posix", "options": {"path": str(tmp_path / "c"), "capacity": "64MiB"}}]
+    with StorageManager({"tiers": tiers, "chunk_size": 16}) as mgr:
+        for i in range(3):
+            put(mgr, key(i, a))
+        assert mgr.flush(30)
+    names = [p.name for p in (tmp_path / "c").rglob("*.safetensors")]
+    assert len(names) == 3 and all(tenant_of_name(n) == a for n in names)  # still countable
+    assert not any(unkeyed in n for n in names), "an unkeyed hash of the salt is in a name"
+    from kvplug.policies.tenants import tenant_key_path
+
+    assert stat.S_IMODE(os.stat(tenant_key_path()).st_mode) == 0o600
+    code = ("from kvplug.policies.tenants import tenant_id; "
+            f"print('ID', tenant_id({SALT_A!r}))")
+    other = run_python(code, dict(os.environ), str(tmp_path), 120)
+    assert other.returncode == 0, other.stderr
+    assert f"ID {a}" in other.stdout

@@ -329,3 +329,142 @@ def test_redact_data_masks_secret_keys_keeps_env_names():
 def test_redact_argv():
     assert redact_argv(["x", "--api-key", "s", "--api-key=t", "--port", "1", "--hf-token", "h"]) \
         == ["x", "--api-key", "***", "--api-key", "***", "--port", "1", "--hf-token", "***"]
+
+
+# -- every shape a secret takes (one test per shape, one `config check` run for them all) -------
+def _random(prefix: str, middle: str = "") -> str:
+    """A random secret, with ``middle`` (a quote, an ``@``) inside it."""
+    return _long(prefix)[:12] + middle + _long("")[:12]
+
+
+class Shapes:
+    """One run's secrets, one per shape the redaction rule must cover."""
+
+    def __init__(self) -> None:
+        self.quote_pw = _random("vq", "'")  # a Valkey password holding a quote
+        self.at_pw = _random("va", "@")  # ... and one holding an @
+        self.upper_aws = _random("UA")  # upper-case AWS_SECRET_ACCESS_KEY
+        self.authorization = _random("AZ")  # an Authorization header
+        self.passphrase = _random("pp")  # a key file's passphrase
+        self.pasted = "K" + _long("")[:39]  # a key pasted where management_key_env's NAME goes
+        self.api_key = _random("ak")
+        self.hf_token = _random("hf")
+
+    def all(self) -> dict[str, str]:
+        return dict(vars(self))
+
+    def leaked(self, text: str, names: list[str] | None = None) -> list[str]:
+        return [n for n, v in self.all().items() if (names is None or n in names) and v in text]
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory) -> Shapes:
+    return Shapes()
+
+
+@pytest.fixture(scope="module")
+def shapes_config(shapes, tmp_path_factory) -> tuple[Path, str]:
+    """A config holding every shape, and every output of ``config check`` on it."""
+    tmp = tmp_path_factory.mktemp("shapes")
+    cfg = _write(tmp / "shapes.yaml", {
+        "management_key_env": shapes.pasted,
+        "tiers": [{"backend": "local_cpu"},
+                  {"backend": "resp", "name": "quoted", "options": {
+                      "url": f"redis://kv:{shapes.quote_pw}@127.0.0.1:1/0"}},
+                  {"backend": "resp", "name": "at", "options": {
+                      "url": f"redis://:{shapes.at_pw}@127.0.0.1:1/0"}},
+                  {"backend": "fsspec", "name": "bucket", "options": {
+                      "url": "memory://shapes/x", "storage_options": {
+                          "AWS_SECRET_ACCESS_KEY": shapes.upper_aws,
+                          "passphrase": shapes.passphrase,
+                          "client_kwargs": {"headers": {
+                              "Authorization": f"Bearer {shapes.authorization}"}}}}}]})
+    text, runs = _check_outputs(Secrets(), cfg)
+    return cfg, text + "\n" + json.dumps([r.returncode for r in runs])
+
+
+def test_shape_valkey_password_holding_a_quote_or_an_at(shapes, shapes_config, caplog):
+    cfg, checked = shapes_config
+    names = ["quote_pw", "at_pw"]
+    assert shapes.leaked(cfg.read_text(), names) == names  # the negative control
+    assert not (leaked := shapes.leaked(checked, names)), leaked
+    from kvplug.storage_manager import StorageManager
+    from kvplug.testing import make_key
+
+    caplog.set_level(logging.DEBUG, logger="kvplug")
+    for pw in (shapes.quote_pw, shapes.at_pw):
+        url = f"redis://kv:{pw}@127.0.0.1:1/0"
+        shown = [scrub(url), Redactor({"url": url})(f"cannot reach {url!r}"),
+                 json.dumps(redact_data({"url": url}))]
+        with StorageManager({"tiers": [{"backend": "resp", "options": {
+                "url": url, "timeout_s": 0.3}}]}) as sm:
+            sm.lookup_prefix([make_key(1)])
+            shown.append(json.dumps(sm.stats(), default=str))
+        shown.append(caplog.text)
+        assert not (leaked := shapes.leaked("\n".join(shown), names)), leaked
+
+
+def test_shape_upper_case_secret_names_in_storage_options(shapes, shapes_config):
+    cfg, checked = shapes_config
+    names = ["upper_aws", "authorization", "passphrase"]
+    assert shapes.leaked(cfg.read_text(), names) == names
+    assert not (leaked := shapes.leaked(checked, names)), leaked
+    options = {"AWS_SECRET_ACCESS_KEY": shapes.upper_aws, "Passphrase": shapes.passphrase,
+               "headers": {"Authorization": f"Bearer {shapes.authorization}"}}
+    shown = json.dumps(redact_data(options)) + Redactor(options)(json.dumps(options))
+    assert not (leaked := shapes.leaked(shown, names)), leaked
+
+
+def test_shape_a_key_pasted_into_management_key_env(shapes, shapes_config):
+    cfg, checked = shapes_config
+    assert shapes.leaked(cfg.read_text(), ["pasted"]) == ["pasted"]
+    assert not shapes.leaked(checked, ["pasted"]), "config check printed the pasted key"
+    from argparse import Namespace
+
+    from kvplug.connector.api import api_keys
+    from kvplug.connector.protocol.config import ConnectorConfig
+
+    with pytest.raises(RuntimeError) as err:
+        api_keys(Namespace(api_key=None), ConnectorConfig(management_key_env=shapes.pasted), {})
+    assert "management_key_env" in str(err.value)
+    assert not shapes.leaked(str(err.value), ["pasted"]), "the API's start-up error printed it"
+    with pytest.raises(RuntimeError) as err:  # the control: a real name is still named
+        api_keys(Namespace(api_key=None), ConnectorConfig(management_key_env="KV_MGMT_KEY"), {})
+    assert "KV_MGMT_KEY" in str(err.value)
+
+
+def test_shape_abbreviated_secret_flags_in_print_command(shapes, tmp_path):
+    cfg = _write(tmp_path / "k.yaml", {"tiers": [{"backend": "local_cpu"}]})
+    out = _cli("serve", "m", "--kvplug-config", str(cfg), "--port", "1", "--api-k",
+               shapes.api_key, f"--hf-tok={shapes.hf_token}", "--print-command")
+    assert out.returncode == 0, out.stderr
+    assert not (leaked := shapes.leaked(out.stdout + out.stderr)), leaked
+    argv = shlex.split(out.stdout)
+    assert argv[argv.index("--api-k") + 1] == "***" and argv[argv.index("--hf-tok") + 1] == "***"
+    assert redact_argv(["--api_key", "x", "--hf_tok", "y", "--port", "1"]) == [
+        "--api_key", "***", "--hf_tok", "***", "--port", "1"]
+
+
+def test_shape_bench_preflight_error(shapes):
+    url = f"redis://kv:{shapes.quote_pw}{shapes.at_pw}@127.0.0.1:1/0"
+    out = _cli("bench", "--backend", "resp", "--options",
+               json.dumps({"url": url, "timeout_s": 0.3}), "--seconds", "0.05")
+    assert out.returncode == 1 and "did not keep a test value" in out.stderr, out.stderr
+    assert "127.0.0.1:1" in out.stderr  # where it looked is still said
+    assert not (leaked := shapes.leaked(out.stdout + out.stderr, ["quote_pw", "at_pw"])), leaked
+
+
+def test_shape_repr_of_config_objects(shapes):
+    from kvplug.backends.fsspec import FsspecBackend
+    from kvplug.config import TierConfig, load_config
+
+    options = {"url": f"s3://b/p?token={shapes.hf_token}",
+               "storage_options": {"AWS_SECRET_ACCESS_KEY": shapes.upper_aws,
+                                   "key": shapes.api_key}}
+    tier = {"backend": "fsspec", "options": options}
+    shown = [repr(load_config({"tiers": [tier]})), repr(TierConfig(**tier)),
+             repr(FsspecBackend.Options(**options)),
+             repr(load_config({"tiers": [{"backend": "resp", "options": {
+                 "url": f"redis://:{shapes.quote_pw}@h:1/0"}}]}))]
+    assert "AWS_SECRET_ACCESS_KEY" in shown[0]  # the names are still shown
+    assert not (leaked := shapes.leaked("\n".join(shown))), leaked
