@@ -53,6 +53,7 @@ Rules that hold for every hook:
   ``get``, ``batched_get``, ``get_layers`` and ``contains`` run on a StorageManager thread bounded by the tier's
   ``timeout_s`` (a late answer is a miss and its object is released), unless the backend class
   sets ``never_blocks = True`` — a promise that no hook ever waits on I/O (``local_cpu``).
+  ``batched_get_nowait`` runs on the caller's thread: it promises never to wait.
 * **References** (see :mod:`kvplug.memory`): an object handed *to* a hook is borrowed — call
   ``obj.ref_up()`` to keep it past the call and ``obj.ref_down()`` when done. An object returned
   *from* ``allocate``/``get``/``batched_get``/``get_layers`` carries one reference owned by the caller.
@@ -239,6 +240,21 @@ class BackendSpec:
         keys per call and bounds each call as a whole by the tier's ``timeout_s`` (a late answer
         is a miss for every key, its objects released); a list of another length is a tier
         fault (every key a miss).
+        """
+
+    @hookspec(firstresult=True)
+    def batched_get_nowait(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None] | None:
+        """Optional: :meth:`batched_get` of what the tier can read **without waiting** on its
+        medium — bytes in memory or in the OS page cache, nothing that waits on a device or a
+        network (a local file read with ``RWF_NOWAIT``, opened from the kernel's lookup cache)
+        — called on the caller's thread, the engine step's included, before any bounded call.
+
+        One answer per key: the object (every rule of :meth:`get`: one reference, the caller's,
+        verified), or ``None`` for a key not served so — missing, damaged, or only readable
+        with a wait: the StorageManager then asks :meth:`get` / :meth:`batched_get` for those
+        keys, bounded by ``timeout_s`` as usual, and that call deals with a bad entry (so this
+        one need not: ``None`` and no side effect is right). Its cost must be CPU only (copying
+        and verifying bytes already in memory); a tier that cannot promise that leaves it out.
         """
 
     @hookspec(firstresult=True)

@@ -26,9 +26,10 @@ import torch
 from .chunkfile.auth import Keyring
 from .config import KVPlugConfig, TierConfig, load_config
 from .errors import ConfigError
+from .heap import HeapBuffers
 from .keys import CacheKey
 from .logs import LogOnce
-from .memory import MemoryFormat, MemoryObj, heap_memory_obj
+from .memory import MemoryFormat, MemoryObj
 from .read_memory import DEFAULT_MAX_HEAP_FALLBACK, ChunkGeometry, ReadMemory
 from .runtime import THREADS, Runtime
 from .tier_calls import (
@@ -83,6 +84,8 @@ class StorageManager:
         cap = self.config.max_heap_fallback
         self.reads = ReadMemory(self.allocate, self._pool_sizes,
                                 DEFAULT_MAX_HEAP_FALLBACK if cap is None else int(cap), geometry)
+        #: Memory when no tier owns a pool: buffers reused, not faulted in afresh (:mod:`.heap`).
+        self.heap = HeapBuffers()
         #: The deployment's keyring (``auth_key_env``): handed to every tier, never global.
         self.auth = auth_keyring(self.config)
         # Bounded tier calls run on each tier's own pool; batched_get fans out over this one.
@@ -215,7 +218,8 @@ class StorageManager:
         fmt: MemoryFormat = MemoryFormat.KV_PAGES,
         num_tokens: int = 0,
     ) -> MemoryObj | None:
-        """Memory for a chunk from the first tier owning a pool; heap if none does; None if full."""
+        """Memory for a chunk from the first tier owning a pool; heap if none does (buffers
+        reused: :mod:`.heap`); None if full."""
         owners = 0
         for tier in self._tiers:
             if not tier.implements("allocate"):
@@ -227,7 +231,7 @@ class StorageManager:
                 return obj
         if owners:
             return None
-        return heap_memory_obj(tuple(shape), dtype, fmt, num_tokens)
+        return self.heap.allocate(tuple(shape), dtype, fmt, num_tokens)
 
     @property
     def geometry(self) -> ChunkGeometry | None:
@@ -344,7 +348,9 @@ class StorageManager:
     def get(self, key: CacheKey, *, promote: bool = True) -> MemoryObj | None:
         """The chunk from the fastest tier holding it; a lower-tier hit is promoted into L1."""
         for tier in self._tiers:
-            obj = self._call(tier, "get", bounded=True, key=key)
+            obj = self._read_nowait(tier, [key])[0] if tier.reads_nowait() else None
+            if obj is None:
+                obj = self._call(tier, "get", bounded=True, key=key)
             if obj is not None:
                 if promote and tier.index > 0:
                     self.promote(key, obj)
@@ -441,8 +447,29 @@ class StorageManager:
 
     def _read_from(self, tier: Tier, keys: list[CacheKey],
                    budget: WaitBudget | None = None) -> list[MemoryObj | None]:
-        """One tier's answers for ``keys`` (see :meth:`batched_get`; ``budget``: see
-        :meth:`_read_within`)."""
+        """One tier's answers for ``keys``: what it reads without waiting, on this thread
+        (``batched_get_nowait``), then the rest through its bounded calls (see
+        :meth:`batched_get`; ``budget``: see :meth:`_read_within`). A batch of a local
+        medium's large values is spread over threads instead, whose copies run in parallel
+        (:data:`~.tier_calls.SEQUENTIAL_READ_BYTES`)."""
+        if not tier.reads_nowait() or (len(keys) > 1 and not tier.reads_in_sequence()):
+            return self._read_waiting(tier, keys, budget)
+        out = self._read_nowait(tier, keys)
+        rest = [i for i, obj in enumerate(out) if obj is None]
+        if rest:
+            for i, obj in zip(rest, self._read_waiting(tier, [keys[i] for i in rest], budget)):
+                out[i] = obj
+        return out
+
+    def _read_nowait(self, tier: Tier, keys: list[CacheKey]) -> list[MemoryObj | None]:
+        """What ``tier`` reads of ``keys`` without waiting on its medium, on the caller's thread
+        (``batched_get_nowait``; a fault or a wrong answer: nothing read)."""
+        return self._batch_answer(tier, keys, self._call(tier, "batched_get_nowait", keys=keys),
+                                  "batched_get_nowait")
+
+    def _read_waiting(self, tier: Tier, keys: list[CacheKey],
+                      budget: WaitBudget | None = None) -> list[MemoryObj | None]:
+        """:meth:`_read_from` through the tier's calls that may wait."""
         if budget is not None and not tier.inline:
             return self._read_within(tier, keys, budget)
         if len(keys) > 1 and tier.implements("batched_get"):
@@ -498,17 +525,17 @@ class StorageManager:
         return self._batch_answer(tier, keys, self._call(tier, "batched_get", bounded=True,
                                                          keys=keys))
 
-    def _batch_answer(self, tier: Tier, keys: list[CacheKey], got: Any
-                      ) -> list[MemoryObj | None]:
-        """A tier's ``batched_get`` answer for ``keys`` as one object (or None) per key; a
-        wrong answer (not a list of one answer per key) is a fault and all misses."""
+    def _batch_answer(self, tier: Tier, keys: list[CacheKey], got: Any,
+                      hook: str = "batched_get") -> list[MemoryObj | None]:
+        """A tier's ``batched_get`` (``hook``) answer for ``keys`` as one object (or None) per
+        key; a wrong answer (not a list of one answer per key) is a fault and all misses."""
         if isinstance(got, list) and len(got) == len(keys):
             tier.saw_reads(got)
             return got
         if got is not None:
             if isinstance(got, list):
                 release(got)
-            self._fault(tier, "batched_get", ValueError(
+            self._fault(tier, hook, ValueError(
                 f"answered {type(got).__name__} of length {len(got) if isinstance(got, list) else '-'}"
                 f" for {len(keys)} keys; a list of one answer per key is expected"))
         return [None] * len(keys)
@@ -704,6 +731,8 @@ class StorageManager:
             out[tier.name] = entry
         if self._tiers:  # reads refused or sent to the heap: the manager's, shown with L1
             out[self._tiers[0].name].update(self.reads.stats())
+            if any(self.heap.counts.values()):  # no tier owns a pool: heap memory reused
+                out[self._tiers[0].name].update(self.heap.stats())
         return out
 
     def start_threads(self) -> None:
@@ -732,6 +761,7 @@ class StorageManager:
         for tier in self._tiers:
             tier.shutdown()
         self._readers.shutdown(wait=False, cancel_futures=True)
+        self.heap.clear()
 
     def __enter__(self) -> StorageManager:
         return self

@@ -121,6 +121,8 @@ class Tier:
         self.admission: Any = None
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
+        self._nowait: bool | None = None  # learned on first use (the hooks are wired then)
+        self._implements: dict[str, bool] = {}
 
     def start_encoder(self) -> None:
         self.encoder = self.runtime.executor(1, f"kvplug-enc-{self.name}")
@@ -149,7 +151,23 @@ class Tier:
         return not pending or self.runtime.wait_all(pending, timeout)
 
     def implements(self, hook: str) -> bool:
-        return any(impl.plugin is self.backend for impl in self.hooks[hook].get_hookimpls())
+        """Whether the tier's backend implements ``hook`` (its hook implementations are fixed
+        when it is registered, so the answer is kept)."""
+        known = self._implements.get(hook)
+        if known is None:
+            known = any(impl.plugin is self.backend for impl in self.hooks[hook].get_hookimpls())
+            self._implements[hook] = known
+        return known
+
+    def reads_nowait(self) -> bool:
+        """Whether the tier reads what it can without waiting, on the caller's thread, before
+        any bounded call (``batched_get_nowait``; a tier that never blocks is called inline
+        anyway, and a tier with a codec decodes on its bounded calls, off the caller's
+        thread)."""
+        if self._nowait is None:
+            codec = self.codec is not None and self.codec.codec is not None
+            self._nowait = not (self.inline or codec) and self.implements("batched_get_nowait")
+        return self._nowait
 
     def saw_reads(self, objs: list) -> None:
         """Note the size of the last value of a batch this tier answered."""

@@ -35,7 +35,8 @@ logger = logging.getLogger("kvplug.storage")
 
 #: The hooks a tier is called through (each tier gets a caller per hook, see :class:`ScopedHooks`).
 HOOKS = (
-    "allocate", "memory_regions", "batched_submit_put", "get", "batched_get", "get_layers",
+    "allocate", "memory_regions", "batched_submit_put", "get", "batched_get",
+    "batched_get_nowait", "get_layers",
     "contains", "forget_misses", "unpin", "operator_pin", "operator_unpin", "evict",
     "tenant_usage", "evict_tenant", "flush", "close", "stats",
 )

@@ -31,7 +31,7 @@ from typing import Any
 
 from kvplug import chunkfile as cf
 from kvplug.chunkfile import beneath
-from kvplug.chunkfile.atomic import FILE_MODE, atomic_file_at, dir_mode_for, make_dirs
+from kvplug.chunkfile.atomic import FILE_MODE, atomic_create, dir_mode_for, make_dirs
 
 
 class LocalFiles:
@@ -103,14 +103,10 @@ class LocalFiles:
     def write(self, path: str, data: bytes) -> None:
         """The whole object, atomically (temporary name, rename), private (``file_mode``)."""
         with self._dir(path, create=True) as (dfd, name), \
-                atomic_file_at(dfd, name, file_mode=self.file_mode) as tmp:
-            fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-            finally:
-                os.close(fd)
+                atomic_create(dfd, name, file_mode=self.file_mode) as fd:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
 
     def remove(self, path: str) -> None:
         """Delete the entry (a link itself, never its target; nothing outside the root)."""

@@ -204,9 +204,13 @@ class KvikioFileIO(ChunkFileIO):
 
     def prepare_write(self, key: CacheKey, rel: str,
                       obj: MemoryObj) -> tuple[int, Callable[[str], int]]:
-        return chunk_file_size(key, obj, self.auth), lambda path: write_chunk(
+        return chunk_file_size(key, obj, self.auth), lambda path, dir_fd=None: write_chunk(
             path, key, obj, fsync=self.fsync, auth=self.auth, file_mode=self.file_mode,
-            gid=self.gid)
+            gid=self.gid)  # kvikio opens by path: the shard's descriptor is not used
+
+    def read_nowait(self, fd: int, key: CacheKey, rel: str, st: object = None) -> None:
+        """kvikio reads cannot be asked not to wait: every read goes through :meth:`read`."""
+        return None
 
     def read(self, fd: int, key: CacheKey, rel: str,
              layers: tuple[int, int] | None) -> tuple[MemoryObj | None, int]:

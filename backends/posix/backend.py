@@ -246,6 +246,22 @@ class PosixBackend:
         return out
 
     @hookimpl
+    def batched_get_nowait(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
+        """What can be read without waiting on the file system, on the caller's thread
+        (:meth:`.Reader.read_nowait`): no hand-off to a pool thread for a chunk in the page
+        cache. Every other key is ``None`` and read by :meth:`get`/:meth:`batched_get`."""
+        out: list[MemoryObj | None] = []
+        try:
+            for key in keys:
+                out.append(self.reader.read_nowait(key, self._rel(key)))
+        except BaseException:  # the caller gets nothing: give back what was read so far
+            for obj in out:
+                if obj is not None:
+                    obj.ref_down()
+            raise
+        return out
+
+    @hookimpl
     def get_layers(self, key: CacheKey, first_layer: int, num_layers: int) -> MemoryObj | None:
         return self.reader.read(key, self._rel(key), (first_layer, num_layers))
 
@@ -327,6 +343,7 @@ class PosixBackend:
                            "(a hung file system?); closing without it", self.root, CLOSE_WAIT_S)
         written = self.writer.close(CLOSE_WAIT_S)
         self.held.close()
+        self.reader.close()
         if self.writer.writable and written and not scanning:
             # other processes may have written meanwhile: leave the bound kept
             try:

@@ -77,6 +77,7 @@ class Directory:
         #: set once the startup scan has indexed the directory (lookups need not wait for it)
         self.indexed = runtime.event()
         self.reaper = Reaper(self.root_s, self._unlink_failed, name, runtime)
+        self._stamps: dict[str, float] = {}  # mtimes to bump on the reaper's thread, by rel
         self._scan_thread = runtime.executor(1, f"kvplug-{name}-scan", daemon=True)
         self.scanner: Any = None
 
@@ -261,13 +262,22 @@ class Directory:
         self.unlink_now(victims)
         return [len(victims), kept]
 
-    def touch(self, rel: str, size: int | None = None) -> bool:
+    def touch(self, rel: str, size: int | None = None, *, later: bool = False) -> bool:
         """Make ``rel`` the most recently used entry here and in the LRU shared with other
         processes (its mtime, bumped at most every ``_TOUCH_EVERY_S``); an entry not in the
-        index is added with ``size`` (skipped if ``size`` is None). False if the file is gone."""
+        index is added with ``size`` (skipped if ``size`` is None). False if the file is gone.
+        ``later``: the mtime is bumped on the reaper's thread (a read that must not wait on the
+        file system), and True is returned."""
         now = self._rt.time()
         with self.lock:
             due = self.index.touch(rel, now, size, _TOUCH_EVERY_S)
+            start = later and due and not self._stamps
+            if later and due:
+                self._stamps[rel] = now
+        if later:
+            if start:
+                self.reaper.later(self._stamp_files)
+            return True
         try:
             if due:
                 fs.touch_chunk(self.path(rel), now)
@@ -276,6 +286,16 @@ class Directory:
         except OSError:
             pass  # read-only: the LRU stamp is advisory
         return True
+
+    def _stamp_files(self) -> None:
+        """Bump the mtimes that reads without waiting left for later (on the reaper's thread)."""
+        with self.lock:
+            stamps, self._stamps = self._stamps, {}
+        for rel, stamp in stamps.items():
+            try:
+                fs.touch_chunk(self.path(rel), stamp)
+            except OSError:
+                pass  # gone or read-only: the LRU stamp is advisory
 
     # -- lookups --------------------------------------------------------------------------------
     def find_unindexed(self, rels: list[str], found: list[bool]) -> None:

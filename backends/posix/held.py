@@ -89,6 +89,12 @@ class HeldFiles:
             os.close(extra)
         return True
 
+    def waits_for(self, rel: str) -> bool:
+        """Whether a pin of ``rel`` waits for its file (pinned, not held, room to hold it): the
+        writer opens a file it just wrote only then (:meth:`attach`)."""
+        with self._lock:
+            return rel in self._counts and rel not in self._fds and len(self._fds) < self.limit
+
     def attach(self, rel: str, fd: int | None) -> bool:
         """The file of a key that may have been pinned while it was written just landed,
         opened as ``fd`` by the writer: hold it if ``rel`` is pinned and not held yet (and

@@ -34,8 +34,13 @@ class Reader:
         self._held = held
         self.files = files  # its ``allocate`` (ctx.allocate) gives the memory of every read
         self._warn = warn
+        self._cached = fs.CachedOpener(str(directory.root))
+        #: what reads without waiting found wrong (a damaged file; None: no memory), acted on
+        #: by the bounded read of the same file that follows (:meth:`_verdict`), not twice
+        self._verdicts: dict[str, CorruptChunk | None] = {}
         self.counters = dict.fromkeys(
-            ("reads", "disk_bytes_read", "pending_hits", "read_errors", "alloc_failures"), 0)
+            ("reads", "disk_bytes_read", "pending_hits", "read_errors", "alloc_failures",
+             "reads_without_wait"), 0)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._dir.lock:
@@ -43,6 +48,8 @@ class Reader:
 
     def read(self, key: CacheKey, rel: str, layers: tuple[int, int] | None) -> MemoryObj | None:
         """The chunk ``key`` (file ``rel``), or ``layers=(first, count)`` of it; None on a miss."""
+        if self._verdicts and self._verdict(rel):
+            return None
         with self._dir.lock:
             queued = self._writer.pending.get(rel)
             if queued is not None and layers is None:  # not on disk yet: the bytes being written
@@ -86,7 +93,7 @@ class Reader:
             self._warn("read", "read of %s failed: %r", self._dir.path(rel), exc)
             return None
         finally:
-            for d in (fd, held):
+            for d in (fd, held if held != fd else None):
                 if d is not None:
                     os.close(d)
         if obj is None:
@@ -98,6 +105,68 @@ class Reader:
             self.counters["reads"] += 1
             self.counters["disk_bytes_read"] += obj.nbytes
         return obj
+
+    def read_nowait(self, key: CacheKey, rel: str) -> MemoryObj | None:
+        """The chunk ``key`` (file ``rel``) where it can be read without waiting on the file
+        system: from the write queue, or a file opened from the kernel's caches
+        (:class:`.fs.CachedOpener`, or the descriptor a pin holds) and read from the page cache
+        (:meth:`.ChunkFileIO.read_nowait`). ``None`` otherwise — with nothing counted, logged
+        or deleted: the bounded read that follows (:meth:`read`) deals with whatever it is.
+        The shared LRU's stamp of the file is bumped off this thread (:meth:`.Directory.touch`)."""
+        with self._dir.lock:
+            queued = self._writer.pending.get(rel)
+            if queued is not None:
+                self.counters["pending_hits"] += 1
+                return queued.ref_up()
+            if rel in self._verdicts:
+                return None
+        if rel in self._dir.reaper:  # evicted, its file not deleted yet
+            return None
+        held = self._held.dup(rel)
+        fd = st = None
+        try:
+            fd, st = (held, None) if held is not None else (self._cached.open(rel) or (None, None))
+            read = None if fd is None else self.files.read_nowait(fd, key, rel, st)
+        except CorruptChunk as exc:  # judged here, acted on by the bounded read (it may wait)
+            with self._dir.lock:
+                self._verdicts[rel] = exc
+            return None
+        except Exception:  # noqa: BLE001 - a wait (BlockingIOError) or any problem: asked again
+            return None
+        finally:
+            for d in (fd, held if held != fd else None):
+                if d is not None:
+                    os.close(d)
+        if read is None:
+            return None
+        obj, size = read
+        if obj is None:  # no memory (counted by the allocator): a miss, said by the bounded read
+            with self._dir.lock:
+                self._verdicts[rel] = None
+            return None
+        self._dir.touch(rel, size, later=True)
+        with self._dir.lock:
+            self.counters["reads"] += 1
+            self.counters["reads_without_wait"] += 1
+            self.counters["disk_bytes_read"] += obj.nbytes
+        return obj
+
+    def _verdict(self, rel: str) -> bool:
+        """Act on what a read without waiting found wrong with ``rel`` (:meth:`read_nowait`),
+        as :meth:`read` would have: True if there was something (the read is then a miss)."""
+        with self._dir.lock:
+            if rel not in self._verdicts:
+                return False
+            exc = self._verdicts.pop(rel)
+        if exc is None:
+            self._count("alloc_failures")
+            self._warn("alloc", "no memory to read chunks into; treated as misses")
+        else:
+            self.unusable_file(rel, exc)
+        return True
+
+    def close(self) -> None:
+        self._cached.close()
 
     def unusable_file(self, rel: str, err: CorruptChunk) -> None:
         """The tier's policy for a file it cannot use, in one place: another format version's
@@ -115,7 +184,9 @@ class Reader:
     def _open(self, rel: str, held: int | None) -> int:
         """A private descriptor of ``rel``'s file: a fresh open of the ``held`` one (the file a
         pin keeps, even if unlinked since), else of the path (:func:`.fs.open_chunk`: no link
-        followed, no blocking open, a regular file)."""
+        followed, no blocking open, a regular file). Without O_DIRECT the ``held`` duplicate
+        itself serves (reads name their offsets, so a shared open file description
+        is harmless; only O_DIRECT, set on it per read, needs a description of its own)."""
         if held is not None:
-            return fs.reopen(fd_path(held))
+            return fs.reopen(fd_path(held)) if self.files.direct else held
         return fs.open_chunk(self._dir.path(rel))

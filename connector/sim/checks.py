@@ -47,6 +47,13 @@ def _put_check_plugin(world: Any, rank: int) -> Any:
             return [loaded(k, world.lose_once(rank, k, r)) for k, r in zip(keys, res, strict=False)]
 
         @hookimpl(wrapper=True)
+        def batched_get_nowait(self, keys: Any) -> Any:
+            res = yield
+            if not isinstance(res, list):
+                return res
+            return [loaded(k, world.lose_once(rank, k, r)) for k, r in zip(keys, res, strict=False)]
+
+        @hookimpl(wrapper=True)
         def get_layers(self, key: Any, first_layer: int, num_layers: int) -> Any:
             res = yield
             return loaded(key, world.lose_once(rank, key, res), first_layer)

@@ -55,6 +55,9 @@ FAULTS = {
     # ...each of its reads waits the tier's whole timeout_s instead of what is left of the
     # step's one deadline (inline_load_deadline_s); (unpinned_tail_read: DIRECTED_FAULTS)
     "timeout_per_group": "I10",
+    # ...or, before them, asks every tier that reads without waiting (batched_get_nowait, on
+    # the engine thread) for all of the step's keys, pinned there or not
+    "nowait_beside_the_pins": "I10",
     # load errors never reach vLLM and the simulation's I2 check is off: the tokens sampled
     # from the wrong KV reach the client, and the comparison of what clients receive sees them
     "hide_load_errors_past_i2": "I9",
@@ -65,7 +68,7 @@ FAULTS = {
 
 #: fault -> what the violation must say besides its invariant (the check that must catch it)
 WHERE = {"corrupt_l1_object": " get: ", "neighbour_wrong_bytes": " get: ",
-         "timeout_per_group": " waited ",
+         "timeout_per_group": " waited ", "nowait_beside_the_pins": "called batched_get_nowait",
          "ignore_zeroing": "V2 runner zeroes", "ignore_quota": "quota", "skip_checksums": " get: ",
          "skip_decode": " get: "}
 #: faults only a directed schedule reaches (tests/sim/test_simulation.py, SCHEDULES) -> invariant
@@ -243,6 +246,19 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
 
         return [(WaitBudget, "remaining", lambda self: float("inf")),
                 (WaitBudget, "spent", lambda self: False)]
+    if name == "nowait_beside_the_pins":
+        from kvplug.storage_manager import StorageManager
+        from kvplug.tier_calls import release
+
+        real_read_pinned = StorageManager.read_pinned
+
+        def read_pinned(self: Any, keys: Any, tiers: Any, budget: Any) -> Any:
+            for tier in self._tiers:
+                if tier.reads_nowait():
+                    release(self._read_nowait(tier, list(keys)))
+            return real_read_pinned(self, keys, tiers, budget)
+
+        return [(StorageManager, "read_pinned", read_pinned)]
     if name == "unpinned_tail_read":
         def where(self: Any, pinned: dict, background: bool) -> Any:
             if background:

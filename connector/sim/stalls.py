@@ -11,10 +11,11 @@ side, the lookup services) and the tasks the runtime runs on their own threads d
   it runs: a tier call that timed out, a condition that timed out) stays within the workers'
   ``inline_load_deadline_s`` (one deadline for all of a step's in-step reads);
 * every read it makes of a tier that may block (``get``, ``batched_get``, ``get_layers``,
-  ``contains``; directly, or a pool task it waits for through ``Future.result``) is of a local
-  medium (posix), for keys a lookup of its rank pinned on that very tier: never a remote tier,
-  never a tier the lookup did not find the key in (a fall-through), never a key no lookup
-  pinned (an unpinned tail). L1 never blocks: reading it is free.
+  ``contains``, and ``batched_get_nowait``, which never waits but reads all the same; directly,
+  or a pool task it waits for through ``Future.result``) is of a local medium (posix), for keys
+  a lookup of its rank pinned on that very tier: never a remote tier, never a tier the lookup
+  did not find the key in (a fall-through), never a key no lookup pinned (an unpinned tail). L1
+  never blocks: reading it is free.
 
 Other calls the engine thread makes on such tiers (a synchronous save's queued put, an unpin)
 are counted, not checked.
@@ -29,7 +30,7 @@ from typing import Any
 from .engine import Violation
 
 #: the hooks that read a tier (what an in-step load may only ask of the tier its lookup pinned)
-READS = frozenset({"get", "batched_get", "get_layers", "contains"})
+READS = frozenset({"get", "batched_get", "batched_get_nowait", "get_layers", "contains"})
 #: the deadline when the workers' config does not say (``inline_load_deadline_s``'s default)
 DEADLINE_S = 0.5
 
@@ -142,6 +143,11 @@ def _direct_calls(check: StallCheck, rank: int, tier: str) -> Any:
         @hookimpl(wrapper=True)
         def batched_get(self, keys: Any) -> Any:
             check.direct(rank, tier, "batched_get", list(keys))
+            return (yield)
+
+        @hookimpl(wrapper=True)
+        def batched_get_nowait(self, keys: Any) -> Any:
+            check.direct(rank, tier, "batched_get_nowait", list(keys))
             return (yield)
 
         @hookimpl(wrapper=True)

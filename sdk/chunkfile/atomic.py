@@ -102,14 +102,35 @@ def atomic_file(path: str | os.PathLike[str], *, fsync: bool = False, file_mode:
     Missing directories are created with :func:`dir_mode_for` ``(file_mode)``. With
     ``no_follow`` the parent directory must not be a symlink (``OSError`` ``ELOOP``). ``OSError``
     (full disk, read-only directory...) reaches the caller, which decides whether that is a
-    dropped store."""
+    dropped store. :func:`directory_of` and :func:`atomic_create` are its two halves, for a
+    writer that writes through the descriptor itself."""
     path = Path(path)
-    created = make_dirs(path.parent, dir_mode_for(file_mode), gid)
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-                  | (os.O_NOFOLLOW if no_follow else 0))
-    try:
-        with atomic_file_at(dfd, path.name, fsync=fsync, file_mode=file_mode, gid=gid) as name:
+    with directory_of(path, fsync=fsync, file_mode=file_mode, gid=gid,
+                      no_follow=no_follow) as dfd:
+        name = temp_name(path.name)
+        with atomic_create(dfd, path.name, fsync=fsync, file_mode=file_mode, gid=gid, tmp=name):
             yield path.parent / name
+
+
+@contextlib.contextmanager
+def directory_of(path: str | os.PathLike[str], *, fsync: bool = False,
+                 file_mode: int = FILE_MODE, gid: int | None = None,
+                 no_follow: bool = False) -> Iterator[int]:
+    """A descriptor of the directory ``path`` goes in, for :func:`atomic_create`: created with
+    its ancestors when missing (:func:`dir_mode_for` ``(file_mode)``, group ``gid``), never a
+    symlink with ``no_follow`` (``OSError`` ``ELOOP``). Closed after the block; on its normal
+    exit, with ``fsync``, the entry of each directory this call created is flushed in its
+    parent (a store reported done survives a power cut)."""
+    parent = Path(path).parent
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (os.O_NOFOLLOW if no_follow else 0)
+    created: list[Path] = []
+    try:
+        dfd = os.open(parent, flags)
+    except FileNotFoundError:
+        created = make_dirs(parent, dir_mode_for(file_mode), gid)
+        dfd = os.open(parent, flags)
+    try:
+        yield dfd
     finally:
         os.close(dfd)
     if fsync:
@@ -118,27 +139,27 @@ def atomic_file(path: str | os.PathLike[str], *, fsync: bool = False, file_mode:
 
 
 @contextlib.contextmanager
-def atomic_file_at(dfd: int, name: str, *, fsync: bool = False, file_mode: int = FILE_MODE,
-                   gid: int | None = None) -> Iterator[str]:
-    """:func:`atomic_file` in the directory open as ``dfd`` (the caller's, never resolved again:
-    a tier that opened it without following a link writes nowhere else): yields the temporary
-    file's name in it, renames it over ``name`` on normal exit (then fsyncs the directory with
-    ``fsync``), removes it on any exception."""
-    tmp = temp_name(name)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+def atomic_create(dfd: int, name: str, *, fsync: bool = False, file_mode: int = FILE_MODE,
+                  gid: int | None = None, flags: int = 0, tmp: str | None = None
+                  ) -> Iterator[int]:
+    """Yield a descriptor, open for writing, of a new temporary file (``tmp``, else a fresh
+    :func:`~.names.temp_name`) in the directory open as ``dfd``: exactly ``file_mode`` and group
+    ``gid``, opened with ``flags`` added (``O_DIRECT``). On normal exit the file is (with
+    ``fsync``) flushed, closed and renamed over ``name``, then (with ``fsync``) the directory is
+    flushed; on any exception it is closed and removed, and the exception propagates. Never
+    follows a link: the directory is the caller's, and the temporary name is created with
+    ``O_EXCL | O_NOFOLLOW``."""
+    tmp = tmp or temp_name(name)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | flags,
                  file_mode, dir_fd=dfd)
     try:
         try:
             set_mode(fd, file_mode, gid)  # exactly: the umask may have narrowed the create
+            yield fd
+            if fsync:
+                os.fsync(fd)
         finally:
             os.close(fd)
-        yield tmp
-        if fsync:
-            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
         os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
     except BaseException:  # never a partial file left behind (through the directory's fd)
         with contextlib.suppress(OSError):

@@ -61,5 +61,6 @@ def verify_layers(header, first_layer: int, data) -> bool:  # noqa: ANN001 - Chu
         verify = header.mac.verify_layer
         return all(verify(first_layer + i, view[i * n : (i + 1) * n], sums[first_layer + i])
                    for i in range(count))
-    digest = xxhash.xxh3_64_hexdigest
-    return all(digest(view[i * n : (i + 1) * n]) == sums[first_layer + i] for i in range(count))
+    digest = xxhash.xxh3_64_hexdigest  # one list compared at once: no per-layer generator step
+    return [digest(view[i * n : (i + 1) * n]) for i in range(count)] == \
+        sums[first_layer : first_layer + count]

@@ -427,7 +427,8 @@ class BackendConformance:
         """``StorageManager.batched_get`` (the connector's loads; a tier's own ``batched_get``
         hook where it has one, also called directly) gives each key's bytes in order, ``None``
         for a key never stored and for a damaged entry, over more keys than one batched call
-        takes."""
+        takes; a tier's ``batched_get_nowait`` gives, per key, those bytes or ``None`` (never a
+        key not stored, never a damaged entry)."""
         n = 20
         data = {}
         with self.opened(make_tiers) as manager:
@@ -466,6 +467,22 @@ class BackendConformance:
                         continue
                     assert torch.equal(obj.byte_view, data[i]), (
                         f"tier {name!r}: batched_get gave chunk {i} other bytes")
+                    obj.ref_down()
+            for name, backend in tiers_of(manager):
+                if not implements(backend, "batched_get_nowait"):
+                    continue
+                own = call_hook(backend, "batched_get_nowait", keys=keys)
+                assert isinstance(own, list) and len(own) == len(keys), (
+                    f"tier {name!r}: batched_get_nowait of {len(keys)} keys gave "
+                    f"{type(own).__name__} {len(own) if isinstance(own, list) else ''}")
+                assert own[3] is None, (
+                    f"tier {name!r}: batched_get_nowait returned a key never stored")
+                for i, obj in zip([*range(3), None, *range(3, n)], own):
+                    if i is None or obj is None:  # not served without waiting: allowed
+                        continue
+                    assert i != damaged, f"tier {name!r}: batched_get_nowait gave a corrupt entry"
+                    assert torch.equal(obj.byte_view, data[i]), (
+                        f"tier {name!r}: batched_get_nowait gave chunk {i} other bytes")
                     obj.ref_down()
 
     def test_encoded_chunks_round_trip_through_a_codec(self, make_tiers):

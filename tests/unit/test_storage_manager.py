@@ -353,6 +353,7 @@ def test_a_local_mediums_small_values_are_read_in_sequence_and_large_ones_spread
     from kvplug.tier_calls import BATCH_GET_KEYS, SEQUENTIAL_READ_BYTES
 
     mgr = StorageManager({"tiers": [{"backend": "posix", "options": {"path": str(tmp_path)}}]})
+    mgr._tiers[0]._nowait = False  # the bounded calls (reads without waiting would come first)
     callers: list[str] = []
     real = mgr._batch_from
 
