@@ -14,7 +14,7 @@ directory or bucket written by one is read by the others:
 
 from .atomic import atomic_file, discard_on_failure, fsync_path
 from .auth import MAC_ALGO, AuthError, ChunkMac, Keyring, decode_secret
-from .checksums import CHECKSUM_ALGO, checksum, layer_checksums, split_layers, verify_layer, verify_layers
+from .checksums import CHECKSUM_ALGO, checksum, layer_sums, split_layers, verify_layer, verify_layers
 from .crypt import ENC_ALGO, ChunkCipher
 from .format import (
     ALIGN,
@@ -35,7 +35,7 @@ from .format import (
     format_version,
     header_size,
     holds,
-    layer_sums,
+    layer_checksums,
     make_header,
     max_header_bytes,
     read_buffers,

@@ -3,9 +3,9 @@ or, for an authenticated chunk (its header carries a :class:`~.auth.ChunkMac`), 
 
 from __future__ import annotations
 
-import xxhash
+from collections.abc import Sequence
 
-from ..memory import MemoryObj
+import xxhash
 
 CHECKSUM_ALGO = "xxh3_64"
 
@@ -22,11 +22,11 @@ def split_layers(data, num_layers: int) -> list[memoryview]:  # noqa: ANN001 - a
     return [view[i * n : (i + 1) * n] for i in range(num_layers)]
 
 
-def layer_checksums(obj: MemoryObj, mac=None) -> list[str]:  # noqa: ANN001 - ChunkMac | None
-    """One checksum per layer of ``obj`` (a CPU object); with ``mac``, one tag per layer."""
-    from .format import chunk_layout, layer_sums
-
-    return layer_sums(split_layers(obj.byte_view.numpy(), chunk_layout(obj.meta)[0]), mac)
+def layer_sums(views: Sequence, mac=None) -> list[str]:  # noqa: ANN001 - ChunkMac | None
+    """The ``checksums`` of a chunk's layers: xxh3 each, or with ``mac`` their tags."""
+    if mac is None:
+        return [checksum(v) for v in views]
+    return [mac.layer_tag(i, v) for i, v in enumerate(views)]
 
 
 def verify_layer(header, index: int, data) -> bool:  # noqa: ANN001 - ChunkHeader, any buffer

@@ -62,7 +62,7 @@ from ..errors import ChunkFormatError, ChunkVersionError, ConfigError
 from ..keys import CacheKey
 from ..memory import MemoryFormat, MemoryObj, MemoryObjMeta
 from .auth import MAC_ALGO, TAG_HEX
-from .checksums import CHECKSUM_ALGO, checksum, split_layers
+from .checksums import CHECKSUM_ALGO, checksum, layer_sums, split_layers
 from .crypt import ENC_ALGO, ENC_VERSION_SUFFIX, TAG_BYTES, ChunkCipher
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -376,11 +376,9 @@ def encode_chunk(key: CacheKey, obj: MemoryObj,
     return header, bufs
 
 
-def layer_sums(views: Sequence, mac: ChunkMac | None) -> list[str]:
-    """The ``checksums`` of a chunk's layers: xxh3 each, or with ``mac`` their tags."""
-    if mac is None:
-        return [checksum(v) for v in views]
-    return [mac.layer_tag(i, v) for i, v in enumerate(views)]
+def layer_checksums(obj: MemoryObj, mac: ChunkMac | None = None) -> list[str]:
+    """One checksum per layer of ``obj`` (a CPU object); with ``mac``, one tag per layer."""
+    return layer_sums(split_layers(obj.byte_view.numpy(), chunk_layout(obj.meta)[0]), mac)
 
 
 def encode_chunk_with_header(
