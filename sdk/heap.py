@@ -55,7 +55,11 @@ class HeapBuffers:
                 self.counts["heap_fresh"] += 1
                 self._make_room(nbytes)
         if buf is None:
-            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+            # a normal tensor even when asked for inside inference mode (vLLM's step): a buffer
+            # made there would be an inference tensor, which a later reuse outside inference
+            # mode (a background load's thread) could not write into
+            with torch.inference_mode(False):
+                raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
             skew = (-raw.data_ptr()) % ALIGN
             buf = raw[skew : skew + nbytes]
         if not nbytes:

@@ -64,3 +64,22 @@ def test_a_tier_alone_reads_into_reused_heap_memory(tmp_path):
     st = mgr.stats()["posix"]
     assert st["heap_reused"] >= 2 and st["heap_kept_bytes"] > 0
     mgr.close()
+
+
+def test_a_buffer_first_made_in_inference_mode_is_written_outside_it():
+    """vLLM's step runs in inference mode, a background load's thread outside it: a buffer made
+    by a store in the step and reused by a load was an inference tensor the load could not
+    write into (before: ``RuntimeError: Inplace update to inference tensor outside
+    InferenceMode``, every first background load of an engine without L1 a miss)."""
+    heap = HeapBuffers(keep_bytes=1 << 20)
+    with torch.inference_mode():
+        a = heap.allocate((4, 2, 1024), torch.uint8)
+        a.tensor.fill_(1)
+        addr = a.tensor.data_ptr()
+        a.ref_down()
+    b = heap.allocate((4, 2, 1024), torch.uint8)
+    assert b.tensor.data_ptr() == addr  # the same buffer, reused
+    data = torch.randint(0, 256, (4, 2, 1024), dtype=torch.uint8)
+    b.tensor.copy_(data)
+    assert torch.equal(b.tensor, data)
+    b.ref_down()
