@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -41,6 +42,8 @@ SHAPES = [((2, 1, 4096), torch.uint8), ((4, 2, 8192), torch.uint8), ((3, 1, 1024
 CHUNK_SHAPE = (2, 2, 4096)  # 16 KiB per chunk
 CHUNK_BYTES = 2 * 2 * 4096
 _SECRET_ENV = "CONFORMANCE_KIT_SECRET"
+#: How long a test waits for a condition it means (a store landing) before calling it a hang.
+HANG_S = 60.0
 
 
 def make_key(i: int, *, model: str = "conformance/model", rank: int = 0, ws: int = 1) -> CacheKey:
@@ -136,6 +139,26 @@ class BackendConformance:
     def _put(self, mgr: StorageManager, keys, objs) -> None:
         mgr.batched_put(keys, objs)
         assert mgr.flush(timeout=30), "flush did not drain queued writes within 30 s"
+
+    def _put_until_held(self, mgr: StorageManager, key: CacheKey, tiers: list[str],
+                        seed: int) -> None:
+        """Store a random chunk under ``key`` until every tier of ``tiers`` holds it: a store
+        a tier dropped (a remote store slow to answer on a busy machine fails the put, and its
+        breaker drops the next ones) is stored again, for up to :data:`HANG_S`. A test that
+        means "this much was stored" then holds on a busy machine too."""
+        deadline = time.monotonic() + HANG_S
+        while True:
+            obj = fill_random(mgr, seed=seed)
+            self._put(mgr, [key], [obj])
+            obj.ref_down()
+            missing = [t for t in tiers
+                       if not call_hook(mgr.backend(t), "contains", keys=[key], pin=False)[0]]
+            if not missing:
+                return
+            assert time.monotonic() < deadline, (
+                f"tiers {missing} never held a chunk stored again and again for {HANG_S:g}s "
+                f"(stats: {mgr.stats()})")
+            time.sleep(0.1)  # let a tripped breaker cool down before storing again
 
     def test_round_trip_random_bytes(self, make_tiers):
         """Random bytes of several shapes/dtypes come back bit-exact with their metadata, from
@@ -282,10 +305,8 @@ class BackendConformance:
             mgr.evict(nbytes=4 * capacity)
             assert held() == [True, True], "evict(nbytes=...) dropped pinned entries"
             mgr.unpin(keys[:2], look.tiers)
-            for i in range(40, 60):
-                obj = fill_random(mgr, seed=i)
-                self._put(mgr, [make_key(i)], [obj])
-                obj.ref_down()
+            for i in range(40, 60):  # 2.5x the capacity, each chunk stored for sure
+                self._put_until_held(mgr, make_key(i), sorted(set(where.values())), seed=i)
             bounded = [k for k in keys[:2] if not _class_flag(mgr.backend(where[k]), "unbounded")]
             for k in bounded:
                 assert not call_hook(mgr.backend(where[k]), "contains", keys=[k], pin=False)[0], (
