@@ -46,9 +46,12 @@ _SECRET_ENV = "CONFORMANCE_KIT_SECRET"
 HANG_S = 60.0
 
 
-def make_key(i: int, *, model: str = "conformance/model", rank: int = 0, ws: int = 1) -> CacheKey:
-    """A deterministic key for chunk ``i``."""
-    return CacheKey(model, "bfloat16", "LBHNC-bs16", ws, rank, i.to_bytes(4, "big") * 8)
+def make_key(i: int, *, model: str = "conformance/model", rank: int = 0, ws: int = 1,
+             dtype: str = "bfloat16", tenant: str = "") -> CacheKey:
+    """A deterministic key for chunk ``i`` (the other fields: an engine's, by default one that
+    every test shares; ``tenant``: the tenant id the key is stored under)."""
+    return CacheKey(model, dtype, "LBHNC-bs16", ws, rank, i.to_bytes(4, "big") * 8,
+                    tenant=tenant)
 
 
 def fill_random(manager: StorageManager, shape=CHUNK_SHAPE, dtype=torch.uint8, seed: int = 0,

@@ -18,14 +18,10 @@ import torch
 from kvplug import chunkfile as cf
 from kvplug.backends.posix import PosixBackend
 from kvplug.hookspecs import TierContext
-from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, heap_memory_obj
+from kvplug.testing import make_key
 
 HANG_S = 30.0  # only catches a hang; nothing here takes more than a fraction of it
-
-
-def key(i: int) -> CacheKey:
-    return CacheKey("org/m", "bfloat16", "LBHNC-bs16", 1, 0, i.to_bytes(4, "big") * 8)
 
 
 def obj_for(i: int, nbytes: int = 3 * 2 * 2500):
@@ -44,7 +40,7 @@ def backend(path, wait: bool = True, **opts) -> PosixBackend:
 
 def put(be: PosixBackend, i: int) -> None:
     obj = obj_for(i)
-    be.batched_submit_put(keys=[key(i)], objs=[obj])
+    be.batched_submit_put(keys=[make_key(i)], objs=[obj])
     assert be.flush(timeout=HANG_S)
     obj.ref_down()
 
@@ -79,9 +75,9 @@ def linked_shard(tmp_path):
     other = backend(tmp_path / "other")  # a real chunk of key 1, in the linked directory
     put(other, 1)
     other.close()
-    real = cf.chunk_path(tmp_path / "other", key(1))
+    real = cf.chunk_path(tmp_path / "other", make_key(1))
     shutil.copy(real, outside / real.name)
-    os.symlink(outside, root / cf.shard_of(key(1)))
+    os.symlink(outside, root / cf.shard_of(make_key(1)))
     return root, outside, target, data
 
 
@@ -102,12 +98,12 @@ def test_eviction_never_deletes_through_a_linked_shard(linked_shard):
     be = backend(root, capacity=40_000, rescan_interval_s=0)
     try:
         # a lookup through the link must not index (and later evict) the file behind it
-        assert be.contains([key(1)], pin=False) == [False]
-        assert be.get(key(1)) is None
+        assert be.contains([make_key(1)], pin=False) == [False]
+        assert be.get(make_key(1)) is None
         for i in range(2, 12):  # capacity pressure: rescans and LRU evictions
             put(be, i)
         be.evict(None, 1 << 40)
-        assert be.evict([key(1)], 0) == 0, "evicted a file behind a linked shard"
+        assert be.evict([make_key(1)], 0) == 0, "evicted a file behind a linked shard"
         assert be.flush(HANG_S)
     finally:
         be.close()
@@ -120,10 +116,10 @@ def test_a_put_never_writes_through_a_linked_shard(linked_shard):
     be = backend(root)
     try:
         before = sorted(p.name for p in outside.iterdir())
-        (outside / cf.chunk_name(key(1))).unlink()  # the chunk is not there: a put would write
+        (outside / cf.chunk_name(make_key(1))).unlink()  # the chunk is not there: a put would write
         put(be, 1)
         assert sorted(p.name for p in outside.iterdir()) == [n for n in before
-                                                             if n != cf.chunk_name(key(1))]
+                                                             if n != cf.chunk_name(make_key(1))]
         assert be.stats()["failed_puts"] == 1
     finally:
         be.close()
@@ -133,17 +129,17 @@ def test_a_put_never_writes_through_a_linked_shard(linked_shard):
 
 def test_a_fifo_at_a_chunk_path_never_hangs_lookup_get_or_unpin(tmp_path):
     be = backend(tmp_path)
-    fifo = cf.chunk_path(tmp_path, key(1))
+    fifo = cf.chunk_path(tmp_path, make_key(1))
     fifo.parent.mkdir(parents=True, exist_ok=True)
     os.mkfifo(fifo)
     try:
-        assert finishes(be.contains, [key(1)], True) == [False]
-        assert finishes(be.get, key(1)) is None
-        assert finishes(be.get_layers, key(1), 0, 1) is None
-        finishes(be.unpin, [key(1)])
+        assert finishes(be.contains, [make_key(1)], True) == [False]
+        assert finishes(be.get, make_key(1)) is None
+        assert finishes(be.get_layers, make_key(1), 0, 1) is None
+        finishes(be.unpin, [make_key(1)])
         assert finishes(be.evict, None, 1 << 30) == 0
         put(be, 1)  # the next store replaces the FIFO with a real chunk file
-        got = finishes(be.get, key(1))
+        got = finishes(be.get, make_key(1))
         assert got is not None and torch.equal(got.byte_view, obj_for(1).byte_view)
         got.ref_down()
     finally:
@@ -155,13 +151,13 @@ def test_a_fifo_at_a_chunk_path_never_hangs_lookup_get_or_unpin(tmp_path):
 
 
 def test_a_fifo_left_by_a_crash_never_hangs_the_startup_scan(tmp_path):
-    fifo = cf.chunk_path(tmp_path, key(1))
+    fifo = cf.chunk_path(tmp_path, make_key(1))
     fifo.parent.mkdir(parents=True)
     os.mkfifo(fifo)
     be = finishes(backend, tmp_path)
     try:
-        assert finishes(be.contains, [key(1)], True) == [False]
-        assert finishes(be.get, key(1)) is None
+        assert finishes(be.contains, [make_key(1)], True) == [False]
+        assert finishes(be.get, make_key(1)) is None
         assert be.stats()["not_regular"] == 1, "a FIFO at a chunk path is counted"
     finally:
         finishes(be.close)
@@ -173,19 +169,19 @@ def test_a_symlink_at_a_chunk_path_is_never_followed(tmp_path):
     writer = backend(elsewhere)
     put(writer, 1)
     writer.close()
-    real = cf.chunk_path(elsewhere, key(1))
+    real = cf.chunk_path(elsewhere, make_key(1))
     data = real.read_bytes()
     root = tmp_path / "root"
-    link = cf.chunk_path(root, key(1))
+    link = cf.chunk_path(root, make_key(1))
     link.parent.mkdir(parents=True)
     os.symlink(real, link)  # a valid chunk of the key, but through a link
     be = backend(root)
     try:
-        assert be.contains([key(1)], pin=True) == [False]
-        be.unpin([key(1)])
-        assert be.get(key(1)) is None
-        assert be.get_layers(key(1), 0, 1) is None
-        be.evict([key(1)], 0)
+        assert be.contains([make_key(1)], pin=True) == [False]
+        be.unpin([make_key(1)])
+        assert be.get(make_key(1)) is None
+        assert be.get_layers(make_key(1), 0, 1) is None
+        be.evict([make_key(1)], 0)
         be.evict(None, 1 << 30)
         assert be.flush(HANG_S)
     finally:
@@ -206,7 +202,7 @@ def open_base():
 
 
 def modes(root: Path) -> dict[str, int]:
-    f = cf.chunk_path(root, key(1))
+    f = cf.chunk_path(root, make_key(1))
     return {"root": stat.S_IMODE(root.stat().st_mode),
             "shard": stat.S_IMODE(f.parent.stat().st_mode),
             "file": stat.S_IMODE(f.stat().st_mode)}
@@ -237,7 +233,7 @@ def test_file_mode_and_group_for_a_shared_directory(open_base):
         os.umask(old)
     root = open_base / "shared"
     assert modes(root) == {"root": 0o750, "shard": 0o750, "file": 0o640}
-    f = cf.chunk_path(root, key(1))
+    f = cf.chunk_path(root, make_key(1))
     assert {root.stat().st_gid, f.parent.stat().st_gid, f.stat().st_gid} == {gid}
     be = backend(root, group=gid)  # a numeric gid is accepted too
     be.close()
@@ -275,7 +271,7 @@ def test_another_user_cannot_read_a_chunk(open_base):
     be = backend(open_base / "cache")
     put(be, 1)
     be.close()
-    f = cf.chunk_path(open_base / "cache", key(1))
+    f = cf.chunk_path(open_base / "cache", make_key(1))
     as_nobody = ["runuser", "-u", "nobody", "--", "cat", str(f)]
     got = subprocess.run(as_nobody, capture_output=True, timeout=HANG_S)
     assert got.returncode != 0 and not got.stdout, "another local user read a chunk"
@@ -322,7 +318,7 @@ def test_a_hung_startup_scan_delays_stores_never_hangs_close(tmp_path, monkeypat
     be = backend(tmp_path, wait=False)
     try:
         obj = obj_for(1)
-        be.batched_submit_put(keys=[key(1)], objs=[obj])
+        be.batched_submit_put(keys=[make_key(1)], objs=[obj])
         assert be.flush(HANG_S / 2), "a write waited for the stuck scan without a bound"
         obj.ref_down()
         assert be.stats()["skipped_puts"] == 1 and be.stats()["indexed"] == 0

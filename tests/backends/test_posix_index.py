@@ -13,8 +13,9 @@ from kvplug import chunkfile as cf
 from kvplug.backends.posix import directory as posix_dir
 from kvplug.backends.posix.index import PosixIndex, ScanResult, pack_rel, unpack_rel
 from kvplug.keys import CacheKey
+from kvplug.testing import make_key
 
-from tests.backends.test_posix import backend, key, obj_for, put
+from tests.backends.test_posix import backend, obj_for, put
 
 
 def rel_of(rng: random.Random, model: str = "Qwen/Qwen2.5-7B-Instruct") -> str:
@@ -121,7 +122,7 @@ def test_serving_starts_before_the_startup_scan_finishes(tmp_path, monkeypatch):
     be = backend(tmp_path, capacity=10 << 20)
     stored = {i: put(be, i) for i in range(6)}
     be.close()
-    size = cf.chunk_path(tmp_path, key(0)).stat().st_size
+    size = cf.chunk_path(tmp_path, make_key(0)).stat().st_size
 
     gate, scanning = threading.Event(), threading.Event()
     real_scan = posix_dir.scan
@@ -141,19 +142,19 @@ def test_serving_starts_before_the_startup_scan_finishes(tmp_path, monkeypatch):
     be = made[0]
     try:
         assert scanning.wait(30) and be.stats()["indexed"] == 0
-        assert be.contains([key(i) for i in range(7)], pin=False) == [True] * 6 + [False]
-        got = be.get(key(3))
+        assert be.contains([make_key(i) for i in range(7)], pin=False) == [True] * 6 + [False]
+        got = be.get(make_key(3))
         assert got is not None and torch.equal(got.byte_view, stored[3].byte_view)
         got.ref_down()
         new = obj_for(99)
-        be.batched_submit_put([key(99)], [new])
+        be.batched_submit_put([make_key(99)], [new])
         assert not be.flush(0.5)  # the store waits for the index (capacity is not known yet)
         gate.set()
         assert be.wait_indexed(30) and be.flush(30)
         st = be.stats()
         assert st["indexed"] == 1 and st["writes"] == 1
         # capacity of 4 files: the startup trim and the store left 4; key 3, read last, is kept
-        on_disk = {i for i in [*range(6), 99] if cf.chunk_path(tmp_path, key(i)).exists()}
+        on_disk = {i for i in [*range(6), 99] if cf.chunk_path(tmp_path, make_key(i)).exists()}
         assert st["entries"] == len(on_disk) == 4 and st["bytes"] == 4 * size
         assert {3, 99} <= on_disk
     finally:

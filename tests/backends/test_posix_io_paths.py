@@ -14,12 +14,8 @@ from kvplug.backends.posix import PosixBackend
 from kvplug.backends.posix import io as posix_io
 from kvplug.backends.posix import writer as posix_writer
 from kvplug.hookspecs import TierContext, hookimpl
-from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, heap_memory_obj
-
-
-def key(i: int) -> CacheKey:
-    return CacheKey("org/m", "bfloat16", "LBHNC-bs16", 1, 0, i.to_bytes(4, "big") * 8)
+from kvplug.testing import make_key
 
 
 def random_obj(i: int, shape=(4, 2, 4096)):
@@ -37,7 +33,7 @@ def backend(path, **opts) -> PosixBackend:
 
 
 def store(be: PosixBackend, objs: dict[int, object]) -> None:
-    be.batched_submit_put(keys=[key(i) for i in objs], objs=list(objs.values()))
+    be.batched_submit_put(keys=[make_key(i) for i in objs], objs=list(objs.values()))
     assert be.flush(timeout=30)
 
 
@@ -64,18 +60,18 @@ def test_a_known_header_is_read_with_the_layers_in_one_call(tmp_path, monkeypatc
     src = random_obj(1, shape)
     store(be, {1: src})
     spy = Spy(monkeypatch)
-    got = be.get(key=key(1))
+    got = be.get(key=make_key(1))
     assert got is not None and torch.equal(got.byte_view, src.byte_view)
     assert spy.calls == [0], f"a read of a known file took {len(spy.calls)} calls"
     got.ref_down()
     if shape[0] > 1:
         spy.calls.clear()
-        part = be.get_layers(key=key(1), first_layer=0, num_layers=shape[0] - 1)
+        part = be.get_layers(key=make_key(1), first_layer=0, num_layers=shape[0] - 1)
         assert part is not None and torch.equal(part.tensor, src.tensor[: shape[0] - 1])
         assert spy.calls == [0]
         part.ref_down()
         spy.calls.clear()
-        part = be.get_layers(key=key(1), first_layer=1, num_layers=1)
+        part = be.get_layers(key=make_key(1), first_layer=1, num_layers=1)
         assert part is not None and torch.equal(part.tensor[0], src.tensor[1])
         assert len(spy.calls) == 2
         part.ref_down()
@@ -89,16 +85,16 @@ def test_a_damaged_layer_under_a_known_header_is_a_deleted_miss(tmp_path):
     be = backend(tmp_path)
     objs = {1: random_obj(1), 2: random_obj(2)}
     store(be, objs)
-    path = cf.chunk_path(tmp_path, key(1))
+    path = cf.chunk_path(tmp_path, make_key(1))
     head = cf.read_header_fd(os.open(path, os.O_RDONLY))[0]
     with open(path, "r+b") as f:
         f.seek(head.data_offsets[2] + 17)
         byte = f.read(1)
         f.seek(head.data_offsets[2] + 17)
         f.write(bytes([byte[0] ^ 0x40]))
-    assert be.get(key=key(1)) is None
+    assert be.get(key=make_key(1)) is None
     assert be.stats()["corrupt"] == 1 and not path.exists()
-    got = be.get(key=key(2))
+    got = be.get(key=make_key(2))
     assert got is not None and torch.equal(got.byte_view, objs[2].byte_view)
     got.ref_down()
     be.close()
@@ -109,7 +105,7 @@ def test_a_file_cut_short_while_its_header_is_known_is_a_miss(tmp_path, monkeypa
     one-call read comes back short and the read is a miss, counted, never bytes."""
     be = backend(tmp_path)
     store(be, {1: random_obj(1)})
-    path = cf.chunk_path(tmp_path, key(1))
+    path = cf.chunk_path(tmp_path, make_key(1))
     real = os.preadv
 
     def cut_then_read(fd, bufs, offset, *flags):
@@ -117,7 +113,7 @@ def test_a_file_cut_short_while_its_header_is_known_is_a_miss(tmp_path, monkeypa
         return real(fd, bufs, offset, *flags)
 
     monkeypatch.setattr(posix_io.os, "preadv", cut_then_read)
-    assert be.get(key=key(1)) is None
+    assert be.get(key=make_key(1)) is None
     monkeypatch.undo()
     assert be.stats()["corrupt"] == 1 and be.stats()["reads"] == 0
     be.close()
@@ -145,10 +141,10 @@ def test_a_store_opens_its_shard_once_and_its_file_again_only_for_a_pin(tmp_path
     assert opened == [], "a file nobody pinned was opened again after its write"
     assert len(dirs) == 5
     for i, obj in objs.items():
-        got = be.get(key=key(i))
+        got = be.get(key=make_key(i))
         assert got is not None and torch.equal(got.byte_view, obj.byte_view)
         got.ref_down()
-        assert os.stat(cf.chunk_path(tmp_path, key(i))).st_mode & 0o777 == 0o600
+        assert os.stat(cf.chunk_path(tmp_path, make_key(i))).st_mode & 0o777 == 0o600
     be.close()
 
 
@@ -170,7 +166,7 @@ def test_one_call_s_writes_reach_the_threads_as_one_job_per_thread(tmp_path, mon
     assert be.stats()["writes"] == 96 and be.stats()["pending_writes"] == 0
     for i, obj in objs.items():
         assert obj.ref_count == 1
-        got = be.get(key=key(i))
+        got = be.get(key=make_key(i))
         assert got is not None and torch.equal(got.byte_view, obj.byte_view)
         got.ref_down()
     be.close()
@@ -189,15 +185,15 @@ def test_a_write_that_fails_midway_leaves_no_file(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(posix_io.os, "pwritev", half_then_full)
-    be.batched_submit_put(keys=[key(1)], objs=[random_obj(1)])
+    be.batched_submit_put(keys=[make_key(1)], objs=[random_obj(1)])
     assert be.flush(30) and seen.is_set()
     assert be.stats()["failed_puts"] == 1
     assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.name != ".kvplug-pins"]
-    assert be.contains(keys=[key(1)], pin=False) == [False]
+    assert be.contains(keys=[make_key(1)], pin=False) == [False]
     monkeypatch.undo()
     src = random_obj(1)
     store(be, {1: src})
-    got = be.get(key=key(1))
+    got = be.get(key=make_key(1))
     assert got is not None and torch.equal(got.byte_view, src.byte_view)
     got.ref_down()
     be.close()
@@ -258,7 +254,7 @@ def stored_in(mgr, n: int, shape=(4, 2, 4096)) -> dict[int, torch.Tensor]:
         obj = mgr.allocate(shape, torch.uint8, num_tokens=32)
         obj.tensor.copy_(random_obj(i, shape).tensor)
         want[i] = obj.tensor.clone()
-        mgr.batched_put([key(i)], [obj])
+        mgr.batched_put([make_key(i)], [obj])
         obj.ref_down()
     assert mgr.flush(30)
     return want
@@ -269,10 +265,10 @@ def test_a_chunk_in_the_page_cache_is_read_on_the_callers_thread(tmp_path):
     calling thread (no bounded call handed to the tier's pool), with the stored bytes."""
     mgr, spy = posix_manager(tmp_path)
     want = stored_in(mgr, 20)
-    got = mgr.get(key(0))
+    got = mgr.get(make_key(0))
     assert got is not None and torch.equal(got.tensor, want[0])
     got.ref_down()
-    objs = mgr.batched_get([key(i) for i in range(20)] + [key(404)])
+    objs = mgr.batched_get([make_key(i) for i in range(20)] + [make_key(404)])
     assert objs[20] is None
     for i, obj in enumerate(objs[:20]):
         assert obj is not None and torch.equal(obj.tensor, want[i])
@@ -289,7 +285,7 @@ def test_a_chunk_only_on_the_device_is_read_the_bounded_way(tmp_path):
     system held in memory (tmpfs) nothing waits, so the caller's thread reads it."""
     mgr, spy = posix_manager(tmp_path)
     want = stored_in(mgr, 1, (4, 8, 4096))
-    path = cf.chunk_path(tmp_path, key(0))
+    path = cf.chunk_path(tmp_path, make_key(0))
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)  # clean pages only can be dropped
@@ -297,7 +293,7 @@ def test_a_chunk_only_on_the_device_is_read_the_bounded_way(tmp_path):
         in_memory = posix_io.nowait_read_flags(fd) == 0
     finally:
         os.close(fd)
-    got = mgr.get(key(0))
+    got = mgr.get(make_key(0))
     assert got is not None and torch.equal(got.tensor, want[0])
     got.ref_down()
     assert spy.calls == ([] if in_memory else ["get"])
@@ -311,22 +307,22 @@ def test_a_damaged_or_linked_entry_is_left_to_the_bounded_read(tmp_path):
     once and deletes the damaged file; the link is never followed."""
     mgr, spy = posix_manager(tmp_path)
     stored_in(mgr, 2)
-    path = cf.chunk_path(tmp_path, key(0))
+    path = cf.chunk_path(tmp_path, make_key(0))
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) - 5)
         f.write(b"\xff\x00\xff\x00\xff")
     disk = mgr.backend(0)
-    assert disk.batched_get_nowait(keys=[key(0)]) == [None]
+    assert disk.batched_get_nowait(keys=[make_key(0)]) == [None]
     assert path.exists() and disk.stats()["corrupt"] == 0
-    assert mgr.get(key(0)) is None
+    assert mgr.get(make_key(0)) is None
     assert disk.stats()["corrupt"] == 1 and not path.exists()
     secret = tmp_path.parent / f"{tmp_path.name}-secret"
     secret.write_bytes(b"x" * 4096)
-    other = cf.chunk_path(tmp_path, key(1))
+    other = cf.chunk_path(tmp_path, make_key(1))
     other.unlink()
     other.symlink_to(secret)
-    assert disk.batched_get_nowait(keys=[key(1)]) == [None]
-    assert mgr.get(key(1)) is None and secret.read_bytes() == b"x" * 4096
+    assert disk.batched_get_nowait(keys=[make_key(1)]) == [None]
+    assert mgr.get(make_key(1)) is None and secret.read_bytes() == b"x" * 4096
     assert spy.calls == ["get", "get"]
     mgr.close()
 
@@ -340,10 +336,10 @@ def test_a_pinned_chunk_is_read_through_its_held_file_without_waiting(tmp_path, 
     monkeypatch.setattr(posix_dir, "_TOUCH_EVERY_S", -1.0)  # every read bumps the stamp
     mgr, spy = posix_manager(tmp_path)
     want = stored_in(mgr, 1)
-    path = cf.chunk_path(tmp_path, key(0))
-    assert mgr.lookup_prefix([key(0)], pin=True).num_chunks == 1
+    path = cf.chunk_path(tmp_path, make_key(0))
+    assert mgr.lookup_prefix([make_key(0)], pin=True).num_chunks == 1
     os.utime(path, (1_000_000, 1_000_000))  # after the pin's own bump
-    got = mgr.get(key(0))
+    got = mgr.get(make_key(0))
     assert got is not None and torch.equal(got.tensor, want[0])
     got.ref_down()
     deadline = time.monotonic() + 30  # a hang guard: the bump runs on the reaper's thread
@@ -351,10 +347,10 @@ def test_a_pinned_chunk_is_read_through_its_held_file_without_waiting(tmp_path, 
         assert time.monotonic() < deadline, "the LRU stamp was never bumped"
         time.sleep(0.01)
     path.unlink()  # another process evicts it
-    got = mgr.get(key(0))
+    got = mgr.get(make_key(0))
     assert got is not None and torch.equal(got.tensor, want[0])
     got.ref_down()
     assert spy.calls == []
     assert mgr.stats()["posix"]["reads_without_wait"] == 2
-    mgr.unpin([key(0)], tiers=["posix"])
+    mgr.unpin([make_key(0)], tiers=["posix"])
     mgr.close()

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 from kvplug.storage_manager import StorageManager
+from kvplug.testing import make_key
 
-from tests.faults.test_resp_faults import get_exact, key, put
+from tests.faults.test_resp_faults import get_exact, put
 from tests.support.redis_server import RedisServer
 from tests.support.tier_workload import HANG
 
@@ -120,7 +121,7 @@ def test_right_ca_exact_round_trips(server, certs):
         refs = {i: put(mgr, i) for i in range(4)}
         assert mgr.flush(timeout=HANG)
         assert [get_exact(mgr, i, refs[i]) for i in range(4)] == [True] * 4
-        assert mgr.lookup_prefix([key(i) for i in range(5)]).num_chunks == 4
+        assert mgr.lookup_prefix([make_key(i) for i in range(5)]).num_chunks == 4
         assert get_exact(mgr, 9, refs[0]) is False  # never stored: a miss
         st = mgr.stats()["resp"]
     finally:
@@ -146,7 +147,7 @@ def test_tls_failure_is_a_miss_and_one_clear_error(server, certs, caplog, what, 
         assert mgr.flush(timeout=HANG)
         for _ in range(3):
             assert get_exact(mgr, 1, ref) is False
-        assert mgr.lookup_prefix([key(1)]).num_chunks == 0
+        assert mgr.lookup_prefix([make_key(1)]).num_chunks == 0
         st = mgr.stats()["resp"]
         text = caplog.text + repr(st) + repr(mgr.backend(0).opts) + mgr.backend(0).url
     finally:
@@ -165,8 +166,8 @@ def test_plain_url_to_tls_server_misses(server):
     gives it no plain port): misses, the breaker trips, no exception."""
     mgr = _manager(server.url.replace("rediss://", "redis://"))
     try:
-        assert mgr.lookup_prefix([key(1)]).num_chunks == 0
-        assert mgr.get(key(1), promote=False) is None
+        assert mgr.lookup_prefix([make_key(1)]).num_chunks == 0
+        assert mgr.get(make_key(1), promote=False) is None
         assert mgr.stats()["resp"]["remote_errors"] >= 1
     finally:
         mgr.close()

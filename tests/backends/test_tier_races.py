@@ -19,16 +19,12 @@ import torch
 from kvplug.backends.posix import PosixBackend
 from kvplug.backends.posix import io as posix_io
 from kvplug.hookspecs import TierContext
-from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, heap_memory_obj
+from kvplug.testing import make_key
 
 from tests.support.redis_server import redis_server  # noqa: F401 - fixture
 
 HANG_S = 30  # only catches a hang
-
-
-def key(i: int) -> CacheKey:
-    return CacheKey("org/m", "bfloat16", "LBHNC-bs16", 1, 0, i.to_bytes(4, "big") * 8)
 
 
 def obj_for(i: int):
@@ -71,18 +67,18 @@ def test_posix_a_pin_taken_as_the_write_lands_holds_the_file(tmp_path, monkeypat
     monkeypatch.setattr(be.held, "hold", late_hold)
     src = obj_for(3)
     want = src.byte_view.clone()
-    be.batched_submit_put(keys=[key(3)], objs=[src])
-    assert be.contains(keys=[key(3)], pin=True) == [True]
+    be.batched_submit_put(keys=[make_key(3)], objs=[src])
+    assert be.contains(keys=[make_key(3)], pin=True) == [True]
     gate.set()
     assert be.flush(HANG_S)
     for f in tmp_path.rglob("*.safetensors"):  # another process's eviction
         os.unlink(f)
-    got = be.get(key=key(3))
+    got = be.get(key=make_key(3))
     assert got is not None, "a key pinned while its write landed was lost to another " \
                             "process's eviction (its file was never held open)"
     assert torch.equal(got.byte_view, want)
     got.ref_down()
-    be.unpin(keys=[key(3)])
+    be.unpin(keys=[make_key(3)])
     be.close()
 
 
@@ -102,7 +98,7 @@ def test_posix_flush_is_true_only_once_the_writer_holds_nothing(tmp_path, monkey
     be = posix(tmp_path, io_threads=1)
     monkeypatch.setattr(MemoryObj, "ref_down", slow_on_writer)
     objs = [obj_for(i) for i in range(3)]
-    be.batched_submit_put(keys=[key(i) for i in range(3)], objs=objs)
+    be.batched_submit_put(keys=[make_key(i) for i in range(3)], objs=objs)
     assert be.flush(HANG_S)
     refs = [o.ref_count for o in objs]
     assert refs == [1, 1, 1], f"flush() returned while the writer held objects (refs {refs})"
@@ -160,15 +156,15 @@ def test_value_writer_a_put_whose_ref_up_raises_leaves_flush_reachable(redis_ser
         freed = obj_for(1)
         freed.ref_down()  # freed: ref_up raises
         try:
-            be.batched_submit_put(keys=[key(1)], objs=[freed])
+            be.batched_submit_put(keys=[make_key(1)], objs=[freed])
         except MemoryObjFreedError:
             pass  # the StorageManager counts a tier's exception as a fault
         assert be.flush(5), "a put whose ref_up raised left flush() false"
         good = obj_for(1)
-        be.batched_submit_put(keys=[key(1)], objs=[good])
+        be.batched_submit_put(keys=[make_key(1)], objs=[good])
         assert be.flush(HANG_S)
-        assert be.contains(keys=[key(1)], pin=False) == [True]
-        got = be.get(key=key(1))
+        assert be.contains(keys=[make_key(1)], pin=False) == [True]
+        got = be.get(key=make_key(1))
         assert got is not None and torch.equal(got.byte_view, good.byte_view)
         got.ref_down()
     finally:

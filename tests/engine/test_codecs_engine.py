@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.support.codec_metrics import agreement
-from tests.support.vllm_helpers import prompt, run_scenario, transfer_config
+from tests.support.vllm_helpers import prompt, run_scenario, same_output, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)
@@ -37,10 +37,6 @@ def tiers(path, codec: str | None = None, l1: bool = True, **opts):
 
 def kv(tier_list, **extra):
     return transfer_config("kvplug", {"tiers": tier_list, **extra})
-
-
-def same(a, b):
-    return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +73,7 @@ def test_lossless_hit_is_exactly_the_uncompressed_output(lossless):
         hit = lossless[mode]
         assert hit["kvplug"]["tiers"] == {"posix": 1536}, mode
         assert hit["kvplug"]["failed_blocks"] == 0 and hit["cached"] == 1536, mode
-        assert same(hit, lossless["raw_cold"]), mode
+        assert same_output(hit, lossless["raw_cold"]), mode
 
 
 def test_real_engine_kv_round_trips_bit_exact_and_compresses(dirs, lossless, tmp_path):
@@ -164,6 +160,6 @@ def test_fp8_hits_are_close_and_wrong_kv_is_not(fp8):
     close = agreement(fp8["cold"], fp8["hits"])
     wrong = agreement(fp8["cold"], fp8["wrong"])
     print("fp8:", close, "wrong KV (another prompt's):", wrong)
-    assert not all(same(a, b) for a, b in zip(fp8["cold"], fp8["hits"]))  # it is lossy
+    assert not all(same_output(a, b) for a, b in zip(fp8["cold"], fp8["hits"]))  # it is lossy
     assert close["agreement"] > wrong["agreement"]
     assert close["first_token_agreement"] > wrong["first_token_agreement"]

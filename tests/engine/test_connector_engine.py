@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm_helpers import kvplug_config, prompt, run_scenario, transfer_config
+from tests.support.vllm_helpers import kvplug_config, prompt, run_scenario, same_output, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ENGINES_IN_PROCESS = True  # engines run in-process (tests/conftest.py: _engine_layout)
@@ -49,14 +49,10 @@ def bulk(model, store_dir):
     return dict(zip(names, run_scenario(model, kv, steps, CHUNKED), strict=True))
 
 
-def same(a, b):
-    return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
-
-
 def test_warm_hit_is_bit_identical(bulk):
     assert bulk["warm"]["kvplug"]["loaded_tokens"] == 1536
     assert bulk["warm"]["cached"] == 1536
-    assert same(bulk["warm"], bulk["cold"])
+    assert same_output(bulk["warm"], bulk["cold"])
 
 
 def test_hit_accounting(bulk):
@@ -71,14 +67,14 @@ def test_hit_accounting(bulk):
 
 
 def test_control_changed_token_changes_output(bulk):
-    assert not same(bulk["changed"], bulk["cold"])
+    assert not same_output(bulk["changed"], bulk["cold"])
     # the change is in chunk 0, so nothing of P's chain matches
     assert bulk["changed"]["kvplug"]["loaded_tokens"] == 0
 
 
 def test_opt_out_of_loading(bulk):
     assert bulk["q_optout"]["kvplug"]["loaded_tokens"] == 0
-    assert same(bulk["q_optout"], bulk["q_cold"])
+    assert same_output(bulk["q_optout"], bulk["q_cold"])
 
 
 def test_fresh_process_hits_posix_and_detects_corruption(model, store_dir, bulk):
@@ -90,10 +86,10 @@ def test_fresh_process_hits_posix_and_detects_corruption(model, store_dir, bulk)
     # posix may block but is a local medium: a hit within inline_load_bytes (16 MiB; this one
     # 3 MiB) loads inside the step, as an L1 hit does (issue 36); so does the corrupt one below
     assert warm["kvplug"]["async_load"] is False
-    assert same(warm, bulk["cold"])
+    assert same_output(warm, bulk["cold"])
     assert n > 0
     assert q["kvplug"]["failed_blocks"] > 0 and q["kvplug"]["loaded_tokens"] == 0
-    assert same(q, bulk["q_cold"])
+    assert same_output(q, bulk["q_cold"])
 
 
 def test_corrupted_load_path_is_detected(model, store_dir, bulk):
@@ -103,15 +99,15 @@ def test_corrupted_load_path_is_detected(model, store_dir, bulk):
           "kv_connector_module_path": "tests.support.permuted_load"}
     cold, warm = run_scenario(model, kv, [("gen", P, None), ("gen", P, None)], CHUNKED)
     assert warm["kvplug"]["loaded_tokens"] == 1536
-    assert same(cold, bulk["cold"])
-    assert not same(warm, bulk["cold"])
+    assert same_output(cold, bulk["cold"])
+    assert not same_output(warm, bulk["cold"])
 
 
 def test_layerwise_mode_is_exact(model, tmp_path, bulk):
     kv = transfer_config("kvplug", kvplug_config(tmp_path, layerwise=True))
     cold, warm = run_scenario(model, kv, [("gen", P, None), ("gen", P, None)], CHUNKED)
     assert warm["kvplug"]["loaded_tokens"] == 1536
-    assert same(cold, bulk["cold"]) and same(warm, bulk["cold"])
+    assert same_output(cold, bulk["cold"]) and same_output(warm, bulk["cold"])
 
 
 def test_same_hit_as_example_connector(model, tmp_path):
@@ -121,5 +117,5 @@ def test_same_hit_as_example_connector(model, tmp_path):
     kp = run_scenario(model, transfer_config("kvplug", kvplug_config(tmp_path / "kp")),
                       [("gen", P, None), ("gen", P, None)])
     assert ex[1]["cached"] == 1536 and kp[1]["kvplug"]["loaded_tokens"] == 1536
-    assert same(kp[1], ex[1])
-    assert same(kp[0], ex[0])  # and the cold runs agree too
+    assert same_output(kp[1], ex[1])
+    assert same_output(kp[0], ex[0])  # and the cold runs agree too

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm_helpers import kvplug_config, prompt, run_scenario, transfer_config
+from tests.support.vllm_helpers import kvplug_config, prompt, run_scenario, same_output, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
@@ -25,19 +25,15 @@ def model(tmp_path_factory):
     return make_model("tiny", root=tmp_path_factory.getbasetemp() / "models")
 
 
-def same(a, b):
-    return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
-
-
 def test_async_saves_are_exact_and_on_disk_at_shutdown(model, tmp_path):
     kv = transfer_config("kvplug", kvplug_config(tmp_path, async_save=True))
     cold, warm, other = run_scenario(
         model, kv, [("gen", P, None), ("gen", P, None), ("gen", [P[0] + 1, *P[1:]], None)],
         CHUNKED)
     assert warm["kvplug"]["loaded_tokens"] == 1536  # from L1, stored by the save thread
-    assert same(warm, cold)
-    assert not same(other, cold)  # control: the output depends on the prompt's KV
+    assert same_output(warm, cold)
+    assert not same_output(other, cold)  # control: the output depends on the prompt's KV
     # a fresh engine (the first one shut down right after its last request): from posix
     (again,) = run_scenario(model, kv, [("gen", P, None)], CHUNKED)
     assert again["kvplug"]["loaded_tokens"] == 1536 and again["kvplug"]["tiers"] == {"posix": 1536}
-    assert same(again, cold)
+    assert same_output(again, cold)

@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-from tests.support.vllm_helpers import REPO, RESULT, kvplug_config, prompt, run_script, transfer_config
+from tests.support.vllm_helpers import REPO, RESULT, kvplug_config, prompt, run_script, same_output, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
@@ -70,10 +70,6 @@ def chat(model, tmp_path, evict: bool, params: dict | None) -> list[dict]:
     return run_script(code, timeout=900)
 
 
-def same(a, b):
-    return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
-
-
 def test_warm_turns_equal_vllms_own_prefix_cache(model, tmp_path):
     kv = chat(model, tmp_path / "kvplug", evict=True, params=None)
     native = chat(model, tmp_path / "native", evict=False, params={"kvplug_load": False})
@@ -84,5 +80,5 @@ def test_warm_turns_equal_vllms_own_prefix_cache(model, tmp_path):
     assert [t["cached"] for t in native[:3]] == [0, 768, 1024]
     assert [(t["kvplug"] or {}).get("loaded_tokens", 0) for t in native[:3]] == [0, 0, 0]
     for i in range(3):  # turn 1 is cold in both: the like-for-like precondition
-        assert same(kv[i], native[i]), f"turn {i + 1} differs"
-    assert not same(kv[3], kv[2]) and same(kv[3], native[3])  # control: output follows context
+        assert same_output(kv[i], native[i]), f"turn {i + 1} differs"
+    assert not same_output(kv[3], kv[2]) and same_output(kv[3], native[3])  # control: output follows context

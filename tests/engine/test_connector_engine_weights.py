@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm_helpers import kvplug_config, prompt, run_scenario, transfer_config
+from tests.support.vllm_helpers import kvplug_config, prompt, run_scenario, same_output, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
@@ -47,25 +47,21 @@ def runs(models, tmp_path_factory):
     return a
 
 
-def same(a, b):
-    return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
-
-
 def test_the_reload_changed_the_weights(runs):
-    assert not same(runs["r_new"], runs["r_old"])  # an uncached prompt's answer changed
+    assert not same_output(runs["r_new"], runs["r_old"])  # an uncached prompt's answer changed
     assert runs["warm"]["kvplug"]["loaded_tokens"] == 1536  # kvplug was serving hits
 
 
 def test_control_without_reset_serves_stale_kv(runs):
     assert runs["stale"]["kvplug"]["loaded_tokens"] == 1536
-    assert not same(runs["stale"], runs["fresh"])
+    assert not same_output(runs["stale"], runs["fresh"])
 
 
 def test_after_reset_computed_and_equal_to_a_fresh_engine(runs):
     assert runs["reset"] is True
     assert runs["after"]["kvplug"]["loaded_tokens"] == 0
     assert runs["after"]["kvplug"]["lookup_hit_tokens"] == 0
-    assert same(runs["after"], runs["fresh"])
+    assert same_output(runs["after"], runs["fresh"])
     # and the new weights' KV is cached again (under the new epoch)
     assert runs["again"]["kvplug"]["loaded_tokens"] == 1536
-    assert same(runs["again"], runs["fresh"])
+    assert same_output(runs["again"], runs["fresh"])

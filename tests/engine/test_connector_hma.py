@@ -23,6 +23,7 @@ from tests.support.vllm_helpers import (
     kvplug_config,
     prompt,
     run_scenario,
+    same_output,
     stored_chunks,
     transfer_config,
 )
@@ -59,10 +60,6 @@ def swa(model, store_dir):
     return dict(zip(names, run_scenario(model, kv, steps, STEP), strict=True))
 
 
-def same(a, b):
-    return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
-
-
 def test_model_has_sliding_and_full_layers(model):
     cfg = json.loads((model / "config.json").read_text())
     assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2
@@ -73,12 +70,12 @@ def test_warm_hit_with_only_the_window_is_bit_identical(swa):
     warm = swa["warm"]["kvplug"]
     assert warm["loaded_tokens"] == 1664 and swa["warm"]["cached"] == 1664
     assert warm["async_load"] is True  # several groups: every load is asynchronous
-    assert same(swa["warm"], swa["cold"])
+    assert same_output(swa["warm"], swa["cold"])
 
 
 def test_control_changed_token_changes_output(swa):
     assert swa["changed"]["kvplug"]["loaded_tokens"] == 0
-    assert not same(swa["changed"], swa["cold"])
+    assert not same_output(swa["changed"], swa["cold"])
 
 
 def test_hit_stops_where_the_window_is_missing(swa):
@@ -86,8 +83,8 @@ def test_hit_stops_where_the_window_is_missing(swa):
     of the full-attention parts alone would be wrong, so there is no hit; Q is computed."""
     assert swa["q"]["kvplug"]["lookup_hit_tokens"] == 0
     assert swa["q"]["kvplug"]["loaded_tokens"] == 0
-    assert same(swa["q"], swa["q_ref"])
-    assert not same(swa["q"], swa["cold"])
+    assert same_output(swa["q"], swa["q_ref"])
+    assert not same_output(swa["q"], swa["cold"])
 
 
 def test_groups_stored_apart_with_hma_on(swa, store_dir):
@@ -106,10 +103,10 @@ def test_fresh_process_hits_disk_and_recomputes_corrupt_chunks(model, store_dir,
     warm, n, again = run_scenario(model, kv, [("gen", P, None), ("corrupt", str(store_dir)),
                                               ("gen", P_CHANGED, None)], STEP)
     assert warm["kvplug"]["tiers"] == {"posix": 1664}
-    assert same(warm, swa["cold"])
+    assert same_output(warm, swa["cold"])
     assert n > 0
     assert again["kvplug"]["failed_blocks"] > 0 and again["kvplug"]["loaded_tokens"] == 0
-    assert same(again, swa["changed"])
+    assert same_output(again, swa["changed"])
 
 
 def test_control_without_the_window_output_changes(model, tmp_path, swa):
@@ -118,9 +115,9 @@ def test_control_without_the_window_output_changes(model, tmp_path, swa):
     kv = {**transfer_config("kvplug", kvplug_config(tmp_path, posix=False, chunk_size=CHUNK)),
           "kv_connector_module_path": "tests.support.hma_no_window"}
     cold, warm = run_scenario(model, kv, [("gen", P, None), ("gen", P, None)], STEP)
-    assert same(cold, swa["cold"])
+    assert same_output(cold, swa["cold"])
     assert warm["kvplug"]["loaded_tokens"] == 1664
-    assert not same(warm, swa["cold"])
+    assert not same_output(warm, swa["cold"])
 
 
 def _granite_hybrid(root) -> str:

@@ -19,7 +19,7 @@ import json
 import pytest
 
 from tests.support.corruption_campaign import run_corruption, summary
-from tests.support.vllm_helpers import prompt
+from tests.support.vllm_helpers import prompt, same_output
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
@@ -40,13 +40,9 @@ def run(tmp_path_factory):
     return out
 
 
-def same(a, b) -> bool:
-    return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
-
-
 def test_no_wrong_output(run):
     wrong = [(r, i) for r, outs in enumerate(run["rounds"]) for i, o in enumerate(outs)
-             if not same(o, run["cold"][i])]
+             if not same_output(o, run["cold"][i])]
     assert wrong == []
     # the control: hits happened (the check is not vacuous) and damage made loads fail
     assert sum(o["kvplug"]["loaded_tokens"] for outs in run["rounds"] for o in outs) > 0

@@ -23,7 +23,7 @@ from collections import Counter
 import pytest
 from kvplug.tokens import TokenDatabase
 
-from tests.support.vllm_helpers import kvplug_config, prompt, run_scenario, stored_chunks, transfer_config
+from tests.support.vllm_helpers import kvplug_config, prompt, run_scenario, same_output, stored_chunks, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
@@ -45,10 +45,6 @@ PP_CUTS = [(Q, 3, "pp_rank", 1)]
 def hashes(tokens: list[int]) -> list[str]:
     """The chunk hashes of the 6 full chunks the scheduler looks up, as in the file headers."""
     return [h.hex() for h in TokenDatabase(CHUNK).chunk_hashes(tokens)[:6]]
-
-
-def same(a, b):
-    return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +106,7 @@ def test_fresh_engine_hits_exactly(run):
     assert cold["kvplug"]["stored_tokens"] == 1536 and cold["kvplug"]["loaded_tokens"] == 0
     assert warm["kvplug"]["tiers"] == {"posix": 1536} and warm["cached"] == 1536
     assert warm["kvplug"]["failed_blocks"] == 0
-    assert same(warm, cold)
+    assert same_output(warm, cold)
 
 
 def test_chunk_missing_on_one_worker_is_never_promised(run):
@@ -123,12 +119,12 @@ def test_chunk_missing_on_one_worker_is_never_promised(run):
         assert rep["lookup_hit_tokens"] == index * CHUNK
         assert rep["promised_tokens"] == rep["loaded_tokens"] == index * CHUNK
         assert rep["failed_blocks"] == 0 and warm["cached"] == index * CHUNK
-        assert same(warm, cold)
+        assert same_output(warm, cold)
 
 
 def test_control_output_depends_on_the_prompt(run):
     """Control: the exactness checks can fail (one early token changes the output)."""
-    assert not same(run["cold"][3], run["cold"][0])
+    assert not same_output(run["cold"][3], run["cold"][0])
     assert run["cold"][3]["kvplug"]["loaded_tokens"] == 0
 
 

@@ -30,7 +30,7 @@ import pytest
 
 from tests.support.pd_engines import EngineProcess
 from tests.support.redis_server import RedisServer
-from tests.support.vllm_helpers import prompt, transfer_config
+from tests.support.vllm_helpers import prompt, same_output, transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 ENGINES_IN_PROCESS = True  # tests/conftest.py: _engine_layout
@@ -95,10 +95,6 @@ def pd(producer, consumer, p: list[int], *, cache_salt: str | None = None,
     return pre, dec
 
 
-def same(a: dict, b: dict) -> bool:
-    return (a["tokens"], a["logprobs"]) == (b["tokens"], b["logprobs"])
-
-
 def test_decode_gets_every_named_token_at_once_and_computes_past_a_deadline(engines):
     producer, consumer, srv = engines
     runs = {"posix": ([prompt(n, 700 + i) for i, n in enumerate(LENGTHS)], {"cache_salt":
@@ -141,14 +137,14 @@ def test_decode_gets_every_named_token_at_once_and_computes_past_a_deadline(engi
     for tier, (prompts, how) in runs.items():
         for p, dec in zip(prompts, results[tier], strict=True):
             ref = consumer.ask(p, TOKENS, off, how["cache_salt"])
-            assert same(dec, ref), (tier, dec, ref)
-    assert same(late, consumer.ask(lost, TOKENS, off, "lost"))
+            assert same_output(dec, ref), (tier, dec, ref)
+    assert same_output(late, consumer.ask(lost, TOKENS, off, "lost"))
     # the producer killed while it stores: what landed is loaded, the rest computed, exact
     killed = prompt(2944, 730)
     ref = consumer.ask(killed, TOKENS, off)
     pre, dec = pd(producer, consumer, killed, before_decode=producer.kill)
     got = dec["params"]["kvplug"]
-    assert same(dec, ref), (dec, ref)
+    assert same_output(dec, ref), (dec, ref)
     assert got["loaded_tokens"] in (*range(0, 2816, CHUNK), 2816), got
     assert got["failed_blocks"] == 0
     figures["killed"] = {"loaded": got["loaded_tokens"], "outcome": got["handoff"]["outcome"]}

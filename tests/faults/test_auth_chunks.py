@@ -20,6 +20,7 @@ import torch
 from kvplug import chunkfile as cf
 from kvplug.errors import ChunkFormatError, ChunkVersionError, ConfigError
 from kvplug.storage_manager import StorageManager
+from kvplug.testing import make_key
 
 from tests.support import auth_attacks as aa
 from tests.support.mooncake_store import run_in_private_netns
@@ -74,7 +75,7 @@ def test_secret_never_in_repr_logs_or_stats(secrets, tmp_path, caplog):
     caplog.set_level(logging.DEBUG)
     posix = {"backend": "posix", "options": {"path": str(tmp_path)}}
     with StorageManager(_cfg(posix, aa.KEY_B, [aa.KEY_A, aa.KEY_C])) as mgr:
-        k = aa.key(1)
+        k = make_key(1)
         aa.store(mgr, k, 1)
         raw = _posix_raw(mgr)
         raw.write(raw.name_of(k), aa.forgeries(k)["plain chunk, valid xxh3"])
@@ -119,7 +120,7 @@ def test_format_layer_wise_and_rotation(secrets):
     a = cf.Keyring.from_env(aa.KEY_A)
     b_only = cf.Keyring.from_env(aa.KEY_B).for_tier("t")
     b_then_a = cf.Keyring.from_env(aa.KEY_B, [aa.KEY_A]).for_tier("t")
-    k, obj = aa.key(1), aa.random_obj(1)
+    k, obj = make_key(1), aa.random_obj(1)
     data = aa.encoded(k, obj, a)
     head = cf.decode_header(data[: cf.HEADER_PROBE], len(data), a)
     assert head.version == "1+mac" and head.mac is not None
@@ -139,7 +140,7 @@ def test_format_layer_wise_and_rotation(secrets):
     with pytest.raises(cf.AuthError, match="carries no MAC"):
         cf.decode_header(plain[: cf.HEADER_PROBE], len(plain), a)
     # a chunk moved under another key's name: the header names its own key, verified
-    other = aa.encoded(aa.key(2), obj, a)
+    other = aa.encoded(make_key(2), obj, a)
     assert cf.decode_header(other[: cf.HEADER_PROBE], len(other), a).key != cf.stored_key(k, a)
     # a header byte changed (the salt: the per-chunk key changes, every tag fails)
     bad = bytearray(data)
@@ -152,7 +153,7 @@ def test_format_layer_wise_and_rotation(secrets):
 def test_without_auth_format_and_names_are_unchanged(tmp_path):
     """No keyring: the file is byte for byte what encode_chunk wrote before (version "1", xxh3,
     readable names), so existing stores and tests are untouched."""
-    k, obj = aa.key(1), aa.random_obj(1)
+    k, obj = make_key(1), aa.random_obj(1)
     data = aa.encoded(k, obj)
     fields = aa.public_fields(data)
     assert fields["format_version"] == "1" and fields["checksum_algo"] == "xxh3_64"
@@ -199,7 +200,7 @@ def test_without_auth_a_forged_chunk_is_served(tmp_path):
     healthy. With auth_key_env the same forgeries are misses (the tests below)."""
     with StorageManager(_cfg(_posix(tmp_path), None)) as mgr:
         raw = _posix_raw(mgr)
-        planted, victim = aa.key(1), aa.key(2)
+        planted, victim = make_key(1), make_key(2)
         aa.store(mgr, victim, 2)
         evil = aa.random_obj(666).byte_view.clone()
         for k in (planted, victim):
@@ -231,7 +232,7 @@ def test_posix_rotation(secrets, tmp_path):
 def test_posix_overwrite_found_by_a_fresh_process(secrets, tmp_path):
     """A file replaced while no kvplug process runs: the next process's startup scan indexes
     it; its first read is a miss, counted, the file deleted; the next store writes it again."""
-    k = aa.key(5)
+    k = make_key(5)
     with StorageManager(_cfg(_posix(tmp_path))) as mgr:
         ref = aa.store(mgr, k, 5)
         raw = _posix_raw(mgr)
@@ -257,9 +258,9 @@ def test_inspect_verifies_with_the_key(secrets, tmp_path):
     store_dir = tmp_path / "store"
     with StorageManager(_cfg(_posix(store_dir))) as mgr:
         for i in range(3):
-            aa.store(mgr, aa.key(i), i)
+            aa.store(mgr, make_key(i), i)
         raw = _posix_raw(mgr)
-        raw.write(raw.name_of(aa.key(1)), aa.forgeries(aa.key(1))["own secret"])
+        raw.write(raw.name_of(make_key(1)), aa.forgeries(make_key(1))["own secret"])
     cfg = tmp_path / "kvplug.yaml"
     cfg.write_text(f"auth_key_env: {aa.KEY_A}\ntiers: [{{backend: posix, options: {{path: "
                    f"{store_dir}}}}}]\n")
@@ -316,7 +317,7 @@ def test_fsspec_s3_attacks(secrets, s3):  # noqa: F811 - fixture
 def test_fsspec_s3_namespace_dirs_keyed(secrets, s3):  # noqa: F811 - fixture
     with StorageManager(_cfg(_fsspec(s3, namespace_dirs=True))) as mgr:
         raw = _fsspec_raw(s3)(mgr)
-        aa.store(mgr, aa.key(1), 1)
+        aa.store(mgr, make_key(1), 1)
         (name,) = raw.names()
         ns_dir, shard, _ = name.split("/")
         assert len(ns_dir) == 32 and int(ns_dir, 16) >= 0 and "victim" not in name
@@ -370,7 +371,7 @@ def test_posix_codec_chunks_authenticated(secrets, tmp_path):
     pytest.importorskip("blosc2")
     tier = {**_posix(tmp_path), "codec": "lossless"}
     with StorageManager(_cfg(tier)) as mgr:
-        k = aa.key(7)
+        k = make_key(7)
         ref = aa.store(mgr, k, 7)
         raw = _posix_raw(mgr)
         real = raw.read(raw.name_of(k))
@@ -378,9 +379,9 @@ def test_posix_codec_chunks_authenticated(secrets, tmp_path):
         assert fields["format_version"] == "1+codec+mac" and "codec" in fields
         assert torch.equal(aa.hit(mgr, k), ref)
         plain = bytearray(real)  # the attacker re-signs the same header with xxh3: no MAC
-        forged = aa.encoded(aa.key(8), aa.random_obj(8))
-        raw.write(raw.name_of(aa.key(8)), forged)
-        assert aa.hit(mgr, aa.key(8)) is None and aa.failures(mgr, "posix") == 1
+        forged = aa.encoded(make_key(8), aa.random_obj(8))
+        raw.write(raw.name_of(make_key(8)), forged)
+        assert aa.hit(mgr, make_key(8)) is None and aa.failures(mgr, "posix") == 1
         plain[aa.header_bytes(real) + 10] ^= 1  # the encoded payload's first layer
         raw.write(raw.name_of(k), bytes(plain))
         assert aa.hit(mgr, k) is None and aa.failures(mgr, "posix") == 2
@@ -402,8 +403,8 @@ def test_auth_failures_reach_prometheus_by_tier(secrets, tmp_path):
         rec.sample_tiers(mgr.stats())
         raw = _posix_raw(mgr)
         for i in range(3):
-            raw.write(raw.name_of(aa.key(i)), aa.forgeries(aa.key(i))["own secret"])
-            assert aa.hit(mgr, aa.key(i)) is None
+            raw.write(raw.name_of(make_key(i)), aa.forgeries(make_key(i))["own secret"])
+            assert aa.hit(mgr, make_key(i)) is None
         rec.sample_tiers(mgr.stats())
     reg = CollectorRegistry()
     types = {cls: partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
@@ -420,7 +421,7 @@ def test_one_header_verifies_from_many_threads(secrets):
     import threading
 
     ring = cf.Keyring.from_env(aa.KEY_A)
-    k, obj = aa.key(1), aa.random_obj(1)
+    k, obj = make_key(1), aa.random_obj(1)
     data = aa.encoded(k, obj, ring)
     head = cf.decode_header(data[: cf.HEADER_PROBE], len(data), ring)
     layers = [data[off : off + head.layer_nbytes] for off in head.data_offsets]

@@ -8,6 +8,7 @@ import pytest
 import torch
 from kvplug import chunkfile as cf
 from kvplug.storage_manager import StorageManager
+from kvplug.testing import make_key
 
 from tests.support import auth_attacks as aa
 from tests.support.mooncake_store import MooncakeMaster
@@ -48,7 +49,7 @@ def raw_of(mgr: StorageManager, keys: list | None = None) -> aa.Raw:
         assert backend.io.set_many([(name, data)]) == [None]
 
     def names() -> list[str]:  # Mooncake lists nothing: the names of what was stored, checked
-        out = [backend.name_of(aa.key(20 + i)) for i in range(3)]
+        out = [backend.name_of(make_key(20 + i)) for i in range(3)]
         assert all(backend.io.get(n) is not None for n in out)
         return [n.removeprefix(backend.opts.prefix) for n in out]
 
@@ -57,7 +58,7 @@ def raw_of(mgr: StorageManager, keys: list | None = None) -> aa.Raw:
 
 def test_negative_control_forged_chunk_served_without_auth(master):
     with manager(master, None) as mgr:
-        raw, k = raw_of(mgr), aa.key(1)
+        raw, k = raw_of(mgr), make_key(1)
         raw.write(raw.name_of(k), aa.forgeries(k)["plain chunk, valid xxh3"])
         assert torch.equal(aa.hit(mgr, k), aa.random_obj(666).byte_view)
 
@@ -72,7 +73,7 @@ def test_forged_and_altered_never_served(master):
 
 def test_rotation(master):
     """Objects live in the segments managers lend: the writer stays up while others read."""
-    k = aa.key(30)
+    k = make_key(30)
     with manager(master, aa.KEY_A) as old:
         ref = aa.store(old, k, 30)
         chunk = raw_of(old).read(raw_of(old).name_of(k))

@@ -15,8 +15,9 @@ import pytest
 import torch
 from kvplug import chunkfile as cf
 from kvplug.memory import heap_memory_obj
+from kvplug.testing import make_key
 
-from tests.support.codec_helpers import LAYERS, files, header_of, key, kv_obj, manager, posix, stored
+from tests.support.codec_helpers import LAYERS, files, header_of, kv_obj, manager, posix, stored
 
 
 # -- bad input ---------------------------------------------------------------------------------
@@ -102,13 +103,13 @@ def store_lossless(tmp_path, *ids: int) -> None:
     """Chunks ``ids`` stored on posix through the lossless codec, the writer closed."""
     w = manager(posix(tmp_path, "lossless"))
     for i in ids:
-        stored(w, key(i), kv_obj(i))
+        stored(w, make_key(i), kv_obj(i))
     w.close()
 
 
 def assert_reads_back(mgr, i: int) -> None:
     """Chunk ``i`` reads back exactly as stored."""
-    got = mgr.get(key(i))
+    got = mgr.get(make_key(i))
     assert got is not None and torch.equal(got.tensor, kv_obj(i).tensor)
     got.ref_down()
 
@@ -116,12 +117,12 @@ def assert_reads_back(mgr, i: int) -> None:
 @pytest.mark.parametrize("edit", BAD, ids=[f.__name__.strip("_") for f in BAD])
 def test_bad_encoded_chunk_is_a_miss_with_a_log_line(tmp_path, edit, caplog):
     store_lossless(tmp_path, 0, 1)  # 1: a good neighbour, read after the bad one
-    path = cf.chunk_path(tmp_path, key(0))
+    path = cf.chunk_path(tmp_path, make_key(0))
     rewrite(path, edit)
     mgr = manager(posix(tmp_path, "lossless"))
     with caplog.at_level(logging.WARNING, logger="kvplug.codecs"):
-        whole = mgr.get(key(0))
-        parts = [mgr.get_layers(key(0), i, 1) for i in range(LAYERS)]
+        whole = mgr.get(make_key(0))
+        parts = [mgr.get_layers(make_key(0), i, 1) for i in range(LAYERS)]
     orig = kv_obj(0).tensor
     if edit is _wrong_geometry:
         # the same bytes under another page geometry: the connector's shape check refuses them
@@ -147,7 +148,7 @@ def test_bad_encoded_chunk_is_a_miss_with_a_log_line(tmp_path, edit, caplog):
 def test_control_rewrite_without_edit_still_reads(tmp_path):
     """The bad-input harness itself keeps a file valid when it changes nothing."""
     store_lossless(tmp_path, 0)
-    rewrite(cf.chunk_path(tmp_path, key(0)), lambda slots: None)
+    rewrite(cf.chunk_path(tmp_path, make_key(0)), lambda slots: None)
     mgr = manager(posix(tmp_path, "lossless"))
     assert_reads_back(mgr, 0)
     mgr.close()
@@ -161,7 +162,7 @@ def test_flipped_file_byte_is_caught_by_the_file_checksum(tmp_path):
     data[head.data_offsets[1] + 40] ^= 1
     path.write_bytes(bytes(data))
     mgr = manager(posix(tmp_path, "lossless"))
-    assert mgr.get(key(0)) is None
+    assert mgr.get(make_key(0)) is None
     assert mgr.stats()["disk"]["corrupt"] == 1  # the tier's own checksum (over encoded bytes)
     mgr.close()
 
@@ -173,5 +174,5 @@ def test_wrong_codec_metadata_in_the_header_is_a_miss(tmp_path):
     path.write_bytes(data.replace(b'\\"name\\":\\"lossless\\"', b'\\"name\\":\\"lossmore\\"', 1))
     assert path.read_bytes() != data
     mgr = manager(posix(tmp_path, "lossless"))
-    assert mgr.get(key(0)) is None
+    assert mgr.get(make_key(0)) is None
     mgr.close()

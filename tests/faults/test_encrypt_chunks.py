@@ -18,6 +18,7 @@ from kvplug.errors import ConfigError
 from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.memory import MemoryFormat, heap_memory_obj
 from kvplug.storage_manager import StorageManager
+from kvplug.testing import make_key
 
 from tests.faults.test_auth_chunks import _fsspec, _fsspec_raw, _posix, _posix_raw, _resp, _resp_raw
 from tests.support import auth_attacks as aa
@@ -105,7 +106,7 @@ def test_config_needs_auth_and_declared_tiers(secrets, tmp_path):
         pass  # the same tier without encryption starts
     l1 = {"backend": "local_cpu", "options": {"capacity": "16MiB"}}
     with StorageManager({**_cfg(_posix(tmp_path)), "tiers": [l1, _posix(tmp_path)]}) as mgr:
-        k = aa.key(1)
+        k = make_key(1)
         ref = aa.store(mgr, k, 1)
         assert torch.equal(aa.hit(mgr, k), ref)  # L1 holds it in the clear, as it must
         mgr.evict([k], tiers=["local_cpu"])
@@ -125,7 +126,7 @@ def test_gds_refuses_kvikio_and_encrypts_as_posix(secrets, tmp_path, monkeypatch
         StorageManager(_cfg(tier))
     monkeypatch.setattr(gds, "probe", lambda: Probe(driver=False, driver_error="none here"))
     with StorageManager(_cfg(tier)) as mgr:
-        k = aa.key(2)
+        k = make_key(2)
         ref = aa.store(mgr, k, 2)
         assert torch.equal(aa.hit(mgr, k), ref)
         (path,) = (tmp_path / "g").rglob("*.safetensors")
@@ -162,7 +163,7 @@ def test_posix_codec_chunks_encrypted(secrets, tmp_path):
     """A codec's ENCODED chunks are compressed, then encrypted (the codec is sealed too)."""
     pytest.importorskip("blosc2")
     with StorageManager(_cfg({**_posix(tmp_path), "codec": "lossless"})) as mgr:
-        k = aa.key(7)
+        k = make_key(7)
         ref = aa.store(mgr, k, 7)
         assert torch.equal(aa.hit(mgr, k), ref)
         raw = _posix_raw(mgr)
@@ -263,10 +264,10 @@ def test_third_party_tier_through_the_chunk_library(secrets):
     with StorageManager(_cfg(tier)) as mgr:
         raw = aa.Raw(name_of=mgr.backend(0).name_of, read=_VALUES.get,
                      write=_VALUES.__setitem__, names=lambda: list(_VALUES))
-        for i, k in enumerate([aa.key(1), ea.tenant_key(2, ea.TENANT_A)]):
+        for i, k in enumerate([make_key(1), ea.tenant_key(2, ea.TENANT_A)]):
             ref = aa.store(mgr, k, i)
             assert torch.equal(aa.hit(mgr, k), ref)
             ea.assert_no_plaintext(raw.read(raw.name_of(k)), ref, "third-party tier")
-        victim = aa.key(1)
+        victim = make_key(1)
         raw.write(raw.name_of(victim), aa.encoded(victim, aa.random_obj(666)))
         assert aa.hit(mgr, victim) is None and aa.failures(mgr, "third") == 1

@@ -14,8 +14,9 @@ import time
 
 import pytest
 from kvplug.storage_manager import StorageManager
+from kvplug.testing import make_key
 
-from tests.faults.test_resp_faults import get_exact, key, manager, mgr_faults, put
+from tests.faults.test_resp_faults import get_exact, manager, mgr_faults, put
 from tests.support.redis_server import RedisClusterServers
 from tests.support.tier_workload import HANG
 
@@ -38,11 +39,11 @@ def _round(mgr: StorageManager, refs: dict, down: set[int]) -> dict:
     """Loads and lookups of every chunk in ``refs``: exactly those not on the dead master hit."""
     hits = {i: get_exact(mgr, i, refs[i]) for i in refs}
     assert {i for i, h in hits.items() if not h} == down & set(refs), hits
-    found = {i: mgr.lookup_prefix([key(i)]).num_chunks for i in refs}
+    found = {i: mgr.lookup_prefix([make_key(i)]).num_chunks for i in refs}
     assert {i for i, n in found.items() if n == 0} == down & set(refs), found
     order = sorted(refs)  # one batched lookup: the prefix stops at the first chunk on it
     first_down = next((j for j, i in enumerate(order) if i in down), len(order))
-    assert mgr.lookup_prefix([key(i) for i in order]).num_chunks == first_down
+    assert mgr.lookup_prefix([make_key(i) for i in order]).num_chunks == first_down
     return hits
 
 
@@ -60,7 +61,7 @@ def stored(tmp_path):
             probe = cluster.client()
             try:
                 return {i for i in ids if probe.get_node_from_key(
-                    mgr.backend(0).name_of(key(i))).port == victim.port}
+                    mgr.backend(0).name_of(make_key(i))).port == victim.port}
             finally:
                 probe.close()
 
@@ -108,11 +109,11 @@ def test_one_master_killed_its_slots_miss_others_hit(stored):
         node.kill()
     deadline = time.monotonic() + 60
     while mgr.stats()["resp"]["breaker_open"] == 0.0:  # lookups reach every master
-        assert mgr.lookup_prefix([key(i) for i in range(N)]).num_chunks == 0
+        assert mgr.lookup_prefix([make_key(i) for i in range(N)]).num_chunks == 0
         assert not any(get_exact(mgr, i, refs[i]) for i in range(4))
         assert time.monotonic() < deadline, ("the tier never gave up", mgr.stats())
         time.sleep(0.01)
-    assert mgr.lookup_prefix([key(0)]).num_chunks == 0 and mgr_faults(mgr) == 0
+    assert mgr.lookup_prefix([make_key(0)]).num_chunks == 0 and mgr_faults(mgr) == 0
     gone = mgr.stats()["resp"]
     shown = ("written", "put_errors", "dropped_full", "vanished", "remote_errors",
              "masters_down", "master_breaker_trips", "breaker_open", "breaker_trips")

@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-from kvplug.keys import CacheKey
 from kvplug.storage_manager import StorageManager
+from kvplug.testing import make_key
 
 from tests.support import tier_workload
 from tests.support.redis_server import RedisServer
@@ -21,10 +21,6 @@ from tests.support.tier_workload import HANG, put_random
 
 pytestmark = pytest.mark.timeout(180)
 
-
-
-def key(i: int, model: str = "faults/model") -> CacheKey:
-    return CacheKey(model, "bfloat16", "LBHNC-bs16", 1, 0, i.to_bytes(8, "big") * 4)
 
 
 def manager(url: str, **opts) -> StorageManager:
@@ -36,7 +32,7 @@ def manager(url: str, **opts) -> StorageManager:
 
 def put(mgr: StorageManager, i: int, seed: int | None = None) -> torch.Tensor:
     """Store chunk ``i`` of random bytes; its bytes (the reference)."""
-    return put_random(mgr, key(i), i if seed is None else seed)
+    return put_random(mgr, make_key(i), i if seed is None else seed)
 
 
 def timed(fn, *args, **kwargs):
@@ -49,7 +45,7 @@ def timed(fn, *args, **kwargs):
 
 def get_exact(mgr: StorageManager, i: int, ref: torch.Tensor) -> bool:
     """Whether chunk ``i`` hit; a hit must be bit-exact."""
-    return tier_workload.get_exact(mgr, key(i), ref)
+    return tier_workload.get_exact(mgr, make_key(i), ref)
 
 
 def stats(mgr: StorageManager) -> dict[str, float]:
@@ -74,7 +70,7 @@ def test_killed_mid_workload_and_restarted(tmp_path):
                 for j in (i, i // 2):
                     if get_exact(mgr, j, refs[j]):
                         hits[phase[0]] += 1
-                timed(mgr.lookup_prefix, [key(j) for j in range(max(0, i - 8), i + 1)])
+                timed(mgr.lookup_prefix, [make_key(j) for j in range(max(0, i - 8), i + 1)])
                 i += 1
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -126,12 +122,12 @@ def test_restart_loses_values_they_are_misses(tmp_path):
     try:
         refs = {i: put(mgr, i) for i in range(4)}
         assert mgr.flush(timeout=HANG)
-        assert mgr.lookup_prefix([key(i) for i in range(4)]).num_chunks == 4
+        assert mgr.lookup_prefix([make_key(i) for i in range(4)]).num_chunks == 4
         srv.restart()
         time.sleep(1.1)  # past the tier's memory of what it wrote (trusted for 1 s)
-        got = [timed(mgr.get, key(i), promote=False) for i in range(4)]
+        got = [timed(mgr.get, make_key(i), promote=False) for i in range(4)]
         assert got == [None] * 4
-        assert timed(mgr.lookup_prefix, [key(i) for i in range(4)]).num_chunks == 0
+        assert timed(mgr.lookup_prefix, [make_key(i) for i in range(4)]).num_chunks == 0
         refs[0] = put(mgr, 0, seed=100)
         assert mgr.flush(timeout=HANG)
         assert get_exact(mgr, 0, refs[0])
@@ -154,7 +150,7 @@ def test_full_store_allkeys_lru_evicts_silently(tmp_path):
         hit = [get_exact(mgr, i, refs[i]) for i in range(60)]
         assert not all(hit[:10]), "nothing was evicted: the test would pass vacuously"
         assert hit[-1], "the most recent chunk is gone"
-        found = mgr.lookup_prefix([key(i) for i in range(60)]).num_chunks
+        found = mgr.lookup_prefix([make_key(i) for i in range(60)]).num_chunks
         assert found == (hit.index(False) if False in hit else 60)
         st = stats(mgr)
         print(json.dumps({"hits": hit.count(True), "stats": st}))
@@ -182,7 +178,7 @@ def test_full_store_noeviction_drops_stores(tmp_path):
         assert st["dropped_full"] == hit.count(False) > 0, st
         assert st["written"] == hit.count(True), st
         assert st["breaker_trips"] == 0 and st["breaker_open"] == 0, st
-        assert mgr.lookup_prefix([key(i) for i in range(40)]).num_chunks == hit.index(False)
+        assert mgr.lookup_prefix([make_key(i) for i in range(40)]).num_chunks == hit.index(False)
         assert mgr_faults(mgr) == 0
     finally:
         mgr.close()
@@ -201,8 +197,8 @@ def test_hung_server_bounded_misses_then_recovers(tmp_path):
         assert get_exact(mgr, 0, refs[0])
         srv.pause()
         for i in range(3):
-            assert timed(mgr.get, key(i), promote=False) is None
-        assert timed(mgr.lookup_prefix, [key(9)]).num_chunks == 0
+            assert timed(mgr.get, make_key(i), promote=False) is None
+        assert timed(mgr.lookup_prefix, [make_key(9)]).num_chunks == 0
         refs[5] = put(mgr, 5)
         assert timed(mgr.flush, timeout=HANG)
         st = stats(mgr)
@@ -210,7 +206,7 @@ def test_hung_server_bounded_misses_then_recovers(tmp_path):
         assert st["breaker_open"] == 1.0 and st["socket_timeouts"] >= 2, st
         refused = st["breaker_refused"]
         for i in range(20):  # while open: refused at once (no socket wait)
-            assert timed(mgr.get, key(i % 3), promote=False) is None
+            assert timed(mgr.get, make_key(i % 3), promote=False) is None
         assert stats(mgr)["breaker_refused"] > refused
         srv.resume()
         _wait(lambda: get_exact(mgr, 1, refs[1]), "no hit after SIGCONT")
@@ -234,7 +230,7 @@ def _burst(mgr: StorageManager, server: RedisServer, n: int) -> list[torch.Tenso
         refs.append(obj.byte_view.clone())
     server.pause()
     try:
-        mgr.batched_put([key(i) for i in range(n)], objs)
+        mgr.batched_put([make_key(i) for i in range(n)], objs)
     finally:
         server.resume()
         for obj in objs:
@@ -255,7 +251,7 @@ def test_a_burst_of_stores_is_queued_not_dropped_by_default(tmp_path, caplog):
         assert stats["dropped_queue_full"] == 0 and stats["dropped_puts"] == 0, stats
         assert stats["written"] == 300
         for i in (0, 150, 299):
-            assert tier_workload.get_exact(mgr, key(i), refs[i])
+            assert tier_workload.get_exact(mgr, make_key(i), refs[i])
     finally:
         mgr.close()
         server.stop()
@@ -352,7 +348,7 @@ def test_a_reply_trickled_within_the_socket_timeout_is_still_bounded_by_the_tier
         "breaker_threshold": 1}}], "chunk_size": 16})
     try:
         assert not mgr._tiers[0].direct
-        answer = timed(mgr.holds, "resp", [key(1)])
+        answer = timed(mgr.holds, "resp", [make_key(1)])
         assert not srv.sent_whole.is_set()  # answered while the reply was still trickling
         assert answer is None and stats(mgr)["timeouts"] == 1
     finally:

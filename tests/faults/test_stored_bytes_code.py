@@ -24,8 +24,9 @@ import torch
 from kvplug import chunkfile as cf
 from kvplug.codecs import build_frame
 from kvplug.memory import MemoryFormat, MemoryObj, MemoryObjMeta
+from kvplug.testing import make_key
 
-from tests.support.codec_helpers import BLOCKS, LAYERS, PAGE, key, manager, posix
+from tests.support.codec_helpers import BLOCKS, LAYERS, PAGE, manager, posix
 
 MODULE_BODY = """
 import pathlib
@@ -80,15 +81,15 @@ def test_a_chunk_naming_a_module_imports_nothing_and_is_a_miss(tmp_path, planted
                                                                configured, caplog):
     name, marker = planted_module
     root = tmp_path / "disk"
-    planted_chunk(root, key(0), f"{name}:Evil")
-    planted_chunk(root, key(1), f"{name}:Evil")
+    planted_chunk(root, make_key(0), f"{name}:Evil")
+    planted_chunk(root, make_key(1), f"{name}:Evil")
     mgr = manager(posix(root, configured))
     try:
         with caplog.at_level(logging.WARNING, logger="kvplug.codecs"):
-            assert mgr.lookup_prefix([key(0)]).num_chunks == 1  # the tier does hold a file
-            assert mgr.get(key(0)) is None
-            assert mgr.batched_get([key(1)]) == [None]
-            assert mgr.get_layers(key(0), 1, 1) is None
+            assert mgr.lookup_prefix([make_key(0)]).num_chunks == 1  # the tier does hold a file
+            assert mgr.get(make_key(0)) is None
+            assert mgr.batched_get([make_key(1)]) == [None]
+            assert mgr.get_layers(make_key(0), 1, 1) is None
         assert not marker.exists(), "a module named by stored bytes was imported"
         assert name not in sys.modules
         assert mgr.stats()["disk"]["codec_missing"] == 3
@@ -115,8 +116,8 @@ def test_the_configured_module_path_codec_still_reads_its_own_chunks(tmp_path, p
         from tests.support.codec_helpers import kv_obj, stored
 
         o = kv_obj(3)
-        stored(mgr, key(0), o)
-        got = mgr.get(key(0))
+        stored(mgr, make_key(0), o)
+        got = mgr.get(make_key(0))
         assert got is not None and torch.equal(got.tensor, o.tensor)
         got.ref_down()
     finally:

@@ -24,6 +24,7 @@ from kvplug import chunkfile as cf
 from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat, heap_memory_obj
 from kvplug.storage_manager import StorageManager
+from kvplug.testing import make_key
 
 SHAPE = (4, 2, 4096)  # 4 layers of 8 KiB: no padding, layer i at header + i * 8 KiB
 LAYER = SHAPE[1] * SHAPE[2]
@@ -39,10 +40,6 @@ def set_secrets(setenv: Callable[[str, str], None]) -> dict[str, str]:
     for k, v in secrets.items():
         setenv(k, v)
     return secrets
-
-
-def key(i: int, model: str = "victim/model") -> CacheKey:
-    return CacheKey(model, "bfloat16", "LBHNC-bs16", 1, 0, i.to_bytes(4, "big") * 8)
 
 
 @dataclass
@@ -140,7 +137,7 @@ def forgeries(k: CacheKey, real: bytes | None = None) -> dict[str, bytes]:
 def check_forged_never_served(mgr: StorageManager, tier: str, raw: Raw) -> None:
     """Every forgery, planted where the victim stored nothing yet or written over the victim's
     real chunk, is a miss and counted; the next store replaces it with the real chunk."""
-    planted, victim = key(1), key(2)
+    planted, victim = make_key(1), make_key(2)
     ref = store(mgr, victim, 2)
     real = raw.read(raw.name_of(victim))
     assert real is not None and public_fields(real)["format_version"] == "1+mac"
@@ -164,7 +161,7 @@ def check_altered_bytes_miss(mgr: StorageManager, tier: str, raw: Raw) -> None:
     in each layer: the whole chunk and the altered layer miss, counted; another layer of a
     layer-altered chunk still loads, exact (a layer-wise read checks only what it read); the
     next store replaces the chunk."""
-    k = key(10)
+    k = make_key(10)
     ref = store(mgr, k, 10)
     name = raw.name_of(k)
     real = raw.read(name)
@@ -196,7 +193,7 @@ def check_names_keyed(mgr: StorageManager, raw: Raw, plain_name: Callable[[Cache
                       ) -> None:
     """Stored names are 64 hex under a 2-hex shard: neither the chunk hash, nor the model, nor
     the name the key has without auth appears in any of them."""
-    ks = [key(20 + i) for i in range(3)]
+    ks = [make_key(20 + i) for i in range(3)]
     for i, k in enumerate(ks):
         store(mgr, k, 20 + i)
     names = raw.names()
@@ -217,7 +214,7 @@ def check_rotation(make: Callable[[str, list[str]], StorageManager], tier: str,
     """A chunk written under the previous key loads with it in ``auth_previous_key_envs`` (the
     names stay: they are keyed by the oldest key), and does not without it: the same bytes put
     where a manager without that key looks are a miss, counted."""
-    k = key(30)
+    k = make_key(30)
     with make(KEY_A, []) as old:
         ref = store(old, k, 30)
         chunk = raw_of(old).read(raw_of(old).name_of(k))

@@ -14,10 +14,6 @@ LAYERS, BLOCKS, HEADS, BS, HEAD_DIM = 4, 2, 2, 16, 64
 PAGE = HEADS * BS * 2 * HEAD_DIM * 2  # [H, N, C=2*head_dim] bf16: LBHNC, block size 16
 
 
-def key(i: int, dtype: str = "bfloat16") -> CacheKey:
-    return CacheKey("org/m", dtype, "LBHNC-bs16", 1, 0, i.to_bytes(4, "big") * 8)
-
-
 def kv_obj(seed: int, layers: int = LAYERS, tokens: int = 32):
     """A KV_PAGES chunk of bf16 values like KV (normal, a few large heads), as raw bytes."""
     g = torch.Generator().manual_seed(seed)

@@ -19,6 +19,7 @@ import torch
 from kvplug import chunkfile as cf
 from kvplug.keys import CacheKey
 from kvplug.storage_manager import StorageManager
+from kvplug.testing import make_key
 
 from tests.support import auth_attacks as aa
 
@@ -32,8 +33,8 @@ READABLE = (b"victim", b"bfloat16", b"LBHNC", b'"world_size"', b'"shape":"', b'"
 
 
 def tenant_key(i: int, tenant: str) -> CacheKey:
-    """``aa.key(i)`` of ``tenant``: the same chunk hash, another tenant."""
-    k = aa.key(i)
+    """``make_key(i)`` of ``tenant``: the same chunk hash, another tenant."""
+    k = make_key(i)
     return CacheKey(k.model, k.kv_dtype, k.kv_layout, k.world_size, k.rank, k.chunk_hash,
                     tenant=tenant)
 
@@ -56,7 +57,7 @@ def check_round_trip_ciphertext(mgr: StorageManager, tier: str, raw: aa.Raw) -> 
     """Random chunks of two tenants and of none come back exact, whole and by layer (a reference
     check); the stored value is ``1+enc`` ciphertext: no plaintext run, no readable key field
     or meta; the same chunk stored twice gives unrelated ciphertexts (a fresh key per write)."""
-    keys = [aa.key(40), tenant_key(41, TENANT_A), tenant_key(41, TENANT_B)]
+    keys = [make_key(40), tenant_key(41, TENANT_A), tenant_key(41, TENANT_B)]
     for i, k in enumerate(keys):
         ref = aa.store(mgr, k, 40 + i)
         got = aa.hit(mgr, k)

@@ -124,6 +124,12 @@ def generate_full(llm: Any, prompts: list[list[int]], max_tokens: int = 8,
     return result
 
 
+def same_output(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two :func:`generate_full` results are the same generation: equal tokens and
+    bit-equal logprobs (what a cache hit must never change)."""
+    return (a["tokens"], a["logprobs"]) == (b["tokens"], b["logprobs"])
+
+
 def run_script(code: str, timeout: float = 600, env: dict[str, str] | None = None) -> Any:
     """Run ``code`` in a fresh process (a fresh engine; tests/support/engine_processes.py); it prints
     ``RESULT`` + JSON. ``env``: extra environment variables for that process only."""

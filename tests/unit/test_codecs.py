@@ -18,6 +18,7 @@ from kvplug.codecs import LayerSpec
 from kvplug.codecs.fp8 import FP8Codec, FP8Options
 from kvplug.codecs.lossless import LosslessCodec
 from kvplug.memory import MemoryFormat
+from kvplug.testing import make_key
 
 from tests.support.codec_helpers import (
     BLOCKS,
@@ -28,7 +29,6 @@ from tests.support.codec_helpers import (
     PAGE,
     files,
     header_of,
-    key,
     kv_obj,
     manager,
     posix,
@@ -43,15 +43,15 @@ def test_lossless_posix_round_trip_is_bit_exact_whole_and_by_layer(tmp_path, mak
     mgr = manager(posix(tmp_path, "lossless"))
     objs = [make(s) for s in range(3)]
     for i, o in enumerate(objs):
-        stored(mgr, key(i), o)
+        stored(mgr, make_key(i), o)
     for i, o in enumerate(objs):
-        got = mgr.get(key(i))
+        got = mgr.get(make_key(i))
         assert got is not None and got.meta.fmt is MemoryFormat.KV_PAGES
         assert got.meta.shape == o.meta.shape and got.num_tokens == 32
         assert torch.equal(got.tensor, o.tensor)
         got.ref_down()
         for layer in range(LAYERS):
-            part = mgr.get_layers(key(i), layer, 1)
+            part = mgr.get_layers(make_key(i), layer, 1)
             assert part is not None and torch.equal(part.tensor[0], o.tensor[layer])
             part.ref_down()
     s = mgr.stats()["disk"]
@@ -65,7 +65,7 @@ def test_lossless_posix_round_trip_is_bit_exact_whole_and_by_layer(tmp_path, mak
 def test_negative_control_raw_tier_does_not_compress(tmp_path):
     """The size check above can fail: without a codec the files hold every raw byte."""
     mgr = manager(posix(tmp_path))
-    stored(mgr, key(0), kv_obj(0))
+    stored(mgr, make_key(0), kv_obj(0))
     assert files(tmp_path)[0].stat().st_size > LAYERS * BLOCKS * PAGE
     assert "codec_encoded" not in mgr.stats()["disk"]
     mgr.close()
@@ -75,11 +75,11 @@ def test_codec_runs_on_a_third_party_in_memory_tier():
     """A tier that is not a file tier (tests/tiers_for_tests.DictTier) gets the codec too."""
     mgr = manager({"backend": "tests.support.tiers_for_tests:DictTier", "name": "mem", "codec": "lossless"})
     o = kv_obj(5)
-    stored(mgr, key(0), o)
-    raw, meta = mgr.backend("mem").data[key(0)]
+    stored(mgr, make_key(0), o)
+    raw, meta = mgr.backend("mem").data[make_key(0)]
     assert meta.fmt is MemoryFormat.ENCODED  # the backend holds the encoded object
     assert raw.numel() < o.nbytes
-    got = mgr.get(key(0))
+    got = mgr.get(make_key(0))
     assert torch.equal(got.tensor, o.tensor)
     got.ref_down()
     mgr.close()
@@ -90,7 +90,7 @@ def test_header_records_codec_and_inspect_shows_it(tmp_path):
     from kvplug.cli import main
 
     mgr = manager(posix(tmp_path, "lossless", {"clevel": 3}))
-    stored(mgr, key(0), kv_obj(0))
+    stored(mgr, make_key(0), kv_obj(0))
     mgr.close()
     head = header_of(files(tmp_path)[0])
     assert head.fmt is MemoryFormat.ENCODED and head.version == "1+codec"
@@ -105,11 +105,11 @@ def test_header_records_codec_and_inspect_shows_it(tmp_path):
 def test_files_written_before_the_codec_still_read(tmp_path):
     raw = manager(posix(tmp_path))
     o = kv_obj(1)
-    stored(raw, key(0), o)
+    stored(raw, make_key(0), o)
     raw.close()
     assert header_of(files(tmp_path)[0]).version == cf.FORMAT_VERSION
     mgr = manager(posix(tmp_path, "lossless"))
-    got = mgr.get(key(0))
+    got = mgr.get(make_key(0))
     assert torch.equal(got.tensor, o.tensor)
     got.ref_down()
     mgr.close()
@@ -118,10 +118,10 @@ def test_files_written_before_the_codec_still_read(tmp_path):
 def test_tier_without_codec_decodes_a_shared_encoded_directory(tmp_path):
     w = manager(posix(tmp_path, "lossless"))
     o = kv_obj(2)
-    stored(w, key(0), o)
+    stored(w, make_key(0), o)
     w.close()
     r = manager(posix(tmp_path))
-    got = r.get(key(0))
+    got = r.get(make_key(0))
     assert got.meta.fmt is MemoryFormat.KV_PAGES and torch.equal(got.tensor, o.tensor)
     got.ref_down()
     r.close()
@@ -130,14 +130,14 @@ def test_tier_without_codec_decodes_a_shared_encoded_directory(tmp_path):
 def test_lower_tier_hit_is_promoted_raw_into_l1(tmp_path):
     w = manager(posix(tmp_path, "lossless"))
     o = kv_obj(3)
-    stored(w, key(0), o)
+    stored(w, make_key(0), o)
     w.close()
     mgr = manager({"backend": "local_cpu", "options": {"capacity": "64MiB"}},
                   posix(tmp_path, "lossless"))
-    got = mgr.get(key(0))
+    got = mgr.get(make_key(0))
     got.ref_down()
-    assert mgr.lookup_prefix([key(0)]).tiers == ["local_cpu"]
-    again = mgr.get(key(0))
+    assert mgr.lookup_prefix([make_key(0)]).tiers == ["local_cpu"]
+    again = mgr.get(make_key(0))
     assert again.meta.fmt is MemoryFormat.KV_PAGES and torch.equal(again.tensor, o.tensor)
     again.ref_down()
     mgr.close()
@@ -147,8 +147,8 @@ def test_lower_tier_hit_is_promoted_raw_into_l1(tmp_path):
 def test_fp8_round_trip_halves_bytes_and_error_is_bounded_per_head(tmp_path):
     mgr = manager(posix(tmp_path, "fp8", {"num_kv_heads": HEADS}))
     o = kv_obj(4)
-    stored(mgr, key(0), o)
-    got = mgr.get(key(0))
+    stored(mgr, make_key(0), o)
+    got = mgr.get(make_key(0))
     assert got.meta.shape == o.meta.shape
     shape = (LAYERS, BLOCKS, HEADS, BS, 2 * HEAD_DIM)
     x = o.tensor.view(torch.bfloat16).reshape(shape).float()
@@ -167,9 +167,9 @@ def test_fp8_declines_a_cache_that_is_already_fp8_and_stores_it_raw(tmp_path, ca
     mgr = manager(posix(tmp_path, "fp8", {"num_kv_heads": HEADS}))
     o = kv_obj(0)
     with caplog.at_level(logging.WARNING, logger="kvplug.codecs"):
-        stored(mgr, key(0, "bfloat16-fp8-e4m3"), o)
+        stored(mgr, make_key(0, dtype="bfloat16-fp8-e4m3"), o)
     assert "stored raw" in caplog.text
-    got = mgr.get(key(0, "bfloat16-fp8-e4m3"))
+    got = mgr.get(make_key(0, dtype="bfloat16-fp8-e4m3"))
     assert torch.equal(got.tensor, o.tensor) and mgr.stats()["disk"]["codec_stored_raw"] == 1
     got.ref_down()
     mgr.close()
@@ -187,7 +187,7 @@ def test_lossy_codec_says_so_at_startup(tmp_path, caplog):
 # -- the codecs directly --------------------------------------------------------------------
 def test_codec_classes_round_trip_one_layer_directly():
     o = kv_obj(9)
-    spec = LayerSpec(key(0), 0, BLOCKS, PAGE)
+    spec = LayerSpec(make_key(0), 0, BLOCKS, PAGE)
     payload, params = LosslessCodec().encode_layer(o.tensor[0], spec)
     out = torch.empty(BLOCKS, PAGE, dtype=torch.uint8)
     LosslessCodec.decode_layer(memoryview(payload), params, out, spec)
@@ -202,7 +202,7 @@ def test_reader_older_than_codecs_sees_another_version_and_keeps_the_file(tmp_pa
     """A node that predates codecs only knows version "1": an encoded chunk is a miss for it
     (ChunkVersionError), and the file stays for the nodes that can read it."""
     w = manager(posix(tmp_path, "lossless"))
-    stored(w, key(0), kv_obj(0))
+    stored(w, make_key(0), kv_obj(0))
     w.close()
     path = files(tmp_path)[0]
     with monkeypatch.context() as m:
@@ -210,11 +210,11 @@ def test_reader_older_than_codecs_sees_another_version_and_keeps_the_file(tmp_pa
         with pytest.raises(cf.format.ChunkVersionError):
             header_of(path)
         old = manager(posix(tmp_path))
-        assert old.get(key(0)) is None
+        assert old.get(make_key(0)) is None
         old.close()
     assert path.exists()
     mgr = manager(posix(tmp_path))
-    got = mgr.get(key(0))
+    got = mgr.get(make_key(0))
     assert got is not None and torch.equal(got.tensor, kv_obj(0).tensor)
     got.ref_down()
     mgr.close()
@@ -238,13 +238,13 @@ def test_encoding_runs_on_the_tiers_encoder_thread_not_the_callers(tmp_path):
     mgr = manager(posix(tmp_path, "tests.unit.test_codecs:ThreadRecordingCodec"))
     ThreadRecordingCodec.threads.clear()
     o = kv_obj(0)
-    mgr.batched_put([key(0)], [o])
+    mgr.batched_put([make_key(0)], [o])
     o.ref_down()  # the caller may drop its reference at once: the put holds its own
     assert mgr.flush(60)
     assert ThreadRecordingCodec.threads and threading.current_thread().name not in \
         ThreadRecordingCodec.threads
     assert all(t.startswith("kvplug-enc-disk") for t in ThreadRecordingCodec.threads)
-    got = mgr.get(key(0))
+    got = mgr.get(make_key(0))
     assert torch.equal(got.tensor, kv_obj(0).tensor)
     got.ref_down()
     mgr.close()

@@ -13,8 +13,9 @@ import torch
 from kvplug.codecs import load_codec_class, parse_frame
 from kvplug.codecs.registry import clear_cache
 from kvplug.errors import ConfigError
+from kvplug.testing import make_key
 
-from tests.support.codec_helpers import files, header_of, key, kv_obj, manager, posix, stored
+from tests.support.codec_helpers import files, header_of, kv_obj, manager, posix, stored
 
 
 # -- config errors ----------------------------------------------------------------------------
@@ -73,8 +74,8 @@ def test_third_party_codec_is_found_used_and_missing_is_a_miss_naming_it(tmp_pat
         assert (info.package, info.version) == ("kvplug-xor", "0.1.0")
         mgr = manager(posix(tmp_path / "d", "xor"))
         o = kv_obj(7)
-        stored(mgr, key(0), o)
-        got = mgr.get(key(0))
+        stored(mgr, make_key(0), o)
+        got = mgr.get(make_key(0))
         assert torch.equal(got.tensor, o.tensor)
         got.ref_down()
         mgr.close()
@@ -87,7 +88,7 @@ def test_third_party_codec_is_found_used_and_missing_is_a_miss_naming_it(tmp_pat
     clear_cache()  # the distribution is gone from sys.path now
     mgr = manager(posix(tmp_path / "d", "lossless"))
     with caplog.at_level(logging.WARNING, logger="kvplug.codecs"):
-        assert mgr.get(key(0)) is None
+        assert mgr.get(make_key(0)) is None
     assert "codec 'xor' (package kvplug-xor 0.1.0)" in caplog.text
     assert "install kvplug-xor" in caplog.text
     assert mgr.stats()["disk"]["codec_missing"] == 1
@@ -105,7 +106,7 @@ def test_inspect_table_names_the_codec(tmp_path, monkeypatch):
 
     for codec, sub in ((None, "a"), ("lossless", "b")):
         mgr = manager(posix(tmp_path / sub, codec))
-        stored(mgr, key(0), kv_obj(0))
+        stored(mgr, make_key(0), kv_obj(0))
         mgr.close()
     raw = CliRunner().invoke(main, ["inspect", str(tmp_path / "a")])
     enc = CliRunner().invoke(main, ["inspect", str(tmp_path / "b")])

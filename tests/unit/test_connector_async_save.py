@@ -35,13 +35,6 @@ BS, CHUNK = 4, 16
 HANG_S = 60  # only catches a hang
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kvplug.connector.demo.model import make_model
-
-    return make_model("tiny", weights=False, root=tmp_path_factory.getbasetemp() / "models")
-
-
 def pattern(req_id: str, block: int, layers: int, page: int) -> torch.Tensor:
     """The KV the 'forward pass' writes into logical block ``block`` of a request."""
     g = torch.Generator().manual_seed(zlib.crc32(f"{req_id}:{block}".encode()))

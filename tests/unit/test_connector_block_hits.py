@@ -11,13 +11,6 @@ from tests.support.vllm_helpers import FakeLookup, make_request, make_scheduler,
 BS = 16  # vLLM block size here; kvplug's chunk is 256
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kvplug.connector.demo.model import make_model
-
-    return make_model("tiny", weights=False, root=tmp_path_factory.getbasetemp() / "models")
-
-
 def request(req_id, tokens, **kw):
     """A request with vLLM's block hasher (its own prefix cache needs the block hashes)."""
     from vllm.utils.hashing import sha256_cbor

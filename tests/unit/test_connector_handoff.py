@@ -13,13 +13,6 @@ KEY = "kvplug_handoff"
 BLOCK, CHUNK = 128, 256
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kvplug.connector.demo.model import make_model
-
-    return make_model("tiny", weights=False, root=tmp_path_factory.getbasetemp() / "models")
-
-
 def produce(model_dir, tokens, role="kv_producer", extra=None, params=None):
     """A prefill (max_tokens=1) on a producer to its end: (its kv_transfer_params, the hashes
     it sent to be stored, in order). The per-request report is off unless ``extra`` says."""

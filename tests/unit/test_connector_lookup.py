@@ -248,13 +248,6 @@ def test_expired_lookups_are_skipped_by_the_worker(engine_id):
 
 # -- the scheduler side: never blocks on a stalled lookup; pins of a hit not taken are dropped ---
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kvplug.connector.demo.model import make_model
-
-    return make_model("tiny", weights=False, root=tmp_path_factory.getbasetemp() / "models")
-
-
 def scheduler_with(model_dir, engine_id, worker, timeout_s, wait_s=0.0):
     """A real vLLM Scheduler whose kvplug connector asks a real lookup service over zmq."""
     from tests.support.vllm_helpers import make_scheduler

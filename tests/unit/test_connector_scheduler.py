@@ -2,16 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-
 from tests.support.vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_output, prompt
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kvplug.connector.demo.model import make_model
-
-    return make_model("tiny", weights=False, root=tmp_path_factory.getbasetemp() / "models")
 
 
 def build(model_dir, **kw):

@@ -10,13 +10,6 @@ import pytest
 from tests.support.vllm_helpers import FakeLookup, make_request, make_scheduler, model_runner_output, prompt
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kvplug.connector.demo.model import make_model
-
-    return make_model("tiny", weights=False, root=tmp_path_factory.getbasetemp() / "models")
-
-
 class SlowLookup(FakeLookup):
     """Every stored chunk is in a tier that may block."""
 

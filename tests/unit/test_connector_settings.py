@@ -19,13 +19,6 @@ from tests.support.vllm_helpers import (
 )
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kvplug.connector.demo.model import make_model
-
-    return make_model("tiny", weights=False, root=tmp_path_factory.getbasetemp() / "models")
-
-
 @pytest.fixture
 def kvplug_log(caplog, monkeypatch):
     """kvplug's log lines, once each (the connector may stop them reaching the root logger)."""

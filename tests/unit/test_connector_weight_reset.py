@@ -30,13 +30,6 @@ P = prompt(41, 7)  # 2 full chunks + a block-aligned partial one (40 tokens) sto
 HANG_S = 60  # only catches a hang
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kvplug.connector.demo.model import make_model
-
-    return make_model("tiny", weights=False, root=tmp_path_factory.getbasetemp() / "models")
-
-
 def kv_bytes(version: int, token_block: int, layers: int, page: int) -> torch.Tensor:
     """The KV the weights of ``version`` give the prompt's block ``token_block``."""
     g = torch.Generator().manual_seed(zlib.crc32(f"v{version}:{token_block}".encode()))

@@ -44,13 +44,6 @@ STEPS = 400  # only catches a hang (requests never finishing)
 L1 = {"backend": "local_cpu", "options": {"capacity": "16MiB"}}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kvplug.connector.demo.model import make_model
-
-    return make_model("tiny", weights=False, root=tmp_path_factory.getbasetemp() / "models")
-
-
 def page_of(rank: int, group: int, block: int, prev: bytes, tokens: list[int], L: int,
             page: int) -> torch.Tensor:
     """The oracle's KV of one block: a function of everything that determines it."""

@@ -15,15 +15,11 @@ from kvplug.keys import CacheKey
 from kvplug.memory import MemoryFormat
 from kvplug.policies.tenants import TenantQuotas, tenant_id, tenant_of_name
 from kvplug.storage_manager import StorageManager
+from kvplug.testing import make_key
 
 CHUNK = (2, 2, 4096)  # 16 KiB
 NB = 2 * 2 * 4096
 SALT_A, SALT_B = "salt-of-team-a-5f3c", "salt-of-team-b-91d2"
-
-
-def key(i: int, tenant: str = "") -> CacheKey:
-    return CacheKey("quota/model", "bfloat16", "LBHNC-bs16", 1, 0, i.to_bytes(4, "big") * 8,
-                    tenant=tenant)
 
 
 def put(mgr: StorageManager, k: CacheKey) -> None:
@@ -49,17 +45,17 @@ def test_tenant_ids_hide_the_salt_and_are_stable():
 @pytest.mark.parametrize("auth", [None, Keyring(b"k" * 32)])
 def test_the_tenant_is_in_every_object_name(auth):
     t = tenant_id(SALT_A)
-    rel = cf.relative_chunk_path(key(1, t), auth)
+    rel = cf.relative_chunk_path(make_key(1, tenant=t), auth)
     assert tenant_of_name(rel) == t and SALT_A not in rel
-    assert tenant_of_name(cf.relative_chunk_path(key(1), auth)) == ""
+    assert tenant_of_name(cf.relative_chunk_path(make_key(1), auth)) == ""
     # a key without a tenant is named exactly as before tenants existed
-    assert cf.chunk_name(key(1)) == f"{key(1).namespace}.{key(1).hex}{cf.FILE_SUFFIX}"
-    assert key(1).namespace.endswith(".tp1-0")
-    assert key(1, t).namespace.endswith(f".t{t}")
-    assert CacheKey.from_fields(key(1, t).fields()) == key(1, t)
-    assert "tenant" not in key(1).fields()
+    assert cf.chunk_name(make_key(1)) == f"{make_key(1).namespace}.{make_key(1).hex}{cf.FILE_SUFFIX}"
+    assert make_key(1).namespace.endswith(".tp1-0")
+    assert make_key(1, tenant=t).namespace.endswith(f".t{t}")
+    assert CacheKey.from_fields(make_key(1, tenant=t).fields()) == make_key(1, tenant=t)
+    assert "tenant" not in make_key(1).fields()
     with pytest.raises(ConfigError, match="tenant"):
-        key(1, "not-hex")
+        make_key(1, tenant="not-hex")
 
 
 def test_quota_config_errors_never_echo_a_tenant():
@@ -104,12 +100,12 @@ def test_a_flooding_tenant_evicts_its_own_entries_not_anothers(tmp_path, kind, e
         with StorageManager({"tiers": _tiers(kind, root, quotas, eviction), "chunk_size": 16}) as mgr:
             if kind == "posix":
                 assert mgr.backend(0).wait_indexed(30)
-            mine = [key(i, a) for i in range(4)]
+            mine = [make_key(i, tenant=a) for i in range(4)]
             for k in mine:
                 put(mgr, k)
             mgr.flush(30)
             for i in range(100, 160):
-                put(mgr, key(i, b))
+                put(mgr, make_key(i, tenant=b))
                 if kind == "posix":
                     mgr.flush(30)
             mgr.flush(30)
@@ -128,17 +124,18 @@ def test_a_tenant_whose_quota_is_full_of_pinned_entries_is_skipped():
     with StorageManager({"tiers": [{"backend": "local_cpu", "options": {"capacity": 16 * NB},
                                     "quotas": {"tenants": {SALT_A: 2 * NB}}}],
                          "chunk_size": 16}) as mgr:
-        put(mgr, key(1, a))
-        put(mgr, key(2, a))
-        assert mgr.lookup_prefix([key(1, a), key(2, a)], pin=True).num_chunks == 2
-        put(mgr, key(3, a))
-        assert mgr.holds("local_cpu", [key(1, a), key(2, a), key(3, a)]) == [True, True, False]
+        put(mgr, make_key(1, tenant=a))
+        put(mgr, make_key(2, tenant=a))
+        assert mgr.lookup_prefix([make_key(1, tenant=a), make_key(2, tenant=a)], pin=True).num_chunks == 2
+        put(mgr, make_key(3, tenant=a))
+        assert mgr.holds("local_cpu", [make_key(i, tenant=a) for i in (1, 2, 3)]) == [
+            True, True, False]
         assert mgr.stats()["local_cpu"]["quota_skipped_puts"] == 1
-        put(mgr, key(4))  # another tenant (none) is not bound by A's quota
-        assert mgr.holds("local_cpu", [key(4)]) == [True]
-        mgr.unpin([key(1, a), key(2, a)], ["local_cpu", "local_cpu"])
-        put(mgr, key(3, a))
-        assert mgr.holds("local_cpu", [key(1, a), key(3, a)]) == [False, True]
+        put(mgr, make_key(4))  # another tenant (none) is not bound by A's quota
+        assert mgr.holds("local_cpu", [make_key(4)]) == [True]
+        mgr.unpin([make_key(1, tenant=a), make_key(2, tenant=a)], ["local_cpu", "local_cpu"])
+        put(mgr, make_key(3, tenant=a))
+        assert mgr.holds("local_cpu", [make_key(1, tenant=a), make_key(3, tenant=a)]) == [False, True]
 
 
 def test_processes_sharing_a_directory_count_each_tenant_the_same(tmp_path):
@@ -149,9 +146,9 @@ def test_processes_sharing_a_directory_count_each_tenant_the_same(tmp_path):
               "quotas": {"default": "64MiB", "tenants": {SALT_A: 5 * (NB + 4096)}}}]
     with StorageManager({"tiers": tiers, "chunk_size": 16}) as one:
         for i in range(3):
-            put(one, key(i, a))
+            put(one, make_key(i, tenant=a))
         for i in range(5):
-            put(one, key(10 + i, b))
+            put(one, make_key(10 + i, tenant=b))
         assert one.flush(30)
         usage = one.backend(0).tenant_usage()
         with StorageManager({"tiers": tiers, "chunk_size": 16}) as two:
@@ -159,7 +156,7 @@ def test_processes_sharing_a_directory_count_each_tenant_the_same(tmp_path):
             assert two.backend(0).tenant_usage() == usage
             assert usage[a] == 3 * (NB + 4096) and usage[b] == 5 * (NB + 4096)
             for i in range(20, 24):  # A's quota is 5 files: two's stores evict one's files
-                put(two, key(i, a))
+                put(two, make_key(i, tenant=a))
             assert two.flush(30)
             assert two.backend(0).tenant_usage()[a] <= 5 * (NB + 4096)
             names = sorted(p.name for p in (tmp_path / "c").rglob("*.safetensors"))
@@ -213,10 +210,10 @@ def test_kvplug_inspect_counts_each_tenant(tmp_path):
     tiers = [{"backend": "posix", "options": {"path": str(tmp_path / "c"), "capacity": "64MiB"}}]
     with StorageManager({"tiers": tiers, "chunk_size": 16}) as mgr:
         for i in range(3):
-            put(mgr, key(i, a))
+            put(mgr, make_key(i, tenant=a))
         for i in range(2):
-            put(mgr, key(10 + i, b))
-        put(mgr, key(20))
+            put(mgr, make_key(10 + i, tenant=b))
+        put(mgr, make_key(20))
         assert mgr.flush(30)
     out = CliRunner().invoke(cli, ["inspect", str(tmp_path / "c"), "--json"])
     assert out.exit_code == 0, out.output
@@ -244,7 +241,7 @@ def test_without_auth_names_carry_no_unkeyed_hash_of_a_salt(tmp_path):
     tiers = [{"backend": "posix", "options": {"path": str(tmp_path / "c"), "capacity": "64MiB"}}]
     with StorageManager({"tiers": tiers, "chunk_size": 16}) as mgr:
         for i in range(3):
-            put(mgr, key(i, a))
+            put(mgr, make_key(i, tenant=a))
         assert mgr.flush(30)
     names = [p.name for p in (tmp_path / "c").rglob("*.safetensors")]
     assert len(names) == 3 and all(tenant_of_name(n) == a for n in names)  # still countable

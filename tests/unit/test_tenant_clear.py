@@ -5,7 +5,6 @@ entries says it is not available, and a tier that claims a removal it did not do
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import subprocess
@@ -30,10 +29,6 @@ def config(tmp_path, lower: dict | None = None) -> dict:
         *([lower] if lower else [])]}
 
 
-def key(i: int, tenant: str):
-    return dataclasses.replace(make_key(i), tenant=tenant)
-
-
 def store(mgr: StorageManager, keys: list) -> None:
     for i, k in enumerate(keys):
         obj = fill_random(mgr, seed=i)
@@ -48,8 +43,8 @@ def files_of(tmp_path, tenant: str) -> int:
 
 def test_a_tenant_clear_removes_that_tenants_entries_only(tmp_path):
     rng = random.Random(5)
-    a_keys = [key(i, A) for i in rng.sample(range(1000), 5)]
-    b_keys = [key(i, B) for i in rng.sample(range(1000, 2000), 4)]
+    a_keys = [make_key(i, tenant=A) for i in rng.sample(range(1000), 5)]
+    b_keys = [make_key(i, tenant=B) for i in rng.sample(range(1000, 2000), 4)]
     lower = {"backend": "tests.support.tiers_for_tests:DictTier", "name": "remote"}
     with StorageManager(config(tmp_path, lower)) as mgr, \
             StorageManager(config(tmp_path)) as other:  # another process sharing the directory
@@ -71,7 +66,7 @@ def test_a_tenant_clear_removes_that_tenants_entries_only(tmp_path):
 
 
 def test_a_pinned_chunk_of_the_tenant_is_left_and_said(tmp_path):
-    keys = [key(i, A) for i in range(3)]
+    keys = [make_key(i, tenant=A) for i in range(3)]
     with StorageManager(config(tmp_path)) as mgr:
         store(mgr, keys)
         pin_keys(mgr, keys[:1])
@@ -99,7 +94,7 @@ class ClaimingTier(DictTier):
 def test_a_tier_that_claims_a_tenant_clear_is_not_believed(tmp_path):
     lower = {"backend": f"{__name__}:ClaimingTier", "name": "liar"}
     with StorageManager(config(tmp_path, lower)) as mgr:
-        store(mgr, [key(1, A), key(2, A)])
+        store(mgr, [make_key(1, tenant=A), make_key(2, tenant=A)])
         res = clear_tenant(mgr, A)["liar"]
         assert res["removed"] == 2  # its word
         assert res["complete"] is False and res["remaining_bytes"] > 0  # what was measured
@@ -109,7 +104,7 @@ def test_cache_clear_tenant_on_the_stores_without_an_engine(tmp_path):
     cfg = tmp_path / "kvplug.yaml"
     cfg.write_text(json.dumps(config(tmp_path)))
     with StorageManager(config(tmp_path)) as mgr:
-        store(mgr, [key(1, A), key(2, A), key(3, B)])
+        store(mgr, [make_key(1, tenant=A), make_key(2, tenant=A), make_key(3, tenant=B)])
     out = subprocess.run([sys.executable, "-m", "kvplug.cli", "cache", "clear", "--config",
                           str(cfg), "--tenant", "salt-of-a", "--json"], capture_output=True,
                          text=True, timeout=300)

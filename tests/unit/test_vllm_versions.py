@@ -38,13 +38,6 @@ HANG_S = 60  # only catches a hang
 SIM_SEEDS = 200  # on 0.33: the first 200 of the CI set (~8,000 events; the long search: benchmarks/simulate.py)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kvplug.connector.demo.model import make_model
-
-    return make_model("tiny", weights=False, root=tmp_path_factory.getbasetemp() / "models")
-
-
 def test_vllm_version_names_the_installed_build(monkeypatch):
     from importlib import metadata
 
