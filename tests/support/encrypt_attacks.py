@@ -28,15 +28,13 @@ TENANT_A, TENANT_B = "a" * 16, "b" * 16
 #: What a readable header shows of the chunks stored here (model, KV dtype and layout,
 #: parallelism, the object's shape, dtype and token count): no encrypted store may show it (the
 #: safetensors tensor table's own ``"shape":[...]`` and ``"dtype":"U8"`` are not these).
-READABLE = (b"victim", b"bfloat16", b"LBHNC", b'"world_size"', b'"shape":"', b'"dtype":"uint8"',
-            b'"num_tokens"', b'"model"')
+READABLE = (make_key(0).model.split("/")[0].encode(), b"bfloat16", b"LBHNC", b'"world_size"',
+            b'"shape":"', b'"dtype":"uint8"', b'"num_tokens"', b'"model"')
 
 
 def tenant_key(i: int, tenant: str) -> CacheKey:
     """``make_key(i)`` of ``tenant``: the same chunk hash, another tenant."""
-    k = make_key(i)
-    return CacheKey(k.model, k.kv_dtype, k.kv_layout, k.world_size, k.rank, k.chunk_hash,
-                    tenant=tenant)
+    return make_key(i, tenant=tenant)
 
 
 def plaintext_runs(ref: torch.Tensor, width: int = 32, step: int = 997) -> list[bytes]:
