@@ -17,6 +17,7 @@ from kvplug.testing.conformance import make_key
 from tests.support import in_place_reads
 from tests.support.redis_server import redis_server  # noqa: F401 - fixture
 from tests.support.tier_workload import HANG
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -167,11 +168,11 @@ def test_the_connection_is_made_at_start_not_by_the_first_lookup(redis_server): 
     before = server.info("stats")["total_connections_received"]
     mgr = StorageManager({"tiers": [tier(redis_server.url)], "chunk_size": 16})
     try:
-        deadline = time.monotonic() + HANG
-        while server.info("stats")["total_connections_received"] == before:
-            assert time.monotonic() < deadline, "the tier did not connect at start"
-            time.sleep(0.01)
-        time.sleep(0.2)  # the start-up connection back in the pool
+        wait_until(lambda: server.info("stats")["total_connections_received"] > before,
+                   "the tier to connect at start", HANG)
+        wait_until(lambda: not [t for t in threading.enumerate()  # its connection released
+                                if t.name == "kvplug-resp-connect"],
+                   "the start-up connection to be back in the tier's pool", HANG)
         started = server.info("stats")["total_connections_received"]
         assert started == before + 1
         assert mgr.lookup_prefix([make_key(1)]).num_chunks == 0

@@ -18,6 +18,7 @@ from kvplug.testing import make_key
 from tests.support import tier_workload
 from tests.support.redis_server import RedisServer
 from tests.support.tier_workload import HANG, put_random
+from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -78,15 +79,15 @@ def test_killed_mid_workload_and_restarted(tmp_path):
     worker = threading.Thread(target=workload)
     worker.start()
     try:
-        _wait(lambda: hits["before"] >= 10, "no hits before the kill")
+        wait_until(lambda: hits["before"] >= 10, "no hits before the kill")
         phase[0] = "down"
         srv.kill()
-        _wait(lambda: stats(mgr)["breaker_trips"] >= 1, "the breaker never tripped")
-        _wait(lambda: stats(mgr)["breaker_refused"] >= 5, "the breaker refused nothing")
+        wait_until(lambda: stats(mgr)["breaker_trips"] >= 1, "the breaker never tripped")
+        wait_until(lambda: stats(mgr)["breaker_refused"] >= 5, "the breaker refused nothing")
         assert stats(mgr)["breaker_open"] == 1.0
         srv.restart()  # empty: no persistence
         phase[0] = "after"
-        _wait(lambda: hits["after"] >= 10, "no hits after the restart")
+        wait_until(lambda: hits["after"] >= 10, "no hits after the restart")
     finally:
         stop.set()
         worker.join(timeout=60)
@@ -105,13 +106,6 @@ def test_killed_mid_workload_and_restarted(tmp_path):
 def mgr_faults(mgr: StorageManager) -> float:
     """Exceptions that escaped the tier's hooks (the manager counts them as tier faults)."""
     return sum(t.faults for t in mgr._tiers)
-
-
-def _wait(cond, what: str, limit: float = 60.0) -> None:
-    deadline = time.monotonic() + limit
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def test_restart_loses_values_they_are_misses(tmp_path):
@@ -209,7 +203,7 @@ def test_hung_server_bounded_misses_then_recovers(tmp_path):
             assert timed(mgr.get, make_key(i % 3), promote=False) is None
         assert stats(mgr)["breaker_refused"] > refused
         srv.resume()
-        _wait(lambda: get_exact(mgr, 1, refs[1]), "no hit after SIGCONT")
+        wait_until(lambda: get_exact(mgr, 1, refs[1]), "no hit after SIGCONT")
         assert stats(mgr)["breaker_open"] == 0.0
         assert mgr_faults(mgr) == 0
     finally:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.support.gpu_kv_fixture import KVFixture
+from tests.support.waits import wait_until
 
 pytest.importorskip("vllm")
 
@@ -99,16 +100,14 @@ def test_background_load_writes_at_get_finished(gated):
 def test_cancelled_load_never_writes_and_leaks_nothing(gated):
     fx, w, gate, want = gated
     start(w)
-    while not list(gate.glob("entered-*")):
-        time.sleep(0.005)
+    wait_until(lambda: list(gate.glob("entered-*")), "the fetch to reach the tier", HANG_S)
     poisoned = fx.ref_obj(DST).clone()
     assert w.get_finished({"b"})[1] == {"b"}  # vLLM finished (aborted) it: reported at once
     assert pins(w) == 0
     (gate / "open").touch()  # the fetch ends after the abort ...
-    end = time.monotonic() + HANG_S
-    while w.storage.stats()["local_cpu"]["entries"] < 3 and time.monotonic() < end:
-        time.sleep(0.01)  # ... and promotes its chunks into L1
-    time.sleep(0.1)
+    wait_until(lambda: w.storage.stats()["local_cpu"]["entries"] >= 3,  # ... and promotes
+               "the cancelled fetch to promote its chunks into L1", HANG_S)
+    time.sleep(0.1)  # a late write into the blocks (the defect this checks) would show here
     assert w.get_finished(set())[1] == set()
     assert torch.equal(fx.ref_obj(DST), poisoned)  # no block written after the abort
     assert len(w._background) == 0 and w.take_load_errors() == set()
