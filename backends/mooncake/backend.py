@@ -24,7 +24,7 @@ class MooncakeBackend(ValueStoreTier):
     """A remote tier over one Mooncake Store (a master and the segments clients lend it)."""
 
     kind = "Mooncake store"
-    get_layers = None  # no ranged reads: whole chunks only
+    get_layers = None  # MooncakeIO reads no byte ranges: whole chunks only (see BackendClass)
 
     class Options(ValueStoreOptions):
         master: str = Field(default="", validate_default=True,
