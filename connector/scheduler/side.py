@@ -101,11 +101,53 @@ class RequestTracker:
 
 
 class LookupFn(Protocol):
-    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]],
-               tenant: str = "", fresh: bool = False
-               ) -> int | None: ...  # None: not answered yet, ask again
+    """The workers' lookup as the scheduler side asks it (across processes:
+    :class:`~kvplug.connector.protocol.lookup.LookupClient`). :meth:`lookup` and :meth:`release`
+    are required; every other member is optional, with the default declared here, which a
+    lookup deriving from this class inherits and :func:`lookup_member` applies to one that does
+    not (a stand-in with only the two)."""
 
-    def release(self, req_ids: list[str]) -> None: ...
+    #: Lookups so far that ended because a rank did not answer in time. Default 0: never.
+    timeouts: int = 0
+
+    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]],
+               tenant: str = "", fresh: bool = False) -> int | None:
+        """Leading stored tokens of ``hashes`` (full chunks), then of ``tails`` (``(end, hash)``
+        of partial chunks, longest first), pinned until :meth:`release`; ``None``: not answered
+        yet, ask again. ``fresh``: the tiers forget the misses they remember of these chunks."""
+        ...
+
+    def release(self, req_ids: list[str]) -> None:
+        """Drop what these requests' lookups hold (their pins, a lookup still in flight)."""
+        ...
+
+    def set_epoch(self, epoch: str) -> None:
+        """Look up under the weights epoch ``epoch`` from now on. Default: nothing (a lookup
+        whose keys carry no epoch)."""
+
+    def take_slow(self, req_id: str) -> Collection[int]:
+        """The chunks of ``req_id``'s last answered lookup that only a tier that may block
+        holds: loaded in the background. Default: none."""
+        return ()
+
+    def take_local(self, req_id: str) -> Collection[int]:
+        """The chunks of ``req_id``'s last answered lookup that only a local medium holds:
+        loaded inside the step while its budget lasts. Default: none."""
+        return ()
+
+
+_ABSENT = object()
+
+
+def lookup_member(lookup: object, name: str) -> Any:
+    """``lookup``'s optional member ``name`` (:class:`LookupFn`), or the default declared there
+    where ``lookup`` leaves it out."""
+    member = getattr(lookup, name, _ABSENT)
+    if member is not _ABSENT:
+        return member
+    default = getattr(LookupFn, name)
+    return default.__get__(lookup) if callable(default) else default
+
 
 
 class SchedulerSide:
@@ -166,9 +208,7 @@ class SchedulerSide:
     # -- weights epoch -------------------------------------------------------------------------
     def _new_epoch(self, why: str) -> None:
         self.epoch = self.draw_epoch()
-        set_epoch = getattr(self.lookup, "set_epoch", None)
-        if set_epoch is not None:
-            set_epoch(self.epoch)
+        lookup_member(self.lookup, "set_epoch")(self.epoch)
         logger.info("kvplug: weights epoch %s (%s): nothing stored before is served to this "
                     "engine; engines on the earlier weights keep their entries", self.epoch, why)
 
@@ -268,9 +308,9 @@ class SchedulerSide:
         full = cap // self.cs
         hashes = self._full_hashes(t, full)
         n = t.refine[1] if t.refine is not None and t.refine[0] == request.num_tokens else full
-        timeouts = getattr(self.lookup, "timeouts", 0)
+        timeouts = lookup_member(self.lookup, "timeouts")
         found = self._ask(t, hashes[:n], cap)
-        timed_out = getattr(self.lookup, "timeouts", 0) > timeouts  # a late rank: no second ask
+        timed_out = lookup_member(self.lookup, "timeouts") > timeouts  # a late rank: no second ask
         if t.handoff is not None and self._handoff_pending(t, found, num_computed_tokens):
             return None, False  # not all of it stored yet: wait (.handoff)
         if found is not None and not timed_out and n == full and found < full * self.cs \
@@ -296,8 +336,8 @@ class SchedulerSide:
             self.stats.add("lookup_hit_tokens", hit)
         if hit <= num_computed_tokens:
             return 0, False
-        slow = getattr(self.lookup, "take_slow", lambda _: ())(request.request_id)
-        local = getattr(self.lookup, "take_local", lambda _: ())(request.request_id)
+        slow = lookup_member(self.lookup, "take_slow")(request.request_id)
+        local = lookup_member(self.lookup, "take_local")(request.request_id)
         t.slow_chunks = frozenset(slow)
         loaded = range(num_computed_tokens // self.cs, -(-hit // self.cs))
         # several KV cache groups: vLLM takes load failures only as failed async loads;
@@ -337,12 +377,12 @@ class SchedulerSide:
         n = len(hashes)
         top = min(cap, (n + 1) * self.cs - self.bs)
         tails = [(e, self._partial_hash(t, e)) for e in range(top, n * self.cs, -self.bs)]
-        timeouts = getattr(self.lookup, "timeouts", 0)
+        timeouts = lookup_member(self.lookup, "timeouts")
         scope: dict[str, Any] = {"tenant": t.tenant} if t.tenant else {}
         if t.handoff is not None:  # chunks a producer named: no tier answers from a stale miss
             scope["fresh"] = True
         found = self.lookup.lookup(t.request.request_id, hashes, tails, **scope)
-        if (late := getattr(self.lookup, "timeouts", 0) - timeouts) > 0:
+        if (late := lookup_member(self.lookup, "timeouts") - timeouts) > 0:
             self.stats.add("lookup_timeouts", late)
         return found
 
