@@ -256,3 +256,34 @@ def test_a_preempted_requests_old_block_table_names_no_blocks(model_dir):
     assert old_a.index(reused[-1]) < old_a.index(reused[-2])  # a's order differs from b's
     side.update_connector_output(None, invalid_blocks={table[-1]})
     assert side.unwritten.blocks == {table[-1]}
+
+
+def test_the_lookup_protocol_declares_every_member_the_scheduler_side_uses():
+    """SchedulerSide asks its lookup only for what ``LookupFn`` declares (no probing by name);
+    a stand-in with the two required members gets the declared defaults, a full lookup its own."""
+    import inspect
+    import re
+
+    from kvplug.connector.scheduler.side import LookupFn, SchedulerSide, lookup_member
+
+    src = inspect.getsource(SchedulerSide)
+    used = set(re.findall(r'lookup_member\(self\.lookup, "(\w+)"\)', src))
+    used |= set(re.findall(r"self\.lookup\.(\w+)\(", src))
+    declared = {n for n in vars(LookupFn) if not n.startswith("_")}
+    assert used == declared == {"lookup", "release", "timeouts", "set_epoch", "take_slow",
+                                "take_local"}
+    assert "getattr(self.lookup" not in src
+
+    two = FakeLookup()
+    assert lookup_member(two, "timeouts") == 0
+    assert (lookup_member(two, "take_slow")("r"), lookup_member(two, "take_local")("r")) == ((), ())
+    assert lookup_member(two, "set_epoch")("e1") is None
+
+    class Full(FakeLookup):
+        timeouts = 3
+
+        def take_slow(self, req_id):
+            return frozenset({2})
+
+    assert lookup_member(Full(), "timeouts") == 3
+    assert lookup_member(Full(), "take_slow")("r") == frozenset({2})
