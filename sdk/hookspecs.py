@@ -112,7 +112,7 @@ class Need:
     #: ``(hook, argument)``: the hook must be implemented when the implementation of ``hook``
     #: declares ``argument`` (``unpin`` when ``contains`` takes ``pin``)
     when: tuple[str, str] | None = None
-    #: why, for the error that names a class breaking the rule
+    #: why, for the warning that names a class breaking the rule
     why: str = ""
 
 
@@ -132,7 +132,8 @@ optional = _declare(Need(always=False))
 def required_with(hook: str, argument: str, why: str) -> Callable[[Callable[..., Any]],
                                                                    Callable[..., Any]]:
     """A hook a plugin implements exactly when its ``hook`` implementation declares
-    ``argument`` (otherwise optional); ``why`` goes into the error naming a class without it."""
+    ``argument`` (otherwise optional); ``why`` goes into the warning naming a class without it
+    (:func:`unmet_needs`)."""
     return _declare(Need(always=False, when=(hook, argument), why=why))
 
 
