@@ -136,7 +136,7 @@ def test_a_request_vllm_already_holds_does_not_wait(model_dir):
     params, _ = produce(model_dir, tokens)
     s, side, fake, clock = consumer(model_dir)
     r = make_request("d", tokens, kv_transfer_params=params)
-    side._track(r)
+    side.track(r)
     assert side.get_num_new_matched_tokens(r, 1024) == (0, False)  # vLLM's own cache has it
 
 

@@ -45,8 +45,8 @@ def stored_request(model_dir, fake):
     """A scheduler over ``fake`` and a 1100-token request whose 4 full chunks are stored."""
     s, side = build(model_dir, fake)
     r = make_request("a", prompt(1100, 1))
-    side._track(r)
-    fake.stored.update(side._full_hashes(side.trackers["a"], 4))
+    side.track(r)
+    fake.stored.update(side.full_hashes(side.trackers["a"], 4))
     return s, side, r
 
 
@@ -69,8 +69,8 @@ def test_an_engine_that_runs_steps_ahead_loads_every_hit_in_the_background(model
     side, fake = s.connector._sched, FakeLookup()
     side.lookup = fake
     r = make_request("a", prompt(1100, 1))
-    side._track(r)
-    fake.stored.update(side._full_hashes(side.trackers["a"], 4))
+    side.track(r)
+    fake.stored.update(side.full_hashes(side.trackers["a"], 4))
     assert s.vllm_config.max_concurrent_batches > 1
     assert side.runs_ahead and ("batch queue" in side.runs_ahead)
     assert side.get_num_new_matched_tokens(r, 0) == (1024, True)

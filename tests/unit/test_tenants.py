@@ -31,8 +31,8 @@ def build(model_dir, **extra):
 
 def stored(side, fake, req):
     """Mark every full chunk of ``req`` as stored (its hashes as the scheduler computes them)."""
-    t = side._track(req)
-    fake.stored.update(side._full_hashes(t, req.num_tokens // side.cs))
+    t = side.track(req)
+    fake.stored.update(side.full_hashes(t, req.num_tokens // side.cs))
 
 
 def step(s):
