@@ -17,7 +17,7 @@ def model_dir(tmp_path_factory):
 def build(model_dir, **kw):
     s = make_scheduler(model_dir, **kw)
     fake = FakeLookup()
-    side = s.connector._sched
+    side = s.connector.scheduler_side
     side.lookup = fake
     return s, side, fake
 

@@ -26,8 +26,8 @@ class SlowLookup(FakeLookup):
 
 def build(model_dir, lookup):
     s = make_scheduler(model_dir)
-    s.connector._sched.lookup = lookup
-    return s, s.connector._sched
+    s.connector.scheduler_side.lookup = lookup
+    return s, s.connector.scheduler_side
 
 
 def output(so, recving=(), bad=(), failed=None):
@@ -66,7 +66,7 @@ def test_an_engine_that_runs_steps_ahead_loads_every_hit_in_the_background(model
     hits included. (Under PP this failed before: the rule looked at asynchronous scheduling only,
     and the L1 hit was ``(1024, False)``, an in-step load.)"""
     s = make_scheduler(model_dir, **engine)
-    side, fake = s.connector._sched, FakeLookup()
+    side, fake = s.connector.scheduler_side, FakeLookup()
     side.lookup = fake
     r = make_request("a", prompt(1100, 1))
     side.track(r)

@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory):
 
 def build(model_dir, **extra):
     s = make_scheduler(model_dir, extra=extra)
-    side = s.connector._sched
+    side = s.connector.scheduler_side
     side.lookup = FakeLookup()
     return s, side, side.lookup
 
