@@ -290,6 +290,13 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         return True
 
     # -- scheduler side ------------------------------------------------------------------------
+    @property
+    def scheduler_side(self) -> SchedulerSide | None:
+        """The scheduler half this connector routes to (read-only): its trackers, lookup,
+        stats and epoch, for tests, the simulation and benchmarks that watch or stand in for
+        parts of it. None on a worker-role connector."""
+        return self._sched
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         assert self._sched is not None

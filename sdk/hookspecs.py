@@ -504,6 +504,9 @@ class BackendClass(Protocol):
       counting the bytes it stores per tenant and skipping a store past its tenant's quota
       (approximate: ``kvplug.backends.common.tenant_budget``); such a tier, or one with
       ``eviction_policy``, accepts a ``quotas`` setting. Default ``False``.
+    * ``bench_raw`` / ``bench_no_raw`` — the raw medium under a tier for ``kvplug bench``'s
+      tier/raw ratio, or why there is none: declared in :mod:`kvplug.bench_raw`. Default: no
+      raw row.
 
     An instance may also set ``call_bound_s: float`` — the longest one of its hook calls can wait,
     all included: a connection pool's wait, every round trip, a reply that arrives slowly over

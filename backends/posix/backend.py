@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvplug import chunkfile as cf
+from kvplug.bench_raw import RawTarget
 from kvplug.config import BaseOptions
 from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.keys import CacheKey
@@ -150,6 +151,14 @@ class PosixBackend:
     #: A local directory: a small hit loads inside the engine step (``inline_load_bytes``). A
     #: directory on a network filesystem is better served by the ``fsspec`` tier.
     local_medium = True
+
+    @staticmethod
+    def bench_raw(options: PosixOptions) -> RawTarget:
+        """``kvplug bench``'s raw medium (:mod:`kvplug.bench_raw`): plain files in the same
+        directory (.bench.RawFiles); the ``gds`` tier's too."""
+        from .bench import RawFiles
+
+        return RawFiles(str(options.path), bool(options.fsync))
 
     def __init__(self, ctx: TierContext) -> None:
         opts: PosixOptions = ctx.options

@@ -207,8 +207,7 @@ class SchedulerSide:
 
     # -- weights epoch -------------------------------------------------------------------------
     def _new_epoch(self, why: str) -> None:
-        self.epoch = self.draw_epoch()
-        lookup_member(self.lookup, "set_epoch")(self.epoch)
+        self.follow_epoch(self.draw_epoch())
         logger.info("kvplug: weights epoch %s (%s): nothing stored before is served to this "
                     "engine; engines on the earlier weights keep their entries", self.epoch, why)
 
@@ -232,25 +231,36 @@ class SchedulerSide:
                 r.save = SaveSpec(r.save.start, r.save.start, r.save.first_chunk, [])
 
     # -- hashing (kvplug.tokens.TokenDatabase: vLLM's sha256_cbor block hash over chunks) --------
-    def _full_hashes(self, t: RequestTracker, num_chunks: int) -> list[bytes]:
+    def full_hashes(self, t: RequestTracker, num_chunks: int) -> list[bytes]:
         """The chained hashes of the first ``num_chunks`` full chunks (cached per request)."""
         return self.db.extend_hashes(t.request.all_token_ids, t.hashes, num_chunks,
                                      extra_keys=partial(chunk_extra_keys, t.request))
 
-    def _partial_hash(self, t: RequestTracker, end: int) -> bytes:
+    def partial_hash(self, t: RequestTracker, end: int) -> bytes:
         """The hash of the partial chunk ending at ``end`` (not chunk aligned)."""
         return self.db.partial_hash(t.request.all_token_ids, end, t.hashes,
                                     extra_keys=partial(chunk_extra_keys, t.request))
 
     def _hashes_for(self, t: RequestTracker, start: int, end: int) -> list[bytes]:
         """Hashes of the chunks covering ``[start, end)``; a last chunk ending early is partial."""
-        full = self._full_hashes(t, end // self.cs)[start // self.cs:]
+        full = self.full_hashes(t, end // self.cs)[start // self.cs:]
         if end % self.cs:
-            full = [*full, self._partial_hash(t, end)]
+            full = [*full, self.partial_hash(t, end)]
         return full
 
-    # -- vLLM hooks ----------------------------------------------------------------------------
-    def _track(self, request: Request) -> RequestTracker:
+    def prefix_hashes(self, t: RequestTracker, end: int
+                      ) -> tuple[list[bytes], list[tuple[int, bytes]]]:
+        """Every chunk a lookup of ``[0, end)`` may name: the full chunks' hashes, and
+        ``(tokens, hash)`` of the partial chunk ending at each block end that is not a chunk end
+        (the management API's per-tier lookup, clear and pin of a prompt)."""
+        tails = [(e, self.partial_hash(t, e)) for e in range(self.bs, end + 1, self.bs)
+                 if e % self.cs]
+        return self.full_hashes(t, end // self.cs), tails
+
+    # -- requests, tenants, epoch: also what the management API's own scheduler side uses ------
+    def track(self, request: Request) -> RequestTracker:
+        """The request's tracker, made on first sight (what it may load and store, its tenant
+        id, a consumer's hand-off wait); the tracker caches the request's chunk hashes."""
         t = self.trackers.get(request.request_id)
         if t is None:
             t = RequestTracker(request=request, prompt_len=request.num_prompt_tokens,
@@ -262,13 +272,31 @@ class SchedulerSide:
             self.trackers[request.request_id] = t
         return t
 
+    def forget(self, request_id: str) -> None:
+        """Drop a request's pins and tracker (a lookup made only to answer a question, never
+        followed by a step)."""
+        self.lookup.release([request_id])
+        self.trackers.pop(request_id, None)
+
+    def tenant_id(self, salt: str) -> str:
+        """The tenant id of the ``cache_salt`` ``salt``, as keys and the workers name it (keyed
+        by the deployment secret when there is one; never the salt itself)."""
+        return tenant_id(salt, self._auth)
+
+    def follow_epoch(self, epoch: str) -> None:
+        """Make later lookups under the weights epoch ``epoch`` (one the workers report): the
+        management API's scheduler side follows the engine's instead of drawing its own."""
+        self.epoch = epoch
+        lookup_member(self.lookup, "set_epoch")(epoch)
+
+    # -- vLLM hooks ----------------------------------------------------------------------------
     def _tenant_of(self, request: Request) -> str:
         """The request's tenant id: of its ``cache_salt`` only
         (:func:`kvplug.policies.tenants.tenant_id`), ``""`` without one. A tenant is never
         taken from ``kv_transfer_params``: a client could name another tenant there without its
         salt, charging and evicting that tenant's entries (or a fresh name, a fresh quota)."""
         salt = getattr(request, "cache_salt", None)
-        return tenant_id(str(salt), self._auth) if salt else ""
+        return self.tenant_id(str(salt)) if salt else ""
 
     def _allow(self, t: RequestTracker) -> None:
         """What the request may do: load and store unless its role or its params say no."""
@@ -291,7 +319,7 @@ class SchedulerSide:
         and stays chunk aligned (block aligned for a stored partial chunk). Repeated calls repeat
         the lookup, replacing the request's pins; nothing accumulates.
         """
-        t = self._track(request)
+        t = self.track(request)
         if t.stale:  # asked again after a weights reset: it holds no KV of the old weights now
             t.stale, t.stored_tokens, t.saved_end = False, 0, 0
             self._allow(t)
@@ -306,7 +334,7 @@ class SchedulerSide:
         if t.handoff is not None and self._handoff_later(t):
             return None, False  # the chunks a producer named: looked up again a little later
         full = cap // self.cs
-        hashes = self._full_hashes(t, full)
+        hashes = self.full_hashes(t, full)
         n = t.refine[1] if t.refine is not None and t.refine[0] == request.num_tokens else full
         timeouts = lookup_member(self.lookup, "timeouts")
         found = self._ask(t, hashes[:n], cap)
@@ -376,7 +404,7 @@ class SchedulerSide:
         inside the next chunk (below ``cap``), longest first."""
         n = len(hashes)
         top = min(cap, (n + 1) * self.cs - self.bs)
-        tails = [(e, self._partial_hash(t, e)) for e in range(top, n * self.cs, -self.bs)]
+        tails = [(e, self.partial_hash(t, e)) for e in range(top, n * self.cs, -self.bs)]
         timeouts = lookup_member(self.lookup, "timeouts")
         scope: dict[str, Any] = {"tenant": t.tenant} if t.tenant else {}
         if t.handoff is not None:  # chunks a producer named: no tier answers from a stale miss

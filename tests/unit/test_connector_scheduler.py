@@ -17,7 +17,7 @@ def model_dir(tmp_path_factory):
 def build(model_dir, **kw):
     s = make_scheduler(model_dir, **kw)
     fake = FakeLookup()
-    side = s.connector._sched
+    side = s.connector.scheduler_side
     side.lookup = fake
     return s, side, fake
 
@@ -25,7 +25,7 @@ def build(model_dir, **kw):
 def store_all(side, fake, req_id):
     """Mark every full chunk of a tracked request as stored."""
     t = side.trackers[req_id]
-    fake.stored.update(side._full_hashes(t, t.request.num_tokens // 256))
+    fake.stored.update(side.full_hashes(t, t.request.num_tokens // 256))
 
 
 def step(s):
@@ -51,7 +51,7 @@ def test_hit_is_chunk_aligned_capped_and_side_effect_free(model_dir):
     s, side, fake = build(model_dir)
     tokens = prompt(1024, 2)  # exactly 4 chunks: at most 3 may load (one token must be computed)
     r = make_request("b", tokens)
-    side._track(r)
+    side.track(r)
     store_all(side, fake, "b")
     first = side.get_num_new_matched_tokens(r, 0)
     again = side.get_num_new_matched_tokens(r, 0)
@@ -64,8 +64,8 @@ def test_load_spec_and_skip_of_stored_chunks(model_dir):
     s, side, fake = build(model_dir)
     tokens = prompt(1300, 3)
     r = make_request("c", tokens)
-    side._track(r)
-    fake.stored.update(side._full_hashes(side.trackers["c"], 3))  # 3 of 5 chunks stored
+    side.track(r)
+    fake.stored.update(side.full_hashes(side.trackers["c"], 3))  # 3 of 5 chunks stored
     s.add_request(r)
     so, md = step(s)
     (rm,) = md.requests
@@ -156,8 +156,8 @@ def test_multimodal_inputs_change_the_keys(model_dir):
     s, side, fake = build(model_dir)
     a, b = make_request("i", tokens), make_request("j", tokens)
     a.mm_features, b.mm_features = r1.mm_features, r2.mm_features
-    ha = side._full_hashes(side._track(a), 2)
-    hb = side._full_hashes(side._track(b), 2)
+    ha = side.full_hashes(side.track(a), 2)
+    hb = side.full_hashes(side.track(b), 2)
     assert ha[0] == hb[0] and ha[1] != hb[1]
 
 
@@ -187,11 +187,11 @@ def test_a_prompt_vllm_holds_is_never_held_back_by_an_unanswered_lookup(model_di
     s, side, fake = build(model_dir)
     fake.lookup = lambda req_id, hashes, tails: None  # the workers have not answered yet
     r = make_request("held", prompt(1100, 7))
-    side._track(r)
+    side.track(r)
     assert side.get_num_new_matched_tokens(r, 1088) == (0, False)
     assert fake.released == ["held"]
     other = make_request("cold", prompt(1100, 8))
-    side._track(other)
+    side.track(other)
     assert side.get_num_new_matched_tokens(other, 0) == (None, False)
     assert fake.released == ["held"]
 
@@ -206,8 +206,8 @@ def test_eagle_drafter_hit_ends_a_block_early_and_decode_stores_a_block_behind(m
     s, side, fake = build(model_dir, extra={"save_decode": True})
     side.drop_last_block = True  # compat.drops_last_block(vllm_config) with an EAGLE drafter
     r = make_request("c", prompt(1300, 3), max_tokens=500)
-    side._track(r)
-    fake.stored.update(side._full_hashes(side.trackers["c"], 3))  # 3 of 5 chunks stored
+    side.track(r)
+    fake.stored.update(side.full_hashes(side.trackers["c"], 3))  # 3 of 5 chunks stored
     s.add_request(r)
     so, md = step(s)
     (rm,) = md.requests
