@@ -323,8 +323,8 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched.update_connector_output(connector_output.kv_connector_worker_meta,
                                                 connector_output.invalid_block_ids)
             self._sched.release_held(connector_output.finished_sending)
-        if self._book is not None:
-            self._book.add(connector_output.kv_cache_events)
+        if self._book is not None and self._sched is not None:
+            self._book.add(connector_output.kv_cache_events, self._sched.epoch)
 
     def has_pending_block_frees(self) -> bool:
         # Blocks of finished requests come back once their saves' copies are done (a step or
