@@ -36,6 +36,8 @@ class LocalCPUBackend:
     never_blocks = True
     #: Victims are chosen by ``ctx.eviction`` (the tier's ``eviction`` setting).
     eviction_policy = True
+    #: ``kvplug bench`` has no raw row for it (:mod:`kvplug.bench_raw`)
+    bench_no_raw = "local_cpu is memory itself: there is no medium under it"
 
     class Options(BaseOptions):
         model_config = ConfigDict(extra="forbid")

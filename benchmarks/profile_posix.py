@@ -4,7 +4,7 @@
 
 ``kvplug bench``'s two sides, driven the same way (:class:`kvplug.cli.bench.TierTarget`: the tier
 alone in a StorageManager, a store is ``batched_put`` + ``flush``, a load ``get`` or
-``batched_get``; :class:`kvplug.cli.bench.RawFiles`: ``pwritev``/``preadv`` of the same encoded
+``batched_get``; :class:`kvplug.backends.posix.bench.RawFiles`: ``pwritev``/``preadv`` of the same encoded
 chunk files, no fsync on either side), for each value size and batch: every round stores a fresh
 set of values on both sides, loads each of them back (each answer compared, outside the timing,
 and released before the next call) and removes them; the sides alternate which goes first.
@@ -26,7 +26,8 @@ import uuid
 from pathlib import Path
 
 import torch
-from kvplug.cli.bench import RawFiles, TierTarget, Values, bench_key
+from kvplug.backends.posix.bench import RawFiles
+from kvplug.cli.bench import TierTarget, Values, bench_key
 from kvplug.config import TierConfig, parse_size
 
 

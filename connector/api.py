@@ -42,7 +42,6 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from kvplug.logs import LogOnce
-from kvplug.policies.tenants import tenant_id
 from kvplug.redact import looks_like_variable
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -327,13 +326,6 @@ class Engine:
             out.append(reply.body)
         return out
 
-    def _hashes(self, t: Any, end: int) -> tuple[list[bytes], list[tuple[int, bytes]]]:
-        """The full chunks up to ``end`` and the partial chunks at every block end up to it."""
-        cs, bs = self.sched.cs, self.sched.bs
-        full = self.sched._full_hashes(t, end // cs)
-        tails = [(e, self.sched._partial_hash(t, e)) for e in range(bs, end + 1, bs) if e % cs]
-        return full, tails
-
     def lookup(self, ids: list[int], salt: str | None) -> LookupResponse:
         if len(ids) <= self.block_size:  # nothing a request could load: it computes a token
             return LookupResponse(tokens=0, prompt_tokens=len(ids), chunk_size=self.sched.cs,
@@ -348,15 +340,14 @@ class Engine:
                               block_size=self.block_size, tiers=tiers)
 
     def _per_tier(self, q: _Query) -> dict[str, TierLookup]:
-        t = self.sched._track(q)  # hashes as the scheduler makes them (salt, chunk keys)
+        t = self.sched.track(q)  # hashes as the scheduler makes them (salt, chunk keys)
         cap = (q.num_tokens - 1) // self.sched.bs * self.sched.bs
         if not t.can_load or cap <= 0:
             names = self.config.tier_names()
             return {n: TierLookup(held=0, served=0) for n in names}
-        full, tails = self._hashes(t, cap)
+        full, tails = self.sched.prefix_hashes(t, cap)
         ranks = self.ask(ManageLookup(full, tails, t.tenant))
-        self.sched.epoch = ranks[0]["epoch"]  # the weights epoch the workers run under
-        self.sched.lookup.set_epoch(self.sched.epoch)
+        self.sched.follow_epoch(ranks[0]["epoch"])  # the weights epoch the workers run under
         return {name: TierLookup(held=min(r["tiers"][name]["held"] for r in ranks),
                                  served=min(r["tiers"][name]["served"] for r in ranks))
                 for name in ranks[0]["tiers"]}
@@ -374,8 +365,7 @@ class Engine:
                     raise HTTPException(503, "kvplug lookup: the workers did not answer")
                 time.sleep(0.002)
         finally:
-            self.sched.lookup.release([q.request_id])
-            self.sched.trackers.pop(q.request_id, None)
+            self.sched.forget(q.request_id)
 
     def _known_tiers(self, asked: list[str] | None) -> None:
         """404 naming any tier in ``asked`` that the config does not have."""
@@ -390,8 +380,8 @@ class Engine:
         the tenant of their keys, as the scheduler makes them (salt, chunk keys)."""
         with self._lock:
             q = _Query(f"kvplug-api-{what}-{next(self._ids)}", ids, salt)
-            t = self.sched._track(q)
-            full, tails = self._hashes(t, q.num_tokens)
+            t = self.sched.track(q)
+            full, tails = self.sched.prefix_hashes(t, q.num_tokens)
             self.sched.trackers.pop(q.request_id, None)
         return full, [h for _, h in tails], t.tenant
 
@@ -404,8 +394,8 @@ class Engine:
                                                           "clear")
             hashes = full + tails
         if isinstance(body, ClearTenant):  # its id, as the scheduler makes it (never the salt)
-            ranks = self.ask(ManageClear(tiers_asked, None, tenant_id(body.tenant,
-                                                                      self.sched._auth), True))
+            ranks = self.ask(ManageClear(tiers_asked, None, self.sched.tenant_id(body.tenant),
+                                         True))
         else:
             ranks = self.ask(ManageClear(tiers_asked, hashes, key_tenant))
         tiers: dict[str, TierClear] = {}

@@ -290,6 +290,13 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         return True
 
     # -- scheduler side ------------------------------------------------------------------------
+    @property
+    def scheduler_side(self) -> SchedulerSide | None:
+        """The scheduler half this connector routes to (read-only): its trackers, lookup,
+        stats and epoch, for tests, the simulation and benchmarks that watch or stand in for
+        parts of it. None on a worker-role connector."""
+        return self._sched
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         assert self._sched is not None
@@ -316,8 +323,8 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched.update_connector_output(connector_output.kv_connector_worker_meta,
                                                 connector_output.invalid_block_ids)
             self._sched.release_held(connector_output.finished_sending)
-        if self._book is not None:
-            self._book.add(connector_output.kv_cache_events)
+        if self._book is not None and self._sched is not None:
+            self._book.add(connector_output.kv_cache_events, self._sched.epoch)
 
     def has_pending_block_frees(self) -> bool:
         # Blocks of finished requests come back once their saves' copies are done (a step or

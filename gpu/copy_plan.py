@@ -256,6 +256,16 @@ def _engine_rows(kv: PagedKV, word: int) -> _EngineRows | None:
                        st.stride(0) // P, st.stride(1) // P)
 
 
+def _engine_rows_or_each_layer(route: _Route, kv: PagedKV, word: int) -> _EngineRows | None:
+    """The engine's rows for one bulk copy of ``route`` (:func:`_engine_rows`), or ``None`` once
+    ``route`` has copied layer by layer where no word view covers the KV."""
+    eng = _engine_rows(kv, word)
+    if eng is None:
+        for layer in range(kv.num_layers):
+            route.layer(layer, None)
+    return eng
+
+
 def _on(device: torch.device, t: torch.Tensor) -> torch.Tensor:
     """A host index on ``device``; on CUDA through pinned memory, without a host synchronisation,
     on the current stream (the one whose work uses it, so the allocator keeps it for that work)."""
@@ -323,10 +333,8 @@ class _RowsRoute:
 
     def bulk(self) -> None:
         if self._bulk is None:
-            eng = _engine_rows(self.kv, self.word)
+            eng = _engine_rows_or_each_layer(self, self.kv, self.word)
             if eng is None:
-                for layer in range(self.kv.num_layers):
-                    self.layer(layer, None)
                 return
             layers = torch.arange(self.kv.num_layers)[:, None]
             dev = self.kv.device
@@ -394,10 +402,8 @@ class _StagedRoute:
 
     def bulk(self) -> None:
         if self._bulk is None:
-            eng = _engine_rows(self.kv, self.word)
+            eng = _engine_rows_or_each_layer(self, self.kv, self.word)
             if eng is None:
-                for layer in range(self.kv.num_layers):
-                    self.layer(layer, None)
                 return
             self._bulk = (eng, _on(self.kv.device, self._object_order(eng)))
         eng, index = self._bulk

@@ -27,6 +27,12 @@ class BackendValidationError(KVPlugError, TypeError):
     """A backend does not honour the hook contract (wrong argument names, missing hooks...)."""
 
 
+class BackendContractWarning(UserWarning):
+    """A plugin loads but breaks a rule that cannot be told from its code alone (``contains``
+    takes ``pin`` but there is no ``unpin``: harmless where the tier ignores ``pin``, a leak of
+    pins where it does not)."""
+
+
 class MemoryObjFreedError(KVPlugError, RuntimeError):
     """A memory object was used after its last reference was dropped."""
 

@@ -24,12 +24,20 @@ backend's name in the error. A minimal backend::
             ...  # allocate with ctx.allocate(...) and fill it, or return None
 
         @hookimpl
-        def contains(self, keys, pin):
+        def contains(self, keys):      # no ``pin``: this tier never pins (else: ``unpin`` too)
             return [k in self.entries for k in keys]
 
         @hookimpl
         def evict(self, keys, nbytes):
             ...
+
+Each hook below says at its declaration whether a backend must implement it: ``@required``
+(``batched_submit_put``, ``get``, ``contains``, ``evict``), ``@optional`` (kvplug does without it,
+as its docstring says), or ``@required_with(hook, argument, ...)`` (``unpin``: required when the
+backend's ``contains`` takes ``pin``; a class without it loads with a
+:class:`~kvplug.errors.BackendContractWarning` naming it, since a tier that takes ``pin`` and
+ignores it is fine). The loader reads those markers (:func:`missing_hooks`, :func:`unmet_needs`);
+:data:`REQUIRED_HOOKS` is derived from them.
 
 Rules that hold for every hook:
 
@@ -89,8 +97,90 @@ PROJECT = "kvplug"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-#: Hooks every backend must implement; the rest are optional.
-REQUIRED_HOOKS = ("batched_submit_put", "get", "contains", "evict")
+#: The attribute a hook specification's :class:`Need` is recorded under.
+NEED_ATTR = f"{PROJECT}_need"
+
+
+@dataclass(frozen=True)
+class Need:
+    """Whether a plugin must implement a hook: declared once, at the hook's specification, by
+    :func:`required`, :func:`optional` or :func:`required_with` (the loader reads it there:
+    :func:`required_hooks`, :func:`missing_hooks`, :func:`unmet_needs`)."""
+
+    #: the hook must always be implemented
+    always: bool
+    #: ``(hook, argument)``: the hook must be implemented when the implementation of ``hook``
+    #: declares ``argument`` (``unpin`` when ``contains`` takes ``pin``)
+    when: tuple[str, str] | None = None
+    #: why, for the warning that names a class breaking the rule
+    why: str = ""
+
+
+def _declare(need: Need) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def mark(spec: Callable[..., Any]) -> Callable[..., Any]:
+        setattr(spec, NEED_ATTR, need)
+        return spec
+    return mark
+
+
+#: A hook every plugin of the spec implements.
+required = _declare(Need(always=True))
+#: A hook a plugin may leave out (kvplug then does without it, as the hook's docstring says).
+optional = _declare(Need(always=False))
+
+
+def required_with(hook: str, argument: str, why: str) -> Callable[[Callable[..., Any]],
+                                                                   Callable[..., Any]]:
+    """A hook a plugin implements exactly when its ``hook`` implementation declares
+    ``argument`` (otherwise optional); ``why`` goes into the warning naming a class without it
+    (:func:`unmet_needs`)."""
+    return _declare(Need(always=False, when=(hook, argument), why=why))
+
+
+def hook_needs(spec: type) -> dict[str, Need]:
+    """Every hook of the specification class ``spec``, in declaration order, with its
+    :class:`Need`; a hook declared neither required nor optional is a ``TypeError`` (so the
+    specs below cannot leave one unsaid: this module fails to import)."""
+    needs = {}
+    for name, fn in vars(spec).items():
+        if not hasattr(fn, f"{PROJECT}_spec"):
+            continue
+        need = getattr(fn, NEED_ATTR, None)
+        if not isinstance(need, Need):
+            raise TypeError(f"{spec.__name__}.{name} is declared neither @required nor "
+                            "@optional")
+        needs[name] = need
+    return needs
+
+
+def required_hooks(spec: type) -> tuple[str, ...]:
+    """The hooks of ``spec`` declared :func:`required`, in declaration order."""
+    return tuple(name for name, need in hook_needs(spec).items() if need.always)
+
+
+def missing_hooks(spec: type, implemented: Callable[[str], Sequence[tuple[str, ...]]]
+                  ) -> list[str]:
+    """The ``@required`` hooks of ``spec`` a plugin does not implement. ``implemented(h)``
+    gives the argument names of each of the plugin's implementations of hook ``h`` (none: it
+    does not implement ``h``)."""
+    return [name for name, need in hook_needs(spec).items()
+            if need.always and not implemented(name)]
+
+
+def unmet_needs(spec: type, implemented: Callable[[str], Sequence[tuple[str, ...]]]
+                ) -> list[str]:
+    """What a plugin lacks of ``spec``'s :func:`required_with` hooks, one sentence each with
+    the fix (``implemented`` as for :func:`missing_hooks`)."""
+    unmet = []
+    for name, need in hook_needs(spec).items():
+        if need.when is None or implemented(name):
+            continue
+        hook, argument = need.when
+        if any(argument in names for names in implemented(hook)):
+            unmet.append(f"its {hook} takes {argument!r} but it implements no {name} "
+                         f"({need.why}): add an @hookimpl {name}, or drop {argument!r} from "
+                         f"{hook}'s arguments if it ignores it")
+    return unmet
 
 
 @dataclass
@@ -180,6 +270,7 @@ class TierContext:
 class BackendSpec:
     """The hook specifications. Every hook is documented where it is declared."""
 
+    @optional
     @hookspec(firstresult=True)
     def allocate(
         self,
@@ -196,12 +287,14 @@ class BackendSpec:
         even after evicting what may be evicted. Must not block waiting for memory to free up.
         """
 
+    @optional
     @hookspec(firstresult=True)
     def memory_regions(self) -> list[tuple[int, int]]:
-        """Optional, for tiers that implement :meth:`allocate`: ``(address, nbytes)`` of each
+        """For tiers that implement :meth:`allocate`: ``(address, nbytes)`` of each
         host buffer their objects live in (L1's pool), fixed for the tier's life. Other tiers
         receive them as ``ctx.memory_regions()`` to register them with their store's client."""
 
+    @required
     @hookspec(firstresult=True)
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
         """Store ``objs[i]`` under ``keys[i]`` (called on every tier: write-through); ``keys``
@@ -217,6 +310,7 @@ class BackendSpec:
         bytes are durable enough to be read back whole.
         """
 
+    @required
     @hookspec(firstresult=True)
     def get(self, key: CacheKey) -> MemoryObj | None:
         """The whole chunk stored under ``key``, or ``None`` on a miss.
@@ -227,9 +321,10 @@ class BackendSpec:
         timeout. Verify sizes and checksums before returning: a bad entry is a miss, never bytes.
         """
 
+    @optional
     @hookspec(firstresult=True)
     def batched_get(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None] | None:
-        """Optional: :meth:`get` of several keys in one go (one pipelined round trip, one batch
+        """:meth:`get` of several keys in one go (one pipelined round trip, one batch
         call), one answer per key in ``keys``' order (``None``: that key is a miss).
 
         Every rule of :meth:`get` holds per key (one reference per object, owned by the caller;
@@ -242,9 +337,10 @@ class BackendSpec:
         fault (every key a miss).
         """
 
+    @optional
     @hookspec(firstresult=True)
     def batched_get_nowait(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None] | None:
-        """Optional: :meth:`batched_get` of what the tier can read **without waiting** on its
+        """:meth:`batched_get` of what the tier can read **without waiting** on its
         medium — bytes in memory or in the OS page cache, nothing that waits on a device or a
         network (a local file read with ``RWF_NOWAIT``, opened from the kernel's lookup cache)
         — called on the caller's thread, the engine step's included, before any bounded call.
@@ -257,9 +353,10 @@ class BackendSpec:
         and verifying bytes already in memory); a tier that cannot promise that leaves it out.
         """
 
+    @optional
     @hookspec(firstresult=True)
     def get_layers(self, key: CacheKey, first_layer: int, num_layers: int) -> MemoryObj | None:
-        """Optional: layers ``[first_layer, first_layer + num_layers)`` of a ``KV_PAGES`` (or
+        """Layers ``[first_layer, first_layer + num_layers)`` of a ``KV_PAGES`` (or
         ``ENCODED``) chunk.
 
         The object's shape is ``[num_layers, blocks, page_bytes]`` and its ``num_tokens`` the
@@ -271,6 +368,7 @@ class BackendSpec:
         vLLM recomputes it), never wrong bytes.
         """
 
+    @required
     @hookspec(firstresult=True)
     def contains(self, keys: Sequence[CacheKey], pin: bool) -> list[bool]:
         """For each key, whether this tier holds it now (one ``bool`` per key, same order).
@@ -281,22 +379,29 @@ class BackendSpec:
         tier's timeout; on doubt, answer ``False``.
         """
 
+    @optional
     @hookspec(firstresult=True)
     def forget_misses(self, keys: Sequence[CacheKey]) -> None:
-        """Optional, and needed by every tier that remembers misses (a negative cache, a lookup
-        cache): forget any remembered miss of these keys, so the next :meth:`contains` asks the
-        store itself. Called before a lookup of chunks another engine announced it is storing
+        """Forget any remembered miss of these keys, so the next :meth:`contains` asks the
+        store itself. Every tier that remembers misses (a negative cache, a lookup cache)
+        implements it. Called before a lookup of chunks another engine announced it is storing
         (disaggregated prefill: the producer's hand-off), which a remembered miss would hide
         until it expires. Cheap; never blocks."""
 
+    @required_with("contains", "pin", "contains(pin=True) takes pins that only unpin releases")
     @hookspec(firstresult=True)
     def unpin(self, keys: Sequence[CacheKey]) -> None:
-        """Optional: release one pin (from ``contains(pin=True)``) on each key. Unknown keys are
-        ignored."""
+        """Release one pin (from ``contains(pin=True)``) on each key. Unknown keys are ignored.
 
+        Needed by every tier whose ``contains`` pins: without it a pin is never released, and a
+        pinned entry is never evicted. A tier that never pins leaves ``pin`` out of ``contains``
+        and needs no ``unpin``; a class whose ``contains`` takes ``pin`` but that has no
+        ``unpin`` loads with a :class:`~kvplug.errors.BackendContractWarning` naming the fix."""
+
+    @optional
     @hookspec(firstresult=True)
     def operator_pin(self, keys: Sequence[CacheKey]) -> list[str]:
-        """Optional: an operator's pin (``kvplug cache pin``): keep each key's entry until
+        """An operator's pin (``kvplug cache pin``): keep each key's entry until
         :meth:`operator_unpin`, exempt from eviction as a lookup's pin is (``evict`` skips it).
 
         One answer per key: ``"pinned"`` (pinned now, or already pinned by an operator: a second
@@ -307,10 +412,12 @@ class BackendSpec:
         A tier that keeps state across restarts keeps its operator pins too (posix).
         """
 
+    @optional
     @hookspec(firstresult=True)
     def operator_unpin(self, keys: Sequence[CacheKey]) -> list[bool]:
-        """Optional: release an operator's pin of each key; ``True`` where one was held."""
+        """Release an operator's pin of each key; ``True`` where one was held."""
 
+    @required
     @hookspec(firstresult=True)
     def evict(self, keys: Sequence[CacheKey] | None, nbytes: int) -> int:
         """Drop entries; return the number of bytes freed.
@@ -320,31 +427,41 @@ class BackendSpec:
         LRU), as far as unpinned entries allow. Never raises for unknown keys.
         """
 
+    @optional
     @hookspec(firstresult=True)
     def tenant_usage(self) -> dict[str, int]:
-        """Optional: bytes held per tenant id (``key.tenant``; ``""``: chunks without one), for
+        """Bytes held per tenant id (``key.tenant``; ``""``: chunks without one), for
         tiers that can list their entries (tenants are in every object name, ``.t<16 hex>``).
         Cheap enough for a metrics scrape."""
 
+    @optional
     @hookspec(firstresult=True)
     def evict_tenant(self, tenant: str) -> list[int]:
-        """Optional: drop every entry of tenant id ``tenant`` that is not pinned (a shared
+        """Drop every entry of tenant id ``tenant`` that is not pinned (a shared
         directory's files of other processes included); ``[entries removed, entries left]``.
         Tiers that cannot list their entries (a store that evicts by itself) leave it out: a
         clear by tenant then says "not available" for them."""
 
+    @optional
     @hookspec(firstresult=True)
     def flush(self, timeout: float) -> bool:
-        """Optional: wait up to ``timeout`` seconds for queued writes; True if none is left."""
+        """Wait up to ``timeout`` seconds for queued writes; True if none is left."""
 
+    @optional
     @hookspec(firstresult=True)
     def close(self) -> None:
-        """Optional: drain queued writes, release every reference and resource. Called once."""
+        """Drain queued writes, release every reference and resource. Called once."""
 
+    @optional
     @hookspec(firstresult=True)
     def stats(self) -> dict[str, float]:
-        """Optional: counters for logs and metrics (``entries``, ``bytes``, ``dropped_puts``,
+        """Counters for logs and metrics (``entries``, ``bytes``, ``dropped_puts``,
         ``corrupt``...). Cheap; called from any thread."""
+
+
+#: The hooks every backend implements (derived from the markers above; kept for callers that
+#: imported it).
+REQUIRED_HOOKS: tuple[str, ...] = required_hooks(BackendSpec)
 
 
 class BackendClass(Protocol):
@@ -387,6 +504,9 @@ class BackendClass(Protocol):
       counting the bytes it stores per tenant and skipping a store past its tenant's quota
       (approximate: ``kvplug.backends.common.tenant_budget``); such a tier, or one with
       ``eviction_policy``, accepts a ``quotas`` setting. Default ``False``.
+    * ``bench_raw`` / ``bench_no_raw`` — the raw medium under a tier for ``kvplug bench``'s
+      tier/raw ratio, or why there is none: declared in :mod:`kvplug.bench_raw`. Default: no
+      raw row.
 
     An instance may also set ``call_bound_s: float`` — the longest one of its hook calls can wait,
     all included: a connection pool's wait, every round trip, a reply that arrives slowly over
@@ -394,6 +514,11 @@ class BackendClass(Protocol):
     opens. Where that is within the tier's ``timeout_s``, kvplug calls it on the caller's thread
     instead of handing the call to the tier's pool (:mod:`kvplug.tier_calls`); the tier still
     may block. A bound that leaves any wait out must not be declared. Default: none.
+
+    A subclass turns off a hook its base class implements by setting that name to ``None``
+    (``get_layers = None`` in the mooncake tier, whose store has no ranged read): the hook is then
+    not implemented, for the loader, the StorageManager and the conformance kit alike. A hook
+    declared ``@required`` cannot be turned off (:func:`class_contract_problems` names it).
 
     Not ``runtime_checkable``: every member but ``__init__`` is optional, so ``isinstance`` could
     not tell a backend class from any other; :func:`class_contract_problems` checks it instead.
@@ -417,6 +542,9 @@ def class_contract_problems(cls: type) -> list[str]:
     if model is not None and not (isinstance(model, type) and issubclass(model, BaseModel)):
         problems.append(f"Options is {model!r}, not a pydantic model class: derive it from "
                         "kvplug.config.BaseOptions (or remove it to receive the raw dict)")
+    for hook in required_hooks(BackendSpec):
+        if hook in dir(cls) and getattr(cls, hook) is None:
+            problems.append(f"{hook} = None turns off a required hook; implement it")
     for flag in ("never_blocks", "local_medium", "unbounded", "eviction_policy", "budget_quotas",
                  "encrypts"):
         value = getattr(cls, flag, False)

@@ -1,7 +1,7 @@
 """What an operator's management calls do to a StorageManager's tiers, and what they report.
 
 The one place for the rules of kvplug's management calls, whoever makes them: the workers'
-management service inside vLLM (``kvplug.connector.protocol.manage``, behind the HTTP API of
+management service inside vLLM (``kvplug.connector.worker.management``, behind the HTTP API of
 ``kvplug serve``) and ``kvplug cache status|clear --config FILE`` on the stores directly. Nothing
 here imports vLLM.
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
-from collections.abc import Collection
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
@@ -23,11 +22,12 @@ import pluggy
 
 from .errors import (
     BackendConflictError,
+    BackendContractWarning,
     BackendLoadError,
     BackendNotFoundError,
     BackendValidationError,
 )
-from .hookspecs import PROJECT, REQUIRED_HOOKS, BackendSpec, class_contract_problems
+from .hookspecs import PROJECT, BackendSpec, class_contract_problems, missing_hooks, unmet_needs
 
 ENTRY_POINT_GROUP = "kvplug.backends"
 
@@ -153,17 +153,20 @@ def validate_backend_class(cls: type, name: str, package: str = "?") -> None:
             f"backend {name!r} from package {package} does not honour the kvplug class contract "
             f"(kvplug.hookspecs.BackendClass): {'; '.join(problems)}"
         )
-    check_hookimpls(cls, BackendSpec, REQUIRED_HOOKS, f"validate:{name}",
+    check_hookimpls(cls, BackendSpec, f"validate:{name}",
                     f"backend {name!r} from package {package}", "kvplug contract",
                     "kvplug.hookspecs")
 
 
-def check_hookimpls(cls: type, spec: type, required: Collection[str], register_as: str,
-                    who: str, contract: str, specs_module: str) -> None:
+def check_hookimpls(cls: type, spec: type, register_as: str, who: str, contract: str,
+                    specs_module: str) -> None:
     """Register ``cls`` against the hook specs ``spec`` as a plugin manager would, and check that
-    it implements every ``required`` hook; a ``BackendValidationError`` naming ``who`` (the
-    backend or policy), the ``contract`` it breaks and the ``specs_module`` to read, if not.
-    Backends and policies are validated through here."""
+    it implements every ``@required`` hook (:func:`~kvplug.hookspecs.missing_hooks`); a
+    ``BackendValidationError`` naming ``who`` (the backend or policy), the ``contract`` it breaks
+    and the ``specs_module`` to read, if not. A ``required_with`` hook it lacks
+    (:func:`~kvplug.hookspecs.unmet_needs`: ``unpin`` where ``contains`` takes ``pin``) is a
+    :class:`~kvplug.errors.BackendContractWarning` naming the class and the fix. Backends and
+    policies are validated through here."""
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(spec)
     try:
@@ -171,8 +174,15 @@ def check_hookimpls(cls: type, spec: type, required: Collection[str], register_a
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         raise BackendValidationError(f"{who} does not honour the {contract}: {exc}") from exc
-    missing = [h for h in required if not getattr(pm.hook, h).get_hookimpls()]
+
+    def implemented(hook: str) -> list[tuple[str, ...]]:
+        return [impl.argnames for impl in getattr(pm.hook, hook).get_hookimpls()]
+
+    missing = missing_hooks(spec, implemented)
     if missing:
         raise BackendValidationError(
             f"{who} implements no @hookimpl for required hook(s) {', '.join(missing)}; see "
             f"{specs_module} for their signatures")
+    for unmet in unmet_needs(spec, implemented):
+        warnings.warn(f"{who} ({cls.__module__}.{cls.__qualname__}): {unmet}",
+                      BackendContractWarning, stacklevel=3)

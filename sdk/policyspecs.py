@@ -31,6 +31,9 @@ and kvplug's own reference policies (``lru``, ``s3fifo``, ``always``, ``tinylfu`
 exactly so in kvplug's pyproject.toml. ``kvplug.testing.PolicyConformance`` is the kit a policy
 runs against itself (docs/conformance.md).
 
+Each hook below says at its declaration whether a policy of its kind must implement it
+(``@required`` or ``@optional``, the markers of :mod:`kvplug.hookspecs`); the loader reads them.
+
 Rules for every policy:
 
 * **Eviction policies are owned by one tier** (``ctx.eviction`` of a backend whose class sets
@@ -58,17 +61,12 @@ from typing import Any
 
 import pluggy
 
-from .hookspecs import PROJECT
+from .hookspecs import PROJECT, optional, required, required_hooks
 
 policyspec = pluggy.HookspecMarker(PROJECT)
 #: The same marker backends use; kept under a name that reads well in a policy module.
 policyimpl = pluggy.HookimplMarker(PROJECT)
 
-#: The kinds of policy, and the hooks each kind must implement.
-REQUIRED_HOOKS: dict[str, tuple[str, ...]] = {
-    "eviction": ("insert", "access", "remove", "victims"),
-    "admission": ("record_use", "admit"),
-}
 
 
 @dataclass
@@ -102,21 +100,25 @@ class EvictionSpec:
     keeps one inserts it again).
     """
 
+    @required
     @policyspec
     def insert(self, key: Hashable, nbytes: int) -> None:
         """A new entry of ``nbytes`` bytes is stored under ``key`` (an entry already known is
         refreshed: its size replaced, its use counted as an :meth:`access`)."""
 
+    @required
     @policyspec
     def access(self, key: Hashable) -> None:
         """``key`` was used (read, found by a lookup that pins it, stored again). Unknown keys
         are ignored."""
 
+    @required
     @policyspec
     def remove(self, key: Hashable) -> None:
         """``key`` left the tier for a reason of its own (an explicit evict, a corrupt or vanished
         file, another process's eviction): forget it. Unknown keys are ignored."""
 
+    @required
     @policyspec
     def victims(self, nbytes: int, evictable: Callable[[Hashable], bool]) -> list[Hashable]:
         """Entries to evict, in order, whose sizes sum to at least ``nbytes`` — or every entry
@@ -125,9 +127,10 @@ class EvictionSpec:
         key returned is forgotten (as by :meth:`remove`); the tier drops it. Must end: a policy
         that reorders entries while it looks (S3-FIFO's second chances) bounds its passes."""
 
+    @optional
     @policyspec
     def stats(self) -> dict[str, float]:
-        """Optional: counters for logs and metrics (``entries``, ``promotions``...)."""
+        """Counters for logs and metrics (``entries``, ``promotions``...)."""
 
 
 class AdmissionSpec:
@@ -140,28 +143,36 @@ class AdmissionSpec:
     another tier implements :meth:`admit_loaded`.
     """
 
+    @required
     @policyspec
     def record_use(self, keys: Sequence[Hashable]) -> None:
         """Each of ``keys`` was used once more by a request (computed and offered for storage,
         or loaded). A key may appear in one call once."""
 
+    @required
     @policyspec
     def admit(self, keys: Sequence[Hashable], sizes: Sequence[int]) -> list[bool]:
         """For each key (of ``sizes[i]`` bytes), whether to store it in the tier now: one bool
         per key, same order. Cheap; no I/O."""
 
+    @optional
     @policyspec
     def admit_loaded(self, keys: Sequence[Hashable], sizes: Sequence[int]) -> list[bool]:
-        """Optional: ``keys`` this tier refused earlier were just loaded from another tier (a
+        """``keys`` this tier refused earlier were just loaded from another tier (a
         faster one held them): whether to store them here now, from the loaded bytes. Without
         this hook they are not (the StorageManager then remembers no refusals for the tier).
         Measured on the chat trace (benchmarks/bench_policies.py): writing on such loads keeps
         ~1% more hit tokens for ~20 points less of the write savings."""
 
+    @optional
     @policyspec
     def stats(self) -> dict[str, float]:
-        """Optional: counters for logs and metrics (``admitted``, ``rejected``, ``agings``...)."""
+        """Counters for logs and metrics (``admitted``, ``rejected``, ``agings``...)."""
 
 
 #: The spec class of each kind.
 SPECS: dict[str, type] = {"eviction": EvictionSpec, "admission": AdmissionSpec}
+#: The hooks each kind must implement (derived from the ``@required`` markers; kept for callers
+#: that imported it).
+REQUIRED_HOOKS: dict[str, tuple[str, ...]] = {kind: required_hooks(spec)
+                                              for kind, spec in SPECS.items()}

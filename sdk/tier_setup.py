@@ -21,7 +21,7 @@ from .codecs.registry import build_codec
 from .codecs.wrapper import CodecWrapper, describe_codec
 from .config import TierConfig
 from .errors import BackendLoadError, ConfigError, KVPlugError
-from .hookspecs import PROJECT, BackendSpec, TierContext
+from .hookspecs import PROJECT, BackendSpec, TierContext, hook_needs
 from .memory import MemoryObj
 from .plugins import load_backend_class
 from .policies.gate import AdmissionGate
@@ -34,12 +34,7 @@ from .tier_calls import Tier
 logger = logging.getLogger("kvplug.storage")
 
 #: The hooks a tier is called through (each tier gets a caller per hook, see :class:`ScopedHooks`).
-HOOKS = (
-    "allocate", "memory_regions", "batched_submit_put", "get", "batched_get",
-    "batched_get_nowait", "get_layers",
-    "contains", "forget_misses", "unpin", "operator_pin", "operator_unpin", "evict",
-    "tenant_usage", "evict_tenant", "flush", "close", "stats",
-)
+HOOKS = tuple(hook_needs(BackendSpec))
 
 
 def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | None],

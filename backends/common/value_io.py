@@ -2,19 +2,26 @@
 
 :class:`GuardedCalls` is what every remote tier shares (resp, mooncake and fsspec): counting,
 credential scrubbing, the breaker, batched stores. :class:`ValueIO` adds a key-value store's calls:
-a subclass implements the store's batched primitives (``_exists``, ``_get``, ``_get_many``,
-``_get_range``, ``_set_many``, ``_delete``), each one bounded round trip or batch call that
-raises on a failed or timed-out call. This class turns every such failure into a miss (``None``), counts it and feeds
-it to the breaker; a store that is refused (open breaker) is not called at all. A reply that says
-the store is full or refused one value is :class:`StoreRefused`: counted, not held against the
-breaker (the store answered).
+a subclass implements the store's primitives, each one bounded round trip or batch call that
+raises on a failed or timed-out call. Which it must implement is said where each is declared:
+``@abstractmethod`` for those every store needs (``_exists``, ``_get``, ``_set_many``,
+``_delete``), a default body for the optional ones (``_get_many``, ``_get_each``,
+``registered``), and :func:`needed_when` for those a flag of the class asks for
+(``reads_into``, ``sized_reads``): a subclass that sets the flag without them fails at
+construction with a ``TypeError`` naming them, as one missing an abstract method does.
+
+This class turns every failed call into a miss (``None``), counts it and feeds it to the
+breaker; a store that is refused (open breaker) is not called at all. A reply that says the store
+is full or refused one value is :class:`StoreRefused`: counted, not held against the breaker (the
+store answered).
 """
 
 from __future__ import annotations
 
 import threading
+from abc import ABC, ABCMeta, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from kvplug.redact import Redactor
@@ -31,7 +38,34 @@ class Unanswered(Exception):
     while the rest did: a failed store of this value, not a full store."""
 
 
-class GuardedCalls:
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: The attribute a primitive's flag (:func:`needed_when`) is recorded under.
+NEEDED_WHEN = "needed_when"
+
+
+def needed_when(flag: str) -> Callable[[F], F]:
+    """Declares a primitive that a subclass must implement when it sets ``flag`` (the body
+    declared here is never run: construction refuses such a subclass, :class:`_NeedsPrimitives`)."""
+    def mark(fn: F) -> F:
+        setattr(fn, NEEDED_WHEN, flag)
+        return fn
+    return mark
+
+
+class _NeedsPrimitives(ABCMeta):
+    """ABC's check, plus one after ``__init__`` (a flag may be set there): every primitive
+    :func:`needed_when` a flag the instance sets is implemented, else a ``TypeError`` naming it."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        io = super().__call__(*args, **kwargs)
+        missing = io.missing_primitives()
+        if missing:
+            raise TypeError(f"{cls.__name__} does not implement {', '.join(missing)}")
+        return io
+
+
+class GuardedCalls(ABC):
     """Counted calls to one remote store behind the tier's circuit breaker (what every remote
     tier shares: resp, mooncake, fsspec). A failed or timed-out call is counted, its message
     scrubbed of credentials and fed to the breaker; a call the breaker refuses is not made."""
@@ -94,8 +128,11 @@ class GuardedCalls:
             self._count("store_errors", refused)
         return out
 
+    @abstractmethod
     def _set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None]:
-        raise NotImplementedError
+        """Store every value in one batch (copy it, unless :attr:`keeps_values`: the writer
+        reuses its buffer); per value ``None`` (stored) or why the store refused it
+        (:class:`StoreRefused`, :class:`Unanswered`); raise when the call as a whole failed."""
 
     def new_buffer(self, nbytes: int) -> memoryview:
         """Memory for a writer thread to encode values into (kept and reused by that thread; its
@@ -108,7 +145,7 @@ class GuardedCalls:
             return {k: float(v) for k, v in self._counts.items()}
 
 
-class ValueIO(GuardedCalls):
+class ValueIO(GuardedCalls, metaclass=_NeedsPrimitives):
     """Guarded, counted calls to one key-value store."""
 
     #: Whether the store reads a value in pieces straight into caller memory
@@ -129,20 +166,23 @@ class ValueIO(GuardedCalls):
     sized_reads = False
 
     # -- what subclasses implement (raise on a failed call) -------------------------------------
+    @abstractmethod
     def _exists(self, names: Sequence[str]) -> list[bool | None]:
-        raise NotImplementedError
+        """Per name whether the store holds it, in one batch."""
 
+    @abstractmethod
     def _get(self, name: str) -> bytes | None:
-        raise NotImplementedError
+        """The whole value, ``None`` when it is missing."""
 
     def _get_many(self, names: Sequence[str]) -> list[bytes | None]:
         """Whole values in one batch (one pipeline, one batch call); one ``_get`` each unless a
         store overrides it."""
         return [self._get(n) for n in names]
 
+    @needed_when("sized_reads")
     def _get_sized(self, name: str, expect: int) -> bytes | None:
-        """(:attr:`sized_reads` stores) bytes ``[0, expect + 1)`` of the value: all of it when it
-        is at most ``expect`` bytes long."""
+        """Bytes ``[0, expect + 1)`` of the value: all of it when it is at most ``expect`` bytes
+        long."""
         raise NotImplementedError
 
     def _get_each(self, names: Sequence[str],
@@ -155,19 +195,26 @@ class ValueIO(GuardedCalls):
         for i, value in enumerate(self._get_many(names)):
             use(i, value)
 
+    @needed_when("sized_reads")
     def _head(self, name: str, length: int) -> tuple[bytes, int] | None:
-        """(:attr:`sized_reads` stores) the first ``length`` bytes of a value and its size, in
-        one round trip; ``None`` when it is missing."""
+        """The first ``length`` bytes of a value and its size, in one round trip; ``None`` when
+        it is missing."""
         raise NotImplementedError
 
+    @needed_when("sized_reads")
     def _get_range(self, name: str, start: int, end: int) -> bytes | None:
+        """Bytes ``[start, end)`` of a value, ``None`` when it is missing: the body of a
+        :attr:`sized_reads` read, and a tier's ``get_layers`` (see :attr:`ranged_reads`)."""
         raise NotImplementedError
 
+    @abstractmethod
     def _delete(self, names: Sequence[str]) -> None:
-        raise NotImplementedError
+        """Delete values in one batch (missing ones are fine)."""
 
+    @needed_when("reads_into")
     def _get_into_many(self, names: Sequence[str], pieces: Sequence[Sequence[tuple[int, int]]]
                        ) -> list[int | bytearray | None]:
+        """See :meth:`get_into_many`."""
         raise NotImplementedError
 
     def registered(self, address: int, nbytes: int) -> bool:
@@ -175,10 +222,28 @@ class ValueIO(GuardedCalls):
         into memory only reads into memory registered with its client)."""
         return False
 
+    @needed_when("reads_into")
     def scratch(self, nbytes: int) -> Any:
         """This thread's scratch memory for reads in pieces (at least ``nbytes``; registered),
         as a numpy ``uint8`` array; reused by the thread's next read."""
         raise NotImplementedError
+
+    @property
+    def ranged_reads(self) -> bool:
+        """Whether the store reads a byte range of a value (:meth:`_get_range`): a tier's
+        ``get_layers`` needs it, and so does every :attr:`sized_reads` store. True where
+        :meth:`_get_range` is implemented or :attr:`sized_reads` is set."""
+        return self.sized_reads or type(self)._get_range is not ValueIO._get_range
+
+    def missing_primitives(self) -> list[str]:
+        """The primitives :func:`needed_when` a flag this store sets that it does not implement
+        (each named with the flag)."""
+        missing = []
+        for name, declared in vars(ValueIO).items():
+            flag = getattr(declared, NEEDED_WHEN, None)
+            if flag is not None and getattr(self, flag) and getattr(type(self), name) is declared:
+                missing.append(f"{name} (needed with {flag})")
+        return missing
 
     def close(self) -> None:
         """Release the client (idempotent)."""

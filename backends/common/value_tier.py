@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from kvplug import chunkfile as cf
@@ -90,7 +91,7 @@ class ValueStoreOptions(RemoteOptions):
         return v
 
 
-class ValueStoreTier:
+class ValueStoreTier(ABC):
     """The hooks of a remote tier; subclasses say how to reach the store (:meth:`open_io`) and
     may say how a key is named (:meth:`name_of`)."""
 
@@ -107,10 +108,10 @@ class ValueStoreTier:
     #: stored again) rather than only what this process stored (fsspec).
     index_found = False
 
+    @abstractmethod
     def open_io(self, ctx: TierContext, breaker: CircuitBreaker) -> tuple[ValueIO, str]:
         """The store's calls (behind ``breaker``) and the store's name for log lines (no
         credentials)."""
-        raise NotImplementedError
 
     def batch_bytes(self) -> int:
         """Bytes of queued stores the writer sends in one batch."""
@@ -125,6 +126,12 @@ class ValueStoreTier:
                                       max_backoff_s=opts.breaker_max_backoff_s,
                                       clock=ctx.runtime.monotonic)
         self.io, self.url = self.open_io(ctx, self.breaker)
+        if getattr(self, "get_layers", None) is not None and not self.io.ranged_reads:
+            self.io.close()
+            raise TypeError(
+                f"{type(self).__name__} implements get_layers but {type(self.io).__name__} "
+                "reads no byte ranges: implement its _get_range, or set get_layers = None on "
+                f"{type(self).__name__} (whole chunks only)")
         self.io.read_limit = ctx.read_limit  # a value longer than one chunk is never received
         self._header_limit = ctx.header_limit
         self._allocate = ctx.allocate

@@ -21,6 +21,7 @@ import logging
 from typing import Any
 
 from kvplug import chunkfile as cf
+from kvplug.bench_raw import RawTarget
 from kvplug.errors import KVPlugError
 from kvplug.hookspecs import TierContext
 from kvplug.keys import CacheKey
@@ -63,6 +64,14 @@ class FsspecBackend(ValueStoreTier):
             if not v:
                 raise ValueError("url is required, e.g. 's3://bucket/kvplug'")
             return v
+
+    @staticmethod
+    def bench_raw(options: FsspecBackend.Options) -> RawTarget:
+        """``kvplug bench``'s raw medium (:mod:`kvplug.bench_raw`): the same filesystem's
+        ``pipe``/``cat`` (.bench.RawFsspec)."""
+        from .bench import RawFsspec
+
+        return RawFsspec(options.url, dict(options.storage_options))
 
     def open_io(self, ctx: TierContext, breaker: CircuitBreaker) -> tuple[ValueIO, str]:
         opts: FsspecBackend.Options = ctx.options

@@ -242,15 +242,21 @@ class FsspecIO(ValueIO):
         data, size = results
         return None if data is None or size is None else (data, size)  # type: ignore[return-value]
 
+    def _exists(self, names: Sequence[str]) -> list[int | bool | BaseException]:  # type: ignore[override]
+        """Per name its size (present), ``False`` (missing) or the exception its size call
+        raised, with a bounded set of concurrent size calls; raises when the batch as a whole
+        failed."""
+        return [False if r is None else r
+                for r in self.run_many([lambda p=p: self.size(p) for p in names])]
+
     def exists(self, names: Sequence[str]) -> list[bool | int | None]:
         """Per name its size (present), ``False`` (missing) or ``None`` (unknown: refused or
-        failed), with a bounded set of concurrent size calls; one failure does not void the
-        others' answers."""
+        failed); one failed size call does not void the others' answers."""
         if not self.breaker.allow():
             return [None] * len(names)
         self._count("remote_lookups", len(names))
         try:
-            results = self.run_many([lambda p=p: self.size(p) for p in names])
+            results = self._exists(names)
         except Exception as exc:  # noqa: BLE001 - the batch as a whole failed: all unknown
             self.failed(exc)
             return [None] * len(names)
@@ -259,8 +265,7 @@ class FsspecIO(ValueIO):
             self.failed(error)
         else:
             self.breaker.success()
-        return [None if isinstance(r, BaseException) else False if r is None else r
-                for r in results]
+        return [None if isinstance(r, BaseException) else r for r in results]
 
     def _set_many(self, items: Sequence[tuple[str, bytes]]) -> list[BaseException | None]:
         """Upload whole objects, one after the other (the writer sends one per batch)."""

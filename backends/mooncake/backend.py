@@ -10,6 +10,7 @@ tier serves whole chunks (no ``get_layers``).
 
 from __future__ import annotations
 
+from kvplug.bench_raw import RawTarget
 from kvplug.hookspecs import TierContext
 from kvplug.redact import Redactor
 from pydantic import ByteSize, Field, field_validator
@@ -24,7 +25,7 @@ class MooncakeBackend(ValueStoreTier):
     """A remote tier over one Mooncake Store (a master and the segments clients lend it)."""
 
     kind = "Mooncake store"
-    get_layers = None  # no ranged reads: whole chunks only
+    get_layers = None  # MooncakeIO reads no byte ranges: whole chunks only (see BackendClass)
 
     class Options(ValueStoreOptions):
         master: str = Field(default="", validate_default=True,
@@ -57,6 +58,14 @@ class MooncakeBackend(ValueStoreTier):
             if v not in ("tcp", "rdma"):
                 raise ValueError(f"protocol {v!r} is not 'tcp' or 'rdma'")
             return v
+
+    @staticmethod
+    def bench_raw(options: MooncakeBackend.Options) -> RawTarget:
+        """``kvplug bench``'s raw medium (:mod:`kvplug.bench_raw`): a second Mooncake client of
+        the same master (.bench.RawMooncake)."""
+        from .bench import RawMooncake
+
+        return RawMooncake(options)
 
     def open_io(self, ctx: TierContext, breaker: CircuitBreaker) -> tuple[ValueIO, str]:
         opts: MooncakeBackend.Options = ctx.options

@@ -27,16 +27,18 @@ from __future__ import annotations
 import grp
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvplug import chunkfile as cf
+from kvplug.bench_raw import RawTarget
 from kvplug.config import BaseOptions
 from kvplug.hookspecs import TierContext, hookimpl
 from kvplug.keys import CacheKey
 from kvplug.logs import LogOnce
 from kvplug.memory import MemoryObj
 from kvplug.policies.eviction import LRUEviction
+from kvplug.tier_calls import release
 from pydantic import ByteSize, ConfigDict, Field, field_validator
 
 from ..common.bad_entries import BadEntries
@@ -151,6 +153,14 @@ class PosixBackend:
     #: directory on a network filesystem is better served by the ``fsspec`` tier.
     local_medium = True
 
+    @staticmethod
+    def bench_raw(options: PosixOptions) -> RawTarget:
+        """``kvplug bench``'s raw medium (:mod:`kvplug.bench_raw`): plain files in the same
+        directory (.bench.RawFiles); the ``gds`` tier's too."""
+        from .bench import RawFiles
+
+        return RawFiles(str(options.path), bool(options.fsync))
+
     def __init__(self, ctx: TierContext) -> None:
         opts: PosixOptions = ctx.options
         self.name = ctx.name
@@ -234,30 +244,25 @@ class PosixBackend:
         costs less than handing it to another thread (``kvplug bench``: 96 keys of 256 KiB in
         one call ~2.5 GB/s, one bounded call per key ~0.5 GB/s on 2 cores). The StorageManager
         still spreads a large batch over its readers, one call per group of keys."""
-        out: list[MemoryObj | None] = []
-        try:
-            for key in keys:
-                out.append(self.reader.read(key, self._rel(key), None))
-        except BaseException:  # the caller gets nothing: give back what was read so far
-            for obj in out:
-                if obj is not None:
-                    obj.ref_down()
-            raise
-        return out
+        return self._each(keys, lambda key, rel: self.reader.read(key, rel, None))
 
     @hookimpl
     def batched_get_nowait(self, keys: Sequence[CacheKey]) -> list[MemoryObj | None]:
         """What can be read without waiting on the file system, on the caller's thread
         (:meth:`.Reader.read_nowait`): no hand-off to a pool thread for a chunk in the page
         cache. Every other key is ``None`` and read by :meth:`get`/:meth:`batched_get`."""
+        return self._each(keys, self.reader.read_nowait)
+
+    def _each(self, keys: Sequence[CacheKey],
+              read: Callable[[CacheKey, str], MemoryObj | None]) -> list[MemoryObj | None]:
+        """``read(key, relative path)`` of each key in turn; on an error the caller gets nothing
+        and what was read so far is given back."""
         out: list[MemoryObj | None] = []
         try:
             for key in keys:
-                out.append(self.reader.read_nowait(key, self._rel(key)))
-        except BaseException:  # the caller gets nothing: give back what was read so far
-            for obj in out:
-                if obj is not None:
-                    obj.ref_down()
+                out.append(read(key, self._rel(key)))
+        except BaseException:
+            release(out)
             raise
         return out
 

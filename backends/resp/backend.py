@@ -14,7 +14,9 @@ connection, so its calls run on the tier's pool under ``timeout_s`` (:mod:`kvplu
 from __future__ import annotations
 
 import functools
+import os
 
+from kvplug.bench_raw import RawTarget
 from kvplug.hookspecs import TierContext
 from kvplug.redact import Redactor
 from pydantic import Field, field_validator, model_validator
@@ -67,6 +69,20 @@ class RespBackend(ValueStoreTier):
         def _tls_files(self) -> RespBackend.Options:
             check_tls(self.url, {k: getattr(self, k) for k in TLS_OPTIONS})
             return self
+
+    #: ``kvplug bench`` measures no raw row for a cluster (:meth:`bench_raw`)
+    bench_no_raw = "not measured for a cluster (redis-py's cluster client differs from the tier's)"
+
+    @staticmethod
+    def bench_raw(options: RespBackend.Options) -> RawTarget | None:
+        """``kvplug bench``'s raw medium (:mod:`kvplug.bench_raw`): redis-py on the same server
+        (.bench.RawRedis); none for a cluster."""
+        if options.cluster:
+            return None
+        from .bench import RawRedis
+
+        password = os.environ.get(options.password_env) if options.password_env else None
+        return RawRedis(options.url, password)
 
     def open_io(self, ctx: TierContext, breaker: CircuitBreaker) -> tuple[ValueIO, str]:
         opts: RespBackend.Options = ctx.options

@@ -11,9 +11,9 @@ server's :class:`ManageClient` asks every rank (the engine id and the TP x PP si
 rank that did not answer. Messages are msgspec/msgpack structs; nothing is pickled; a malformed
 message is answered with an error, never fatal to the service.
 
-What each call does to a worker's tiers is :mod:`kvplug.management` (one rule for the engine and
-for ``kvplug cache ... --config``); keys are made under the worker's current weights epoch, the
-one its last step ran under.
+This module is the wire only: what each call does to a worker's tiers is
+:mod:`..worker.management` (over :mod:`kvplug.management`, one rule for the engine and for
+``kvplug cache ... --config``).
 """
 
 from __future__ import annotations
@@ -22,16 +22,12 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import zmq
-from kvplug.management import clear_keys, clear_tenant, clear_tiers, pin_keys, tier_status
 
 from .lookup import RouterService, socket_path
-
-if TYPE_CHECKING:
-    from ..worker.side import WorkerSide
 
 logger = logging.getLogger("kvplug.connector")
 
@@ -96,65 +92,6 @@ _decode_reply = msgspec.msgpack.Decoder(ManageReply).decode
 def manage_path(engine_id: str, rank: int, pp_rank: int = 0) -> Path:
     """The management socket of one worker (beside its lookup socket)."""
     return socket_path(engine_id, rank, pp_rank, prefix="manage")
-
-
-class WorkerManagement:
-    """A worker's answers to management calls, over its StorageManager and its keys."""
-
-    def __init__(self, worker: WorkerSide) -> None:
-        self.worker = worker
-
-    def __call__(self, msg: ManageMsg) -> dict[str, Any]:
-        w = self.worker
-        storage = w.storage
-        if storage is None:
-            raise RuntimeError("this worker has no tiers (its KV cache is not registered, or "
-                               "the model has KV cache groups kvplug cannot restore)")
-        base = {"rank": w.ident.rank, "pp_rank": w.ident.pp_rank, "epoch": w.epoch}
-        if isinstance(msg, ManageStatus):
-            return {**base, "tiers": tier_status(storage)}
-        if isinstance(msg, ManageClear):
-            if msg.by_tenant:
-                return {**base, "tiers": clear_tenant(storage, msg.tenant, msg.tiers)}
-            if msg.hashes is None:
-                return {**base, "tiers": clear_tiers(storage, msg.tiers)}
-            keys = [w.key(h, tenant=msg.tenant) for h in msg.hashes]
-            return {**base, "tiers": clear_keys(storage, keys, msg.tiers)}
-        if isinstance(msg, ManagePin):
-            return {**base, "tiers": pin_keys(
-                storage, [w.key(h, tenant=msg.tenant) for h in msg.hashes], msg.tiers, msg.pin,
-                [w.key(h, tenant=msg.tenant) for h in msg.optional])}
-        return {**base, "tiers": self._lookup(msg)}
-
-    def _lookup(self, msg: ManageLookup) -> dict[str, dict[str, int]]:
-        """Per tier: ``held``, the leading tokens the tier holds on its own (its leading full
-        chunks, then the longest partial chunk inside the next one), and ``served``, the tokens
-        of this worker's hit over all tiers (unpinned) that a load would read from it."""
-        w, storage, cs = self.worker, self.worker.storage, self.worker.cfg.chunk_size
-        assert storage is not None
-        keys = [w.key(h, tenant=msg.tenant) for h in msg.hashes]
-        tails = sorted(((end, w.key(h, tenant=msg.tenant)) for end, h in msg.tails),
-                       key=lambda t: -t[0])
-
-        def inside(n: int) -> list[tuple[int, Any]]:  # partial chunks in chunk n, longest first
-            return [(end, k) for end, k in tails if n * cs < end < (n + 1) * cs]
-
-        out: dict[str, dict[str, int]] = {}
-        for tier in storage.tier_names:
-            held = storage.holds(tier, keys) or [False] * len(keys)
-            n = next((i for i, h in enumerate(held) if not h), len(keys))
-            cand = inside(n)
-            got = storage.holds(tier, [k for _, k in cand]) or [False] * len(cand)
-            out[tier] = {"held": next((e for (e, _), h in zip(cand, got, strict=True) if h),
-                                      n * cs), "served": 0}
-        found = storage.lookup_prefix(keys)
-        for tier in found.tiers:
-            out[tier]["served"] += cs
-        for end, k in inside(found.num_chunks):
-            if (tier := storage.contains(k)) is not None:
-                out[tier]["served"] += end - found.num_chunks * cs
-                break
-        return out
 
 
 class ManageService(RouterService):
@@ -245,4 +182,4 @@ def client_for(engine_id: str, tp: int, pp: int,
 
 
 __all__ = ["MANAGE_TIMEOUT_S", "ManageClear", "ManageClient", "ManageLookup", "ManagePin", "ManageReply",
-           "ManageService", "ManageStatus", "WorkerManagement", "client_for", "manage_path"]
+           "ManageService", "ManageStatus", "client_for", "manage_path"]

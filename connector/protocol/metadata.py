@@ -133,11 +133,14 @@ class KVPlugWorkerMeta(KVConnectorWorkerMetadata):
 
 # -- KV events: which chunks each worker's tiers took and lost (..worker.tier_watch) --------------
 class TierEvent(NamedTuple):
-    """One worker's news: chunk ``chunk_hash`` entered (``stored``) or left tier ``tier``."""
+    """One worker's news: chunk ``chunk_hash`` entered (``stored``) or left tier ``tier``, about
+    its key under weights ``epoch`` (the scheduler's book drops news of another epoch than its
+    own: a step's news may reach it after ``reset_cache``)."""
 
     stored: bool
     tier: str
     chunk_hash: bytes
+    epoch: str = ""
 
 
 class KVPlugKVEvents(KVConnectorKVEvents):

@@ -170,6 +170,7 @@ class TierEventBook:
         self._refs: dict[str, Counter[Any]] = {}  # tier -> block hash -> chunks covering it
         self._events: list[KVCacheEvent] = []
         self.unnamed = 0  # news about chunks the scheduler never named (or forgot): dropped
+        self.stale = 0  # news about keys of another weights epoch than the scheduler's: dropped
 
     def record(self, request: Request, start: int, end: int, hashes: Sequence[bytes]) -> None:
         """Remember the blocks of the chunks covering ``[start, end)`` (``start`` chunk aligned;
@@ -186,12 +187,19 @@ class TierEventBook:
             while len(self._named) > self.max_chunks:
                 self._named.popitem(last=False)
 
-    def add(self, news: Any) -> None:
-        """Fold a step's worker news (``KVConnectorOutput.kv_cache_events``)."""
+    def add(self, news: Any, epoch: str = "") -> None:
+        """Fold a step's worker news (``KVConnectorOutput.kv_cache_events``) while the scheduler
+        is on weights ``epoch``. News about another epoch's keys is dropped: a step's news can
+        reach the book after :meth:`reset` (asynchronous scheduling hands vLLM a step's output
+        after the next step ran), and counted there, a rank's news about its old key and then
+        about its new one (same chunk hash) would stand for two ranks."""
         if not isinstance(news, KVPlugKVEvents):
             return
         for ev in news.get_all_events():
             if not isinstance(ev, TierEvent):
+                continue
+            if ev.epoch != epoch:
+                self.stale += 1
                 continue
             slot = (ev.tier, ev.chunk_hash)
             before = self._ranks[slot]

@@ -101,11 +101,53 @@ class RequestTracker:
 
 
 class LookupFn(Protocol):
-    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]],
-               tenant: str = "", fresh: bool = False
-               ) -> int | None: ...  # None: not answered yet, ask again
+    """The workers' lookup as the scheduler side asks it (across processes:
+    :class:`~kvplug.connector.protocol.lookup.LookupClient`). :meth:`lookup` and :meth:`release`
+    are required; every other member is optional, with the default declared here, which a
+    lookup deriving from this class inherits and :func:`lookup_member` applies to one that does
+    not (a stand-in with only the two)."""
 
-    def release(self, req_ids: list[str]) -> None: ...
+    #: Lookups so far that ended because a rank did not answer in time. Default 0: never.
+    timeouts: int = 0
+
+    def lookup(self, req_id: str, hashes: list[bytes], tails: list[tuple[int, bytes]],
+               tenant: str = "", fresh: bool = False) -> int | None:
+        """Leading stored tokens of ``hashes`` (full chunks), then of ``tails`` (``(end, hash)``
+        of partial chunks, longest first), pinned until :meth:`release`; ``None``: not answered
+        yet, ask again. ``fresh``: the tiers forget the misses they remember of these chunks."""
+        ...
+
+    def release(self, req_ids: list[str]) -> None:
+        """Drop what these requests' lookups hold (their pins, a lookup still in flight)."""
+        ...
+
+    def set_epoch(self, epoch: str) -> None:
+        """Look up under the weights epoch ``epoch`` from now on. Default: nothing (a lookup
+        whose keys carry no epoch)."""
+
+    def take_slow(self, req_id: str) -> Collection[int]:
+        """The chunks of ``req_id``'s last answered lookup that only a tier that may block
+        holds: loaded in the background. Default: none."""
+        return ()
+
+    def take_local(self, req_id: str) -> Collection[int]:
+        """The chunks of ``req_id``'s last answered lookup that only a local medium holds:
+        loaded inside the step while its budget lasts. Default: none."""
+        return ()
+
+
+_ABSENT = object()
+
+
+def lookup_member(lookup: object, name: str) -> Any:
+    """``lookup``'s optional member ``name`` (:class:`LookupFn`), or the default declared there
+    where ``lookup`` leaves it out."""
+    member = getattr(lookup, name, _ABSENT)
+    if member is not _ABSENT:
+        return member
+    default = getattr(LookupFn, name)
+    return default.__get__(lookup) if callable(default) else default
+
 
 
 class SchedulerSide:
@@ -165,10 +207,7 @@ class SchedulerSide:
 
     # -- weights epoch -------------------------------------------------------------------------
     def _new_epoch(self, why: str) -> None:
-        self.epoch = self.draw_epoch()
-        set_epoch = getattr(self.lookup, "set_epoch", None)
-        if set_epoch is not None:
-            set_epoch(self.epoch)
+        self.follow_epoch(self.draw_epoch())
         logger.info("kvplug: weights epoch %s (%s): nothing stored before is served to this "
                     "engine; engines on the earlier weights keep their entries", self.epoch, why)
 
@@ -192,25 +231,36 @@ class SchedulerSide:
                 r.save = SaveSpec(r.save.start, r.save.start, r.save.first_chunk, [])
 
     # -- hashing (kvplug.tokens.TokenDatabase: vLLM's sha256_cbor block hash over chunks) --------
-    def _full_hashes(self, t: RequestTracker, num_chunks: int) -> list[bytes]:
+    def full_hashes(self, t: RequestTracker, num_chunks: int) -> list[bytes]:
         """The chained hashes of the first ``num_chunks`` full chunks (cached per request)."""
         return self.db.extend_hashes(t.request.all_token_ids, t.hashes, num_chunks,
                                      extra_keys=partial(chunk_extra_keys, t.request))
 
-    def _partial_hash(self, t: RequestTracker, end: int) -> bytes:
+    def partial_hash(self, t: RequestTracker, end: int) -> bytes:
         """The hash of the partial chunk ending at ``end`` (not chunk aligned)."""
         return self.db.partial_hash(t.request.all_token_ids, end, t.hashes,
                                     extra_keys=partial(chunk_extra_keys, t.request))
 
     def _hashes_for(self, t: RequestTracker, start: int, end: int) -> list[bytes]:
         """Hashes of the chunks covering ``[start, end)``; a last chunk ending early is partial."""
-        full = self._full_hashes(t, end // self.cs)[start // self.cs:]
+        full = self.full_hashes(t, end // self.cs)[start // self.cs:]
         if end % self.cs:
-            full = [*full, self._partial_hash(t, end)]
+            full = [*full, self.partial_hash(t, end)]
         return full
 
-    # -- vLLM hooks ----------------------------------------------------------------------------
-    def _track(self, request: Request) -> RequestTracker:
+    def prefix_hashes(self, t: RequestTracker, end: int
+                      ) -> tuple[list[bytes], list[tuple[int, bytes]]]:
+        """Every chunk a lookup of ``[0, end)`` may name: the full chunks' hashes, and
+        ``(tokens, hash)`` of the partial chunk ending at each block end that is not a chunk end
+        (the management API's per-tier lookup, clear and pin of a prompt)."""
+        tails = [(e, self.partial_hash(t, e)) for e in range(self.bs, end + 1, self.bs)
+                 if e % self.cs]
+        return self.full_hashes(t, end // self.cs), tails
+
+    # -- requests, tenants, epoch: also what the management API's own scheduler side uses ------
+    def track(self, request: Request) -> RequestTracker:
+        """The request's tracker, made on first sight (what it may load and store, its tenant
+        id, a consumer's hand-off wait); the tracker caches the request's chunk hashes."""
         t = self.trackers.get(request.request_id)
         if t is None:
             t = RequestTracker(request=request, prompt_len=request.num_prompt_tokens,
@@ -222,13 +272,31 @@ class SchedulerSide:
             self.trackers[request.request_id] = t
         return t
 
+    def forget(self, request_id: str) -> None:
+        """Drop a request's pins and tracker (a lookup made only to answer a question, never
+        followed by a step)."""
+        self.lookup.release([request_id])
+        self.trackers.pop(request_id, None)
+
+    def tenant_id(self, salt: str) -> str:
+        """The tenant id of the ``cache_salt`` ``salt``, as keys and the workers name it (keyed
+        by the deployment secret when there is one; never the salt itself)."""
+        return tenant_id(salt, self._auth)
+
+    def follow_epoch(self, epoch: str) -> None:
+        """Make later lookups under the weights epoch ``epoch`` (one the workers report): the
+        management API's scheduler side follows the engine's instead of drawing its own."""
+        self.epoch = epoch
+        lookup_member(self.lookup, "set_epoch")(epoch)
+
+    # -- vLLM hooks ----------------------------------------------------------------------------
     def _tenant_of(self, request: Request) -> str:
         """The request's tenant id: of its ``cache_salt`` only
         (:func:`kvplug.policies.tenants.tenant_id`), ``""`` without one. A tenant is never
         taken from ``kv_transfer_params``: a client could name another tenant there without its
         salt, charging and evicting that tenant's entries (or a fresh name, a fresh quota)."""
         salt = getattr(request, "cache_salt", None)
-        return tenant_id(str(salt), self._auth) if salt else ""
+        return self.tenant_id(str(salt)) if salt else ""
 
     def _allow(self, t: RequestTracker) -> None:
         """What the request may do: load and store unless its role or its params say no."""
@@ -251,7 +319,7 @@ class SchedulerSide:
         and stays chunk aligned (block aligned for a stored partial chunk). Repeated calls repeat
         the lookup, replacing the request's pins; nothing accumulates.
         """
-        t = self._track(request)
+        t = self.track(request)
         if t.stale:  # asked again after a weights reset: it holds no KV of the old weights now
             t.stale, t.stored_tokens, t.saved_end = False, 0, 0
             self._allow(t)
@@ -266,11 +334,11 @@ class SchedulerSide:
         if t.handoff is not None and self._handoff_later(t):
             return None, False  # the chunks a producer named: looked up again a little later
         full = cap // self.cs
-        hashes = self._full_hashes(t, full)
+        hashes = self.full_hashes(t, full)
         n = t.refine[1] if t.refine is not None and t.refine[0] == request.num_tokens else full
-        timeouts = getattr(self.lookup, "timeouts", 0)
+        timeouts = lookup_member(self.lookup, "timeouts")
         found = self._ask(t, hashes[:n], cap)
-        timed_out = getattr(self.lookup, "timeouts", 0) > timeouts  # a late rank: no second ask
+        timed_out = lookup_member(self.lookup, "timeouts") > timeouts  # a late rank: no second ask
         if t.handoff is not None and self._handoff_pending(t, found, num_computed_tokens):
             return None, False  # not all of it stored yet: wait (.handoff)
         if found is not None and not timed_out and n == full and found < full * self.cs \
@@ -296,8 +364,8 @@ class SchedulerSide:
             self.stats.add("lookup_hit_tokens", hit)
         if hit <= num_computed_tokens:
             return 0, False
-        slow = getattr(self.lookup, "take_slow", lambda _: ())(request.request_id)
-        local = getattr(self.lookup, "take_local", lambda _: ())(request.request_id)
+        slow = lookup_member(self.lookup, "take_slow")(request.request_id)
+        local = lookup_member(self.lookup, "take_local")(request.request_id)
         t.slow_chunks = frozenset(slow)
         loaded = range(num_computed_tokens // self.cs, -(-hit // self.cs))
         # several KV cache groups: vLLM takes load failures only as failed async loads;
@@ -336,13 +404,13 @@ class SchedulerSide:
         inside the next chunk (below ``cap``), longest first."""
         n = len(hashes)
         top = min(cap, (n + 1) * self.cs - self.bs)
-        tails = [(e, self._partial_hash(t, e)) for e in range(top, n * self.cs, -self.bs)]
-        timeouts = getattr(self.lookup, "timeouts", 0)
+        tails = [(e, self.partial_hash(t, e)) for e in range(top, n * self.cs, -self.bs)]
+        timeouts = lookup_member(self.lookup, "timeouts")
         scope: dict[str, Any] = {"tenant": t.tenant} if t.tenant else {}
         if t.handoff is not None:  # chunks a producer named: no tier answers from a stale miss
             scope["fresh"] = True
         found = self.lookup.lookup(t.request.request_id, hashes, tails, **scope)
-        if (late := getattr(self.lookup, "timeouts", 0) - timeouts) > 0:
+        if (late := lookup_member(self.lookup, "timeouts") - timeouts) > 0:
             self.stats.add("lookup_timeouts", late)
         return found
 

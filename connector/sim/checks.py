@@ -404,7 +404,7 @@ class Checks:
             if l1.get("pool_used", 0):
                 raise Violation("I5", f"rank {rank}: {l1['pool_used']} B of L1's pool still in "
                                       "use with every entry evicted (a memory object leaked)")
-        sched = self.s.connector._sched  # disk hits the scheduler had loaded inside the step
+        sched = self.s.connector.scheduler_side  # disk hits the scheduler had loaded inside the step
         self.figures["disk hits loaded inline"] += int(
             sched.stats.totals().get("inline_local_loads", 0))
         left = [f for f in self.rt.queue if f.pool.name != "kvplug-events"]  # (this check's

@@ -131,7 +131,7 @@ class EventCheck:
             part = watch.take()
             if part is not None:
                 news.add_events(part.get_all_events())
-        book.add(news)
+        book.add(news, w.s.connector._sched.epoch)
         for ev in book.take():
             self.event(ev)
         held = self._held_blocks(book)

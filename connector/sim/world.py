@@ -189,11 +189,11 @@ class World(Checks, Faults, ManageEvents):
                 self.outage(rank, True)
         if cfg.remote_lookup:
             self.lookup = SimRemoteLookup(
-                self.workers, self.rt, self.s.connector._sched.cfg.lookup_timeout_s,
+                self.workers, self.rt, self.s.connector.scheduler_side.cfg.lookup_timeout_s,
                 random.Random(f"lookup {replace(cfg, faults=frozenset())} {sorted(cfg.faults)}"))
         else:
             self.lookup = SimLookup(self.workers)
-        sched = self.s.connector._sched
+        sched = self.s.connector.scheduler_side
         sched.lookup = self.lookup
         sched.drop_last_block = cfg.drop_last_block  # as drops_last_block(vllm_config) sets it
         epochs = iter(range(1, 1 << 30))  # weights epochs that replay (the engine draws random ones)
@@ -483,7 +483,7 @@ class World(Checks, Faults, ManageEvents):
         c["preempted"] += len(md.preempted)
         c["unwritten blocks read"] += len(md.unwritten)
         c["draft tokens scheduled"] += sum(map(len, self._drafts.values()))
-        trackers = self.s.connector._sched.trackers
+        trackers = self.s.connector.scheduler_side.trackers
         for r in md.requests:
             if r.load is not None:
                 c["background loads" if r.load.background else "sync loads"] += 1

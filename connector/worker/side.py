@@ -38,11 +38,12 @@ from ..protocol.config import ConnectorConfig, async_save_enabled
 from ..protocol.groups import GroupLayout, lookup_groups
 from ..protocol.identity import Identity
 from ..protocol.lookup import Lookup, LookupService, socket_path
-from ..protocol.manage import ManageService, WorkerManagement, manage_path
+from ..protocol.manage import ManageService, manage_path
 from ..protocol.metadata import KVPlugMetadata, KVPlugWorkerMeta
 from ..protocol.stats import TENANT_SAMPLE_S, KVPlugStats, StatsRecorder
 from .load import BackgroundLoads, Loads
 from .load_report import LoadReports
+from .management import WorkerManagement
 from .store import AsyncSaves, Stores
 from .transfers import Load, Store, TransferParts, Transfers
 
@@ -110,7 +111,7 @@ class WorkerSide:
         path = socket_path(self.ident.engine_id, self.ident.rank, self.ident.pp_rank)
         if self.runtime.remote_lookups:  # else the caller calls _on_lookup (a simulation)
             self.service = LookupService(path, self._on_lookup, self.release)
-            # the API server's lookup/clear/status calls, on a thread of their own (..protocol.manage)
+            # the API server's lookup/clear/status calls, on a thread of their own (.management)
             self.manage = ManageService(manage_path(self.ident.engine_id, self.ident.rank,
                                                     self.ident.pp_rank), WorkerManagement(self))
         logger.info("kvplug worker rank %d: %d layers x %d blocks x %d B pages (%s, %s), "

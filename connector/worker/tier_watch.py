@@ -64,12 +64,15 @@ class TierWatch:
 
     def __init__(self, storage: StorageManager, max_chunks: int = 16384,
                  interval_s: float = 0.2,
-                 current: Callable[[CacheKey], bool] | None = None) -> None:
+                 current: Callable[[CacheKey], bool] | None = None, epoch: str = "") -> None:
         self.storage = storage
         #: whether a key is of this engine's weights epoch: news only about those (a chunk
         #: stored under an earlier epoch, landing after a reset, shares its chunk hash with the
         #: new epoch's key, and the scheduler's book counts ranks by chunk hash)
         self.current = current or (lambda key: True)
+        #: the weights epoch of the keys watched, stamped on every piece of news (see forget)
+        self.epoch = epoch
+        self._forgets = 0  # forget() calls so far: a round that began before one reports nothing
         self._rt = storage.runtime  # its ticker and clock (kvplug.runtime; a simulation's)
         self.max_chunks = max_chunks
         self.interval_s = interval_s
@@ -102,10 +105,15 @@ class TierWatch:
             self._dirty.add(tier)
         self._ticker.wake()
 
-    def forget(self) -> None:
-        """A new weights epoch: the chunks watched so far are keyed under the old one (the
-        scheduler's book withdrew them); news about them is dropped."""
+    def forget(self, epoch: str = "") -> None:
+        """A new weights epoch, ``epoch``: the chunks watched so far are keyed under the old one
+        (the scheduler's book withdrew them); news about them is dropped here, and news already
+        taken, which may reach the book after its reset (asynchronous scheduling hands it a
+        step's output one step late), carries the old epoch, which the book drops. A round
+        that began before is dropped too (its keys are the old epoch's)."""
         with self._lock:
+            self.epoch = epoch
+            self._forgets += 1
             for tier in self._pending:
                 self._pending[tier].clear()
                 self._held[tier].clear()
@@ -143,6 +151,7 @@ class TierWatch:
         with self._lock:
             if not any(self._pending.values()) and not any(self._held.values()):
                 return  # nothing handed to any tier yet: nothing to ask
+            era = (self._forgets, self.epoch)
         stats = self.storage.stats()
         now = self._rt.monotonic()
         for tier in self.storage.tier_names:
@@ -158,11 +167,12 @@ class TierWatch:
                 pending = list(self._pending[tier].items())
                 held = list(self._held[tier]) if sweep else []
             if pending:
-                self._confirm(tier, pending)
+                self._confirm(tier, pending, era)
             if held:
-                self._sweep(tier, held)
+                self._sweep(tier, held, era)
 
-    def _confirm(self, tier: str, pending: list[tuple[CacheKey, float]]) -> None:
+    def _confirm(self, tier: str, pending: list[tuple[CacheKey, float]],
+                 era: tuple[int, str]) -> None:
         keys = [k for k, _ in pending]
         found = self.storage.holds(tier, keys)
         if found is None:
@@ -172,27 +182,30 @@ class TierWatch:
         now = self._rt.monotonic()
         wait = self.storage.may_block(tier)
         with self._lock:
+            if era[0] != self._forgets:
+                return  # the epoch changed while the tier was asked: these keys are forgotten
+            epoch = era[1]
             held, todo = self._held[tier], self._pending[tier]
             for (key, since), hit in zip(pending, found, strict=True):
                 if hit:
                     todo.pop(key, None)
                     if key not in held:
                         held[key] = None
-                        self._out.append(TierEvent(True, tier, key.chunk_hash))
+                        self._out.append(TierEvent(True, tier, key.chunk_hash, epoch))
                     else:
                         held.move_to_end(key)
                 elif not wait or now - since > PENDING_S:
                     todo.pop(key, None)  # refused (full) or dropped: never stored
             while len(held) > self.max_chunks:  # forget the oldest: announce it gone
                 key, _ = held.popitem(last=False)
-                self._out.append(TierEvent(False, tier, key.chunk_hash))
+                self._out.append(TierEvent(False, tier, key.chunk_hash, epoch))
 
     def _no_answer(self, tier: str) -> None:
         """A tier that faults or times out is asked again after a growing delay (up to 30 s)."""
         delay = min(30.0, max(self.interval_s, 2 * self._backoff.get(tier, (0.0, 0.0))[1]))
         self._backoff[tier] = (self._rt.monotonic() + delay, delay)
 
-    def _sweep(self, tier: str, keys: list[CacheKey]) -> None:
+    def _sweep(self, tier: str, keys: list[CacheKey], era: tuple[int, str]) -> None:
         for i in range(0, len(keys), SWEEP_BATCH):
             part = keys[i:i + SWEEP_BATCH]
             found = self.storage.holds(tier, part)
@@ -202,19 +215,22 @@ class TierWatch:
                 self._no_answer(tier)
                 return
             with self._lock:
+                if era[0] != self._forgets:
+                    return  # the epoch changed while the tier was asked: forgotten
                 held = self._held[tier]
                 for key, hit in zip(part, found, strict=True):
                     if not hit and key in held and key not in self._pending[tier]:
                         del held[key]
-                        self._out.append(TierEvent(False, tier, key.chunk_hash))
+                        self._out.append(TierEvent(False, tier, key.chunk_hash, era[1]))
 
 
 def watch_tiers(worker: WorkerSide, max_chunks: int) -> TierWatch:
     """A :class:`TierWatch` on ``worker``'s tiers that follows its weights epochs: news only
     about the current epoch's keys, and nothing watched so far once the epoch changes."""
     assert worker.storage is not None
-    watch = TierWatch(worker.storage, max_chunks, current=worker.of_current_epoch)
-    worker.on_epoch = watch.forget
+    watch = TierWatch(worker.storage, max_chunks, current=worker.of_current_epoch,
+                      epoch=worker.epoch)
+    worker.on_epoch = lambda: watch.forget(worker.epoch)
     return watch
 
 

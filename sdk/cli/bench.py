@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import shutil
 import statistics
 import threading
 import time
@@ -35,7 +33,7 @@ import torch
 from rich.progress import Progress
 from rich.table import Table
 
-from .. import chunkfile as cf
+from ..bench_raw import BenchError, RawTarget, raw_medium
 from ..config import TierConfig, load_config, parse_size, widest_schema
 from ..errors import KVPlugError
 from ..keys import CacheKey
@@ -272,258 +270,6 @@ class TierTarget:
 
     def close(self) -> None:
         self.mgr.close()
-
-
-class BenchError(KVPlugError):
-    """A setup problem the user fixes (bad value, unreachable server)."""
-
-
-# -- raw media -----------------------------------------------------------------------------------
-class RawTarget:
-    """The medium under a tier, moved the plainest way: the same encoded chunk bytes the tier
-    stores (header and layers), one value per file/key. Subclasses implement put/get/has/delete
-    for a batch of names."""
-
-    label = "raw"
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.prefix = f"kvplug-bench-raw-{uuid.uuid4().hex[:12]}"
-        self._header_len: dict[int, int] = {}
-
-    def name(self, key: CacheKey) -> str:
-        return f"{self.prefix}-{key.chunk_hash.hex()}"
-
-    def encode(self, key: CacheKey, obj: MemoryObj) -> list[Any]:
-        header, bufs = cf.encode_chunk(key, obj)
-        return [header, *bufs]
-
-    def store(self, keys: list[CacheKey], objs: list[MemoryObj]) -> None:
-        self.put([self.name(k) for k in keys], [self.encode(k, o) for k, o in zip(keys, objs)])
-
-    def held(self, keys: list[CacheKey]) -> list[bool]:
-        return self.has([self.name(k) for k in keys])
-
-    def lookup(self, keys: list[CacheKey]) -> int:
-        found = self.has([self.name(k) for k in keys])
-        return next((i for i, f in enumerate(found) if not f), len(found))
-
-    def load(self, keys: list[CacheKey]) -> list[Any]:
-        return self.get([self.name(k) for k in keys])
-
-    def release(self, got: Any) -> None:
-        pass
-
-    def payload(self, got: Any) -> torch.Tensor:
-        """The layers of a whole chunk file read back (its header says where they are)."""
-        data = memoryview(got)
-        header = cf.decode_header(data, len(data))
-        with warnings.catch_warnings():  # bytes from a client are read-only; only compared here
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.frombuffer(data, dtype=torch.uint8)
-        return torch.cat([t[o : o + header.layer_nbytes] for o in header.data_offsets])
-
-    def remove(self, keys: list[CacheKey]) -> None:
-        if keys:
-            self.delete([self.name(k) for k in keys])
-
-    def put(self, names: list[str], parts: list[list[Any]]) -> None:
-        raise NotImplementedError
-
-    def get(self, names: list[str]) -> list[Any]:
-        raise NotImplementedError
-
-    def has(self, names: list[str]) -> list[bool]:
-        raise NotImplementedError
-
-    def delete(self, names: list[str]) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-class RawFiles(RawTarget):
-    """Plain files in the tier's directory: ``os.pwritev`` (plus ``fsync`` when the tier fsyncs)
-    and ``os.preadv`` into one buffer, ``os.stat`` for a lookup."""
-
-    def __init__(self, root: str, fsync: bool) -> None:
-        super().__init__(f"files in {root} (os.pwritev/os.preadv{', fsync' if fsync else ''})")
-        self.dir = Path(root) / self.prefix
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.fsync = fsync
-
-    def put(self, names: list[str], parts: list[list[Any]]) -> None:
-        for name, bufs in zip(names, parts):
-            fd = os.open(self.dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.pwritev(fd, bufs, 0)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-
-    def get(self, names: list[str]) -> list[Any]:
-        out: list[Any] = []
-        for name in names:
-            try:
-                fd = os.open(self.dir / name, os.O_RDONLY)
-            except FileNotFoundError:
-                out.append(None)
-                continue
-            try:
-                buf = bytearray(os.fstat(fd).st_size)
-                os.preadv(fd, [buf], 0)
-            finally:
-                os.close(fd)
-            out.append(buf)
-        return out
-
-    def has(self, names: list[str]) -> list[bool]:
-        return [os.path.exists(self.dir / n) for n in names]
-
-    def delete(self, names: list[str]) -> None:
-        for n in names:
-            try:
-                os.unlink(self.dir / n)
-            except FileNotFoundError:
-                pass
-
-    def close(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class RawRedis(RawTarget):
-    """redis-py against the tier's server: ``SET``/``GET``/``EXISTS`` (pipelined for a batch)."""
-
-    def __init__(self, url: str, password: str | None = None) -> None:
-        import redis
-
-        super().__init__(f"redis-py {redis.__version__} SET/GET (pipelined for batches)")
-        self.client = redis.Redis.from_url(
-            url, socket_timeout=30, **({"password": password} if password else {}))
-        try:
-            self.client.ping()
-        except redis.RedisError as exc:
-            raise BenchError(f"cannot reach the redis server of the tier: {exc}; check the tier's "
-                             "url option and that the server is running") from None
-
-    def _pipe(self, op: str, names: list[str], values: list[Any] | None = None) -> list[Any]:
-        if len(names) == 1:
-            return [getattr(self.client, op)(names[0], *([values[0]] if values else []))]
-        pipe = self.client.pipeline(transaction=False)
-        for i, n in enumerate(names):
-            getattr(pipe, op)(n, *([values[i]] if values else []))
-        return pipe.execute()
-
-    def put(self, names: list[str], parts: list[list[Any]]) -> None:
-        self._pipe("set", names, [b"".join(p) for p in parts])
-
-    def get(self, names: list[str]) -> list[Any]:
-        return self._pipe("get", names)
-
-    def has(self, names: list[str]) -> list[bool]:
-        return [bool(x) for x in self._pipe("exists", names)]
-
-    def delete(self, names: list[str]) -> None:
-        self.client.delete(*names)
-
-    def close(self) -> None:
-        self.client.close()
-
-
-class RawFsspec(RawTarget):
-    """The tier's fsspec filesystem: ``pipe`` and ``cat`` of many paths at once, ``exists``."""
-
-    def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
-        import fsspec
-
-        super().__init__(f"fsspec pipe/cat on {url.split('://', 1)[0]}://")
-        self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
-        self.root = root.rstrip("/") + "/" + self.prefix
-
-    def _path(self, name: str) -> str:
-        return f"{self.root}/{name}"
-
-    def put(self, names: list[str], parts: list[list[Any]]) -> None:
-        self.fs.pipe({self._path(n): b"".join(p) for n, p in zip(names, parts)})
-
-    def get(self, names: list[str]) -> list[Any]:
-        paths = [self._path(n) for n in names]
-        got = self.fs.cat(paths, on_error="omit")
-        return [got.get(p) for p in paths]
-
-    def has(self, names: list[str]) -> list[bool]:
-        return [self.fs.exists(self._path(n)) for n in names]
-
-    def delete(self, names: list[str]) -> None:
-        self.fs.rm([self._path(n) for n in names])
-
-    def close(self) -> None:
-        try:
-            self.fs.rm(self.root, recursive=True)
-        except (FileNotFoundError, OSError):
-            pass
-
-
-class RawMooncake(RawTarget):
-    """A second Mooncake client of the tier's master (same protocol and sizes): ``upsert`` and
-    ``get`` one value at a time, ``batch_is_exist`` for a lookup."""
-
-    def __init__(self, options: Any) -> None:
-        from mooncake.store import MooncakeDistributedStore
-
-        super().__init__(f"Mooncake's MooncakeDistributedStore upsert/get ({options.protocol}), "
-                         "a second client of the same master")
-        self.client = MooncakeDistributedStore()
-        rc = self.client.setup(options.local_hostname, options.metadata_server,
-                              int(options.global_segment_size), int(options.local_buffer_size),
-                              options.protocol, options.device_name, options.master)
-        if rc != 0:
-            raise BenchError(f"a raw Mooncake client could not reach the master {options.master} "
-                             f"(setup returned {rc}); check the tier's master option, or pass "
-                             "--no-raw")
-
-    def put(self, names: list[str], parts: list[list[Any]]) -> None:
-        for n, p in zip(names, parts):
-            rc = self.client.upsert(n, b"".join(p))
-            if rc != 0:
-                raise RuntimeError(f"Mooncake upsert of {n} returned {rc}")
-
-    def get(self, names: list[str]) -> list[Any]:
-        return [self.client.get(n) or None for n in names]
-
-    def has(self, names: list[str]) -> list[bool]:
-        return [c == 1 for c in self.client.batch_is_exist(names)]
-
-    def delete(self, names: list[str]) -> None:
-        for n in names:
-            self.client.remove(n)
-
-    def close(self) -> None:
-        self.client.close()
-
-
-#: Why a tier has no raw row (shown in the report).
-NO_RAW = {
-    "local_cpu": "local_cpu is memory itself: there is no medium under it",
-    "resp": "not measured for a cluster (redis-py's cluster client differs from the tier's)",
-}
-
-
-def raw_target(tier: TierConfig, options: Any) -> RawTarget | None:
-    """The raw medium of a built-in tier (by its resolved options), or None."""
-    backend = tier.backend
-    if backend in ("posix", "gds"):
-        return RawFiles(str(options.path), bool(options.fsync))
-    if backend == "resp" and not options.cluster:
-        password = os.environ.get(options.password_env) if options.password_env else None
-        return RawRedis(options.url, password)
-    if backend == "fsspec":
-        return RawFsspec(options.url, dict(options.storage_options))
-    if backend == "mooncake":
-        return RawMooncake(options)
-    return None
 
 
 # -- one cell ------------------------------------------------------------------------------------
@@ -802,21 +548,17 @@ def bench_cmd(config: Path | None, tier: str | None, backend: str | None, option
     except KVPlugError as exc:
         fail(redact(str(exc)), code=2)
     raw_target_: RawTarget | None = None
-    raw_note = NO_RAW.get(tier_cfg.backend, "none known for this backend")
+    raw_note = "not measured (--no-raw)"
     try:
         _preflight(target, tier_cfg, redact)
-        if raw:
+        if raw:  # the backend's own raw client (kvplug.bench_raw)
             try:
-                raw_target_ = raw_target(tier_cfg, _options_of(tier_cfg))
+                raw_target_, raw_note = raw_medium(tier_cfg)
             except BenchError as exc:
                 fail(redact(str(exc)))
             except Exception as exc:  # noqa: BLE001 - a missing client library, a refused login
                 fail(f"the raw medium of tier {target.name!r} could not be opened: "
                      f"{redact.error(exc)}; pass --no-raw to qualify the tier alone")
-            if raw_target_ is not None:
-                raw_note = raw_target_.what
-        else:
-            raw_note = "not measured (--no-raw)"
         cells = [Cell(s, b, t) for s in size_list for b in batch_list for t in thread_list]
         report: dict[str, Any] = {
             "tier": target.name, "backend": tier_cfg.backend, "raw": raw_note,
@@ -867,17 +609,6 @@ def bench_cmd(config: Path | None, tier: str | None, backend: str | None, option
     if errors:
         fail(f"{errors} error(s): a load returned other bytes than stored, or a call failed "
              "(see above)")
-
-
-def _options_of(tier: TierConfig) -> Any:
-    """The tier's options through its backend's Options model (attribute access either way)."""
-    from ..plugins import load_backend_class
-
-    cls, _ = load_backend_class(tier.backend)
-    model = getattr(cls, "Options", None)
-    if model is None:
-        return None
-    return model.model_validate(tier.options)
 
 
 def _preflight(target: TierTarget, tier: TierConfig, redact: Redactor) -> None:

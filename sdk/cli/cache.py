@@ -12,42 +12,13 @@ remains, and exits 1 unless every tier did all of it. ``--json`` prints the API'
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import click
 from rich.table import Table
 
-from .common import console, escape, fail, human_bytes
-
-API = "/kvplug/v1"
-
-
-def call(url: str, path: str, body: dict[str, Any] | None = None, api_key: str | None = None,
-         timeout: float = 120.0) -> dict[str, Any]:
-    """One API call (GET without ``body``, else POST JSON); a clear error for any failure."""
-    req = urllib.request.Request(url.rstrip("/") + API + path, method="POST" if body else "GET",
-                                 data=json.dumps(body).encode() if body is not None else None)
-    req.add_header("Content-Type", "application/json")
-    if api_key:
-        req.add_header("Authorization", f"Bearer {api_key}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")
-        try:  # vLLM's error body, or FastAPI's
-            err = json.loads(detail)
-            detail = err["error"]["message"] if "error" in err else err.get("detail", detail)
-        except (ValueError, AttributeError, KeyError, TypeError):
-            pass
-        hint = " (pass --api-key or set VLLM_API_KEY)" if exc.code == 401 else ""
-        fail(f"{url}{API}{path}: HTTP {exc.code}: {detail}{hint}")
-    except (urllib.error.URLError, OSError) as exc:
-        fail(f"{url}{API}{path}: {getattr(exc, 'reason', exc)} (is `kvplug serve` running "
-             "there?)")
+from .common import call, console, escape, fail, human_bytes, key_opt
 
 
 def _size(n: int | None) -> str:
@@ -146,8 +117,6 @@ def _emit(body: dict[str, Any], as_json: bool, show: Any) -> None:
 
 
 url_opt = click.option("--url", help="A `kvplug serve` server, e.g. http://127.0.0.1:8000.")
-key_opt = click.option("--api-key", envvar="VLLM_API_KEY", show_envvar=True,
-                       help="The server's --api-key.")
 json_opt = click.option("--json", "as_json", is_flag=True, help="Print the JSON answer.")
 prompt_opts = [
     click.option("--prompt", help="Prompt text (tokenized by the served model)."),
@@ -322,4 +291,4 @@ def clear_cmd(url: str | None, api_key: str | None, config: Path | None, everyth
         raise click.exceptions.Exit(1)
 
 
-__all__ = ["cache_group", "call"]
+__all__ = ["cache_group"]

@@ -1,11 +1,15 @@
-"""Shared pieces of the ``kvplug`` command: consoles, error exits, human sizes and ages."""
+"""Shared pieces of the ``kvplug`` command: consoles, error exits, human sizes and ages, and
+the call to a ``kvplug serve`` server's management API (``kvplug cache``, ``kvplug warm``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
-from typing import NoReturn
+import urllib.error
+import urllib.request
+from typing import Any, NoReturn
 
 import click
 from rich.console import Console
@@ -78,3 +82,37 @@ def human_age(seconds: float) -> str:
 def age_of(mtime: float, now: float | None = None) -> str:
     """How long ago ``mtime`` was (``now`` defaults to the current time), as :func:`human_age`."""
     return human_age((now or time.time()) - mtime)
+
+
+#: the management API's path prefix on a ``kvplug serve`` server (connector/api.py)
+API = "/kvplug/v1"
+
+
+def call(url: str, path: str, body: dict[str, Any] | None = None, api_key: str | None = None,
+         timeout: float = 120.0) -> dict[str, Any]:
+    """One API call (GET without ``body``, else POST JSON); a clear error for any failure."""
+    req = urllib.request.Request(url.rstrip("/") + API + path, method="POST" if body else "GET",
+                                 data=json.dumps(body).encode() if body is not None else None)
+    req.add_header("Content-Type", "application/json")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
+        try:  # vLLM's error body, or FastAPI's
+            err = json.loads(detail)
+            detail = err["error"]["message"] if "error" in err else err.get("detail", detail)
+        except (ValueError, AttributeError, KeyError, TypeError):
+            pass
+        hint = " (pass --api-key or set VLLM_API_KEY)" if exc.code == 401 else ""
+        fail(f"{url}{API}{path}: HTTP {exc.code}: {detail}{hint}")
+    except (urllib.error.URLError, OSError) as exc:
+        fail(f"{url}{API}{path}: {getattr(exc, 'reason', exc)} (is `kvplug serve` running "
+             "there?)")
+
+
+#: ``--api-key``: the server's bearer token, for every command that calls a server
+key_opt = click.option("--api-key", envvar="VLLM_API_KEY", show_envvar=True,
+                       help="The server's --api-key.")

@@ -23,8 +23,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .cache import call, key_opt
-from .common import console, err_console, escape, fail
+from .common import call, console, err_console, escape, fail, key_opt
 
 
 def read_prompts(path: Path) -> list[dict[str, Any]]:

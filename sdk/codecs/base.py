@@ -21,6 +21,7 @@ self-describing frame (:mod:`kvplug.codecs.frame`). A third-party codec is a sub
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -71,13 +72,15 @@ class LayerSpec:
         return m["order"].replace("L", "").replace("B", ""), int(m["bs"])
 
 
-class Codec:
-    """Base class of codecs. Subclasses set ``lossy`` and implement the two methods below."""
+class Codec(ABC):
+    """Base class of codecs. Subclasses implement the two abstract methods below and may set
+    ``lossy``, ``Options`` and override :meth:`describe` (their defaults are declared here)."""
 
     #: Whether decoding gives back something other than the exact bytes (logged at start-up;
     #: a lossy codec is only ever used where a tier's config names it).
     lossy: ClassVar[bool] = False
-    #: Optional pydantic model of the tier's ``codec_options`` (unknown keys are rejected).
+    #: A pydantic model of the tier's ``codec_options`` (unknown keys are rejected); default
+    #: none: the raw mapping.
     Options: ClassVar[type | None] = None
 
     def __init__(self, options: Any = None) -> None:
@@ -88,16 +91,16 @@ class Codec:
         dump = getattr(self.options, "model_dump", None)
         return dump(mode="json") if dump else dict(self.options or {})
 
+    @abstractmethod
     def encode_layer(self, pages: torch.Tensor, spec: LayerSpec) -> tuple[Any, dict[str, Any]]:
         """Encode one layer: ``pages`` is a borrowed CPU uint8 tensor ``[num_blocks, page_bytes]``.
         Returns ``(payload, params)``: any bytes-like payload and the JSON-able parameters
         :meth:`decode_layer` needs. Raise :class:`~kvplug.errors.CodecError` for input this codec
         does not handle (the chunk is then stored raw, with one log line)."""
-        raise NotImplementedError
 
     @classmethod
+    @abstractmethod
     def decode_layer(cls, payload: memoryview, params: dict[str, Any], out: torch.Tensor,
                      spec: LayerSpec) -> None:
         """Decode ``payload`` into ``out`` (CPU uint8 ``[num_blocks, page_bytes]``, contiguous).
         Raise on anything that does not fit (the read becomes a miss)."""
-        raise NotImplementedError

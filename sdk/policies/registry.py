@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from ..config import PolicyConfig, TierConfig
 from ..errors import BackendLoadError, BackendValidationError, ConfigError, KVPlugError
 from ..plugins import BackendInfo, check_hookimpls, discover_entry_points
-from ..policyspecs import REQUIRED_HOOKS, SPECS, PolicyContext
+from ..policyspecs import SPECS, PolicyContext
 
 ENTRY_POINT_GROUP = "kvplug.policies"
 #: The policy each kind uses when a tier names none (the behaviour before policies existed).
@@ -61,7 +61,7 @@ def validate_policy_class(cls: type, name: str, package: str = "?") -> str:
         raise BackendValidationError(
             f"policy {name!r} from package {package}: Options is {model!r}, not a pydantic model "
             "class; derive it from kvplug.config.BaseOptions")
-    check_hookimpls(cls, SPECS[kind], REQUIRED_HOOKS[kind], f"validate-policy:{name}",
+    check_hookimpls(cls, SPECS[kind], f"validate-policy:{name}",
                     f"{kind} policy {name!r} from package {package}",
                     "kvplug policy contract (kvplug.policyspecs)", "kvplug.policyspecs")
     return kind

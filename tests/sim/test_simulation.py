@@ -65,6 +65,14 @@ REGRESSION_SEEDS += [91015041]
 #: a replaced token (now: such a block is written before it is read, not reported). Both failed
 #: before, on vLLM 0.32 and 0.33
 REGRESSION_SEEDS += [95001878, 95036104]
+#: I11 (KV events), asynchronous scheduling, TP 2, the value tier down on rank 1: rank 0's news
+#: that it stored two chunks in the value tier was taken with step N's output, and the weights
+#: were reset before vLLM handed that output to the scheduler; the book, started over, counted
+#: it, then counted rank 0's news about its new-epoch keys (same chunk hashes) as the second
+#: rank, and announced blocks rank 1 never held (a router's miss). News names its weights epoch
+#: now and the book counts its own epoch's only (tests/unit/test_kv_events.py). Failed before,
+#: on vLLM 0.32 and 0.33
+REGRESSION_SEEDS += [132014314]
 #: issue 33, a neighbour process on rank 0's posix directory (small tiers, tenant quotas), with
 #: I6 strict there (SimConfig.strict_shared_i6): a queued write found the file the neighbour had
 #: just stored and indexed it without making room, so the tenant held 36864 B over its 24576 B

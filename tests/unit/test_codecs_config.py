@@ -131,3 +131,19 @@ def test_config_check_resolves_codecs_and_names_unknown_ones(tmp_path):
     out = CliRunner().invoke(main, ["config", "check", str(bad)])
     assert out.exit_code != 0 and "codec 'zfp' is not installed" in out.output
     assert "lossless" in out.output
+
+
+def test_a_codec_missing_a_method_cannot_be_constructed_and_its_defaults_are_declared():
+    """``encode_layer`` and ``decode_layer`` are abstract: a codec without one fails when it is
+    built, naming it, not when the first chunk is stored; ``lossy`` and ``Options`` default."""
+    from kvplug.codecs import Codec
+
+    class DecodeOnly(Codec):
+        @classmethod
+        def decode_layer(cls, payload, params, out, spec):
+            out.view(-1).copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+
+    with pytest.raises(TypeError, match="DecodeOnly.*encode_layer"):
+        DecodeOnly()
+    assert Codec.__abstractmethods__ == {"encode_layer", "decode_layer"}
+    assert (DecodeOnly.lossy, DecodeOnly.Options) == (False, None)

@@ -54,7 +54,7 @@ class Steps:
         extra = {"chunk_size": CHUNK, "async_save": True, "report_to_client": False}
         self.s = make_scheduler(model_dir, extra=extra, block_size=BS, num_blocks=num_blocks,
                                 max_num_batched_tokens=64)
-        self.s.connector._sched.lookup = FakeLookup()  # nothing stored before: no loads
+        self.s.connector.scheduler_side.lookup = FakeLookup()  # nothing stored before: no loads
         cfg = ConnectorConfig(chunk_size=CHUNK, async_save=True, log_every_load=False,
                               tiers=[{"backend": "local_cpu", "options": {"capacity": "16MiB"}},
                                      {"name": "gated", "backend": "tests.support.tiers_for_tests:GatedPutTier",

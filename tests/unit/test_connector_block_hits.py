@@ -26,7 +26,7 @@ def build(model_dir, native=False, **kw):
     and a kvplug that never stores: its requests' local hits are the reference."""
     s = make_scheduler(model_dir, block_size=BS, num_blocks=400, prefix_caching=native, **kw)
     fake = FakeLookup()
-    s.connector._sched.lookup = fake
+    s.connector.scheduler_side.lookup = fake
     return s, fake, native
 
 

@@ -17,7 +17,7 @@ def produce(model_dir, tokens, role="kv_producer", extra=None, params=None):
     """A prefill (max_tokens=1) on a producer to its end: (its kv_transfer_params, the hashes
     it sent to be stored, in order). The per-request report is off unless ``extra`` says."""
     s = make_scheduler(model_dir, role=role, extra={"report_to_client": False, **(extra or {})})
-    s.connector._sched.lookup = FakeLookup()
+    s.connector.scheduler_side.lookup = FakeLookup()
     s.add_request(make_request("p", tokens, max_tokens=1, kv_transfer_params=params))
     saved, out = [], None
     while s.requests:
@@ -38,7 +38,7 @@ class Clock:
 
 def consumer(model_dir, extra=None):
     s = make_scheduler(model_dir, role="kv_consumer", extra=extra)
-    side, fake, clock = s.connector._sched, FakeLookup(), Clock()
+    side, fake, clock = s.connector.scheduler_side, FakeLookup(), Clock()
     side.lookup, side.clock = fake, clock
     return s, side, fake, clock
 
@@ -129,7 +129,7 @@ def test_a_request_vllm_already_holds_does_not_wait(model_dir):
     params, _ = produce(model_dir, tokens)
     s, side, fake, clock = consumer(model_dir)
     r = make_request("d", tokens, kv_transfer_params=params)
-    side._track(r)
+    side.track(r)
     assert side.get_num_new_matched_tokens(r, 1024) == (0, False)  # vLLM's own cache has it
 
 

@@ -253,7 +253,7 @@ def scheduler_with(model_dir, engine_id, worker, timeout_s, wait_s=0.0):
     from tests.support.vllm_helpers import make_scheduler
 
     s = make_scheduler(model_dir)
-    side = s.connector._sched
+    side = s.connector.scheduler_side
     side.lookup.close()
     (service,) = start(engine_id, [worker])
     side.lookup = LookupClient([socket_path(engine_id, 0)], timeout_s=timeout_s, wait_s=wait_s)

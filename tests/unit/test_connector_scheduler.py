@@ -8,7 +8,7 @@ from tests.support.vllm_helpers import FakeLookup, make_request, make_scheduler,
 def build(model_dir, **kw):
     s = make_scheduler(model_dir, **kw)
     fake = FakeLookup()
-    side = s.connector._sched
+    side = s.connector.scheduler_side
     side.lookup = fake
     return s, side, fake
 
@@ -16,7 +16,7 @@ def build(model_dir, **kw):
 def store_all(side, fake, req_id):
     """Mark every full chunk of a tracked request as stored."""
     t = side.trackers[req_id]
-    fake.stored.update(side._full_hashes(t, t.request.num_tokens // 256))
+    fake.stored.update(side.full_hashes(t, t.request.num_tokens // 256))
 
 
 def step(s):
@@ -42,7 +42,7 @@ def test_hit_is_chunk_aligned_capped_and_side_effect_free(model_dir):
     s, side, fake = build(model_dir)
     tokens = prompt(1024, 2)  # exactly 4 chunks: at most 3 may load (one token must be computed)
     r = make_request("b", tokens)
-    side._track(r)
+    side.track(r)
     store_all(side, fake, "b")
     first = side.get_num_new_matched_tokens(r, 0)
     again = side.get_num_new_matched_tokens(r, 0)
@@ -55,8 +55,8 @@ def test_load_spec_and_skip_of_stored_chunks(model_dir):
     s, side, fake = build(model_dir)
     tokens = prompt(1300, 3)
     r = make_request("c", tokens)
-    side._track(r)
-    fake.stored.update(side._full_hashes(side.trackers["c"], 3))  # 3 of 5 chunks stored
+    side.track(r)
+    fake.stored.update(side.full_hashes(side.trackers["c"], 3))  # 3 of 5 chunks stored
     s.add_request(r)
     so, md = step(s)
     (rm,) = md.requests
@@ -147,8 +147,8 @@ def test_multimodal_inputs_change_the_keys(model_dir):
     s, side, fake = build(model_dir)
     a, b = make_request("i", tokens), make_request("j", tokens)
     a.mm_features, b.mm_features = r1.mm_features, r2.mm_features
-    ha = side._full_hashes(side._track(a), 2)
-    hb = side._full_hashes(side._track(b), 2)
+    ha = side.full_hashes(side.track(a), 2)
+    hb = side.full_hashes(side.track(b), 2)
     assert ha[0] == hb[0] and ha[1] != hb[1]
 
 
@@ -178,11 +178,11 @@ def test_a_prompt_vllm_holds_is_never_held_back_by_an_unanswered_lookup(model_di
     s, side, fake = build(model_dir)
     fake.lookup = lambda req_id, hashes, tails: None  # the workers have not answered yet
     r = make_request("held", prompt(1100, 7))
-    side._track(r)
+    side.track(r)
     assert side.get_num_new_matched_tokens(r, 1088) == (0, False)
     assert fake.released == ["held"]
     other = make_request("cold", prompt(1100, 8))
-    side._track(other)
+    side.track(other)
     assert side.get_num_new_matched_tokens(other, 0) == (None, False)
     assert fake.released == ["held"]
 
@@ -197,8 +197,8 @@ def test_eagle_drafter_hit_ends_a_block_early_and_decode_stores_a_block_behind(m
     s, side, fake = build(model_dir, extra={"save_decode": True})
     side.drop_last_block = True  # compat.drops_last_block(vllm_config) with an EAGLE drafter
     r = make_request("c", prompt(1300, 3), max_tokens=500)
-    side._track(r)
-    fake.stored.update(side._full_hashes(side.trackers["c"], 3))  # 3 of 5 chunks stored
+    side.track(r)
+    fake.stored.update(side.full_hashes(side.trackers["c"], 3))  # 3 of 5 chunks stored
     s.add_request(r)
     so, md = step(s)
     (rm,) = md.requests
@@ -247,3 +247,34 @@ def test_a_preempted_requests_old_block_table_names_no_blocks(model_dir):
     assert old_a.index(reused[-1]) < old_a.index(reused[-2])  # a's order differs from b's
     side.update_connector_output(None, invalid_blocks={table[-1]})
     assert side.unwritten.blocks == {table[-1]}
+
+
+def test_the_lookup_protocol_declares_every_member_the_scheduler_side_uses():
+    """SchedulerSide asks its lookup only for what ``LookupFn`` declares (no probing by name);
+    a stand-in with the two required members gets the declared defaults, a full lookup its own."""
+    import inspect
+    import re
+
+    from kvplug.connector.scheduler.side import LookupFn, SchedulerSide, lookup_member
+
+    src = inspect.getsource(SchedulerSide)
+    used = set(re.findall(r'lookup_member\(self\.lookup, "(\w+)"\)', src))
+    used |= set(re.findall(r"self\.lookup\.(\w+)\(", src))
+    declared = {n for n in vars(LookupFn) if not n.startswith("_")}
+    assert used == declared == {"lookup", "release", "timeouts", "set_epoch", "take_slow",
+                                "take_local"}
+    assert "getattr(self.lookup" not in src
+
+    two = FakeLookup()
+    assert lookup_member(two, "timeouts") == 0
+    assert (lookup_member(two, "take_slow")("r"), lookup_member(two, "take_local")("r")) == ((), ())
+    assert lookup_member(two, "set_epoch")("e1") is None
+
+    class Full(FakeLookup):
+        timeouts = 3
+
+        def take_slow(self, req_id):
+            return frozenset({2})
+
+    assert lookup_member(Full(), "timeouts") == 3
+    assert lookup_member(Full(), "take_slow")("r") == frozenset({2})

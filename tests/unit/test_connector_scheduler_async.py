@@ -19,8 +19,8 @@ class SlowLookup(FakeLookup):
 
 def build(model_dir, lookup):
     s = make_scheduler(model_dir)
-    s.connector._sched.lookup = lookup
-    return s, s.connector._sched
+    s.connector.scheduler_side.lookup = lookup
+    return s, s.connector.scheduler_side
 
 
 def output(so, recving=(), bad=(), failed=None):
@@ -38,8 +38,8 @@ def stored_request(model_dir, fake):
     """A scheduler over ``fake`` and a 1100-token request whose 4 full chunks are stored."""
     s, side = build(model_dir, fake)
     r = make_request("a", prompt(1100, 1))
-    side._track(r)
-    fake.stored.update(side._full_hashes(side.trackers["a"], 4))
+    side.track(r)
+    fake.stored.update(side.full_hashes(side.trackers["a"], 4))
     return s, side, r
 
 
@@ -59,11 +59,11 @@ def test_an_engine_that_runs_steps_ahead_loads_every_hit_in_the_background(model
     hits included. (Under PP this failed before: the rule looked at asynchronous scheduling only,
     and the L1 hit was ``(1024, False)``, an in-step load.)"""
     s = make_scheduler(model_dir, **engine)
-    side, fake = s.connector._sched, FakeLookup()
+    side, fake = s.connector.scheduler_side, FakeLookup()
     side.lookup = fake
     r = make_request("a", prompt(1100, 1))
-    side._track(r)
-    fake.stored.update(side._full_hashes(side.trackers["a"], 4))
+    side.track(r)
+    fake.stored.update(side.full_hashes(side.trackers["a"], 4))
     assert s.vllm_config.max_concurrent_batches > 1
     assert side.runs_ahead and ("batch queue" in side.runs_ahead)
     assert side.get_num_new_matched_tokens(r, 0) == (1024, True)

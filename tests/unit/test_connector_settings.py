@@ -30,7 +30,7 @@ def kvplug_log(caplog, monkeypatch):
 def build(model_dir, **kw):
     s = make_scheduler(model_dir, **kw)
     fake = FakeLookup()
-    s.connector._sched.lookup = fake
+    s.connector.scheduler_side.lookup = fake
     return s, fake
 
 

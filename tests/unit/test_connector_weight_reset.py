@@ -125,11 +125,11 @@ def test_nothing_from_before_a_weights_reset_is_served(engine, tmp_path, reset_c
         return
     assert got == []  # computed, not loaded: nothing stored before is served
     assert e.run("d") == [1] * 10  # what "c" stored under the new epoch is served
-    assert e.w.epoch == e.s.connector._sched.epoch != ""
-    assert e.s.connector._sched.stats.totals()["weight_resets"] == 1
+    assert e.w.epoch == e.s.connector.scheduler_side.epoch != ""
+    assert e.s.connector.scheduler_side.stats.totals()["weight_resets"] == 1
     # L1 holds only the new epoch's chunks; the old ones are on the posix tier for others
     assert e.w.storage.stats()["local_cpu"]["entries"] == 3
-    hashes = e.s.connector._sched.db.extend_hashes(P, [], 2)
+    hashes = e.s.connector.scheduler_side.db.extend_hashes(P, [], 2)
     old = [e.w.key(h, epoch="") for h in hashes]
     assert [e.w.storage.contains(k) for k in old] == ["posix", "posix"]
     # another engine still on the old weights (its own worker, same store): it keeps its hits
@@ -152,9 +152,9 @@ def test_a_finished_requests_last_save_across_a_reset_is_dropped(engine):
         # 41 + 4 tokens: at the end, the partial chunk [32, 44) of prompt + answer is left
         e.s.add_request(make_request("a", P, max_tokens=4))
         end = time.monotonic() + HANG_S
-        while not e.s.connector._sched._finishing and time.monotonic() < end:
+        while not e.s.connector.scheduler_side._finishing and time.monotonic() < end:
             e._step()  # (the first steps may wait for the lookup's answer)
-        assert [r.save.end for r in e.s.connector._sched._finishing] == [44]
+        assert [r.save.end for r in e.s.connector.scheduler_side._finishing] == [44]
         e.version = 1
         assert e.s.reset_prefix_cache(reset_connector=True) is False  # vLLM still holds blocks
         while e.s.requests and time.monotonic() < end:
@@ -162,7 +162,7 @@ def test_a_finished_requests_last_save_across_a_reset_is_dropped(engine):
     assert e.s.kv_cache_manager.block_pool.get_num_free_blocks() == 63  # nothing leaked
     assert e.w.epoch != ""
     # the answer's chunk [32, 44) (old weights' KV) is stored under no epoch
-    db, tokens = e.s.connector._sched.db, [*P, 5, 5, 5, 5]  # the harness samples token 5
+    db, tokens = e.s.connector.scheduler_side.db, [*P, 5, 5, 5, 5]  # the harness samples token 5
     tail = db.partial_hash(tokens, 44, db.extend_hashes(tokens, [], 2))
     assert e.w.storage.flush(10)
     assert [e.w.storage.contains(e.w.key(tail, ep)) for ep in ("", e.w.epoch)] == [None, None]

@@ -336,7 +336,136 @@ def test_watch_reports_only_the_current_weights_epoch(tmp_path):
         _put(w.storage, [old])  # a save of the old weights lands after the reset
         assert _drain(watch, 1, rounds=5) == []
         _put(w.storage, [new])
-        assert _drain(watch, 1) == [TierEvent(True, "ram", chunk)]
+        assert _drain(watch, 1) == [TierEvent(True, "ram", chunk, "e1")]  # stamped with it
     finally:
         watch.close()
         w.close()
+
+
+def test_book_drops_news_about_keys_of_the_weights_before_a_reset(tmp_path):
+    """Asynchronous scheduling hands vLLM a step's output after the next step ran, so a rank's
+    news taken before ``reset_cache`` can reach the scheduler's book after the book started
+    over. Counted there, rank 0's news about its old key and then about its new key (the same
+    chunk hash) stood for two ranks: the chunk was announced while rank 1 held nothing, a
+    router's miss on every request it sent there (simulation seed 132014314, I11). News names
+    its weights epoch; the book counts its own epoch's only."""
+    import uuid
+
+    import torch
+    from kvplug.connector.connector import KVPlugConnector
+    from kvplug.connector.protocol.config import ConnectorConfig, load_connector_config
+    from kvplug.connector.protocol.lookup import LookupClient
+    from kvplug.connector.protocol.metadata import KVPlugMetadata
+    from kvplug.connector.scheduler.side import SchedulerSide
+    from kvplug.connector.worker.side import WorkerSide, _Identity
+    from kvplug.connector.worker.tier_watch import watch_tiers
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from tests.support.gpu_kv_fixture import KVFixture
+
+    cfg = ConnectorConfig(chunk_size=256, log_every_load=False, tiers=[
+        {"name": "ram", "backend": "local_cpu", "options": {"capacity": "4MiB"}}])
+    engine = f"t-{uuid.uuid4().hex[:8]}"
+    workers, watches = [], []
+    for rank in range(2):
+        w = WorkerSide(cfg, _Identity("m", "LBHNC-bs16", 2, rank, engine))
+        w.register_kv_caches(KVFixture("LBHNC", torch.bfloat16, L=2, B=32).caches)
+        workers.append(w)
+        watches.append(watch_tiers(w, 16))
+    # the connector's scheduler half (role SCHEDULER, as KVPlugConnector.__init__ builds it)
+    conn = object.__new__(KVPlugConnector)
+    conn._role = KVConnectorRole.SCHEDULER
+    lookup = LookupClient([tmp_path / f"lookup-{rank}" for rank in range(2)], 1.0)  # no answers
+    conn._sched = SchedulerSide(load_connector_config({"chunk_size": CS}), BS, "kv_both", lookup)
+    conn._book = TierEventBook(BS, CS, num_workers=2)
+    conn._worker = conn._watch = None
+
+    def step_output(events: list[TierEvent]) -> None:
+        conn.update_connector_output(KVConnectorOutput(kv_cache_events=KVPlugKVEvents(events)))
+
+    try:
+        rng = random.Random(11)
+        req = _request("r", [rng.randrange(3, 30000) for _ in range(CS)])
+        chunk = rng.randbytes(32)
+        conn._book.record(req, 0, CS, [chunk])
+        _put(workers[0].storage, [workers[0].key(chunk)])  # stored under the weights on disk
+        late = _drain(watches[0], 1)  # taken with step N's output...
+        assert [e.stored for e in late] == [True]
+        conn.reset_cache()  # ...the weights change before the scheduler sees it
+        md = KVPlugMetadata(256, 16, epoch=conn._sched.epoch)
+        for w in workers:
+            w.sync_epoch(md)  # step N+1's metadata: every rank on the new epoch
+        step_output(late)
+        # the scheduler plans the chunk's save again under the new weights: rank 0 stores it,
+        # rank 1 does not (its tier is down)
+        conn._book.record(req, 0, CS, [chunk])
+        _put(workers[0].storage, [workers[0].key(chunk)])
+        step_output(_drain(watches[0], 1))
+        assert list(conn.take_events()) == [], "announced while rank 1 holds nothing"
+        assert conn._book.stale == 1
+        # control: once rank 1 holds it too, the chunk's blocks are announced, once
+        _put(workers[1].storage, [workers[1].key(chunk)])
+        step_output(_drain(watches[1], 1))
+        (ev,) = _decode(list(conn.take_events()))
+        assert isinstance(ev, BlockStored) and ev.medium == "ram"
+        assert ev.block_hashes == [maybe_convert_block_hash(h) for h in req.block_hashes]
+    finally:
+        lookup.close()
+        for watch, w in zip(watches, workers, strict=True):
+            watch.close()
+            w.close()
+
+
+class AskedTier:
+    """Holds what it is handed; ``during_contains`` runs inside its next lookup (another thread
+    acting while the watch's thread waits for the tier's answer)."""
+
+    def __init__(self, ctx) -> None:
+        self.keys: set = set()
+        self.during_contains = None
+
+    from kvplug.hookspecs import hookimpl as _hookimpl
+
+    @_hookimpl
+    def batched_submit_put(self, keys, objs):
+        self.keys.update(keys)
+
+    @_hookimpl
+    def contains(self, keys, pin):
+        act, self.during_contains = self.during_contains, None
+        if act is not None:
+            act()
+        return [k in self.keys for k in keys]
+
+    @_hookimpl
+    def get(self, key):
+        return None
+
+    @_hookimpl
+    def evict(self, keys, nbytes):
+        return 0
+
+
+def test_watch_round_that_straddles_a_new_epoch_reports_nothing(tmp_path):
+    """The engine thread switches epochs (``sync_epoch`` -> ``forget``) while the watch's own
+    thread waits for a tier's answer about old-epoch keys: that round's news would land after
+    the forget, about keys it had just dropped (and stamped with the new epoch, counted by the
+    book). It is dropped; a later store under the new epoch is reported as usual."""
+    sm = StorageManager({"chunk_size": 256, "tiers": [
+        {"name": "ram", "backend": "local_cpu", "options": {"capacity": "1MiB"}},
+        {"name": "far", "backend": "tests.unit.test_kv_events:AskedTier", "timeout_s": 5}]})
+    watch = TierWatch(sm, interval_s=3600)  # rounds driven here
+    try:
+        old, new = _key(21), _key(22)
+        _put(sm, [old])
+        sm.backend("far").during_contains = lambda: watch.forget("e1")
+        assert _drain(watch, 1, rounds=3) == []
+        _put(sm, [new])  # control: the new epoch's store is news
+        got = _drain(watch, 2)
+        assert sorted(got) == sorted([TierEvent(True, "ram", new.chunk_hash, "e1"),
+                                      TierEvent(True, "far", new.chunk_hash, "e1")])
+    finally:
+        watch.close()
+        sm.close()

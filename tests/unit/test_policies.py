@@ -150,6 +150,42 @@ def test_a_policy_breaking_the_spec_fails_at_load_with_its_name():
         validate_policy_class(NoKind, "nokind")
 
 
+class NoVictims:
+    kind = "eviction"
+
+    def __init__(self, ctx):
+        pass
+
+    @policyimpl
+    def insert(self, key, nbytes):
+        pass
+
+    @policyimpl
+    def access(self, key):
+        pass
+
+    @policyimpl
+    def remove(self, key):
+        pass
+
+
+def test_each_policy_hook_says_at_its_declaration_whether_it_is_required():
+    """The required hooks of each kind are those declared ``@required`` (every hook is marked one
+    way), and a policy without one is refused naming it; the optional ``stats`` is not needed."""
+    from kvplug.hookspecs import hook_needs
+    from kvplug.policyspecs import REQUIRED_HOOKS, SPECS
+
+    assert REQUIRED_HOOKS == {"eviction": ("insert", "access", "remove", "victims"),
+                              "admission": ("record_use", "admit")}
+    for kind, spec in SPECS.items():
+        needs = hook_needs(spec)
+        assert tuple(h for h, need in needs.items() if need.always) == REQUIRED_HOOKS[kind]
+        assert {h for h, need in needs.items() if not need.always} == (
+            {"stats"} if kind == "eviction" else {"stats", "admit_loaded"})
+    with pytest.raises(BackendValidationError, match=r"'novictims'.*required hook\(s\) victims;"):
+        validate_policy_class(NoVictims, "novictims", "thirdparty")
+
+
 def test_a_policy_named_by_path_is_loaded_like_a_backend(tmp_path):
     path = "kvplug.policies.eviction:S3FIFOEviction"
     with StorageManager({"tiers": [{"backend": "local_cpu", "options": {"capacity": "1MiB"},

@@ -64,7 +64,7 @@ class Rig:
         self.s = make_scheduler(model_dir, extra=extra, block_size=BS, num_blocks=num_blocks,
                                 max_num_batched_tokens=batch, groups=groups)
         self.order = order
-        self.layout = self.s.connector._sched.layout
+        self.layout = self.s.connector.scheduler_side.layout
         cfg = ConnectorConfig(chunk_size=CHUNK, async_save=async_save, log_every_load=False,
                               tiers=tiers)
         engine = f"t-{uuid.uuid4().hex[:8]}"
@@ -80,8 +80,8 @@ class Rig:
             self.w.append(w)
             self.c.append(worker_connector(w))
             self.runner.append(runner_connector(self.s.vllm_config, self.c[-1], fx.caches))
-        self.s.connector._sched.lookup.close()  # the real client, asking these workers
-        self.s.connector._sched.lookup = LookupClient(
+        self.s.connector.scheduler_side.lookup.close()  # the real client, asking these workers
+        self.s.connector.scheduler_side.lookup = LookupClient(
             [socket_path(engine, r, 0) for r in range(ranks)], cfg.lookup_timeout_s)
         self.agg = KVOutputAggregator(ranks)
         self.tokens: dict[str, list[int]] = {}  # every request's tokens, kept past its end
@@ -210,7 +210,7 @@ class Rig:
             self.step()
             time.sleep(0.001)  # let the save thread run
         raise AssertionError(f"requests never finished: {sorted(self.s.requests)}; vLLM still "
-                             f"holds them (held by kvplug: {sorted(self.s.connector._sched.held)})")
+                             f"holds them (held by kvplug: {sorted(self.s.connector.scheduler_side.held)})")
 
     # -- checks ---------------------------------------------------------------------------------
     def settle(self) -> None:
@@ -244,7 +244,7 @@ class Rig:
     def close(self) -> None:
         for w in self.w:
             w.close()
-        self.s.connector._sched.lookup.close()
+        self.s.connector.scheduler_side.lookup.close()
 
 
 @pytest.fixture

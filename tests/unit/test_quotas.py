@@ -184,7 +184,7 @@ def test_the_scheduler_sends_the_tenant_of_the_salt_only(tmp_path):
             return super().lookup(req_id, hashes, tails)
 
     s = make_scheduler(make_model("tiny", weights=False, root=tmp_path / "m"))
-    side = s.connector._sched
+    side = s.connector.scheduler_side
     side.lookup = Recording()
     reqs = [make_request("salted", prompt(600, 1), cache_salt=SALT_A),
             make_request("named", prompt(600, 2)), make_request("plain", prompt(600, 3))]

@@ -17,15 +17,15 @@ from tests.support.vllm_helpers import FakeLookup, make_request, make_scheduler,
 
 def build(model_dir, **extra):
     s = make_scheduler(model_dir, extra=extra)
-    side = s.connector._sched
+    side = s.connector.scheduler_side
     side.lookup = FakeLookup()
     return s, side, side.lookup
 
 
 def stored(side, fake, req):
     """Mark every full chunk of ``req`` as stored (its hashes as the scheduler computes them)."""
-    t = side._track(req)
-    fake.stored.update(side._full_hashes(t, req.num_tokens // side.cs))
+    t = side.track(req)
+    fake.stored.update(side.full_hashes(t, req.num_tokens // side.cs))
 
 
 def step(s):

@@ -154,9 +154,9 @@ def test_eagle_drops_the_last_block_as_vllms_scheduler_does(model_dir):
     for name, spec in specs.items():
         s = _scheduler(model_dir, spec)
         try:
-            seen[name] = (s.use_eagle_block_drop, s.connector._sched.drop_last_block)
+            seen[name] = (s.use_eagle_block_drop, s.connector.scheduler_side.drop_last_block)
         finally:
-            s.connector._sched.lookup.close()
+            s.connector.scheduler_side.lookup.close()
     assert seen == {"none": (False, False), "ngram": (False, False), "eagle": (True, True)}
 
 

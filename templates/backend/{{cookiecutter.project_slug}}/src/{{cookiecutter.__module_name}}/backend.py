@@ -13,10 +13,12 @@ What you write is how to reach your store:
 
 * ``Options``: how to reach it (derive from ``ValueStoreOptions``: it brings ``prefix``,
   ``capacity``, ``timeout_s``, writer threads, breaker settings).
-* ``{{ cookiecutter.__class_name }}IO``: the store's primitives (``_exists``, ``_get``,
-  ``_get_many``, ``_get_range``, ``_set_many``, ``_delete``), each one bounded round trip or
+* ``{{ cookiecutter.__class_name }}IO``: the store's primitives, each one bounded round trip or
   batch that *raises* on a failed or timed-out call: kvplug counts it, feeds the breaker and
-  answers a miss.
+  answers a miss. Which ones a store must write is declared in
+  ``kvplug.backends.common.value_io.ValueIO`` (abstract methods, and those a flag such as
+  ``reads_into`` asks for); this one also writes ``_get_many`` (one batch call) and
+  ``_get_range`` (layer ranges, for ``get_layers``).
 
 Out of the box the "store" is an in-process dict per ``url`` (``_DictClient``), so the package
 works and passes kvplug's conformance suite before you write a line; replace it with your store's
