@@ -67,6 +67,9 @@ class MemoryStore(ValueIO):
     def _exists(self, names):
         return [n in self.values for n in names]
 
+    def _get(self, name):
+        return self.values.get(name)
+
 
 @pytest.fixture
 def pool():
