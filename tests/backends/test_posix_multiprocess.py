@@ -9,14 +9,10 @@ import time
 import pytest
 import torch
 from kvplug import chunkfile as cf
-from kvplug.keys import CacheKey
+from kvplug.testing import make_key
 
 SHAPE = (3, 2, 2500)  # padded layers
 FILE_SIZE = cf.ALIGN + 3 * cf.align_up(2 * 2500)
-
-
-def _key(i: int) -> CacheKey:
-    return CacheKey("org/shared", "bfloat16", "LBHNC-bs16", 1, 0, i.to_bytes(4, "big") * 8)
 
 
 def _expect(i: int) -> torch.Tensor:
@@ -35,10 +31,10 @@ def _worker(root: str, me: int, other: int, n: int, capacity: int, out) -> None:
     for j, i in enumerate(mine):
         obj = mgr.allocate(SHAPE, num_tokens=16)
         obj.byte_view.copy_(_expect(i))
-        mgr.batched_put([_key(i)], [obj])
+        mgr.batched_put([make_key(i)], [obj])
         obj.ref_down()
         for k in (theirs[j], theirs[(j * 7) % n]):  # read the neighbour's files as they land
-            got = mgr.get(_key(k))
+            got = mgr.get(make_key(k))
             if got is not None:
                 hits += 1
                 wrong += not torch.equal(got.byte_view, _expect(k))
@@ -48,7 +44,7 @@ def _worker(root: str, me: int, other: int, n: int, capacity: int, out) -> None:
     deadline = time.time() + 60
     for k in [*mine, *theirs]:
         while True:
-            got = mgr.get(_key(k))
+            got = mgr.get(make_key(k))
             if got is not None:
                 wrong += not torch.equal(got.byte_view, _expect(k))
                 got.ref_down()
@@ -134,11 +130,11 @@ def _evictor(root: str, how: str, keys: list[int]) -> None:
     opts = {"path": root, "capacity": cap, "io_threads": 1, "rescan_interval_s": 0}
     with StorageManager({"tiers": [{"backend": "posix", "options": opts}], "chunk_size": 16}) as mgr:
         if how == "evict":
-            mgr.evict([_key(i) for i in keys])
+            mgr.evict([make_key(i) for i in keys])
         else:
             obj = mgr.allocate(SHAPE, num_tokens=16)
             obj.byte_view.copy_(_expect(500))
-            mgr.batched_put([_key(500)], [obj])
+            mgr.batched_put([make_key(500)], [obj])
             obj.ref_down()
             assert mgr.flush(60)
 
@@ -156,28 +152,28 @@ def test_a_pin_holds_against_another_process(tmp_path, how):
     for i in (1, 2):
         obj = heap_memory_obj(SHAPE, torch.uint8, num_tokens=16)
         obj.byte_view.copy_(_expect(i))
-        be.batched_submit_put(keys=[_key(i)], objs=[obj])
+        be.batched_submit_put(keys=[make_key(i)], objs=[obj])
     assert be.flush(timeout=30)
-    assert be.contains(keys=[_key(1)], pin=True) == [True]
-    assert be.contains(keys=[_key(2)], pin=False) == [True]
+    assert be.contains(keys=[make_key(1)], pin=True) == [True]
+    assert be.contains(keys=[make_key(2)], pin=False) == [True]
     ctx = mp.get_context("spawn")
     proc = ctx.Process(target=_evictor, args=(str(tmp_path), how, [1, 2]))
     proc.start()
     proc.join(120)
     assert proc.exitcode == 0, f"evicting process exited with {proc.exitcode}"
     for i in (1, 2):
-        assert not cf.chunk_path(tmp_path, _key(i)).exists(), f"process B did not delete {i}"
-    assert be.get(key=_key(2)) is None, "control: an unpinned evicted file must miss"
-    got = be.get(key=_key(1))
+        assert not cf.chunk_path(tmp_path, make_key(i)).exists(), f"process B did not delete {i}"
+    assert be.get(key=make_key(2)) is None, "control: an unpinned evicted file must miss"
+    got = be.get(key=make_key(1))
     assert got is not None, "a pinned chunk was lost to another process's eviction"
     assert torch.equal(got.byte_view, _expect(1))
     got.ref_down()
-    part = be.get_layers(key=_key(1), first_layer=1, num_layers=2)
+    part = be.get_layers(key=make_key(1), first_layer=1, num_layers=2)
     assert part is not None and torch.equal(part.byte_view, _expect(1).view(3, -1)[1:].reshape(-1))
     part.ref_down()
     assert be.stats()["pinned_fds"] == 1
-    be.unpin(keys=[_key(1)])
-    assert be.stats()["pinned_fds"] == 0 and be.get(key=_key(1)) is None
+    be.unpin(keys=[make_key(1)])
+    assert be.stats()["pinned_fds"] == 0 and be.get(key=make_key(1)) is None
     be.close()
 
 
@@ -198,22 +194,22 @@ def test_two_managers_evicting_the_same_file_keep_the_capacity(tmp_path):
         return [p for p in (tmp_path / "shared").rglob("*.safetensors")]
 
     with manager(1 << 30) as probe:
-        put_random(probe, _key(0), 0)
+        put_random(probe, make_key(0), 0)
         assert probe.flush(timeout=60)
         size = files()[0].stat().st_size
-        probe.evict([_key(0)])
+        probe.evict([make_key(0)])
     a = manager(10 * size)
     try:
         for i in range(10):
-            put_random(a, _key(i), i)
+            put_random(a, make_key(i), i)
             assert a.flush(timeout=60)
             time.sleep(0.02)  # distinct mtimes: one LRU order for both views
         b = manager(10 * size)
         try:
             assert b.backend(0).wait_indexed(60) and len(files()) == 10
-            put_random(a, _key(10), 10)  # A evicts the oldest file (chunk 0)
+            put_random(a, make_key(10), 10)  # A evicts the oldest file (chunk 0)
             assert a.flush(timeout=60) and len(files()) == 10
-            put_random(b, _key(11), 11)  # B's view still has chunk 0, and not chunk 10
+            put_random(b, make_key(11), 11)  # B's view still has chunk 0, and not chunk 10
             assert b.flush(timeout=60)
             assert len(files()) == 10, [p.name for p in files()]
             assert b.stats()["posix"]["evictions"] == 2  # chunk 0 (already gone), then one more
