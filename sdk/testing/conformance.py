@@ -314,7 +314,7 @@ class BackendConformance:
             for k in bounded:
                 assert not call_hook(mgr.backend(where[k]), "contains", keys=[k], pin=False)[0], (
                     f"tier {where[k]!r} still holds an unpinned old entry after 2.5x its "
-                    "capacity was stored: does unpin release the pin?")
+                    f"capacity was stored: does unpin release the pin? (stats: {mgr.stats()})")
 
     def test_capacity_is_respected(self, make_tiers):
         """Storing 4x the capacity keeps each tier's ``stats()["bytes"]`` under its bound (a tier
