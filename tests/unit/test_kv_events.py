@@ -271,7 +271,7 @@ class LookupDownTier:
         self.keys.update(keys)
 
     @_hookimpl
-    def contains(self, keys, pin):
+    def contains(self, keys):
         self.asked += 1
         raise OSError("lookups are down")
 
@@ -433,7 +433,7 @@ class AskedTier:
         self.keys.update(keys)
 
     @_hookimpl
-    def contains(self, keys, pin):
+    def contains(self, keys):
         act, self.during_contains = self.during_contains, None
         if act is not None:
             act()
