@@ -162,9 +162,6 @@ class ValueStoreTier(ABC):
             budget=TenantBudget(ctx.quotas, ctx.name))
         logger.info("tier %r: %s at %s", self.name, self.kind, self.url)
 
-    def store_name(self, key: CacheKey) -> str:
-        return self.name_of(key)
-
     def name_of(self, key: CacheKey) -> str:
         """The store's key name for ``key`` (the key's safe string form under the prefix);
         remembered, since every lookup names many keys (a dict hit costs less than the name)."""

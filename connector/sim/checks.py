@@ -291,7 +291,7 @@ class Checks:
                 raise Violation("I3", f"{r} reported finished {c.frees} times "
                                       f"(sending {c.sending}, recving {c.recving})")
 
-    # -- I6, I7 (issue 34: policies) ---------------------------------------------------------------
+    # -- I6, I7 (policies and capacity) ----------------------------------------------------------
     def watch_evictions(self, rank: int, storage: Any) -> None:
         """I7: wrap where each tier drops an entry for room (L1's ``_drop``, posix's unlink of
         victims): a victim some lookup has pinned is a violation, whatever policy chose it."""

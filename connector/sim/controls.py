@@ -17,23 +17,23 @@ FAULTS = {
     "report_finished_twice": "I3",  # report a request in finished_sending again next step
     "skip_window_wait": "I4",  # no sliding-window liveness ordering (defect 2's rule)
     "leak_pins": "I5",  # lookups' pins are never released
-    # issue 33: the oracle's new eyes
+    # the oracle's reads of the logits and of L1's copies
     "corrupt_last_layer_loaded": "I2",  # a bulk load writes a wrong last layer (read by logits)
     "corrupt_l1_object": "I1",  # L1 returns a wrong copy of a chunk (I1 on what tiers return)
     # a failed load's first block is left out of its load errors: caught in that step (the
     # first block read wrong must be reported; before, any block of the request passed, and it
     # was caught a step later, when vLLM had recomputed from the second and read the first)
     "report_a_later_block": "I2",
-    # issue 34: policies and capacity
+    # policies and capacity
     "evict_pinned": "I7",  # L1 takes a pinned chunk for a victim (the policy's and its own check)
     "overfill_disk": "I6",  # posix reserves room for a write without evicting anything
     "ignore_quota": "I6",  # L1 stores a tenant's chunk past its quota
-    # issue 33's new event kinds
+    # late tier calls, checksums, codecs, saves of finished requests
     "keep_late_results": "I5",  # a tier call's late result is never released (Tier._late)
     "skip_checksums": "I1",  # chunks read without their layer checksums (corrupt values served)
     "skip_decode": "I1",  # a codec tier's reads handed on still encoded
     "release_blocks_of_saves": "I4",  # a finished request's blocks freed while a save reads them
-    # issue 34: an operator's clears
+    # an operator's clears
     "clear_leaves_entry": "I8",  # a clear (all, named chunks, a tenant) leaves an L1 entry
     # an engine whose V2 runner zeroes new blocks before handle_preemptions, kvplug not ordering
     # each step's copies at submit (order_at_submit off): a preempted request's block, handed
@@ -73,11 +73,11 @@ WHERE = {"corrupt_l1_object": " get: ", "neighbour_wrong_bytes": " get: ",
          "skip_decode": " get: "}
 #: faults only a directed schedule reaches (tests/sim/test_simulation.py, SCHEDULES) -> invariant
 DIRECTED_FAULTS = {
-    # store KV computed over a failed load (issue 22's defect 1 rule); random seeds reach it
-    # rarely (1 of the first 300 before issue 33's kinds, none after): a directed schedule
+    # store KV computed over a failed load; random seeds reach it rarely (1 of the first 300
+    # at most): a directed schedule
     "store_after_failed_load": "I1",
     "forget_unwritten": "I2",  # a failed load's blocks are not followed until written
-    "store_over_unwritten": "I1",  # a step that reads an unwritten block still stores (#33)
+    "store_over_unwritten": "I1",  # a step that reads an unwritten block still stores
     # I10: a key the rank never pinned is located with storage.contains over every
     # tier and read from wherever it is, on the engine thread. With TP > 1 the hit is the
     # minimum over ranks, so a rank is sent a shorter partial chunk than the one it found:

@@ -42,7 +42,7 @@ class SimConfig:
     layerwise: bool = False  # one group only
     order: str = "0.32"  # "0.33": get_finished (and errors, stats) before wait_for_save
     faults: frozenset[str] = frozenset()  # negative controls (see .controls)
-    # issue 34: the tiers' policies (both tiers' eviction; admission on posix) and small tiers
+    # the tiers' policies (both tiers' eviction; admission on posix) and small tiers
     # (L1 of 8 pool pages, posix of ~10 files), so capacity, eviction order and pins are tested
     eviction: str = "lru"
     admission: str = "always"

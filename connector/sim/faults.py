@@ -170,7 +170,8 @@ class Faults:
         load reported (``finished_recving``), nothing queued; the requests that loaded hold the
         cache while the head of the waiting queue needs blocks to go on (waiting requests are
         never preempted). Seen with caches that hold less than two requests and several
-        asynchronous loads; not a kvplug violation (see the closing note of issue 22)."""
+        asynchronous loads; not a kvplug violation: vLLM's own scheduler cannot go on (benchmarks/JOURNAL.md, the
+        deterministic simulation)."""
         from vllm.v1.request import RequestStatus
 
         reqs = list(self.s.requests.values())

@@ -1,4 +1,4 @@
-"""An operator's management calls as events of the simulation (issue 34), a part of
+"""An operator's management calls as events of the simulation, a part of
 :class:`.world.World`: clears (all, a few chunks as a prefix clear names them, one tenant) and
 pins/unpins, made through :mod:`kvplug.management` exactly as the workers' management service
 makes them, on both ranks' tiers.

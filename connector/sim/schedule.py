@@ -21,7 +21,7 @@ def config_for(seed: int, faults: frozenset[str] = frozenset(),
     """Seed ``seed``'s configuration (``tier``: the backend under test behind L1)."""
     rng = random.Random(seed * 7919 + 1)
     hybrid = rng.random() < 0.6
-    more = random.Random(seed * 7919 + 2)  # issue 33's kinds: the stream above is unchanged
+    more = random.Random(seed * 7919 + 2)  # later kinds: the stream above stays unchanged
     lower = "values" if more.random() < 0.35 and not tier else "posix"
     codec = "lossless" if more.random() < 0.15 and _has_lossless() else ""
     cfg = SimConfig(hybrid=hybrid, window=rng.choice((5, 6, 9)),
@@ -32,14 +32,14 @@ def config_for(seed: int, faults: frozenset[str] = frozenset(),
                     layerwise=(not hybrid) and rng.random() < 0.3,
                     order=rng.choice(("0.32", "0.33")), faults=faults,
                     lower=lower, codec=codec, late=more.random() < 0.4, tier=tier)
-    # issue 34: half the seeds choose policies and small tiers, drawn apart so every other
+    # policies and small tiers in half the seeds, drawn apart so every other
     # seed (REGRESSION_SEEDS among them) keeps the schedule and configuration it had
     pol = random.Random(seed * 104729 + 11)
     if pol.random() < 0.5:
         cfg = replace(cfg, eviction=pol.choice(("lru", "s3fifo", "s3fifo")),
                       admission=pol.choice(("always", "tinylfu")), small_tiers=pol.random() < 0.6,
                       tenants=pol.random() < 0.5)
-    # issue 33, this session's kinds, drawn apart too: engines that zero new blocks (and which
+    # engine variants, drawn apart too: engines that zero new blocks (and which
     # model runner: V2 zeroes before handle_preemptions), TP 1 and 4
     eng = random.Random(seed * 7919 + 4)
     if eng.random() < 0.3:
@@ -53,11 +53,11 @@ def config_for(seed: int, faults: frozenset[str] = frozenset(),
     if cfg.lower == "posix" and not tier:
         x = eng.random()
         cfg = replace(cfg, shared_dir=x < 0.3, neighbour=0.15 < x < 0.45)
-    # issue 36: disk hits loaded inside the step within a per-step budget, drawn apart too
+    # disk hits loaded inside the step within a per-step budget, drawn apart too
     inline = random.Random(seed * 7919 + 36).random()
     if inline < 0.4:
         cfg = replace(cfg, inline_chunks=0 if inline < 0.15 else 1)
-    # issue 33: speculative decoding's last-block drop (an EAGLE/MTP drafter), drawn apart too
+    # speculative decoding's last-block drop (an EAGLE/MTP drafter), drawn apart too
     more33 = random.Random(seed * 7919 + 33)
     if more33.random() < 0.25:
         cfg = replace(cfg, drop_last_block=True)
@@ -105,7 +105,7 @@ def _has_lossless() -> bool:
 
 
 def events_for(seed: int, n: int = 40) -> list[tuple]:
-    """Seed ``seed``'s events: issue 22's kinds, then issue 33's inserted from a stream of
+    """Seed ``seed``'s events: the base kinds, then the later ones inserted from a stream of
     their own (mid-step aborts; the value store's outages and partial batches)."""
     cfg = config_for(seed)
     evs = _base_events(seed, n, cfg.block_size, cfg.chunk_size)
@@ -139,7 +139,7 @@ def events_for(seed: int, n: int = 40) -> list[tuple]:
                 with_nb.append(("neighbour", nb.choice(("store", "store", "evict")),
                                 nb.randrange(32)))
         out = with_nb
-    return with_manage_events(seed, out)  # issue 34's clears and pins (a stream of their own)
+    return with_manage_events(seed, out)  # an operator's clears and pins (a stream of their own)
 
 
 def _loads_disk_hits_in_step(cfg: SimConfig) -> bool:

@@ -240,7 +240,7 @@ class World(Checks, Faults, ManageEvents):
                     "options": json.loads(options.replace("{tmp}", str(self.tmp / f"r{rank}")))}
         elif cfg.lower == "values":
             tier = self._value_tier(rank)
-        else:  # issue 34: the policies and quotas under test (admission: any tier)
+        else:  # the policies and quotas under test (admission: any tier)
             tier = {"backend": "posix", "eviction": cfg.eviction,
                     "options": {"path": str(self.disk_dir(rank)), "io_threads": 1,
                                 "capacity": "48KiB" if cfg.small_tiers else "64MiB"}}
@@ -400,7 +400,7 @@ class World(Checks, Faults, ManageEvents):
                 self.gate_remote(ev[1], ev[2])
             elif kind == "partial":
                 self.partial(ev[1])
-            elif kind == "clear":  # issue 34: an operator's clears and pins (.manage)
+            elif kind == "clear":  # an operator's clears and pins (.manage)
                 self.clear(ev[1], ev[2])
             elif kind in ("pin", "unpin"):
                 self.pin(ev[1], ev[2], kind == "pin")

@@ -50,7 +50,6 @@ from .transfers import Load, Store, TransferParts, Transfers
 logger = logging.getLogger("kvplug.connector")
 
 
-_Identity = Identity  # the key fields of this worker (built by .identity.build_identity)
 #: how long an idle step pauses while requests wait for a producer's chunks (as long as a step
 #: without a forward waits for a background fetch: .load.IDLE_WAIT_S)
 HANDOFF_PAUSE_S = 0.01

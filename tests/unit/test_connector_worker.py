@@ -15,9 +15,10 @@ from tests.support.gpu_kv_fixture import POISON, KVFixture
 pytest.importorskip("vllm")
 
 from kvplug.connector.protocol.config import ConnectorConfig  # noqa: E402
+from kvplug.connector.protocol.identity import Identity  # noqa: E402
 from kvplug.connector.protocol.lookup import Lookup  # noqa: E402
 from kvplug.connector.protocol.metadata import KVPlugMetadata, LoadSpec, ReqMeta, SaveSpec  # noqa: E402
-from kvplug.connector.worker.side import WorkerSide, _Identity  # noqa: E402
+from kvplug.connector.worker.side import WorkerSide  # noqa: E402
 
 BS, CHUNK = 4, 8  # tokens per block, per chunk: 2 pages per chunk
 HASHES = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
@@ -30,7 +31,7 @@ def stored(tmp_path, monkeypatch):
     fx = KVFixture("LBHNC", torch.bfloat16, L=3, B=16)
     cfg = ConnectorConfig(chunk_size=CHUNK, layerwise=True, log_every_load=False,
                           tiers=[{"backend": "posix", "options": {"path": str(tmp_path / "c")}}])
-    w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
+    w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
     w.register_kv_caches(fx.caches)
     w.wait_for_save(KVPlugMetadata(CHUNK, BS, [ReqMeta("a", SRC, save=SaveSpec(0, 24, 0, HASHES))]))
     assert w.storage.flush(10)
@@ -107,7 +108,7 @@ def test_registration_refuses_a_kv_layout_that_is_not_block_first(tmp_path):
     kcc = KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
     cfg = ConnectorConfig(chunk_size=CHUNK, tiers=[{"backend": "local_cpu"}])
-    w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"),
+    w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"),
                    layout_of(kcc, BS))
     try:
         with pytest.raises(KVLayoutError, match=r"'l0'.*2 entries.*16 KV blocks"):

@@ -316,15 +316,16 @@ def test_watch_reports_only_the_current_weights_epoch(tmp_path):
 
     import torch
     from kvplug.connector.protocol.config import ConnectorConfig
+    from kvplug.connector.protocol.identity import Identity
     from kvplug.connector.protocol.metadata import KVPlugMetadata
-    from kvplug.connector.worker.side import WorkerSide, _Identity
+    from kvplug.connector.worker.side import WorkerSide
     from kvplug.connector.worker.tier_watch import watch_tiers
 
     from tests.support.gpu_kv_fixture import KVFixture
 
     cfg = ConnectorConfig(chunk_size=256, log_every_load=False, tiers=[
         {"name": "ram", "backend": "local_cpu", "options": {"capacity": "4MiB"}}])
-    w = WorkerSide(cfg, _Identity("m", "LBHNC-bs16", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
+    w = WorkerSide(cfg, Identity("m", "LBHNC-bs16", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
     w.register_kv_caches(KVFixture("LBHNC", torch.bfloat16, L=2, B=32).caches)
     watch = watch_tiers(w, 16)
     try:
@@ -354,10 +355,11 @@ def test_book_drops_news_about_keys_of_the_weights_before_a_reset(tmp_path):
     import torch
     from kvplug.connector.connector import KVPlugConnector
     from kvplug.connector.protocol.config import ConnectorConfig, load_connector_config
+    from kvplug.connector.protocol.identity import Identity
     from kvplug.connector.protocol.lookup import LookupClient
     from kvplug.connector.protocol.metadata import KVPlugMetadata
     from kvplug.connector.scheduler.side import SchedulerSide
-    from kvplug.connector.worker.side import WorkerSide, _Identity
+    from kvplug.connector.worker.side import WorkerSide
     from kvplug.connector.worker.tier_watch import watch_tiers
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
@@ -370,7 +372,7 @@ def test_book_drops_news_about_keys_of_the_weights_before_a_reset(tmp_path):
     engine = f"t-{uuid.uuid4().hex[:8]}"
     workers, watches = [], []
     for rank in range(2):
-        w = WorkerSide(cfg, _Identity("m", "LBHNC-bs16", 2, rank, engine))
+        w = WorkerSide(cfg, Identity("m", "LBHNC-bs16", 2, rank, engine))
         w.register_kv_caches(KVFixture("LBHNC", torch.bfloat16, L=2, B=32).caches)
         workers.append(w)
         watches.append(watch_tiers(w, 16))

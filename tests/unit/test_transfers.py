@@ -18,6 +18,7 @@ from tests.support.gpu_kv_fixture import POISON, KVFixture
 pytest.importorskip("vllm")
 
 from kvplug.connector.protocol.config import ConnectorConfig  # noqa: E402
+from kvplug.connector.protocol.identity import Identity  # noqa: E402
 from kvplug.connector.protocol.lookup import Lookup  # noqa: E402
 from kvplug.connector.protocol.metadata import (  # noqa: E402
     KVPlugMetadata,
@@ -25,7 +26,7 @@ from kvplug.connector.protocol.metadata import (  # noqa: E402
     ReqMeta,
     SaveSpec,
 )
-from kvplug.connector.worker.side import WorkerSide, _Identity  # noqa: E402
+from kvplug.connector.worker.side import WorkerSide  # noqa: E402
 from kvplug.connector.worker.transfers import Load, Store  # noqa: E402
 
 BS, CHUNK = 4, 8  # tokens per block, per chunk: 2 blocks per chunk
@@ -42,7 +43,7 @@ def worker(request):
     fx = KVFixture("LBHNC", torch.bfloat16, L=3, B=24, seed=random.Random().randrange(1 << 30))
     cfg = ConnectorConfig(chunk_size=CHUNK, log_every_load=False, async_save=request.param,
                           tiers=[{"backend": "local_cpu", "options": {"capacity": "16MiB"}}])
-    w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
+    w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
     w.register_kv_caches(fx.caches)
     assert w.transfers is not None
     try:

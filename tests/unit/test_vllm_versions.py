@@ -258,8 +258,9 @@ def _queued_saves(tmp_path, move: bool = False):
     """A worker with asynchronous saves to a tier whose puts wait at a gate: the first save holds
     the save thread, the others' copies are still queued."""
     from kvplug.connector.protocol.config import ConnectorConfig
+    from kvplug.connector.protocol.identity import Identity
     from kvplug.connector.protocol.metadata import KVPlugMetadata, ReqMeta, SaveSpec
-    from kvplug.connector.worker.side import WorkerSide, _Identity
+    from kvplug.connector.worker.side import WorkerSide
 
     gate = tmp_path / "gate"
     gate.mkdir()
@@ -267,7 +268,7 @@ def _queued_saves(tmp_path, move: bool = False):
                           tiers=[{"backend": "tests.support.tiers_for_tests:GatedPutTier",
                                   "options": {"gate": str(gate)}}])
     fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=16, seed=3)
-    w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0, f"sleep-{tmp_path.name}"))
+    w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{BS}", 1, 0, f"sleep-{tmp_path.name}"))
     c = worker_connector(w)
     c.register_kv_caches(fx.caches)
     want = {}
