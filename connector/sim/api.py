@@ -3,7 +3,7 @@
 vLLM's real scheduler, kvplug's real connector (scheduler side, two TP ranks' workers), L1
 (``local_cpu``) and the backend under test behind it, every kvplug task and every task the
 backend runs through ``TierContext.runtime`` ordered by the seed; the oracle and the invariants
-I1-I11 (docs/architecture.md) checked after every event. A failing seed prints its shrunk
+I1-I11 (connector/sim/README.md) checked after every event. A failing seed prints its shrunk
 schedule and a one-line command that replays it.
 """
 

@@ -1,4 +1,4 @@
-"""The invariants of the simulation (I1-I8, see docs/architecture.md), as a part of
+"""The invariants of the simulation (I1-I8, see connector/sim/README.md), as a part of
 :class:`.world.World`: what each saved chunk must hold and the check of every stored or loaded
 chunk against it (I1), vLLM's block pool, the poison and the copies in flight (I4), what the
 workers report to vLLM (I3), the tiers' capacities and pins (I6, I7), and the end state (I1 over

@@ -1,5 +1,5 @@
 """The deterministic simulation (kvplug.connector.sim) in the suite: a fixed set of CI seeds must hold every
-protocol invariant (I1-I11, docs/architecture.md), each invariant's negative control must be caught
+protocol invariant (I1-I11, connector/sim/README.md), each invariant's negative control must be caught
 within that set, a failing seed shrinks to a short reproduction, and a seed replays exactly.
 
 vLLM's real Scheduler and KV cache manager, kvplug's real scheduler side, worker side, lookup,
