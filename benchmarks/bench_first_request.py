@@ -46,14 +46,15 @@ def _worker(cfg: dict):
 
     import torch
     from kvplug.connector.protocol.config import ConnectorConfig
-    from kvplug.connector.worker.side import WorkerSide, _Identity
+    from kvplug.connector.protocol.identity import Identity
+    from kvplug.connector.worker.side import WorkerSide
 
     from tests.support.gpu_kv_fixture import KVFixture
 
     fx = KVFixture("LBHNC", torch.bfloat16, L=LAYERS, B=cfg["blocks"], H=HEADS, N=BLOCK,
                    C=HEAD_DIM, seed=cfg["seed"])
     conn = ConnectorConfig(log_every_load=False, tiers=cfg["tiers"])
-    w = WorkerSide(conn, _Identity("bench-first", f"LBHNC-bs{BLOCK}", 1, 0,
+    w = WorkerSide(conn, Identity("bench-first", f"LBHNC-bs{BLOCK}", 1, 0,
                                    f"first-{uuid.uuid4().hex[:8]}"))
     t0 = time.perf_counter()
     w.register_kv_caches(fx.caches)

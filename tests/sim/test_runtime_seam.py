@@ -79,7 +79,8 @@ def test_step_stats_never_wait_on_a_hung_tier(tmp_path):
 
     import torch
     from kvplug.connector.protocol.config import ConnectorConfig
-    from kvplug.connector.worker.side import WorkerSide, _Identity
+    from kvplug.connector.protocol.identity import Identity
+    from kvplug.connector.worker.side import WorkerSide
 
     from tests.support.gpu_kv_fixture import KVFixture
 
@@ -88,7 +89,7 @@ def test_step_stats_never_wait_on_a_hung_tier(tmp_path):
     cfg = ConnectorConfig(chunk_size=8, log_every_load=False, tiers=[
         {"backend": "local_cpu", "options": {"capacity": "1MiB", "prefault": True}},
         {"backend": "posix", "options": {"path": str(tmp_path / "disk"), "io_threads": 1}}])
-    w = WorkerSide(cfg, _Identity("m", "LBHNC-bs4", 1, 0, f"t-{uuid.uuid4().hex[:8]}"),
+    w = WorkerSide(cfg, Identity("m", "LBHNC-bs4", 1, 0, f"t-{uuid.uuid4().hex[:8]}"),
                    runtime=rt)
     w.register_kv_caches(KVFixture("LBHNC", torch.bfloat16, L=2, B=8).caches)
     rt.drain()

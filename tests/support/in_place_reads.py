@@ -115,7 +115,10 @@ def damaged_short_or_vanished_values_are_misses(make_tier: Callable[[], dict]) -
         assert got[3] is not None and torch.equal(got[3].byte_view, refs[4])
         got[3].ref_down()
         st = reader.stats()[reader.tier_names[1]]
-        assert st["corrupt"] == 2 and st["vanished"] >= 1 and st["reads_in_place"] == 1, st
+        # The good value is read in place, or whole where the store's batch read answered it
+        # otherwise (seen once, Mooncake on a loaded machine): either way its bytes are checked
+        # above; the in-place count is exact in the test before this one.
+        assert st["corrupt"] == 2 and st["vanished"] >= 1 and st["reads_in_place"] <= 1, st
         assert sum(t.faults for t in reader._tiers) == 0
         # Read again (whole or in place): still misses. (The tier deletes a damaged value, but
         # Mooncake refuses removals for a lease period after a read, so it may still be there.)

@@ -19,9 +19,10 @@ from tests.support.waits import wait_until
 pytest.importorskip("vllm")
 
 from kvplug.connector.protocol.config import ConnectorConfig  # noqa: E402
+from kvplug.connector.protocol.identity import Identity  # noqa: E402
 from kvplug.connector.protocol.lookup import Lookup  # noqa: E402
 from kvplug.connector.protocol.metadata import KVPlugMetadata, LoadSpec, ReqMeta, SaveSpec  # noqa: E402
-from kvplug.connector.worker.side import WorkerSide, _Identity  # noqa: E402
+from kvplug.connector.worker.side import WorkerSide  # noqa: E402
 
 BS, CHUNK = 4, 8
 HASHES = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
@@ -33,7 +34,7 @@ def _worker(tmp_path, lower: dict, fx: KVFixture) -> WorkerSide:
     cfg = ConnectorConfig(chunk_size=CHUNK, log_every_load=False, async_save=False,
                           tiers=[{"backend": "local_cpu", "options": {"capacity": "4MiB"}},
                                  {"name": "slow", **lower}])
-    w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
+    w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
     w.register_kv_caches(fx.caches)
     w.wait_for_save(KVPlugMetadata(CHUNK, BS, [ReqMeta("a", SRC, save=SaveSpec(0, 24, 0, HASHES))]))
     w.storage.evict(tiers=["local_cpu"], nbytes=1 << 30)  # the hit is only in the slow tier

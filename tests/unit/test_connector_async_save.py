@@ -27,8 +27,9 @@ pytest.importorskip("vllm")
 
 from kvplug.connector.protocol.config import ConnectorConfig  # noqa: E402
 from kvplug.connector.protocol.groups import GroupLayout  # noqa: E402
+from kvplug.connector.protocol.identity import Identity  # noqa: E402
 from kvplug.connector.protocol.metadata import KVPlugMetadata, ReqMeta, SaveSpec  # noqa: E402
-from kvplug.connector.worker.side import WorkerSide, _Identity  # noqa: E402
+from kvplug.connector.worker.side import WorkerSide  # noqa: E402
 from kvplug.connector.worker.store import AsyncSaves  # noqa: E402
 
 BS, CHUNK = 4, 16
@@ -60,7 +61,7 @@ class Steps:
                                      {"name": "gated", "backend": "tests.support.tiers_for_tests:GatedPutTier",
                                       "options": {"gate": str(self.gate)}}])
         self.fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=num_blocks)
-        self.w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0,
+        self.w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{BS}", 1, 0,
                                            f"t-{uuid.uuid4().hex[:8]}"),
                             GroupLayout(block_size=BS, zeroes_new_blocks=zeroes_new_blocks))
         self.w.register_kv_caches(self.fx.caches)
@@ -396,7 +397,7 @@ def test_cuda_save_queues_without_host_sync_and_stores_exact_pages(tmp_path, lay
     cfg = ConnectorConfig(chunk_size=CHUNK, layerwise=layerwise, log_every_load=False,
                           tiers=[{"backend": "local_cpu", "options": {"capacity": "16MiB"}}])
     assert cfg.async_save is None  # the default on CUDA is asynchronous
-    w = WorkerSide(cfg, _Identity("m", f"LBNHC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
+    w = WorkerSide(cfg, Identity("m", f"LBNHC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
     w.register_kv_caches(fx.caches)
     try:
         assert w._saves is not None and w._saves.on_cuda

@@ -195,9 +195,10 @@ def test_a_consumers_lookup_of_named_chunks_skips_its_tiers_remembered_misses():
     import fsspec
     import torch
     from kvplug.connector.protocol.config import ConnectorConfig
+    from kvplug.connector.protocol.identity import Identity
     from kvplug.connector.protocol.lookup import Lookup
     from kvplug.connector.protocol.metadata import KVPlugMetadata, ReqMeta, SaveSpec
-    from kvplug.connector.worker.side import WorkerSide, _Identity
+    from kvplug.connector.worker.side import WorkerSide
 
     from tests.support.gpu_kv_fixture import KVFixture
 
@@ -209,7 +210,7 @@ def test_a_consumers_lookup_of_named_chunks_skips_its_tiers_remembered_misses():
         cfg = ConnectorConfig(chunk_size=cs, log_every_load=False, async_save=False,
                               tiers=[{"backend": "fsspec", "options": {
                                   "url": url, "negative_cache_s": negative_cache_s}}])
-        w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{bs}", 1, 0, f"h-{uuid.uuid4().hex[:8]}"))
+        w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{bs}", 1, 0, f"h-{uuid.uuid4().hex[:8]}"))
         w.register_kv_caches(KVFixture("LBHNC", torch.bfloat16, L=2, B=8).caches)
         return w
 
@@ -236,7 +237,8 @@ def test_an_idle_step_pauses_while_requests_wait_for_a_producer():
 
     import torch
     from kvplug.connector.protocol.config import ConnectorConfig
-    from kvplug.connector.worker.side import HANDOFF_PAUSE_S, WorkerSide, _Identity
+    from kvplug.connector.protocol.identity import Identity
+    from kvplug.connector.worker.side import HANDOFF_PAUSE_S, WorkerSide
     from kvplug.runtime import Runtime
 
     from tests.support.gpu_kv_fixture import KVFixture
@@ -257,7 +259,7 @@ def test_an_idle_step_pauses_while_requests_wait_for_a_producer():
     rt = Recording()
     cfg = ConnectorConfig(chunk_size=8, log_every_load=False, async_save=False,
                           tiers=[{"backend": "local_cpu", "options": {"capacity": "8MiB"}}])
-    w = WorkerSide(cfg, _Identity("m", "LBHNC-bs4", 1, 0, f"p-{uuid.uuid4().hex[:8]}"),
+    w = WorkerSide(cfg, Identity("m", "LBHNC-bs4", 1, 0, f"p-{uuid.uuid4().hex[:8]}"),
                    runtime=rt)
     w.register_kv_caches(KVFixture("LBHNC", torch.bfloat16, L=2, B=8).caches)
     try:

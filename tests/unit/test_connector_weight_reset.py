@@ -22,8 +22,9 @@ from tests.support.vllm_helpers import make_request, make_scheduler, model_runne
 pytest.importorskip("vllm")
 
 from kvplug.connector.protocol.config import ConnectorConfig  # noqa: E402
+from kvplug.connector.protocol.identity import Identity  # noqa: E402
 from kvplug.connector.protocol.lookup import Lookup  # noqa: E402
-from kvplug.connector.worker.side import WorkerSide, _Identity  # noqa: E402
+from kvplug.connector.worker.side import WorkerSide  # noqa: E402
 
 BS, CHUNK = 4, 16
 P = prompt(41, 7)  # 2 full chunks + a block-aligned partial one (40 tokens) stored
@@ -51,7 +52,7 @@ class Engine:
         cfg = ConnectorConfig(chunk_size=CHUNK, async_save=False, log_every_load=False,
                               tiers=tiers(root))
         self.fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=64)
-        self.w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0, engine_id))
+        self.w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{BS}", 1, 0, engine_id))
         self.w.register_kv_caches(self.fx.caches)
         self.version = 0  # the weights the forward pass computes with
         self.loaded: dict[str, list[int]] = {}  # request -> versions of the blocks it loaded
@@ -134,7 +135,7 @@ def test_nothing_from_before_a_weights_reset_is_served(engine, tmp_path, reset_c
     assert [e.w.storage.contains(k) for k in old] == ["posix", "posix"]
     # another engine still on the old weights (its own worker, same store): it keeps its hits
     other = WorkerSide(ConnectorConfig(chunk_size=CHUNK, tiers=tiers(tmp_path)[1:]),
-                       _Identity("m", f"LBHNC-bs{BS}", 1, 0, "other-engine"))
+                       Identity("m", f"LBHNC-bs{BS}", 1, 0, "other-engine"))
     other.register_kv_caches(KVFixture("LBHNC", torch.bfloat16, L=2, B=64).caches)
     try:
         assert other._on_lookup(Lookup(1, "x", hashes))[0] == 32
@@ -182,7 +183,7 @@ def test_sleep_drains_copies_and_wake_checks_the_kv_tensors(tmp_path):
                           tiers=[{"backend": "tests.support.tiers_for_tests:GatedPutTier",
                                   "options": {"gate": str(gate)}}])
     fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=16)
-    w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0, "sleep-test"))
+    w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{BS}", 1, 0, "sleep-test"))
     w.register_kv_caches(fx.caches)
     try:
         hashes = [hashlib.sha256(bytes([i])).digest() for i in range(3)]

@@ -34,8 +34,9 @@ pytest.importorskip("vllm")
 from kvplug.connector import KVPlugConnector  # noqa: E402
 from kvplug.connector.protocol.config import ConnectorConfig  # noqa: E402
 from kvplug.connector.protocol.groups import group_hash  # noqa: E402
+from kvplug.connector.protocol.identity import Identity  # noqa: E402
 from kvplug.connector.protocol.lookup import LookupClient, socket_path  # noqa: E402
-from kvplug.connector.worker.side import WorkerSide, _Identity  # noqa: E402
+from kvplug.connector.worker.side import WorkerSide  # noqa: E402
 
 from tests.support.tiers_for_tests import LosingTier
 
@@ -74,7 +75,7 @@ class Rig:
         self.runner = []  # vLLM's ActiveKVConnector per rank
         for rank in range(ranks):
             fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=num_blocks, seed=rank)
-            w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", ranks, rank, engine),
+            w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{BS}", ranks, rank, engine),
                            self.layout)
             self.fx.append(fx)
             self.w.append(w)

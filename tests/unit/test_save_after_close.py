@@ -14,8 +14,9 @@ from tests.support.gpu_kv_fixture import CUDA, KVFixture
 pytest.importorskip("vllm")
 
 from kvplug.connector.protocol.config import ConnectorConfig  # noqa: E402
+from kvplug.connector.protocol.identity import Identity  # noqa: E402
 from kvplug.connector.protocol.metadata import KVPlugMetadata, ReqMeta, SaveSpec  # noqa: E402
-from kvplug.connector.worker.side import WorkerSide, _Identity  # noqa: E402
+from kvplug.connector.worker.side import WorkerSide  # noqa: E402
 from kvplug.gpu import PageJob  # noqa: E402
 
 BS, CHUNK = 4, 16
@@ -51,7 +52,7 @@ def test_5_a_save_after_close_releases_its_objects_only_after_the_copy(tmp_path)
     objects a queued copy writes are released only once its event was waited for."""
     fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=16)
     cfg = ConnectorConfig(chunk_size=CHUNK, async_save=True, log_every_load=False, tiers=[L1])
-    w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
+    w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
     w.register_kv_caches(fx.caches)
     try:
         saves = w._saves
@@ -79,7 +80,7 @@ def test_5_a_save_after_close_releases_its_objects_only_after_the_copy(tmp_path)
 def test_5_cuda_a_save_after_close_waits_for_its_copy(tmp_path):
     fx = KVFixture("LBNHC", torch.bfloat16, L=3, B=32, device="cuda")
     cfg = ConnectorConfig(chunk_size=CHUNK, layerwise=True, log_every_load=False, tiers=[L1])
-    w = WorkerSide(cfg, _Identity("m", f"LBNHC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
+    w = WorkerSide(cfg, Identity("m", f"LBNHC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
     w.register_kv_caches(fx.caches)
     try:
         w._saves.close()

@@ -94,8 +94,9 @@ def test_a_step_that_reads_an_unwritten_block_stores_nothing_computed_over_it(tm
 
     pytest.importorskip("vllm")
     from kvplug.connector.protocol.config import ConnectorConfig
+    from kvplug.connector.protocol.identity import Identity
     from kvplug.connector.protocol.metadata import KVPlugMetadata, ReqMeta, SaveSpec
-    from kvplug.connector.worker.side import WorkerSide, _Identity
+    from kvplug.connector.worker.side import WorkerSide
 
     from tests.support.gpu_kv_fixture import KVFixture
 
@@ -105,7 +106,7 @@ def test_a_step_that_reads_an_unwritten_block_stores_nothing_computed_over_it(tm
     fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=16)
     cfg = ConnectorConfig(chunk_size=cs, async_save=False, log_every_load=False,
                           tiers=[{"backend": "local_cpu", "options": {"capacity": "4MiB"}}])
-    w = WorkerSide(cfg, _Identity("m", f"LBHNC-bs{bs}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
+    w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{bs}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
     w.register_kv_caches(fx.caches)
     try:
         # "a" has tokens 0-7 from vLLM's prefix cache in blocks 1, 2 (block 2 unwritten) and

@@ -16,7 +16,8 @@ from tests.support.gpu_kv_fixture import KVFixture, snapshot_of
 pytest.importorskip("vllm")
 
 from kvplug.connector.protocol.config import ConnectorConfig  # noqa: E402
-from kvplug.connector.worker.side import WorkerSide, _Identity  # noqa: E402
+from kvplug.connector.protocol.identity import Identity  # noqa: E402
+from kvplug.connector.worker.side import WorkerSide  # noqa: E402
 from kvplug.storage_manager import READERS  # noqa: E402
 from kvplug.tier_calls import TIER_THREADS  # noqa: E402
 
@@ -33,7 +34,7 @@ def test_first_store_and_load_threads_start_with_the_engine_and_no_byte_changes(
         {"backend": "local_cpu", "options": {"capacity": "8MiB"}},
         {"backend": "posix", "name": f"disk{tag}",
          "options": {"path": str(tmp_path / "c"), "io_threads": 3}}])
-    w = WorkerSide(cfg, _Identity("m", "LBHNC-bs4", 1, 0, f"w-{tag}"))
+    w = WorkerSide(cfg, Identity("m", "LBHNC-bs4", 1, 0, f"w-{tag}"))
     saves, loads, readers = (threads_named(p) for p in ("kvplug-save", "kvplug-load",
                                                         "kvplug-read"))
     w.register_kv_caches(fx.caches)
