@@ -7,11 +7,14 @@ or preempted first, the blocks go back to the free queue still hashed, and the n
 that prefix gets them as a prefix-cache hit: its forward reads KV nobody wrote. (Found by the
 simulation: a chunk lost between lookup and load, then the client aborts; kvplug.connector.sim.)
 
-The scheduler side follows those blocks from the failure (``invalid_block_ids``) until a step
-writes them (a forward computing tokens in them, or a load into them). A step that reads one (a
-request scheduled with it among its computed blocks) names it in the metadata; the workers report
-it as a load error of that step, so vLLM drops that step's output of the request and recomputes
-from the block. One KV cache group only: vLLM maps block ids to requests only then.
+The scheduler side follows those blocks from the failure (``invalid_block_ids``) until steps
+have written every slot of them (a forward computing tokens in them, or a load into them), slot by
+slot: a recompute that stops inside a block leaves the slots after it as the failed step computed
+them, over the missing KV, and vLLM's prefix cache still serves the block whole (its hash was
+registered when that step filled it; simulation seed 135003121). A step that reads an unwritten
+slot (a request scheduled with it among its computed tokens) names its block in the metadata; the
+workers report it as a load error of that step, so vLLM drops that step's output of the request
+and recomputes from the block. One KV cache group only: vLLM maps block ids to requests only then.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ class UnwrittenBlocks:
     def __init__(self, block_size: int) -> None:
         self.bs = block_size
         self.blocks: set[int] = set()
+        #: of a followed block, how many leading slots steps have written since it failed (the
+        #: rest hold no KV or KV computed over a failed load); absent: none
+        self.written: dict[int, int] = {}
 
     def failed(self, block_ids: Iterable[int], tables: Iterable[list[int]] = ()) -> None:
         """vLLM was told these blocks hold no valid KV (a step's load errors). ``tables``: the
@@ -34,22 +40,45 @@ class UnwrittenBlocks:
         shared by two requests to the first to recompute, lets the second read them if the
         first is aborted before its recompute gets there (simulation seed 95036104)."""
         failed = set(block_ids)
-        self.blocks.update(failed)
+        followed = set(failed)
         for table in tables:
             first = next((i for i, b in enumerate(table) if b in failed), None)
             if first is not None:
-                self.blocks.update(table[first:])
+                followed.update(table[first:])
+        self.blocks.update(followed)
+        for b in followed:
+            self.written.pop(b, None)
 
     def loading(self, table: list[int], start: int, end: int) -> None:
         """A load sent this step writes the blocks of tokens ``[start, end)`` (if it fails, they
         come back through :meth:`failed`)."""
         if self.blocks:
-            self.blocks.difference_update(table[start // self.bs:-(-end // self.bs)])
+            self._write(table, start, end)
+
+    def _write(self, table: list[int], start: int, end: int) -> None:
+        """Tokens ``[start, end)`` of ``table`` are written: a followed block's written slots grow
+        when the write starts at or before the first unwritten one (a write after a gap is
+        computed over that gap: the step reads it); a block written to its last slot is
+        forgotten."""
+        bs = self.bs
+        for i in range(start // bs, -(-end // bs)):
+            b = table[i] if i < len(table) else None
+            if b not in self.blocks:
+                continue
+            lo, hi = max(0, start - i * bs), min(bs, end - i * bs)
+            done = self.written.get(b, 0)
+            if lo <= done:
+                done = max(done, hi)
+            if done >= bs:
+                self.blocks.discard(b)
+                self.written.pop(b, None)
+            else:
+                self.written[b] = done
 
     def step(self, work: Iterable[tuple[list[int], int, int]]) -> list[int]:
         """``work``: each scheduled request's block table, its tokens computed before this step
-        and the tokens this step computes. Returns the unwritten blocks the step reads (among a
-        request's computed blocks); those the step writes are forgotten."""
+        and the tokens this step computes. Returns the blocks whose unwritten slots the step reads
+        (among a request's computed tokens); the slots the step writes are written."""
         if not self.blocks:
             return []
         work = list(work)
@@ -61,8 +90,9 @@ class UnwrittenBlocks:
         # nothing, which under asynchronous scheduling (a step already run ahead) is itself
         # unsafe (simulation seed 95001878).
         whole = {b for table, done, n in work for b in table[-(-done // bs):(done + n) // bs]}
-        read = {b for table, done, _ in work for b in table[:-(-done // bs)]
-                if b in self.blocks and b not in whole}
+        read = {b for table, done, _ in work for i, b in enumerate(table[:-(-done // bs)])
+                if b in self.blocks and b not in whole
+                and done > i * bs + self.written.get(b, 0)}
         for table, done, n in work:
-            self.blocks.difference_update(table[done // bs:-(-(done + n) // bs)])
+            self._write(table, done, done + n)
         return sorted(read)

@@ -73,6 +73,15 @@ REGRESSION_SEEDS += [95001878, 95036104]
 #: now and the book counts its own epoch's only (tests/unit/test_kv_events.py). Failed before,
 #: on vLLM 0.32 and 0.33
 REGRESSION_SEEDS += [132014314]
+#: I2, TP 2, layer-wise loads, an EAGLE/MTP drafter (drop_last_block), the real lookup service:
+#: r10 had blocks [1, 2] from vLLM's prefix cache and loaded tokens 8-19 (its hit's last block
+#: dropped); the chunk at token 16 was corrupt, so block 5 (16-19) was reported and the same
+#: step computed 20-26 over it, filling block 14 (20-23), whose hash vLLM registered. The
+#: recompute (16-22) stopped inside block 14, r10 was preempted, and its prefix-cache hit on
+#: [..., 5, 14] read token 23, still computed over the failed load: UnwrittenBlocks forgot a
+#: block once any of it was written. It follows a block's written slots now and forgets it
+#: written to its last slot (tests/unit/test_unwritten.py). Failed before, on vLLM 0.32 and 0.33
+REGRESSION_SEEDS += [135003121]
 #: issue 33, a neighbour process on rank 0's posix directory (small tiers, tenant quotas), with
 #: I6 strict there (SimConfig.strict_shared_i6): a queued write found the file the neighbour had
 #: just stored and indexed it without making room, so the tenant held 36864 B over its 24576 B

@@ -13,10 +13,13 @@ def test_a_read_before_any_write_is_reported_and_a_write_forgets():
     u.failed([7, 3])
     # a request with 10 computed tokens in blocks [3, 5, 7] (block 7 holds tokens 8-9) computes 2
     assert u.step([([3, 5, 7], 10, 2)]) == [3, 7]
-    assert u.blocks == {3}  # block 7 was written by the step (tokens 10, 11); block 3 was not
+    # block 3 was not written; block 7's tokens 10-11 were, but over its unwritten 8-9
+    assert u.blocks == {3, 7}
     assert u.step([([9, 3], 0, 8)]) == []  # computed from 0: writes block 3, reads nothing
+    assert u.blocks == {7}
+    assert u.step([([3], 4, 1)]) == []  # block 3 written: nothing reported
+    assert u.step([([1, 7], 4, 4)]) == []  # block 7 written from its first slot to its last
     assert u.blocks == set()
-    assert u.step([([3], 4, 1)]) == []  # nothing followed: nothing reported
 
 
 def test_a_load_writes_its_blocks_first():
@@ -52,18 +55,40 @@ def test_a_block_another_request_of_the_step_writes_is_not_read_unwritten():
     assert u.step([([9], 4, 1)]) == [9]  # a block nobody wrote since: still reported
 
 
+def test_a_recompute_that_stops_inside_a_block_leaves_its_last_slots_followed():
+    """Seed 135003121: r10's load into block 5 (tokens 16-19) failed while its step computed
+    tokens 20-26 over it, filling block 14 (20-23; vLLM registers its hash); the recompute of
+    16-22 stopped inside block 14, r10 was preempted, and its prefix-cache hit on blocks
+    [..., 5, 14] read token 23 computed over the failed load. Before: block 14 was forgotten once
+    any token of it was written, and the hit's read was not reported."""
+    u = UnwrittenBlocks(4)
+    table = [1, 2, 15, 13, 5, 14, 6]
+    u.failed([5], [table])
+    assert u.blocks == {5, 14, 6}
+    assert u.step([(table, 16, 7)]) == []  # the recompute: tokens 16-22
+    assert u.blocks == {14, 6}
+    assert u.step([(table, 23, 1)]) == []  # r10 goes on at token 23: it reads only 20-22
+    assert u.blocks == {6}
+    u.failed([5], [table])
+    u.step([(table, 16, 7)])
+    assert u.step([(table + [12], 24, 8)]) == [14]  # the prefix hit on 24 tokens: reported
+    assert u.step([(table, 20, 4)]) == []  # vLLM recomputes from block 14: written whole
+    assert u.blocks == set()
+
+
 def test_against_a_reference_of_written_slots():
-    """Random steps: reported == blocks read that no step wrote since they failed, computed
-    independently from a per-block 'written since failure' flag."""
+    """Random steps: reported == blocks whose unwritten slots a request's computed tokens
+    cover, computed independently from a per-block set of slots no step wrote since the block
+    failed (a write after an unwritten slot of its block writes nothing valid)."""
     rng = random.Random(5)
     u = UnwrittenBlocks(4)
-    dirty: set[int] = set()
+    dirty: dict[int, set[int]] = {}
     reported_any = 0
     for _ in range(2000):
         if rng.random() < 0.3:
             bad = set(rng.sample(range(20), 3))
             u.failed(bad)
-            dirty |= bad
+            dirty.update({b: set(range(4)) for b in bad})
         work = []
         for _ in range(rng.randint(1, 3)):
             table = rng.sample(range(20), 5)
@@ -71,13 +96,18 @@ def test_against_a_reference_of_written_slots():
             work.append((table, done, rng.randint(0, 20 - done)))
         whole = {b for table, done, n in work for i, b in enumerate(table)
                  if done <= 4 * i and 4 * (i + 1) <= done + n}  # written from first to last slot
-        want = sorted({b for table, done, _ in work for b in table[:(done + 3) // 4]
-                       if b in dirty and b not in whole})
+        want = sorted({b for table, done, _ in work for i, b in enumerate(table[:(done + 3) // 4])
+                       if b in dirty and b not in whole and min(dirty[b]) < done - 4 * i})
         for table, done, n in work:
-            dirty -= set(table[done // 4:(done + n + 3) // 4])
+            for i, b in enumerate(table):
+                slots = set(range(max(0, done - 4 * i), min(4, done + n - 4 * i)))
+                if b in dirty and slots and min(slots) <= min(dirty[b]):
+                    dirty[b] -= slots
+                    if not dirty[b]:
+                        del dirty[b]
         got = u.step(work)
         assert got == want
-        assert u.blocks == dirty
+        assert u.blocks == set(dirty)
         reported_any += bool(got)
     assert reported_any > 50  # not vacuous
 
