@@ -420,19 +420,15 @@ def test_book_drops_news_about_keys_of_the_weights_before_a_reset(tmp_path):
             w.close()
 
 
-class AskedTier:
+class AskedTier(LookupDownTier):
     """Holds what it is handed; ``during_contains`` runs inside its next lookup (another thread
     acting while the watch's thread waits for the tier's answer)."""
 
     def __init__(self, ctx) -> None:
-        self.keys: set = set()
+        super().__init__(ctx)
         self.during_contains = None
 
     from kvplug.hookspecs import hookimpl as _hookimpl
-
-    @_hookimpl
-    def batched_submit_put(self, keys, objs):
-        self.keys.update(keys)
 
     @_hookimpl
     def contains(self, keys):
@@ -440,14 +436,6 @@ class AskedTier:
         if act is not None:
             act()
         return [k in self.keys for k in keys]
-
-    @_hookimpl
-    def get(self, key):
-        return None
-
-    @_hookimpl
-    def evict(self, keys, nbytes):
-        return 0
 
 
 def test_watch_round_that_straddles_a_new_epoch_reports_nothing(tmp_path):
