@@ -151,7 +151,7 @@ class TierWatch:
         with self._lock:
             if not any(self._pending.values()) and not any(self._held.values()):
                 return  # nothing handed to any tier yet: nothing to ask
-            era = (self._forgets, self.epoch)
+            era = self._forgets  # the round's keys are of the epoch as of this many forgets
         stats = self.storage.stats()
         now = self._rt.monotonic()
         for tier in self.storage.tier_names:
@@ -172,7 +172,7 @@ class TierWatch:
                 self._sweep(tier, held, era)
 
     def _confirm(self, tier: str, pending: list[tuple[CacheKey, float]],
-                 era: tuple[int, str]) -> None:
+                 era: int) -> None:
         keys = [k for k, _ in pending]
         found = self.storage.holds(tier, keys)
         if found is None:
@@ -182,9 +182,9 @@ class TierWatch:
         now = self._rt.monotonic()
         wait = self.storage.may_block(tier)
         with self._lock:
-            if era[0] != self._forgets:
+            if era != self._forgets:
                 return  # the epoch changed while the tier was asked: these keys are forgotten
-            epoch = era[1]
+            epoch = self.epoch
             held, todo = self._held[tier], self._pending[tier]
             for (key, since), hit in zip(pending, found, strict=True):
                 if hit:
@@ -205,7 +205,7 @@ class TierWatch:
         delay = min(30.0, max(self.interval_s, 2 * self._backoff.get(tier, (0.0, 0.0))[1]))
         self._backoff[tier] = (self._rt.monotonic() + delay, delay)
 
-    def _sweep(self, tier: str, keys: list[CacheKey], era: tuple[int, str]) -> None:
+    def _sweep(self, tier: str, keys: list[CacheKey], era: int) -> None:
         for i in range(0, len(keys), SWEEP_BATCH):
             part = keys[i:i + SWEEP_BATCH]
             found = self.storage.holds(tier, part)
@@ -215,13 +215,13 @@ class TierWatch:
                 self._no_answer(tier)
                 return
             with self._lock:
-                if era[0] != self._forgets:
+                if era != self._forgets:
                     return  # the epoch changed while the tier was asked: forgotten
                 held = self._held[tier]
                 for key, hit in zip(part, found, strict=True):
                     if not hit and key in held and key not in self._pending[tier]:
                         del held[key]
-                        self._out.append(TierEvent(False, tier, key.chunk_hash, era[1]))
+                        self._out.append(TierEvent(False, tier, key.chunk_hash, self.epoch))
 
 
 def watch_tiers(worker: WorkerSide, max_chunks: int) -> TierWatch:
