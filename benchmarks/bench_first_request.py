@@ -17,7 +17,11 @@ requests of ``--prompt-len`` tokens (other chunks each) are stored, then loaded:
 ``local_cpu``: one process stores and loads (L1 is the process's own memory). ``posix`` and
 ``resp`` (a redis-server on loopback, started here): L1 in front, as configured in practice;
 one process stores (the producer), a second fresh one loads from the tier (the consumer: its L1
-is empty). The anchor is the second request in the same process: the ratio first / second.
+is empty). The anchor is the second request in the same process, after the same pause as the
+first (``--settle``: vLLM warms its engine up between start-up and the first request, and a
+server's requests arrive with gaps): the ratio first / second. Back to back (``--pause 0``) the
+second also gains what a thread and a core woken seconds ago give (1-3 ms of 5-8 here), which is
+not set-up the warm-up could do.
 ``--compare``: each measurement also without the start-up warm-up (``Transfers.warm_up`` and
 ``Runtime.start_threads`` patched out in the child: every pool, thread and copy path set up by
 the first request that needs it, as before), interleaved with the warmed one.
@@ -130,17 +134,18 @@ def child(cfg: dict) -> dict:
 
     imported = time.perf_counter() - t0
     w, fx, startup = _worker(cfg)
-    time.sleep(cfg["settle_s"])  # an engine runs its own warm-up between start-up and requests
     n = cfg["prompt_len"] // BLOCK
     out: dict = {"role": cfg["role"], "import_s": imported, "startup_s": startup}
     try:
         if cfg["role"] in ("store", "both"):
             for i, tag in enumerate((1, 2)):
+                time.sleep(cfg["pause_s"][i])
                 total, step = _store(w, tag, list(range(1 + i * n, 1 + (i + 1) * n)),
                                      cfg["prompt_len"])
                 out[f"store{i + 1}_s"], out[f"store{i + 1}_step_s"] = total, step
         if cfg["role"] in ("load", "both"):
             for i, tag in enumerate((1, 2)):
+                time.sleep(cfg["pause_s"][i])
                 dst = list(range(1 + (2 + i) * n, 1 + (3 + i) * n))
                 out[f"load{i + 1}_s"], out[f"lookup{i + 1}_s"], out["load_kind"] = _load(
                     w, tag, dst, cfg["prompt_len"])
@@ -169,8 +174,8 @@ def measure(tier: str, run: int, args: argparse.Namespace, workdir: Path, redis_
             warm: bool = True) -> dict:
     l1 = {"backend": "local_cpu", "options": {"capacity": "512MiB"}}
     blocks = 1 + 4 * (args.prompt_len // BLOCK)
-    base = {"prompt_len": args.prompt_len, "blocks": blocks, "seed": run, "settle_s": args.settle,
-            "warm": warm}
+    base = {"prompt_len": args.prompt_len, "blocks": blocks, "seed": run, "warm": warm,
+            "pause_s": [args.settle, args.settle if args.pause is None else args.pause]}
     run = 2 * run + (not warm)  # its own directory and key prefix
     if tier == "local_cpu":
         return child({**base, "tiers": [l1], "role": "both"}) if args.inline \
@@ -216,6 +221,8 @@ def main() -> int:
                     "of 256)")
     ap.add_argument("--settle", type=float, default=2.0, help="seconds between a worker's "
                     "start-up and its first request (vLLM warms its engine up meanwhile)")
+    ap.add_argument("--pause", type=float, default=None, help="seconds before the second "
+                    "request (default: --settle, as before the first; 0: back to back)")
     ap.add_argument("--raw", help="write every run's figures (JSON) to this file")
     ap.add_argument("--compare", action="store_true", help="also measure without the start-up "
                     "warm-up (interleaved)")

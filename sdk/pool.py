@@ -96,12 +96,16 @@ class _Frontier:
         self._ticker.wake()
 
     def reach(self, end: int) -> None:
-        """An allocation ends at ``end``: keep the backed part ``PREFAULT_AHEAD`` beyond it."""
-        want = min(self._size, end + PREFAULT_AHEAD)
-        if want > self._want:
-            with self._lock:
-                self._want = max(self._want, want)
-            self._ticker.wake()
+        """An allocation ends at ``end``: once fewer than ``PREFAULT_AHEAD / 2`` backed bytes
+        lie beyond it, back up to ``PREFAULT_AHEAD`` beyond it. Extending in half-margin steps,
+        not on every allocation that reaches further, keeps the backing work off an engine's
+        first requests (a few MiB of faults each, on a core their copies need) and wakes the
+        ticker once per ``PREFAULT_AHEAD / 2`` stored."""
+        if end + PREFAULT_AHEAD // 2 <= self._want or self._want >= self._size:
+            return
+        with self._lock:
+            self._want = max(self._want, min(self._size, end + PREFAULT_AHEAD))
+        self._ticker.wake()
 
     def _advance(self) -> None:
         """Back the pool up to what allocations want (one call of the ticker)."""
