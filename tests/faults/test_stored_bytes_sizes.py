@@ -202,7 +202,8 @@ def test_fsspec_s3_object_claiming_512mib_is_refused_before_its_body(tmp_path, m
         s3 = S3Env(server)  # type: ignore[arg-type]
         s3.create_bucket()
         tier = {"backend": "fsspec", "name": "remote", "options": {
-            "url": s3.url("sizes"), "storage_options": s3.storage_options, "negative_cache_s": 0}}
+            "url": s3.url("sizes"), "storage_options": s3.storage_options, "negative_cache_s": 0,
+            "timeout_s": 60.0}}  # a bound for a hang only: moto on a busy machine takes seconds
         key = make_key(7)
         with StorageManager({"chunk_size": 16, "tiers": [L1, tier]}) as mgr:
             header, size = hostile_header(key)

@@ -164,8 +164,9 @@ def test_inspect_fsspec_url(tmp_path):
 
 
 def test_inspect_s3_store(s3):  # noqa: F811 - the fixture imported above
-    tier = {"backend": "fsspec", "options": {"url": s3.url("run1"),
-                                             "storage_options": s3.storage_options}}
+    tier = {"backend": "fsspec", "options": {  # timeout_s: a bound for a hang only (moto on a
+        "url": s3.url("run1"), "storage_options": s3.storage_options,  # busy machine takes 3 s+)
+        "timeout_s": 60.0}}
     with StorageManager({"tiers": [tier]}) as mgr:
         for i in range(3):
             obj = fill_random(mgr, seed=i)

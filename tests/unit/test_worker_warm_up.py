@@ -22,8 +22,10 @@ from kvplug.storage_manager import READERS  # noqa: E402
 from kvplug.tier_calls import TIER_THREADS  # noqa: E402
 
 
-def threads_named(prefix: str) -> int:
-    return sum(1 for t in threading.enumerate() if t.name.startswith(prefix))
+def threads_named(prefix: str, besides: set[threading.Thread] = frozenset()) -> int:
+    """Live threads named ``prefix``... that are not in ``besides`` (those that were there
+    before: an earlier test's threads may still be exiting, so a difference of counts lies)."""
+    return sum(1 for t in threading.enumerate() if t.name.startswith(prefix) and t not in besides)
 
 
 def test_first_store_and_load_threads_start_with_the_engine_and_no_byte_changes(tmp_path):
@@ -35,14 +37,13 @@ def test_first_store_and_load_threads_start_with_the_engine_and_no_byte_changes(
         {"backend": "posix", "name": f"disk{tag}",
          "options": {"path": str(tmp_path / "c"), "io_threads": 3}}])
     w = WorkerSide(cfg, Identity("m", "LBHNC-bs4", 1, 0, f"w-{tag}"))
-    saves, loads, readers = (threads_named(p) for p in ("kvplug-save", "kvplug-load",
-                                                        "kvplug-read"))
+    before_start = set(threading.enumerate())
     w.register_kv_caches(fx.caches)
     try:
         # started by the registration, not by a first store or load
-        assert threads_named("kvplug-save") - saves == 1
-        assert threads_named("kvplug-load") - loads == 4
-        assert threads_named("kvplug-read") - readers == READERS
+        assert threads_named("kvplug-save", before_start) == 1
+        assert threads_named("kvplug-load", before_start) == 4
+        assert threads_named("kvplug-read", before_start) == READERS
         # the tier's call threads and its 3 writers (both pools carry the tier's name)
         assert threads_named(f"kvplug-disk{tag}_") == TIER_THREADS + 3
         assert torch.equal(fx.buf, before.buf), "the warm-up changed the KV cache"
