@@ -85,9 +85,8 @@ def recompute_blocks(outcome: LoadOutcome) -> tuple[int, ...]:
     failed token (or vLLM's own hit, if later) to where its writes end."""
     if outcome.failed_at is None:
         return ()
-    first = max(outcome.failed_at, outcome.start)
-    bs = outcome.block_size
-    return outcome.block_ids[first // bs:num_pages(outcome.write_end, bs)]
+    first, size = max(outcome.failed_at, outcome.start), outcome.block_size
+    return outcome.block_ids[first // size:num_pages(outcome.write_end, size)]
 
 
 def recover(what: LoadOutcome | UnwrittenRead, multi: bool) -> Recovery:
