@@ -8,6 +8,7 @@ within the CI seed set (the simulation is not passing vacuously).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -93,7 +94,7 @@ DIRECTED_FAULTS = {
 
 def _patches(name: str) -> list[tuple[Any, str, Any]]:
     from kvplug.connector.scheduler import unwritten
-    from kvplug.connector.worker import load, store
+    from kvplug.connector.worker import load, recovery, store
     from kvplug.connector.worker import side as worker
 
     if name == "store_after_failed_load":
@@ -147,13 +148,13 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
         get.__qualname__ = "LocalCPUBackend.get"  # pluggy: a method (its first argument is self)
         return [(LocalCPUBackend, "get", hookimpl(get))]
     if name == "report_a_later_block":
-        real_blocks = load.RequestLoad.error_blocks
+        real_blocks = recovery.recompute_blocks
 
-        def later(self: Any) -> list[int]:
-            blocks = real_blocks(self)
+        def later(outcome: Any) -> tuple[int, ...]:
+            blocks = real_blocks(outcome)
             return blocks[1:] if len(blocks) > 1 else blocks
 
-        return [(load.RequestLoad, "error_blocks", later)]
+        return [(recovery, "recompute_blocks", later)]
     if name == "evict_pinned":
         from kvplug.backends.local_cpu import LocalCPUBackend
 
@@ -293,9 +294,16 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
             return n, background
 
         return [(SchedulerSide, "get_num_new_matched_tokens", told)]
-    if name == "store_over_unwritten":
-        return [(load.Loads, "read_unwritten",
-                 lambda self, md: self.reports.unwritten(md.unwritten, {}))]
+    if name == "store_over_unwritten":  # reported to vLLM, but neither stored again nor skipped
+        real_recover = recovery.recover
+
+        def recover(what: Any, multi: bool) -> Any:
+            got = real_recover(what, multi)
+            if isinstance(what, recovery.UnwrittenRead):
+                got = dataclasses.replace(got, store_from={}, skip_blocks=frozenset())
+            return got
+
+        return [(recovery, "recover", recover)]
     if name == "forget_unwritten":
         return [(unwritten.UnwrittenBlocks, "failed", lambda self, block_ids, tables=(): None)]
     raise ValueError(f"unknown fault {name!r}; known: {sorted(FAULTS | DIRECTED_FAULTS)}")

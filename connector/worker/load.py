@@ -15,19 +15,20 @@
 * **validate** (:func:`valid_pages`): every chunk (every layer) is checked before any of its bytes
   reach a block; a chunk that fails makes it and everything after it in its request a load error;
 * **scatter**: into the blocks (:mod:`kvplug.gpu`), in bulk or layer by layer;
-* **report**: the pins are dropped and the outcome recorded (:mod:`.load_report`: load errors
-  vLLM recomputes, the per-request result, stats); a request whose load failed before the step's
-  forward is remembered so nothing computed over it is stored (:meth:`Loads.tainted`); so is a
-  step that reads a block a failed load left unwritten (:meth:`Loads.read_unwritten`).
+* **report**: the pins are dropped and the load ends in one :class:`.recovery.LoadOutcome`
+  (:meth:`RequestLoad.outcome`), recorded once in :class:`.load_report.LoadReports`, where the
+  recovery rule (:func:`.recovery.recover`) turns a failure into the blocks vLLM recomputes,
+  the per-request result and what the step's store leaves out. A step that reads a block a
+  failed load left unwritten is recorded the same way (:meth:`Loads.read_unwritten`).
 
 :class:`Loads` is the load direction of the worker's transfers (:mod:`.transfers`; the store
-direction is :mod:`.store`), in the same shape: ``expect``, ``submit``, ``finished``, ``wait``. It
-runs the path for both kinds of job: an inline load (``start_load_kv``: all five steps in the
-step, :meth:`Loads.submit`; layer-wise, the scatter is released layer by layer,
-:meth:`Loads.wait`), and a background load (a chunk is in a tier that may block: vLLM's
-asynchronous protocol), whose fetch alone runs off the step on :class:`BackgroundLoads`' pool;
-its validate, scatter and report run on vLLM's thread in ``get_finished``
-(:meth:`Loads.finished`), so no block is written once vLLM may free it.
+direction is :mod:`.store`), in the same shape: ``expect``, ``submit``, ``finished``, and the
+waits (``wait_layer``, ``wait_all``). It runs the path for both kinds of job: an inline load
+(``start_load_kv``: all five steps in the step, :meth:`Loads.submit`; layer-wise, the scatter is
+released layer by layer, :meth:`Loads.wait_layer`), and a background load (a chunk is in a
+tier that may block: vLLM's asynchronous protocol), whose fetch alone runs off the step on
+:class:`BackgroundLoads`' pool; its validate, scatter and report run on vLLM's thread in
+``get_finished`` (:meth:`Loads.finished`), so no block is written once vLLM may free it.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ from kvplug.tier_calls import WaitBudget
 
 from ..protocol import groups
 from ..protocol.metadata import KVPlugMetadata, LoadSpec, ReqMeta
+from . import recovery
 from .load_report import LoadReports
+from .recovery import LoadOutcome, UnwrittenRead
 
 if TYPE_CHECKING:
     from .transfers import TransferParts
@@ -86,35 +89,44 @@ class ChunkLoad:
 
 @dataclass(eq=False)
 class RequestLoad:
-    """One request's load through the four steps."""
+    """One request's load on its way along the path; it ends in one frozen
+    :class:`.recovery.LoadOutcome` (:meth:`outcome`), the only thing recorded of it."""
 
     req: ReqMeta
     spec: LoadSpec
     block_size: int
     chunks: list[ChunkLoad] = field(default_factory=list)
-    fail_at: int | None = None  # first token of the first chunk that failed
+    fail_at: int | None = None  # first token of the first chunk that failed, so far
+    reason: str = ""  # why that chunk failed (a constant of .recovery)
     seconds: float = 0.0
     epoch: str = ""  # the weights epoch it was planned in (a background load may outlive it)
 
-    def fail(self, token: int) -> list[int]:
-        """Mark the chunk at ``token`` and every later one failed; their jobs to leave out."""
-        self.fail_at = token if self.fail_at is None else min(self.fail_at, token)
+    def fail(self, token: int, reason: str) -> list[int]:
+        """Mark the chunk at ``token`` and every later one failed (``reason``: why, kept if it
+        is the first failed chunk); their jobs to leave out."""
+        if self.fail_at is None or token < self.fail_at:
+            self.fail_at, self.reason = token, reason
         return [c.job for c in self.chunks if c.start >= self.fail_at and c.job is not None]
 
     def ok(self, chunk: ChunkLoad) -> bool:
         return self.fail_at is None or chunk.start < self.fail_at
 
-    def error_blocks(self) -> list[int]:
-        """The blocks vLLM must recompute: from the failed chunk (or vLLM's hit) to the end."""
-        if self.fail_at is None:
-            return []
-        bs = self.block_size
-        return self.req.block_ids[max(self.fail_at, self.spec.start) // bs:
-                                  num_pages(self.spec.write_end, bs)]
-
     def loaded(self) -> list[ChunkLoad]:
         """The chunks whose pages reached blocks."""
         return [c for c in self.chunks if c.block_ids and self.ok(c)]
+
+    def outcome(self, block_bytes: int) -> LoadOutcome:
+        """How the load ended, once it is over (``block_bytes``: one block of every layer): the
+        first failed token and why, the tokens and bytes it loaded per tier, its time."""
+        tokens: dict[str, int] = {}
+        nbytes: dict[str, int] = {}
+        for c in self.loaded():
+            n = (min(c.end, self.spec.write_end) - max(c.start, self.spec.start)) if c.counts else 0
+            tokens[c.tier] = tokens.get(c.tier, 0) + n
+            nbytes[c.tier] = nbytes.get(c.tier, 0) + len(c.block_ids) * block_bytes
+        return LoadOutcome(self.req.req_id, self.fail_at, self.reason, self.spec.start,
+                           self.spec.write_end, tuple(self.req.block_ids), self.block_size,
+                           not self.spec.background, tokens, nbytes, self.seconds)
 
 
 TierOf = Callable[[CacheKey], "str | None"]  # where to read a key from (None: nowhere)
@@ -132,7 +144,7 @@ def plan_load(md: KVPlugMetadata, r: ReqMeta, key: Callable[[bytes], CacheKey], 
     (see :meth:`Loads.submit`), fails with everything after it."""
     assert r.load is not None
     spec, bs = r.load, md.block_size
-    ld = RequestLoad(r, spec, bs)
+    load = RequestLoad(r, spec, bs)
     for i, h in enumerate(spec.hashes):
         s, e = md.chunk_range(spec, i)
         first = max(s, spec.start)  # blocks before it vLLM already holds
@@ -147,23 +159,25 @@ def plan_load(md: KVPlugMetadata, r: ReqMeta, key: Callable[[bytes], CacheKey], 
                                            pages_for_tokens(first, stop, bs, chunk_start=s),
                                            blocks_for_tokens(r.block_ids, first, stop, bs), True)]
         except (ValueError, IndexError):
-            ld.fail(s)
+            load.fail(s, recovery.NO_BLOCKS)
             break
         keys = [key(p.hash, tenant=r.tenant) if r.tenant else key(p.hash) for p in parts]
         tiers = [tier_of(k) for k in keys]
         if None in tiers:
-            ld.fail(s)
+            load.fail(s, recovery.UNREACHABLE)
             break
-        ld.chunks += [ChunkLoad(k, s, e, p.num_pages, p.pages, p.block_ids, t, counts=p.counts)
-                      for k, p, t in zip(keys, parts, tiers, strict=True)]  # type: ignore[misc]
-    return ld
+        load.chunks += [ChunkLoad(k, s, e, p.num_pages, p.pages, p.block_ids, t,
+                                  counts=p.counts)
+                        for k, p, t in zip(keys, parts, tiers, strict=True)]  # type: ignore[misc]
+    return load
 
 
 class Loads:
     """One worker's loads, step by step, each along plan -> fetch -> validate -> scatter -> report
     (see the module docstring). Built once the KV cache and the tiers exist; ``pinned`` and
     ``release`` are lookup's pins (the tier it pinned each of a request's keys in; drop them);
-    ``deadline_s``: the step's allowance of waiting on in-step reads."""
+    ``deadline_s``: the step's allowance of waiting on in-step reads. A load's outcome is kept
+    nowhere here: it goes to ``reports`` (:class:`.load_report.LoadReports`) when it is over."""
 
     def __init__(self, parts: TransferParts, layerwise: bool, reports: LoadReports,
                  background: BackgroundLoads, pinned: Callable[[str], dict[CacheKey, str]],
@@ -179,8 +193,6 @@ class Loads:
         self._objs: list[MemoryObj] = []  # what their scatter reads from
         self._steps: Generator[int, None, None] | None = None  # layer-wise scatter
         self._next = 0
-        self._failed_reqs: set[str] = set()  # failed before this step's forward (see tainted)
-        self._failed_blocks: set[int] = set()
         self.epoch = ""  # the weights epoch of the step (WorkerSide.sync_epoch sets it)
 
     # -- the transfer shape (see .transfers) ------------------------------------------------------
@@ -193,7 +205,7 @@ class Loads:
     def submit(self, md: KVPlugMetadata | None) -> None:
         """``start_load_kv``: every load of the step (None: the step has none; the last one's
         ends). Plan; a background one is fetched off the step; the others are fetched,
-        validated and scattered now (layer-wise: layer by layer, see :meth:`wait`), then
+        validated and scattered now (layer-wise: layer by layer, see :meth:`wait_layer`), then
         reported."""
         self._finish()
         if md is None:
@@ -206,15 +218,15 @@ class Loads:
                 continue
             t0 = time.perf_counter()
             where = self._where(self.pinned(r.req_id), r.load.background)
-            ld = plan_load(md, r, self.key, where, self.layout)  # 1. plan
+            load = plan_load(md, r, self.key, where, self.layout)  # 1. plan
             if r.load.background:
-                ld.epoch = self.epoch
-                self.background.submit(ld)  # 2. fetch, off the step (see finished)
+                load.epoch = self.epoch
+                self.background.submit(load)  # 2. fetch, off the step (see finished)
                 continue
-            got = self._fetch(ld, reads, budget)  # 2. fetch
-            self._validate(ld, got, jobs, reads)  # 3. validate
-            ld.seconds += time.perf_counter() - t0
-            self._done.append(ld)
+            got = self._fetch(load, reads, budget)  # 2. fetch
+            self._validate(load, got, jobs, reads)  # 3. validate
+            load.seconds += time.perf_counter() - t0
+            self._done.append(load)
         self._scatter(jobs, reads)  # 4. scatter, then 5. report (_finish)
 
     def _where(self, pinned: dict[CacheKey, str], background: bool) -> TierOf:
@@ -226,50 +238,50 @@ class Loads:
             return lambda k: pinned.get(k, ANY_TIER)
         return lambda k: pinned.get(k) or self.storage.find_inline(k)
 
-    def _fetch(self, ld: RequestLoad, reads: LayerReads | None,
+    def _fetch(self, load: RequestLoad, reads: LayerReads | None,
                budget: WaitBudget) -> dict[int, MemoryObj | None]:
         """Step 2, in the step: the whole chunks, by ``id`` of the chunk, each from its planned
         tier within the step's ``budget`` (a chunk read by layer is fetched in the scatter,
         :class:`LayerReads`); a fetch that raises leaves them all missing."""
-        for c in ld.chunks:
+        for c in load.chunks:
             c.by_layer = (reads is not None and bool(c.block_ids)
                           and self.storage.reads_layers(c.tier))
-        whole = [c for c in ld.chunks if not c.by_layer]
+        whole = [c for c in load.chunks if not c.by_layer]
         try:
             got = self.storage.read_pinned([c.key for c in whole], [c.tier for c in whole],
                                            budget)
             return dict(zip(map(id, whole), got, strict=True))
         except Exception:
-            logger.exception("kvplug load of %s failed", ld.req.req_id)
+            logger.exception("kvplug load of %s failed", load.req.req_id)
             return {}
 
-    def _validate(self, ld: RequestLoad, got: dict[int, MemoryObj | None], jobs: list[PageJob],
-                  reads: LayerReads | None) -> None:
+    def _validate(self, load: RequestLoad, got: dict[int, MemoryObj | None],
+                  jobs: list[PageJob], reads: LayerReads | None) -> None:
         """Step 3: a valid chunk gets a scatter job (``got``: by ``id`` of the chunk; this takes
         their references), an invalid one fails with the rest of its request."""
         L, page = self.kv.num_layers, self.kv.page_bytes
-        for c in ld.chunks:
+        for c in load.chunks:
             obj = got.get(id(c))
-            if c.by_layer and ld.ok(c):
+            if c.by_layer and load.ok(c):
                 obj = self.storage.allocate((L, c.num_pages, page), num_tokens=c.end - c.start)
-            elif not ld.ok(c) or not valid_pages(obj, (L, c.num_pages, page), c.end - c.start):
-                ld.fail(c.start)
+            elif not load.ok(c) or not valid_pages(obj, (L, c.num_pages, page), c.end - c.start):
+                load.fail(c.start, recovery.MISSING if obj is None else recovery.INVALID)
                 if obj is not None:
                     obj.ref_down()
                 continue
             if obj is None:  # no memory to stage a layer-wise read in
-                ld.fail(c.start)
+                load.fail(c.start, recovery.NO_STAGING)
                 continue
             self._objs.append(obj)
             if c.by_layer:
-                reads.add(ld, c, obj)  # type: ignore[union-attr]
+                reads.add(load, c, obj)  # type: ignore[union-attr]
             if c.block_ids:
                 c.job = len(jobs)
                 jobs.append(PageJob(c.block_ids, obj.tensor[:, c.pages]))
 
     def _scatter(self, jobs: list[PageJob], reads: LayerReads | None) -> None:
         """Step 4: write the blocks, then report (bulk); layer-wise, the scatter is released
-        layer by layer (:meth:`wait`) and reported once every layer is written."""
+        layer by layer (:meth:`wait_layer`) and reported once every layer is written."""
         if reads is not None and jobs:
             self._steps = layerwise_load(self.kv, jobs, reads.before)
             self._next = 0
@@ -280,19 +292,20 @@ class Loads:
         finally:
             self._finish()
 
-    def wait(self, layer: str | None = None) -> None:
-        """``layer``: layer-wise, every layer up to it is written (``wait_for_layer_load``: vLLM
-        computes it next). None: the step's inline loads are over and reported (before its
-        store, or sleep)."""
-        if layer is None:
-            self._finish()
-            return
+    def wait_layer(self, layer: str) -> None:
+        """Layer-wise: every layer up to ``layer`` is written (``wait_for_layer_load``: vLLM
+        computes it next)."""
         if self._steps is None:
             return
         idx = self.kv.index_of(layer)
         while self._next <= idx:
             next(self._steps)
             self._next += 1
+
+    def wait_all(self) -> None:
+        """The step's in-step loads are over and their outcomes recorded (before its store, or
+        sleep)."""
+        self._finish()
 
     def _finish(self) -> None:
         """Step 5: wait for the step's scatter (layer-wise: every layer), free what it read,
@@ -307,61 +320,52 @@ class Loads:
                 o.ref_down()
             self._objs = []
             loads, self._done = self._done, []
-            for ld in loads:
-                self._report(ld)
+            for load in loads:
+                self._report(load)
 
-    def _report(self, ld: RequestLoad) -> None:
-        self.release([ld.req.req_id])  # loaded (or failed): the pins have done their job
-        if ld.fail_at is not None and not ld.spec.background:  # this step's forward reads it
-            self._failed_reqs.add(ld.req.req_id)
-            self._failed_blocks.update(ld.error_blocks())
-        self.reports.record(ld, self.kv, self.storage.tier_names)
+    def _report(self, load: RequestLoad) -> None:
+        """Step 5 for one load: its pins are dropped, its outcome recorded."""
+        self.release([load.req.req_id])  # loaded (or failed): the pins have done their job
+        self.reports.record(load.outcome(self.kv.num_layers * self.kv.page_bytes),
+                            self.storage.tier_names)
 
     def read_unwritten(self, md: KVPlugMetadata) -> None:
         """This step's forward reads blocks a failed load left unwritten (``md.unwritten``,
-        :mod:`..scheduler.unwritten`): they fail like a load into them, so the one rule of :meth:`tainted`
-        keeps what is computed over them out of storage, vLLM recomputes them (load errors), and
-        each request that reads one is stored again from its first such token."""
+        :mod:`..scheduler.unwritten`): recorded as an :class:`.recovery.UnwrittenRead` with each
+        reading request's first such token; the recovery rule fails them like a load into
+        them."""
         bad = set(md.unwritten)
-        self._failed_blocks |= bad
         first = {}
         for r in md.requests:
             at = next((i for i, b in enumerate(r.block_ids) if b in bad), None)
             if at is not None:
                 first[r.req_id] = at * md.block_size
-        self.reports.unwritten(md.unwritten, first)
-
-    def tainted(self, md: KVPlugMetadata | None) -> set[str]:
-        """The requests whose KV this step computed over a failed load (theirs, or a block of
-        theirs that failed, or an unwritten block it read: :meth:`read_unwritten`), so nothing
-        of theirs is stored; forgets the step's failures."""
-        out, self._failed_reqs = self._failed_reqs, set()
-        bad, self._failed_blocks = self._failed_blocks, set()
-        if md is not None and bad:
-            out |= {r.req_id for r in md.requests if bad.intersection(r.block_ids, *r.tables)}
-        return out
+        self.reports.record(UnwrittenRead(tuple(md.unwritten), first))
 
     # -- a background load: fetched off the step, the rest in get_finished ----------------------
     def finished(self, finished: Collection[str], idle: bool = False) -> set[str]:
-        """vLLM's ``finished_recving``: background loads that are over: validated, scattered and reported now, on vLLM's
-        thread between forward passes; or cancelled because vLLM finished the request (never
-        written: vLLM frees its blocks once it is reported). Returns their requests. ``idle``:
-        the step ran no forward, so it waits a little for a fetch (:meth:`BackgroundLoads.wait_idle`)."""
+        """vLLM's ``finished_recving``: background loads that are over: validated, scattered and
+        reported now, on vLLM's thread between forward passes; or cancelled because vLLM
+        finished the request (never written: vLLM frees its blocks once it is reported).
+        Returns their requests. ``idle``: the step ran no forward, so it waits a little for a
+        fetch (:meth:`BackgroundLoads.wait_idle`)."""
         over = self.background.cancel(set(finished)) if finished else set()
         if idle:
             self.background.wait_idle(IDLE_WAIT_S)
         if over:
             self.reports.stats.add("load_cancelled", len(over))
         jobs: list[PageJob] = []
-        for ld, objs in self.background.take_done():  # 2. fetch is over
-            if ld.epoch != self.epoch:  # planned before a weights reset: never reaches a block
+        for load, objs in self.background.take_done():  # 2. fetch is over
+            if load.epoch != self.epoch:  # planned before a weights reset: never reaches a block
                 for o in objs:
                     if o is not None:
                         o.ref_down()
                 objs = [None] * len(objs)
-            self._validate(ld, dict(zip(map(id, ld.chunks), objs, strict=True)), jobs, None)
-            self._done.append(ld)
-            over.add(ld.req.req_id)
+                if load.chunks:
+                    load.fail(load.chunks[0].start, recovery.STALE)
+            self._validate(load, dict(zip(map(id, load.chunks), objs, strict=True)), jobs, None)
+            self._done.append(load)
+            over.add(load.req.req_id)
         self._scatter(jobs, None)  # 4. scatter, 5. report
         return over
 
@@ -395,14 +399,14 @@ class LayerReads:
         self.budget = budget
         self.items: list[tuple[RequestLoad, ChunkLoad, MemoryObj]] = []
 
-    def add(self, ld: RequestLoad, chunk: ChunkLoad, staging: MemoryObj) -> None:
-        self.items.append((ld, chunk, staging))
+    def add(self, load: RequestLoad, chunk: ChunkLoad, staging: MemoryObj) -> None:
+        self.items.append((load, chunk, staging))
 
     def before(self, layer: int) -> list[int]:
         """Read layer ``layer`` of every chunk still good; returns the jobs to leave out."""
         drop: list[int] = []
-        for ld, c, staging in self.items:
-            if not ld.ok(c):
+        for load, c, staging in self.items:
+            if not load.ok(c):
                 continue
             t0 = time.perf_counter()
             part = self.storage.get_layers(c.key, layer, 1, tier=c.tier, budget=self.budget)
@@ -412,10 +416,10 @@ class LayerReads:
             if part is not None:
                 part.ref_down()
             if not good:
-                drop += ld.fail(c.start)
+                drop += load.fail(c.start, recovery.MISSING if part is None else recovery.INVALID)
             elif layer == self.num_layers - 1 and c.tier != self.storage.tier_names[0]:
                 self.storage.promote(c.key, staging)
-            ld.seconds += time.perf_counter() - t0
+            load.seconds += time.perf_counter() - t0
         return drop
 
 
@@ -455,17 +459,17 @@ class BackgroundLoads:
         """Start the fetch threads now (at start-up), not on the first background loads."""
         self._runtime.start_threads(self._pool, self._threads)
 
-    def submit(self, ld: RequestLoad) -> None:
-        """Start fetching every chunk of ``ld`` (in chunk order)."""
+    def submit(self, load: RequestLoad) -> None:
+        """Start fetching every chunk of ``load`` (in chunk order)."""
         def run() -> tuple[list[MemoryObj | None], list[str | None]]:
             t0 = time.perf_counter()
             try:
-                return self._fetch([c.key for c in ld.chunks])
+                return self._fetch([c.key for c in load.chunks])
             finally:
-                ld.seconds += time.perf_counter() - t0
+                load.seconds += time.perf_counter() - t0
 
         with self._lock:
-            self._inflight[ld.req.req_id] = (ld, self._pool.submit(run))
+            self._inflight[load.req.req_id] = (load, self._pool.submit(run))
 
     def cancel(self, req_ids: set[str]) -> set[str]:
         """vLLM finished these requests (aborted while loading): their loads are over now; what
@@ -474,7 +478,7 @@ class BackgroundLoads:
             gone = [self._inflight.pop(r) for r in req_ids if r in self._inflight]
         for _, fut in gone:
             fut.add_done_callback(_drop)  # runs at once if the fetch is over
-        return {ld.req.req_id for ld, _ in gone}
+        return {load.req.req_id for load, _ in gone}
 
     def wait_idle(self, timeout: float) -> None:
         """vLLM runs no forward this step: wait (at most ``timeout``) until a fetch is over.
@@ -497,15 +501,15 @@ class BackgroundLoads:
             for r, _ in done:
                 del self._inflight[r]
         out = []
-        for _, (ld, fut) in done:
+        for _, (load, fut) in done:
             try:
                 objs, tiers = fut.result()
             except Exception:  # noqa: BLE001 - a fetch that raised is a load error
                 objs, tiers = [], []
-            for c, tier in zip(ld.chunks, tiers, strict=False):
+            for c, tier in zip(load.chunks, tiers, strict=False):
                 if c.tier == ANY_TIER and tier is not None:
                     c.tier = tier  # where a chunk no lookup pinned was found
-            out.append((ld, list(objs) + [None] * (len(ld.chunks) - len(objs))))
+            out.append((load, list(objs) + [None] * (len(load.chunks) - len(objs))))
         return out
 
     def close(self) -> None:

@@ -11,10 +11,11 @@ to the KV cache), the lookup service the scheduler asks, and the pins lookup tak
   (kvplug.gpu's generators).
 
 Loads and stores are one kind of job moving in opposite directions, behind one object
-(:class:`.transfers.Transfers`: ``submit``, ``finished``, ``wait``). A load runs along one path,
-plan -> fetch -> validate -> scatter -> report, in :mod:`.load`: a chunk that fails makes it and
-everything after it in that request a load error, reported through
-``get_block_ids_with_load_errors`` so vLLM recomputes those blocks. A step's store, and the
+(:class:`.transfers.Transfers`: ``submit``, ``finished``, the waits). A load runs along one path,
+plan -> fetch -> validate -> scatter -> report, in :mod:`.load`, and ends in one outcome: a chunk
+that fails makes it and everything after it in that request a load error; the recovery rule
+(:mod:`.recovery`) decides what follows, reported through ``get_block_ids_with_load_errors`` so
+vLLM recomputes those blocks. A step's store, and the
 asynchronous saves, are in :mod:`.store`. This module routes vLLM's calls to the transfers and
 keeps lookup's pins.
 """
@@ -44,6 +45,7 @@ from ..protocol.stats import TENANT_SAMPLE_S, KVPlugStats, StatsRecorder
 from .load import BackgroundLoads, Loads
 from .load_report import LoadReports
 from .management import WorkerManagement
+from .recovery import UnwrittenRead
 from .store import AsyncSaves, Stores
 from .transfers import Load, Store, TransferParts, Transfers
 
@@ -125,7 +127,7 @@ class WorkerSide:
         if self.kv is None or self._asleep:
             return
         if self.transfers is not None:
-            self.transfers.wait()
+            self.transfers.wait_idle()
         self._asleep = True
         logger.info("kvplug worker rank %d: KV cache unregistered (sleep)", self.ident.rank)
 
@@ -220,8 +222,8 @@ class WorkerSide:
             return self._lookup_groups(msg, key)
         keys = [key(h) for h in msg.hashes]
         if self.transfers is not None:  # an asynchronous save of these chunks: let its put end
-            self.transfers.wait(puts=keys + [key(h) for _, h in msg.tails],
-                                timeout=self.cfg.lookup_timeout_s / 2)
+            self.transfers.wait_puts(keys + [key(h) for _, h in msg.tails],
+                                     timeout=self.cfg.lookup_timeout_s / 2)
         found = self.storage.lookup_prefix(keys, pin=msg.pin, fresh=msg.fresh)
         pinned, tiers = keys[: found.num_chunks], list(found.tiers)
         tokens = found.num_chunks * self.cfg.chunk_size
@@ -293,8 +295,8 @@ class WorkerSide:
             return
         if self.transfers is not None:
             self.transfers.expect(md)
-        elif md.unwritten:
-            self._reports.unwritten(md.unwritten, {})
+        elif md.unwritten:  # no KV cache: no request to store again, nothing stored
+            self._reports.record(UnwrittenRead(tuple(md.unwritten)))
 
     # -- transfers: loads and stores, see .transfers ----------------------------------------------
     def start_load_kv(self, md: KVPlugMetadata | None) -> None:
@@ -304,7 +306,7 @@ class WorkerSide:
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.transfers is not None:
-            self.transfers.wait(layer=layer_name)
+            self.transfers.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, md: KVPlugMetadata | None) -> None:
         """Layer-wise mode: copy this layer of every chunk to store, right after it is computed."""
@@ -343,7 +345,7 @@ class WorkerSide:
         sliding-window blocks that left the window): order it after the asynchronous copies
         that read them."""
         if self.transfers is not None:
-            self.transfers.wait(freed=md.preempted if md is not None else ())
+            self.transfers.wait_freed(md.preempted if md is not None else ())
 
     def take_report(self) -> KVPlugWorkerMeta | None:
         """Per-request load results since the last call (for the scheduler)."""

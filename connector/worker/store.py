@@ -2,8 +2,9 @@
 
 :class:`Stores` is the store direction of the worker's transfers (:mod:`.transfers`; the load
 direction is :mod:`.load`), in the same shape: ``expect`` (the bound step's saves), ``submit`` (a
-layer just computed, or the step's store), ``finished`` (vLLM's ``finished_sending``), ``wait``
-(copies ordered before vLLM reuses the blocks they read; puts a lookup waits for). A step's store:
+layer just computed, or the step's store), ``finished`` (vLLM's ``finished_sending``), and the
+waits: ``wait_freed`` (copies ordered before vLLM reuses the blocks they read), ``wait_puts``
+(puts a lookup waits for), ``wait_copies`` (every copy has read its blocks). A step's store:
 :meth:`Stores.prepare` turns the step's save specs into memory objects and page jobs (one object
 per KV cache group part of a chunk, see :mod:`..protocol.groups`); layer-wise mode copies each
 layer right after it is computed; the step's end copies what is left and puts it (a synchronous
@@ -158,32 +159,31 @@ class Stores:
         out, self._sent = self._sent, set()
         return out
 
-    def wait(self, *, freed: Collection[str] | None = None,
-             puts: Collection[CacheKey] | None = None, timeout: float = 0.0) -> bool:
-        """Asynchronous saves only (a synchronous one is over when ``wait_for_save`` returns):
-
-        * ``freed``: before every step (``handle_preemptions``): vLLM freed these (preempted)
-          requests' blocks, and sliding-window blocks that left their window; the coming forward
-          pass, which may rewrite them, is ordered after every copy that reads them
-          (:meth:`AsyncSaves.wait_window`, :meth:`AsyncSaves.wait_for`), and the preempted
-          requests are no longer held at finish (:meth:`AsyncSaves.forget`);
-        * ``puts``: a lookup of these chunks waits (at most ``timeout`` seconds) until no put of
-          them is in flight; False on timeout (:meth:`AsyncSaves.settle`);
-        * neither: every copy queued so far has read its blocks (sleep mode:
-          :meth:`AsyncSaves.wait_all`)."""
+    # Waits: asynchronous saves only (a synchronous one is over when ``wait_for_save`` returns).
+    def wait_freed(self, freed: Collection[str]) -> None:
+        """Before every step (``handle_preemptions``): vLLM freed these (preempted) requests'
+        blocks, and sliding-window blocks that left their window; the coming forward pass, which
+        may rewrite them, is ordered after every copy that reads them
+        (:meth:`AsyncSaves.wait_window`, :meth:`AsyncSaves.wait_for`), and the preempted
+        requests are no longer held at finish (:meth:`AsyncSaves.forget`)."""
         saves = self.saves
         if saves is None:
-            return True
-        if puts is not None:
-            return saves.settle(puts, timeout)
-        if freed is not None:
-            saves.wait_window()
-            if freed:
-                saves.wait_for(freed)
-                saves.forget(freed)
-            return True
-        saves.wait_all()
-        return True
+            return
+        saves.wait_window()
+        if freed:
+            saves.wait_for(freed)
+            saves.forget(freed)
+
+    def wait_puts(self, keys: Collection[CacheKey], timeout: float) -> bool:
+        """A lookup of ``keys`` waits (at most ``timeout`` seconds) until no put of them is in
+        flight; False on timeout (:meth:`AsyncSaves.settle`)."""
+        return self.saves.settle(keys, timeout) if self.saves is not None else True
+
+    def wait_copies(self) -> None:
+        """Every copy queued so far has read its blocks (sleep mode:
+        :meth:`AsyncSaves.wait_all`); the puts may go on."""
+        if self.saves is not None:
+            self.saves.wait_all()
 
     def close(self) -> None:
         """Every save's copy and put is over (before the tiers close)."""

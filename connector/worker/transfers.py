@@ -10,16 +10,19 @@ worker does (``transfer_async``, ``get_finished``, ``wait``):
                                   submitted; the unwritten blocks it reads are load errors
 ``submit(Load(md))``              ``start_load_kv``: the step's loads
 ``submit(Store(md, layer))``      ``save_kv_layer``: that layer of the step's store
-``submit(Store(md))``             ``wait_for_save``: the step's loads end, then its store
+``submit(Store(md))``             ``wait_for_save``: ``wait_loads``, then the step's store
+                                  (``store_step``)
 ``finished(finished, idle)``      ``get_finished``: (``finished_sending``, ``finished_recving``)
-``wait(layer=...)``               ``wait_for_layer_load``: the loads wrote every layer up to it
-``wait(freed=...)``               ``handle_preemptions``: copies that read freed blocks come first
-``wait(puts=..., timeout=...)``   a lookup: the puts of these chunks are over
-``wait()``                        sleep: every load is over, every copy has read its blocks
+``wait_layer(layer)``             ``wait_for_layer_load``: the loads wrote every layer up to it
+``wait_freed(freed)``             ``handle_preemptions``: copies that read freed blocks come first
+``wait_puts(keys, timeout)``      a lookup: the puts of these chunks are over
+``wait_idle()``                   sleep: every load is over, every copy has read its blocks
 ================================  ==============================================================
 
-The one rule between the directions lives here: a step's store comes after its loads, and leaves
-out every request whose KV the step computed over a failed load (:meth:`.load.Loads.tainted`).
+The one rule between the directions lives here (:meth:`Transfers.store_step`): a step's store
+comes after its loads (it must never read a block a load is still writing), and leaves out every
+request whose KV the step computed over a failed load
+(:meth:`.load_report.LoadReports.tainted`, from the recovery rule :func:`.recovery.recover`).
 """
 
 from __future__ import annotations
@@ -88,9 +91,15 @@ class Transfers:
         elif job.layer is not None:
             self.stores.submit(job.md, layer=job.layer)
         else:
-            self.loads.wait()  # the step's loads are over (a failed one taints its store)
-            skip = self.loads.tainted(job.md)  # computed over a failed load: not stored
-            self.stores.submit(job.md, skip=skip)
+            self.store_step(job.md)
+
+    def store_step(self, md: KVPlugMetadata | None) -> None:
+        """The step's store, once its forward is over (``wait_for_save``): the step's loads end
+        first (:meth:`wait_loads`: a store never reads a block a load is still writing, and a
+        load's failure is recorded before the store asks what it taints), then everything the
+        step computed over a failed load is left out."""
+        self.wait_loads()
+        self.stores.submit(md, skip=self.loads.reports.tainted(md))
 
     def finished(self, finished: Collection[str], idle: bool = False) -> Finished:
         """The transfers that are over: requests vLLM may free (``finished``: those vLLM
@@ -99,19 +108,33 @@ class Transfers:
         sending = self.stores.finished(finished)
         return Finished(sending, self.loads.finished(finished, idle))
 
-    def wait(self, *, layer: str | None = None, freed: Collection[str] | None = None,
-             puts: Collection[CacheKey] | None = None, timeout: float = 0.0) -> bool:
-        """Wait for what vLLM (or a lookup) needs next (one of the keywords; see the module
-        docstring): ``layer`` (:meth:`.load.Loads.wait`), ``freed`` or ``puts`` with ``timeout``
-        (:meth:`.store.Stores.wait`; False: the puts did not end in time), or nothing: every
-        transfer stops touching the KV memory."""
-        if layer is not None:
-            self.loads.wait(layer)
-            return True
-        if freed is not None or puts is not None:
-            return self.stores.wait(freed=freed, puts=puts, timeout=timeout)
-        self.loads.wait()
-        return self.stores.wait()
+    # -- waits: each for what vLLM (or a lookup) needs next ---------------------------------------
+    def wait_loads(self) -> None:
+        """The step's in-step loads are over (every layer written) and their outcomes recorded
+        (:meth:`.load.Loads.wait_all`)."""
+        self.loads.wait_all()
+
+    def wait_layer(self, layer: str) -> None:
+        """Layer-wise: the step's loads wrote every layer up to ``layer``
+        (``wait_for_layer_load``: vLLM computes it next; :meth:`.load.Loads.wait_layer`)."""
+        self.loads.wait_layer(layer)
+
+    def wait_freed(self, freed: Collection[str]) -> None:
+        """``handle_preemptions``: the coming forward, which may rewrite the blocks vLLM freed
+        (``freed``: preempted requests; sliding-window blocks always), comes after every copy
+        that reads them (:meth:`.store.Stores.wait_freed`)."""
+        self.stores.wait_freed(freed)
+
+    def wait_puts(self, keys: Collection[CacheKey], timeout: float) -> bool:
+        """A lookup: the puts of ``keys`` are over; False if they did not end within
+        ``timeout`` seconds (:meth:`.store.Stores.wait_puts`)."""
+        return self.stores.wait_puts(keys, timeout)
+
+    def wait_idle(self) -> None:
+        """Sleep: every transfer stops touching the KV memory (every load is over, every copy has
+        read its blocks; puts may go on, they read host memory only)."""
+        self.wait_loads()
+        self.stores.wait_copies()
 
     def warm_up(self) -> None:
         """Set up now (vLLM registering its KV cache, before any step) what the first store and

@@ -208,7 +208,7 @@ def test_eagle_drafter_hit_ends_a_block_early_and_decode_stores_a_block_behind(m
     plan = plan_load(md, rm, lambda h: h, lambda k: "local_cpu")
     assert [(c.start, c.end, c.block_ids) for c in plan.chunks] == [
         (0, 256, rm.block_ids[0:2]), (256, 512, rm.block_ids[2:4]), (512, 768, rm.block_ids[4:5])]
-    assert plan.error_blocks() == []
+    assert plan.fail_at is None
     saved_at = {}
     for _ in range(500):
         computed = r.num_computed_tokens

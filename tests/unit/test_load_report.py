@@ -1,7 +1,8 @@
-"""``kvplug.connector.worker.load_report.LoadReports``: what a finished load tells vLLM and the
-scheduler. The failed blocks (or, with several KV cache groups, the failed requests), the
-per-request result (tokens per tier, the first failed token), the counters and the latency by
-the farthest tier read from; each taken once."""
+"""``kvplug.connector.worker.load_report.LoadReports``: what a finished load's outcome tells vLLM,
+the scheduler and the step's store. The failed blocks (or, with several KV cache groups, the
+failed requests), the per-request result (tokens per tier, the first failed token), what the
+step's store leaves out, the counters and the latency by the farthest tier read from; each taken
+once."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from kvplug.connector.protocol.stats import (  # noqa: E402
 )
 from kvplug.connector.worker.load import ChunkLoad, RequestLoad  # noqa: E402
 from kvplug.connector.worker.load_report import LoadReports  # noqa: E402
+from kvplug.connector.worker.recovery import MISSING, LoadOutcome, UnwrittenRead  # noqa: E402
 from kvplug.gpu import PagedKV  # noqa: E402
 from kvplug.testing import make_key  # noqa: E402
 
@@ -33,9 +35,12 @@ BS, CHUNK = 4, 8  # tokens per block, per chunk
 TIERS = ["ram", "disk"]  # fastest first
 
 
+KV = PagedKV.from_kv_caches(KVFixture("LBHNC", torch.bfloat16, L=3, B=16).caches)
+
+
 @pytest.fixture(scope="module")
 def kv() -> PagedKV:
-    return PagedKV.from_kv_caches(KVFixture("LBHNC", torch.bfloat16, L=3, B=16).caches)
+    return KV
 
 
 def reports(multi: bool = False, rank: int = 0, log_every_load: bool = False):
@@ -48,11 +53,12 @@ def reports(multi: bool = False, rank: int = 0, log_every_load: bool = False):
 
 
 def a_load(req_id: str, blocks: list[int], tiers: list[str], fail_at: int | None = None,
-           start: int = 4, seconds: float = 0.25) -> RequestLoad:
-    """A load of ``len(tiers)`` chunks of ``blocks``' request from token ``start`` (vLLM holds
-    what is before), chunk ``i`` read from ``tiers[i]``."""
+           start: int = 4, seconds: float = 0.25, background: bool = False) -> LoadOutcome:
+    """The outcome of a load of ``len(tiers)`` chunks of ``blocks``' request from token ``start``
+    (vLLM holds what is before), chunk ``i`` read from ``tiers[i]``."""
     end = CHUNK * len(tiers)
-    spec = LoadSpec(start, end, 0, [make_key(i).chunk_hash for i in range(len(tiers))])
+    spec = LoadSpec(start, end, 0, [make_key(i).chunk_hash for i in range(len(tiers))],
+                    background=background)
     ld = RequestLoad(ReqMeta(req_id, blocks, load=spec), spec, BS, seconds=seconds)
     for i, tier in enumerate(tiers):
         s, e = i * CHUNK, (i + 1) * CHUNK
@@ -60,8 +66,8 @@ def a_load(req_id: str, blocks: list[int], tiers: list[str], fail_at: int | None
         ld.chunks.append(ChunkLoad(make_key(i), s, e, CHUNK // BS, slice((first - s) // BS, 2),
                                    blocks[first // BS:e // BS], tier))
     if fail_at is not None:
-        ld.fail(fail_at)
-    return ld
+        ld.fail(fail_at, MISSING)
+    return ld.outcome(KV.num_layers * KV.page_bytes)
 
 
 def test_a_failed_load_reports_its_blocks_result_and_counters_once(kv, caplog):
@@ -70,7 +76,7 @@ def test_a_failed_load_reports_its_blocks_result_and_counters_once(kv, caplog):
     r, stats = reports()
     ld = a_load("a", blocks, ["ram", "disk", "disk"], fail_at=16)
     with caplog.at_level(logging.WARNING, logger="kvplug.connector"):
-        r.record(ld, kv, TIERS)
+        r.record(ld, TIERS)
     assert r.take_load_errors() == set(blocks[4:6])  # tokens 16-24: vLLM recomputes them
     assert r.take_load_errors() == set()  # taken once
     assert r.take_failed() == set()  # one KV cache group: by block, not by request
@@ -97,7 +103,7 @@ def test_a_failed_load_reports_its_blocks_result_and_counters_once(kv, caplog):
 def test_a_whole_load_reports_no_error_and_latency_follows_the_tier_order(kv):
     blocks = random.Random(2).sample(range(1, 16), 4)
     r, stats = reports()
-    r.record(a_load("b", blocks, ["disk", "ram"], start=0, seconds=0.5), kv, ["disk", "ram"])
+    r.record(a_load("b", blocks, ["disk", "ram"], start=0, seconds=0.5), ["disk", "ram"])
     assert r.take_load_errors() == set()
     report = r.take_report()
     assert report.loaded == {"b": {"disk": 8, "ram": 8}}
@@ -110,9 +116,9 @@ def test_a_whole_load_reports_no_error_and_latency_follows_the_tier_order(kv):
 def test_the_first_failed_token_of_a_request_is_the_smallest_over_its_loads(kv):
     r, _ = reports()
     blocks = list(range(1, 7))
-    r.record(a_load("c", blocks, ["disk"] * 3, fail_at=16), kv, TIERS)
-    r.record(a_load("c", blocks, ["disk"] * 3, fail_at=8), kv, TIERS)
-    r.record(a_load("d", blocks, ["disk"] * 3, fail_at=0), kv, TIERS)  # before vLLM's hit
+    r.record(a_load("c", blocks, ["disk"] * 3, fail_at=16), TIERS)
+    r.record(a_load("c", blocks, ["disk"] * 3, fail_at=8), TIERS)
+    r.record(a_load("d", blocks, ["disk"] * 3, fail_at=0), TIERS)  # before vLLM's hit
     report = r.take_report()
     assert report.failed_from == {"c": 8, "d": 4}  # d: from vLLM's own hit on
     assert report.failed_blocks == {"c": 4, "d": 5}  # the latest load's count
@@ -122,8 +128,8 @@ def test_the_first_failed_token_of_a_request_is_the_smallest_over_its_loads(kv):
 def test_with_several_kv_cache_groups_a_failure_is_by_request(kv):
     r, _ = reports(multi=True)
     blocks = list(range(1, 7))
-    r.record(a_load("e", blocks, ["ram"] * 3, fail_at=8), kv, TIERS)
-    r.record(a_load("f", blocks, ["ram"] * 3), kv, TIERS)  # the negative control: no failure
+    r.record(a_load("e", blocks, ["ram"] * 3, fail_at=8), TIERS)
+    r.record(a_load("f", blocks, ["ram"] * 3), TIERS)  # the negative control: no failure
     assert r.take_failed() == {"e"}
     assert r.take_failed() == set()
     assert r.take_load_errors() == set()  # vLLM maps block ids to requests only with one group
@@ -132,9 +138,9 @@ def test_with_several_kv_cache_groups_a_failure_is_by_request(kv):
 
 def test_unwritten_blocks_are_load_errors_and_move_the_first_failed_token(kv, caplog):
     r, stats = reports()
-    r.record(a_load("g", list(range(1, 7)), ["ram"] * 3, fail_at=16), kv, TIERS)
+    r.record(a_load("g", list(range(1, 7)), ["ram"] * 3, fail_at=16), TIERS)
     with caplog.at_level(logging.WARNING, logger="kvplug.connector"):
-        r.unwritten([9, 3], {"g": 12, "h": 20})
+        r.record(UnwrittenRead((9, 3), {"g": 12, "h": 20}))
     assert r.take_load_errors() == {5, 6, 9, 3}
     assert r.take_report().failed_from == {"g": 12, "h": 20}
     assert stats.take().data["unwritten_reads"] == 2
@@ -145,8 +151,29 @@ def test_unwritten_blocks_are_load_errors_and_move_the_first_failed_token(kv, ca
 def test_every_load_is_logged_on_rank_0_when_asked(kv, caplog, rank, logged):
     r, _ = reports(rank=rank, log_every_load=True)
     with caplog.at_level(logging.INFO, logger="kvplug.connector"):
-        r.record(a_load("i", list(range(1, 7)), ["ram", "disk", "disk"]), kv, TIERS)
+        r.record(a_load("i", list(range(1, 7)), ["ram", "disk", "disk"]), TIERS)
     lines = [m.getMessage() for m in caplog.records if "loaded" in m.getMessage()]
     assert len(lines) == logged
     if logged:
         assert "request i loaded 20 tokens (4 from ram, 16 from disk)" in lines[0]
+
+
+def md_of(*reqs: tuple[str, list[int]]):
+    from kvplug.connector.protocol.metadata import KVPlugMetadata
+
+    return KVPlugMetadata(CHUNK, BS, [ReqMeta(req_id, blocks) for req_id, blocks in reqs])
+
+
+def test_the_step_store_leaves_out_what_its_forward_computed_over_a_failure_once(kv):
+    r, _ = reports()
+    r.record(a_load("j", [1, 2, 3, 4, 5, 6], ["ram"] * 3, fail_at=16), TIERS)  # blocks 5, 6
+    r.record(a_load("bg", [7, 8, 9, 10, 11, 12], ["ram"] * 3, fail_at=8, background=True), TIERS)
+    step = md_of(("j", [1, 2, 3, 4, 5, 6]), ("k", [5, 13]), ("bg", [7, 8, 9, 10, 11, 12]),
+                 ("m", [14, 15]))
+    # j failed in the step, k holds one of its blocks; a background load's request waits, and
+    # m (the negative control) touches nothing that failed
+    assert r.tainted(step) == {"j", "k"}
+    assert r.tainted(step) == set()  # the step's failures are forgotten once its store asks
+    r.record(UnwrittenRead((13,), {"k": 4}))
+    assert r.tainted(step) == {"k"}  # a block read unwritten taints who holds it
+    assert r.tainted(None) == set()

@@ -1,5 +1,5 @@
 """``kvplug.connector.worker.transfers.Transfers``: a worker's loads and stores in one shape.
-Through its own calls (``expect``, ``submit``, ``finished``, ``wait``) on a real paged KV cache and
+Through its own calls (``expect``, ``submit``, ``finished``, the waits) on a real paged KV cache and
 a real tier, synchronous and asynchronous saves: a store then a load move the exact bytes; a
 finished request is reported sent once, after its copies; a step's store comes after its loads
 and leaves out the request whose KV the step computed over a failed load (and only it)."""
@@ -58,7 +58,7 @@ def step(w: WorkerSide, fx: KVFixture, md: KVPlugMetadata) -> None:
     t.expect(md)
     t.submit(Load(md))
     for name in fx.caches:
-        t.wait(layer=name)
+        t.wait_layer(name)
     t.submit(Store(md))
 
 
@@ -75,8 +75,8 @@ def test_a_store_then_a_load_move_the_exact_bytes_and_report_once(worker):
     fx.poison(dst)
     step(w, fx, KVPlugMetadata(CHUNK, BS, [ReqMeta("a", src, save=SaveSpec(0, 24, 0, hs),
                                                finished=True)]))
-    assert t.wait()  # every copy has read its blocks
-    assert t.wait(puts=[w.key(h) for h in hs], timeout=HANG)
+    t.wait_idle()  # every copy has read its blocks
+    assert t.wait_puts([w.key(h) for h in hs], timeout=HANG)
     assert held(w, hs) == [True] * 3
     done = t.finished({"a"})
     assert done.sending == {"a"} and done.recving == set()
@@ -99,7 +99,7 @@ def test_a_step_stores_after_its_loads_and_skips_what_it_computed_over_a_failed_
     stored = hashes("p", 3)
     step(w, fx, KVPlugMetadata(CHUNK, BS, [ReqMeta("p", [1, 2, 3, 4, 5, 6],
                                                save=SaveSpec(0, 24, 0, stored))]))
-    assert t.wait(puts=[w.key(h) for h in stored], timeout=HANG)
+    assert t.wait_puts([w.key(h) for h in stored], timeout=HANG)
     # "b" loads three chunks; with ``fails`` the third was never stored (a chunk gone between
     # lookup and load: the lookup pins two), and the step stores b's next chunk and c's
     prompt = stored[:2] + (hashes("gone", 1) if fails else stored[2:])
@@ -110,7 +110,7 @@ def test_a_step_stores_after_its_loads_and_skips_what_it_computed_over_a_failed_
         ReqMeta("b", b_blocks, load=LoadSpec(0, 24, 0, prompt),
                 save=SaveSpec(24, 32, 3, b_next)),
         ReqMeta("c", c_blocks, save=SaveSpec(0, 8, 0, c_chunk))]))
-    assert t.wait(puts=[w.key(h) for h in b_next + c_chunk], timeout=HANG)
+    assert t.wait_puts([w.key(h) for h in b_next + c_chunk], timeout=HANG)
     assert held(w, c_chunk) == [True]  # another request's store is not held back
     assert held(w, b_next) == [not fails]
     assert w.take_load_errors() == ({13, 14} if fails else set())
@@ -118,5 +118,5 @@ def test_a_step_stores_after_its_loads_and_skips_what_it_computed_over_a_failed_
 
 def test_waiting_for_puts_of_chunks_never_stored_is_true_at_once(worker):
     _, w = worker
-    assert w.transfers.wait(puts=[w.key(h) for h in hashes("never", 2)], timeout=HANG)
-    assert w.transfers.wait(freed=["nobody"])
+    assert w.transfers.wait_puts([w.key(h) for h in hashes("never", 2)], timeout=HANG)
+    w.transfers.wait_freed(["nobody"])  # returns: nothing reads a block of theirs
