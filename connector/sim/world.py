@@ -475,30 +475,12 @@ class World:
         self.blocks.mid_step_done()
         md = so.kv_connector_metadata
         self._md = md
-        c = self.counts
-        c["steps"] += 1
-        if self.cfg.async_scheduling:  # steps that ran ahead of tokens vLLM had not seen
-            c["async steps ahead of their tokens"] += any(
-                self._snap[r][0].num_output_placeholders > 1 for r in so.num_scheduled_tokens)
-        elif self._pipelined():  # steps scheduled before an earlier step's output was seen
-            c["batch-queue steps ahead of an output"] += bool(self._queue)
-        c["preempted"] += len(md.preempted)
-        c["unwritten blocks read"] += len(md.unwritten)
-        c["draft tokens scheduled"] += sum(map(len, self._drafts.values()))
-        trackers = self.s.connector.scheduler_side.trackers
-        for r in md.requests:
-            if r.load is not None:
-                c["background loads" if r.load.background else "sync loads"] += 1
-                t = trackers.get(r.req_id)
-                if t is not None and t.usable_tokens < t.lookup_tokens:
-                    c["loads short of their hit's last block (drafter)"] += 1
-            if r.save is not None:
-                c["saves"] += 1
-        self.chunks.register(md)
+        self._count_plan(so, md)
+        self.chunks.register(md)  # I1: what the step's saves must store
         self.stalls.begin_step()
         if self.cfg.zeroing == "v2":  # update_requests, then pre_forward's handle_preemptions
             self.blocks.zero_new_blocks(so, "as the V2 runner zeroes new blocks (before "
-                                     "handle_preemptions)")
+                                            "handle_preemptions)")
         for rank, runner in enumerate(self.runners):
             self._hook(rank, "handle_preemptions", lambda r=runner: r.handle_preemptions(md))
         if self.cfg.zeroing == "v1":  # _update_states, after handle_preemptions
@@ -525,7 +507,7 @@ class World:
                 self._hook(rank, "wait_for_save", lambda r=runner: r.wait_for_save(md))
             self._hook(rank, "clear_connector_metadata", runner.clear)
             outs.append(kout)
-        self.stalls.end_step(c["steps"])
+        self.stalls.end_step(self.counts["steps"])
         for rank, k in enumerate(outs):
             for r in k.finished_sending or ():
                 self.reports.sending(rank, r)  # I3
@@ -548,10 +530,32 @@ class World:
                   *(sorted(x or ()) for x in (ko.finished_sending, ko.finished_recving,
                                               ko.failed_recving, ko.invalid_block_ids)),
                   sorted(tainted.items()), sampled)
-        c["load errors"] += bool(ko.invalid_block_ids) + len(ko.failed_recving or ())
-        c["tainted forwards"] += len(tainted)
+        self.counts["load errors"] += bool(ko.invalid_block_ids) + len(ko.failed_recving or ())
+        self.counts["tainted forwards"] += len(tainted)
         self.faults.step_ended()
         self._queued(so, out, ko)
+
+    def _count_plan(self, so: Any, md: Any) -> None:
+        """Count what the scheduler planned for the step (what the schedule exercised)."""
+        c = self.counts
+        c["steps"] += 1
+        if self.cfg.async_scheduling:  # steps that ran ahead of tokens vLLM had not seen
+            c["async steps ahead of their tokens"] += any(
+                self._snap[r][0].num_output_placeholders > 1 for r in so.num_scheduled_tokens)
+        elif self._pipelined():  # steps scheduled before an earlier step's output was seen
+            c["batch-queue steps ahead of an output"] += bool(self._queue)
+        c["preempted"] += len(md.preempted)
+        c["unwritten blocks read"] += len(md.unwritten)
+        c["draft tokens scheduled"] += sum(map(len, self._drafts.values()))
+        trackers = self.s.connector.scheduler_side.trackers
+        for r in md.requests:
+            if r.load is not None:
+                c["background loads" if r.load.background else "sync loads"] += 1
+                t = trackers.get(r.req_id)
+                if t is not None and t.usable_tokens < t.lookup_tokens:
+                    c["loads short of their hit's last block (drafter)"] += 1
+            if r.save is not None:
+                c["saves"] += 1
 
     def crashing(self, what: str, fn: Any) -> Any:
         """``fn()``, one of vLLM's calls (``what``): an exception it raises is a violation
