@@ -63,6 +63,8 @@ class Operator:
         self.pins: list[set] = [set() for _ in range(world.cfg.tp)]
 
     def clear(self, scope: str, pick: int) -> None:
+        """A clear of ``scope`` (:data:`SCOPES`; ``pick`` chooses the chunks or the tenant) on
+        every rank, each checked by the world's :class:`ClearCheck` around the call."""
         from kvplug.management import clear_keys, clear_tenant, clear_tiers
 
         w = self.world
