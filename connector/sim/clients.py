@@ -149,7 +149,7 @@ class EventCheck:
         for tier in w.workers[0].storage.tier_names:
             every: set[bytes] | None = None
             for rank, worker in enumerate(w.workers):
-                keys = list(w.registry[rank])
+                keys = list(w.chunks.registry[rank])
                 found = worker.storage.holds(tier, keys) if keys else []
                 mine = {k.chunk_hash for k, hit in zip(keys, found or (), strict=False) if hit}
                 every = mine if every is None else every & mine

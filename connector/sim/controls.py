@@ -268,9 +268,9 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
 
         return [(load.Loads, "_where", where)]
     if name == "hide_load_errors_past_i2":
-        from .world import World
+        from .checks import ReadCheck
 
-        return [*_patches("hide_load_errors"), (World, "check_reads", False)]
+        return [*_patches("hide_load_errors"), (ReadCheck, "enabled", False)]
     if name == "announce_on_one_rank":
         from kvplug.connector.scheduler.events import TierEventBook
 

@@ -1,14 +1,16 @@
 """The faults and client actions a schedule injects, as a part of :class:`.world.World`: aborts,
-evictions, chunks lost or corrupted after lookup, gated (slow) tiers, ``reset_cache``, and what
+evictions, chunks lost or corrupted after lookup, gated (slow) tiers, the value store's outages
+and partial replies, a neighbour process on rank 0's directory, ``reset_cache``, and what
 happens when vLLM's own scheduler stalls (every request aborted, as clients that time out).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .engine import Violation
+if TYPE_CHECKING:
+    from .world import World
 
 
 def _flipped(data: bytes, pick: int) -> bytes:
@@ -31,26 +33,39 @@ def _flipped(data: bytes, pick: int) -> bytes:
 
 
 class Faults:
-    """The fault events of :class:`.world.World` (a part of it: they act on its scheduler,
-    workers and tiers)."""
+    """The fault events of :class:`.world.World`. They act on the world's scheduler (``s``,
+    through :meth:`.World.crashing`), workers and their tiers, the value stores, the neighbour
+    process (``nb``), and pick chunks from what the tiers held (:attr:`.ChunkCheck.stored`,
+    ``registry``). Its state: per rank, the chunks lost until the step ends."""
 
-    # -- faults and client actions ---------------------------------------------------------------
+    def __init__(self, world: World) -> None:
+        self.world = world
+        #: per rank: keys whose reads find nothing until the current (or next) step ends
+        self.lost: list[set] = [set() for _ in range(world.cfg.tp)]
+
+    def step_ended(self) -> None:
+        """The step's losses end with it."""
+        for lost in self.lost:
+            lost.clear()
+
     def abort(self, pick: int) -> None:
         from vllm.v1.request import RequestStatus
 
-        live = sorted(r for r, q in self.s.requests.items()
+        w = self.world
+        live = sorted(r for r, q in w.s.requests.items()
                       if not RequestStatus.is_finished(q.status))
         if live:
-            self.counts["abort " + self.s.requests[live[pick % len(live)]].status.name] += 1
-            self._crashing("abort", lambda: self.s.finish_requests(
+            w.counts["abort " + w.s.requests[live[pick % len(live)]].status.name] += 1
+            w.crashing("abort", lambda: w.s.finish_requests(
                 live[pick % len(live)], RequestStatus.FINISHED_ABORTED))
 
     def evict(self, rank: int, tier: str, pick: int | None) -> None:
         """One stored chunk (``pick``) evicted from a tier of ``rank`` (or from all); every
         chunk it holds when ``pick`` is None."""
-        keys = self.stored[rank]
+        w = self.world
+        keys = w.chunks.stored[rank]
         if keys:
-            st = self.workers[rank].storage
+            st = w.workers[rank].storage
             st.flush(5)
             st.evict(keys=list(keys) if pick is None else [keys[pick % len(keys)]],
                      tiers=None if tier == "all" else [tier])
@@ -59,9 +74,9 @@ class Faults:
         """Reads of a stored chunk on ``rank`` find nothing, in every tier, until the current (or
         next) step ends (a chunk missing at load time although lookup found it: evicted,
         deleted, unreadable)."""
-        w = self.workers[rank]
-        pinned = [k for r in sorted(w._pins) for k in w._pins[r][0]]
-        keys = pinned or self.stored[rank]  # preferably a chunk a lookup just promised
+        worker = self.world.workers[rank]
+        pinned = [k for r in sorted(worker._pins) for k in worker._pins[r][0]]
+        keys = pinned or self.world.chunks.stored[rank]  # preferably one a lookup just promised
         if keys:
             self.lost[rank].add(keys[pick % len(keys)])
 
@@ -72,19 +87,20 @@ class Faults:
         return res
 
     def corrupt(self, rank: int, pick: int) -> None:
-        st = self.workers[rank].storage
+        w = self.world
+        st = w.workers[rank].storage
         st.flush(5)
         from .values import STORES
 
-        store = STORES.get(self.urls[rank])
-        if store is not None and (self.cfg.lower == "values" or pick % 2):
+        store = STORES.get(w.urls[rank])
+        if store is not None and (w.cfg.lower == "values" or pick % 2):
             # the value store (behind L1, or behind posix every other pick): a byte flipped
             names = sorted(store.values)
             if names:
                 name = names[pick % len(names)]
                 store.values[name] = _flipped(store.values[name], pick)
             return
-        files = sorted(p for p in self.disk_dir(rank).rglob("*") if p.is_file()
+        files = sorted(p for p in w.disk_dir(rank).rglob("*") if p.is_file()
                        and not p.name.startswith("."))
         if files:
             f = files[pick % len(files)]
@@ -93,7 +109,8 @@ class Faults:
             os.utime(f, ns=(mtime, mtime))  # not the real clock's, which would not replay
 
     def gate(self, rank: int, on: bool) -> None:
-        st = self.workers[rank].storage
+        w = self.world
+        st = w.workers[rank].storage
         for t in st._tiers:
             if t.pool is not None:
                 t.pool.gated = on
@@ -102,7 +119,8 @@ class Faults:
         """A three-tier stack's remote tier (the value store behind posix) blocks or answers
         again: its calls time out while it blocks (with ``late``, their results arrive when it
         answers again)."""
-        st = self.workers[rank].storage
+        w = self.world
+        st = w.workers[rank].storage
         for t in st._tiers:
             if t.name == "values" and t.pool is not None:
                 t.pool.gated = on
@@ -111,7 +129,8 @@ class Faults:
         """The value store of ``rank`` goes down (every call raises) or comes back."""
         from .values import STORES
 
-        st = STORES.get(self.urls[rank])
+        w = self.world
+        st = STORES.get(w.urls[rank])
         if st is not None:
             st.down = on
 
@@ -119,7 +138,8 @@ class Faults:
         """The value store's next batch read answers only its first half."""
         from .values import STORES
 
-        st = STORES.get(self.urls[rank])
+        w = self.world
+        st = STORES.get(w.urls[rank])
         if st is not None:
             st.partial += 1
 
@@ -128,42 +148,36 @@ class Faults:
         a chunk rank 0 planned (the oracle's bytes: it computed the same KV), which rank 0's
         lookups then find on disk though it may never have written it, or evicts one by name
         (its file unlinked at once, even while rank 0 holds a lookup's pin on it)."""
-        nb = self.nb
-        keys = list(self.registry[0])
+        w = self.world
+        nb = w.nb
+        keys = list(w.chunks.registry[0])
         if nb is None or not keys:
             return
         key = keys[pick % len(keys)]
-        self.counts[f"neighbour {op}"] += 1
+        w.counts[f"neighbour {op}"] += 1
         if op == "evict":
             nb.evict(keys=[key])
             return
         from kvplug.memory import heap_memory_obj
 
-        want = self.expected(0, key)
-        _, s, e, _ = self.registry[0][key]
-        if "neighbour_wrong_bytes" in self.cfg.faults:  # the control: another chunk's bytes
-            other = self.expected(0, keys[(pick + 1) % len(keys)])
+        want = w.chunks.expected(0, key)
+        _, s, e, _ = w.chunks.registry[0][key]
+        if "neighbour_wrong_bytes" in w.cfg.faults:  # the control: another chunk's bytes
+            other = w.chunks.expected(0, keys[(pick + 1) % len(keys)])
             if other is not None and other.shape == want.shape:
                 want = other
         obj = heap_memory_obj(tuple(want.shape), want.dtype, num_tokens=e - s)
         obj.tensor.copy_(want)
-        try:  # I8: stored again once the neighbour hands it to its tier (checks.py)
+        try:  # I8: stored again once the neighbour hands it to its tier (ChunkCheck)
             nb.batched_put([key], [obj])
         finally:
             obj.ref_down()
 
     def reset(self) -> None:
-        fn = getattr(self.s.connector, "reset_cache", None)
+        w = self.world
+        fn = getattr(w.s.connector, "reset_cache", None)
         if fn is not None:
-            self._crashing("reset_cache", fn)
-
-    def _crashing(self, what: str, fn: Any) -> Any:
-        try:
-            return fn()
-        except Violation:
-            raise
-        except Exception as exc:
-            raise Violation("crash", f"{what} raised {type(exc).__name__}: {exc}") from exc
+            w.crashing("reset_cache", fn)
 
     def vllm_stalled(self) -> bool:
         """vLLM 0.32's scheduler stuck with nothing kvplug owes it: no request running, every
@@ -174,9 +188,10 @@ class Faults:
         deterministic simulation)."""
         from vllm.v1.request import RequestStatus
 
-        reqs = list(self.s.requests.values())
-        serving = getattr(self.lookup, "serving", lambda f: False)  # the lookups' answers
-        owed = [f for f in self.rt.queue  # (the workers' stats sampler: a gauge, owed nobody)
+        w = self.world
+        reqs = list(w.s.requests.values())
+        serving = getattr(w.lookup, "serving", lambda f: False)  # the lookups' answers
+        owed = [f for f in w.rt.queue  # (the workers' stats sampler: a gauge, owed nobody)
                 if not serving(f) and f.pool.name != "kvplug-tenant-stats"]
         if owed or not reqs:
             return False
@@ -185,14 +200,15 @@ class Faults:
         if any(q.status not in waiting for q in reqs):  # running, or held for kvplug's saves
             return False
         remote = [q.request_id for q in reqs if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
-        return all(r in self.s.finished_recving_kv_req_ids for r in remote)
+        return all(r in w.s.finished_recving_kv_req_ids for r in remote)
 
     def abort_all(self) -> None:
         """Abort every request (as clients that time out): kvplug must still end clean (I5)."""
         from vllm.v1.request import RequestStatus
 
-        live = sorted(r for r, q in self.s.requests.items()
+        w = self.world
+        live = sorted(r for r, q in w.s.requests.items()
                       if not RequestStatus.is_finished(q.status))
         if live:
-            self._crashing("abort", lambda: self.s.finish_requests(
+            w.crashing("abort", lambda: w.s.finish_requests(
                 live, RequestStatus.FINISHED_ABORTED))

@@ -1,5 +1,6 @@
-"""An operator's management calls as events of the simulation, a part of
-:class:`.world.World`: clears (all, a few chunks as a prefix clear names them, one tenant) and
+"""An operator's management calls as events of the simulation (:class:`Operator`, a part of
+:class:`.world.World`), and the check of what a clear leaves (:class:`ClearCheck`, another):
+clears (all, a few chunks as a prefix clear names them, one tenant) and
 pins/unpins, made through :mod:`kvplug.management` exactly as the workers' management service
 makes them, on both ranks' tiers.
 
@@ -19,9 +20,13 @@ finds no pin left.
 from __future__ import annotations
 
 import random
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .engine import RANKS, Violation
+
+if TYPE_CHECKING:
+    from .world import World
 
 #: the clear scopes a schedule draws
 SCOPES = ("all", "prefix", "tenant")
@@ -46,64 +51,122 @@ def with_manage_events(seed: int, events: list[tuple]) -> list[tuple]:
     return out
 
 
-class ManageEvents:
-    """The clear and pin events of :class:`.world.World` and their checks (I8)."""
+class Operator:
+    """An operator's clear and pin events, made through :mod:`kvplug.management` on every
+    rank's storage as the workers' management service makes them; each clear is checked by the
+    world's :class:`ClearCheck`. Reads from the world: the workers' storage and the chunks the
+    tiers held (:attr:`.ChunkCheck.stored`); counts the clears and pins. Its state: per rank,
+    the chunks an operator pinned (released at quiescence)."""
 
-    workers: list[Any]
-    stored: list[list[Any]]
-    counts: Any
-    violation: Violation | None
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.pins: list[set] = [set() for _ in range(world.cfg.tp)]
 
-    def _manage_state(self) -> tuple[list[dict[Any, int]], list[set]]:
-        """Per rank: cleared chunks (key -> the event that cleared it), chunks pinned."""
-        if "_cleared" not in self.__dict__:
-            ranks = len(self.workers)  # the seed's TP size
-            self._cleared: list[dict[Any, int]] = [{} for _ in range(ranks)]
-            self._op_pins: list[set] = [set() for _ in range(ranks)]
-        return self._cleared, self._op_pins
-
-    # -- events ---------------------------------------------------------------------------------
     def clear(self, scope: str, pick: int) -> None:
+        """A clear of ``scope`` (:data:`SCOPES`; ``pick`` chooses the chunks or the tenant) on
+        every rank, each checked by the world's :class:`ClearCheck` around the call."""
         from kvplug.management import clear_keys, clear_tenant, clear_tiers
 
-        cleared, _ = self._manage_state()
-        for rank, w in enumerate(self.workers):
-            st = w.storage
-            keys = sorted(set(self.stored[rank]), key=self.stored[rank].index)
+        w = self.world
+        check = w.clears
+        for rank, worker in enumerate(w.workers):
+            st = worker.storage
+            keys = sorted(set(w.chunks.stored[rank]), key=w.chunks.stored[rank].index)
             if st is None or not keys:
                 continue
-            # stores that land while the clear runs (its waits run the other tasks: saves,
-            # writers, the neighbour's writes) are stores again, not what the clear left
-            self._storing: set | None = self._queued_stores(rank, st, keys)
-            pinned_before = self._pinned(st, keys)
             if scope == "prefix":  # a prefix clear names a few consecutive chunks
                 start = pick % len(keys)
                 target = keys[start:start + 3]
-                evictable = self._evictable(st, target, keyed=True)
+                check.begin(rank, st, keys, target, keyed=True)
                 res = clear_keys(st, target)
             elif scope == "tenant":
                 tenant = sorted({k.tenant for k in keys})[pick % len({k.tenant for k in keys})]
                 target = [k for k in keys if k.tenant == tenant]
-                evictable = self._evictable(st, target, keyed=False)
+                check.begin(rank, st, keys, target, keyed=False)
                 res = clear_tenant(st, tenant)
             else:
                 target = keys
-                evictable = self._evictable(st, target, keyed=False)
+                check.begin(rank, st, keys, target, keyed=False)
                 res = clear_tiers(st)
-            stored_meanwhile, self._storing = self._storing, None
-            self.counts[f"clear {scope}"] += 1
-            # a chunk pinned before or after (a lookup's pin holds a posix file open: served from
-            # that descriptor even once another process sharing the directory deleted the file)
-            protected = pinned_before | self._pinned(st, keys)
-            self._check_cleared(rank, st, evictable, target, cleared[rank], res,
-                                (stored_meanwhile or set()) | protected)
+            w.counts[f"clear {scope}"] += 1
+            check.end(rank, st, res)
+
+    def pin(self, rank: int, pick: int, on: bool) -> None:
+        from kvplug.management import pin_keys
+
+        w = self.world
+        rank %= len(w.workers)  # drawn over the default TP size; the seed's may be smaller
+        st = w.workers[rank].storage
+        keys = w.chunks.stored[rank]
+        if st is None or not keys:
+            return
+        key = keys[pick % len(keys)]
+        res = pin_keys(st, [key], pin=on)
+        if on:
+            self.pins[rank].add(key)
+        w.counts["operator " + ("pins" if on else "unpins") + " taken"] += sum(
+            int(r.get("pinned" if on else "unpinned") or 0) for r in res.values())
+
+    def release_pins(self) -> None:
+        """At quiescence: unpin everything an operator pinned (late pins included)."""
+        from kvplug.management import pin_keys
+
+        for rank, w in enumerate(self.world.workers):
+            if self.pins[rank] and w.storage is not None:
+                pin_keys(w.storage, sorted(self.pins[rank], key=repr), pin=False)
+                self.pins[rank].clear()
+
+
+@dataclass
+class _Clearing:
+    """One rank's clear in progress: what it targets, and what stood before it began."""
+
+    keys: list  # every chunk the rank's tiers held (in the order first stored)
+    target: list
+    pinned_before: set
+    evictable: dict[str, set]
+
+
+class ClearCheck:
+    """I8 (see the module docstring). Reads from the world: nothing but the storage each clear
+    runs on (its tiers' pins, readers, queued writes), and the neighbour process's queued writes
+    on rank 0's directory (``nb``). Its state: per rank, the chunks a clear removed from every
+    tier (never served again unless stored again), the chunks stored while a clear runs, and the
+    clear in progress."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        #: per rank: chunks a clear removed from every tier -> the order they were cleared in
+        self.cleared: list[dict[Any, int]] = [{} for _ in range(world.cfg.tp)]
+        #: chunks stored while a clear runs (its waits run the other tasks: saves, writers, the
+        #: neighbour's writes): stores again, not what the clear left (None: no clear runs)
+        self.storing: set | None = None
+        self._clearing: _Clearing | None = None
+
+    def begin(self, rank: int, st: Any, keys: list, target: list, keyed: bool) -> None:
+        """A clear of ``target`` (named chunks when ``keyed``) is about to run on ``st``."""
+        self.storing = self._queued_stores(rank, st, keys)
+        pinned_before = self._pinned(st, keys)
+        self._clearing = _Clearing(keys, target, pinned_before,
+                                   self._evictable(st, target, keyed=keyed))
+
+    def end(self, rank: int, st: Any, res: dict[str, dict[str, Any]]) -> None:
+        """The clear begun on ``st`` answered ``res``: I8 on what it left."""
+        c, self._clearing = self._clearing, None
+        assert c is not None
+        stored_meanwhile, self.storing = self.storing, None
+        # a chunk pinned before or after (a lookup's pin holds a posix file open: served from
+        # that descriptor even once another process sharing the directory deleted the file)
+        protected = c.pinned_before | self._pinned(st, c.keys)
+        self._check_cleared(rank, st, c.evictable, c.target, self.cleared[rank], res,
+                            (stored_meanwhile or set()) | protected)
 
     def _queued_stores(self, rank: int, st: Any, keys: list) -> set:
         """Keys whose store is queued on a tier (or by the neighbour process) as the clear begins:
         such a store may land after the clear (its response says so), a store again."""
         out: set = set()
         tiers = [st.backend(t) for t in st.tier_names]
-        nb = getattr(self, "nb", None)
+        nb = self.world.nb
         if rank == 0 and nb is not None:
             tiers += [nb.backend(t) for t in nb.tier_names]
         for tier in tiers:
@@ -115,33 +178,6 @@ class ManageEvents:
                         and tier.name_of(k) not in tier._pins}
         return out
 
-    def pin(self, rank: int, pick: int, on: bool) -> None:
-        from kvplug.management import pin_keys
-
-        _, pins = self._manage_state()
-        rank %= len(self.workers)  # drawn over the default TP size; the seed's may be smaller
-        st = self.workers[rank].storage
-        keys = self.stored[rank]
-        if st is None or not keys:
-            return
-        key = keys[pick % len(keys)]
-        res = pin_keys(st, [key], pin=on)
-        if on:
-            pins[rank].add(key)
-        self.counts["operator " + ("pins" if on else "unpins") + " taken"] += sum(
-            int(r.get("pinned" if on else "unpinned") or 0) for r in res.values())
-
-    def release_operator_pins(self) -> None:
-        """At quiescence: unpin everything an operator pinned (late pins included)."""
-        from kvplug.management import pin_keys
-
-        _, pins = self._manage_state()
-        for rank, w in enumerate(self.workers):
-            if pins[rank] and w.storage is not None:
-                pin_keys(w.storage, sorted(pins[rank], key=repr), pin=False)
-                pins[rank].clear()
-
-    # -- I8 -------------------------------------------------------------------------------------
     @staticmethod
     def _pinned(st: Any, keys: list) -> set:
         """Keys some tier of ``st`` keeps pinned now (L1: pinned or held by a reader; posix:
@@ -217,17 +253,14 @@ class ManageEvents:
 
     def restored(self, rank: int, keys: Any) -> None:
         """Chunks stored again (any tier's put): served from now on as they may."""
-        cleared, _ = self._manage_state()
         for k in keys:
-            cleared[rank].pop(k, None)
-        if getattr(self, "_storing", None) is not None:
-            self._storing.update(keys)
+            self.cleared[rank].pop(k, None)
+        if self.storing is not None:
+            self.storing.update(keys)
 
     def check_served(self, rank: int, key: Any) -> None:
         """A tier answered ``key``: a violation when a clear removed it and nothing stored it
         again since."""
-        cleared, _ = self._manage_state()
-        if key in cleared[rank]:
-            self.violation = self.violation or Violation(
-                "I8", f"rank {rank}: a chunk cleared from every tier was served: {key}")
-            raise self.violation
+        if key in self.cleared[rank]:
+            raise self.world.keep(Violation(
+                "I8", f"rank {rank}: a chunk cleared from every tier was served: {key}"))

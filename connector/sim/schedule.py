@@ -7,6 +7,7 @@ and checks the invariants after each, then runs to quiescence. A failing schedul
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field, replace
 
@@ -36,8 +37,9 @@ def config_for(seed: int, faults: frozenset[str] = frozenset(),
     # seed (REGRESSION_SEEDS among them) keeps the schedule and configuration it had
     pol = random.Random(seed * 104729 + 11)
     if pol.random() < 0.5:
-        cfg = replace(cfg, eviction=pol.choice(("lru", "s3fifo", "s3fifo")),
-                      admission=pol.choice(("always", "tinylfu")), small_tiers=pol.random() < 0.6,
+        cfg = replace(cfg, eviction=pol.choice(policy_choices("eviction")),
+                      admission=pol.choice(policy_choices("admission")),
+                      small_tiers=pol.random() < 0.6,
                       tenants=pol.random() < 0.5)
     # engine variants, drawn apart too: engines that zero new blocks (and which
     # model runner: V2 zeroes before handle_preemptions), TP 1 and 4
@@ -64,6 +66,26 @@ def config_for(seed: int, faults: frozenset[str] = frozenset(),
     if more33.random() < 0.35:  # the real lookup client and services, answers when scheduled
         cfg = replace(cfg, remote_lookup=True)
     return _engine_kinds(seed, cfg)
+
+
+#: the policies a seed drew before the draw read the registry, in that order, a name as often
+#: as its weight: while only these are installed, every seed draws what it drew then
+KNOWN_POLICIES = {"eviction": ("lru", "s3fifo", "s3fifo"), "admission": ("always", "tinylfu")}
+
+
+@functools.cache
+def policy_choices(kind: str) -> tuple[str, ...]:
+    """The ``kind`` policies (``eviction``, ``admission``) a seed draws from: every one the
+    policy registry has installed (entry-point group ``kvplug.policies``); those of
+    :data:`KNOWN_POLICIES` first, in their order and weights, so the seeds keep their
+    schedules, then the others by name. Read once per process (``cache_clear`` to read again:
+    discovery costs more than a seed's configuration)."""
+    from kvplug.policies.registry import policies_of_kind
+
+    installed = policies_of_kind(kind)
+    known = KNOWN_POLICIES[kind]
+    return (*(n for n in known if n in installed),
+            *(n for n in installed if n not in known))
 
 
 def _engine_kinds(seed: int, cfg: SimConfig) -> SimConfig:

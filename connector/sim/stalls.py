@@ -101,8 +101,8 @@ class StallCheck:
 
     def _violation(self, what: str) -> Violation:
         v = Violation("I10", what)
-        self.world.violation = self.world.violation or v  # raised inside kvplug, which may
-        return v  # swallow it: the world raises it after the event
+        self.world.keep(v)  # raised inside kvplug, which may swallow it: the world raises it
+        return v  # after the event
 
     # -- per step ---------------------------------------------------------------------------------
     def begin_step(self) -> None:

@@ -7,8 +7,12 @@ The forward pass writes oracle-style KV (:mod:`.oracle`) and samples each token 
 read. Each event of a schedule (:mod:`.schedule`) is applied by :meth:`World.apply`;
 :meth:`World.quiesce` finishes every request and task and checks the end state. A violation
 raises :class:`Violation` naming the invariant. What the engine is built from is in
-:mod:`.engine`, how the model runner calls the workers in :mod:`.runner`, the checks in
-:mod:`.checks`, :mod:`.stalls` (I10) and :mod:`.clients` (I9, I11), the injected faults in
+:mod:`.engine`, how the model runner calls the workers in :mod:`.runner`. The checks, the
+faults and the operator's events are parts the world owns (one attribute each, each with its own
+state), called at the points where what they check happens: ``chunks`` (I1), ``reads`` (I2),
+``reports`` (I3), ``blocks`` (I4), ``quiescence`` (I5) in :mod:`.checks`, ``capacity`` (I6, I7)
+in :mod:`.capacity`, ``clears`` (I8) and ``operator`` in :mod:`.manage`, ``clients`` (I9) and
+``kv_events`` (I11) in :mod:`.clients`, ``stalls`` (I10) in :mod:`.stalls`, ``faults`` in
 :mod:`.faults`.
 """
 
@@ -21,7 +25,6 @@ import json
 import random
 import shutil
 import tempfile
-import threading
 import uuid
 from collections import Counter, deque
 from dataclasses import replace
@@ -31,7 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checks import Checks, ReqLog, _neighbour_store_plugin, _put_check_plugin
+from .capacity import CapacityCheck
+from .checks import BlockCheck, ChunkCheck, QuiescenceCheck, ReadCheck, ReportCheck
 from .clients import ClientCheck, EventCheck
 from .engine import (
     TENSORS,
@@ -45,7 +49,7 @@ from .engine import (
     _vllm_config,
 )
 from .faults import Faults
-from .manage import ManageEvents
+from .manage import ClearCheck, Operator
 from .oracle import SLOT, Oracle, digest, prefix_hashes, slot_value, token_of
 from .runner import ConnectorRunner, DirectRunner
 from .runtime import SimRuntime
@@ -81,11 +85,8 @@ class Sorted(set):
         return iter(sorted(set.__iter__(self)))
 
 
-class World(Checks, Faults, ManageEvents):
+class World:
     """One seed's engine (see the module docstring)."""
-
-    #: I2 on every forward (a negative control switches it off to show I9 sees what it sees)
-    check_reads = True
 
     def __init__(self, cfg: SimConfig) -> None:
         from kvplug.connector.protocol.config import ConnectorConfig
@@ -105,9 +106,22 @@ class World(Checks, Faults, ManageEvents):
         self.cfg = cfg
         self.bs, self.cs = bs, cs = cfg.block_size, cfg.chunk_size
         self.rt = SimRuntime()
+        self.violation: Violation | None = None  # raised inside kvplug (which may swallow it)
+        self.counts: Counter[str] = Counter()  # what the schedule exercised (figures)
+        #: figures read from the tiers' stats at quiescence (posix evictions, rescans, vanished
+        #: files): reported with the counts, in the trace's end
+        self.figures: Counter[str] = Counter()
+        self.chunks = ChunkCheck(self)  # I1
+        self.reads = ReadCheck(self)  # I2
+        self.reports = ReportCheck(self)  # I3
+        self.blocks = BlockCheck(self)  # I4
+        self.capacity = CapacityCheck(self)  # I6, I7
+        self.clears = ClearCheck(self)  # I8
         self.stalls = StallCheck(self)  # I10
         self.clients = ClientCheck(self)  # I9
         self.kv_events = EventCheck(self) if cfg.kv_events else None  # I11
+        self.faults = Faults(self)  # the injected faults
+        self.operator = Operator(self)  # an operator's clears and pins
         self.events: list[tuple] = []
         self.n_events = 0
         _fast_discovery()
@@ -167,8 +181,8 @@ class World(Checks, Faults, ManageEvents):
                 else DirectRunner(w)
             runner.register_kv_caches(caches, cfg.kv_events, ccfg.kv_events_max_chunks)
             assert w.storage is not None
-            w.storage.add_wrapper(_put_check_plugin(self, rank))
-            self.watch_evictions(rank, w.storage)
+            w.storage.add_wrapper(self.chunks.plugin(rank))
+            self.capacity.watch(rank, w.storage)
             self.stalls.watch(rank, w.storage)
             self.workers.append(w)
             self.runners.append(runner)
@@ -180,13 +194,13 @@ class World(Checks, Faults, ManageEvents):
 
             self.nb = StorageManager(ConnectorConfig(chunk_size=cs, tiers=[self._lower_tier(0)]),
                                      runtime=self.rt)
-            self.nb.add_wrapper(_neighbour_store_plugin(self))
+            self.nb.add_wrapper(self.chunks.neighbour_plugin())
         self.rt.drain()  # the tiers' start-up work (posix's scan of its empty directory)
         for rank in range(tp):  # a remote tier hung or gone from the start (SimConfig.remote)
             if cfg.remote == "hung":
-                self.gate_remote(rank, True)
+                self.faults.gate_remote(rank, True)
             elif cfg.remote == "gone":
-                self.outage(rank, True)
+                self.faults.outage(rank, True)
         if cfg.remote_lookup:
             self.lookup = SimRemoteLookup(
                 self.workers, self.rt, self.s.connector.scheduler_side.cfg.lookup_timeout_s,
@@ -201,12 +215,6 @@ class World(Checks, Faults, ManageEvents):
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         self.agg = KVOutputAggregator(tp)
-        # I1: what every stored key must hold -> (group, start, end, tokens)
-        self.registry: list[dict[Any, tuple[int, int, int, tuple[int, ...]]]] = [{} for _ in range(tp)]
-        self.stored: list[list[Any]] = [[] for _ in range(tp)]  # keys in the order first stored (for faults)
-        self.log: dict[str, ReqLog] = {}
-        self.owned: set[int] = set()  # blocks requests held at the last forward
-        self.spare: set[int] = set()  # blocks an abort freed mid-step (see step)
         self._snap: dict[str, Any] = {}  # the requests and tables of the step in flight
         self._drafts: dict[str, list[int]] = {}  # the step's draft tokens (speculative decoding)
         #: the tokens the model runner sampled, by request and index (the scheduler learns them
@@ -217,14 +225,8 @@ class World(Checks, Faults, ManageEvents):
         self._queue: deque[tuple[Any, Any, Any]] = deque()
         #: speculative decoding: the drafter's guesses (SimConfig.spec_tokens)
         self._drafter = random.Random(f"drafts {replace(cfg, faults=frozenset())}")
-        self.counts: Counter[str] = Counter()  # what the schedule exercised (figures)
-        #: figures read from the tiers' stats at quiescence (posix evictions, rescans, vanished
-        #: files): reported with the counts, in the trace's end
-        self.figures: Counter[str] = Counter()
-        self.violation: Violation | None = None  # raised inside kvplug (which may swallow it)
-        self.lost: list[set] = [set() for _ in range(tp)]  # keys whose next read fails (see lose)
         self.next_req = 0
-        self.threads0 = threading.active_count()
+        self.quiescence = QuiescenceCheck(self)  # I5 (its thread count: the engine's, built)
         self.closed = False
         #: a digest of everything the schedule made happen, one per event (replay checks)
         self.trace: list[str] = []
@@ -377,38 +379,38 @@ class World(Checks, Faults, ManageEvents):
             elif kind == "step":
                 self.step(ev[1] if len(ev) > 1 else None)
             elif kind == "lose":
-                self.lose(*ev[1:])
+                self.faults.lose(*ev[1:])
             elif kind == "task":
                 self.rt.step(ev[1])
             elif kind == "drain":  # every queued task that may run (directed schedules)
                 self.rt.drain()
             elif kind == "abort":
-                self.abort(ev[1])
+                self.faults.abort(ev[1])
             elif kind == "evict":
-                self.evict(*ev[1:])
+                self.faults.evict(*ev[1:])
             elif kind == "corrupt":
-                self.corrupt(*ev[1:])
+                self.faults.corrupt(*ev[1:])
             elif kind == "gate":
-                self.gate(ev[1], ev[2])
+                self.faults.gate(ev[1], ev[2])
             elif kind == "settle":
                 self.rt.settle = ev[1]
             elif kind == "reset":
-                self.reset()
+                self.faults.reset()
             elif kind == "outage":
-                self.outage(ev[1], ev[2])
+                self.faults.outage(ev[1], ev[2])
             elif kind == "remote":  # a three-tier stack's remote tier slow (gated) or not
-                self.gate_remote(ev[1], ev[2])
+                self.faults.gate_remote(ev[1], ev[2])
             elif kind == "partial":
-                self.partial(ev[1])
+                self.faults.partial(ev[1])
             elif kind == "clear":  # an operator's clears and pins (.manage)
-                self.clear(ev[1], ev[2])
+                self.operator.clear(ev[1], ev[2])
             elif kind in ("pin", "unpin"):
-                self.pin(ev[1], ev[2], kind == "pin")
+                self.operator.pin(ev[1], ev[2], kind == "pin")
             elif kind == "neighbour":
-                self.neighbour(ev[1], ev[2])
+                self.faults.neighbour(ev[1], ev[2])
             else:  # pragma: no cover
                 raise ValueError(f"unknown event {ev!r}")
-        self.check_tiers()
+        self.capacity.check()  # I6
         self.note(ev, self.rt.ran)
         if self.violation is not None:
             raise self.violation
@@ -436,7 +438,7 @@ class World(Checks, Faults, ManageEvents):
         prompt = list(prefix) + list(suffix)
         self.s.add_request(Request(req_id, prompt, sp, None, priority=priority,
                                    block_hasher=_block_hasher(self.bs), cache_salt=salt))
-        self.log[req_id] = ReqLog()
+        self.reports.arrived(req_id)
         self.clients.arrived(req_id, prompt)
 
     # -- one engine step -------------------------------------------------------------------------
@@ -445,7 +447,7 @@ class World(Checks, Faults, ManageEvents):
         there (I10)."""
         self.stalls.hook = what
         with self.rt.engine_thread(rank, what):
-            return self._crashing(what, fn)
+            return self.crashing(what, fn)
 
     def step(self, mid: tuple | None = None) -> None:
         """One engine step; ``mid``: an event that happens between the scheduler's decisions
@@ -457,7 +459,7 @@ class World(Checks, Faults, ManageEvents):
         if self._pipelined() and self._queue and not self.s.has_requests():
             self._update(*self._queue.pop())  # vLLM's engine core: nothing to schedule
             return
-        so = self._crashing("schedule", self.s.schedule)
+        so = self.crashing("schedule", self.s.schedule)
         mgr = self.s.kv_cache_manager
         # what the model runner was handed: an abort mid-step (vLLM's asynchronous scheduling
         # takes aborts while a batch runs) frees the request in the scheduler, not in the batch
@@ -465,45 +467,27 @@ class World(Checks, Faults, ManageEvents):
                       for r in so.num_scheduled_tokens}
         self._drafts = {r: list(d) for r, d in
                         (getattr(so, "scheduled_spec_decode_tokens", None) or {}).items()}
-        free0 = self.free_blocks()
+        self.blocks.scheduled()
         if mid is not None:
             self.apply(mid)
         #: blocks freed by an abort mid-step: the batch in flight still uses them, vLLM may
         #: rewrite them from the next forward on (I4 checks them there)
-        self.spare = self.free_blocks() - free0
+        self.blocks.mid_step_done()
         md = so.kv_connector_metadata
         self._md = md
-        c = self.counts
-        c["steps"] += 1
-        if self.cfg.async_scheduling:  # steps that ran ahead of tokens vLLM had not seen
-            c["async steps ahead of their tokens"] += any(
-                self._snap[r][0].num_output_placeholders > 1 for r in so.num_scheduled_tokens)
-        elif self._pipelined():  # steps scheduled before an earlier step's output was seen
-            c["batch-queue steps ahead of an output"] += bool(self._queue)
-        c["preempted"] += len(md.preempted)
-        c["unwritten blocks read"] += len(md.unwritten)
-        c["draft tokens scheduled"] += sum(map(len, self._drafts.values()))
-        trackers = self.s.connector.scheduler_side.trackers
-        for r in md.requests:
-            if r.load is not None:
-                c["background loads" if r.load.background else "sync loads"] += 1
-                t = trackers.get(r.req_id)
-                if t is not None and t.usable_tokens < t.lookup_tokens:
-                    c["loads short of their hit's last block (drafter)"] += 1
-            if r.save is not None:
-                c["saves"] += 1
-        self.register(md)
+        self._count_plan(so, md)
+        self.chunks.register(md)  # I1: what the step's saves must store
         self.stalls.begin_step()
         if self.cfg.zeroing == "v2":  # update_requests, then pre_forward's handle_preemptions
-            self.zero_new_blocks(so, "as the V2 runner zeroes new blocks (before "
-                                     "handle_preemptions)")
+            self.blocks.zero_new_blocks(so, "as the V2 runner zeroes new blocks (before "
+                                            "handle_preemptions)")
         for rank, runner in enumerate(self.runners):
             self._hook(rank, "handle_preemptions", lambda r=runner: r.handle_preemptions(md))
         if self.cfg.zeroing == "v1":  # _update_states, after handle_preemptions
-            self.zero_new_blocks(so, "as the V1 runner zeroes new blocks")
+            self.blocks.zero_new_blocks(so, "as the V1 runner zeroes new blocks")
         for rank, runner in enumerate(self.runners):  # vLLM's bind_connector_metadata
             self._hook(rank, "bind", lambda r=runner: r.bind(md))
-        self.poison_and_check_copies("before the forward", so, md)
+        self.blocks.before_forward("before the forward", so, md)  # I4, the poison
         sync = getattr(so, "has_sync_kv_loads", True)
         if sync:
             for rank, runner in enumerate(self.runners):
@@ -523,10 +507,10 @@ class World(Checks, Faults, ManageEvents):
                 self._hook(rank, "wait_for_save", lambda r=runner: r.wait_for_save(md))
             self._hook(rank, "clear_connector_metadata", runner.clear)
             outs.append(kout)
-        self.stalls.end_step(c["steps"])
+        self.stalls.end_step(self.counts["steps"])
         for rank, k in enumerate(outs):
             for r in k.finished_sending or ():
-                self._count(rank, r, "sending")
+                self.reports.sending(rank, r)  # I3
         ids = list(so.num_scheduled_tokens)
         sampled = [self._verified(r, sampled_at.get(r, []), samples.get(r)) for r in ids]
         runner_outputs = []
@@ -540,29 +524,55 @@ class World(Checks, Faults, ManageEvents):
         for name in ("finished_sending", "finished_recving"):  # vLLM iterates them: see Sorted
             if getattr(ko, name):
                 setattr(ko, name, Sorted(getattr(ko, name)))
-        invalid = set(ko.invalid_block_ids or ())
-        for r, q in sorted(tainted.items()):  # I2: wrong KV read, and vLLM told in this step
-            if r not in self.s.requests or not self.check_reads:  # aborted mid-step: vLLM
-                continue  # drops what it computed
-            if self.layout.multi:  # several groups: vLLM takes failed requests, not blocks
-                told = r in (ko.failed_recving or ())
-            else:  # the first block read wrong (or one before it): vLLM recomputes from there
-                table = self.s.kv_cache_manager.get_block_ids(r)[0]
-                told = bool(invalid.intersection(table[:q // self.bs + 1]))
-            if not told:
-                raise Violation("I2", f"{r}'s forward read KV that is not its oracle from token "
-                                      f"{q} (block {q // self.bs}) and no load error for that "
-                                      "block or an earlier one reached vLLM in that step")
+        self.reads.check(tainted, ko)  # I2: wrong KV read, and vLLM told in this step
         self.note(_STEP, sorted(so.num_scheduled_tokens.items()), sorted(so.finished_req_ids),
                   [(r, mgr.get_block_ids(r)) for r in sorted(so.num_scheduled_tokens)],
                   *(sorted(x or ()) for x in (ko.finished_sending, ko.finished_recving,
                                               ko.failed_recving, ko.invalid_block_ids)),
                   sorted(tainted.items()), sampled)
-        c["load errors"] += bool(ko.invalid_block_ids) + len(ko.failed_recving or ())
-        c["tainted forwards"] += len(tainted)
-        for lost in self.lost:
-            lost.clear()
+        self.counts["load errors"] += bool(ko.invalid_block_ids) + len(ko.failed_recving or ())
+        self.counts["tainted forwards"] += len(tainted)
+        self.faults.step_ended()
         self._queued(so, out, ko)
+
+    def _count_plan(self, so: Any, md: Any) -> None:
+        """Count what the scheduler planned for the step (what the schedule exercised)."""
+        c = self.counts
+        c["steps"] += 1
+        if self.cfg.async_scheduling:  # steps that ran ahead of tokens vLLM had not seen
+            c["async steps ahead of their tokens"] += any(
+                self._snap[r][0].num_output_placeholders > 1 for r in so.num_scheduled_tokens)
+        elif self._pipelined():  # steps scheduled before an earlier step's output was seen
+            c["batch-queue steps ahead of an output"] += bool(self._queue)
+        c["preempted"] += len(md.preempted)
+        c["unwritten blocks read"] += len(md.unwritten)
+        c["draft tokens scheduled"] += sum(map(len, self._drafts.values()))
+        trackers = self.s.connector.scheduler_side.trackers
+        for r in md.requests:
+            if r.load is not None:
+                c["background loads" if r.load.background else "sync loads"] += 1
+                t = trackers.get(r.req_id)
+                if t is not None and t.usable_tokens < t.lookup_tokens:
+                    c["loads short of their hit's last block (drafter)"] += 1
+            if r.save is not None:
+                c["saves"] += 1
+
+    def crashing(self, what: str, fn: Any) -> Any:
+        """``fn()``, one of vLLM's calls (``what``): an exception it raises is a violation
+        (``crash``: vLLM's own asserts), a violation it raises passes through."""
+        try:
+            return fn()
+        except Violation:
+            raise
+        except Exception as exc:
+            raise Violation("crash", f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+    def keep(self, v: Violation) -> Violation:
+        """A violation found inside kvplug (a tier's hook, a wrapped eviction), which may
+        swallow it: kept as the run's (the first one kept stays) and raised after the event.
+        Returns the one kept."""
+        self.violation = self.violation or v
+        return self.violation
 
     def _pipelined(self) -> bool:
         """Pipeline parallelism's batch queue (the plain Scheduler; not asynchronous
@@ -621,9 +631,9 @@ class World(Checks, Faults, ManageEvents):
     def _update(self, so: Any, out: Any, ko: Any) -> None:
         """Hand one step's output to vLLM's scheduler (I3 on it first, I9 on what it sends the
         clients); a drafter then proposes the next drafts."""
-        self._check_reports(ko)
-        sent = self._crashing("update_from_output", lambda: self.s.update_from_output(so, out))
-        self.owned = self.held_blocks()
+        self.reports.check(ko)  # I3
+        sent = self.crashing("update_from_output", lambda: self.s.update_from_output(so, out))
+        self.blocks.output_seen()
         self.clients.outputs(sent)
         if self.cfg.spec_tokens:
             self._draft()
@@ -646,7 +656,7 @@ class World(Checks, Faults, ManageEvents):
             ids.append(req.request_id)
             drafts.append(guess)
         if ids:
-            self._crashing("update_draft_token_ids",
+            self.crashing("update_draft_token_ids",
                            lambda: self.s.update_draft_token_ids(DraftTokenIds(ids, drafts)))
 
     def flush_output(self) -> None:
@@ -661,8 +671,8 @@ class World(Checks, Faults, ManageEvents):
         every tier holds) and I5 (nothing held)."""
         with torch.inference_mode():
             for rank in range(self.tp):
-                self.gate(rank, False)
-                self.outage(rank, False)
+                self.faults.gate(rank, False)
+                self.faults.outage(rank, False)
             for i in range(max_steps):
                 if not self.s.has_requests() and not self.rt.queue and not self._queue:
                     break
@@ -673,14 +683,16 @@ class World(Checks, Faults, ManageEvents):
                     self.flush_output()
                 if self.violation is not None:
                     raise self.violation
-                if i and i % 20 == 0 and self.vllm_stalled():
+                if i and i % 20 == 0 and self.faults.vllm_stalled():
                     self.counts["vLLM stalls (aborted)"] += 1
-                    self.abort_all()
+                    self.faults.abort_all()
             else:
                 raise Violation("I3", f"never quiescent: vLLM holds {sorted(self.s.requests)}, "
                                       f"{len(self.rt.queue)} tasks queued")
-            self.release_operator_pins()
-            self.check_end()
+            self.operator.release_pins()
+            if self.violation is not None:
+                raise self.violation
+            self.quiescence.check()  # I5, I1 over every tier
             if self.kv_events is not None:  # I11, after a last look at every tier
                 self.kv_events.check_end([r.watch for r in self.runners])
 
@@ -723,7 +735,7 @@ class World(Checks, Faults, ManageEvents):
         c["max engine wait in a step (ms)"] = round(self.stalls.max_waited * 1000)
         c["late tier calls (begun, timed out)"] += self.rt.late_calls
         for rank in range(self.tp):
-            self.gate(rank, False)
+            self.faults.gate(rank, False)
         with contextlib.suppress(Exception):
             self.rt.drain()
         if isinstance(self.lookup, SimRemoteLookup):
