@@ -41,7 +41,7 @@ class HeapBuffers:
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype = torch.uint8,
                  fmt: MemoryFormat = MemoryFormat.KV_PAGES, num_tokens: int = 0) -> MemoryObj:
         """An object of ``shape``/``dtype``: a kept buffer of its size, else a fresh one."""
-        meta = MemoryObjMeta(tuple(int(d) for d in shape), dtype, fmt, num_tokens)
+        meta = MemoryObjMeta(tuple([int(d) for d in shape]), dtype, fmt, num_tokens)
         nbytes = meta.nbytes
         with self._lock:
             self._tick += 1

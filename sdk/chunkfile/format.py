@@ -309,14 +309,25 @@ def _readable_metadata(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[s
         "num_blocks": str(blocks),
         "page_bytes": str(page_bytes),
         "num_tokens": str(meta.num_tokens),
-        "shape": json.dumps(list(meta.shape)),
+        "shape": _json_ints(meta.shape),
         "dtype": _DTYPE_NAMES[meta.dtype],
         "fmt": meta.fmt.value,
         **({"codec": meta.codec} if encoded else {}),
         **({"mac_key_id": mac.key_id, "mac_salt": mac.salt.hex()} if mac is not None else {}),
         "checksum_algo": CHECKSUM_ALGO if mac is None else MAC_ALGO,
-        "checksums": json.dumps(list(checksums)),
+        "checksums": _json_hex_list(checksums) if mac is None else json.dumps(list(checksums)),
     }
+
+
+def _json_ints(values: Sequence[int]) -> str:
+    """``json.dumps(list(values))`` of integers, the same text, built directly."""
+    return "[" + ", ".join([str(int(v)) for v in values]) + "]"
+
+
+def _json_hex_list(digests: Sequence[str]) -> str:
+    """``json.dumps(list(digests))`` of hex digests (nothing to escape: the writer's own xxh3
+    digests), the same text, built directly (a header is encoded on every store)."""
+    return '["' + '", "'.join(digests) + '"]' if digests else "[]"
 
 
 def _sealed_metadata(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
