@@ -359,7 +359,7 @@ def read_chunk(
             want = sum(len(b) for b in bufs)
             if direct and (len(bufs) > 1 or (_address(obj) | want | offset) % cf.ALIGN):
                 _set_direct(fd, False)  # unaligned: this read goes through the page cache
-            if _io_all(os.preadv, fd, bufs, offset, read_flags) != want:
+            if _io_all(os.preadv, fd, bufs, offset, read_flags, size=want) != want:
                 raise CorruptChunk("file ended early (truncated while reading)", st.st_ino)
             if not cf.verify_layers(header, first, dest):
                 raise CorruptChunk("layer checksum mismatch", st.st_ino)
@@ -397,7 +397,7 @@ def _read_in_one(fd: int, st: os.stat_result, key: CacheKey,
         want = sum(len(b) for b in bufs)
         if direct and (len(bufs) > 2 or (_address(obj) | want) % cf.ALIGN):
             _set_direct(fd, False)  # unaligned: this read goes through the page cache
-        got = _io_all(os.preadv, fd, bufs, 0, read_flags)
+        got = _io_all(os.preadv, fd, bufs, 0, read_flags, size=want)
         stale = got < len(raw) or bytes(head) != raw  # bytes == bytes: one memcmp
         if not stale and got != want:
             raise CorruptChunk("file ended early (truncated while reading)", st.st_ino)

@@ -409,11 +409,10 @@ def encode_chunk_with_header(
         sums = layer_sums(layer_views, mac)
     header = encode_header(key, obj.meta, sums, mac)
     pad = align_up(len(layer_views[0])) - len(layer_views[0]) if layer_views else 0
-    bufs: list[memoryview] = []
-    for v in layer_views:
+    bufs: list[memoryview] = layer_views if not pad else []
+    for v in layer_views if pad else ():
         bufs.append(v)
-        if pad:
-            bufs.append(_ZEROS[:pad])
+        bufs.append(_ZEROS[:pad])
     return header, bufs, make_header(key, obj.meta, sums, len(header), mac)
 
 
