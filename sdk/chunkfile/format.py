@@ -320,14 +320,24 @@ def _readable_metadata(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[s
 
 
 def _json_ints(values: Sequence[int]) -> str:
-    """``json.dumps(list(values))`` of integers, the same text, built directly."""
-    return "[" + ", ".join([str(int(v)) for v in values]) + "]"
+    """``json.dumps(list(values))``, the same text, built directly for plain ints (a header is
+    encoded on every store, and again to check every header read)."""
+    if all(type(v) is int for v in values):
+        return "[" + ", ".join(map(str, values)) + "]"
+    return json.dumps(list(values))
 
 
 def _json_hex_list(digests: Sequence[str]) -> str:
-    """``json.dumps(list(digests))`` of hex digests (nothing to escape: the writer's own xxh3
-    digests), the same text, built directly (a header is encoded on every store)."""
-    return '["' + '", "'.join(digests) + '"]' if digests else "[]"
+    """``json.dumps(list(digests))``, the same text, built directly for strings with nothing
+    to escape (the xxh3 digests a writer makes; a header read from a file may hold anything)."""
+    try:
+        text = '["' + '", "'.join(digests) + '"]' if digests else "[]"
+    except TypeError:  # not all strings
+        return json.dumps(list(digests))
+    if text.isascii() and text.isprintable() and "\\" not in text and \
+            text.count('"') == 2 * len(digests):
+        return text
+    return json.dumps(list(digests))
 
 
 def _sealed_metadata(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
