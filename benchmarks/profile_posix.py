@@ -84,17 +84,18 @@ def check(target, values: Values, ids: list[int], answer: list) -> None:  # noqa
 def per_value(kv: TierTarget, raw: RawFiles, size: int, run: bytes, rounds: int) -> None:
     """CPU µs per value of tight loops over 96 stored values, the sides interleaved: loads one
     value a call (each answer released before the next: plain reads reuse one buffer) and 96 a
-    call (96 answers held at once: plain reads take fresh memory), and stores of 96 (+ their
-    removal)."""
+    call (96 answers held at once: plain reads take fresh memory), and stores of 1 and of 96 a
+    call (+ their removal)."""
     values = Values(size, seed=size + 1)
     keys = [bench_key(run + b"pv", i) for i in range(96)]
     objs = [values.obj(i, 256) for i in range(96)]
     fresh = [0]
 
-    def stored_and_removed(target) -> None:  # noqa: ANN001
+    def stored_and_removed(target, batch: int = 96) -> None:  # noqa: ANN001
         ks = [bench_key(run + b"st", fresh[0] + i) for i in range(96)]
         fresh[0] += 96
-        target.store(ks, objs)
+        for s in range(0, 96, batch):
+            target.store(ks[s : s + batch], objs[s : s + batch])
         target.remove(ks)
 
     loops = {
@@ -102,6 +103,8 @@ def per_value(kv: TierTarget, raw: RawFiles, size: int, run: bytes, rounds: int)
                            lambda: [raw.load([k]) and None for k in keys]),
         "load, 96 a call": (lambda: [kv.release(o) for o in kv.load(keys)],
                             lambda: raw.load(keys)),
+        "store + remove, 1 a call": (lambda: stored_and_removed(kv, 1),
+                                     lambda: stored_and_removed(raw, 1)),
         "store + remove, 96 a call": (lambda: stored_and_removed(kv),
                                       lambda: stored_and_removed(raw)),
     }
@@ -135,6 +138,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,96")
     ap.add_argument("--bytes", default="96MiB", help="bytes stored per round and side")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--per-value-only", action="store_true",
+                    help="only the CPU µs per value of the tight loops (no MB/s table)")
     args = ap.parse_args()
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
@@ -142,33 +147,9 @@ def main() -> None:
     kv, raw = TierTarget(tier), RawFiles(str(root), False)
     run = uuid.uuid4().bytes[:6]
     print(f"load average at start: {os.getloadavg()}")
-    print("| value | batch | op | kvplug MB/s wall | raw MB/s wall | ratio wall | "
-          "kvplug MB/CPU-s | raw MB/CPU-s | ratio CPU |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    first = 0
     try:
-        for size in [parse_size(s) for s in args.sizes.split(",")]:
-            values = Values(size, seed=size)
-            n = max(96, parse_size(args.bytes) // size // 96 * 96)
-            for batch in [int(b) for b in args.batches.split(",")]:
-                rows: dict[str, dict[str, list[tuple[float, float]]]] = {
-                    ph: {"kvplug": [], "raw": []} for ph in ("store", "load")}
-                for r in range(args.rounds):
-                    order = [("kvplug", kv), ("raw", raw)][:: 1 if r % 2 == 0 else -1]
-                    for who, target in order:
-                        for ph, spent in one_round(target, values, run, first, n, batch).items():
-                            rows[ph][who].append(spent)
-                        first += n
-                mb = n * size / 1e6
-                for ph, sides in rows.items():
-                    kvw, kvc = rates(sides["kvplug"], mb)
-                    raww, rawc = rates(sides["raw"], mb)
-                    ratio = [statistics.median(r[k] / s[k] for s, r in zip(sides["kvplug"],
-                                                                            sides["raw"]))
-                             for k in (0, 1)]
-                    print(f"| {size >> 10} KiB | {batch} | {ph} | {kvw:.0f} | {raww:.0f} | "
-                          f"{ratio[0]:.2f}x | {kvc:.0f} | {rawc:.0f} | {ratio[1]:.2f}x |",
-                          flush=True)
+        if not args.per_value_only:
+            table(args, kv, raw, run)
         print("\n| value | loop | kvplug µs CPU/value | raw µs CPU/value | raw / kvplug |")
         print("|---|---|---|---|---|")
         for size in [parse_size(s) for s in args.sizes.split(",")]:
@@ -178,6 +159,36 @@ def main() -> None:
         raw.close()
         shutil.rmtree(root, ignore_errors=True)
     print(f"load average at end: {os.getloadavg()}")
+
+
+def table(args: argparse.Namespace, kv: TierTarget, raw: RawFiles, run: bytes) -> None:
+    """The ``kvplug bench``-shaped table: MB/s of wall and CPU time per side, size and batch."""
+    print("| value | batch | op | kvplug MB/s wall | raw MB/s wall | ratio wall | "
+          "kvplug MB/CPU-s | raw MB/CPU-s | ratio CPU |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    first = 0
+    for size in [parse_size(s) for s in args.sizes.split(",")]:
+        values = Values(size, seed=size)
+        n = max(96, parse_size(args.bytes) // size // 96 * 96)
+        for batch in [int(b) for b in args.batches.split(",")]:
+            rows: dict[str, dict[str, list[tuple[float, float]]]] = {
+                ph: {"kvplug": [], "raw": []} for ph in ("store", "load")}
+            for r in range(args.rounds):
+                order = [("kvplug", kv), ("raw", raw)][:: 1 if r % 2 == 0 else -1]
+                for who, target in order:
+                    for ph, spent in one_round(target, values, run, first, n, batch).items():
+                        rows[ph][who].append(spent)
+                    first += n
+            mb = n * size / 1e6
+            for ph, sides in rows.items():
+                kvw, kvc = rates(sides["kvplug"], mb)
+                raww, rawc = rates(sides["raw"], mb)
+                ratio = [statistics.median(r[k] / s[k] for s, r in zip(sides["kvplug"],
+                                                                        sides["raw"]))
+                         for k in (0, 1)]
+                print(f"| {size >> 10} KiB | {batch} | {ph} | {kvw:.0f} | {raww:.0f} | "
+                      f"{ratio[0]:.2f}x | {kvc:.0f} | {rawc:.0f} | {ratio[1]:.2f}x |",
+                      flush=True)
 
 
 if __name__ == "__main__":

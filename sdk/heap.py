@@ -24,6 +24,7 @@ from .memory import MemoryFormat, MemoryObj, MemoryObjMeta
 #: Bytes of freed buffers kept for reuse at most (a batch of 96 values of 1 MiB is 96 MiB).
 KEEP_BYTES = 256 << 20
 ALIGN = 4096
+_METAS = 64  # metas of distinct shapes kept for reuse
 
 
 class HeapBuffers:
@@ -37,11 +38,12 @@ class HeapBuffers:
         self._tick = 0
         self.kept = 0  # bytes in ``_free``
         self.counts = {"heap_reused": 0, "heap_fresh": 0}
+        self._metas: dict[tuple, MemoryObjMeta] = {}
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype = torch.uint8,
                  fmt: MemoryFormat = MemoryFormat.KV_PAGES, num_tokens: int = 0) -> MemoryObj:
         """An object of ``shape``/``dtype``: a kept buffer of its size, else a fresh one."""
-        meta = MemoryObjMeta(tuple(int(d) for d in shape), dtype, fmt, num_tokens)
+        meta = self._meta(shape, dtype, fmt, num_tokens)
         nbytes = meta.nbytes
         with self._lock:
             self._tick += 1
@@ -67,6 +69,20 @@ class HeapBuffers:
         else:
             view = (buf if dtype == torch.uint8 else buf.view(dtype)).view(meta.shape)
         return MemoryObj(view, meta, release=lambda _obj, b=buf: self._give_back(b))
+
+    def _meta(self, shape: tuple[int, ...], dtype: torch.dtype, fmt: MemoryFormat,
+              num_tokens: int) -> MemoryObjMeta:
+        """The (immutable) meta of an object of this shape: one made before for the same
+        arguments (every chunk of an engine has one shape; a frozen dataclass costs ~1 µs to
+        make), else a new one; at most ``_METAS`` kept."""
+        key = (tuple(shape), dtype, fmt, num_tokens)
+        meta = self._metas.get(key)
+        if meta is None:
+            meta = MemoryObjMeta(tuple([int(d) for d in shape]), dtype, fmt, num_tokens)
+            if len(self._metas) >= _METAS:
+                self._metas.clear()
+            self._metas[key] = meta
+        return meta
 
     def _make_room(self, nbytes: int) -> None:
         """Under the lock: drop kept buffers of the least recently wanted other sizes until

@@ -166,10 +166,11 @@ class ReadMemory:
         if self.geometry is not None:
             return self.geometry.refuses(tuple(shape), dtype, fmt, num_tokens)
         try:
-            nbytes = math.prod(int(d) for d in shape) * dtype.itemsize
+            dims = [int(d) for d in shape]
+            nbytes = math.prod(dims) * dtype.itemsize
         except (TypeError, ValueError):
             return f"shape {shape!r} is not a list of sizes"
-        if any(int(d) < 0 for d in shape) or nbytes > self.object_limit():
+        if (dims and min(dims) < 0) or nbytes > self.object_limit():
             return f"{nbytes} bytes exceed the {self.object_limit()} one read may take"
         return None
 

@@ -171,9 +171,10 @@ class Tier:
 
     def saw_reads(self, objs: list) -> None:
         """Note the size of the last value of a batch this tier answered."""
-        last = next((o for o in reversed(objs) if isinstance(o, MemoryObj)), None)
-        if last is not None:
-            self.value_bytes = last.nbytes
+        for obj in reversed(objs):
+            if isinstance(obj, MemoryObj):
+                self.value_bytes = obj.nbytes
+                return
 
     def reads_in_sequence(self) -> bool:
         """Whether a batch of this tier's reads runs one call after another (a local medium's

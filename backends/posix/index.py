@@ -78,9 +78,27 @@ def _ns_id(ns: str, register: bool) -> int | None:
     return nid
 
 
+#: recent names' int keys (a name's key never changes once its namespace is registered: every
+#: read, write and lookup of a hot chunk packs its name again); emptied when full
+_packed: dict[str, int] = {}
+_PACKED_MAX = 4096
+
+
 def pack_rel(rel: str, register: bool = True) -> int | str:
     """The index key of ``rel``: an int for a canonical chunk name, else ``rel`` itself. The same
     ``rel`` always gives the same key (a namespace not yet registered is not indexed yet)."""
+    key = _packed.get(rel)
+    if key is None:
+        key = _pack_name(rel, register)
+        if not isinstance(key, str):
+            if len(_packed) >= _PACKED_MAX:
+                _packed.clear()
+            _packed[rel] = key
+    return key
+
+
+def _pack_name(rel: str, register: bool) -> int | str:
+    """:func:`pack_rel` worked out."""
     if rel[2:3] != "/" or not rel.endswith(_SUFFIX):
         return rel
     ns, _, digits = rel[3:-len(_SUFFIX)].rpartition(".")

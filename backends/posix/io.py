@@ -77,12 +77,21 @@ def _address(obj: MemoryObj) -> int:
 
 
 def _io_all(op: Callable, fd: int, bufs: Sequence[memoryview], offset: int,
-            flags: int = 0) -> int:
+            flags: int = 0, size: int | None = None) -> int:
     """Run ``os.pwritev``/``os.preadv`` until every buffer is done; returns bytes moved (one
     call in the usual case: up to ``IOV_MAX`` buffers, moved whole). ``flags``: a read's
-    ``RWF_*`` flags (``RWF_NOWAIT``: ``BlockingIOError`` where it would wait).
+    ``RWF_*`` flags (``RWF_NOWAIT``: ``BlockingIOError`` where it would wait); ``size``: the
+    buffers' total length where the caller knows it (one call that moves it all is then the
+    whole of the work: the lengths are not added up).
 
     A read that hits end of file stops early (the caller compares the count)."""
+    if size is not None and len(bufs) <= IOV_MAX:
+        n = op(fd, bufs, offset, flags) if flags else op(fd, bufs, offset)
+        if n == size:
+            return n
+        if n <= 0:  # nothing moved: the general loop says what that is (end of file, EIO)
+            return _io_all(op, fd, bufs, offset, flags)
+        return n + _io_all(op, fd, _after(bufs, n), offset + n, flags)  # the rest
     total = 0
     while bufs:
         batch, bufs = bufs[:IOV_MAX], bufs[IOV_MAX:]
@@ -215,6 +224,7 @@ def write_chunk(
     file_mode: int = FILE_MODE,
     gid: int | None = None,
     dir_fd: int | None = None,
+    size: int | None = None,
 ) -> int:
     """Write a chunk (``header, bufs = chunkfile.encode_chunk(key, obj)``) at ``path``
     atomically; returns the file size. ``obj`` must stay referenced until this returns. The file
@@ -222,13 +232,15 @@ def write_chunk(
     ``dir_fd``: the shard directory, open already (:func:`kvplug.chunkfile.atomic.directory_of`);
     the file is then created, written and renamed through it and the descriptor of its
     temporary file, the layers written from the object's own memory in one ``pwritev``.
+    ``size``: the file's size (the header's and every buffer's bytes), where the caller knows it.
 
     Raises ``OSError`` (full disk, read-only directory...) after removing the temporary file."""
     if dir_fd is None:
         with directory_of(path, fsync=fsync, file_mode=file_mode, gid=gid, no_follow=True) as dfd:
             return write_chunk(path, obj, header, bufs, fsync=fsync, direct=direct,
-                               file_mode=file_mode, gid=gid, dir_fd=dfd)
-    size = len(header) + sum(len(b) for b in bufs)
+                               file_mode=file_mode, gid=gid, dir_fd=dfd, size=size)
+    if size is None:
+        size = len(header) + sum(len(b) for b in bufs)
     flags = 0
     if direct and all(len(b) % cf.ALIGN == 0 and _view_address(b) % cf.ALIGN == 0 for b in bufs):
         flags = O_DIRECT  # every buffer aligned (the layers of an aligned object, unpadded)
@@ -237,7 +249,7 @@ def write_chunk(
         header = head
     with atomic_create(dir_fd, os.path.basename(path), fsync=fsync, file_mode=file_mode,
                        gid=gid, flags=flags) as fd:
-        _io_all(os.pwritev, fd, [memoryview(header), *bufs], 0)
+        _io_all(os.pwritev, fd, [memoryview(header), *bufs], 0, size=size)
     return size
 
 
@@ -347,7 +359,7 @@ def read_chunk(
             want = sum(len(b) for b in bufs)
             if direct and (len(bufs) > 1 or (_address(obj) | want | offset) % cf.ALIGN):
                 _set_direct(fd, False)  # unaligned: this read goes through the page cache
-            if _io_all(os.preadv, fd, bufs, offset, read_flags) != want:
+            if _io_all(os.preadv, fd, bufs, offset, read_flags, size=want) != want:
                 raise CorruptChunk("file ended early (truncated while reading)", st.st_ino)
             if not cf.verify_layers(header, first, dest):
                 raise CorruptChunk("layer checksum mismatch", st.st_ino)
@@ -385,7 +397,7 @@ def _read_in_one(fd: int, st: os.stat_result, key: CacheKey,
         want = sum(len(b) for b in bufs)
         if direct and (len(bufs) > 2 or (_address(obj) | want) % cf.ALIGN):
             _set_direct(fd, False)  # unaligned: this read goes through the page cache
-        got = _io_all(os.preadv, fd, bufs, 0, read_flags)
+        got = _io_all(os.preadv, fd, bufs, 0, read_flags, size=want)
         stale = got < len(raw) or bytes(head) != raw  # bytes == bytes: one memcmp
         if not stale and got != want:
             raise CorruptChunk("file ended early (truncated while reading)", st.st_ino)
@@ -428,7 +440,8 @@ class ChunkFileIO:
 
         def write_file(path: str, dir_fd: int | None = None) -> int:
             written = write_chunk(path, obj, header, bufs, fsync=self.fsync, direct=self.direct,
-                                  file_mode=self.file_mode, gid=self.gid, dir_fd=dir_fd)
+                                  file_mode=self.file_mode, gid=self.gid, dir_fd=dir_fd,
+                                  size=head.file_size)
             self.headers.put(rel, head, bytes(header))
             return written
 

@@ -121,13 +121,13 @@ def directory_of(path: str | os.PathLike[str], *, fsync: bool = False,
     symlink with ``no_follow`` (``OSError`` ``ELOOP``). Closed after the block; on its normal
     exit, with ``fsync``, the entry of each directory this call created is flushed in its
     parent (a store reported done survives a power cut)."""
-    parent = Path(path).parent
+    parent = os.path.dirname(os.fspath(path)) or "."  # (no pathlib: this runs on every store)
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (os.O_NOFOLLOW if no_follow else 0)
     created: list[Path] = []
     try:
         dfd = os.open(parent, flags)
     except FileNotFoundError:
-        created = make_dirs(parent, dir_mode_for(file_mode), gid)
+        created = make_dirs(Path(parent), dir_mode_for(file_mode), gid)
         dfd = os.open(parent, flags)
     try:
         yield dfd

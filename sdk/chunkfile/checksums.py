@@ -3,6 +3,7 @@ or, for an authenticated chunk (its header carries a :class:`~.auth.ChunkMac`), 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import xxhash
@@ -19,13 +20,14 @@ def split_layers(data, num_layers: int) -> list[memoryview]:  # noqa: ANN001 - a
     """``data`` (all layers, back to back) cut into ``num_layers`` equal zero-copy views."""
     view = memoryview(data).cast("B")
     n = len(view) // num_layers if num_layers else 0
-    return [view[i * n : (i + 1) * n] for i in range(num_layers)]
+    return [view[s] for s in _layer_slices(n, num_layers)]
 
 
 def layer_sums(views: Sequence, mac=None) -> list[str]:  # noqa: ANN001 - ChunkMac | None
     """The ``checksums`` of a chunk's layers: xxh3 each, or with ``mac`` their tags."""
     if mac is None:
-        return [checksum(v) for v in views]
+        digest = xxhash.xxh3_64_hexdigest  # called directly: 32+ layers a chunk, per call cost
+        return [digest(v) for v in views]
     return [mac.layer_tag(i, v) for i, v in enumerate(views)]
 
 
@@ -62,5 +64,12 @@ def verify_layers(header, first_layer: int, data) -> bool:  # noqa: ANN001 - Chu
         return all(verify(first_layer + i, view[i * n : (i + 1) * n], sums[first_layer + i])
                    for i in range(count))
     digest = xxhash.xxh3_64_hexdigest  # one list compared at once: no per-layer generator step
-    return [digest(view[i * n : (i + 1) * n]) for i in range(count)] == \
+    return [digest(view[s]) for s in _layer_slices(n, count)] == \
         sums[first_layer : first_layer + count]
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_slices(layer_nbytes: int, count: int) -> tuple[slice, ...]:
+    """The byte ranges of ``count`` layers back to back (the same for every chunk of one layout:
+    made once, not per layer per read)."""
+    return tuple(slice(i * layer_nbytes, (i + 1) * layer_nbytes) for i in range(count))

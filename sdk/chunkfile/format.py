@@ -309,14 +309,35 @@ def _readable_metadata(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[s
         "num_blocks": str(blocks),
         "page_bytes": str(page_bytes),
         "num_tokens": str(meta.num_tokens),
-        "shape": json.dumps(list(meta.shape)),
+        "shape": _json_ints(meta.shape),
         "dtype": _DTYPE_NAMES[meta.dtype],
         "fmt": meta.fmt.value,
         **({"codec": meta.codec} if encoded else {}),
         **({"mac_key_id": mac.key_id, "mac_salt": mac.salt.hex()} if mac is not None else {}),
         "checksum_algo": CHECKSUM_ALGO if mac is None else MAC_ALGO,
-        "checksums": json.dumps(list(checksums)),
+        "checksums": _json_hex_list(checksums) if mac is None else json.dumps(list(checksums)),
     }
+
+
+def _json_ints(values: Sequence[int]) -> str:
+    """``json.dumps(list(values))``, the same text, built directly for plain ints (a header is
+    encoded on every store, and again to check every header read)."""
+    if all(type(v) is int for v in values):
+        return "[" + ", ".join(map(str, values)) + "]"
+    return json.dumps(list(values))
+
+
+def _json_hex_list(digests: Sequence[str]) -> str:
+    """``json.dumps(list(digests))``, the same text, built directly for strings with nothing
+    to escape (the xxh3 digests a writer makes; a header read from a file may hold anything)."""
+    try:
+        text = '["' + '", "'.join(digests) + '"]' if digests else "[]"
+    except TypeError:  # not all strings
+        return json.dumps(list(digests))
+    if text.isascii() and text.isprintable() and "\\" not in text and \
+            text.count('"') == 2 * len(digests):
+        return text
+    return json.dumps(list(digests))
 
 
 def _sealed_metadata(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
@@ -398,11 +419,10 @@ def encode_chunk_with_header(
         sums = layer_sums(layer_views, mac)
     header = encode_header(key, obj.meta, sums, mac)
     pad = align_up(len(layer_views[0])) - len(layer_views[0]) if layer_views else 0
-    bufs: list[memoryview] = []
-    for v in layer_views:
+    bufs: list[memoryview] = layer_views if not pad else []
+    for v in layer_views if pad else ():
         bufs.append(v)
-        if pad:
-            bufs.append(_ZEROS[:pad])
+        bufs.append(_ZEROS[:pad])
     return header, bufs, make_header(key, obj.meta, sums, len(header), mac)
 
 
