@@ -119,7 +119,9 @@ class Tier:
         #: The tier's :class:`~kvplug.policies.gate.AdmissionGate`, or ``None``: every chunk is
         #: admitted (no ``admission`` setting).
         self.admission: Any = None
-        self._pending: set[Future] = set()
+        #: queued encoding puts in submission order (a dict: waited for in the order the one
+        #: encoder thread runs them, never in an order memory addresses give a set)
+        self._pending: dict[Future, None] = {}
         self._pending_lock = threading.Lock()
         self._nowait: bool | None = None  # learned on first use (the hooks are wired then)
         self._implements: dict[str, bool] = {}
@@ -132,7 +134,7 @@ class Tier:
         assert self.encoder is not None
         fut = self.encoder.submit(fn, *args)
         with self._pending_lock:
-            self._pending.add(fut)
+            self._pending[fut] = None
         fut.add_done_callback(self._done)
         return fut
 
@@ -142,12 +144,12 @@ class Tier:
 
     def _done(self, fut: Future) -> None:
         with self._pending_lock:
-            self._pending.discard(fut)
+            self._pending.pop(fut, None)
 
     def wait_puts(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for queued encoding puts; True if none is left."""
         with self._pending_lock:
-            pending = set(self._pending)
+            pending = list(self._pending)
         return not pending or self.runtime.wait_all(pending, timeout)
 
     def implements(self, hook: str) -> bool:

@@ -285,7 +285,11 @@ class SimRuntime(Runtime):
         """Nothing to start: a pool's tasks run when the schedule says."""
 
     def wait_all(self, futures: Any, timeout: float | None) -> bool:
-        """Run each future's task (a gated one: the wait times out)."""
+        """Run each future's task in the order given (a gated one: the wait times out). A set
+        is refused: its order follows memory addresses, and the run would differ from process to
+        process (seeds that replay differently)."""
+        if isinstance(futures, (set, frozenset)):
+            raise TypeError("wait_all needs futures in a deterministic order (a list), not a set")
         for f in list(futures):
             if not f.done() and isinstance(f, SimFuture):
                 if self.engine and self.on_engine_call is not None:

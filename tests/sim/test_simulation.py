@@ -278,3 +278,18 @@ def test_seeds_replay_alone_in_other_processes_with_other_hash_seeds():
     assert len(set(in_turn.values())) == REPLAY_SEEDS  # a digest per seed, never a constant
     differ = sorted(s for s in seeds if in_turn[s] != alone[s])
     assert not differ, f"seeds whose outcome differs run in turn and alone: {differ}"
+
+
+def test_a_codec_tiers_queued_puts_are_waited_for_in_the_order_they_run():
+    """A tier with a codec queues its puts on one encoder thread; ``flush`` waited for them as a
+    set of futures, so the simulation ran them in an order memory addresses gave: seeds 112,
+    70000021 and 70000058 (lossless codec) gave 2-3 digests in 6 fresh processes each. The
+    puts are kept in submission order now, and the simulated runtime refuses a set."""
+    from kvplug.connector.sim.replay import elsewhere
+    from kvplug.connector.sim.runtime import SimRuntime
+
+    with pytest.raises(TypeError, match="deterministic order"):
+        SimRuntime().wait_all({object()}, 1.0)
+    seeds = [70000021]
+    runs = elsewhere([(seeds, True, str(h)) for h in (1, 2)], timeout_s=600)
+    assert len({r[70000021] for r in runs}) == 1, runs
