@@ -54,7 +54,7 @@ class ChunkCheck:
         for r in md.requests:
             if r.save is None:
                 continue
-            req = w.s.requests.get(r.req_id) or w._snap.get(r.req_id, (None,))[0]
+            req = w.scheduler.requests.get(r.req_id) or w._snap.get(r.req_id, (None,))[0]
             if req is None:
                 continue
             tokens = tuple(w.tokens_of(req, max(req.num_tokens, req.num_computed_tokens)))
@@ -214,19 +214,19 @@ class ReadCheck:
     def __init__(self, world: World) -> None:
         self.world = world
 
-    def check(self, tainted: dict[str, int], ko: Any) -> None:
-        """Each request of ``tainted`` still in vLLM was told in ``ko``: with one KV cache group,
+    def check(self, tainted: dict[str, int], kv_output: Any) -> None:
+        """Each request of ``tainted`` still in vLLM was told in ``kv_output``: with one KV cache group,
         on the block of the first position read wrong or an earlier one of its table (vLLM
         recomputes from the first block reported); with several, in ``failed_recving``."""
         w = self.world
-        invalid = set(ko.invalid_block_ids or ())
+        invalid = set(kv_output.invalid_block_ids or ())
         for r, q in sorted(tainted.items()):
-            if r not in w.s.requests or not self.enabled:  # aborted mid-step: vLLM
+            if r not in w.scheduler.requests or not self.enabled:  # aborted mid-step: vLLM
                 continue  # drops what it computed
             if w.layout.multi:  # several groups: vLLM takes failed requests, not blocks
-                told = r in (ko.failed_recving or ())
+                told = r in (kv_output.failed_recving or ())
             else:  # the first block read wrong (or one before it): vLLM recomputes from there
-                table = w.s.kv_cache_manager.get_block_ids(r)[0]
+                table = w.scheduler.kv_cache_manager.get_block_ids(r)[0]
                 told = bool(invalid.intersection(table[:q // w.bs + 1]))
             if not told:
                 raise Violation("I2", f"{r}'s forward read KV that is not its oracle from token "
@@ -265,18 +265,18 @@ class ReportCheck:
             raise Violation("I3", f"rank {rank} reported {req} in finished_sending twice")
         self.sent.add((rank, req))
 
-    def check(self, ko: Any) -> None:
+    def check(self, kv_output: Any) -> None:
         """I3 on the aggregated output, before vLLM sees it."""
         from vllm.v1.request import RequestStatus
 
-        requests = self.world.s.requests
-        for r in ko.finished_sending or ():
+        requests = self.world.scheduler.requests
+        for r in kv_output.finished_sending or ():
             c = self.log.setdefault(r, ReqLog())
             c.sending += 1
             c.frees += 1
             if r not in requests:
                 raise Violation("I3", f"{r} reported in finished_sending after vLLM freed it")
-        for r in ko.finished_recving or ():
+        for r in kv_output.finished_recving or ():
             c = self.log.setdefault(r, ReqLog())
             c.recving += 1
             if r not in requests:
@@ -311,13 +311,13 @@ class BlockCheck:
 
     def held(self) -> set[int]:
         """The blocks vLLM's requests hold."""
-        s = self.world.s
+        s = self.world.scheduler
         mgr = s.kv_cache_manager
         return {b for r in s.requests for t in mgr.get_block_ids(r) for b in t} - {0}
 
     def free(self) -> set[int]:
         """The blocks of vLLM's pool no request holds."""
-        pool = self.world.s.kv_cache_manager.block_pool
+        pool = self.world.scheduler.kv_cache_manager.block_pool
         return {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
 
     def scheduled(self) -> None:
@@ -347,7 +347,7 @@ class BlockCheck:
         fresh = held - self.owned  # allocated by this schedule: vLLM's contract says garbage
         self.owned = held
         if w.cfg.prefix_caching:
-            blocks = w.s.kv_cache_manager.block_pool.blocks
+            blocks = w.scheduler.kv_cache_manager.block_pool.blocks
             free = {b for b in free if blocks[b].block_hash is None}
             fresh -= self._computed_blocks(so, md)
         if free or fresh:
@@ -359,7 +359,7 @@ class BlockCheck:
     def _computed_blocks(self, so: Any, md: Any) -> set[int]:
         """The blocks of this step's requests (and of the loads it starts) that vLLM counts as
         computed before the step: its own prefix hit, never a load's target."""
-        s = self.world.s
+        s = self.world.scheduler
         loads = {r.req_id: r.load.start for r in md.requests if r.load is not None}
         mgr = s.kv_cache_manager
         out: set[int] = set()
@@ -466,7 +466,7 @@ class QuiescenceCheck:
             if l1.get("pool_used", 0):
                 raise Violation("I5", f"rank {rank}: {l1['pool_used']} B of L1's pool still in "
                                       "use with every entry evicted (a memory object leaked)")
-        sched = w.s.connector.scheduler_side  # disk hits the scheduler had loaded inside the step
+        sched = w.scheduler.connector.scheduler_side  # disk hits the scheduler had loaded inside the step
         figures["disk hits loaded inline"] += int(
             sched.stats.totals().get("inline_local_loads", 0))
         left = [f for f in w.rt.queue if f.pool.name != "kvplug-events"]  # (this check's

@@ -116,7 +116,7 @@ class EventCheck:
         from kvplug.connector.worker.tier_watch import PENDING_S
 
         w = self.world
-        book = getattr(w.s.connector, "_book", None)
+        book = getattr(w.scheduler.connector, "_book", None)
         if book is None or any(x is None for x in watches):
             return
         # past the watch's back-off from a tier that did not answer (30 s at most) and its wait
@@ -131,7 +131,7 @@ class EventCheck:
             part = watch.take()
             if part is not None:
                 news.add_events(part.get_all_events())
-        book.add(news, w.s.connector._sched.epoch)
+        book.add(news, w.scheduler.connector._sched.epoch)
         for ev in book.take():
             self.event(ev)
         held = self._held_blocks(book)

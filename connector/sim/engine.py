@@ -135,7 +135,7 @@ def _model_dir() -> str:
 def _vllm_config(cfg: SimConfig) -> Any:
     """vLLM's config for ``cfg``: built once (a ModelConfig reads the model's files), the fields
     a seed varies set before each Scheduler is built from it."""
-    if "vc" not in _MODEL:
+    if "vllm_config" not in _MODEL:
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -152,30 +152,30 @@ def _vllm_config(cfg: SimConfig) -> Any:
         xfer = KVTransferConfig(kv_connector="KVPlugConnector",
                                 kv_connector_module_path="kvplug.connector", kv_role="kv_both",
                                 kv_load_failure_policy="recompute", kv_connector_extra_config={})
-        _MODEL["vc"] = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BS),
+        _MODEL["vllm_config"] = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BS),
                                   scheduler_config=sched, device_config=DeviceConfig("cpu"),
                                   kv_transfer_config=xfer)
     from vllm.config import KVEventsConfig
 
-    vc = _MODEL["vc"]
-    vc.cache_config.block_size = cfg.block_size
-    vc.cache_config.enable_prefix_caching = cfg.prefix_caching
-    vc.cache_config.num_gpu_blocks = cfg.num_blocks
-    vc.scheduler_config.max_num_batched_tokens = cfg.max_batched
-    vc.scheduler_config.async_scheduling = cfg.async_scheduling  # kvplug's connector reads it
-    vc.scheduler_config.policy = "priority" if cfg.priority else "fcfs"
+    vllm_config = _MODEL["vllm_config"]
+    vllm_config.cache_config.block_size = cfg.block_size
+    vllm_config.cache_config.enable_prefix_caching = cfg.prefix_caching
+    vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
+    vllm_config.scheduler_config.max_num_batched_tokens = cfg.max_batched
+    vllm_config.scheduler_config.async_scheduling = cfg.async_scheduling  # kvplug's connector reads it
+    vllm_config.scheduler_config.policy = "priority" if cfg.priority else "fcfs"
     # what max_concurrent_batches reads (the engine core's batch queue; kvplug's connector too)
-    vc.parallel_config.pipeline_parallel_size = cfg.batch_queue
-    vc.parallel_config.tensor_parallel_size = cfg.tp  # the ranks KV events wait for
-    vc.kv_transfer_config.kv_load_failure_policy = cfg.load_failure_policy
+    vllm_config.parallel_config.pipeline_parallel_size = cfg.batch_queue
+    vllm_config.parallel_config.tensor_parallel_size = cfg.tp  # the ranks KV events wait for
+    vllm_config.kv_transfer_config.kv_load_failure_policy = cfg.load_failure_policy
     if cfg.load_failure_policy == "fail":
         _quiet_failed_loads()
-    vc.kv_events_config = (KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    vllm_config.kv_events_config = (KVEventsConfig(enable_kv_cache_events=True, publisher="null")
                            if cfg.kv_events else None)
-    vc.kv_transfer_config.kv_connector_extra_config = {
+    vllm_config.kv_transfer_config.kv_connector_extra_config = {
         "chunk_size": cfg.chunk_size, "async_save": cfg.async_save, "layerwise": cfg.layerwise,
         "report_to_client": False, "log_every_load": False, "save_decode": True}
-    return vc
+    return vllm_config
 
 
 def _quiet_failed_loads() -> None:

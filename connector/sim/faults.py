@@ -52,11 +52,11 @@ class Faults:
         from vllm.v1.request import RequestStatus
 
         w = self.world
-        live = sorted(r for r, q in w.s.requests.items()
+        live = sorted(r for r, q in w.scheduler.requests.items()
                       if not RequestStatus.is_finished(q.status))
         if live:
-            w.counts["abort " + w.s.requests[live[pick % len(live)]].status.name] += 1
-            w.crashing("abort", lambda: w.s.finish_requests(
+            w.counts["abort " + w.scheduler.requests[live[pick % len(live)]].status.name] += 1
+            w.crashing("abort", lambda: w.scheduler.finish_requests(
                 live[pick % len(live)], RequestStatus.FINISHED_ABORTED))
 
     def evict(self, rank: int, tier: str, pick: int | None) -> None:
@@ -175,7 +175,7 @@ class Faults:
 
     def reset(self) -> None:
         w = self.world
-        fn = getattr(w.s.connector, "reset_cache", None)
+        fn = getattr(w.scheduler.connector, "reset_cache", None)
         if fn is not None:
             w.crashing("reset_cache", fn)
 
@@ -189,7 +189,7 @@ class Faults:
         from vllm.v1.request import RequestStatus
 
         w = self.world
-        reqs = list(w.s.requests.values())
+        reqs = list(w.scheduler.requests.values())
         serving = getattr(w.lookup, "serving", lambda f: False)  # the lookups' answers
         owed = [f for f in w.rt.queue  # (the workers' stats sampler: a gauge, owed nobody)
                 if not serving(f) and f.pool.name != "kvplug-tenant-stats"]
@@ -200,15 +200,15 @@ class Faults:
         if any(q.status not in waiting for q in reqs):  # running, or held for kvplug's saves
             return False
         remote = [q.request_id for q in reqs if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
-        return all(r in w.s.finished_recving_kv_req_ids for r in remote)
+        return all(r in w.scheduler.finished_recving_kv_req_ids for r in remote)
 
     def abort_all(self) -> None:
         """Abort every request (as clients that time out): kvplug must still end clean (I5)."""
         from vllm.v1.request import RequestStatus
 
         w = self.world
-        live = sorted(r for r, q in w.s.requests.items()
+        live = sorted(r for r, q in w.scheduler.requests.items()
                       if not RequestStatus.is_finished(q.status))
         if live:
-            w.crashing("abort", lambda: w.s.finish_requests(
+            w.crashing("abort", lambda: w.scheduler.finish_requests(
                 live, RequestStatus.FINISHED_ABORTED))

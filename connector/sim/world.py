@@ -126,28 +126,29 @@ class World:
         self.n_events = 0
         _fast_discovery()
         self.tmp = Path(tempfile.mkdtemp(prefix="kvplug-sim-", dir=_tmp_root()))
-        vc = _vllm_config(cfg)
+        vllm_config = _vllm_config(cfg)
         full = FullAttentionSpec(bs, num_kv_heads=1, head_size=SLOT // 2, dtype=torch.float16)
         groups = [KVCacheGroupSpec(["f0", "f1"], full)]
         if cfg.hybrid:
             swa = SlidingWindowSpec(bs, num_kv_heads=1, head_size=SLOT // 2, dtype=torch.float16,
                                     sliding_window=cfg.window)
             groups.append(KVCacheGroupSpec(["s0", "s1"], swa))
-        kcc = (_zeroing_kv_cache_config() if cfg.zeroing else KVCacheConfig)(
+        kv_cache_config = (_zeroing_kv_cache_config() if cfg.zeroing else KVCacheConfig)(
             num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         #: vLLM's asynchronous scheduling: step N+1 is scheduled (and run) before step N's
         #: output reaches the scheduler (its engine core's batch queue of two); pipeline
         #: parallelism: the plain Scheduler behind a batch queue of ``batch_queue``
         sched_cls = AsyncScheduler if cfg.async_scheduling else Scheduler
         self.depth = 2 if cfg.async_scheduling else cfg.batch_queue
-        self.layout = layout_of(kcc, bs)
+        self.layout = layout_of(kv_cache_config, bs)
         if cfg.inline_chunks is not None:  # the scheduler's budget for disk hits inside a step
-            vc.kv_transfer_config.kv_connector_extra_config["inline_load_bytes"] = (
+            vllm_config.kv_transfer_config.kv_connector_extra_config["inline_load_bytes"] = (
                 cfg.inline_chunks * cs * self.layout.block_bytes // bs)
-        self.s = sched_cls(vllm_config=vc, kv_cache_config=kcc, log_stats=False, block_size=bs,
-                           structured_output_manager=StructuredOutputManager(vc))
+        self.scheduler = sched_cls(
+            vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=False,
+            block_size=bs, structured_output_manager=StructuredOutputManager(vllm_config))
         if self.kv_events is not None:  # the scheduler publishes each step's events there
-            self.s.kv_event_publisher = self.kv_events
+            self.scheduler.kv_event_publisher = self.kv_events
         # model layers in forward order: (group, tensor)
         self.layers = ([(g, j) for j in range(TENSORS) for g in range(len(groups))])
         self.oracle = Oracle(len(self.layers), self._attends)
@@ -203,11 +204,11 @@ class World:
                 self.faults.outage(rank, True)
         if cfg.remote_lookup:
             self.lookup = SimRemoteLookup(
-                self.workers, self.rt, self.s.connector.scheduler_side.cfg.lookup_timeout_s,
+                self.workers, self.rt, self.scheduler.connector.scheduler_side.cfg.lookup_timeout_s,
                 random.Random(f"lookup {replace(cfg, faults=frozenset())} {sorted(cfg.faults)}"))
         else:
             self.lookup = SimLookup(self.workers)
-        sched = self.s.connector.scheduler_side
+        sched = self.scheduler.connector.scheduler_side
         sched.lookup = self.lookup
         sched.drop_last_block = cfg.drop_last_block  # as drops_last_block(vllm_config) sets it
         epochs = iter(range(1, 1 << 30))  # weights epochs that replay (the engine draws random ones)
@@ -436,7 +437,7 @@ class World:
         # priority scheduling: a priority from the request's tokens (lower runs first)
         priority = (suffix[0] if suffix else prefix[-1]) % 3 if self.cfg.priority else 0
         prompt = list(prefix) + list(suffix)
-        self.s.add_request(Request(req_id, prompt, sp, None, priority=priority,
+        self.scheduler.add_request(Request(req_id, prompt, sp, None, priority=priority,
                                    block_hasher=_block_hasher(self.bs), cache_salt=salt))
         self.reports.arrived(req_id)
         self.clients.arrived(req_id, prompt)
@@ -456,14 +457,14 @@ class World:
         parallelism) the step's output reaches the scheduler later (:meth:`_queued`)."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-        if self._pipelined() and self._queue and not self.s.has_requests():
+        if self._pipelined() and self._queue and not self.scheduler.has_requests():
             self._update(*self._queue.pop())  # vLLM's engine core: nothing to schedule
             return
-        so = self.crashing("schedule", self.s.schedule)
-        mgr = self.s.kv_cache_manager
+        so = self.crashing("schedule", self.scheduler.schedule)
+        mgr = self.scheduler.kv_cache_manager
         # what the model runner was handed: an abort mid-step (vLLM's asynchronous scheduling
         # takes aborts while a batch runs) frees the request in the scheduler, not in the batch
-        self._snap = {r: (self.s.requests[r], [list(t) for t in mgr.get_block_ids(r)])
+        self._snap = {r: (self.scheduler.requests[r], [list(t) for t in mgr.get_block_ids(r)])
                       for r in so.num_scheduled_tokens}
         self._drafts = {r: list(d) for r, d in
                         (getattr(so, "scheduled_spec_decode_tokens", None) or {}).items()}
@@ -520,20 +521,20 @@ class World:
             o.kv_connector_output = k
             runner_outputs.append(o)
         out = self.agg.aggregate(runner_outputs)
-        ko: KVConnectorOutput = out.kv_connector_output
+        kv_output: KVConnectorOutput = out.kv_connector_output
         for name in ("finished_sending", "finished_recving"):  # vLLM iterates them: see Sorted
-            if getattr(ko, name):
-                setattr(ko, name, Sorted(getattr(ko, name)))
-        self.reads.check(tainted, ko)  # I2: wrong KV read, and vLLM told in this step
+            if getattr(kv_output, name):
+                setattr(kv_output, name, Sorted(getattr(kv_output, name)))
+        self.reads.check(tainted, kv_output)  # I2: wrong KV read, and vLLM told in this step
         self.note(_STEP, sorted(so.num_scheduled_tokens.items()), sorted(so.finished_req_ids),
                   [(r, mgr.get_block_ids(r)) for r in sorted(so.num_scheduled_tokens)],
-                  *(sorted(x or ()) for x in (ko.finished_sending, ko.finished_recving,
-                                              ko.failed_recving, ko.invalid_block_ids)),
+                  *(sorted(x or ()) for x in (kv_output.finished_sending, kv_output.finished_recving,
+                                              kv_output.failed_recving, kv_output.invalid_block_ids)),
                   sorted(tainted.items()), sampled)
-        self.counts["load errors"] += bool(ko.invalid_block_ids) + len(ko.failed_recving or ())
+        self.counts["load errors"] += bool(kv_output.invalid_block_ids) + len(kv_output.failed_recving or ())
         self.counts["tainted forwards"] += len(tainted)
         self.faults.step_ended()
-        self._queued(so, out, ko)
+        self._queued(so, out, kv_output)
 
     def _count_plan(self, so: Any, md: Any) -> None:
         """Count what the scheduler planned for the step (what the schedule exercised)."""
@@ -547,7 +548,7 @@ class World:
         c["preempted"] += len(md.preempted)
         c["unwritten blocks read"] += len(md.unwritten)
         c["draft tokens scheduled"] += sum(map(len, self._drafts.values()))
-        trackers = self.s.connector.scheduler_side.trackers
+        trackers = self.scheduler.connector.scheduler_side.trackers
         for r in md.requests:
             if r.load is not None:
                 c["background loads" if r.load.background else "sync loads"] += 1
@@ -579,14 +580,14 @@ class World:
         scheduling's, which the simulation runs as before: one step ahead, always)."""
         return self.depth > 1 and not self.cfg.async_scheduling
 
-    def _queued(self, so: Any, out: Any, ko: Any) -> None:
+    def _queued(self, so: Any, out: Any, kv_output: Any) -> None:
         """The step's output into the engine core's batch queue; the oldest one handed to the
         scheduler once the queue is full (vLLM's ``step_with_batch_queue``: it schedules while
         the queue has room and there is something to run)."""
-        self._queue.appendleft((so, out, ko))
+        self._queue.appendleft((so, out, kv_output))
         if self._pipelined():
             if len(self._queue) < self.depth and (so.total_num_scheduled_tokens > 0
-                                                  or self.s.has_requests()):
+                                                  or self.scheduler.has_requests()):
                 return
             self._update(*self._queue.pop())
             return
@@ -628,11 +629,11 @@ class World:
                 known[at.start + 1 + i] = t
         return out
 
-    def _update(self, so: Any, out: Any, ko: Any) -> None:
+    def _update(self, so: Any, out: Any, kv_output: Any) -> None:
         """Hand one step's output to vLLM's scheduler (I3 on it first, I9 on what it sends the
         clients); a drafter then proposes the next drafts."""
-        self.reports.check(ko)  # I3
-        sent = self.crashing("update_from_output", lambda: self.s.update_from_output(so, out))
+        self.reports.check(kv_output)  # I3
+        sent = self.crashing("update_from_output", lambda: self.scheduler.update_from_output(so, out))
         self.blocks.output_seen()
         self.clients.outputs(sent)
         if self.cfg.spec_tokens:
@@ -644,7 +645,7 @@ class World:
         from vllm.v1.outputs import DraftTokenIds
 
         ids, drafts = [], []
-        for req in list(self.s.running):
+        for req in list(self.scheduler.running):
             if req.is_finished() or req.is_prefill_chunk:
                 continue
             tokens, guess = list(req.all_token_ids), []
@@ -657,7 +658,7 @@ class World:
             drafts.append(guess)
         if ids:
             self.crashing("update_draft_token_ids",
-                           lambda: self.s.update_draft_token_ids(DraftTokenIds(ids, drafts)))
+                           lambda: self.scheduler.update_draft_token_ids(DraftTokenIds(ids, drafts)))
 
     def flush_output(self) -> None:
         """A batch queue with nothing left to schedule: vLLM's engine core takes the oldest
@@ -674,10 +675,10 @@ class World:
                 self.faults.gate(rank, False)
                 self.faults.outage(rank, False)
             for i in range(max_steps):
-                if not self.s.has_requests() and not self.rt.queue and not self._queue:
+                if not self.scheduler.has_requests() and not self.rt.queue and not self._queue:
                     break
                 self.rt.drain()
-                if self.s.has_requests():  # as vLLM's engine: also to hand over finished ids
+                if self.scheduler.has_requests():  # as vLLM's engine: also to hand over finished ids
                     self.step()
                 else:
                     self.flush_output()
@@ -687,7 +688,7 @@ class World:
                     self.counts["vLLM stalls (aborted)"] += 1
                     self.faults.abort_all()
             else:
-                raise Violation("I3", f"never quiescent: vLLM holds {sorted(self.s.requests)}, "
+                raise Violation("I3", f"never quiescent: vLLM holds {sorted(self.scheduler.requests)}, "
                                       f"{len(self.rt.queue)} tasks queued")
             self.operator.release_pins()
             if self.violation is not None:
