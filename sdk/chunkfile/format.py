@@ -419,10 +419,8 @@ def encode_chunk_with_header(
         sums = layer_sums(layer_views, mac)
     header = encode_header(key, obj.meta, sums, mac)
     pad = align_up(len(layer_views[0])) - len(layer_views[0]) if layer_views else 0
-    bufs: list[memoryview] = layer_views if not pad else []
-    for v in layer_views if pad else ():
-        bufs.append(v)
-        bufs.append(_ZEROS[:pad])
+    bufs: list[memoryview] = ([b for v in layer_views for b in (v, _ZEROS[:pad])] if pad
+                              else list(layer_views))
     return header, bufs, make_header(key, obj.meta, sums, len(header), mac)
 
 
