@@ -1,19 +1,9 @@
-"""The calls a remote tier makes, behind the tier's circuit breaker.
+"""The calls a remote tier makes to its store, behind the tier's circuit breaker.
 
 :class:`GuardedCalls` is what every remote tier shares (resp, mooncake and fsspec): counting,
-credential scrubbing, the breaker, batched stores. :class:`ValueIO` adds a key-value store's calls:
-a subclass implements the store's primitives, each one bounded round trip or batch call that
-raises on a failed or timed-out call. Which it must implement is said where each is declared:
-``@abstractmethod`` for those every store needs (``_exists``, ``_get``, ``_set_many``,
-``_delete``), a default body for the optional ones (``_get_many``, ``_get_each``,
-``registered``), and :func:`needed_when` for those a flag of the class asks for
-(``reads_into``, ``sized_reads``): a subclass that sets the flag without them fails at
-construction with a ``TypeError`` naming them, as one missing an abstract method does.
-
-This class turns every failed call into a miss (``None``), counts it and feeds it to the
-breaker; a store that is refused (open breaker) is not called at all. A reply that says the store
-is full or refused one value is :class:`StoreRefused`: counted, not held against the breaker (the
-store answered).
+credential scrubbing, the breaker, batched stores. :class:`ValueIO` adds a key-value store's
+calls; its docstring is the whole contract for anyone writing one (``kvplug new-backend NAME
+--key-value`` generates a subclass to fill in).
 """
 
 from __future__ import annotations
@@ -146,7 +136,69 @@ class GuardedCalls(ABC):
 
 
 class ValueIO(GuardedCalls, metaclass=_NeedsPrimitives):
-    """Guarded, counted calls to one key-value store."""
+    """Guarded, counted calls to one key-value store: what a new key-value tier implements.
+
+    A key-value tier is a ``ValueStoreTier`` (``value_tier.py``) whose ``open_io`` returns a
+    subclass of this class. The tier implements every kvplug hook (``sdk/hookspecs.py``) on top of
+    it: each chunk is one value in kvplug's chunk format under a name made from its key; stores
+    are queued and sent in batches by writer threads; lookups are batched; pins, an optional LRU
+    ``capacity`` and the breaker are kept by the tier. A subclass writes only the store's
+    primitives below (the methods whose names start with ``_``, plus ``scratch`` and
+    ``registered``), each one bounded round trip or batch call.
+
+    **Required** (``@abstractmethod``: a subclass without one cannot be constructed):
+    :meth:`_exists`, :meth:`_get`, :meth:`_set_many`, :meth:`_delete`.
+
+    **Optional** (a default body, said on each): :meth:`_get_many` (default: one :meth:`_get`
+    per name; write it when the store has a batch or pipelined read), :meth:`_get_each` (default:
+    the values of :meth:`_get_many`; write it when the store reads into a reused buffer, so a
+    batch is copied once), :meth:`_get_range` (default: none, and :attr:`ranged_reads` is then
+    false; write it to serve layer ranges: without it the tier class must set
+    ``get_layers = None``, and constructing the tier says so), :meth:`registered` (default:
+    ``False``), :meth:`new_buffer` (default: plain memory), :meth:`close` (default: nothing).
+
+    **Flags** (class attributes, or set in ``__init__``; each marked ``needed_when(flag)``
+    primitive must be written when its flag is set, else construction raises a ``TypeError``
+    naming it, as for a missing abstract method):
+
+    * :attr:`reads_into` (default ``False``): the store receives a value in pieces straight into
+      caller memory; the tier then reads chunks into its memory objects without a copy. Needs
+      :meth:`_get_into_many` and :meth:`scratch`; :meth:`registered` says which memory qualifies.
+    * :attr:`reads_anywhere` (default ``False``): with :attr:`reads_into`, any memory qualifies
+      (a socket's ``recv_into``), so a tier with no L1 pool in front reads in place too.
+    * :attr:`sized_reads` (default ``False``): a whole read is given the size the tier expects
+      and a value of unknown size is read header first. Needs :meth:`_get_sized`, :meth:`_head`
+      and :meth:`_get_range`. For stores that would otherwise download a value whole whatever
+      its size (object stores).
+    * :attr:`keeps_values` (default ``False``): the store keeps the buffer a value is sent from;
+      the writer then encodes each value into fresh bytes rather than its reused buffer.
+    * :attr:`timeout_types` (default none): the client's exception types, besides
+      ``TimeoutError``, counted as timeouts.
+
+    **Errors.** A primitive raises on a failed or timed-out call (any exception) and never
+    retries: this class counts it (``remote_errors``, or :attr:`timeout_stat` for a timeout),
+    scrubs credentials from its message, feeds it to the breaker and answers a miss (``None``);
+    while the breaker is open the store is not called. A missing value is ``None``, not an
+    exception. In :meth:`_set_many` a value the store refused while the call succeeded is
+    returned in its place: :class:`StoreRefused` (full, too large: counted, not held against the
+    breaker) or :class:`Unanswered` (the part of the store that holds it did not answer). Bound
+    every call by the tier's ``timeout_s`` (give it to the client); kvplug also answers a hook
+    that is late as a miss.
+
+    **Untrusted bytes.** Return what the store holds, as is: nothing is trusted. Before a byte
+    reaches the engine the tier checks the value's length against the largest chunk the engine
+    can have (:attr:`read_limit`, set by the tier), its header (format version, the key it was
+    stored under, sizes), every layer's checksum and, with ``auth_key_env``, its MAC. A value
+    that fails is a miss, counted and logged once: a ``corrupt`` one is deleted, one of another
+    format version (``other_version``) or too long (``oversized``) left in place. Where the
+    store can, a whole read receives at most ``read_limit() + 1`` bytes (a ``sized_reads`` read:
+    ``expect + 1``), so a value too long costs no more than that to refuse.
+
+    **Testing.** The package ``kvplug new-backend NAME --key-value`` generates has
+    ``tests/test_backend.py``: kvplug's conformance kit (the tier alone and behind ``local_cpu``,
+    persistent, a value corrupted in the store) and its deterministic simulation, against an
+    in-process stand-in of the store. Run ``python -m pytest`` in the package after every change.
+    """
 
     #: Whether the store reads a value in pieces straight into caller memory
     #: (:meth:`get_into_many`; the tier then reads chunks into its memory objects).

@@ -92,7 +92,7 @@ def test_new_backend_generates_a_package(tmp_path):
     pkg = tmp_path / "kvplug-mystore"
     assert "Created" in out.stdout and str(pkg) in out.stdout and "pytest" in out.stdout
     assert 'mystore = "kvplug_mystore.backend:MystoreBackend"' in (pkg / "pyproject.toml").read_text()
-    assert (pkg / "tests" / "test_conformance.py").is_file()
+    assert (pkg / "tests" / "test_backend.py").is_file()
     again = kvplug("new-backend", "mystore", "-o", str(tmp_path))
     assert again.returncode == 1 and "--force" in again.stderr
     assert kvplug("new-backend", "mystore", "-o", str(tmp_path), "--force").returncode == 0

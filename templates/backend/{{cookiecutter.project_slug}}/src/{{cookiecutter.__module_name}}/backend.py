@@ -1,29 +1,26 @@
 {% if cookiecutter.store_kind == "key_value" -%}
-"""``{{ cookiecutter.backend_name }}``: a kvplug tier over a key-value store, on kvplug's value-store base.
+"""``{{ cookiecutter.backend_name }}``: a kvplug tier over a key-value store.
 
-Everything a tier over a key-value store needs is kvplug's ``ValueStoreTier``
-(``kvplug.backends.common.value_tier``, the base of kvplug's own ``resp`` and ``mooncake`` tiers):
-each chunk is one value in kvplug's chunk format under a name made from its key; stores are queued
-and sent in batches by writer threads (``batched_submit_put`` never blocks); ``contains`` asks for
-many names in one call, with a short negative cache; ``get``/``batched_get`` verify every layer's
-checksum before a byte is returned (a bad value is a miss); ``get_layers`` reads a layer range;
-pins, an optional LRU ``capacity`` and a circuit breaker that turns an outage into misses.
+What you write is ``{{ cookiecutter.__class_name }}IO``: your store's primitives (exists, get,
+set many, delete, and the optional ones). The one declaration to read is
+``kvplug.backends.common.value_io.ValueIO`` (kvplug's ``backends/common/value_io.py``): which
+primitives are required and which optional, what each flag (``reads_into``, ``sized_reads``,
+...) asks for, how a failed call is reported (raise: kvplug counts it and answers a miss) and
+what kvplug verifies in the bytes you return (all of it).
 
-What you write is how to reach your store:
-
-* ``Options``: how to reach it (derive from ``ValueStoreOptions``: it brings ``prefix``,
-  ``capacity``, ``timeout_s``, writer threads, breaker settings).
-* ``{{ cookiecutter.__class_name }}IO``: the store's primitives, each one bounded round trip or
-  batch that *raises* on a failed or timed-out call: kvplug counts it, feeds the breaker and
-  answers a miss. Which ones a store must write is declared in
-  ``kvplug.backends.common.value_io.ValueIO`` (abstract methods, and those a flag such as
-  ``reads_into`` asks for); this one also writes ``_get_many`` (one batch call) and
-  ``_get_range`` (layer ranges, for ``get_layers``).
+Nothing else needs reading: kvplug's hooks (``sdk/hookspecs.py``) are implemented for you by
+``ValueStoreTier``, the base of kvplug's own ``resp`` and ``mooncake`` tiers: chunks stored as
+values in kvplug's chunk format, batched stores on writer threads, batched lookups, every layer's
+checksum verified before a byte is returned, layer ranges, pins, an optional LRU ``capacity`` and
+a circuit breaker that turns an outage into misses. ``{{ cookiecutter.__class_name }}.Options``
+adds how to reach your store (here ``url``) to the options every such tier has (``prefix``,
+``capacity``, ``timeout_s``, ``io_threads``, breaker settings); ``open_io`` builds your ``IO``.
 
 Out of the box the "store" is an in-process dict per ``url`` (``_DictClient``), so the package
-works and passes kvplug's conformance suite before you write a line; replace it with your store's
-client. Pass credentials by environment variable name, never in the options (``Redactor`` keeps
-what is there out of logs).
+works and passes ``tests/test_backend.py`` (kvplug's conformance kit and its simulation) before
+you write a line; replace it with your store's client and run ``python -m pytest``. Pass
+credentials by environment variable name, never in the options (``Redactor`` keeps what is there
+out of logs).
 """
 
 from __future__ import annotations
@@ -53,8 +50,9 @@ class _DictClient:
 
 
 class {{ cookiecutter.__class_name }}IO(ValueIO):
-    """The store's primitives. Each one raises on a failed call; none retries (the breaker
-    decides when to call again)."""
+    """The store's primitives, as ``ValueIO`` declares them: the four required ones, plus
+    ``_get_many`` (one batch call) and ``_get_range`` (layer ranges, for ``get_layers``). Each
+    raises on a failed call; none retries (the breaker decides when to call again)."""
 
     def __init__(self, name: str, url: str, breaker: CircuitBreaker) -> None:
         super().__init__(name, breaker, Redactor(url, {}))

