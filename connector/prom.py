@@ -52,7 +52,7 @@ _COUNTERS = {
     "lookup_timeouts": ("vllm:kvplug_lookup_timeouts", "lookups past lookup_timeout_s (misses)"),
     "inline_local_loads": ("vllm:kvplug_inline_local_loads",
                            "hits of a local disk tier loaded inside the engine step "
-                           "(inline_load_bytes)"),
+                           "(in_step_load_bytes)"),
     "load_failures": ("vllm:kvplug_load_errors", "request loads with a missing/invalid chunk"),
     "failed_blocks": ("vllm:kvplug_failed_blocks", "blocks vLLM recomputed after a load error"),
     "store_tokens": ("vllm:kvplug_stored_tokens", "tokens the connector handed to the tiers"),
@@ -78,7 +78,7 @@ _TIER_COUNTERS = {
     "tier_auth_failures.": ("vllm:kvplug_auth_failures",
                             "chunks that failed authentication (auth_key_env): never served"),
     "tier_faults.": ("vllm:kvplug_tier_faults", "tier calls that raised or timed out (reads "
-                     "past a step's inline_load_deadline_s included)"),
+                     "past a step's in_step_load_deadline_s included)"),
     "tier_evictions.": ("vllm:kvplug_evictions", "entries the tier evicted"),
 }
 assert {k + "." for k in TIER_COUNTERS} <= set(_TIER_COUNTERS)

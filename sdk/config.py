@@ -24,7 +24,7 @@ import types
 from collections.abc import Iterator, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -193,7 +193,12 @@ class KVPlugConfig(_Strict):
     accepts and ignores the keys such an extension declares, and rejects every other unknown key.
     Extensions are the subclasses imported so far plus those declared under the entry-point group
     ``kvplug.config`` (so a process that never imported the connector still knows its keys).
+    A renamed key is declared in :attr:`deprecated_keys` of the schema that owns it.
     """
+
+    #: Renamed keys, old name -> new name: an old key is read as the new one with a warning
+    #: naming the new key; both given is an error naming both. Each extension declares its own.
+    deprecated_keys: ClassVar[Mapping[str, str]] = {}
 
     chunk_size: PositiveInt = Field(default=256, description="tokens per chunk")
     tiers: list[TierConfig] = Field(default_factory=default_tiers, min_length=1)
@@ -227,6 +232,23 @@ class KVPlugConfig(_Strict):
                                  "a secret); give the NAME of the variable holding the secret, "
                                  "e.g. KV_CACHE_SECRET, never the secret itself")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        """Read each deprecated key (:attr:`deprecated_keys`) as its new name."""
+        if not isinstance(data, Mapping) or not any(k in data for k in cls.deprecated_keys):
+            return data
+        data = dict(data)
+        for old, new in cls.deprecated_keys.items():
+            if old not in data:
+                continue
+            if new in data:
+                raise ValueError(f"config keys {old!r} (deprecated) and {new!r} are both given; "
+                                 f"keep only {new!r}")
+            logger.warning("config key %r is deprecated and read as %r: rename it", old, new)
+            data[new] = data.pop(old)
+        return data
 
     @model_validator(mode="after")
     def _previous_needs_current(self) -> KVPlugConfig:
@@ -272,11 +294,12 @@ def widest_schema() -> type[KVPlugConfig]:
 
 
 def _foreign_keys(schema: type[KVPlugConfig]) -> list[str]:
-    """Top-level keys some other extension declares, which ``schema`` itself does not."""
-    own = schema.model_fields
+    """Top-level keys some other extension declares (its deprecated names included), which
+    ``schema`` itself does not."""
+    own = [*schema.model_fields, *schema.deprecated_keys]
     out: list[str] = []
     for ext in (*_EXTENSIONS, *declared_extensions()):
-        out += [k for k in ext.model_fields if k not in own and k not in out]
+        out += [k for k in (*ext.model_fields, *ext.deprecated_keys) if k not in own and k not in out]
     return out
 
 
@@ -376,7 +399,9 @@ def _explain(exc: ValidationError, top_level: list[str], redact: Redactor) -> st
                 keys = list(TierConfig.model_fields)
             allowed = ", ".join(keys)
             lines.append(f"unknown config key {loc!r}; allowed keys here: {allowed}")
-        elif err["loc"] and err["loc"][0] in _UNECHOED:
+        elif not err["loc"]:  # a rule over several keys: the whole config is not echoed
+            lines.append(f"config: {err['msg']}")
+        elif err["loc"][0] in _UNECHOED:
             lines.append(f"config value {loc!r}: {err['msg']}")
         else:
             secret = any(is_secret_name(str(p)) for p in err["loc"])
@@ -413,7 +438,8 @@ def load_config(
         if "config_file" in given:
             data = _deep_merge(data, _read_yaml(given.pop("config_file")))
         data = _deep_merge(data, given)
-    data = _deep_merge(data, _env_overrides(env, [*schema.model_fields, *foreign],
+    data = _deep_merge(data, _env_overrides(env, [*schema.model_fields, *schema.deprecated_keys,
+                                                  *foreign],
                                             _secret_vars(data, env)))
     data = {k: v for k, v in data.items() if k not in foreign}
     try:

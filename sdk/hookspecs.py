@@ -484,7 +484,7 @@ class BackendClass(Protocol):
     * ``local_medium: bool`` — the tier reads from a medium on this machine (a local disk, an
       NVMe through GPUDirect Storage): about a millisecond per MiB, never a network round trip.
       A small hit only such a tier holds then loads inside the engine step, within the
-      connector's per-step ``inline_load_bytes``, instead of a step later in the background (the
+      connector's per-step ``in_step_load_bytes``, instead of a step later in the background (the
       call is still bounded by ``timeout_s``). Default ``False``: hits from a tier that may
       block load in the background.
     * ``unbounded: bool`` — the tier keeps no byte count under a ``capacity`` of its own (its store

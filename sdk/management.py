@@ -66,8 +66,10 @@ def policy_settings(chosen: PolicyConfig | None, default: str) -> dict[str, Any]
 
 
 def tier_status(storage: StorageManager) -> list[dict[str, Any]]:
-    """Each tier: name, backend, whether it may block, its capacity and use, breaker state,
-    pins and the policies it runs (as configured; kvplug's built-in ones otherwise)."""
+    """Each tier: name, backend, whether it never blocks (``never_blocks``; ``may_block``, its
+    negation, is kept for readers of the old answer and deprecated), its capacity and use,
+    breaker state, pins and the policies it runs (as configured; kvplug's built-in ones
+    otherwise)."""
     for name in storage.tier_names:
         wait_indexed(storage, name)
     stats = storage.stats()
@@ -76,7 +78,8 @@ def tier_status(storage: StorageManager) -> list[dict[str, Any]]:
         s = stats.get(name, {})
         breaker = s.get("breaker_open")
         out.append({
-            "name": name, "backend": cfg.backend, "may_block": storage.may_block(name),
+            "name": name, "backend": cfg.backend, "never_blocks": storage.never_blocks(name),
+            "may_block": not storage.never_blocks(name),  # deprecated: not never_blocks
             "capacity_bytes": _count(s.get("capacity")), "used_bytes": _count(s.get("bytes")),
             "entries": _count(s.get("entries")), "pinned": _count(s.get("pinned")),
             "operator_pinned": _count(s.get("operator_pinned")),

@@ -2,7 +2,7 @@
 
 It is the only thing the cache engine talks to. It decides *which tier* answers; backends decide
 *how* bytes are kept. Every hook call goes through :meth:`_call`, which turns an exception from a
-backend into a counted, once-logged miss, and bounds calls on slow tiers (all but the first) with
+backend into a counted, once-logged miss, and bounds calls on tiers that may block with
 the tier's ``timeout_s`` so a stalled tier degrades to a miss instead of hanging the engine (only
 tiers whose class sets ``never_blocks = True``, like ``local_cpu``, or whose client bounds every
 call within ``timeout_s``, ``call_bound_s``, are called on the caller's thread). Each tier
@@ -43,7 +43,7 @@ from .tier_calls import (
 from .tier_setup import ScopedHooks, build_tier
 
 logger = logging.getLogger("kvplug.storage")
-#: threads a batched read of a slower tier is spread over
+#: threads a batched read of a tier that may block is spread over
 READERS = 8
 
 def auth_keyring(config: KVPlugConfig) -> Keyring | None:
@@ -156,8 +156,8 @@ class StorageManager:
         """Call one tier's hook: its backend's answer itself (every hook is ``firstresult``,
         :mod:`kvplug.hookspecs`); exceptions (and, if ``bounded``, timeouts) become ``None``.
         ``budget``: the call is bounded by what is left of it too (and never started once it is
-        spent), even where the tier's own client bounds its calls (``direct``)."""
-        if tier.inline or (budget is None and (not bounded or tier.direct)):
+        spent), even where the tier's own client bounds its calls (``on_caller_thread``)."""
+        if tier.never_blocks or (budget is None and (not bounded or tier.on_caller_thread)):
             try:
                 return tier.hooks[hook](**kwargs)
             except Exception as exc:  # noqa: BLE001 - a tier fault is a miss
@@ -196,7 +196,7 @@ class StorageManager:
         tier.deadline_misses += 1
         self._log_once((tier.name, "budget"),
                        "tier %r (%s): %s not answered within the engine step's allowance of "
-                       "%.3gs for reads (inline_load_deadline_s) — treated as a miss (vLLM "
+                       "%.3gs for reads (in_step_load_deadline_s) — treated as a miss (vLLM "
                        "recomputes); further ones are counted in stats (deadline_misses)",
                        tier.name, tier.config.backend, hook, budget.seconds)
         return None
@@ -368,7 +368,7 @@ class StorageManager:
         ones missed, a tier that implements ``batched_get`` in calls of up to
         :data:`~.tier_calls.BATCH_GET_KEYS` keys (concurrently, except a local medium's small
         values: :data:`~.tier_calls.SEQUENTIAL_READ_BYTES`), any other with one ``get`` per key
-        (slow tiers concurrently). Lower-tier hits are promoted into L1."""
+        (tiers that may block concurrently). Lower-tier hits are promoted into L1."""
         return self.batched_get_where(keys)[0]
 
     def batched_get_where(self, keys: Sequence[CacheKey]
@@ -402,7 +402,7 @@ class StorageManager:
             todo = [i for i, name in enumerate(tiers) if name == tier.name]
             if not todo:
                 continue
-            if not (tier.inline or tier.local):
+            if not (tier.never_blocks or tier.local):
                 self._log_once((tier.name, "read_pinned"),
                                "tier %r (%s) may block and is no local medium: an engine step "
                                "never reads it; %d key(s) sent there are misses (vLLM "
@@ -435,11 +435,11 @@ class StorageManager:
         :meth:`get_layers`), on this manager's clock."""
         return WaitBudget(seconds, self.runtime.monotonic)
 
-    def find_inline(self, key: CacheKey) -> str | None:
+    def find_never_blocking(self, key: CacheKey) -> str | None:
         """The first tier that never blocks and holds ``key`` (no pin), or ``None``: where a
         step may read a key no lookup pinned, without waiting on anything."""
         for tier in self._tiers:
-            if tier.inline:
+            if tier.never_blocks:
                 found = self._call(tier, "contains", keys=[key], pin=False)
                 if isinstance(found, list) and found and found[0]:
                     return tier.name
@@ -470,7 +470,7 @@ class StorageManager:
     def _read_waiting(self, tier: Tier, keys: list[CacheKey],
                       budget: WaitBudget | None = None) -> list[MemoryObj | None]:
         """:meth:`_read_from` through the tier's calls that may wait."""
-        if budget is not None and not tier.inline:
+        if budget is not None and not tier.never_blocks:
             return self._read_within(tier, keys, budget)
         if len(keys) > 1 and tier.implements("batched_get"):
             groups = [keys[i : i + BATCH_GET_KEYS] for i in range(0, len(keys), BATCH_GET_KEYS)]
@@ -482,7 +482,7 @@ class StorageManager:
         def one(key: CacheKey) -> MemoryObj | None:
             return self._call(tier, "get", bounded=True, key=key)
 
-        if tier.inline or len(keys) == 1:
+        if tier.never_blocks or len(keys) == 1:
             return [one(k) for k in keys]
         return list(self._readers.map(one, keys))
 
@@ -540,10 +540,11 @@ class StorageManager:
                 f" for {len(keys)} keys; a list of one answer per key is expected"))
         return [None] * len(keys)
 
-    def may_block(self, tier: str) -> bool:
-        """Whether tier ``tier`` may wait on I/O (its class does not set ``never_blocks``): a load
-        from it runs off the engine step."""
-        return any(t.name == tier and not t.inline for t in self._tiers)
+    def never_blocks(self, tier: str) -> bool:
+        """Whether tier ``tier`` never waits on I/O (its class sets ``never_blocks``): an engine
+        step may read it. Every other tier may block: a load from it runs off the engine step,
+        unless the tier is a local medium (:meth:`local_medium`)."""
+        return any(t.name == tier and t.never_blocks for t in self._tiers)
 
     def local_medium(self, tier: str) -> bool:
         """Whether tier ``tier`` reads a medium on this machine (its class sets ``local_medium``):

@@ -4,7 +4,7 @@ A tier that may block (every tier whose class does not set ``never_blocks = True
 small thread pool, so a stalled tier holds at most :data:`TIER_THREADS` threads and never delays
 another tier's calls. A tier whose every call is bounded by its own client (``call_bound_s``: the
 longest one call can wait, no longer than the tier's ``timeout_s``) is called from the caller's
-thread instead (:attr:`Tier.direct`): the hand-off to a pool thread and back costs 0.1–0.3 ms a
+thread instead (:attr:`Tier.on_caller_thread`): the hand-off to a pool thread and back costs 0.1–0.3 ms a
 call, as much as reading a 256 KiB value, and buys no bound that the tier does not keep already.
 A call that outlives its timeout is cancelled if it has not started; if it
 has, its late result is cleaned up when it arrives: a late ``get`` drops its object (a late
@@ -96,20 +96,22 @@ class Tier:
         self.timeouts = 0
         #: reads a batch's wait allowance did not cover (:class:`WaitBudget`): misses
         self.deadline_misses = 0
-        #: Pure in-memory tiers declare ``never_blocks = True`` and are called inline; every other
-        #: tier's get/contains runs on the tier's own pool, bounded by its ``timeout_s``.
-        self.inline = bool(getattr(backend, "never_blocks", False))
+        #: Whether the tier never waits on I/O (its class sets ``never_blocks = True``: pure
+        #: in-memory tiers): called on the caller's thread without a bound, read inside the
+        #: engine step. Every other tier's get/contains runs on the tier's own pool, bounded by
+        #: its ``timeout_s``.
+        self.never_blocks = bool(getattr(backend, "never_blocks", False))
         #: A tier that may block but reads a medium on this machine (``local_medium``): a small
-        #: hit of it may load inside the engine step (the connector's ``inline_load_bytes``).
+        #: hit of it may load inside the engine step (the connector's ``in_step_load_bytes``).
         self.local = bool(getattr(backend, "local_medium", False))
         #: Bytes of the last value read from the tier (0: none yet; :meth:`reads_in_sequence`).
         self.value_bytes = 0
         #: Whether bounded calls run on the caller's thread: a tier that never blocks, or one
         #: whose own client bounds every call within ``timeout_s`` (``call_bound_s``, an instance
         #: attribute: e.g. its socket timeout times the failures that open its breaker). Such a
-        #: tier still may block (``inline`` stays False: its loads run off the engine step).
-        self.direct = self.inline or _bounded_within(backend, config.timeout_s)
-        self.pool = None if self.inline else runtime.executor(TIER_THREADS, f"kvplug-{self.name}")
+        #: tier still may block (``never_blocks`` stays False: its loads run off the engine step).
+        self.on_caller_thread = self.never_blocks or _bounded_within(backend, config.timeout_s)
+        self.pool = None if self.never_blocks else runtime.executor(TIER_THREADS, f"kvplug-{self.name}")
         #: The tier's :class:`~kvplug.codecs.CodecWrapper` (set by the StorageManager); a tier
         #: that encodes gets one thread that runs its puts (encoding) off the caller's thread.
         self.codec: Any = None
@@ -163,12 +165,12 @@ class Tier:
 
     def reads_nowait(self) -> bool:
         """Whether the tier reads what it can without waiting, on the caller's thread, before
-        any bounded call (``batched_get_nowait``; a tier that never blocks is called inline
-        anyway, and a tier with a codec decodes on its bounded calls, off the caller's
+        any bounded call (``batched_get_nowait``; a tier that never blocks is called on the
+        caller's thread anyway, and a tier with a codec decodes on its bounded calls, off the caller's
         thread)."""
         if self._nowait is None:
             codec = self.codec is not None and self.codec.codec is not None
-            self._nowait = not (self.inline or codec) and self.implements("batched_get_nowait")
+            self._nowait = not (self.never_blocks or codec) and self.implements("batched_get_nowait")
         return self._nowait
 
     def saw_reads(self, objs: list) -> None:

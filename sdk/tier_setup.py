@@ -79,7 +79,7 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
             f"failed to start: {redact.error(exc)}")) from (None if leaks else exc)
     tier = Tier(index, cfg, backend, info.package, runtime)
     tier.auth = tier_auth
-    tier.codec = CodecWrapper(tier.name, *codec_of(cfg, tier.inline), allocate)
+    tier.codec = CodecWrapper(tier.name, *codec_of(cfg, tier.never_blocks), allocate)
     if cfg.admission is not None:
         tier.admission = AdmissionGate(
             build_policy("admission", cfg.admission, cfg.tier_name, _capacity(options)),
@@ -146,9 +146,9 @@ def _validated_options(cls: type, cfg: TierConfig) -> Any:
         ) from None
 
 
-def codec_of(cfg: TierConfig, inline: bool) -> tuple[Any, Any]:
+def codec_of(cfg: TierConfig, never_blocks: bool) -> tuple[Any, Any]:
     """``(codec instance, BackendInfo)`` of a tier's ``codec`` setting, or ``(None, None)``."""
-    codec, info = build_codec(cfg, inline)
+    codec, info = build_codec(cfg, never_blocks)
     if codec is None:
         return None, None
     logger.info("tier %r stores chunks through codec %s", cfg.tier_name,

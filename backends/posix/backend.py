@@ -149,7 +149,7 @@ class PosixBackend:
     eviction_policy = True
     #: Chunk files through kvplug.chunkfile with ctx.auth: ciphertext under ``encrypt: true``.
     encrypts = True
-    #: A local directory: a small hit loads inside the engine step (``inline_load_bytes``). A
+    #: A local directory: a small hit loads inside the engine step (``in_step_load_bytes``). A
     #: directory on a network filesystem is better served by the ``fsspec`` tier.
     local_medium = True
 

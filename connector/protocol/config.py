@@ -10,21 +10,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from kvplug.config import KVPlugConfig, load_config
 from pydantic import ByteSize, Field
 
-#: the default ``inline_load_bytes``: the longest a step (and every decode batched in it) waits for
+#: the default ``in_step_load_bytes``: the longest a step (and every decode batched in it) waits for
 #: disk hits is about this over the read-and-verify speed, ~1.5 GB/s measured for posix on a
 #: 2-core VM: ~11 ms. A 2k-token hit of a small model (12 MiB) fits; Llama-3-8B's 128 KiB/token
 #: fits 128 tokens. Measured: benchmarks/RESULTS.md, bench_anchor.py's restart row, kvplug against
 #: kvplug-bg (budget 0) in one run
-INLINE_LOAD_BYTES = 16 << 20
+IN_STEP_LOAD_BYTES = 16 << 20
 
 
 class ConnectorConfig(KVPlugConfig):
     """Everything kvplug reads inside vLLM: the core settings and the connector's own."""
+
+    deprecated_keys: ClassVar[Mapping[str, str]] = {
+        "inline_load_bytes": "in_step_load_bytes",
+        "inline_load_deadline_s": "in_step_load_deadline_s",
+    }
 
     layerwise: bool = Field(default=False, description="move KV layer by layer (else in bulk)")
     save_partial_chunk: bool = Field(
@@ -46,14 +51,14 @@ class ConnectorConfig(KVPlugConfig):
     lookup_timeout_s: float = Field(
         default=2.0, gt=0, description="scheduler->worker lookup; past it, a miss"
     )
-    inline_load_bytes: ByteSize = Field(
-        default=ByteSize(INLINE_LOAD_BYTES), ge=0,
+    in_step_load_bytes: ByteSize = Field(
+        default=ByteSize(IN_STEP_LOAD_BYTES), ge=0,
         description="per engine step, the KV bytes (per worker) of hits found only on a local "
         "medium (posix, gds: a tier whose class sets local_medium) that load inside the step, "
         "as hits from RAM do; a hit past it loads in the background, a step later. 0: every "
         "such hit in the background. Hits on remote tiers always load in the background",
     )
-    inline_load_deadline_s: float = Field(
+    in_step_load_deadline_s: float = Field(
         default=0.5, gt=0,
         description="the longest an engine step waits, in all, on the reads of its in-step "
         "loads from a local medium (posix, gds): one allowance per step, not per call; what is "

@@ -186,7 +186,7 @@ class SchedulerSide:
         self._auth = auth_keyring(config)
         self.trackers: dict[str, RequestTracker] = {}
         self._background: list[str] = []  # requests whose background load starts this step
-        self._inline_spent = 0  # this step's bytes of local-medium hits loaded inline
+        self._in_step_spent = 0  # this step's bytes of local-medium hits loaded inline
         self._finishing: list[ReqMeta] = []  # saves of finished requests (see finish_save)
         #: finished requests whose blocks vLLM keeps until the workers report their saves done
         self.held: set[str] = set()
@@ -378,13 +378,13 @@ class SchedulerSide:
 
     def _inline_budget(self, tokens: int) -> bool:
         """Whether a hit of ``tokens`` from a local medium still fits this step's
-        ``inline_load_bytes`` (then taken from it): the step reads it as it reads RAM hits,
+        ``in_step_load_bytes`` (then taken from it): the step reads it as it reads RAM hits,
         instead of the request waiting a step for a background load. Unknown KV sizes never
         fit. Taken when asked: a request vLLM then cannot schedule has spent it (conservative)."""
         need = tokens * self.layout.block_bytes // max(1, self.bs)
-        if not need or self._inline_spent + need > self.cfg.inline_load_bytes:
+        if not need or self._in_step_spent + need > self.cfg.in_step_load_bytes:
             return False
-        self._inline_spent += need
+        self._in_step_spent += need
         self.stats.add("inline_local_loads")
         return True
 
@@ -509,7 +509,7 @@ class SchedulerSide:
                               idle=not getattr(so, "total_num_scheduled_tokens", 1))
         meta.handoffs = meta.idle and self._handoffs_waiting()
         meta.requests, self._finishing = self._finishing, []
-        self._inline_spent = 0  # the next step's budget
+        self._in_step_spent = 0  # the next step's budget
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
         for req_id in meta.preempted:  # blocks freed after their copies: nothing holds them now
             if (t := self.trackers.get(req_id)) is not None:  # (the workers forget them too)

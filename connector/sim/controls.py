@@ -54,7 +54,7 @@ FAULTS = {
     # every tier (StorageManager.batched_get) instead of only the one its lookup pinned...
     "fall_through_to_remote": "I10",
     # ...each of its reads waits the tier's whole timeout_s instead of what is left of the
-    # step's one deadline (inline_load_deadline_s); (unpinned_tail_read: DIRECTED_FAULTS)
+    # step's one deadline (in_step_load_deadline_s); (unpinned_tail_read: DIRECTED_FAULTS)
     "timeout_per_group": "I10",
     # ...or, before them, asks every tier that reads without waiting (batched_get_nowait, on
     # the engine thread) for all of the step's keys, pinned there or not

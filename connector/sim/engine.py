@@ -71,7 +71,7 @@ class SimConfig:
     #: files, so its view may exceed its capacity or a quota until its next write evicts; off,
     #: such excess is counted (figures), not a violation
     strict_shared_i6: bool = False
-    #: the scheduler's ``inline_load_bytes`` in chunks' bytes (None: the default): 0 sends every
+    #: the scheduler's ``in_step_load_bytes`` in chunks' bytes (None: the default): 0 sends every
     #: disk hit to the background, 1 lets a step's first small hit in and not the next
     inline_chunks: int | None = None
     #: a speculative drafter that reads the target's hidden states (EAGLE, MTP): the last block

@@ -9,7 +9,7 @@ side, the lookup services) and the tasks the runtime runs on their own threads d
 
 * the simulated time the engine thread waits inside kvplug in one step (every clock jump while
   it runs: a tier call that timed out, a condition that timed out) stays within the workers'
-  ``inline_load_deadline_s`` (one deadline for all of a step's in-step reads);
+  ``in_step_load_deadline_s`` (one deadline for all of a step's in-step reads);
 * every read it makes of a tier that may block (``get``, ``batched_get``, ``get_layers``,
   ``contains``, and ``batched_get_nowait``, which never waits but reads all the same; directly,
   or a pool task it waits for through ``Future.result``) is of a local medium (posix), for keys
@@ -31,7 +31,7 @@ from .engine import Violation
 
 #: the hooks that read a tier (what an in-step load may only ask of the tier its lookup pinned)
 READS = frozenset({"get", "batched_get", "batched_get_nowait", "get_layers", "contains"})
-#: the deadline when the workers' config does not say (``inline_load_deadline_s``'s default)
+#: the deadline when the workers' config does not say (``in_step_load_deadline_s``'s default)
 DEADLINE_S = 0.5
 
 
@@ -53,7 +53,7 @@ class StallCheck:
         for t in storage._tiers:
             if t.pool is not None:
                 self._pools[id(t.pool)] = (rank, t.name)
-            storage.add_wrapper(_direct_calls(self, rank, t.name), tiers=[t.name])
+            storage.add_wrapper(_caller_thread_calls(self, rank, t.name), tiers=[t.name])
 
     # -- what the engine thread calls -------------------------------------------------------------
     def _pool_call(self, fut: Any) -> None:
@@ -65,7 +65,7 @@ class StallCheck:
         hook = getattr(fn, "name", "") or getattr(fn, "__name__", "?")
         self.called(*where, hook, _keys(kwargs), late=fut.pool.gated)
 
-    def direct(self, rank: int, tier: str, hook: str, keys: Sequence[Any]) -> None:
+    def on_caller_thread(self, rank: int, tier: str, hook: str, keys: Sequence[Any]) -> None:
         """A hook of ``tier`` ran on the calling thread (a tier called directly, or a pool task
         the engine thread waits for, already seen by :meth:`_pool_call`)."""
         if not self.rt.engine:
@@ -80,7 +80,7 @@ class StallCheck:
         """The engine thread called ``hook`` of rank ``rank``'s ``tier`` for ``keys``."""
         w = self.world.workers[rank]
         st = w.storage
-        if st is None or not st.may_block(tier):
+        if st is None or st.never_blocks(tier):
             return
         self.counts[f"engine-thread calls of a tier that may block ({hook})"] += 1
         if hook not in READS:
@@ -115,7 +115,7 @@ class StallCheck:
             waits = [(s, on) for who, s, on in self.rt.engine_waits if who == rank]
             waited = sum(s for s, _ in waits)
             self.max_waited = max(self.max_waited, waited)
-            deadline = getattr(w.cfg, "inline_load_deadline_s", DEADLINE_S)
+            deadline = getattr(w.cfg, "in_step_load_deadline_s", DEADLINE_S)
             if waited > deadline + 1e-9:
                 on = Counter(on for _, on in waits)
                 raise self._violation(
@@ -130,34 +130,34 @@ def _keys(kwargs: dict[str, Any]) -> list[Any]:
     return [kwargs["key"]] if "key" in kwargs else []
 
 
-def _direct_calls(check: StallCheck, rank: int, tier: str) -> Any:
-    """A wrapper on one tier: its reads, for :meth:`StallCheck.direct`."""
+def _caller_thread_calls(check: StallCheck, rank: int, tier: str) -> Any:
+    """A wrapper on one tier: its reads, for :meth:`StallCheck.on_caller_thread`."""
     from kvplug.hookspecs import hookimpl
 
     class _Reads:
         @hookimpl(wrapper=True)
         def get(self, key: Any) -> Any:
-            check.direct(rank, tier, "get", [key])
+            check.on_caller_thread(rank, tier, "get", [key])
             return (yield)
 
         @hookimpl(wrapper=True)
         def batched_get(self, keys: Any) -> Any:
-            check.direct(rank, tier, "batched_get", list(keys))
+            check.on_caller_thread(rank, tier, "batched_get", list(keys))
             return (yield)
 
         @hookimpl(wrapper=True)
         def batched_get_nowait(self, keys: Any) -> Any:
-            check.direct(rank, tier, "batched_get_nowait", list(keys))
+            check.on_caller_thread(rank, tier, "batched_get_nowait", list(keys))
             return (yield)
 
         @hookimpl(wrapper=True)
         def get_layers(self, key: Any, first_layer: int, num_layers: int) -> Any:
-            check.direct(rank, tier, "get_layers", [key])
+            check.on_caller_thread(rank, tier, "get_layers", [key])
             return (yield)
 
         @hookimpl(wrapper=True)
         def contains(self, keys: Any, pin: bool) -> Any:
-            check.direct(rank, tier, "contains", list(keys))
+            check.on_caller_thread(rank, tier, "contains", list(keys))
             return (yield)
 
     return _Reads()

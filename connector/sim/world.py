@@ -142,7 +142,7 @@ class World:
         self.depth = 2 if cfg.async_scheduling else cfg.batch_queue
         self.layout = layout_of(kv_cache_config, bs)
         if cfg.inline_chunks is not None:  # the scheduler's budget for disk hits inside a step
-            vllm_config.kv_transfer_config.kv_connector_extra_config["inline_load_bytes"] = (
+            vllm_config.kv_transfer_config.kv_connector_extra_config["in_step_load_bytes"] = (
                 cfg.inline_chunks * cs * self.layout.block_bytes // bs)
         self.scheduler = sched_cls(
             vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=False,

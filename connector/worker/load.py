@@ -5,7 +5,7 @@
   KV cache group, :func:`..protocol.groups.load_parts`), and the tier each chunk is in;
 * **fetch**: the chunks from the tiers. Inside the step (an in-step load), each chunk only from the
   tier its lookup pinned it in, which never blocks (L1) or is a local medium, all of the step's
-  reads sharing one wait allowance (``inline_load_deadline_s``;
+  reads sharing one wait allowance (``in_step_load_deadline_s``;
   :meth:`StorageManager.read_pinned`): a miss there, a chunk no lookup of this rank pinned (with
   TP > 1 the hit is the minimum over ranks) and not in L1, or a read past the allowance is a load
   error, never a call to another tier on the engine thread. A background load reads from
@@ -236,7 +236,7 @@ class Loads:
         nowhere (a load error: never a lookup over the other tiers on the engine thread)."""
         if background:
             return lambda k: pinned.get(k, ANY_TIER)
-        return lambda k: pinned.get(k) or self.storage.find_inline(k)
+        return lambda k: pinned.get(k) or self.storage.find_never_blocking(k)
 
     def _fetch(self, load: RequestLoad, reads: LayerReads | None,
                budget: WaitBudget) -> dict[int, MemoryObj | None]:

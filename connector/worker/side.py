@@ -101,7 +101,7 @@ class WorkerSide:
         parts = TransferParts(self.kv, self.storage, self.layout, self.key)
         loads = Loads(parts, self.cfg.layerwise, self._reports,
                       BackgroundLoads(self.storage.batched_get_where, runtime=self.runtime),
-                      self.pinned, self.release, self.cfg.inline_load_deadline_s)
+                      self.pinned, self.release, self.cfg.in_step_load_deadline_s)
         saves = (AsyncSaves(self.kv, self.storage, self.stats, self.runtime,
                             order_at_submit=self.layout.zeroes_new_blocks)
                  if async_save_enabled(self.cfg, self.kv.device.type) else None)
@@ -174,7 +174,7 @@ class WorkerSide:
             self.transfers.loads.epoch = self.epoch
         freed = 0
         if self.storage is not None:
-            mine = [t for t in self.storage.tier_names if not self.storage.may_block(t)]
+            mine = [t for t in self.storage.tier_names if self.storage.never_blocks(t)]
             if mine:
                 freed = self.storage.evict(nbytes=1 << 62, tiers=mine)
         if self.on_epoch is not None:
@@ -213,7 +213,7 @@ class WorkerSide:
     def _on_lookup(self, msg: Lookup) -> tuple[int, list[int], list[int]]:
         """The stored leading tokens, which of the hit's chunks only a tier that may block holds
         (the scheduler loads those asynchronously), and which of those only a local medium
-        holds (loaded inline while they fit the step's ``inline_load_bytes``)."""
+        holds (loaded in the step while they fit its ``in_step_load_bytes``)."""
         assert self.storage is not None
         self.release([msg.req_id])  # a repeated lookup replaces the earlier pins
         key = partial(self.key, epoch=msg.epoch,  # the scheduler's epoch, even mid-step
@@ -248,7 +248,7 @@ class WorkerSide:
         assert storage is not None
         slow, local = set(), set()
         for chunk, tier in chunk_tiers:
-            if storage.may_block(tier):
+            if not storage.never_blocks(tier):
                 (local if storage.local_medium(tier) else slow).add(chunk)
         return sorted(slow), sorted(local - slow)
 

@@ -180,7 +180,7 @@ class TierWatch:
             return
         self._backoff.pop(tier, None)
         now = self._rt.monotonic()
-        wait = self.storage.may_block(tier)
+        wait = not self.storage.never_blocks(tier)
         with self._lock:
             if era != self._forgets:
                 return  # the epoch changed while the tier was asked: these keys are forgotten

@@ -193,7 +193,8 @@ def test_status_and_clears_that_cannot_be_done(server):
     status, out = http(url, "/kvplug/v1/status")
     assert status == 200
     tiers = {t["name"]: t for t in out["tiers"]}
-    assert tiers["posix"]["capacity_bytes"] == 1 << 30 and tiers["posix"]["may_block"]
+    assert tiers["posix"]["capacity_bytes"] == 1 << 30 and not tiers["posix"]["never_blocks"]
+    assert tiers["local_cpu"]["never_blocks"] and tiers["posix"]["may_block"]  # (deprecated)
     assert tiers["local_cpu"]["entries"] > 0 and tiers["posix"]["used_bytes"] > 0
     assert len(out["ranks"]) == 1 and out["chunk_size"] == 256
     assert tiers["local_cpu"]["policies"] == {"eviction": {"policy": "s3fifo"},

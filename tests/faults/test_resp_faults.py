@@ -341,7 +341,7 @@ def test_a_reply_trickled_within_the_socket_timeout_is_still_bounded_by_the_tier
         "url": f"redis://127.0.0.1:{srv.port}/0", "timeout_s": 0.5, "negative_cache_s": 0,
         "breaker_threshold": 1}}], "chunk_size": 16})
     try:
-        assert not mgr._tiers[0].direct
+        assert not mgr._tiers[0].on_caller_thread
         answer = timed(mgr.holds, "resp", [make_key(1)])
         assert not srv.sent_whole.is_set()  # answered while the reply was still trickling
         assert answer is None and stats(mgr)["timeouts"] == 1

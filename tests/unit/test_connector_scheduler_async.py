@@ -105,15 +105,15 @@ class MixedLookup(LocalLookup):
 
 
 def with_budget(side, hits: float) -> int:
-    """Set ``inline_load_bytes`` to ``hits`` 1024-token hits of this model; the bytes of one."""
+    """Set ``in_step_load_bytes`` to ``hits`` 1024-token hits of this model; the bytes of one."""
     one = 1024 * side.layout.block_bytes // side.bs
     assert one > 0  # the engine's KV size is known (else nothing could ever fit)
-    side.cfg = side.cfg.model_copy(update={"inline_load_bytes": int(hits * one)})
+    side.cfg = side.cfg.model_copy(update={"in_step_load_bytes": int(hits * one)})
     return one
 
 
 def test_local_hits_load_inline_while_the_steps_budget_lasts(model_dir):
-    """Disk hits load inside the step as RAM hits do, up to ``inline_load_bytes`` a step: the
+    """Disk hits load inside the step as RAM hits do, up to ``in_step_load_bytes`` a step: the
     first hit fits, the second (same step) waits for a background load, and the next step's
     budget is whole again."""
     fake = LocalLookup()
@@ -141,7 +141,7 @@ def test_local_hits_past_the_budget_or_with_a_remote_chunk_load_in_the_backgroun
     s, side, r = stored_request(model_dir, fake)
     one = with_budget(side, 4)
     if case != "a chunk only remote":
-        side.cfg = side.cfg.model_copy(update={"inline_load_bytes": 0 if case == "budget 0"
+        side.cfg = side.cfg.model_copy(update={"in_step_load_bytes": 0 if case == "budget 0"
                                                else one - 1})
     assert side.get_num_new_matched_tokens(r, 0) == (1024, True)
     assert not side.stats.totals().get("inline_local_loads")

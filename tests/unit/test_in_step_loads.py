@@ -5,7 +5,7 @@ A worker with the production stack (L1, a posix disk, a remote Valkey/Redis tier
 must never wait on the remote tier: a chunk its lookup pinned on the disk whose file is damaged,
 or a chunk this rank never pinned (with TP > 1 the hit is the minimum over ranks), is a load
 error, not a read from wherever it is; and a hung disk costs the step its read allowance
-(``inline_load_deadline_s``) once, not a timeout per group of reads. Calls to a tier are counted
+(``in_step_load_deadline_s``) once, not a timeout per group of reads. Calls to a tier are counted
 by a wrapper hook on it; durations are never asserted.
 """
 
@@ -99,7 +99,7 @@ class Stack:
                   "options": {"path": str(tmp / "disk")}},
                  {"backend": "resp", "name": "remote", "options": {"url": url}}]
         cfg = ConnectorConfig(chunk_size=CHUNK, log_every_load=False, async_save=False,
-                              inline_load_deadline_s=deadline_s, tiers=tiers)
+                              in_step_load_deadline_s=deadline_s, tiers=tiers)
         self.w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
         self.w.register_kv_caches(self.fx.caches)
         self.w.wait_for_save(KVPlugMetadata(CHUNK, BS, [ReqMeta(

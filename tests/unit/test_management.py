@@ -74,7 +74,10 @@ def test_clear_tiers_is_complete_only_when_nothing_is_left(tmp_path):
         assert clear_tiers(mgr, ["ram"])["ram"]["complete"] is True
         status = {t["name"]: t for t in tier_status(mgr)}
         assert status["ram"]["entries"] == 0 and status["disk"]["used_bytes"] == 0
-        assert status["disk"]["capacity_bytes"] == 64 << 20 and status["disk"]["may_block"]
+        assert status["disk"]["capacity_bytes"] == 64 << 20
+        assert status["ram"]["never_blocks"] and not status["disk"]["never_blocks"]
+        # may_block, deprecated, stays the negation for readers of the old answer
+        assert not status["ram"]["may_block"] and status["disk"]["may_block"]
         assert status["ram"]["policies"] == {"eviction": {"policy": "lru"},
                                              "admission": {"policy": "always"}}
 

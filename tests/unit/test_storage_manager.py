@@ -320,9 +320,9 @@ class ThreadRecordingTier(DictTier):
         return super().get(key)
 
 
-@pytest.mark.parametrize("bound, direct", [(1.0, True), (10.0, False), (None, False)])
+@pytest.mark.parametrize("bound, on_caller_thread", [(1.0, True), (10.0, False), (None, False)])
 def test_a_tier_whose_calls_are_bounded_within_timeout_is_called_on_the_callers_thread(
-        bound, direct):
+        bound, on_caller_thread):
     """A tier that declares every call bounded within its ``timeout_s`` (``call_bound_s``) is
     called on the caller's thread, without the hand-off to its pool; one whose bound is longer
     than ``timeout_s``, or that declares none, is still called on its pool (bounded there). The
@@ -338,9 +338,9 @@ def test_a_tier_whose_calls_are_bounded_within_timeout_is_called_on_the_callers_
         got.ref_down()
         obj.ref_down()
         threads = mgr.backend(0).threads
-        assert threads and all((t is threading.current_thread()) == direct for t in threads), \
+        assert threads and all((t is threading.current_thread()) == on_caller_thread for t in threads), \
             [t.name for t in threads]
-        assert mgr.may_block(f"{__name__}:ThreadRecordingTier")
+        assert not mgr.never_blocks(f"{__name__}:ThreadRecordingTier")
 
 
 def test_a_local_mediums_small_values_are_read_in_sequence_and_large_ones_spread(tmp_path):
