@@ -32,7 +32,8 @@ logger = logging.getLogger("kvplug.backends.local_cpu")
 class LocalCPUBackend:
     """L1: memory objects over one preallocated host buffer, evicted by its eviction policy."""
 
-    #: Every hook is a few dict operations under a lock: called inline, never through a thread.
+    #: Every hook is a few dict operations under a lock: called on the caller's thread, never
+    #: through a pool.
     never_blocks = True
     #: Victims are chosen by ``ctx.eviction`` (the tier's ``eviction`` setting).
     eviction_policy = True

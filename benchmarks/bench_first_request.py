@@ -11,7 +11,7 @@ requests of ``--prompt-len`` tokens (other chunks each) are stored, then loaded:
 * **store**: from ``wait_for_save`` (the engine step's share in brackets) until the tier holds
   every chunk (the asynchronous save's put is over and the tier's queued writes landed: what a
   disaggregated consumer, or the next request, can then find);
-* **load**: from the lookup until the blocks hold the chunks (inline from L1 and from a local
+* **load**: from the lookup until the blocks hold the chunks (in the step from L1 and from a local
   disk within the step's budget; in the background, as vLLM waits for it, from a remote tier).
 
 ``local_cpu``: one process stores and loads (L1 is the process's own memory). ``posix`` and

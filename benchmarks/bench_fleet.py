@@ -101,7 +101,7 @@ class Replayer:
         return obj
 
     def _l1_holds(self, keys: list[CacheKey]) -> list[bool]:
-        """Which keys L1 holds now (an inline call that leaves its LRU order alone): a load of
+        """Which keys L1 holds now (a call that never blocks and leaves its LRU order alone): a load of
         them is an L1 hit, of the others a store read."""
         if len(self.mgr.tier_names) < 2:
             return [False] * len(keys)

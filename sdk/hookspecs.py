@@ -480,7 +480,8 @@ class BackendClass(Protocol):
       none, and ``ctx.options`` is the raw dict. Anything else under this name is an error (it
       would otherwise be ignored, and the options never validated).
     * ``never_blocks: bool`` — a promise that no hook ever waits on I/O; kvplug then calls the tier
-      inline, without the ``timeout_s`` bound (``local_cpu``). Default ``False``.
+      on the caller's thread, without the ``timeout_s`` bound, and an engine step may read it
+      (``local_cpu``). Default ``False``.
     * ``local_medium: bool`` — the tier reads from a medium on this machine (a local disk, an
       NVMe through GPUDirect Storage): about a millisecond per MiB, never a network round trip.
       A small hit only such a tier holds then loads inside the engine step, within the

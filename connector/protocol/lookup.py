@@ -77,7 +77,7 @@ class Release(msgspec.Struct, tag=True):
 class Reply(msgspec.Struct):
     """``tokens`` stored; ``slow``: indices of the hit's chunks (a tail is the last) found only in
     a tier that may block, whose loads the scheduler makes asynchronous; ``local``: those found
-    only on a local medium (a disk tier), loaded inline while they fit the step's budget."""
+    only on a local medium (a disk tier), loaded in the step while they fit its budget."""
 
     id: int
     tokens: int
@@ -460,7 +460,7 @@ class LookupClient:
 
     def take_local(self, req_id: str) -> frozenset[int]:
         """The chunks of ``req_id``'s last answered lookup that only a local medium holds (on
-        any rank; none of them slow on another): loaded inline while the step's budget lasts."""
+        any rank; none of them slow on another): loaded in the step while its budget lasts."""
         return self._local.pop(req_id, frozenset())
 
     def _timed_out(self, req_id: str, p: _Pending) -> None:

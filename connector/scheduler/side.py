@@ -186,7 +186,7 @@ class SchedulerSide:
         self._auth = auth_keyring(config)
         self.trackers: dict[str, RequestTracker] = {}
         self._background: list[str] = []  # requests whose background load starts this step
-        self._in_step_spent = 0  # this step's bytes of local-medium hits loaded inline
+        self._in_step_spent = 0  # this step's bytes of local-medium hits loaded in the step
         self._finishing: list[ReqMeta] = []  # saves of finished requests (see finish_save)
         #: finished requests whose blocks vLLM keeps until the workers report their saves done
         self.held: set[str] = set()

@@ -23,7 +23,7 @@
 
 :class:`Loads` is the load direction of the worker's transfers (:mod:`.transfers`; the store
 direction is :mod:`.store`), in the same shape: ``expect``, ``submit``, ``finished``, and the
-waits (``wait_layer``, ``wait_all``). It runs the path for both kinds of job: an inline load
+waits (``wait_layer``, ``wait_all``). It runs the path for both kinds of job: an in-step load
 (``start_load_kv``: all five steps in the step, :meth:`Loads.submit`; layer-wise, the scatter is
 released layer by layer, :meth:`Loads.wait_layer`), and a background load (a chunk is in a
 tier that may block: vLLM's asynchronous protocol), whose fetch alone runs off the step on

@@ -59,7 +59,7 @@ def test_hit_accounting(bulk):
     assert bulk["cold"]["kvplug"]["loaded_tokens"] == 0
     assert bulk["cold"]["kvplug"]["stored_tokens"] == 1536
     assert bulk["warm"]["kvplug"]["tiers"] == {"local_cpu": 1536}
-    assert bulk["warm"]["kvplug"]["async_load"] is False  # wholly in L1: loaded inline
+    assert bulk["warm"]["kvplug"]["async_load"] is False  # wholly in L1: loaded in the step
     assert bulk["short1"]["kvplug"]["loaded_tokens"] == 0
     # block granular (save_partial_chunk, default): the first block of a prompt under a chunk
     assert bulk["short2"]["kvplug"]["loaded_tokens"] == 128

@@ -158,7 +158,7 @@ def random_bytes(n: int, seed: int) -> torch.Tensor:
 
 
 class LosingTier(DictTier):
-    """An in-memory tier that never blocks (loads from it run inline, in the step) and loses the
+    """An in-memory tier that never blocks (loads from it run in the step) and loses the
     chunks named on demand between lookup and load: its ``get`` answers None for every key whose
     chunk hash (hex) is in the class-level set :attr:`lost`."""
 

@@ -425,7 +425,7 @@ class TieredWorker(FakeWorker):
 
 def test_slow_and_local_chunks_are_merged_over_ranks(engine_id):
     """A chunk remote on any rank is slow (a background load); a chunk local on some rank and
-    remote on none is local (inline while the step's budget lasts)."""
+    remote on none is local (in the step while its budget lasts)."""
     workers = [TieredWorker([3], [0, 1]), TieredWorker([], [1, 2, 3])]
     services = start(engine_id, workers)
     client = LookupClient([socket_path(engine_id, r) for r in range(2)], timeout_s=5)

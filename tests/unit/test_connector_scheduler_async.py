@@ -1,6 +1,6 @@
 """The scheduler side of background loads, driving vLLM's own Scheduler (no engine): a hit that
 needs a tier that may block is loaded asynchronously (the request waits, its load is sent on its
-own), an L1 hit inline; a background load that fails is recomputed, not looked up and loaded
+own), an L1 hit in the step; a background load that fails is recomputed, not looked up and loaded
 again forever."""
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def test_local_hits_load_inline_while_the_steps_budget_lasts(model_dir):
     s.add_request(a)
     s.add_request(make_request("b", prompt(1100, 1)))
     so = s.schedule()
-    assert so.num_scheduled_tokens == {"a": 1100 - 1024}  # a loaded inline; b waits for its load
+    assert so.num_scheduled_tokens == {"a": 1100 - 1024}  # a loaded in the step; b waits for its load
     loads = {m.req_id: m.load for m in so.kv_connector_metadata.requests if m.load is not None}
     assert {r: (ld.end, ld.background) for r, ld in loads.items()} == {
         "a": (1024, False), "b": (1024, True)}

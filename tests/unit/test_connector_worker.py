@@ -52,7 +52,7 @@ def stored(tmp_path, monkeypatch):
 
 
 def load(w, fx, on_layer=None):
-    # posix may block but is a local medium: its hits load inline within the step's budget
+    # posix may block but is a local medium: its hits load in the step within its budget
     assert w._on_lookup(Lookup(1, "b", HASHES)) == (24, [], [0, 1, 2])
     w.start_load_kv(KVPlugMetadata(CHUNK, BS, [ReqMeta("b", DST, load=LoadSpec(0, 24, 0, HASHES))]))
     for layer, name in enumerate(fx.caches):

@@ -281,7 +281,7 @@ def test_1_kv_computed_over_a_failed_load_is_not_stored_and_is_stored_after_reco
     h16 = next(h for q, s, _, h in r.saved if q == "p0" and s == 16)
     w = r.w[0]
     assert w._saves is None or w._saves.settle([w.key(h16)], 60)
-    w.storage.evict(keys=[w.key(h16)], tiers=["local_cpu"])  # only the inline tier has it ...
+    w.storage.evict(keys=[w.key(h16)], tiers=["local_cpu"])  # only the tier that never blocks has it ...
     LosingTier.lost = {h16.hex()}  # ... and loses it between lookup and load
     try:
         r.add("q", p, max_tokens=2)

@@ -175,9 +175,10 @@ def _crc(data: torch.Tensor) -> int:
 class {{ cookiecutter.__class_name }}:
     """The ``{{ cookiecutter.backend_name }}`` tier: chunks kept as private byte copies, LRU by bytes."""
 
-    #: ``True`` is a promise that no hook ever waits on I/O: kvplug then calls the tier inline,
-    #: without the ``timeout_s`` bound (kvplug's ``local_cpu`` does). Keep ``False`` for any store
-    #: that may wait (a device, a file system, a network).
+    #: ``True`` is a promise that no hook ever waits on I/O: kvplug then calls the tier on the
+    #: caller's thread, without the ``timeout_s`` bound, and reads it inside the engine step
+    #: (kvplug's ``local_cpu`` does). Keep ``False`` for any store that may wait (a device, a
+    #: file system, a network).
     never_blocks = False
 
     class Options(BaseOptions):
