@@ -112,6 +112,54 @@ def test_one_file_configures_core_and_connector(tmp_path):
             load({"save_decod": True})
 
 
+def test_in_step_load_keys(kvplug_log, tmp_path):
+    """``in_step_load_bytes`` / ``in_step_load_deadline_s`` set the connector's in-step loads."""
+    cfg = load_connector_config({"in_step_load_bytes": "1MiB", "in_step_load_deadline_s": 0.2},
+                                env={})
+    assert (cfg.in_step_load_bytes, cfg.in_step_load_deadline_s) == (1 << 20, 0.2)
+    assert not [r for r in kvplug_log.records if r.levelno >= logging.WARNING]
+
+
+def test_a_renamed_key_is_read_under_its_old_name_with_a_warning(kvplug_log, tmp_path):
+    """Users' configs keep working: each old name (``ConnectorConfig.deprecated_keys``) is read
+    as the new one from a dict, a file and the environment, with a warning naming the new key;
+    a core load of the same file ignores it like any connector key."""
+    assert ConnectorConfig.deprecated_keys == {"inline_load_bytes": "in_step_load_bytes",
+                                               "inline_load_deadline_s": "in_step_load_deadline_s"}
+    cfg = load_connector_config({"inline_load_bytes": "1MiB", "inline_load_deadline_s": 0.2},
+                                env={})
+    assert (cfg.in_step_load_bytes, cfg.in_step_load_deadline_s) == (1 << 20, 0.2)
+    warned = [r.getMessage() for r in kvplug_log.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2 and "'inline_load_bytes'" in warned[0] and "'in_step_load_bytes'" \
+        in warned[0] and "'in_step_load_deadline_s'" in warned[1]
+    f = tmp_path / "kv.yaml"
+    f.write_text("inline_load_bytes: 0\n")
+    assert load_connector_config(f, env={}).in_step_load_bytes == 0
+    assert type(load_config(f, env={})) is KVPlugConfig
+    env = {"KVPLUG_INLINE_LOAD_DEADLINE_S": "0.3"}
+    assert load_connector_config(env=env).in_step_load_deadline_s == 0.3
+    assert ConnectorConfig(inline_load_bytes=7).in_step_load_bytes == 7  # built directly too
+
+
+def test_a_renamed_key_and_its_new_name_together_are_an_error():
+    """Both names of one setting, wherever each comes from: an error naming both."""
+    with pytest.raises(ConfigError, match="'inline_load_bytes' \\(deprecated\\) and "
+                                          "'in_step_load_bytes' are both given"):
+        load_connector_config({"inline_load_bytes": 0, "in_step_load_bytes": 1}, env={})
+    with pytest.raises(ConfigError, match="'inline_load_deadline_s'.*'in_step_load_deadline_s'"):
+        # from two sources too (a file's old key, an environment variable's new one)
+        load_connector_config({"inline_load_deadline_s": 1},
+                              env={"KVPLUG_IN_STEP_LOAD_DEADLINE_S": "2"})
+
+
+@pytest.mark.parametrize("load", [load_config, load_connector_config])
+def test_unknown_keys_near_a_renamed_one_are_still_rejected(load):
+    with pytest.raises(ConfigError, match="unknown config key 'inline_load_byte'"):
+        load({"inline_load_byte": 1}, env={})
+    with pytest.raises(ConfigError, match="unknown config key 'in_step_load_byte'"):
+        load({"in_step_load_byte": 1}, env={})
+
+
 def test_sizes():
     assert parse_size("8GiB") == 8 << 30
     assert parse_size("512MB") == 512_000_000
