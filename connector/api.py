@@ -210,7 +210,8 @@ class TierStatus(BaseModel):
     backend: str
     never_blocks: bool = Field(description="the tier never waits on I/O (its class sets "
                                "never_blocks): an engine step may read it")
-    may_block: bool = Field(description="deprecated: not never_blocks (kept for existing readers)")
+    may_block: bool = Field(deprecated="read never_blocks: may_block is its negation, kept for "
+                            "existing readers")
     capacity_bytes: int | None
     used_bytes: int | None
     entries: int | None
