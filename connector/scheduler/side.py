@@ -373,10 +373,10 @@ class SchedulerSide:
         t.load_background = (self.layout.multi or bool(self.runs_ahead)
                              or any(i in loaded for i in slow)
                              or (any(i in loaded for i in local)
-                                 and not self._inline_budget(hit - num_computed_tokens)))
+                                 and not self._in_step_budget(hit - num_computed_tokens)))
         return hit - num_computed_tokens, t.load_background
 
-    def _inline_budget(self, tokens: int) -> bool:
+    def _in_step_budget(self, tokens: int) -> bool:
         """Whether a hit of ``tokens`` from a local medium still fits this step's
         ``in_step_load_bytes`` (then taken from it): the step reads it as it reads RAM hits,
         instead of the request waiting a step for a background load. Unknown KV sizes never

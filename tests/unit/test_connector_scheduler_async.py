@@ -43,7 +43,7 @@ def stored_request(model_dir, fake):
     return s, side, r
 
 
-def test_l1_hit_loads_inline(model_dir):
+def test_l1_hit_loads_in_the_step(model_dir):
     s, side, r = stored_request(model_dir, FakeLookup())
     assert side.get_num_new_matched_tokens(r, 0) == (1024, False)
     assert side.runs_ahead is None
@@ -112,7 +112,7 @@ def with_budget(side, hits: float) -> int:
     return one
 
 
-def test_local_hits_load_inline_while_the_steps_budget_lasts(model_dir):
+def test_local_hits_load_in_the_step_while_its_budget_lasts(model_dir):
     """Disk hits load inside the step as RAM hits do, up to ``in_step_load_bytes`` a step: the
     first hit fits, the second (same step) waits for a background load, and the next step's
     budget is whole again."""
