@@ -99,12 +99,12 @@ class LoadReports:
         out, self._recompute = self._recompute, set()
         return out
 
-    def tainted(self, md: KVPlugMetadata | None) -> set[str]:
+    def tainted(self, metadata: KVPlugMetadata | None) -> set[str]:
         """The requests whose KV this step computed over a failed load (theirs, or a block of
         theirs that failed, or an unwritten block it read), so nothing of theirs is stored;
         forgets the step's failures (called once per step, when its store starts)."""
         out, self._skip_requests = self._skip_requests, set()
         bad, self._skip_blocks = self._skip_blocks, set()
-        if md is not None and bad:
-            out |= {r.req_id for r in md.requests if bad.intersection(r.block_ids, *r.tables)}
+        if metadata is not None and bad:
+            out |= {r.req_id for r in metadata.requests if bad.intersection(r.block_ids, *r.tables)}
         return out

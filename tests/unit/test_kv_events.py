@@ -396,9 +396,9 @@ def test_book_drops_news_about_keys_of_the_weights_before_a_reset(tmp_path):
         late = _drain(watches[0], 1)  # taken with step N's output...
         assert [e.stored for e in late] == [True]
         conn.reset_cache()  # ...the weights change before the scheduler sees it
-        md = KVPlugMetadata(256, 16, epoch=conn._sched.epoch)
+        metadata = KVPlugMetadata(256, 16, epoch=conn._sched.epoch)
         for w in workers:
-            w.sync_epoch(md)  # step N+1's metadata: every rank on the new epoch
+            w.sync_epoch(metadata)  # step N+1's metadata: every rank on the new epoch
         step_output(late)
         # the scheduler plans the chunk's save again under the new weights: rank 0 stores it,
         # rank 1 does not (its tier is down)

@@ -59,24 +59,24 @@ def a_load(req_id: str, blocks: list[int], tiers: list[str], fail_at: int | None
     end = CHUNK * len(tiers)
     spec = LoadSpec(start, end, 0, [make_key(i).chunk_hash for i in range(len(tiers))],
                     background=background)
-    ld = RequestLoad(ReqMeta(req_id, blocks, load=spec), spec, BS, seconds=seconds)
+    load = RequestLoad(ReqMeta(req_id, blocks, load=spec), spec, BS, seconds=seconds)
     for i, tier in enumerate(tiers):
         s, e = i * CHUNK, (i + 1) * CHUNK
         first = max(s, start)
-        ld.chunks.append(ChunkLoad(make_key(i), s, e, CHUNK // BS, slice((first - s) // BS, 2),
+        load.chunks.append(ChunkLoad(make_key(i), s, e, CHUNK // BS, slice((first - s) // BS, 2),
                                    blocks[first // BS:e // BS], tier))
     if fail_at is not None:
-        ld.fail(fail_at, MISSING)
-    return ld.outcome(KV.num_layers * KV.page_bytes)
+        load.fail(fail_at, MISSING)
+    return load.outcome(KV.num_layers * KV.page_bytes)
 
 
 def test_a_failed_load_reports_its_blocks_result_and_counters_once(kv, caplog):
     rng = random.Random(1)
     blocks = rng.sample(range(1, 16), 6)
     r, stats = reports()
-    ld = a_load("a", blocks, ["ram", "disk", "disk"], fail_at=16)
+    load = a_load("a", blocks, ["ram", "disk", "disk"], fail_at=16)
     with caplog.at_level(logging.WARNING, logger="kvplug.connector"):
-        r.record(ld, TIERS)
+        r.record(load, TIERS)
     assert r.take_load_errors() == set(blocks[4:6])  # tokens 16-24: vLLM recomputes them
     assert r.take_load_errors() == set()  # taken once
     assert r.take_failed() == set()  # one KV cache group: by block, not by request
