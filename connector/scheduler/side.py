@@ -81,8 +81,8 @@ class RequestTracker:
     hashes: list[bytes] = field(default_factory=list)  # full-chunk hashes computed so far
     lookup_tokens: int = 0  # last lookup's hit (tokens stored, counted from 0)
     usable_tokens: int = 0  # of it, what vLLM is told (less the last block: drop_last_block)
-    stored_tokens: int = 0  # [0, stored_tokens) is in storage or being stored (chunk aligned)
-    saved_end: int = 0  # [0, saved_end) is stored or being stored (block aligned)
+    stored_chunk_end: int = 0  # [0, stored_chunk_end) is stored or being stored (chunk aligned)
+    stored_block_end: int = 0  # [0, stored_block_end) likewise, to a block (may end in a chunk)
     refine: tuple[int, int] | None = None  # (num_tokens, chunk) of a second lookup not answered
     pending_load: LoadSpec | None = None
     load_background: bool = False  # the last lookup's hit needs a tier that may block
@@ -321,7 +321,7 @@ class SchedulerSide:
         """
         t = self.track(request)
         if t.stale:  # asked again after a weights reset: it holds no KV of the old weights now
-            t.stale, t.stored_tokens, t.saved_end = False, 0, 0
+            t.stale, t.stored_chunk_end, t.stored_block_end = False, 0, 0
             self._allow(t)
         t.lookup_tokens = t.usable_tokens = 0
         t.pending_load = None
@@ -424,8 +424,8 @@ class SchedulerSide:
         t.block_ids, t.tables = list(tables[0]), tuple(map(list, tables))
         hit = t.lookup_tokens
         # What lookup found is in storage: never store it again.
-        t.stored_tokens = max(t.stored_tokens, hit // self.chunk_size * self.chunk_size)
-        t.saved_end = max(t.saved_end, hit)
+        t.stored_chunk_end = max(t.stored_chunk_end, hit // self.chunk_size * self.chunk_size)
+        t.stored_block_end = max(t.stored_block_end, hit)
         if num_external_tokens > 0:
             upto = t.usable_tokens  # the hit's last block is recomputed: drop_last_block
             start = upto - num_external_tokens
@@ -452,15 +452,15 @@ class SchedulerSide:
         next time instead."""
         r = t.request
         top = min(computed, r.num_tokens if self.cfg.save_decode else t.prompt_len)
-        start, end = t.stored_tokens, top // self.chunk_size * self.chunk_size
+        start, end = t.stored_chunk_end, top // self.chunk_size * self.chunk_size
         if (self.cfg.save_partial_chunk or self.role == "kv_producer") \
                 and computed >= t.prompt_len:
             pend = (top if final else t.prompt_len - 1) // self.block_size * self.block_size
-            if pend % self.chunk_size and pend > t.saved_end:
+            if pend % self.chunk_size and pend > t.stored_block_end:
                 end = pend
-        if end <= start or end <= t.saved_end:
+        if end <= start or end <= t.stored_block_end:
             return None
-        t.stored_tokens, t.saved_end = end // self.chunk_size * self.chunk_size, end
+        t.stored_chunk_end, t.stored_block_end = end // self.chunk_size * self.chunk_size, end
         spec = SaveSpec(start, end, start // self.chunk_size, self._hashes_for(t, start, end))
         if self.on_chunks is not None:
             self.on_chunks(r, start, end, spec.hashes)
@@ -608,9 +608,9 @@ class SchedulerSide:
             if (t := self.trackers.get(req_id)) is not None:
                 # not stored from there on (the chunk failed; KV computed over it was dropped):
                 # stored again once vLLM recomputed it
-                t.stored_tokens = min(t.stored_tokens, tok // self.chunk_size * self.chunk_size)
-                t.saved_end = min(t.saved_end, tok)
-        for req_id, n in meta.failed_blocks.items():
+                t.stored_chunk_end = min(t.stored_chunk_end, tok // self.chunk_size * self.chunk_size)
+                t.stored_block_end = min(t.stored_block_end, tok)
+        for req_id, n in meta.num_failed_blocks.items():
             if (t := self.trackers.get(req_id)) is not None:
                 t.report["failed_blocks"] = max(t.report.get("failed_blocks", 0), n)
                 # vLLM recomputes; a background load that failed whole sends the request back
@@ -629,7 +629,7 @@ class SchedulerSide:
         if t is None or not self.cfg.report_to_client:
             return offered
         rep = {"lookup_hit_tokens": t.lookup_tokens, "loaded_tokens": 0, "tiers": {},
-               "load_ms": 0.0, "failed_blocks": 0, "stored_tokens": t.stored_tokens, **t.report}
+               "load_ms": 0.0, "failed_blocks": 0, "stored_tokens": t.stored_chunk_end, **t.report}
         return {**(offered or {}), "kvplug": rep}
 
     # -- disaggregated prefill: the producer's hand-off and the consumer's wait (.handoff) --------
@@ -641,7 +641,8 @@ class SchedulerSide:
         if not t.can_save or t.stale:
             return None
         prompt_end = (t.prompt_len - 1) // self.block_size * self.block_size
-        tokens = prompt_end if t.saved_end >= prompt_end else t.stored_tokens // self.chunk_size * self.chunk_size
+        tokens = prompt_end if t.stored_block_end >= prompt_end \
+            else t.stored_chunk_end // self.chunk_size * self.chunk_size
         if tokens <= 0:
             return None
         last = self._hashes_for(t, (tokens - 1) // self.chunk_size * self.chunk_size, tokens)[-1]

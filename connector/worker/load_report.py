@@ -50,7 +50,7 @@ class LoadReports:
         self._recompute.update(got.recompute)
         if got.failed_request is not None:
             self._failed_requests.add(got.failed_request)
-        self._meta.failed_blocks.update(got.lost_blocks)
+        self._meta.num_failed_blocks.update(got.num_failed_blocks)
         for req_id, tok in got.store_from.items():
             self._meta.failed_from[req_id] = min(tok, self._meta.failed_from.get(req_id, tok))
         if got.skip_request is not None:

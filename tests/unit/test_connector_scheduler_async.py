@@ -30,7 +30,7 @@ def output(scheduler_output, recving=(), bad=(), failed=None):
     out = model_runner_output(scheduler_output)
     out.kv_connector_output = KVConnectorOutput(
         finished_recving=set(recving), invalid_block_ids=set(bad),
-        kv_connector_worker_meta=KVPlugWorkerMeta(failed_blocks=failed or {}))
+        kv_connector_worker_meta=KVPlugWorkerMeta(num_failed_blocks=failed or {}))
     return out
 
 
