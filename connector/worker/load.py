@@ -22,9 +22,9 @@
   failed load left unwritten is recorded the same way (:meth:`Loads.read_unwritten`).
 
 :class:`Loads` is the load direction of the worker's transfers (:mod:`.transfers`; the store
-direction is :mod:`.store`), in the same shape: ``expect``, ``submit``, ``finished``, and the
+direction is :mod:`.store`), in the same shape: ``expect``, ``start``, ``finished``, and the
 waits (``wait_layer``, ``wait_all``). It runs the path for both kinds of job: an inline load
-(``start_load_kv``: all five steps in the step, :meth:`Loads.submit`; layer-wise, the scatter is
+(``start_load_kv``: all five steps in the step, :meth:`Loads.start`; layer-wise, the scatter is
 released layer by layer, :meth:`Loads.wait_layer`), and a background load (a chunk is in a
 tier that may block: vLLM's asynchronous protocol), whose fetch alone runs off the step on
 :class:`BackgroundLoads`' pool; its validate, scatter and report run on vLLM's thread in
@@ -141,7 +141,7 @@ def plan_load(metadata: KVPlugMetadata, r: ReqMeta, key: Callable[[bytes], Cache
     """The chunks of ``r``'s load and their blocks: one :class:`ChunkLoad` per chunk, or per KV
     cache group part of a chunk with several groups (a sliding group writes only its live
     blocks). A chunk a block table cannot hold, or that ``tier_of`` finds nowhere to read from
-    (see :meth:`Loads.submit`), fails with everything after it."""
+    (see :meth:`Loads.start`), fails with everything after it."""
     assert r.load is not None
     spec, block_size = r.load, metadata.block_size
     load = RequestLoad(r, spec, block_size)
@@ -202,7 +202,7 @@ class Loads:
         if metadata.unwritten:
             self.read_unwritten(metadata)
 
-    def submit(self, metadata: KVPlugMetadata | None) -> None:
+    def start(self, metadata: KVPlugMetadata | None) -> None:
         """``start_load_kv``: every load of the step (None: the step has none; the last one's
         ends). Plan; a background one is fetched off the step; the others are fetched,
         validated and scattered now (layer-wise: layer by layer, see :meth:`wait_layer`), then
@@ -221,7 +221,7 @@ class Loads:
             load = plan_load(metadata, r, self.key, where, self.layout)  # 1. plan
             if r.load.background:
                 load.epoch = self.epoch
-                self.background.submit(load)  # 2. fetch, off the step (see finished)
+                self.background.start_fetch(load)  # 2. fetch, off the step (see finished)
                 continue
             got = self._fetch(load, reads, budget)  # 2. fetch
             self._validate(load, got, jobs, reads)  # 3. validate
@@ -459,7 +459,7 @@ class BackgroundLoads:
         """Start the fetch threads now (at start-up), not on the first background loads."""
         self._runtime.start_threads(self._pool, self._threads)
 
-    def submit(self, load: RequestLoad) -> None:
+    def start_fetch(self, load: RequestLoad) -> None:
         """Start fetching every chunk of ``load`` (in chunk order)."""
         def run() -> tuple[list[MemoryObj | None], list[str | None]]:
             t0 = time.perf_counter()

@@ -103,7 +103,7 @@ class WorkerSide:
                       BackgroundLoads(self.storage.batched_get_where, runtime=self.runtime),
                       self.pinned, self.release, self.cfg.inline_load_deadline_s)
         saves = (AsyncSaves(self.kv, self.storage, self.stats, self.runtime,
-                            order_at_submit=self.layout.zeroes_new_blocks)
+                            order_at_enqueue=self.layout.zeroes_new_blocks)
                  if async_save_enabled(self.cfg, self.kv.device.type) else None)
         self.transfers = Transfers(loads, Stores(parts, self.stats, saves))
         self.transfers.warm_up()

@@ -1,7 +1,7 @@
 """A worker's stores: the KV of the step's saved chunks, from vLLM's blocks into the tiers.
 
 :class:`Stores` is the store direction of the worker's transfers (:mod:`.transfers`; the load
-direction is :mod:`.load`), in the same shape: ``expect`` (the bound step's saves), ``submit`` (a
+direction is :mod:`.load`), in the same shape: ``expect`` (the bound step's saves), ``start`` (a
 layer just computed, or the step's store), ``finished`` (vLLM's ``finished_sending``), and the
 waits: ``wait_freed`` (copies ordered before vLLM reuses the blocks they read), ``wait_puts``
 (puts a lookup waits for), ``wait_copies`` (every copy has read its blocks). A step's store:
@@ -41,7 +41,7 @@ vLLM's blocks must outlive every copy that reads them (vLLM 0.32's rules):
   *before* it calls ``handle_preemptions`` (``update_requests``, then ``pre_forward``). Where the
   engine does that (``needs_kv_cache_zeroing``: mixed-precision caches), a block a preemption freed
   can be rewritten before :meth:`AsyncSaves.wait_for` runs, so each step's copies are ordered before the next
-  step right away (``order_at_submit``; CUDA: the engine's stream waits on the copy's event, no
+  step right away (``order_at_enqueue``; CUDA: the engine's stream waits on the copy's event, no
   host wait; CPU: the copy is done on vLLM's thread). Found and checked on an H100 with
   ``tests/unit/test_gpu_cuda.py::test_a_block_zeroed_before_the_wait_races_the_store``.
 """
@@ -129,12 +129,12 @@ class Stores:
 
     # -- the transfer shape (see .transfers) ------------------------------------------------------
     def expect(self, metadata: KVPlugMetadata) -> None:
-        """vLLM bound the coming step's metadata: its saves are held until submitted
+        """vLLM bound the coming step's metadata: its saves are held until enqueued
         (:meth:`AsyncSaves.expect`)."""
         if self.saves is not None:
             self.saves.expect(metadata)
 
-    def submit(self, metadata: KVPlugMetadata | None, layer: str | None = None,
+    def start(self, metadata: KVPlugMetadata | None, layer: str | None = None,
                skip: Collection[str] = frozenset()) -> None:
         """``layer``: layer-wise, copy that layer of every chunk the step saves, right after it
         is computed (``save_kv_layer``). Else the step's store (``wait_for_save``): see
@@ -260,7 +260,7 @@ class Stores:
                 for o in dropped:
                     o.ref_down()
                 dropped = []
-            self.saves.submit(metadata, batch.keys, batch.objs, batch.jobs, batch.tokens, steps,
+            self.saves.enqueue(metadata, batch.keys, batch.objs, batch.jobs, batch.tokens, steps,
                               window=batch.window, unput=dropped)
             return
         dropped = []
@@ -310,16 +310,16 @@ class SaveJob:
 class AsyncSaves:
     """Saves whose copy and put run off the engine step (see the module docstring).
 
-    ``submit`` takes one step's chunks (owning one reference to each object; every object is
+    :meth:`enqueue` takes one step's chunks (owning one reference to each object; every object is
     released once its put is over or failed), :meth:`take_sent` reports finished requests whose
     blocks no copy reads any more, :meth:`wait_for` orders a preemption after the copies."""
 
     def __init__(self, kv: PagedKV, storage: StorageManager, stats: StatsRecorder,
-                 runtime: Runtime = THREADS, order_at_submit: bool = False) -> None:
+                 runtime: Runtime = THREADS, order_at_enqueue: bool = False) -> None:
         self.kv = kv
         #: the engine may rewrite freed blocks before ``handle_preemptions``: order every step's
-        #: copies before the next step when they are submitted (see the module docstring)
-        self.order_at_submit = order_at_submit
+        #: copies before the next step when they are enqueued (see the module docstring)
+        self.order_at_enqueue = order_at_enqueue
         self.storage = storage
         self.stats = stats
         self.on_cuda = kv.device.type == "cuda"
@@ -332,7 +332,7 @@ class AsyncSaves:
         self._busy: dict[str, int] = {}  # request -> jobs in flight that read its blocks
         self._tracked: set[str] = set()  # requests that had a save: vLLM holds them at finish
         self._finished: set[str] = set()  # finished, waiting for their copies
-        #: the bound step's requests with a save, until that step's ``submit`` (see expect)
+        #: the bound step's requests with a save, until that step's ``enqueue`` (see expect)
         self._bound: tuple[KVPlugMetadata, frozenset[str]] | None = None
         self._closed = False
 
@@ -353,17 +353,17 @@ class AsyncSaves:
 
     def expect(self, metadata: KVPlugMetadata) -> None:
         """vLLM bound ``metadata`` for the coming step: its requests with a save count as held (vLLM
-        keeps their blocks at finish) and as busy until this step's :meth:`submit`, whichever
+        keeps their blocks at finish) and as busy until this step's :meth:`enqueue`, whichever
         order vLLM calls ``get_finished`` and ``wait_for_save`` in (vLLM 0.33 with a speculator
         asks ``get_finished`` first)."""
         req_ids = frozenset(r.req_id for r in metadata.requests if r.save is not None)
         with self._lock:
-            if self._bound is not None:  # never submitted (no wait_for_save): nothing comes
-                logger.debug("kvplug: a bound step's saves were never submitted")
+            if self._bound is not None:  # never enqueued (no wait_for_save): nothing comes
+                logger.debug("kvplug: a bound step's saves were never enqueued")
             self._bound = (metadata, req_ids) if req_ids else None
             self._tracked |= req_ids
 
-    def submit(self, metadata: KVPlugMetadata, keys: list[CacheKey], objs: list[MemoryObj],
+    def enqueue(self, metadata: KVPlugMetadata, keys: list[CacheKey], objs: list[MemoryObj],
                jobs: list[PageJob], tokens: int, steps: Iterator[int] | None = None,
                window: bool = False, unput: Sequence[MemoryObj] = ()) -> None:
         """Start this step's save (called in ``wait_for_save``, after the forward pass). Every
@@ -393,7 +393,7 @@ class AsyncSaves:
                 self.stats.add("store_failures")
                 self._release(job)
                 return
-        # counted when submitted, so a request's stores show in the stats the step it ends (a
+        # counted when enqueued, so a request's stores show in the stats the step it ends (a
         # copy or put that fails later counts in store_failures)
         if keys:
             self.stats.add("stores", 1)
@@ -415,18 +415,18 @@ class AsyncSaves:
             self._release(job)
             return
         self._pool.submit(self._run, job)
-        if self.order_at_submit:
+        if self.order_at_enqueue:
             self._copy_now([job])
 
     def _unbind(self, metadata: KVPlugMetadata) -> None:
-        """``metadata``'s saves are submitted (or dropped): its requests are no longer expected."""
+        """``metadata``'s saves are enqueued (or dropped): its requests are no longer expected."""
         if self._bound is not None and self._bound[0] is metadata:
             self._bound = None
 
     def take_sent(self, finished: Collection[str]) -> set[str]:
         """vLLM's ``finished_sending``: requests finished (``finished``: this step's, earlier ones
         are remembered) that had a save and whose blocks no copy reads any more, nor will: a
-        request of the bound step whose save is not submitted yet waits for it."""
+        request of the bound step whose save is not enqueued yet waits for it."""
         with self._lock:
             self._finished |= self._tracked.intersection(finished)
             coming = self._bound[1] if self._bound is not None else frozenset()
@@ -549,7 +549,7 @@ class AsyncSaves:
                 return
             with torch.inference_mode():  # as the puts vLLM's thread makes (tiers may write)
                 self.storage.batched_put(job.keys, job.objs)
-            self.stats.add("store_seconds", time.perf_counter() - job.t0)  # submit to put
+            self.stats.add("store_seconds", time.perf_counter() - job.t0)  # enqueue to put
         except Exception:  # noqa: BLE001 - a failed put stores nothing; the engine goes on
             self.stats.add("store_failures")
             logger.exception("kvplug store failed; the chunks are not cached")

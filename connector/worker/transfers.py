@@ -87,9 +87,9 @@ class Transfers:
     def submit(self, job: Load | Store) -> None:
         """Start ``job`` (see the module docstring)."""
         if isinstance(job, Load):
-            self.loads.submit(job.metadata)
+            self.loads.start(job.metadata)
         elif job.layer is not None:
-            self.stores.submit(job.metadata, layer=job.layer)
+            self.stores.start(job.metadata, layer=job.layer)
         else:
             self.store_step(job.metadata)
 
@@ -99,7 +99,7 @@ class Transfers:
         load's failure is recorded before the store asks what it taints), then everything the
         step computed over a failed load is left out."""
         self.wait_loads()
-        self.stores.submit(metadata, skip=self.loads.reports.tainted(metadata))
+        self.stores.start(metadata, skip=self.loads.reports.tainted(metadata))
 
     def finished(self, finished: Collection[str], idle: bool = False) -> Finished:
         """The transfers that are over: requests vLLM may free (``finished``: those vLLM
