@@ -1,4 +1,4 @@
-"""Issue 14's GPU figures for kvplug.gpu, on a KV cache built as vLLM 0.32 allocates it.
+"""GPU figures for kvplug.gpu, on a KV cache built as vLLM 0.32 allocates it.
 
 Transfers: store (gather, device -> pinned host) and load (scatter, pinned host -> device) of a
 4k-token request of a Llama-3-8B-shaped KV cache (32 layers, 8 KV heads, head 128, bf16, block

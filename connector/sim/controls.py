@@ -40,8 +40,8 @@ FAULTS = {
     # each step's copies when enqueued (order_at_enqueue off): a preempted request's block, handed
     # to another request, is zeroed while its save copy is still queued
     "ignore_zeroing": "I4",
-    # asynchronous scheduling with synchronous loads (before this fix): a load that fails in
-    # step N is heard of after N+1 ran over the unloaded blocks (seed 107)
+    # synchronous loads under asynchronous scheduling (where kvplug loads in the background): a
+    # load that fails in step N is heard of after N+1 ran over the unloaded blocks (seed 107)
     "sync_loads_under_async_scheduling": "I2",
     # the neighbour process (SimConfig.neighbour) stores another chunk's bytes under a key (as
     # an engine of other weights would without a deployment secret): rank 0 reads a file it

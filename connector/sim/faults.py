@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 
 def _flipped(data: bytes, pick: int) -> bytes:
     """``data`` (a chunk file or value) with one byte flipped inside a layer's bytes (``pick``
-    chooses the layer); the last byte where the header cannot be parsed. Issue 22's fault
-    flipped the last byte, which is the last layer's alignment padding: no read ever saw it."""
+    chooses the layer); the last byte where the header cannot be parsed. Not the last byte: it
+    is the last layer's alignment padding, which no read ever sees."""
     from kvplug import chunkfile as cf
 
     out = bytearray(data)

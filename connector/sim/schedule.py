@@ -22,7 +22,7 @@ def config_for(seed: int, faults: frozenset[str] = frozenset(),
     """Seed ``seed``'s configuration (``tier``: the backend under test behind L1)."""
     rng = random.Random(seed * 7919 + 1)
     hybrid = rng.random() < 0.6
-    more = random.Random(seed * 7919 + 2)  # later kinds: the stream above stays unchanged
+    more = random.Random(seed * 7919 + 2)  # a stream of its own: what it draws leaves rng's unchanged
     lower = "values" if more.random() < 0.35 and not tier else "posix"
     codec = "lossless" if more.random() < 0.15 and _has_lossless() else ""
     cfg = SimConfig(hybrid=hybrid, window=rng.choice((5, 6, 9)),

@@ -1,4 +1,4 @@
-"""Connector settings that change what vLLM does around kvplug (issue 12 §4): the load-failure
+"""Connector settings that change what vLLM does around kvplug: the load-failure
 policy warning, no second copy of what the tiers hold after a local prefix hit, the per-request
 report kept from API clients unless asked for, and PIECEWISE CUDA graphs in layer-wise mode."""
 

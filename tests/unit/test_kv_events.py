@@ -130,10 +130,10 @@ def test_watch_forgets_past_its_bound_and_announces_it(tmp_path):
 
 
 def test_watch_rounds_never_overlap(tmp_path):
-    """A caller's check() and the watch's own thread (woken by every put) used to run rounds side
-    by side: both confirmed the same pending chunks, and the second announced the chunk the first
-    had just forgotten past ``max_chunks`` as stored again (``[T, T, T, F, T, F]``). Here a second
-    round is started while the first is inside its tier lookup."""
+    """A caller's check() and the watch's own thread (woken by every put) never run rounds side
+    by side: both would confirm the same pending chunks, and the second would announce the chunk
+    the first had just forgotten past ``max_chunks`` as stored again (``[T, T, T, F, T, F]``). Here
+    a second round is started while the first is inside its tier lookup."""
     import threading
 
     sm = StorageManager({"chunk_size": 256, "tiers": [

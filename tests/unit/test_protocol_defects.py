@@ -1,6 +1,6 @@
-"""Issue 22's six protocol defects, each reproduced on vLLM's real ``Scheduler`` (kvplug's real
+"""Six protocol defects between vLLM and kvplug's two sides, each reproduced on vLLM's real ``Scheduler`` (kvplug's real
 scheduler side inside it) and kvplug's real ``WorkerSide`` per TP rank over CPU ``PagedKV``s,
-behind the real lookup client and services: no model, no engine. Each test failed before its fix.
+behind the real lookup client and services: no model, no engine. Each test replays the calls that expose its defect.
 Defect 5 (a save after close on CUDA) needs no scheduler: tests/unit/test_save_after_close.py.
 
 :class:`Rig` steps them as vLLM's engine and model runner do, through the connector's own
@@ -343,7 +343,7 @@ def test_3_preempted_request_aborted_while_loading_is_reported_once(rig, tmp_pat
     r.until(lambda: r.scheduler.requests[victim].status == RequestStatus.WAITING_FOR_REMOTE_KVS,
             "the preempted request waiting for its background load")
     r.scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
-    r.step()  # vLLM asserted here ("assert req_id in self.requests") before the fix
+    r.step()  # vLLM asserts ("assert req_id in self.requests") on a second report
     (gate / "open").touch()
     r.run_out()
     reports = [e for e in r.events if e[0] in ("sent", "recved") and e[1] == victim]
@@ -367,7 +367,7 @@ def test_4_a_rank_loads_a_key_it_never_pinned(rig):
     assert next(h for q, _, e, h in r.saved if q == "p2" and e == 36)
     r.w[1].storage.evict(keys=[r.w[1].key(h40)])  # rank 1: only the tail at 36
     r.add("p3", p1 + prompt(3, 22), max_tokens=1)
-    r.run_out()  # raised ValueError: 'unknown' is not in list (start_load_kv) before the fix
+    r.run_out()  # no ValueError: 'unknown' is not in list (start_load_kv)
     for w in r.w:  # both ranks loaded 32 tokens for p2 and 36 for p3, exactly
         assert w.stats.totals().get("load_tokens") == 32 + 36
         assert w.stats.totals().get("load_failures", 0) == 0
@@ -380,7 +380,7 @@ def test_4_a_rank_loads_a_key_it_never_pinned(rig):
 def test_6_a_request_whose_only_save_is_its_last_is_reported(rig, order):
     r = rig(tiers=[L1], async_save=True, order=order)
     r.add("a", prompt(4, 31), max_tokens=4)  # no save until its end: [0, 4) then
-    r.run_out()  # never freed (kvplug never reported it) before the fix, with 0.33's order
+    r.run_out()  # freed (kvplug reports it), with 0.33's order too
     assert [(s, e) for q, s, e, _ in r.saved if q == "a"] == [(0, 4)]
     assert ("sent", "a") in r.events
     assert not r.scheduler.connector.has_pending_block_frees()

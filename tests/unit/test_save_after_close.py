@@ -1,6 +1,6 @@
-"""Issue 22's defect 5: a save submitted after the save thread closed releases its objects only
-after its copy is done (on CUDA the copy is asynchronous: its event is waited for first). Failed
-before its fix. The other five defects are in tests/unit/test_protocol_defects.py."""
+"""Protocol defect 5: a save enqueued after the save thread closed releases its objects only
+after its copy is done (on CUDA the copy is asynchronous: its event is waited for first). The
+other five defects are in tests/unit/test_protocol_defects.py."""
 
 from __future__ import annotations
 

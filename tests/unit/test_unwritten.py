@@ -113,7 +113,7 @@ def test_against_a_reference_of_written_slots():
 
 
 def test_a_step_that_reads_an_unwritten_block_stores_nothing_computed_over_it(tmp_path):
-    """Issue 33, defect 1: the step that reads an unwritten block is tainted like a failed
+    """The step that reads an unwritten block is tainted like a failed
     load's: the requests that read it store nothing this step (their chunks were computed over
     no KV) and are stored again from the first such token; another request's save goes on."""
     import hashlib
