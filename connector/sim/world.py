@@ -104,7 +104,8 @@ class World:
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.cfg = cfg
-        self.block_size, self.chunk_size = block_size, chunk_size = cfg.block_size, cfg.chunk_size
+        block_size, chunk_size = cfg.block_size, cfg.chunk_size
+        self.block_size, self.chunk_size = block_size, chunk_size
         self.runtime = SimRuntime()
         self.violation: Violation | None = None  # raised inside kvplug (which may swallow it)
         self.counts: Counter[str] = Counter()  # what the schedule exercised (figures)
