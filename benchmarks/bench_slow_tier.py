@@ -8,7 +8,7 @@ backend):
   async    the tier as it is (no ``never_blocks``): kvplug loads its hits in the background
            (vLLM's asynchronous protocol)
   inline   the same tier declaring ``never_blocks = True`` (``InlineStallingTier`` below): kvplug
-           believes it and loads inside the engine step, as every load did before issue 13
+           believes it and loads inside the engine step, as for a tier that never blocks
 
 In each: a prompt P is stored (cold run); a short request starts decoding; once it has produced
 ``--before`` tokens, P is submitted again (a hit of every chunk, each ``get`` 100 ms); decoding

@@ -74,8 +74,8 @@ def main() -> None:
 
     rng = random.Random(0)
     tokens = [rng.randrange(150_000) for _ in range(128 * 1024)]
-    db = TokenDatabase(256)
-    t_ours = best_of(lambda: db.chunk_hashes(tokens), repeat=5)
+    token_db = TokenDatabase(256)
+    t_ours = best_of(lambda: token_db.chunk_hashes(tokens), repeat=5)
     try:
         from vllm.utils.hashing import sha256_cbor
         from vllm.v1.core import kv_cache_utils as kcu

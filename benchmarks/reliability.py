@@ -1,4 +1,4 @@
-"""The reliability campaign's longer runs (issue 16): the CI tests' scenarios with counts you pick.
+"""The reliability campaign's longer runs: the CI tests' scenarios with counts you pick.
 Figures go to docs/reliability.md. Everything runs on this machine; no network traffic.
 
     .venv/bin/python -m benchmarks.reliability crash --kind posix --kills 200

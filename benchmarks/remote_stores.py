@@ -160,12 +160,12 @@ def started(name: str, workdir: Path, *, maxmemory: str = "3gb", segment: str = 
                           AWS_DEFAULT_REGION="us-east-1")
         moto = MotoServer()
         try:
-            so = {"endpoint_url": moto.endpoint, **CREDENTIALS}
-            s3fs.S3FileSystem(skip_instance_cache=True, **so).mkdir("bench")
+            storage_options = {"endpoint_url": moto.endpoint, **CREDENTIALS}
+            s3fs.S3FileSystem(skip_instance_cache=True, **storage_options).mkdir("bench")
             yield Store("fsspec", {"url": "s3://bench/kv", "timeout_s": timeout_s,
-                                   "storage_options": so},
+                                   "storage_options": storage_options},
                         f"s3fs {s3fs.__version__} on moto's S3 server",
-                        lambda: raw_fsspec("s3://bench/kv", so))
+                        lambda: raw_fsspec("s3://bench/kv", storage_options))
         finally:
             moto.stop()
     else:

@@ -112,7 +112,7 @@ def install(prefix: str) -> None:
     _wrap(load.Loads, "finished", "worker.loads_finished",
           lambda a, k, out: f"over={len(out)}", cpu=True)
     _wrap(load.BackgroundLoads, "wait_idle", "worker.wait_idle")
-    _wrap(load.BackgroundLoads, "submit", "worker.bg_submit")
+    _wrap(load.BackgroundLoads, "start_fetch", "worker.bg_submit")
     _wrap(StorageManager, "batched_get_where", "sm.batched_get_where",
           lambda a, k, out: f"n={len(out[0])} hit={sum(o is not None for o in out[0])}",
           cpu=True)

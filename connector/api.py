@@ -331,7 +331,7 @@ class Engine:
 
     def lookup(self, ids: list[int], salt: str | None) -> LookupResponse:
         if len(ids) <= self.block_size:  # nothing a request could load: it computes a token
-            return LookupResponse(tokens=0, prompt_tokens=len(ids), chunk_size=self.sched.cs,
+            return LookupResponse(tokens=0, prompt_tokens=len(ids), chunk_size=self.sched.chunk_size,
                                   block_size=self.block_size,
                                   tiers={n: TierLookup(held=0, served=0)
                                          for n in self.config.tier_names()})
@@ -339,12 +339,12 @@ class Engine:
             q = _Query(f"kvplug-api-lookup-{next(self._ids)}", ids, salt)
             tiers = self._per_tier(q)
             tokens = self._scheduler_hit(q)
-        return LookupResponse(tokens=tokens, prompt_tokens=len(ids), chunk_size=self.sched.cs,
+        return LookupResponse(tokens=tokens, prompt_tokens=len(ids), chunk_size=self.sched.chunk_size,
                               block_size=self.block_size, tiers=tiers)
 
     def _per_tier(self, q: _Query) -> dict[str, TierLookup]:
         t = self.sched.track(q)  # hashes as the scheduler makes them (salt, chunk keys)
-        cap = (q.num_tokens - 1) // self.sched.bs * self.sched.bs
+        cap = (q.num_tokens - 1) // self.sched.block_size * self.sched.block_size
         if not t.can_load or cap <= 0:
             names = self.config.tier_names()
             return {n: TierLookup(held=0, served=0) for n in names}
@@ -448,7 +448,7 @@ class Engine:
                 operator_pinned_bytes=a.total("operator_pinned_bytes"),
                 breaker="open" if "open" in breakers else first["breaker"],
                 policies=first["policies"]))
-        return StatusResponse(model=self.model, chunk_size=self.sched.cs,
+        return StatusResponse(model=self.model, chunk_size=self.sched.chunk_size,
                               block_size=self.block_size, tiers=tiers, ranks=ranks)
 
 

@@ -173,8 +173,8 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- worker side ---------------------------------------------------------------------------
     def _meta(self) -> KVPlugMetadata | None:
-        md = self._connector_metadata
-        return md if isinstance(md, KVPlugMetadata) else None
+        metadata = self._connector_metadata
+        return metadata if isinstance(metadata, KVPlugMetadata) else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
@@ -213,17 +213,17 @@ class KVPlugConnector(KVConnectorBase_V1, SupportsHMA):
         # reports its own: the default get_finished_count (the world size) is right.
         if self._worker is None:
             return None, None
-        md = self._meta()
-        idle = md is not None and md.idle  # no forward: wait a little
+        metadata = self._meta()
+        idle = metadata is not None and metadata.idle  # no forward: wait a little
         sent, recving = self._worker.get_finished(finished_req_ids, idle,
-                                                  pause=idle and md is not None and md.handoffs)
+                                                  pause=idle and metadata is not None and metadata.handoffs)
         return sent or None, recving or None
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM freed the preempted requests' blocks; the coming forward pass may rewrite them
         if self._worker is not None:
-            md = kv_connector_metadata
-            self._worker.handle_preemptions(md if isinstance(md, KVPlugMetadata) else None)
+            metadata = kv_connector_metadata
+            self._worker.handle_preemptions(metadata if isinstance(metadata, KVPlugMetadata) else None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         # several KV cache groups: a failed load is a failed request (vLLM recomputes it all)

@@ -69,8 +69,8 @@ def pages_for_tokens(start: int, end: int, block_size: int, chunk_start: int = 0
     """Pages of a memory object beginning at token ``chunk_start`` that hold ``[start, end)``.
 
     Used to skip leading tokens of a chunk (already present in the engine) at block granularity:
-    ``obj[:, pages_for_tokens(skip, chunk_end, bs, chunk_start)]`` pairs with
-    ``blocks_for_tokens(table, skip, chunk_end, bs)``. ``start - chunk_start`` must be a multiple
+    ``obj[:, pages_for_tokens(skip, chunk_end, block_size, chunk_start)]`` pairs with
+    ``blocks_for_tokens(table, skip, chunk_end, block_size)``. ``start - chunk_start`` must be a multiple
     of ``block_size`` and ``start >= chunk_start``.
     """
     if start < chunk_start:

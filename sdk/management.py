@@ -145,12 +145,12 @@ def _wait_until(storage: StorageManager, done: Callable[[], bool], timeout: floa
     """Poll ``done`` every 50 ms for up to ``timeout`` seconds, through the storage's runtime
     (:mod:`kvplug.runtime`: real time in production; under the deterministic simulation the
     wait runs the queued tasks it waits for)."""
-    rt = storage.runtime
-    cond = rt.condition(threading.Lock())
-    end = rt.monotonic() + timeout
+    runtime = storage.runtime
+    cond = runtime.condition(threading.Lock())
+    end = runtime.monotonic() + timeout
     with cond:
         while not done():
-            left = end - rt.monotonic()
+            left = end - runtime.monotonic()
             if left <= 0:
                 return False
             cond.wait_for(done, min(0.05, left))

@@ -165,7 +165,7 @@ class StorageManager:
                 return None
         if budget is not None and budget.spent():
             return self._over_budget(tier, hook, budget)
-        return self._wait(tier, hook, tier.submit(hook, kwargs), kwargs, budget)
+        return self._wait(tier, hook, tier.call_async(hook, kwargs), kwargs, budget)
 
     def _wait(self, tier: Tier, hook: str, fut: Any, kwargs: dict[str, Any],
               budget: WaitBudget | None = None) -> Any:
@@ -510,7 +510,7 @@ class StorageManager:
                 out += answer(g, self._call(tier, hook, budget=budget, **args(g)))
             return out
         calls = [(g, args(g)) for g in groups]
-        futs = [tier.submit(hook, kw) for _, kw in calls] if not budget.spent() else []
+        futs = [tier.call_async(hook, kw) for _, kw in calls] if not budget.spent() else []
         for i, (g, kw) in enumerate(calls):
             if i >= len(futs) or budget.spent():
                 if i < len(futs):

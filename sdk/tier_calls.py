@@ -185,7 +185,8 @@ class Tier:
         small values, :data:`SEQUENTIAL_READ_BYTES`) rather than spread over threads."""
         return self.local and self.value_bytes < SEQUENTIAL_READ_BYTES
 
-    def submit(self, hook: str, kwargs: dict[str, Any]) -> Future:
+    def call_async(self, hook: str, kwargs: dict[str, Any]) -> Future:
+        """Run the backend's ``hook`` with ``kwargs`` on this tier's pool: its future."""
         assert self.pool is not None
         return self.pool.submit(self.hooks[hook], **kwargs)
 

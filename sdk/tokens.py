@@ -104,11 +104,11 @@ class TokenDatabase:
         extended in place, so a sequence that grows (a request that decodes, a lookup asked again)
         hashes each chunk once. Equal to ``chunk_hashes(token_ids)[:num_chunks]``.
         """
-        cs = self.chunk_size
+        chunk_size = self.chunk_size
         while len(hashes) < num_chunks:
-            start = len(hashes) * cs
+            start = len(hashes) * chunk_size
             parent = hashes[-1] if hashes else None
-            hashes.append(_hash_span(parent, token_ids, start, start + cs, extra_keys))
+            hashes.append(_hash_span(parent, token_ids, start, start + chunk_size, extra_keys))
         return hashes[:num_chunks]
 
     def partial_hash(

@@ -181,7 +181,7 @@ class ValueStoreTier(ABC):
                 continue
             if self.index_found and name in self._index:  # known to be stored already
                 continue
-            self._writer.submit(name, key, obj)
+            self._writer.enqueue(name, key, obj)
 
     @hookimpl
     def flush(self, timeout: float) -> bool:

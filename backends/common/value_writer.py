@@ -1,7 +1,7 @@
 """Stores of a remote tier (resp, mooncake, fsspec): a bounded queue drained by writer threads,
 in batches (one pipelined round trip, one batch call; fsspec uploads one object per batch).
 
-``submit`` only queues (taking a reference); a full queue drops the store and counts it
+:meth:`ValueWriter.enqueue` only queues (taking a reference); a full queue drops the store and counts it
 (``dropped_queue_full``, logged once naming the option to raise), so the engine never waits. The
 queue is bounded by stores and by bytes (:data:`MAX_PENDING_WRITES`, :data:`MAX_PENDING_BYTES`:
 each queued store holds its memory object, L1 memory that cannot be evicted meanwhile); the
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -125,7 +126,7 @@ class ValueWriter:
             self.budget.forget(name)
 
     # -- stores ---------------------------------------------------------------------------------
-    def submit(self, name: str, key: CacheKey, obj: MemoryObj) -> None:
+    def enqueue(self, name: str, key: CacheKey, obj: MemoryObj) -> None:
         """Queue a store of ``obj`` (a reference is held until it is written or dropped)."""
         if self.budget is not None and not self.budget.admit(name, key.tenant, obj.nbytes):
             return
@@ -161,6 +162,12 @@ class ValueWriter:
                            if fits else f"{queued_bytes} bytes queued, max_pending_bytes "
                            f"{self._max_pending_bytes}",
                            "max_pending_writes" if fits else "max_pending_bytes")
+
+    def submit(self, name: str, key: CacheKey, obj: MemoryObj) -> None:
+        """Deprecated: :meth:`enqueue`."""
+        warnings.warn("ValueWriter.submit is deprecated, use ValueWriter.enqueue",
+                      DeprecationWarning, stacklevel=2)
+        self.enqueue(name, key, obj)
 
     def flush(self, timeout: float) -> bool:
         with self._idle:
@@ -213,7 +220,7 @@ class ValueWriter:
                 size += item[2].nbytes
             self._queued_bytes -= size
             if not batch:
-                self._draining -= 1  # under the lock submit() looks at
+                self._draining -= 1  # under the lock enqueue() looks at
             return batch
 
     def _run(self) -> None:

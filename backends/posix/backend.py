@@ -232,7 +232,7 @@ class PosixBackend:
     # -- stores and reads -----------------------------------------------------------------------
     @hookimpl
     def batched_submit_put(self, keys: Sequence[CacheKey], objs: Sequence[MemoryObj]) -> None:
-        self.writer.submit(keys, [self._rel(k) for k in keys], objs)
+        self.writer.enqueue(keys, [self._rel(k) for k in keys], objs)
 
     @hookimpl
     def get(self, key: CacheKey) -> MemoryObj | None:

@@ -199,7 +199,7 @@ class Directory:
         victims' files for deletion in the background (:mod:`.reaper`); their bytes."""
         if victims:
             self.counters["evictions"] += len(victims)
-        return self.reaper.submit(victims)
+        return self.reaper.delete(victims)
 
     def unlink_now(self, victims: list[tuple[str, Entry]]) -> int:
         """Delete the victims' files on this thread (not under the lock); the bytes freed."""

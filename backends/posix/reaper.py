@@ -43,7 +43,7 @@ class Reaper:
         self.short_batches = 0
         self._thread = runtime.executor(1, f"kvplug-{name}-reaper", daemon=True)
 
-    def submit(self, victims: list[tuple[str, Entry]]) -> int:
+    def delete(self, victims: list[tuple[str, Entry]]) -> int:
         """Queue the victims' files for deletion; their bytes (free for accounting now)."""
         if not victims:
             return 0

@@ -188,12 +188,11 @@ def load_parts(layout: GroupLayout, tables: Sequence[Sequence[int]], chunk_hash:
     from ``load_start`` (what vLLM already holds is skipped) to ``write_end`` (default ``end``),
     sliding groups only their live blocks (the null blocks before the window stay null). Raises
     ``ValueError`` when a table is too short."""
-    bs = block_size
     first = max(start, load_start)
     stop = end if write_end is None else min(end, write_end)
     out: list[GroupChunk] = []
     for g in layout.groups:
-        ids = blocks_for_tokens(tables[g.index] if g.index < len(tables) else [], first, stop, bs)
+        ids = blocks_for_tokens(tables[g.index] if g.index < len(tables) else [], first, stop, block_size)
         skip = 0
         while skip < len(ids) and ids[skip] == NULL_BLOCK:
             skip += 1
@@ -201,9 +200,9 @@ def load_parts(layout: GroupLayout, tables: Sequence[Sequence[int]], chunk_hash:
             raise ValueError(f"null block in full-attention group {g.index} at token {first}")
         if skip == len(ids):
             continue  # wholly out of the window: nothing to write
-        s = first + skip * bs
-        out.append(GroupChunk(group_hash(chunk_hash, g), start, end, num_pages(end - start, bs),
-                              pages_for_tokens(s, stop, bs, chunk_start=start), ids[skip:],
+        s = first + skip * block_size
+        out.append(GroupChunk(group_hash(chunk_hash, g), start, end, num_pages(end - start, block_size),
+                              pages_for_tokens(s, stop, block_size, chunk_start=start), ids[skip:],
                               counts=not out))
     return out
 
@@ -230,7 +229,6 @@ def lookup_groups(layout: GroupLayout, key: Callable[[bytes], CacheKey], contain
     longest stored tail partial chunk, as for one group), shortened until every sliding group
     holds each chunk overlapping its window at the hit's end. What is found is pinned
     (``contains`` pins the leading run it finds); the caller releases every key in ``pinned``."""
-    cs = chunk_size
     hit = GroupHit(0)
 
     def have(keys: list[CacheKey], chunk: list[int]) -> bool:
@@ -251,9 +249,9 @@ def lookup_groups(layout: GroupLayout, key: Callable[[bytes], CacheKey], contain
         n_full = n // len(full)
 
     def window_ok(end: int, tail: bytes | None) -> bool:
-        last = -(-end // cs)  # chunks [0, last) make up the hit
+        last = -(-end // chunk_size)  # chunks [0, last) make up the hit
         for g in layout.sliding:
-            lo = first_live_token(g, end) // block_size * block_size // cs
+            lo = first_live_token(g, end) // block_size * block_size // chunk_size
             need = [(c, tail if tail is not None and c == last - 1 else hashes[c])
                     for c in range(lo, last)]
             if not have([key(group_hash(h, g)) for _, h in need], [c for c, _ in need]):
@@ -262,13 +260,13 @@ def lookup_groups(layout: GroupLayout, key: Callable[[bytes], CacheKey], contain
 
     if n_full == len(hashes):
         for end, h in tails:
-            c = end // cs
+            c = end // chunk_size
             tail_keys = [key(group_hash(h, g)) for g in full]
             if have(tail_keys, [c] * len(tail_keys)) and window_ok(end, h):
                 hit.tokens = end
                 return hit
     for n in range(n_full, 0, -1):
-        if window_ok(n * cs, None):
-            hit.tokens = n * cs
+        if window_ok(n * chunk_size, None):
+            hit.tokens = n * chunk_size
             return hit
     return hit

@@ -111,7 +111,7 @@ class KVPlugWorkerMeta(KVConnectorWorkerMetadata):
 
     loaded: dict[str, dict[str, int]] = field(default_factory=dict)
     load_ms: dict[str, float] = field(default_factory=dict)
-    failed_blocks: dict[str, int] = field(default_factory=dict)
+    num_failed_blocks: dict[str, int] = field(default_factory=dict)
     #: first token whose load failed, per request (the scheduler stores from there again)
     failed_from: dict[str, int] = field(default_factory=dict)
 
@@ -121,14 +121,14 @@ class KVPlugWorkerMeta(KVConnectorWorkerMetadata):
                 self.loaded.setdefault(req_id, tiers)
             for req_id, ms in other.load_ms.items():
                 self.load_ms[req_id] = max(ms, self.load_ms.get(req_id, 0.0))
-            for req_id, n in other.failed_blocks.items():
-                self.failed_blocks[req_id] = max(n, self.failed_blocks.get(req_id, 0))
+            for req_id, n in other.num_failed_blocks.items():
+                self.num_failed_blocks[req_id] = max(n, self.num_failed_blocks.get(req_id, 0))
             for req_id, tok in other.failed_from.items():
                 self.failed_from[req_id] = min(tok, self.failed_from.get(req_id, tok))
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.loaded or self.failed_blocks or self.failed_from)
+        return bool(self.loaded or self.num_failed_blocks or self.failed_from)
 
 
 # -- KV events: which chunks each worker's tiers took and lost (..worker.tier_watch) --------------

@@ -154,7 +154,7 @@ class TierEventBook:
     def __init__(self, block_size: int, chunk_size: int, num_workers: int,
                  max_chunks: int = 16384, groups: Sequence[dict[str, Any]] = (),
                  salt_key: bytes | None = None, salted_tokens: bool = False) -> None:
-        self.bs, self.cs = block_size, chunk_size
+        self.block_size, self.chunk_size = block_size, chunk_size
         #: the key of salted requests' hashed salts and multimodal ids (:func:`event_key`)
         self.salt_key = salt_key or event_key()
         self.salted_tokens = salted_tokens  # a salted request's token ids in its events
@@ -178,9 +178,9 @@ class TierEventBook:
         for i, h in enumerate(hashes):
             if h in self._live or h in self._named:
                 continue
-            s = start + i * self.cs
-            e = min(s + self.cs, end) // self.bs * self.bs
-            blocks = chunk_blocks(request, s, e, self.bs, self.salt_key, self.salted_tokens)
+            s = start + i * self.chunk_size
+            e = min(s + self.chunk_size, end) // self.block_size * self.block_size
+            blocks = chunk_blocks(request, s, e, self.block_size, self.salt_key, self.salted_tokens)
             if blocks is None:
                 continue
             self._named[h] = blocks
@@ -245,8 +245,8 @@ class TierEventBook:
         self._events.extend(BlockStored(
             block_hashes=b.hashes[lo:hi],
             parent_block_hash=b.hashes[lo - 1] if lo else b.parent,
-            token_ids=b.tokens[lo * self.bs:hi * self.bs].tolist(),  # empty: a salted request
-            block_size=self.bs,
+            token_ids=b.tokens[lo * self.block_size:hi * self.block_size].tolist(),  # empty: a salted request
+            block_size=self.block_size,
             lora_id=b.lora_id,
             medium=tier,
             lora_name=b.lora_name,

@@ -81,8 +81,8 @@ class RequestTracker:
     hashes: list[bytes] = field(default_factory=list)  # full-chunk hashes computed so far
     lookup_tokens: int = 0  # last lookup's hit (tokens stored, counted from 0)
     usable_tokens: int = 0  # of it, what vLLM is told (less the last block: drop_last_block)
-    stored_tokens: int = 0  # [0, stored_tokens) is in storage or being stored (chunk aligned)
-    saved_end: int = 0  # [0, saved_end) is stored or being stored (block aligned)
+    stored_chunk_end: int = 0  # [0, stored_chunk_end) is stored or being stored (chunk aligned)
+    stored_block_end: int = 0  # [0, stored_block_end) likewise, to a block (may end in a chunk)
     refine: tuple[int, int] | None = None  # (num_tokens, chunk) of a second lookup not answered
     pending_load: LoadSpec | None = None
     load_background: bool = False  # the last lookup's hit needs a tier that may block
@@ -163,9 +163,9 @@ class SchedulerSide:
             raise ValueError(f"kvplug chunk_size={config.chunk_size} must be a multiple of vLLM's "
                              f"block_size={block_size}")
         self.cfg = config
-        self.cs = config.chunk_size
-        self.db = TokenDatabase(config.chunk_size)
-        self.bs = block_size
+        self.chunk_size = config.chunk_size
+        self.token_db = TokenDatabase(config.chunk_size)
+        self.block_size = block_size
         #: an EAGLE/MTP drafter: the last block of a hit is recomputed (module docstring)
         self.drop_last_block = drop_last_block
         #: why vLLM may run a step before the previous step's output is processed (its batch
@@ -233,18 +233,18 @@ class SchedulerSide:
     # -- hashing (kvplug.tokens.TokenDatabase: vLLM's sha256_cbor block hash over chunks) --------
     def full_hashes(self, t: RequestTracker, num_chunks: int) -> list[bytes]:
         """The chained hashes of the first ``num_chunks`` full chunks (cached per request)."""
-        return self.db.extend_hashes(t.request.all_token_ids, t.hashes, num_chunks,
+        return self.token_db.extend_hashes(t.request.all_token_ids, t.hashes, num_chunks,
                                      extra_keys=partial(chunk_extra_keys, t.request))
 
     def partial_hash(self, t: RequestTracker, end: int) -> bytes:
         """The hash of the partial chunk ending at ``end`` (not chunk aligned)."""
-        return self.db.partial_hash(t.request.all_token_ids, end, t.hashes,
+        return self.token_db.partial_hash(t.request.all_token_ids, end, t.hashes,
                                     extra_keys=partial(chunk_extra_keys, t.request))
 
     def _hashes_for(self, t: RequestTracker, start: int, end: int) -> list[bytes]:
         """Hashes of the chunks covering ``[start, end)``; a last chunk ending early is partial."""
-        full = self.full_hashes(t, end // self.cs)[start // self.cs:]
-        if end % self.cs:
+        full = self.full_hashes(t, end // self.chunk_size)[start // self.chunk_size:]
+        if end % self.chunk_size:
             full = [*full, self.partial_hash(t, end)]
         return full
 
@@ -253,9 +253,9 @@ class SchedulerSide:
         """Every chunk a lookup of ``[0, end)`` may name: the full chunks' hashes, and
         ``(tokens, hash)`` of the partial chunk ending at each block end that is not a chunk end
         (the management API's per-tier lookup, clear and pin of a prompt)."""
-        tails = [(e, self.partial_hash(t, e)) for e in range(self.bs, end + 1, self.bs)
-                 if e % self.cs]
-        return self.full_hashes(t, end // self.cs), tails
+        tails = [(e, self.partial_hash(t, e)) for e in range(self.block_size, end + 1, self.block_size)
+                 if e % self.chunk_size]
+        return self.full_hashes(t, end // self.chunk_size), tails
 
     # -- requests, tenants, epoch: also what the management API's own scheduler side uses ------
     def track(self, request: Request) -> RequestTracker:
@@ -321,19 +321,19 @@ class SchedulerSide:
         """
         t = self.track(request)
         if t.stale:  # asked again after a weights reset: it holds no KV of the old weights now
-            t.stale, t.stored_tokens, t.saved_end = False, 0, 0
+            t.stale, t.stored_chunk_end, t.stored_block_end = False, 0, 0
             self._allow(t)
         t.lookup_tokens = t.usable_tokens = 0
         t.pending_load = None
         t.load_background = False
         if not t.can_load:
             return 0, False
-        cap = (request.num_tokens - 1) // self.bs * self.bs
+        cap = (request.num_tokens - 1) // self.block_size * self.block_size
         if cap <= num_computed_tokens and not t.can_save:
             return 0, False  # vLLM holds it all; a lookup would only say what not to store again
         if t.handoff is not None and self._handoff_later(t):
             return None, False  # the chunks a producer named: looked up again a little later
-        full = cap // self.cs
+        full = cap // self.chunk_size
         hashes = self.full_hashes(t, full)
         n = t.refine[1] if t.refine is not None and t.refine[0] == request.num_tokens else full
         timeouts = lookup_member(self.lookup, "timeouts")
@@ -341,9 +341,9 @@ class SchedulerSide:
         timed_out = lookup_member(self.lookup, "timeouts") > timeouts  # a late rank: no second ask
         if t.handoff is not None and self._handoff_pending(t, found, num_computed_tokens):
             return None, False  # not all of it stored yet: wait (.handoff)
-        if found is not None and not timed_out and n == full and found < full * self.cs \
+        if found is not None and not timed_out and n == full and found < full * self.chunk_size \
                 and cap > num_computed_tokens:
-            n = found // self.cs  # the first missing full chunk: try the partial ones in it
+            n = found // self.chunk_size  # the first missing full chunk: try the partial ones in it
             found = self._ask(t, hashes[:n], cap)
         t.refine = (request.num_tokens, n) if found is None and n < full else None
         if found is None and cap <= num_computed_tokens:
@@ -356,7 +356,7 @@ class SchedulerSide:
             return None, False
         t.lookup_tokens = min(found, cap)
         # block aligned: a stored range ends at a block end
-        hit = t.usable_tokens = max(0, t.lookup_tokens - self.bs) if self.drop_last_block \
+        hit = t.usable_tokens = max(0, t.lookup_tokens - self.block_size) if self.drop_last_block \
             else t.lookup_tokens
         if cap > num_computed_tokens:  # a lookup that cannot load is no query for the hit rate
             self.stats.add("lookups")
@@ -367,7 +367,7 @@ class SchedulerSide:
         slow = lookup_member(self.lookup, "take_slow")(request.request_id)
         local = lookup_member(self.lookup, "take_local")(request.request_id)
         t.slow_chunks = frozenset(slow)
-        loaded = range(num_computed_tokens // self.cs, -(-hit // self.cs))
+        loaded = range(num_computed_tokens // self.chunk_size, -(-hit // self.chunk_size))
         # several KV cache groups: vLLM takes load failures only as failed async loads;
         # vLLM running steps ahead of their outputs: see the module docstring
         t.load_background = (self.layout.multi or bool(self.runs_ahead)
@@ -381,7 +381,7 @@ class SchedulerSide:
         ``in_step_load_bytes`` (then taken from it): the step reads it as it reads RAM hits,
         instead of the request waiting a step for a background load. Unknown KV sizes never
         fit. Taken when asked: a request vLLM then cannot schedule has spent it (conservative)."""
-        need = tokens * self.layout.block_bytes // max(1, self.bs)
+        need = tokens * self.layout.block_bytes // max(1, self.block_size)
         if not need or self._in_step_spent + need > self.cfg.in_step_load_bytes:
             return False
         self._in_step_spent += need
@@ -395,7 +395,7 @@ class SchedulerSide:
         if t is None:
             return num_external_tokens, 0
         start, end = t.usable_tokens - num_external_tokens, t.usable_tokens
-        slow = sum(max(0, min(end, (i + 1) * self.cs) - max(start, i * self.cs))
+        slow = sum(max(0, min(end, (i + 1) * self.chunk_size) - max(start, i * self.chunk_size))
                    for i in t.slow_chunks)
         return num_external_tokens - slow, slow
 
@@ -403,8 +403,8 @@ class SchedulerSide:
         """Look up ``hashes`` (full chunks), then the partial chunks ending at each block end
         inside the next chunk (below ``cap``), longest first."""
         n = len(hashes)
-        top = min(cap, (n + 1) * self.cs - self.bs)
-        tails = [(e, self.partial_hash(t, e)) for e in range(top, n * self.cs, -self.bs)]
+        top = min(cap, (n + 1) * self.chunk_size - self.block_size)
+        tails = [(e, self.partial_hash(t, e)) for e in range(top, n * self.chunk_size, -self.block_size)]
         timeouts = lookup_member(self.lookup, "timeouts")
         scope: dict[str, Any] = {"tenant": t.tenant} if t.tenant else {}
         if t.handoff is not None:  # chunks a producer named: no tier answers from a stale miss
@@ -424,17 +424,17 @@ class SchedulerSide:
         t.block_ids, t.tables = list(tables[0]), tuple(map(list, tables))
         hit = t.lookup_tokens
         # What lookup found is in storage: never store it again.
-        t.stored_tokens = max(t.stored_tokens, hit // self.cs * self.cs)
-        t.saved_end = max(t.saved_end, hit)
+        t.stored_chunk_end = max(t.stored_chunk_end, hit // self.chunk_size * self.chunk_size)
+        t.stored_block_end = max(t.stored_block_end, hit)
         if num_external_tokens > 0:
             upto = t.usable_tokens  # the hit's last block is recomputed: drop_last_block
             start = upto - num_external_tokens
-            first = start // self.cs
-            t.pending_load = LoadSpec(start, hit, first, self._hashes_for(t, first * self.cs, hit),
+            first = start // self.chunk_size
+            t.pending_load = LoadSpec(start, hit, first, self._hashes_for(t, first * self.chunk_size, hit),
                                       background=t.load_background,
                                       upto=upto if upto < hit else None)
             if self.on_chunks is not None:  # a load promotes its chunks into L1
-                self.on_chunks(request, first * self.cs, hit, t.pending_load.hashes)
+                self.on_chunks(request, first * self.chunk_size, hit, t.pending_load.hashes)
             if t.load_background:  # not scheduled while it loads: sent on its own
                 self._background.append(request.request_id)
             t.report["promised_tokens"] = num_external_tokens
@@ -452,16 +452,16 @@ class SchedulerSide:
         next time instead."""
         r = t.request
         top = min(computed, r.num_tokens if self.cfg.save_decode else t.prompt_len)
-        start, end = t.stored_tokens, top // self.cs * self.cs
+        start, end = t.stored_chunk_end, top // self.chunk_size * self.chunk_size
         if (self.cfg.save_partial_chunk or self.role == "kv_producer") \
                 and computed >= t.prompt_len:
-            pend = (top if final else t.prompt_len - 1) // self.bs * self.bs
-            if pend % self.cs and pend > t.saved_end:
+            pend = (top if final else t.prompt_len - 1) // self.block_size * self.block_size
+            if pend % self.chunk_size and pend > t.stored_block_end:
                 end = pend
-        if end <= start or end <= t.saved_end:
+        if end <= start or end <= t.stored_block_end:
             return None
-        t.stored_tokens, t.saved_end = end // self.cs * self.cs, end
-        spec = SaveSpec(start, end, start // self.cs, self._hashes_for(t, start, end))
+        t.stored_chunk_end, t.stored_block_end = end // self.chunk_size * self.chunk_size, end
+        spec = SaveSpec(start, end, start // self.chunk_size, self._hashes_for(t, start, end))
         if self.on_chunks is not None:
             self.on_chunks(r, start, end, spec.hashes)
         return spec
@@ -503,25 +503,25 @@ class SchedulerSide:
                                        tenant=t.tenant))
         return True
 
-    def build_connector_meta(self, so: SchedulerOutput) -> KVPlugMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVPlugMetadata:
         """One ReqMeta per scheduled request that loads or stores something this step."""
-        meta = KVPlugMetadata(chunk_size=self.cs, block_size=self.bs, epoch=self.epoch,
-                              idle=not getattr(so, "total_num_scheduled_tokens", 1))
+        meta = KVPlugMetadata(chunk_size=self.chunk_size, block_size=self.block_size, epoch=self.epoch,
+                              idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
         meta.handoffs = meta.idle and self._handoffs_waiting()
         meta.requests, self._finishing = self._finishing, []
         self._in_step_spent = 0  # the next step's budget
-        meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
+        meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         for req_id in meta.preempted:  # blocks freed after their copies: nothing holds them now
             if (t := self.trackers.get(req_id)) is not None:  # (the workers forget them too)
                 # its block table went back to vLLM, which hands those blocks to other
                 # requests: it no longer names this request's KV (a resumed request gets a new
                 # one), so no rule may follow blocks through it (UnwrittenBlocks.failed)
                 t.sent_save, t.block_ids, t.tables = False, [], ()
-        self._follow_blocks(so)
-        state = getattr(so, "kv_connector_block_state", None)
+        self._follow_blocks(scheduler_output)
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
         work = [(req_id, 0) for req_id in self._background]
         self._background = []
-        for req_id, n in [*work, *so.num_scheduled_tokens.items()]:
+        for req_id, n in [*work, *scheduler_output.num_scheduled_tokens.items()]:
             t = self.trackers.get(req_id)
             if t is None:
                 continue
@@ -537,17 +537,17 @@ class SchedulerSide:
                                          tables=self._tables(groups or t.tables),
                                          tenant=t.tenant))
         if not self.layout.multi:
-            meta.unwritten = self._unwritten_reads(meta, so, state)
+            meta.unwritten = self._unwritten_reads(meta, scheduler_output, state)
         return meta
 
-    def _unwritten_reads(self, meta: KVPlugMetadata, so: SchedulerOutput, state: Any
+    def _unwritten_reads(self, meta: KVPlugMetadata, scheduler_output: SchedulerOutput, state: Any
                          ) -> list[int]:
         """The blocks this step reads that a failed load left unwritten (:mod:`.unwritten`)."""
         for r in meta.requests:
             if r.load is not None:
                 self.unwritten.loading(r.block_ids, r.load.start, r.load.write_end)
         work = []
-        for req_id, n in so.num_scheduled_tokens.items():
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
             if (t := self.trackers.get(req_id)) is not None:
                 groups = state.get_block_ids(req_id) if state is not None else None
                 work.append((list(groups[0]) if groups else t.block_ids,
@@ -560,19 +560,19 @@ class SchedulerSide:
         accepted position after a rejected draft)."""
         done = t.request.num_computed_tokens
         if self.drop_last_block and done >= t.prompt_len:
-            return max(t.prompt_len, done - self.bs)
+            return max(t.prompt_len, done - self.block_size)
         return done + n
 
     def _tables(self, tables: tuple[list[int], ...] | list | None) -> tuple[list[int], ...]:
         """Every group's block table for the workers; empty for a single-group model."""
         return tuple(map(list, tables)) if self.layout.multi and tables else ()
 
-    def _follow_blocks(self, so: SchedulerOutput) -> None:
+    def _follow_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """Keep each tracker's block table current from the scheduler output (fallback path)."""
-        for nr in so.scheduled_new_reqs:
+        for nr in scheduler_output.scheduled_new_reqs:
             if (t := self.trackers.get(nr.req_id)) is not None:
                 t.block_ids, t.tables = list(nr.block_ids[0]), tuple(map(list, nr.block_ids))
-        cached = so.scheduled_cached_reqs
+        cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             t = self.trackers.get(req_id)
             new = cached.new_block_ids[i]
@@ -608,9 +608,9 @@ class SchedulerSide:
             if (t := self.trackers.get(req_id)) is not None:
                 # not stored from there on (the chunk failed; KV computed over it was dropped):
                 # stored again once vLLM recomputed it
-                t.stored_tokens = min(t.stored_tokens, tok // self.cs * self.cs)
-                t.saved_end = min(t.saved_end, tok)
-        for req_id, n in meta.failed_blocks.items():
+                t.stored_chunk_end = min(t.stored_chunk_end, tok // self.chunk_size * self.chunk_size)
+                t.stored_block_end = min(t.stored_block_end, tok)
+        for req_id, n in meta.num_failed_blocks.items():
             if (t := self.trackers.get(req_id)) is not None:
                 t.report["failed_blocks"] = max(t.report.get("failed_blocks", 0), n)
                 # vLLM recomputes; a background load that failed whole sends the request back
@@ -629,7 +629,7 @@ class SchedulerSide:
         if t is None or not self.cfg.report_to_client:
             return offered
         rep = {"lookup_hit_tokens": t.lookup_tokens, "loaded_tokens": 0, "tiers": {},
-               "load_ms": 0.0, "failed_blocks": 0, "stored_tokens": t.stored_tokens, **t.report}
+               "load_ms": 0.0, "failed_blocks": 0, "stored_tokens": t.stored_chunk_end, **t.report}
         return {**(offered or {}), "kvplug": rep}
 
     # -- disaggregated prefill: the producer's hand-off and the consumer's wait (.handoff) --------
@@ -640,11 +640,12 @@ class SchedulerSide:
         full chunks), named by the chained hash of the chunk ending there. None: nothing."""
         if not t.can_save or t.stale:
             return None
-        prompt_end = (t.prompt_len - 1) // self.bs * self.bs
-        tokens = prompt_end if t.saved_end >= prompt_end else t.stored_tokens // self.cs * self.cs
+        prompt_end = (t.prompt_len - 1) // self.block_size * self.block_size
+        tokens = prompt_end if t.stored_block_end >= prompt_end \
+            else t.stored_chunk_end // self.chunk_size * self.chunk_size
         if tokens <= 0:
             return None
-        last = self._hashes_for(t, (tokens - 1) // self.cs * self.cs, tokens)[-1]
+        last = self._hashes_for(t, (tokens - 1) // self.chunk_size * self.chunk_size, tokens)[-1]
         self.stats.add("handoff_offers")
         return handoff.offer(tokens, last, handoff.keys_identity(self.keys_digest, self.epoch),
                              self.cfg.handoff_wait_s, self.cfg.tier_names())
@@ -662,12 +663,12 @@ class SchedulerSide:
                                             "(model, layout, parallelism, KV dtype or weights "
                                             "epoch): it could never find them")
         r = t.request
-        if named.tokens % self.bs or named.tokens > r.num_tokens \
-                or self._hashes_for(t, (named.tokens - 1) // self.cs * self.cs,
+        if named.tokens % self.block_size or named.tokens > r.num_tokens \
+                or self._hashes_for(t, (named.tokens - 1) // self.chunk_size * self.chunk_size,
                                     named.tokens)[-1] != named.last_hash:
             return self._handoff_ignored(t, "it names another prompt than the request's")
-        cap = (r.num_tokens - 1) // self.bs * self.bs
-        target = named.tokens if named.tokens <= cap else cap // self.cs * self.cs
+        cap = (r.num_tokens - 1) // self.block_size * self.block_size
+        target = named.tokens if named.tokens <= cap else cap // self.chunk_size * self.chunk_size
         wait = min(named.ttl_s, self.cfg.handoff_wait_s)
         if target > 0 and wait > 0:
             now = self.clock()

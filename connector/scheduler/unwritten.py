@@ -26,7 +26,7 @@ class UnwrittenBlocks:
     """Blocks a load failed to write that nothing has written since."""
 
     def __init__(self, block_size: int) -> None:
-        self.bs = block_size
+        self.block_size = block_size
         self.blocks: set[int] = set()
         #: of a followed block, how many leading slots steps have written since it failed (the
         #: rest hold no KV or KV computed over a failed load); absent: none
@@ -60,16 +60,16 @@ class UnwrittenBlocks:
         when the write starts at or before the first unwritten one (a write after a gap is
         computed over that gap: the step reads it); a block written to its last slot is
         forgotten."""
-        bs = self.bs
-        for i in range(start // bs, -(-end // bs)):
+        block_size = self.block_size
+        for i in range(start // block_size, -(-end // block_size)):
             b = table[i] if i < len(table) else None
             if b not in self.blocks:
                 continue
-            lo, hi = max(0, start - i * bs), min(bs, end - i * bs)
+            lo, hi = max(0, start - i * block_size), min(block_size, end - i * block_size)
             done = self.written.get(b, 0)
             if lo <= done:
                 done = max(done, hi)
-            if done >= bs:
+            if done >= block_size:
                 self.blocks.discard(b)
                 self.written.pop(b, None)
             else:
@@ -82,17 +82,17 @@ class UnwrittenBlocks:
         if not self.blocks:
             return []
         work = list(work)
-        bs = self.bs
+        block_size = self.block_size
         # A block some request computes whole in this same step is written before it is read:
         # a layer's KV of the whole batch is stored before its attention runs, and vLLM gives a
         # later request of the batch a prefix hit on the full blocks an earlier one computes in
         # the step. Reporting it would send two running requests through vLLM's recovery for
         # nothing, which under asynchronous scheduling (a step already run ahead) is itself
         # unsafe (simulation seed 95001878).
-        whole = {b for table, done, n in work for b in table[-(-done // bs):(done + n) // bs]}
-        read = {b for table, done, _ in work for i, b in enumerate(table[:-(-done // bs)])
+        whole = {b for table, done, n in work for b in table[-(-done // block_size):(done + n) // block_size]}
+        read = {b for table, done, _ in work for i, b in enumerate(table[:-(-done // block_size)])
                 if b in self.blocks and b not in whole
-                and done > i * bs + self.written.get(b, 0)}
+                and done > i * block_size + self.written.get(b, 0)}
         for table, done, n in work:
             self._write(table, done, done + n)
         return sorted(read)

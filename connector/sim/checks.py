@@ -46,12 +46,12 @@ class ChunkCheck:
         self.stored: list[list[Any]] = [[] for _ in range(tp)]
         self._seen: list[set] = [set() for _ in range(tp)]  # (the same keys, as a set)
 
-    def register(self, md: Any) -> None:
+    def register(self, metadata: Any) -> None:
         """Record what each chunk this step saves must hold."""
         from kvplug.connector.protocol.groups import group_hash
 
         w = self.world
-        for r in md.requests:
+        for r in metadata.requests:
             if r.save is None:
                 continue
             req = w.scheduler.requests.get(r.req_id) or w._snap.get(r.req_id, (None,))[0]
@@ -59,12 +59,12 @@ class ChunkCheck:
                 continue
             tokens = tuple(w.tokens_of(req, max(req.num_tokens, req.num_computed_tokens)))
             for i, h in enumerate(r.save.hashes):
-                s, e = md.chunk_range(r.save, i)
+                s, e = metadata.chunk_range(r.save, i)
                 for rank, worker in enumerate(w.workers):
                     for g in range(len(w.layout.groups)):
                         hh = group_hash(h, w.layout.groups[g]) if w.layout.multi else h
                         # under the step's weights epoch (a reset in this step switches it)
-                        self.registry[rank].setdefault(worker.key(hh, md.epoch, r.tenant),
+                        self.registry[rank].setdefault(worker.key(hh, metadata.epoch, r.tenant),
                                                        (g, s, e, tokens[:e]))
 
     def expected(self, rank: int, key: Any) -> torch.Tensor | None:
@@ -74,8 +74,8 @@ class ChunkCheck:
             return None
         w = self.world
         g, s, e, tokens = ent
-        pages = -(-(e - s) // w.bs)
-        out = np.zeros((TENSORS, pages, w.bs * SLOT), dtype=np.uint8)
+        pages = -(-(e - s) // w.block_size)
+        out = np.zeros((TENSORS, pages, w.block_size * SLOT), dtype=np.uint8)
         for m, (gg, j) in enumerate(w.layers):
             if gg != g:
                 continue
@@ -227,10 +227,10 @@ class ReadCheck:
                 told = r in (kv_output.failed_recving or ())
             else:  # the first block read wrong (or one before it): vLLM recomputes from there
                 table = w.scheduler.kv_cache_manager.get_block_ids(r)[0]
-                told = bool(invalid.intersection(table[:q // w.bs + 1]))
+                told = bool(invalid.intersection(table[:q // w.block_size + 1]))
             if not told:
                 raise Violation("I2", f"{r}'s forward read KV that is not its oracle from token "
-                                      f"{q} (block {q // w.bs}) and no load error for that "
+                                      f"{q} (block {q // w.block_size}) and no load error for that "
                                       "block or an earlier one reached vLLM in that step")
 
 
@@ -333,7 +333,7 @@ class BlockCheck:
         """vLLM took a step's output: the blocks its requests hold now count as theirs."""
         self.owned = self.held()
 
-    def before_forward(self, when: str, so: Any, md: Any) -> None:
+    def before_forward(self, when: str, scheduler_output: Any, metadata: Any) -> None:
         """I4, right before the forward pass (the first moment vLLM may rewrite a block it
         freed: every kvplug hook that must order a copy first has run): no block vLLM handed
         back is read or written by a copy still in flight. Then every block whose content vLLM
@@ -349,29 +349,29 @@ class BlockCheck:
         if w.cfg.prefix_caching:
             blocks = w.scheduler.kv_cache_manager.block_pool.blocks
             free = {b for b in free if blocks[b].block_hash is None}
-            fresh -= self._computed_blocks(so, md)
+            fresh -= self._computed_blocks(scheduler_output, metadata)
         if free or fresh:
             w.counts["blocks poisoned"] += len(free | fresh)
             idx = sorted(free | fresh)
             for t in w.kv:
                 t.numpy()[:, idx] = POISON  # (a view: numpy's indexing costs far less here)
 
-    def _computed_blocks(self, so: Any, md: Any) -> set[int]:
+    def _computed_blocks(self, scheduler_output: Any, metadata: Any) -> set[int]:
         """The blocks of this step's requests (and of the loads it starts) that vLLM counts as
         computed before the step: its own prefix hit, never a load's target."""
         s = self.world.scheduler
-        loads = {r.req_id: r.load.start for r in md.requests if r.load is not None}
+        loads = {r.req_id: r.load.start for r in metadata.requests if r.load is not None}
         mgr = s.kv_cache_manager
         out: set[int] = set()
-        for req_id in set(so.num_scheduled_tokens) | set(loads):
+        for req_id in set(scheduler_output.num_scheduled_tokens) | set(loads):
             req = s.requests.get(req_id)
             if req is None:
                 continue
-            done = req.num_computed_tokens - so.num_scheduled_tokens.get(req_id, 0)
+            done = req.num_computed_tokens - scheduler_output.num_scheduled_tokens.get(req_id, 0)
             if req_id in loads:  # vLLM's own hit ends where the load begins
                 done = loads[req_id]
             for table in mgr.get_block_ids(req_id):
-                out.update(table[:done // self.world.bs])
+                out.update(table[:done // self.world.block_size])
         return out - {0}
 
     def check_copies(self, blocks: set[int], when: str, what_blocks: str) -> None:
@@ -382,17 +382,17 @@ class BlockCheck:
             copies = [(f"a save copy of {sorted(job.req_ids)} reads", pj.block_ids)
                       for job in list(getattr(saves, "_jobs", ()) if saves is not None else ())
                       for pj in job.jobs]
-            copies += [(f"a load of {ld.req.req_id} will write", c.block_ids)
-                       for ld, _ in (list(getattr(bg, "_inflight", {}).values())
+            copies += [(f"a load of {load.req.req_id} will write", c.block_ids)
+                       for load, _ in (list(getattr(bg, "_inflight", {}).values())
                                      if bg is not None else ())
-                       for c in ld.chunks]
+                       for c in load.chunks]
             for what, block_ids in copies:
                 bad = blocks.intersection(block_ids)
                 if bad:
                     raise Violation("I4", f"rank {rank} {when}: {what} {what_blocks} "
                                           f"{sorted(bad)}")
 
-    def zero_new_blocks(self, so: Any, when: str) -> None:
+    def zero_new_blocks(self, scheduler_output: Any, when: str) -> None:
         """vLLM's model runner zeroes the step's newly allocated blocks (an engine that needs
         it: ``new_block_ids_to_zero``), then applies the step's copy-on-write block copies;
         ``when``: where in the step the runner does it (the V2 runner before
@@ -400,8 +400,8 @@ class BlockCheck:
         (a block a preemption or a sliding window freed, already handed to another request);
         a save that copies it later stores zeros, which I1 catches."""
         w = self.world
-        ids = set(so.new_block_ids_to_zero or ())
-        cow = list(getattr(so, "kv_cache_block_copies", None) or ())
+        ids = set(scheduler_output.new_block_ids_to_zero or ())
+        cow = list(getattr(scheduler_output, "kv_cache_block_copies", None) or ())
         if not ids and not cow:
             return
         self.check_copies(ids | {c.dst_block_id for c in cow}, when, "blocks it rewrites")
@@ -469,7 +469,7 @@ class QuiescenceCheck:
         sched = w.scheduler.connector.scheduler_side  # disk hits the scheduler had loaded inside the step
         figures["disk hits loaded inline"] += int(
             sched.stats.totals().get("inline_local_loads", 0))
-        left = [f for f in w.rt.queue if f.pool.name != "kvplug-events"]  # (this check's
+        left = [f for f in w.runtime.queue if f.pool.name != "kvplug-events"]  # (this check's
         if left:  # evictions woke the KV events' watch: its look comes after, I11)
             raise Violation("I5", f"{len(left)} tasks still queued")
         if threading.active_count() > self.threads0 + self.SPARE_THREADS:

@@ -121,11 +121,11 @@ class EventCheck:
             return
         # past the watch's back-off from a tier that did not answer (30 s at most) and its wait
         # for a store handed to a tier that may block (PENDING_S): its news catch up by then
-        w.rt.clock += PENDING_S + 30.0
+        w.runtime.clock += PENDING_S + 30.0
         for watch in watches:
             for tier in w.workers[0].storage.tier_names:
                 watch.dirty(tier)
-        w.rt.drain()
+        w.runtime.drain()
         news = KVPlugKVEvents()
         for watch in watches:
             part = watch.take()

@@ -37,11 +37,11 @@ FAULTS = {
     # an operator's clears
     "clear_leaves_entry": "I8",  # a clear (all, named chunks, a tenant) leaves an L1 entry
     # an engine whose V2 runner zeroes new blocks before handle_preemptions, kvplug not ordering
-    # each step's copies at submit (order_at_submit off): a preempted request's block, handed
+    # each step's copies when enqueued (order_at_enqueue off): a preempted request's block, handed
     # to another request, is zeroed while its save copy is still queued
     "ignore_zeroing": "I4",
-    # asynchronous scheduling with synchronous loads (before this fix): a load that fails in
-    # step N is heard of after N+1 ran over the unloaded blocks (seed 107)
+    # synchronous loads under asynchronous scheduling (where kvplug loads in the background): a
+    # load that fails in step N is heard of after N+1 ran over the unloaded blocks (seed 107)
     "sync_loads_under_async_scheduling": "I2",
     # the neighbour process (SimConfig.neighbour) stores another chunk's bytes under a key (as
     # an engine of other weights would without a deployment secret): rank 0 reads a file it
@@ -222,7 +222,7 @@ def _patches(name: str) -> list[tuple[Any, str, Any]]:
 
         def init(self: Any, *args: Any, **kw: Any) -> None:
             real_init(self, *args, **kw)
-            self.order_at_submit = False
+            self.order_at_enqueue = False
 
         return [(store.AsyncSaves, "__init__", init)]
     if name in ("sync_loads_under_async_scheduling", "sync_loads_under_a_batch_queue"):

@@ -264,19 +264,19 @@ class SimRemoteLookup:
     the deadline (the service drops it and its pins). ``fast`` draws, per new lookup, whether its
     answers come within the client's short wait (the usual case) or later."""
 
-    def __init__(self, workers: list[Any], rt: Any, timeout_s: float, fast: Any) -> None:
+    def __init__(self, workers: list[Any], runtime: Any, timeout_s: float, fast: Any) -> None:
         import zmq
         from kvplug.connector.protocol.lookup import LookupClient, LookupService
 
-        self.rt, self.fast = rt, fast
+        self.runtime, self.fast = runtime, fast
         self._ctx = zmq.Context()
         names = [f"inproc://kvplug-sim-lookup-{uuid.uuid4().hex[:8]}-{r}"
                  for r in range(len(workers))]
-        self.services = [LookupService(Path(n), w._on_lookup, w.release, clock=rt.monotonic,
+        self.services = [LookupService(Path(n), w._on_lookup, w.release, clock=runtime.monotonic,
                                        inproc=(self._ctx, n)) for n, w in zip(names, workers)]
-        self._pools = [rt.executor(1, f"kvplug-lookup-{r}") for r in range(len(workers))]
+        self._pools = [runtime.executor(1, f"kvplug-lookup-{r}") for r in range(len(workers))]
         self._queued: list[Any] = [None] * len(workers)
-        self.client = LookupClient(names, timeout_s, wait_s=0.0, clock=rt.monotonic,
+        self.client = LookupClient(names, timeout_s, wait_s=0.0, clock=runtime.monotonic,
                                    context=self._ctx)
         self.answered_late = 0  # lookups answered after the scheduler first asked
 
@@ -305,7 +305,7 @@ class SimRemoteLookup:
             return got
         if got is None and self.fast.random() < 0.5:
             for t in tasks:  # answered within the client's wait (a gated tier still blocks)
-                self.rt.run_task(t)
+                self.runtime.run_task(t)
             got = self.client.lookup(req_id, hashes, tails, tenant)
         return got
 

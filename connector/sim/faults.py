@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 
 def _flipped(data: bytes, pick: int) -> bytes:
     """``data`` (a chunk file or value) with one byte flipped inside a layer's bytes (``pick``
-    chooses the layer); the last byte where the header cannot be parsed. Issue 22's fault
-    flipped the last byte, which is the last layer's alignment padding: no read ever saw it."""
+    chooses the layer); the last byte where the header cannot be parsed. Not the last byte: it
+    is the last layer's alignment padding, which no read ever sees."""
     from kvplug import chunkfile as cf
 
     out = bytearray(data)
@@ -35,7 +35,7 @@ def _flipped(data: bytes, pick: int) -> bytes:
 class Faults:
     """The fault events of :class:`.world.World`. They act on the world's scheduler (``s``,
     through :meth:`.World.crashing`), workers and their tiers, the value stores, the neighbour
-    process (``nb``), and pick chunks from what the tiers held (:attr:`.ChunkCheck.stored`,
+    process (``neighbour``), and pick chunks from what the tiers held (:attr:`.ChunkCheck.stored`,
     ``registry``). Its state: per rank, the chunks lost until the step ends."""
 
     def __init__(self, world: World) -> None:
@@ -149,14 +149,14 @@ class Faults:
         lookups then find on disk though it may never have written it, or evicts one by name
         (its file unlinked at once, even while rank 0 holds a lookup's pin on it)."""
         w = self.world
-        nb = w.nb
+        neighbour = w.neighbour
         keys = list(w.chunks.registry[0])
-        if nb is None or not keys:
+        if neighbour is None or not keys:
             return
         key = keys[pick % len(keys)]
         w.counts[f"neighbour {op}"] += 1
         if op == "evict":
-            nb.evict(keys=[key])
+            neighbour.evict(keys=[key])
             return
         from kvplug.memory import heap_memory_obj
 
@@ -169,7 +169,7 @@ class Faults:
         obj = heap_memory_obj(tuple(want.shape), want.dtype, num_tokens=e - s)
         obj.tensor.copy_(want)
         try:  # I8: stored again once the neighbour hands it to its tier (ChunkCheck)
-            nb.batched_put([key], [obj])
+            neighbour.batched_put([key], [obj])
         finally:
             obj.ref_down()
 
@@ -191,7 +191,7 @@ class Faults:
         w = self.world
         reqs = list(w.scheduler.requests.values())
         serving = getattr(w.lookup, "serving", lambda f: False)  # the lookups' answers
-        owed = [f for f in w.rt.queue  # (the workers' stats sampler: a gauge, owed nobody)
+        owed = [f for f in w.runtime.queue  # (the workers' stats sampler: a gauge, owed nobody)
                 if not serving(f) and f.pool.name != "kvplug-tenant-stats"]
         if owed or not reqs:
             return False

@@ -130,7 +130,7 @@ class _Clearing:
 class ClearCheck:
     """I8 (see the module docstring). Reads from the world: nothing but the storage each clear
     runs on (its tiers' pins, readers, queued writes), and the neighbour process's queued writes
-    on rank 0's directory (``nb``). Its state: per rank, the chunks a clear removed from every
+    on rank 0's directory (``neighbour``). Its state: per rank, the chunks a clear removed from every
     tier (never served again unless stored again), the chunks stored while a clear runs, and the
     clear in progress."""
 
@@ -166,9 +166,9 @@ class ClearCheck:
         such a store may land after the clear (its response says so), a store again."""
         out: set = set()
         tiers = [st.backend(t) for t in st.tier_names]
-        nb = self.world.nb
-        if rank == 0 and nb is not None:
-            tiers += [nb.backend(t) for t in nb.tier_names]
+        neighbour = self.world.neighbour
+        if rank == 0 and neighbour is not None:
+            tiers += [neighbour.backend(t) for t in neighbour.tier_names]
         for tier in tiers:
             if hasattr(tier, "writer") and hasattr(tier, "directory"):  # posix
                 with tier.directory.lock:

@@ -31,23 +31,23 @@ class DirectRunner:
         if events and self.worker.storage is not None:  # as KVPlugConnector does
             self.watch = watch_tiers(self.worker, max_chunks)
 
-    def handle_preemptions(self, md: Any) -> None:
-        self.worker.handle_preemptions(md)
+    def handle_preemptions(self, metadata: Any) -> None:
+        self.worker.handle_preemptions(metadata)
 
-    def bind(self, md: Any) -> None:
-        self.worker.bind(md)
+    def bind(self, metadata: Any) -> None:
+        self.worker.bind(metadata)
 
-    def start_load_kv(self, md: Any) -> None:
-        self.worker.start_load_kv(md)
+    def start_load_kv(self, metadata: Any) -> None:
+        self.worker.start_load_kv(metadata)
 
     def wait_for_layer_load(self, layer: str) -> None:
         self.worker.wait_for_layer_load(layer)
 
-    def save_kv_layer(self, layer: str, md: Any) -> None:
-        self.worker.save_kv_layer(layer, md)
+    def save_kv_layer(self, layer: str, metadata: Any) -> None:
+        self.worker.save_kv_layer(layer, metadata)
 
-    def wait_for_save(self, md: Any) -> None:
-        self.worker.wait_for_save(md)
+    def wait_for_save(self, metadata: Any) -> None:
+        self.worker.wait_for_save(metadata)
 
     def output(self, finished: set[str]) -> Any:
         from vllm.v1.outputs import KVConnectorOutput
@@ -90,22 +90,22 @@ class ConnectorRunner(DirectRunner):
         self.conn.register_kv_caches(caches)
         self.watch = self.conn._watch
 
-    def handle_preemptions(self, md: Any) -> None:
-        self.conn.handle_preemptions(md)
+    def handle_preemptions(self, metadata: Any) -> None:
+        self.conn.handle_preemptions(metadata)
 
-    def bind(self, md: Any) -> None:
-        self.conn.bind_connector_metadata(md)
+    def bind(self, metadata: Any) -> None:
+        self.conn.bind_connector_metadata(metadata)
 
-    def start_load_kv(self, md: Any) -> None:
+    def start_load_kv(self, metadata: Any) -> None:
         self.conn.start_load_kv(None)  # the forward context: unused by kvplug
 
     def wait_for_layer_load(self, layer: str) -> None:
         self.conn.wait_for_layer_load(layer)
 
-    def save_kv_layer(self, layer: str, md: Any) -> None:
+    def save_kv_layer(self, layer: str, metadata: Any) -> None:
         self.conn.save_kv_layer(layer, None, None)  # the layer's tensor and attention metadata
 
-    def wait_for_save(self, md: Any) -> None:
+    def wait_for_save(self, metadata: Any) -> None:
         self.conn.wait_for_save()
 
     def output(self, finished: set[str]) -> Any:

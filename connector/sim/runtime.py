@@ -49,10 +49,10 @@ WALL_EPOCH_MS = 1_600_000_000_000
 class SimFuture(Future):
     """A Future whose blocking ``result`` asks the simulation instead of waiting."""
 
-    def __init__(self, rt: SimRuntime, pool: SimExecutor, fn: Callable[[], Any],
+    def __init__(self, runtime: SimRuntime, pool: SimExecutor, fn: Callable[[], Any],
                  call: tuple[Any, tuple, dict] = (None, (), {})) -> None:
         super().__init__()
-        self.rt, self.pool, self.fn = rt, pool, fn
+        self.runtime, self.pool, self.fn = runtime, pool, fn
         self.call = call  # what was submitted: (function, args, keyword arguments)
         self.started = False  # marked running at a timeout (a late call): cannot be cancelled
 
@@ -68,42 +68,42 @@ class SimFuture(Future):
 
     def result(self, timeout: float | None = None) -> Any:
         if not self.done():
-            if self.rt.engine and self.rt.on_engine_call is not None:
-                self.rt.on_engine_call(self)  # a call the engine thread waits for
+            if self.runtime.engine and self.runtime.on_engine_call is not None:
+                self.runtime.on_engine_call(self)  # a call the engine thread waits for
             if timeout is not None and self.pool.gated:
                 fn = self.call[0]
-                self.rt.waited(timeout, f"{getattr(fn, 'name', '') or getattr(fn, '__name__', '?')}"
+                self.runtime.waited(timeout, f"{getattr(fn, 'name', '') or getattr(fn, '__name__', '?')}"
                                         f" on {self.pool.name}")
-                if self.rt.late and not self.started:  # a real thread had begun it
+                if self.runtime.late and not self.started:  # a real thread had begun it
                     self.started = self.set_running_or_notify_cancel()
-                    self.rt.late_calls += self.started
+                    self.runtime.late_calls += self.started
                 raise FutureTimeout()
-            self.rt.run_task(self, waited_on=True)
+            self.runtime.run_task(self, waited_on=True)
         return super().result(0)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self.done():
-            self.rt.run_task(self, waited_on=True)
+            self.runtime.run_task(self, waited_on=True)
         return super().exception(0)
 
 
 class SimExecutor:
     """A pool whose tasks wait in the simulation's queue."""
 
-    def __init__(self, rt: SimRuntime, workers: int, name: str) -> None:
-        self.rt, self.workers, self.name = rt, workers, name
+    def __init__(self, runtime: SimRuntime, workers: int, name: str) -> None:
+        self.runtime, self.workers, self.name = runtime, workers, name
         self.gated = False  # a tier that blocks: its calls time out and wait for the gate
         self.closed = False
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> SimFuture:
         if self.closed:
             raise RuntimeError(f"cannot schedule new futures after shutdown ({self.name})")
-        fut = SimFuture(self.rt, self, lambda: fn(*args, **kw), (fn, args, kw))
-        if threading.get_ident() != self.rt.owner:  # a foreign thread (fsspec's loop): at once
-            self.rt.foreign += 1
+        fut = SimFuture(self.runtime, self, lambda: fn(*args, **kw), (fn, args, kw))
+        if threading.get_ident() != self.runtime.owner:  # a foreign thread (fsspec's loop): at once
+            self.runtime.foreign += 1
             fut.run()
             return fut
-        self.rt.queue.append(fut)
+        self.runtime.queue.append(fut)
         return fut
 
     def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
@@ -113,18 +113,18 @@ class SimExecutor:
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False,
                  timeout: float | None = None) -> None:
         self.closed = True
-        mine = [f for f in self.rt.queue if f.pool is self]
+        mine = [f for f in self.runtime.queue if f.pool is self]
         for f in mine:
             if cancel_futures and not f.started:
-                self.rt.queue.remove(f)
+                self.runtime.queue.remove(f)
                 f.cancel()
             elif wait:
-                self.rt.run_task(f, waited_on=True)
+                self.runtime.run_task(f, waited_on=True)
 
 
 class SimEvent:
-    def __init__(self, rt: SimRuntime) -> None:
-        self.rt, self.flag = rt, False
+    def __init__(self, runtime: SimRuntime) -> None:
+        self.runtime, self.flag = runtime, False
 
     def set(self) -> None:
         self.flag = True
@@ -136,14 +136,14 @@ class SimEvent:
         self.flag = False
 
     def wait(self, timeout: float | None = None) -> bool:
-        while not self.flag and self.rt.runnable():
-            self.rt.run_task(self.rt.runnable()[0])
+        while not self.flag and self.runtime.runnable():
+            self.runtime.run_task(self.runtime.runnable()[0])
         return self.flag
 
 
 class SimCondition:
-    def __init__(self, rt: SimRuntime, lock: Any) -> None:
-        self.rt, self.lock = rt, lock
+    def __init__(self, runtime: SimRuntime, lock: Any) -> None:
+        self.runtime, self.lock = runtime, lock
 
     def __enter__(self) -> SimCondition:
         self.lock.acquire()
@@ -156,12 +156,12 @@ class SimCondition:
         self.lock.release()
         try:
             ran = False
-            if self.rt.settle:
-                for f in [f for f in self.rt.runnable() if f.pool.name == "kvplug-save"]:
-                    self.rt.run_task(f)
+            if self.runtime.settle:
+                for f in [f for f in self.runtime.runnable() if f.pool.name == "kvplug-save"]:
+                    self.runtime.run_task(f)
                     ran = True
             if not ran:
-                self.rt.waited(timeout or 0.0)
+                self.runtime.waited(timeout or 0.0)
         finally:
             self.lock.acquire()
         return ran
@@ -171,13 +171,13 @@ class SimCondition:
         none may run, the wait times out (the clock jumps by ``timeout``)."""
         result = predicate()
         while not result:
-            ready = self.rt.runnable()
+            ready = self.runtime.runnable()
             if not ready:
-                self.rt.waited(timeout or 0.0)
+                self.runtime.waited(timeout or 0.0)
                 return predicate()
             self.lock.release()
             try:
-                self.rt.run_task(ready[0])
+                self.runtime.run_task(ready[0])
             finally:
                 self.lock.acquire()
             result = predicate()
@@ -193,8 +193,8 @@ class SimTicker:
     """A :class:`kvplug.runtime.Ticker`: ``wake()`` queues one call of ``fn`` (none while one
     is queued); the interval never fires by itself (no clock runs between events)."""
 
-    def __init__(self, rt: SimRuntime, fn: Callable[[], None], name: str) -> None:
-        self.pool = rt.executor(1, name)
+    def __init__(self, runtime: SimRuntime, fn: Callable[[], None], name: str) -> None:
+        self.pool = runtime.executor(1, name)
         self.fn = fn
         self.queued: SimFuture | None = None
         self.closed = False

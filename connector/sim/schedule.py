@@ -22,7 +22,7 @@ def config_for(seed: int, faults: frozenset[str] = frozenset(),
     """Seed ``seed``'s configuration (``tier``: the backend under test behind L1)."""
     rng = random.Random(seed * 7919 + 1)
     hybrid = rng.random() < 0.6
-    more = random.Random(seed * 7919 + 2)  # later kinds: the stream above stays unchanged
+    more = random.Random(seed * 7919 + 2)  # a stream of its own: what it draws leaves rng's unchanged
     lower = "values" if more.random() < 0.35 and not tier else "posix"
     codec = "lossless" if more.random() < 0.15 and _has_lossless() else ""
     cfg = SimConfig(hybrid=hybrid, window=rng.choice((5, 6, 9)),
@@ -101,8 +101,8 @@ def _engine_kinds(seed: int, cfg: SimConfig) -> SimConfig:
     if x < 0.18 and cfg.lower == "posix" and not cfg.tier:
         cfg = replace(cfg, remote=("slow", "slow", "hung", "gone")[int(x / 0.045)])
     if rng.random() < 0.06 and not cfg.shared_dir and not cfg.neighbour:  # 16/256: costly
-        bs, cs = PRODUCTION_GEOMETRY
-        cfg = replace(cfg, block_size=bs, chunk_size=cs, window=cfg.window * 8,
+        block_size, chunk_size = PRODUCTION_GEOMETRY
+        cfg = replace(cfg, block_size=block_size, chunk_size=chunk_size, window=cfg.window * 8,
                       num_blocks=rng.choice((64, 80, 96) if cfg.hybrid else (40, 56, 80)),
                       max_batched=rng.choice((96, 160, 256)))
     if rng.random() < 0.15:
@@ -153,14 +153,14 @@ def events_for(seed: int, n: int = 40) -> list[tuple]:
     if _loads_disk_hits_in_step(cfg):
         out = _with_hangs(seed, out)
     if cfg.neighbour:  # another process on rank 0's directory (SimConfig)
-        nb = random.Random(seed * 7919 + 5)
-        with_nb: list[tuple] = []
+        neighbour_rng = random.Random(seed * 7919 + 5)
+        with_neighbour: list[tuple] = []
         for ev in out:
-            with_nb.append(ev)
-            if nb.random() < 0.12:
-                with_nb.append(("neighbour", nb.choice(("store", "store", "evict")),
-                                nb.randrange(32)))
-        out = with_nb
+            with_neighbour.append(ev)
+            if neighbour_rng.random() < 0.12:
+                with_neighbour.append(("neighbour", neighbour_rng.choice(("store", "store", "evict")),
+                                neighbour_rng.randrange(32)))
+        out = with_neighbour
     return with_manage_events(seed, out)  # an operator's clears and pins (a stream of their own)
 
 
@@ -194,12 +194,12 @@ def _with_hangs(seed: int, events: list[tuple]) -> list[tuple]:
     return out
 
 
-def _base_events(seed: int, n: int, bs: int, cs: int) -> list[tuple]:
+def _base_events(seed: int, n: int, block_size: int, chunk_size: int) -> list[tuple]:
     rng = random.Random(seed)
     # production geometry's prompts: a chunk, a chunk and some blocks, two chunks but two blocks
     # (within the model's 512 tokens)
-    sizes = (cs, 2 * cs, 3 * cs, 5) if cs < PRODUCTION_GEOMETRY[1] else \
-        (cs, cs + 5 * bs + 3, 2 * cs - 2 * bs, 5)
+    sizes = (chunk_size, 2 * chunk_size, 3 * chunk_size, 5) if chunk_size < PRODUCTION_GEOMETRY[1] else \
+        (chunk_size, chunk_size + 5 * block_size + 3, 2 * chunk_size - 2 * block_size, 5)
     prefixes = [tuple(rng.randrange(3, 1000) for _ in range(rng.choice(sizes)))
                 for _ in range(3)]
     evs: list[tuple] = []

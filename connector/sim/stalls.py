@@ -40,8 +40,8 @@ class StallCheck:
 
     def __init__(self, world: Any) -> None:
         self.world = world
-        self.rt = world.rt
-        self.rt.on_engine_call = self._pool_call
+        self.runtime = world.runtime
+        self.runtime.on_engine_call = self._pool_call
         self._pools: dict[int, tuple[int, str]] = {}  # id(a tier's pool) -> (rank, tier)
         self.hook = ""  # the worker hook running (for the message)
         self.max_waited = 0.0  # the longest wait of a step so far (seconds)
@@ -68,9 +68,9 @@ class StallCheck:
     def on_caller_thread(self, rank: int, tier: str, hook: str, keys: Sequence[Any]) -> None:
         """A hook of ``tier`` ran on the calling thread (a tier called directly, or a pool task
         the engine thread waits for, already seen by :meth:`_pool_call`)."""
-        if not self.rt.engine:
+        if not self.runtime.engine:
             return
-        running = self.rt.running
+        running = self.runtime.running
         if running is not None and id(running.pool) in self._pools:
             return  # a pool task the engine waits for: seen when it waited
         self.called(rank, tier, hook, keys)
@@ -106,13 +106,13 @@ class StallCheck:
 
     # -- per step ---------------------------------------------------------------------------------
     def begin_step(self) -> None:
-        self.rt.engine_waits = []
+        self.runtime.engine_waits = []
 
     def end_step(self, step: int) -> None:
         """Each worker's engine thread waited inside kvplug within the deadline this step (the
         ranks wait side by side, each in its own process)."""
         for rank, w in enumerate(self.world.workers):
-            waits = [(s, on) for who, s, on in self.rt.engine_waits if who == rank]
+            waits = [(s, on) for who, s, on in self.runtime.engine_waits if who == rank]
             waited = sum(s for s, _ in waits)
             self.max_waited = max(self.max_waited, waited)
             deadline = getattr(w.cfg, "in_step_load_deadline_s", DEADLINE_S)

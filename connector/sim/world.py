@@ -104,8 +104,9 @@ class World:
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.cfg = cfg
-        self.bs, self.cs = bs, cs = cfg.block_size, cfg.chunk_size
-        self.rt = SimRuntime()
+        block_size, chunk_size = cfg.block_size, cfg.chunk_size
+        self.block_size, self.chunk_size = block_size, chunk_size
+        self.runtime = SimRuntime()
         self.violation: Violation | None = None  # raised inside kvplug (which may swallow it)
         self.counts: Counter[str] = Counter()  # what the schedule exercised (figures)
         #: figures read from the tiers' stats at quiescence (posix evictions, rescans, vanished
@@ -127,10 +128,10 @@ class World:
         _fast_discovery()
         self.tmp = Path(tempfile.mkdtemp(prefix="kvplug-sim-", dir=_tmp_root()))
         vllm_config = _vllm_config(cfg)
-        full = FullAttentionSpec(bs, num_kv_heads=1, head_size=SLOT // 2, dtype=torch.float16)
+        full = FullAttentionSpec(block_size, num_kv_heads=1, head_size=SLOT // 2, dtype=torch.float16)
         groups = [KVCacheGroupSpec(["f0", "f1"], full)]
         if cfg.hybrid:
-            swa = SlidingWindowSpec(bs, num_kv_heads=1, head_size=SLOT // 2, dtype=torch.float16,
+            swa = SlidingWindowSpec(block_size, num_kv_heads=1, head_size=SLOT // 2, dtype=torch.float16,
                                     sliding_window=cfg.window)
             groups.append(KVCacheGroupSpec(["s0", "s1"], swa))
         kv_cache_config = (_zeroing_kv_cache_config() if cfg.zeroing else KVCacheConfig)(
@@ -140,13 +141,13 @@ class World:
         #: parallelism: the plain Scheduler behind a batch queue of ``batch_queue``
         sched_cls = AsyncScheduler if cfg.async_scheduling else Scheduler
         self.depth = 2 if cfg.async_scheduling else cfg.batch_queue
-        self.layout = layout_of(kv_cache_config, bs)
+        self.layout = layout_of(kv_cache_config, block_size)
         if cfg.inline_chunks is not None:  # the scheduler's budget for disk hits inside a step
             vllm_config.kv_transfer_config.kv_connector_extra_config["in_step_load_bytes"] = (
-                cfg.inline_chunks * cs * self.layout.block_bytes // bs)
+                cfg.inline_chunks * chunk_size * self.layout.block_bytes // block_size)
         self.scheduler = sched_cls(
             vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=False,
-            block_size=bs, structured_output_manager=StructuredOutputManager(vllm_config))
+            block_size=block_size, structured_output_manager=StructuredOutputManager(vllm_config))
         if self.kv_events is not None:  # the scheduler publishes each step's events there
             self.scheduler.kv_event_publisher = self.kv_events
         # model layers in forward order: (group, tensor)
@@ -156,7 +157,7 @@ class World:
         self.runners: list[DirectRunner] = []  # how the model runner calls each (.runner)
         self.kv: list[torch.Tensor] = []
         engine = f"sim-{uuid.uuid4().hex[:8]}"
-        self.rt.late = cfg.late
+        self.runtime.late = cfg.late
         self.tp = tp = cfg.tp
         self.urls = [f"sim://{engine}/{rank}" for rank in range(tp)]
         for rank in range(tp):
@@ -168,12 +169,12 @@ class World:
                 tiers.append(self._value_tier(rank))
             if cfg.tenants:  # a tenant's chunks: a few in L1 (2-4 chunks)
                 l1["quotas"] = {"default": 512}
-            ccfg = ConnectorConfig(chunk_size=cs, async_save=cfg.async_save,
+            ccfg = ConnectorConfig(chunk_size=chunk_size, async_save=cfg.async_save,
                                    layerwise=cfg.layerwise and not cfg.hybrid,
                                    log_every_load=False, save_decode=True, tiers=tiers)
-            w = WorkerSide(ccfg, Identity("sim", f"sim-bs{bs}", tp, rank, engine), self.layout,
-                           runtime=self.rt)
-            t = torch.zeros((TENSORS, cfg.num_blocks, bs, SLOT), dtype=torch.uint8)
+            w = WorkerSide(ccfg, Identity("sim", f"sim-bs{block_size}", tp, rank, engine), self.layout,
+                           runtime=self.runtime)
+            t = torch.zeros((TENSORS, cfg.num_blocks, block_size, SLOT), dtype=torch.uint8)
             caches = {}
             for _gi, g in enumerate(groups):
                 for j, name in enumerate(g.layer_names):
@@ -189,14 +190,14 @@ class World:
             self.runners.append(runner)
             self.kv.append(t)
         #: SimConfig.neighbour: another process's StorageManager on rank 0's posix directory
-        self.nb = None
+        self.neighbour = None
         if cfg.neighbour and cfg.lower == "posix" and not cfg.tier:
             from kvplug.storage_manager import StorageManager
 
-            self.nb = StorageManager(ConnectorConfig(chunk_size=cs, tiers=[self._lower_tier(0)]),
-                                     runtime=self.rt)
-            self.nb.add_wrapper(self.chunks.neighbour_plugin())
-        self.rt.drain()  # the tiers' start-up work (posix's scan of its empty directory)
+            self.neighbour = StorageManager(ConnectorConfig(chunk_size=chunk_size, tiers=[self._lower_tier(0)]),
+                                     runtime=self.runtime)
+            self.neighbour.add_wrapper(self.chunks.neighbour_plugin())
+        self.runtime.drain()  # the tiers' start-up work (posix's scan of its empty directory)
         for rank in range(tp):  # a remote tier hung or gone from the start (SimConfig.remote)
             if cfg.remote == "hung":
                 self.faults.gate_remote(rank, True)
@@ -204,7 +205,7 @@ class World:
                 self.faults.outage(rank, True)
         if cfg.remote_lookup:
             self.lookup = SimRemoteLookup(
-                self.workers, self.rt, self.scheduler.connector.scheduler_side.cfg.lookup_timeout_s,
+                self.workers, self.runtime, self.scheduler.connector.scheduler_side.cfg.lookup_timeout_s,
                 random.Random(f"lookup {replace(cfg, faults=frozenset())} {sorted(cfg.faults)}"))
         else:
             self.lookup = SimLookup(self.workers)
@@ -294,7 +295,7 @@ class World:
                     f"{req.request_id}:{p}".encode(), digest_size=4).digest(), "little") % 997)
         return tokens
 
-    def forward(self, so: Any, samples: dict[str, range]) -> tuple[dict[str, int],
+    def forward(self, scheduler_output: Any, samples: dict[str, range]) -> tuple[dict[str, int],
                                                                    dict[str, list[int]]]:
         """The fake model: layer by layer (every request's tokens of a layer, then the next
         layer, as a real forward pass), on every rank, write every scheduled token's KV, then
@@ -303,10 +304,10 @@ class World:
         with the first position (any layer, any rank) whose read was wrong, and the tokens
         sampled at each position of ``samples`` (per request): a function of the last layer's
         KV each position attends to, on every rank (:func:`.oracle.token_of`)."""
-        bs = self.bs
+        block_size = self.block_size
         tainted: dict[str, int] = {}
         reqs = []
-        for req_id, n in so.num_scheduled_tokens.items():
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req, tables = self._snap[req_id]  # as scheduled (an abort mid-step freed it since)
             end = req.num_computed_tokens  # schedule() advanced it: this step's tokens end here
             tokens = self.tokens_of(req, end)
@@ -347,12 +348,12 @@ class World:
                         else:
                             v = slot_value(rank, m, ph[p],
                                            digest([before[q] for q in self._attends(m - 1, p)]))
-                        buf[j, table[p // bs], p % bs] = np.frombuffer(v, dtype=np.uint8)
+                        buf[j, table[p // block_size], p % block_size] = np.frombuffer(v, dtype=np.uint8)
                         cur[p] = v
                     prev[req_id] = (cur, want)
                 if layerwise:
                     self._hook(rank, "save_kv_layer", lambda r=runner, j=j:
-                               r.save_kv_layer(f"f{j}", self._md))
+                               r.save_kv_layer(f"f{j}", self._metadata))
             for req_id, start, end, *_ in reqs:  # the logits' read of the last layer
                 cur, want = prev[req_id]
                 check_read(req_id, last, start, end, cur, want)
@@ -361,8 +362,8 @@ class World:
         return tainted, {r: [token_of(x) for x in xs] for r, xs in reads.items()}
 
     def _read(self, buf: np.ndarray, j: int, table: list[int], end: int) -> list[bytes]:
-        nb = -(-end // self.bs)
-        raw = buf[j, table[:nb]].tobytes()
+        num_blocks = -(-end // self.block_size)
+        raw = buf[j, table[:num_blocks]].tobytes()
         return [raw[p * SLOT:(p + 1) * SLOT] for p in range(end)]
 
     # -- events ------------------------------------------------------------------------------------
@@ -382,9 +383,9 @@ class World:
             elif kind == "lose":
                 self.faults.lose(*ev[1:])
             elif kind == "task":
-                self.rt.step(ev[1])
+                self.runtime.step(ev[1])
             elif kind == "drain":  # every queued task that may run (directed schedules)
-                self.rt.drain()
+                self.runtime.drain()
             elif kind == "abort":
                 self.faults.abort(ev[1])
             elif kind == "evict":
@@ -394,7 +395,7 @@ class World:
             elif kind == "gate":
                 self.faults.gate(ev[1], ev[2])
             elif kind == "settle":
-                self.rt.settle = ev[1]
+                self.runtime.settle = ev[1]
             elif kind == "reset":
                 self.faults.reset()
             elif kind == "outage":
@@ -412,7 +413,7 @@ class World:
             else:  # pragma: no cover
                 raise ValueError(f"unknown event {ev!r}")
         self.capacity.check()  # I6
-        self.note(ev, self.rt.ran)
+        self.note(ev, self.runtime.ran)
         if self.violation is not None:
             raise self.violation
 
@@ -438,7 +439,7 @@ class World:
         priority = (suffix[0] if suffix else prefix[-1]) % 3 if self.cfg.priority else 0
         prompt = list(prefix) + list(suffix)
         self.scheduler.add_request(Request(req_id, prompt, sp, None, priority=priority,
-                                   block_hasher=_block_hasher(self.bs), cache_salt=salt))
+                                   block_hasher=_block_hasher(self.block_size), cache_salt=salt))
         self.reports.arrived(req_id)
         self.clients.arrived(req_id, prompt)
 
@@ -447,7 +448,7 @@ class World:
         """One of the model runner's calls into rank ``rank``'s worker, on vLLM's engine thread
         there (I10)."""
         self.stalls.hook = what
-        with self.rt.engine_thread(rank, what):
+        with self.runtime.engine_thread(rank, what):
             return self.crashing(what, fn)
 
     def step(self, mid: tuple | None = None) -> None:
@@ -460,59 +461,59 @@ class World:
         if self._pipelined() and self._queue and not self.scheduler.has_requests():
             self._update(*self._queue.pop())  # vLLM's engine core: nothing to schedule
             return
-        so = self.crashing("schedule", self.scheduler.schedule)
+        scheduler_output = self.crashing("schedule", self.scheduler.schedule)
         mgr = self.scheduler.kv_cache_manager
         # what the model runner was handed: an abort mid-step (vLLM's asynchronous scheduling
         # takes aborts while a batch runs) frees the request in the scheduler, not in the batch
         self._snap = {r: (self.scheduler.requests[r], [list(t) for t in mgr.get_block_ids(r)])
-                      for r in so.num_scheduled_tokens}
+                      for r in scheduler_output.num_scheduled_tokens}
         self._drafts = {r: list(d) for r, d in
-                        (getattr(so, "scheduled_spec_decode_tokens", None) or {}).items()}
+                        (getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}).items()}
         self.blocks.scheduled()
         if mid is not None:
             self.apply(mid)
         #: blocks freed by an abort mid-step: the batch in flight still uses them, vLLM may
         #: rewrite them from the next forward on (I4 checks them there)
         self.blocks.mid_step_done()
-        md = so.kv_connector_metadata
-        self._md = md
-        self._count_plan(so, md)
-        self.chunks.register(md)  # I1: what the step's saves must store
+        metadata = scheduler_output.kv_connector_metadata
+        self._metadata = metadata
+        self._count_plan(scheduler_output, metadata)
+        self.chunks.register(metadata)  # I1: what the step's saves must store
         self.stalls.begin_step()
         if self.cfg.zeroing == "v2":  # update_requests, then pre_forward's handle_preemptions
-            self.blocks.zero_new_blocks(so, "as the V2 runner zeroes new blocks (before "
+            self.blocks.zero_new_blocks(scheduler_output, "as the V2 runner zeroes new blocks (before "
                                             "handle_preemptions)")
         for rank, runner in enumerate(self.runners):
-            self._hook(rank, "handle_preemptions", lambda r=runner: r.handle_preemptions(md))
+            self._hook(rank, "handle_preemptions", lambda r=runner: r.handle_preemptions(metadata))
         if self.cfg.zeroing == "v1":  # _update_states, after handle_preemptions
-            self.blocks.zero_new_blocks(so, "as the V1 runner zeroes new blocks")
+            self.blocks.zero_new_blocks(scheduler_output, "as the V1 runner zeroes new blocks")
         for rank, runner in enumerate(self.runners):  # vLLM's bind_connector_metadata
-            self._hook(rank, "bind", lambda r=runner: r.bind(md))
-        self.blocks.before_forward("before the forward", so, md)  # I4, the poison
-        sync = getattr(so, "has_sync_kv_loads", True)
+            self._hook(rank, "bind", lambda r=runner: r.bind(metadata))
+        self.blocks.before_forward("before the forward", scheduler_output, metadata)  # I4, the poison
+        sync = getattr(scheduler_output, "has_sync_kv_loads", True)
         if sync:
             for rank, runner in enumerate(self.runners):
-                self._hook(rank, "start_load_kv", lambda r=runner: r.start_load_kv(md))
-        samples = self._samples(so)
-        tainted, sampled_at = self.forward(so, samples)
+                self._hook(rank, "start_load_kv", lambda r=runner: r.start_load_kv(metadata))
+        samples = self._samples(scheduler_output)
+        tainted, sampled_at = self.forward(scheduler_output, samples)
         if not sync:
             for rank, runner in enumerate(self.runners):
-                self._hook(rank, "start_load_kv", lambda r=runner: r.start_load_kv(md))
+                self._hook(rank, "start_load_kv", lambda r=runner: r.start_load_kv(metadata))
         outs = []
-        finished = Sorted(so.finished_req_ids)
+        finished = Sorted(scheduler_output.finished_req_ids)
         for rank, runner in enumerate(self.runners):
             if self.cfg.order == "0.32":
-                self._hook(rank, "wait_for_save", lambda r=runner: r.wait_for_save(md))
+                self._hook(rank, "wait_for_save", lambda r=runner: r.wait_for_save(metadata))
             kout = self._hook(rank, "get_finished", lambda r=runner: r.output(finished))
             if self.cfg.order != "0.32":
-                self._hook(rank, "wait_for_save", lambda r=runner: r.wait_for_save(md))
+                self._hook(rank, "wait_for_save", lambda r=runner: r.wait_for_save(metadata))
             self._hook(rank, "clear_connector_metadata", runner.clear)
             outs.append(kout)
         self.stalls.end_step(self.counts["steps"])
         for rank, k in enumerate(outs):
             for r in k.finished_sending or ():
                 self.reports.sending(rank, r)  # I3
-        ids = list(so.num_scheduled_tokens)
+        ids = list(scheduler_output.num_scheduled_tokens)
         sampled = [self._verified(r, sampled_at.get(r, []), samples.get(r)) for r in ids]
         runner_outputs = []
         for k in outs:
@@ -526,30 +527,31 @@ class World:
             if getattr(kv_output, name):
                 setattr(kv_output, name, Sorted(getattr(kv_output, name)))
         self.reads.check(tainted, kv_output)  # I2: wrong KV read, and vLLM told in this step
-        self.note(_STEP, sorted(so.num_scheduled_tokens.items()), sorted(so.finished_req_ids),
-                  [(r, mgr.get_block_ids(r)) for r in sorted(so.num_scheduled_tokens)],
+        self.note(_STEP, sorted(scheduler_output.num_scheduled_tokens.items()),
+                  sorted(scheduler_output.finished_req_ids),
+                  [(r, mgr.get_block_ids(r)) for r in sorted(scheduler_output.num_scheduled_tokens)],
                   *(sorted(x or ()) for x in (kv_output.finished_sending, kv_output.finished_recving,
                                               kv_output.failed_recving, kv_output.invalid_block_ids)),
                   sorted(tainted.items()), sampled)
         self.counts["load errors"] += bool(kv_output.invalid_block_ids) + len(kv_output.failed_recving or ())
         self.counts["tainted forwards"] += len(tainted)
         self.faults.step_ended()
-        self._queued(so, out, kv_output)
+        self._queued(scheduler_output, out, kv_output)
 
-    def _count_plan(self, so: Any, md: Any) -> None:
+    def _count_plan(self, scheduler_output: Any, metadata: Any) -> None:
         """Count what the scheduler planned for the step (what the schedule exercised)."""
         c = self.counts
         c["steps"] += 1
         if self.cfg.async_scheduling:  # steps that ran ahead of tokens vLLM had not seen
             c["async steps ahead of their tokens"] += any(
-                self._snap[r][0].num_output_placeholders > 1 for r in so.num_scheduled_tokens)
+                self._snap[r][0].num_output_placeholders > 1 for r in scheduler_output.num_scheduled_tokens)
         elif self._pipelined():  # steps scheduled before an earlier step's output was seen
             c["batch-queue steps ahead of an output"] += bool(self._queue)
-        c["preempted"] += len(md.preempted)
-        c["unwritten blocks read"] += len(md.unwritten)
+        c["preempted"] += len(metadata.preempted)
+        c["unwritten blocks read"] += len(metadata.unwritten)
         c["draft tokens scheduled"] += sum(map(len, self._drafts.values()))
         trackers = self.scheduler.connector.scheduler_side.trackers
-        for r in md.requests:
+        for r in metadata.requests:
             if r.load is not None:
                 c["background loads" if r.load.background else "sync loads"] += 1
                 t = trackers.get(r.req_id)
@@ -580,13 +582,13 @@ class World:
         scheduling's, which the simulation runs as before: one step ahead, always)."""
         return self.depth > 1 and not self.cfg.async_scheduling
 
-    def _queued(self, so: Any, out: Any, kv_output: Any) -> None:
+    def _queued(self, scheduler_output: Any, out: Any, kv_output: Any) -> None:
         """The step's output into the engine core's batch queue; the oldest one handed to the
         scheduler once the queue is full (vLLM's ``step_with_batch_queue``: it schedules while
         the queue has room and there is something to run)."""
-        self._queue.appendleft((so, out, kv_output))
+        self._queue.appendleft((scheduler_output, out, kv_output))
         if self._pipelined():
-            if len(self._queue) < self.depth and (so.total_num_scheduled_tokens > 0
+            if len(self._queue) < self.depth and (scheduler_output.total_num_scheduled_tokens > 0
                                                   or self.scheduler.has_requests()):
                 return
             self._update(*self._queue.pop())
@@ -594,12 +596,12 @@ class World:
         while len(self._queue) >= self.depth:
             self._update(*self._queue.pop())
 
-    def _samples(self, so: Any) -> dict[str, range]:
+    def _samples(self, scheduler_output: Any) -> dict[str, range]:
         """Per scheduled request, the positions whose logits sample a token: the last one when
         the step reaches the end of the tokens the scheduler has (asynchronous scheduling: every
         step past the prompt), and each draft's position (speculative decoding)."""
         out = {}
-        for r, n in so.num_scheduled_tokens.items():
+        for r, n in scheduler_output.num_scheduled_tokens.items():
             req = self._snap[r][0]
             end = req.num_computed_tokens
             if self.cfg.async_scheduling:
@@ -629,11 +631,11 @@ class World:
                 known[at.start + 1 + i] = t
         return out
 
-    def _update(self, so: Any, out: Any, kv_output: Any) -> None:
+    def _update(self, scheduler_output: Any, out: Any, kv_output: Any) -> None:
         """Hand one step's output to vLLM's scheduler (I3 on it first, I9 on what it sends the
         clients); a drafter then proposes the next drafts."""
         self.reports.check(kv_output)  # I3
-        sent = self.crashing("update_from_output", lambda: self.scheduler.update_from_output(so, out))
+        sent = self.crashing("update_from_output", lambda: self.scheduler.update_from_output(scheduler_output, out))
         self.blocks.output_seen()
         self.clients.outputs(sent)
         if self.cfg.spec_tokens:
@@ -675,9 +677,9 @@ class World:
                 self.faults.gate(rank, False)
                 self.faults.outage(rank, False)
             for i in range(max_steps):
-                if not self.scheduler.has_requests() and not self.rt.queue and not self._queue:
+                if not self.scheduler.has_requests() and not self.runtime.queue and not self._queue:
                     break
-                self.rt.drain()
+                self.runtime.drain()
                 if self.scheduler.has_requests():  # as vLLM's engine: also to hand over finished ids
                     self.step()
                 else:
@@ -689,7 +691,7 @@ class World:
                     self.faults.abort_all()
             else:
                 raise Violation("I3", f"never quiescent: vLLM holds {sorted(self.scheduler.requests)}, "
-                                      f"{len(self.rt.queue)} tasks queued")
+                                      f"{len(self.runtime.queue)} tasks queued")
             self.operator.release_pins()
             if self.violation is not None:
                 raise self.violation
@@ -711,7 +713,7 @@ class World:
         c["config codec " + (self.cfg.codec or "none")] += 1
         c[f"config TP {self.tp}"] += 1
         c["config posix shared by every rank" if self.cfg.shared_dir else "config own dirs"] += 1
-        c["config a neighbour process on rank 0's posix" if self.nb is not None
+        c["config a neighbour process on rank 0's posix" if self.neighbour is not None
           else "config no neighbour"] += 1
         c["config zeroing " + (self.cfg.zeroing or "none")] += 1
         c["config async scheduling" if self.cfg.async_scheduling else "config sync scheduling"] += 1
@@ -720,7 +722,7 @@ class World:
           else "config no last-block drop"] += 1
         c["config inline disk-hit budget " + ("default" if self.cfg.inline_chunks is None
                                               else f"{self.cfg.inline_chunks} chunk(s)")] += 1
-        c[f"config block size {self.bs}, chunk size {self.cs}"] += 1
+        c[f"config block size {self.block_size}, chunk size {self.chunk_size}"] += 1
         c[f"config batch queue {self.cfg.batch_queue} (pipeline parallel)"
           if self._pipelined() else "config no pipeline-parallel batch queue"] += 1
         c[f"config three tiers, remote {self.cfg.remote}" if self.cfg.remote
@@ -734,11 +736,11 @@ class World:
           else "config workers through WorkerSide"] += 1
         c.update(self.stalls.counts)
         c["max engine wait in a step (ms)"] = round(self.stalls.max_waited * 1000)
-        c["late tier calls (begun, timed out)"] += self.rt.late_calls
+        c["late tier calls (begun, timed out)"] += self.runtime.late_calls
         for rank in range(self.tp):
             self.faults.gate(rank, False)
         with contextlib.suppress(Exception):
-            self.rt.drain()
+            self.runtime.drain()
         if isinstance(self.lookup, SimRemoteLookup):
             c["lookups answered after the first ask"] += self.lookup.answered_late
             c["lookup timeouts (real client)"] += self.lookup.timeouts
@@ -751,9 +753,9 @@ class World:
         for w in self.workers:
             with contextlib.suppress(Exception):
                 w.close()
-        if self.nb is not None:
+        if self.neighbour is not None:
             with contextlib.suppress(Exception):
-                self.nb.close()
+                self.neighbour.close()
         for url in self.urls:
             STORES.pop(url, None)
         shutil.rmtree(self.tmp, ignore_errors=True)

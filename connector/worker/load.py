@@ -22,9 +22,9 @@
   failed load left unwritten is recorded the same way (:meth:`Loads.read_unwritten`).
 
 :class:`Loads` is the load direction of the worker's transfers (:mod:`.transfers`; the store
-direction is :mod:`.store`), in the same shape: ``expect``, ``submit``, ``finished``, and the
+direction is :mod:`.store`), in the same shape: ``expect``, ``start``, ``finished``, and the
 waits (``wait_layer``, ``wait_all``). It runs the path for both kinds of job: an in-step load
-(``start_load_kv``: all five steps in the step, :meth:`Loads.submit`; layer-wise, the scatter is
+(``start_load_kv``: all five steps in the step, :meth:`Loads.start`; layer-wise, the scatter is
 released layer by layer, :meth:`Loads.wait_layer`), and a background load (a chunk is in a
 tier that may block: vLLM's asynchronous protocol), whose fetch alone runs off the step on
 :class:`BackgroundLoads`' pool; its validate, scatter and report run on vLLM's thread in
@@ -136,28 +136,28 @@ ANY_TIER = ""
 
 
 # -- 1. plan ---------------------------------------------------------------------------------------
-def plan_load(md: KVPlugMetadata, r: ReqMeta, key: Callable[[bytes], CacheKey], tier_of: TierOf,
+def plan_load(metadata: KVPlugMetadata, r: ReqMeta, key: Callable[[bytes], CacheKey], tier_of: TierOf,
               layout: groups.GroupLayout | None = None) -> RequestLoad:
     """The chunks of ``r``'s load and their blocks: one :class:`ChunkLoad` per chunk, or per KV
     cache group part of a chunk with several groups (a sliding group writes only its live
     blocks). A chunk a block table cannot hold, or that ``tier_of`` finds nowhere to read from
-    (see :meth:`Loads.submit`), fails with everything after it."""
+    (see :meth:`Loads.start`), fails with everything after it."""
     assert r.load is not None
-    spec, bs = r.load, md.block_size
-    load = RequestLoad(r, spec, bs)
+    spec, block_size = r.load, metadata.block_size
+    load = RequestLoad(r, spec, block_size)
     for i, h in enumerate(spec.hashes):
-        s, e = md.chunk_range(spec, i)
+        s, e = metadata.chunk_range(spec, i)
         first = max(s, spec.start)  # blocks before it vLLM already holds
         stop = min(e, spec.write_end)  # blocks from it on vLLM recomputes (spec.upto)
         if first >= stop:
             break
         try:
             if layout is not None and layout.multi:
-                parts = groups.load_parts(layout, r.tables, h, s, e, spec.start, bs, stop)
+                parts = groups.load_parts(layout, r.tables, h, s, e, spec.start, block_size, stop)
             else:
-                parts = [groups.GroupChunk(h, s, e, num_pages(e - s, bs),
-                                           pages_for_tokens(first, stop, bs, chunk_start=s),
-                                           blocks_for_tokens(r.block_ids, first, stop, bs), True)]
+                parts = [groups.GroupChunk(h, s, e, num_pages(e - s, block_size),
+                                           pages_for_tokens(first, stop, block_size, chunk_start=s),
+                                           blocks_for_tokens(r.block_ids, first, stop, block_size), True)]
         except (ValueError, IndexError):
             load.fail(s, recovery.NO_BLOCKS)
             break
@@ -196,32 +196,32 @@ class Loads:
         self.epoch = ""  # the weights epoch of the step (WorkerSide.sync_epoch sets it)
 
     # -- the transfer shape (see .transfers) ------------------------------------------------------
-    def expect(self, md: KVPlugMetadata) -> None:
+    def expect(self, metadata: KVPlugMetadata) -> None:
         """vLLM bound the coming step's metadata: the unwritten blocks it reads are this step's
         load errors (:meth:`read_unwritten`)."""
-        if md.unwritten:
-            self.read_unwritten(md)
+        if metadata.unwritten:
+            self.read_unwritten(metadata)
 
-    def submit(self, md: KVPlugMetadata | None) -> None:
+    def start(self, metadata: KVPlugMetadata | None) -> None:
         """``start_load_kv``: every load of the step (None: the step has none; the last one's
         ends). Plan; a background one is fetched off the step; the others are fetched,
         validated and scattered now (layer-wise: layer by layer, see :meth:`wait_layer`), then
         reported."""
         self._finish()
-        if md is None:
+        if metadata is None:
             return
         jobs: list[PageJob] = []
         budget = self.storage.wait_budget(self.deadline_s)  # the step's, for every in-step read
         reads = LayerReads(self.storage, self.kv.num_layers, budget) if self.layerwise else None
-        for r in md.requests:
+        for r in metadata.requests:
             if r.load is None:
                 continue
             t0 = time.perf_counter()
             where = self._where(self.pinned(r.req_id), r.load.background)
-            load = plan_load(md, r, self.key, where, self.layout)  # 1. plan
+            load = plan_load(metadata, r, self.key, where, self.layout)  # 1. plan
             if r.load.background:
                 load.epoch = self.epoch
-                self.background.submit(load)  # 2. fetch, off the step (see finished)
+                self.background.start_fetch(load)  # 2. fetch, off the step (see finished)
                 continue
             got = self._fetch(load, reads, budget)  # 2. fetch
             self._validate(load, got, jobs, reads)  # 3. validate
@@ -329,18 +329,18 @@ class Loads:
         self.reports.record(load.outcome(self.kv.num_layers * self.kv.page_bytes),
                             self.storage.tier_names)
 
-    def read_unwritten(self, md: KVPlugMetadata) -> None:
-        """This step's forward reads blocks a failed load left unwritten (``md.unwritten``,
+    def read_unwritten(self, metadata: KVPlugMetadata) -> None:
+        """This step's forward reads blocks a failed load left unwritten (``metadata.unwritten``,
         :mod:`..scheduler.unwritten`): recorded as an :class:`.recovery.UnwrittenRead` with each
         reading request's first such token; the recovery rule fails them like a load into
         them."""
-        bad = set(md.unwritten)
+        bad = set(metadata.unwritten)
         first = {}
-        for r in md.requests:
+        for r in metadata.requests:
             at = next((i for i, b in enumerate(r.block_ids) if b in bad), None)
             if at is not None:
-                first[r.req_id] = at * md.block_size
-        self.reports.record(UnwrittenRead(tuple(md.unwritten), first))
+                first[r.req_id] = at * metadata.block_size
+        self.reports.record(UnwrittenRead(tuple(metadata.unwritten), first))
 
     # -- a background load: fetched off the step, the rest in get_finished ----------------------
     def finished(self, finished: Collection[str], idle: bool = False) -> set[str]:
@@ -459,7 +459,7 @@ class BackgroundLoads:
         """Start the fetch threads now (at start-up), not on the first background loads."""
         self._runtime.start_threads(self._pool, self._threads)
 
-    def submit(self, load: RequestLoad) -> None:
+    def start_fetch(self, load: RequestLoad) -> None:
         """Start fetching every chunk of ``load`` (in chunk order)."""
         def run() -> tuple[list[MemoryObj | None], list[str | None]]:
             t0 = time.perf_counter()

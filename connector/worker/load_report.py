@@ -50,7 +50,7 @@ class LoadReports:
         self._recompute.update(got.recompute)
         if got.failed_request is not None:
             self._failed_requests.add(got.failed_request)
-        self._meta.failed_blocks.update(got.lost_blocks)
+        self._meta.num_failed_blocks.update(got.num_failed_blocks)
         for req_id, tok in got.store_from.items():
             self._meta.failed_from[req_id] = min(tok, self._meta.failed_from.get(req_id, tok))
         if got.skip_request is not None:
@@ -99,12 +99,12 @@ class LoadReports:
         out, self._recompute = self._recompute, set()
         return out
 
-    def tainted(self, md: KVPlugMetadata | None) -> set[str]:
+    def tainted(self, metadata: KVPlugMetadata | None) -> set[str]:
         """The requests whose KV this step computed over a failed load (theirs, or a block of
         theirs that failed, or an unwritten block it read), so nothing of theirs is stored;
         forgets the step's failures (called once per step, when its store starts)."""
         out, self._skip_requests = self._skip_requests, set()
         bad, self._skip_blocks = self._skip_blocks, set()
-        if md is not None and bad:
-            out |= {r.req_id for r in md.requests if bad.intersection(r.block_ids, *r.tables)}
+        if metadata is not None and bad:
+            out |= {r.req_id for r in metadata.requests if bad.intersection(r.block_ids, *r.tables)}
         return out

@@ -52,14 +52,14 @@ class WorkerManagement:
         """Per tier: ``held``, the leading tokens the tier holds on its own (its leading full
         chunks, then the longest partial chunk inside the next one), and ``served``, the tokens
         of this worker's hit over all tiers (unpinned) that a load would read from it."""
-        w, storage, cs = self.worker, self.worker.storage, self.worker.cfg.chunk_size
+        w, storage, chunk_size = self.worker, self.worker.storage, self.worker.cfg.chunk_size
         assert storage is not None
         keys = [w.key(h, tenant=msg.tenant) for h in msg.hashes]
         tails = sorted(((end, w.key(h, tenant=msg.tenant)) for end, h in msg.tails),
                        key=lambda t: -t[0])
 
         def inside(n: int) -> list[tuple[int, Any]]:  # partial chunks in chunk n, longest first
-            return [(end, k) for end, k in tails if n * cs < end < (n + 1) * cs]
+            return [(end, k) for end, k in tails if n * chunk_size < end < (n + 1) * chunk_size]
 
         out: dict[str, dict[str, int]] = {}
         for tier in storage.tier_names:
@@ -68,13 +68,13 @@ class WorkerManagement:
             cand = inside(n)
             got = storage.holds(tier, [k for _, k in cand]) or [False] * len(cand)
             out[tier] = {"held": next((e for (e, _), h in zip(cand, got, strict=True) if h),
-                                      n * cs), "served": 0}
+                                      n * chunk_size), "served": 0}
         found = storage.lookup_prefix(keys)
         for tier in found.tiers:
-            out[tier]["served"] += cs
+            out[tier]["served"] += chunk_size
         for end, k in inside(found.num_chunks):
             if (tier := storage.contains(k)) is not None:
-                out[tier]["served"] += end - found.num_chunks * cs
+                out[tier]["served"] += end - found.num_chunks * chunk_size
                 break
         return out
 

@@ -73,7 +73,7 @@ class Recovery:
     recompute: tuple[int, ...] = ()  # blocks vLLM recomputes (get_block_ids_with_load_errors)
     failed_request: str | None = None  # several KV cache groups: vLLM recomputes the request
     store_from: Mapping[str, int] = field(default_factory=dict)  # per request: stored again from
-    lost_blocks: Mapping[str, int] = field(default_factory=dict)  # per request: blocks recomputed
+    num_failed_blocks: Mapping[str, int] = field(default_factory=dict)  # per request: blocks recomputed
     skip_request: str | None = None  # the step's store leaves this request out...
     skip_blocks: frozenset[int] = frozenset()  # ...and every request that holds one of these
     counters: Mapping[str, int] = field(default_factory=dict)  # stats to add
@@ -110,7 +110,7 @@ def recover(what: LoadOutcome | UnwrittenRead, multi: bool) -> Recovery:
     first = max(what.failed_at, what.start)  # type: ignore[type-var]
     return Recovery(
         recompute=() if multi else blocks, failed_request=what.req_id if multi else None,
-        store_from={what.req_id: first}, lost_blocks={what.req_id: len(blocks)},
+        store_from={what.req_id: first}, num_failed_blocks={what.req_id: len(blocks)},
         skip_request=what.req_id if what.in_step else None,
         skip_blocks=frozenset(blocks) if what.in_step else frozenset(),
         counters={"load_failures": 1, "failed_blocks": len(blocks)},

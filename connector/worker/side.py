@@ -94,16 +94,16 @@ class WorkerSide:
         self._kv_caches = dict(kv_caches)
         self.kv = PagedKV.from_kv_caches(kv_caches, self.layout.num_blocks or None)
         self.kv_dtype = str(self.kv.kv_dtype).removeprefix("torch.")
-        bs = self.layout.block_size or 1  # unknown: a chunk of single-token pages bounds it
+        block_size = self.layout.block_size or 1  # unknown: a chunk of single-token pages bounds it
         self.storage = StorageManager(self.cfg, runtime=self.runtime, geometry=ChunkGeometry(
-            self.kv.num_layers, -(-self.cfg.chunk_size // bs), self.kv.page_bytes,
+            self.kv.num_layers, -(-self.cfg.chunk_size // block_size), self.kv.page_bytes,
             self.cfg.chunk_size))  # reads of any other shape are refused before allocating
         parts = TransferParts(self.kv, self.storage, self.layout, self.key)
         loads = Loads(parts, self.cfg.layerwise, self._reports,
                       BackgroundLoads(self.storage.batched_get_where, runtime=self.runtime),
                       self.pinned, self.release, self.cfg.in_step_load_deadline_s)
         saves = (AsyncSaves(self.kv, self.storage, self.stats, self.runtime,
-                            order_at_submit=self.layout.zeroes_new_blocks)
+                            order_at_enqueue=self.layout.zeroes_new_blocks)
                  if async_save_enabled(self.cfg, self.kv.device.type) else None)
         self.transfers = Transfers(loads, Stores(parts, self.stats, saves))
         self.transfers.warm_up()
@@ -163,13 +163,13 @@ class WorkerSide:
         them)."""
         return key.model_digest == self.key(key.chunk_hash).model_digest
 
-    def sync_epoch(self, md: KVPlugMetadata | None) -> None:
+    def sync_epoch(self, metadata: KVPlugMetadata | None) -> None:
         """Switch to the step's weights epoch before anything else of the step: the scheduler
         drew a new one (the weights changed). L1 (this engine's own memory) is emptied; shared
         and persistent tiers keep the old entries for engines still on the old weights."""
-        if md is None or md.epoch == self.epoch:
+        if metadata is None or metadata.epoch == self.epoch:
             return
-        old, self.epoch = self.epoch, md.epoch  # (counted once, by the scheduler side)
+        old, self.epoch = self.epoch, metadata.epoch  # (counted once, by the scheduler side)
         if self.transfers is not None:  # a background load planned before fails (recomputed)
             self.transfers.loads.epoch = self.epoch
         freed = 0
@@ -287,37 +287,37 @@ class WorkerSide:
             keys, tiers = self._pins.get(req_id, ([], []))
         return dict(zip(keys, tiers, strict=False))
 
-    def bind(self, md: KVPlugMetadata | None) -> None:
+    def bind(self, metadata: KVPlugMetadata | None) -> None:
         """vLLM bound the coming step's metadata (before its forward, before any ``get_finished``
         of the step): the saves it names are expected, and the unwritten blocks it reads are this
         step's load errors and taint it like a failed load (:meth:`.transfers.Transfers.expect`)."""
-        if md is None:
+        if metadata is None:
             return
         if self.transfers is not None:
-            self.transfers.expect(md)
-        elif md.unwritten:  # no KV cache: no request to store again, nothing stored
-            self._reports.record(UnwrittenRead(tuple(md.unwritten)))
+            self.transfers.expect(metadata)
+        elif metadata.unwritten:  # no KV cache: no request to store again, nothing stored
+            self._reports.record(UnwrittenRead(tuple(metadata.unwritten)))
 
     # -- transfers: loads and stores, see .transfers ----------------------------------------------
-    def start_load_kv(self, md: KVPlugMetadata | None) -> None:
-        self.sync_epoch(md)
+    def start_load_kv(self, metadata: KVPlugMetadata | None) -> None:
+        self.sync_epoch(metadata)
         if self.transfers is not None:
-            self.transfers.submit(Load(md))
+            self.transfers.submit(Load(metadata))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.transfers is not None:
             self.transfers.wait_layer(layer_name)
 
-    def save_kv_layer(self, layer_name: str, md: KVPlugMetadata | None) -> None:
+    def save_kv_layer(self, layer_name: str, metadata: KVPlugMetadata | None) -> None:
         """Layer-wise mode: copy this layer of every chunk to store, right after it is computed."""
-        if self.cfg.layerwise and md is not None and self.transfers is not None:
-            self.sync_epoch(md)
-            self.transfers.submit(Store(md, layer=layer_name))
+        if self.cfg.layerwise and metadata is not None and self.transfers is not None:
+            self.sync_epoch(metadata)
+            self.transfers.submit(Store(metadata, layer=layer_name))
 
-    def wait_for_save(self, md: KVPlugMetadata | None) -> None:
-        self.sync_epoch(md)
+    def wait_for_save(self, metadata: KVPlugMetadata | None) -> None:
+        self.sync_epoch(metadata)
         if self.transfers is not None:
-            self.transfers.submit(Store(md))
+            self.transfers.submit(Store(metadata))
 
     def get_finished(self, finished: set[str] | frozenset[str] = frozenset(),
                      idle: bool = False, pause: bool = False) -> tuple[set[str], set[str]]:
@@ -340,12 +340,12 @@ class WorkerSide:
         finally:
             self.release(finished)
 
-    def handle_preemptions(self, md: KVPlugMetadata | None) -> None:
+    def handle_preemptions(self, metadata: KVPlugMetadata | None) -> None:
         """Before every step, which may rewrite blocks vLLM freed (preempted requests', and
         sliding-window blocks that left the window): order it after the asynchronous copies
         that read them."""
         if self.transfers is not None:
-            self.transfers.wait_freed(md.preempted if md is not None else ())
+            self.transfers.wait_freed(metadata.preempted if metadata is not None else ())
 
     def take_report(self) -> KVPlugWorkerMeta | None:
         """Per-request load results since the last call (for the scheduler)."""

@@ -1,7 +1,7 @@
 """A worker's stores: the KV of the step's saved chunks, from vLLM's blocks into the tiers.
 
 :class:`Stores` is the store direction of the worker's transfers (:mod:`.transfers`; the load
-direction is :mod:`.load`), in the same shape: ``expect`` (the bound step's saves), ``submit`` (a
+direction is :mod:`.load`), in the same shape: ``expect`` (the bound step's saves), ``start`` (a
 layer just computed, or the step's store), ``finished`` (vLLM's ``finished_sending``), and the
 waits: ``wait_freed`` (copies ordered before vLLM reuses the blocks they read), ``wait_puts``
 (puts a lookup waits for), ``wait_copies`` (every copy has read its blocks). A step's store:
@@ -41,7 +41,7 @@ vLLM's blocks must outlive every copy that reads them (vLLM 0.32's rules):
   *before* it calls ``handle_preemptions`` (``update_requests``, then ``pre_forward``). Where the
   engine does that (``needs_kv_cache_zeroing``: mixed-precision caches), a block a preemption freed
   can be rewritten before :meth:`AsyncSaves.wait_for` runs, so each step's copies are ordered before the next
-  step right away (``order_at_submit``; CUDA: the engine's stream waits on the copy's event, no
+  step right away (``order_at_enqueue``; CUDA: the engine's stream waits on the copy's event, no
   host wait; CPU: the copy is done on vLLM's thread). Found and checked on an H100 with
   ``tests/unit/test_gpu_cuda.py::test_a_block_zeroed_before_the_wait_races_the_store``.
 """
@@ -128,26 +128,26 @@ class Stores:
         self._sent: set[str] = set()  # synchronous saves: finished requests whose save is over
 
     # -- the transfer shape (see .transfers) ------------------------------------------------------
-    def expect(self, md: KVPlugMetadata) -> None:
-        """vLLM bound the coming step's metadata: its saves are held until submitted
+    def expect(self, metadata: KVPlugMetadata) -> None:
+        """vLLM bound the coming step's metadata: its saves are held until enqueued
         (:meth:`AsyncSaves.expect`)."""
         if self.saves is not None:
-            self.saves.expect(md)
+            self.saves.expect(metadata)
 
-    def submit(self, md: KVPlugMetadata | None, layer: str | None = None,
+    def start(self, metadata: KVPlugMetadata | None, layer: str | None = None,
                skip: Collection[str] = frozenset()) -> None:
         """``layer``: layer-wise, copy that layer of every chunk the step saves, right after it
         is computed (``save_kv_layer``). Else the step's store (``wait_for_save``): see
         :meth:`_finish`; ``skip``: requests whose KV this step computed over a failed load."""
-        if md is None:
+        if metadata is None:
             return
         if layer is not None:
-            self._save_layer(layer, md)
+            self._save_layer(layer, metadata)
             return
         if self.saves is None:
             # A finished request's blocks are read below (or never, on failure): then they go.
-            self._sent.update(r.req_id for r in md.requests if r.finished)
-        self._finish(md, skip)
+            self._sent.update(r.req_id for r in metadata.requests if r.finished)
+        self._finish(metadata, skip)
 
     def finished(self, finished: Collection[str]) -> set[str]:
         """vLLM's ``finished_sending``: finished requests whose last save no longer reads their
@@ -191,22 +191,22 @@ class Stores:
             self.saves.close()
 
     # -- a step's store --------------------------------------------------------------------------
-    def prepare(self, md: KVPlugMetadata) -> StoreBatch:
+    def prepare(self, metadata: KVPlugMetadata) -> StoreBatch:
         """Memory and page jobs for every chunk the step saves, until the block table ends or
         memory runs out (a store failure: what was prepared is still stored)."""
         batch = StoreBatch()
-        bs = md.block_size
-        for r in md.requests:
+        block_size = metadata.block_size
+        for r in metadata.requests:
             spec = r.save
             if spec is None:
                 continue
             for i, h in enumerate(spec.hashes):
-                s, e = md.chunk_range(spec, i)
+                s, e = metadata.chunk_range(spec, i)
                 if self.layout.multi:  # one part per group (sliding: only while in the window)
-                    targets = store_targets(self.layout, r.tables, h, s, e, bs)
+                    targets = store_targets(self.layout, r.tables, h, s, e, block_size)
                 else:
                     try:
-                        targets = [(h, blocks_for_tokens(r.block_ids, s, e, bs))]
+                        targets = [(h, blocks_for_tokens(r.block_ids, s, e, block_size))]
                     except ValueError:
                         targets = None
                 if targets is None:  # the block table does not reach this chunk yet
@@ -214,7 +214,7 @@ class Stores:
                 window = {group_hash(h, g) for g in self.layout.sliding}
                 for th, ids in targets:
                     batch.window = batch.window or th in window
-                    obj = self.storage.allocate((self.kv.num_layers, num_pages(e - s, bs),
+                    obj = self.storage.allocate((self.kv.num_layers, num_pages(e - s, block_size),
                                                  self.kv.page_bytes), num_tokens=e - s)
                     if obj is None:  # every tier with memory is full: store what we have
                         break
@@ -230,12 +230,12 @@ class Stores:
                 break
         return batch
 
-    def _save_layer(self, layer_name: str, md: KVPlugMetadata) -> None:
+    def _save_layer(self, layer_name: str, metadata: KVPlugMetadata) -> None:
         """Layer-wise mode: copy this layer of every chunk, right after it is computed."""
         if self.saves is not None and not self.saves.on_cuda:  # CPU: copied off-step
             return
         if self._batch is None:
-            self._batch = self.prepare(md)
+            self._batch = self.prepare(metadata)
             self._next = 0
             self._steps = (layerwise_store(self.kv, self._batch.jobs, wait=self.saves is None)
                            if self._batch.jobs else None)
@@ -246,7 +246,7 @@ class Stores:
             next(self._steps)
             self._next += 1
 
-    def _finish(self, md: KVPlugMetadata, skip: Collection[str]) -> None:
+    def _finish(self, metadata: KVPlugMetadata, skip: Collection[str]) -> None:
         """End the step's store: asynchronous saves get the batch; a synchronous save copies
         what the layers did not (bulk mode: everything) and puts it into the tiers. ``skip``:
         requests whose KV this step computed over a failed load: nothing of theirs is stored
@@ -255,18 +255,18 @@ class Stores:
         batch, steps = self._batch, self._steps
         self._batch, self._steps = None, None
         if self.saves is not None:  # copied (and put) off the step, see AsyncSaves
-            batch, dropped = (batch or self.prepare(md)).without(skip)
+            batch, dropped = (batch or self.prepare(metadata)).without(skip)
             if steps is None:
                 for o in dropped:
                     o.ref_down()
                 dropped = []
-            self.saves.submit(md, batch.keys, batch.objs, batch.jobs, batch.tokens, steps,
+            self.saves.enqueue(metadata, batch.keys, batch.objs, batch.jobs, batch.tokens, steps,
                               window=batch.window, unput=dropped)
             return
         dropped = []
         try:
             if batch is None:  # bulk mode (or a step whose layers never ran)
-                batch, dropped = self.prepare(md).without(skip)
+                batch, dropped = self.prepare(metadata).without(skip)
                 if batch.jobs:
                     gather_many(self.kv, batch.jobs)
             else:
@@ -310,16 +310,16 @@ class SaveJob:
 class AsyncSaves:
     """Saves whose copy and put run off the engine step (see the module docstring).
 
-    ``submit`` takes one step's chunks (owning one reference to each object; every object is
+    :meth:`enqueue` takes one step's chunks (owning one reference to each object; every object is
     released once its put is over or failed), :meth:`take_sent` reports finished requests whose
     blocks no copy reads any more, :meth:`wait_for` orders a preemption after the copies."""
 
     def __init__(self, kv: PagedKV, storage: StorageManager, stats: StatsRecorder,
-                 runtime: Runtime = THREADS, order_at_submit: bool = False) -> None:
+                 runtime: Runtime = THREADS, order_at_enqueue: bool = False) -> None:
         self.kv = kv
         #: the engine may rewrite freed blocks before ``handle_preemptions``: order every step's
-        #: copies before the next step when they are submitted (see the module docstring)
-        self.order_at_submit = order_at_submit
+        #: copies before the next step when they are enqueued (see the module docstring)
+        self.order_at_enqueue = order_at_enqueue
         self.storage = storage
         self.stats = stats
         self.on_cuda = kv.device.type == "cuda"
@@ -332,7 +332,7 @@ class AsyncSaves:
         self._busy: dict[str, int] = {}  # request -> jobs in flight that read its blocks
         self._tracked: set[str] = set()  # requests that had a save: vLLM holds them at finish
         self._finished: set[str] = set()  # finished, waiting for their copies
-        #: the bound step's requests with a save, until that step's ``submit`` (see expect)
+        #: the bound step's requests with a save, until that step's ``enqueue`` (see expect)
         self._bound: tuple[KVPlugMetadata, frozenset[str]] | None = None
         self._closed = False
 
@@ -351,31 +351,31 @@ class AsyncSaves:
         finally:
             page.ref_down()
 
-    def expect(self, md: KVPlugMetadata) -> None:
-        """vLLM bound ``md`` for the coming step: its requests with a save count as held (vLLM
-        keeps their blocks at finish) and as busy until this step's :meth:`submit`, whichever
+    def expect(self, metadata: KVPlugMetadata) -> None:
+        """vLLM bound ``metadata`` for the coming step: its requests with a save count as held (vLLM
+        keeps their blocks at finish) and as busy until this step's :meth:`enqueue`, whichever
         order vLLM calls ``get_finished`` and ``wait_for_save`` in (vLLM 0.33 with a speculator
         asks ``get_finished`` first)."""
-        req_ids = frozenset(r.req_id for r in md.requests if r.save is not None)
+        req_ids = frozenset(r.req_id for r in metadata.requests if r.save is not None)
         with self._lock:
-            if self._bound is not None:  # never submitted (no wait_for_save): nothing comes
-                logger.debug("kvplug: a bound step's saves were never submitted")
-            self._bound = (md, req_ids) if req_ids else None
+            if self._bound is not None:  # never enqueued (no wait_for_save): nothing comes
+                logger.debug("kvplug: a bound step's saves were never enqueued")
+            self._bound = (metadata, req_ids) if req_ids else None
             self._tracked |= req_ids
 
-    def submit(self, md: KVPlugMetadata, keys: list[CacheKey], objs: list[MemoryObj],
+    def enqueue(self, metadata: KVPlugMetadata, keys: list[CacheKey], objs: list[MemoryObj],
                jobs: list[PageJob], tokens: int, steps: Iterator[int] | None = None,
                window: bool = False, unput: Sequence[MemoryObj] = ()) -> None:
         """Start this step's save (called in ``wait_for_save``, after the forward pass). Every
-        request of ``md`` with a save counts as one vLLM holds at finish, whether or not any of
+        request of ``metadata`` with a save counts as one vLLM holds at finish, whether or not any of
         its chunks could be prepared. ``steps``: a layer-wise store stepped with ``wait=False``
         (CUDA); its remaining layers are queued here. ``window``: it reads sliding-window blocks
         (see :meth:`wait_window`). ``unput``: objects ``steps`` copies into that are not stored
         (a failed load's request); released, like the others, once the copy is over."""
-        req_ids = frozenset(r.req_id for r in md.requests if r.save is not None)
+        req_ids = frozenset(r.req_id for r in metadata.requests if r.save is not None)
         with self._lock:  # take_sent runs on this thread: no report slips in before the job
             self._tracked |= req_ids
-            self._unbind(md)
+            self._unbind(metadata)
         job = SaveJob(list(keys), list(objs), list(jobs), tokens, req_ids, window=window,
                       unput=list(unput), copied=self.runtime.event())
         if not keys and not unput:
@@ -393,7 +393,7 @@ class AsyncSaves:
                 self.stats.add("store_failures")
                 self._release(job)
                 return
-        # counted when submitted, so a request's stores show in the stats the step it ends (a
+        # counted when enqueued, so a request's stores show in the stats the step it ends (a
         # copy or put that fails later counts in store_failures)
         if keys:
             self.stats.add("stores", 1)
@@ -415,18 +415,18 @@ class AsyncSaves:
             self._release(job)
             return
         self._pool.submit(self._run, job)
-        if self.order_at_submit:
+        if self.order_at_enqueue:
             self._copy_now([job])
 
-    def _unbind(self, md: KVPlugMetadata) -> None:
-        """``md``'s saves are submitted (or dropped): its requests are no longer expected."""
-        if self._bound is not None and self._bound[0] is md:
+    def _unbind(self, metadata: KVPlugMetadata) -> None:
+        """``metadata``'s saves are enqueued (or dropped): its requests are no longer expected."""
+        if self._bound is not None and self._bound[0] is metadata:
             self._bound = None
 
     def take_sent(self, finished: Collection[str]) -> set[str]:
         """vLLM's ``finished_sending``: requests finished (``finished``: this step's, earlier ones
         are remembered) that had a save and whose blocks no copy reads any more, nor will: a
-        request of the bound step whose save is not submitted yet waits for it."""
+        request of the bound step whose save is not enqueued yet waits for it."""
         with self._lock:
             self._finished |= self._tracked.intersection(finished)
             coming = self._bound[1] if self._bound is not None else frozenset()
@@ -549,7 +549,7 @@ class AsyncSaves:
                 return
             with torch.inference_mode():  # as the puts vLLM's thread makes (tiers may write)
                 self.storage.batched_put(job.keys, job.objs)
-            self.stats.add("store_seconds", time.perf_counter() - job.t0)  # submit to put
+            self.stats.add("store_seconds", time.perf_counter() - job.t0)  # enqueue to put
         except Exception:  # noqa: BLE001 - a failed put stores nothing; the engine goes on
             self.stats.add("store_failures")
             logger.exception("kvplug store failed; the chunks are not cached")

@@ -5,19 +5,19 @@ the tiers (:mod:`.store`). Both are jobs of an engine step that the worker submi
 they are over, and waits for when vLLM is about to need what they touch, as vLLM's own offloading
 worker does (``transfer_async``, ``get_finished``, ``wait``):
 
-================================  ==============================================================
-``expect(md)``                    ``bind_connector_metadata``: the step's saves are held until
-                                  submitted; the unwritten blocks it reads are load errors
-``submit(Load(md))``              ``start_load_kv``: the step's loads
-``submit(Store(md, layer))``      ``save_kv_layer``: that layer of the step's store
-``submit(Store(md))``             ``wait_for_save``: ``wait_loads``, then the step's store
-                                  (``store_step``)
-``finished(finished, idle)``      ``get_finished``: (``finished_sending``, ``finished_recving``)
-``wait_layer(layer)``             ``wait_for_layer_load``: the loads wrote every layer up to it
-``wait_freed(freed)``             ``handle_preemptions``: copies that read freed blocks come first
-``wait_puts(keys, timeout)``      a lookup: the puts of these chunks are over
-``wait_idle()``                   sleep: every load is over, every copy has read its blocks
-================================  ==============================================================
+====================================  ==============================================================
+``expect(metadata)``                  ``bind_connector_metadata``: the step's saves are held until
+                                      submitted; the unwritten blocks it reads are load errors
+``submit(Load(metadata))``            ``start_load_kv``: the step's loads
+``submit(Store(metadata, layer))``    ``save_kv_layer``: that layer of the step's store
+``submit(Store(metadata))``           ``wait_for_save``: ``wait_loads``, then the step's store
+                                      (``store_step``)
+``finished(finished, idle)``          ``get_finished``: (``finished_sending``, ``finished_recving``)
+``wait_layer(layer)``                 ``wait_for_layer_load``: the loads wrote every layer up to it
+``wait_freed(freed)``                 ``handle_preemptions``: copies that read freed blocks come first
+``wait_puts(keys, timeout)``          a lookup: the puts of these chunks are over
+``wait_idle()``                       sleep: every load is over, every copy has read its blocks
+====================================  ==============================================================
 
 The one rule between the directions lives here (:meth:`Transfers.store_step`): a step's store
 comes after its loads (it must never read a block a load is still writing), and leaves out every
@@ -51,16 +51,16 @@ class TransferParts(NamedTuple):
 
 
 class Load(NamedTuple):
-    """Tiers -> blocks: every load ``md`` names (None: the step has none)."""
+    """Tiers -> blocks: every load ``metadata`` names (None: the step has none)."""
 
-    md: KVPlugMetadata | None
+    metadata: KVPlugMetadata | None
 
 
 class Store(NamedTuple):
-    """Blocks -> tiers: the chunks ``md`` saves; ``layer``: layer-wise, only the layer just
+    """Blocks -> tiers: the chunks ``metadata`` saves; ``layer``: layer-wise, only the layer just
     computed (None: the step's forward is over, store what is left)."""
 
-    md: KVPlugMetadata | None
+    metadata: KVPlugMetadata | None
     layer: str | None = None
 
 
@@ -78,28 +78,28 @@ class Transfers:
         self.loads = loads
         self.stores = stores
 
-    def expect(self, md: KVPlugMetadata) -> None:
+    def expect(self, metadata: KVPlugMetadata) -> None:
         """vLLM bound the coming step's metadata (before its forward and any ``get_finished``
         of the step, in every vLLM version and call order)."""
-        self.loads.expect(md)
-        self.stores.expect(md)
+        self.loads.expect(metadata)
+        self.stores.expect(metadata)
 
     def submit(self, job: Load | Store) -> None:
         """Start ``job`` (see the module docstring)."""
         if isinstance(job, Load):
-            self.loads.submit(job.md)
+            self.loads.start(job.metadata)
         elif job.layer is not None:
-            self.stores.submit(job.md, layer=job.layer)
+            self.stores.start(job.metadata, layer=job.layer)
         else:
-            self.store_step(job.md)
+            self.store_step(job.metadata)
 
-    def store_step(self, md: KVPlugMetadata | None) -> None:
+    def store_step(self, metadata: KVPlugMetadata | None) -> None:
         """The step's store, once its forward is over (``wait_for_save``): the step's loads end
         first (:meth:`wait_loads`: a store never reads a block a load is still writing, and a
         load's failure is recorded before the store asks what it taints), then everything the
         step computed over a failed load is left out."""
         self.wait_loads()
-        self.stores.submit(md, skip=self.loads.reports.tainted(md))
+        self.stores.start(metadata, skip=self.loads.reports.tainted(metadata))
 
     def finished(self, finished: Collection[str], idle: bool = False) -> Finished:
         """The transfers that are over: requests vLLM may free (``finished``: those vLLM

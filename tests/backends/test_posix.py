@@ -416,7 +416,7 @@ def test_a_chunk_still_being_written_is_served_from_memory(tmp_path):
     got = mgr.get(make_key(1))
     assert got is not None and torch.equal(got.byte_view, expect)
     got.ref_down()
-    part = mgr.get_layers(make_key(1), 1, 1)  # before the fix: None (the file is not there yet)
+    part = mgr.get_layers(make_key(1), 1, 1)  # from the queued write: the file is not there yet
     assert part is not None and torch.equal(part.tensor[0], layers[1])
     part.ref_down()
     assert not list(tmp_path.rglob("*.safetensors")), "the gate did not hold the write back"

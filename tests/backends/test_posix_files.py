@@ -1,5 +1,5 @@
 """The posix tier's files against a hostile directory: links never followed, nothing deleted
-outside the root, no entry that blocks an open, private modes (issue #32, findings 3, 4, 6)."""
+outside the root, no entry that blocks an open, private modes."""
 
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def test_a_fifo_at_a_chunk_path_never_hangs_lookup_get_or_unpin(tmp_path):
         assert got is not None and torch.equal(got.byte_view, obj_for(1).byte_view)
         got.ref_down()
     finally:
-        try:  # a hung reader (before the fix) is released by a writer appearing
+        try:  # a reader hung on the FIFO (the failure this test catches) is released by a writer
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
         except OSError:
             pass

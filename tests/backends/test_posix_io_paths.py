@@ -208,9 +208,9 @@ def test_vectored_io_finishes_short_transfers_in_order(tmp_path):
     try:
         calls = []
 
-        def short_write(f, bs, off):
-            calls.append(len(bs))
-            return os.pwritev(f, [bytes(b"".join(bytes(x) for x in bs))[:700]], off)
+        def short_write(f, buffers, off):
+            calls.append(len(buffers))
+            return os.pwritev(f, [bytes(b"".join(bytes(x) for x in buffers))[:700]], off)
 
         assert posix_io._io_all(short_write, fd, bufs, 0) == 5000
         assert os.pread(fd, 6000, 0) == data and len(calls) > 3

@@ -1,5 +1,5 @@
-"""Issue 33's races in the tiers' bookkeeping, each forced deterministically (a hook held at the
-racy moment), each failing before its fix:
+"""Races in the tiers' bookkeeping, each forced deterministically (a hook held at the racy
+moment):
 
 * posix: a key pinned while its write is queued must be held open once its file lands, even when
   the write lands between the pin's look at the queue and its count (another process's eviction

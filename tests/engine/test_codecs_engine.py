@@ -118,8 +118,8 @@ def other_prompts_kv(src, dst) -> int:
     first = next(p for p in src.rglob("*") if cf.is_chunk_file(p.name))
     with open(first, "rb") as fh:
         template = cf.read_header_fd(fh.fileno())[0].key
-    db = TokenDatabase(CHUNK)
-    keys = [[dataclasses.replace(template, chunk_hash=h) for h in db.chunk_hashes(p)[:4]]
+    token_db = TokenDatabase(CHUNK)
+    keys = [[dataclasses.replace(template, chunk_hash=h) for h in token_db.chunk_hashes(p)[:4]]
             for p in PROMPTS]  # the first 4 chunks: every prompt has them
     raw = StorageManager({"tiers": [{"backend": "posix", "options": {"path": str(src)}}]})
     out = StorageManager({"tiers": [{"backend": "posix", "options": {"path": str(dst)}}]})

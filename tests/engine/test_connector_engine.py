@@ -84,7 +84,7 @@ def test_fresh_process_hits_posix_and_detects_corruption(model, store_dir, bulk)
                                           ("gen", Q, None)], CHUNKED)
     assert warm["kvplug"]["tiers"] == {"posix": 1536}
     # posix may block but is a local medium: a hit within in_step_load_bytes (16 MiB; this one
-    # 3 MiB) loads inside the step, as an L1 hit does (issue 36); so does the corrupt one below
+    # 3 MiB) loads inside the step, as an L1 hit does; so does the corrupt one below
     assert warm["kvplug"]["async_load"] is False
     assert same_output(warm, bulk["cold"])
     assert n > 0

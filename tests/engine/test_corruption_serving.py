@@ -1,4 +1,4 @@
-"""Corruption while serving (issue 16, part 5): random byte flips and truncations of random chunk
+"""Corruption while serving: random byte flips and truncations of random chunk
 files while a real vLLM engine (CPU) serves from the posix tier.
 
 One engine process. Every prompt is first served cold (its reference: like for like, the chunked

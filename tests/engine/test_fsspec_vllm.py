@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 # test session's forkserver, the engine's S3 calls to moto stopped answering on a long-running
 # machine (the cold engine's stores never landed, or the warm engine's lookups timed out), while
 # the multi-process layout's freshly spawned engine core passes there (2026-11-27; not yet
-# classified: see issue 36's note)
+# classified)
 ENGINES_IN_PROCESS = False
 
 CHUNK = 256

@@ -1,4 +1,5 @@
-"""A real vLLM engine storing onto a real full disk (issue 16, part 2, engine variant).
+"""A real vLLM engine storing onto a real full disk
+(tests/faults/test_full_disk.py with an engine).
 
 The engine's process enters a private mount namespace (``unshare(CLONE_NEWNS)``: root only, so
 the test is skipped otherwise) and mounts a 6 MiB tmpfs as its posix tier's directory, with a

@@ -1,4 +1,4 @@
-"""A noisy neighbour on a real vLLM engine (issue 34): tenant B floods the disk tier, tenant A's
+"""A noisy neighbour on a real vLLM engine: tenant B floods the disk tier, tenant A's
 hits hold when B has a quota; a tenant C without one (the negative control, same engine) floods
 the same way and evicts A's chunks.
 

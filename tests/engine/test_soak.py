@@ -1,4 +1,4 @@
-"""Issue 16, part 6, CI-sized: ``benchmarks/soak.py`` on a real engine for 160 requests.
+"""CI-sized: ``benchmarks/soak.py`` on a real engine for 160 requests.
 
 The soak itself asserts what a long run must hold (its ``checks``): no wrong output, pins and
 extra references back to zero and no background load or queued store left once traffic stops,

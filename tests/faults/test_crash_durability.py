@@ -1,4 +1,4 @@
-"""Crash mid-write (issue 16, part 1).
+"""Crash mid-write: no store a tier reported done is lost, no torn chunk is served.
 
 * SIGKILL at random moments: a real child process stores chunks to the posix tier (``fsync:
   true``) or to the fsspec tier over ``file://`` and reports over a pipe every store its tier's

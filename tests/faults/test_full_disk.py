@@ -1,4 +1,4 @@
-"""A real full disk and a read-only directory (issue 16, part 2).
+"""A real full disk and a read-only directory.
 
 A small real tmpfs (12 MiB) is mounted in a private mount namespace (``unshare --mount``; for a
 non-root user ``unshare --user --map-root-user --mount``), so nothing is mounted on the machine

@@ -1,4 +1,4 @@
-"""Bad input at every door (issue 16, part 7): seeded random fuzzing of the chunk-file reader, the
+"""Bad input at every door: seeded random fuzzing of the chunk-file reader, the
 config loader and the lookup socket.
 
 * Chunk files: random and mutated headers (flipped bytes, random length prefixes, truncations,

@@ -1,4 +1,4 @@
-"""The fuzz campaign on stored bytes, short run (issue 32): every target of
+"""The fuzz campaign on stored bytes, short run: every target of
 :mod:`stored_bytes_fuzz` (chunk-file header, codec frames, the posix, fsspec and value tiers'
 reads, the resp reply parser; headers built to cost a parser; posix pins files) fed mutated and
 hostile inputs by hypothesis, derandomized (the same examples every run) and bounded. No

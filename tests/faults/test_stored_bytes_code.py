@@ -1,9 +1,9 @@
-"""Issue 32, finding 2: a stored chunk never chooses code.
+"""A stored chunk never chooses code.
 
 An attacker with write access to a shared store plants an ENCODED chunk whose codec frames (and
-header) name ``"<module>:<Class>"``. Before the fix, the codec wrapper of every tier (even one with
-no codec configured) passed that name to ``importlib.import_module``: a module file anywhere on
-``sys.path`` ran inside the engine. Now a codec is resolved only among the installed
+header) name ``"<module>:<Class>"``. Were that name passed to ``importlib.import_module`` (by the
+codec wrapper of any tier, even one with no codec configured), a module file anywhere on
+``sys.path`` would run inside the engine. So a codec is resolved only among the installed
 ``kvplug.codecs`` entry points and the tier's own configured codec; anything else is a miss,
 counted in ``codec_missing`` and logged once, and nothing is imported.
 

@@ -1,8 +1,8 @@
-"""Issue 32, finding 5: sizes read from a store never choose an allocation.
+"""Sizes read from a store never choose an allocation.
 
 A chunk whose header claims 512 MiB (a sparse file, or a real value of that length in a shared
-store) made kvplug allocate it on the heap past L1's capacity (the pool could not hold it, and
-the read fell back to the heap), download it whole (fsspec) or receive it whole (resp). Now every
+store) must not make kvplug allocate it on the heap past L1's capacity (the pool cannot hold it,
+and the read would fall back to the heap), download it whole (fsspec) or receive it whole (resp). Every
 read goes through :mod:`kvplug.read_memory` before anything is allocated: the engine's chunk
 geometry (the connector's) or, without it, the largest pool bounds one read, and the heap
 fallback is capped by ``max_heap_fallback``.

@@ -30,13 +30,13 @@ def started(monkeypatch):
 def test_l1_pool_prefault_is_a_runtime_task(started):
     from kvplug.pool import HostMemoryPool
 
-    rt = SimRuntime()
-    pool = HostMemoryPool(1 << 20, pin_memory=False, runtime=rt)
-    assert not pool.populated.is_set() and len(rt.queue) == 1  # queued, not run
-    rt.drain()
+    runtime = SimRuntime()
+    pool = HostMemoryPool(1 << 20, pin_memory=False, runtime=runtime)
+    assert not pool.populated.is_set() and len(runtime.queue) == 1  # queued, not run
+    runtime.drain()
     assert pool.populated.is_set() and pool._frontier.backed == 1 << 20
     obj = pool.allocate((4096,))
-    assert obj is not None and not rt.queue  # the whole pool is backed: nothing more to do
+    assert obj is not None and not runtime.queue  # the whole pool is backed: nothing more to do
     obj.ref_down()
     assert started == []
 
@@ -61,10 +61,10 @@ def test_mooncake_client_setup_is_a_runtime_task(started, monkeypatch):
 
     monkeypatch.setattr(client, "_store_class", lambda: FakeStore)
     opts = MooncakeBackend.Options(master="127.0.0.1:50051")
-    rt = SimRuntime()
-    io = client.MooncakeIO("mc", opts, CircuitBreaker("mc"), Redactor({}), runtime=rt)
-    assert calls == [] and not io.set_up and len(rt.queue) == 1
-    rt.drain()
+    runtime = SimRuntime()
+    io = client.MooncakeIO("mc", opts, CircuitBreaker("mc"), Redactor({}), runtime=runtime)
+    assert calls == [] and not io.set_up and len(runtime.queue) == 1
+    runtime.drain()
     assert calls == ["setup"] and io.set_up
     assert started == []
 
@@ -85,29 +85,29 @@ def test_step_stats_never_wait_on_a_hung_tier(tmp_path):
     from tests.support.gpu_kv_fixture import KVFixture
 
     pytest.importorskip("vllm")
-    rt = SimRuntime()
+    runtime = SimRuntime()
     cfg = ConnectorConfig(chunk_size=8, log_every_load=False, tiers=[
         {"backend": "local_cpu", "options": {"capacity": "1MiB", "prefault": True}},
         {"backend": "posix", "options": {"path": str(tmp_path / "disk"), "io_threads": 1}}])
     w = WorkerSide(cfg, Identity("m", "LBHNC-bs4", 1, 0, f"t-{uuid.uuid4().hex[:8]}"),
-                   runtime=rt)
+                   runtime=runtime)
     w.register_kv_caches(KVFixture("LBHNC", torch.bfloat16, L=2, B=8).caches)
-    rt.drain()
+    runtime.drain()
     disk = next(t for t in w.storage._tiers if t.name == "posix")
     disk.pool.gated = True  # the disk hangs
     try:
-        with rt.engine_thread(0, "get_kv_connector_stats"):
+        with runtime.engine_thread(0, "get_kv_connector_stats"):
             w.take_stats()
-        assert rt.engine_waited == 0.0 and rt.engine_waits == []
-        sampler = [f for f in rt.queue if f.pool.name == "kvplug-tenant-stats"]
+        assert runtime.engine_waited == 0.0 and runtime.engine_waits == []
+        sampler = [f for f in runtime.queue if f.pool.name == "kvplug-tenant-stats"]
         assert len(sampler) == 1  # the sample is the sampler's task
-        clock = rt.clock
-        rt.drain()  # its own thread waits out the hung disk
-        assert rt.clock == clock + disk.config.timeout_s and disk.timeouts == 1
-        assert rt.engine_waited == 0.0
+        clock = runtime.clock
+        runtime.drain()  # its own thread waits out the hung disk
+        assert runtime.clock == clock + disk.config.timeout_s and disk.timeouts == 1
+        assert runtime.engine_waited == 0.0
     finally:
         disk.pool.gated = False
-        rt.drain()
+        runtime.drain()
         w.close()
 
 

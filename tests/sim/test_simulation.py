@@ -25,17 +25,17 @@ from kvplug.connector.sim.search import search  # noqa: E402
 #: interleavings run in benchmarks/simulate.py (its seeds start at 1,000,000)
 CI_SEEDS = 300
 CONTROL_SEEDS = 300  # a negative control must be caught within the CI set
-#: seeds that found something beyond issue 22's six defects, replayed every run: vLLM 0.32's
+#: seeds that found something beyond the six protocol defects, replayed every run: vLLM 0.32's
 #: scheduler stalls when requests that loaded asynchronously hold the cache and the head of the
 #: waiting queue cannot grow (nothing running to preempt); the simulation aborts them and kvplug
 #: must still end clean (I1-I5). 7003276 (a long search): a weights reset, then wrong KV read
 #: without a load error; the simulation's lookup ignored the weights epoch, which made a failed
-#: load that an abort then left in vLLM's prefix cache (see SCHEDULES). 107 (issue 33, vLLM's
+#: load that an abort then left in vLLM's prefix cache (see SCHEDULES). 107 (vLLM's
 #: asynchronous scheduling): a synchronous load failed in step N, step N+1 (scheduled before
 #: vLLM saw N's output) read the unloaded blocks and its token was served; every load is a
 #: background one under asynchronous scheduling now (controls: sync_loads_under_async_scheduling)
 REGRESSION_SEEDS: list[int] = [107, 128, 294, 331, 7003276]
-#: issue 34, I8 (a clear tells the truth), two false alarms of the simulation's own bookkeeping
+#: I8 (a clear tells the truth), two false alarms of the simulation's own bookkeeping
 #: that a long search found: 72002938, the neighbour process's store was counted as stored when
 #: queued, so a clear in between recorded the chunk cleared and its later landing as served
 #: (now: when the neighbour hands it to its tier); 70000824, an operator pin whose call timed out
@@ -50,7 +50,7 @@ REGRESSION_SEEDS += [70000824, 72002938, 80019572]
 #: recognised and the run never quiescent (I3); the stall check now ignores the lookup services'
 #: tasks (they only answer). Failed before (I3: never quiescent), 46 + 44 seeds of that search
 REGRESSION_SEEDS += [90003385]
-#: issue 34, I6 (a tenant over its quota on posix): a late operator pin of a file evicted for a
+#: I6 (a tenant over its quota on posix): a late operator pin of a file evicted for a
 #: write (its delete still queued) indexed it again, so its bytes counted twice: the tenant held
 #: 36864 B over its 24576 B quota. A doomed file is absent to a pin now, as to a lookup
 #: (Directory.adopt). Failed before (I6)
@@ -82,14 +82,14 @@ REGRESSION_SEEDS += [132014314]
 #: block once any of it was written. It follows a block's written slots now and forgets it
 #: written to its last slot (tests/unit/test_unwritten.py). Failed before, on vLLM 0.32 and 0.33
 REGRESSION_SEEDS += [135003121]
-#: issue 33, a neighbour process on rank 0's posix directory (small tiers, tenant quotas), with
+#: a neighbour process on rank 0's posix directory (small tiers, tenant quotas), with
 #: I6 strict there (SimConfig.strict_shared_i6): a queued write found the file the neighbour had
 #: just stored and indexed it without making room, so the tenant held 36864 B over its 24576 B
 #: quota; the write now makes room for it as for its own file
 STRICT_SHARED_SEEDS: list[int] = [60000235, 60000921]
-#: what the CI seeds must exercise (issue 33's engines: zeroing under the V2 runner's order,
+#: what the CI seeds must exercise (engines: zeroing under the V2 runner's order,
 #: asynchronous scheduling, TP 1 and 4, a drafter's last-block drop, the real lookup client and
-#: services with late answers and timeouts; issue 36's disk hits inside the step and past its
+#: services with late answers and timeouts; disk hits inside the step and past its
 #: budget), each at least once
 ENGINE_KINDS = ("config TP 1", "config TP 4", "config zeroing v2", "config zeroing v1",
                 "blocks zeroed by the model runner", "config async scheduling",
@@ -135,7 +135,7 @@ SCHEDULES = {
 _P = (67, 443, 569, 467, 587, 354, 266, 527, 398, 404, 633, 44, 817, 431, 677, 27, 983, 107, 3,
       273, 968, 991, 814, 496)  # a 3-chunk prefix
 #: a synchronous load fails in the step that also saves the request's next chunk (computed over
-#: the unloaded blocks): the save is left out (CI seed 47 before issue 33's kinds, shrunk)
+#: the unloaded blocks): the save is left out (an early CI seed 47, shrunk)
 SCHEDULES["a failed synchronous load, the request's save in that step"] = (
     SimConfig(hybrid=False, window=9, num_blocks=20, max_batched=32, prefix_caching=False,
               async_save=True, layerwise=False, order="0.33"),
@@ -170,7 +170,7 @@ SCHEDULES["a load lost under a PP batch queue"] = (
 _MIN_LOAD_ERRORS = {"store_after_failed_load": 1, "unpinned_tail_read": 1,
                     "sync_loads_under_a_batch_queue": 0}
 
-#: issue 33, defect 1: the same, with an 11-token suffix after the prefix-cache hit: the step
+#: the same, with an 11-token suffix after the prefix-cache hit: the step
 #: that reads the unwritten blocks also computes chunk [16, 24) over them, which must not be
 #: stored (kvplug.connector.worker.load.Loads.read_unwritten); asynchronous and synchronous saves, and
 #: vLLM 0.32's call order
@@ -257,8 +257,8 @@ def test_a_seed_replays_exactly():
     assert a.trace == b.trace and len(a.trace) > len(a.schedule)
 
 
-#: seeds of 20 events each (issue 33: before the fix, 13 of 120 differed between hash seeds, so
-#: 40 miss that defect with odds of about 1%; the seeds themselves are fixed). Before posix took
+#: seeds of 20 events each (a run that depends on the hash seed made 13 of 120 differ, so 40
+#: miss it with odds of about 1%; the seeds themselves are fixed). Before posix took
 #: its LRU stamps from the runtime's clock, seed 19 differed run alone in 2 of 3 tries (the real
 #: clock's milliseconds tied stamps or not; tests/backends/test_posix.py fails every time)
 REPLAY_SEEDS = 32
@@ -287,11 +287,11 @@ def test_seeds_replay_alone_in_other_processes_with_other_hash_seeds():
 
 
 def test_a_codec_tiers_queued_puts_are_waited_for_in_the_order_they_run():
-    """A tier with a codec queues its puts on one encoder thread; ``flush`` waited for them as a
-    set of futures, so the simulation ran them in an order memory addresses gave: seeds 112,
-    70000021 and 70000058 (lossless codec) gave 2-3 digests in 6 fresh processes each. The
-    puts are kept in submission order now, the simulated runtime refuses a set (so any seed with
-    a codec failed before the fix), and seed 70000021 is among the replayed seeds above."""
+    """A tier with a codec queues its puts on one encoder thread; ``flush`` waits for them in the
+    order they were queued: waited for as a set of futures, the simulation would run them in an
+    order memory addresses give (seeds 112, 70000021 and 70000058, lossless codec: 2-3 digests in
+    6 fresh processes each). The simulated runtime refuses a set, and seed 70000021 is among the
+    replayed seeds above."""
     from kvplug.connector.sim.runtime import SimRuntime
 
     with pytest.raises(TypeError, match="deterministic order"):

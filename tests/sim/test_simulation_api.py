@@ -93,7 +93,7 @@ def test_tiers_start_no_thread_of_their_own_under_the_simulation(lower, monkeypa
             w.step()
         w.quiesce()
         assert not [n for n in started if n.startswith("kvplug")], started
-        assert w.rt.ran > 0 and w.counts["saves"] > 0
+        assert w.runtime.ran > 0 and w.counts["saves"] > 0
         st = w.workers[0].storage.stats()
         written = st["values"]["written"] if lower == "values" else st["posix"]["writes"]
         assert written > 0, st  # the tier's writers ran (as simulation tasks)

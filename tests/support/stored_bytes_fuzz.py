@@ -1,4 +1,4 @@
-"""The fuzz campaign on stored bytes (issue 32): targets and mutations shared by the suite's short
+"""The fuzz campaign on stored bytes: targets and mutations shared by the suite's short
 run (tests/faults/test_fuzz_stored_bytes.py) and the long one (benchmarks/fuzz_stored_bytes.py).
 
 Every target starts from a valid encoded chunk (raw pages, or ENCODED through a codec) and is fed

@@ -130,7 +130,7 @@ def test_a_tier_that_never_answers_is_a_load_error(tmp_path):
         assert poll(w) == {"b"}  # within the tier's timeout_s (per chunk), not never
         assert w.take_load_errors() == set(DST)  # vLLM recomputes every block
         assert torch.equal(fx.ref_obj(DST), poisoned)
-        assert w.take_report().failed_blocks == {"b": 6}
+        assert w.take_report().num_failed_blocks == {"b": 6}
         assert pins(w) == 0
     finally:
         (gate / "open").touch()

@@ -53,9 +53,9 @@ class Steps:
         self.gate = tmp_path / f"gate-{uuid.uuid4().hex[:6]}"
         self.gate.mkdir()
         extra = {"chunk_size": CHUNK, "async_save": True, "report_to_client": False}
-        self.s = make_scheduler(model_dir, extra=extra, block_size=BS, num_blocks=num_blocks,
+        self.scheduler = make_scheduler(model_dir, extra=extra, block_size=BS, num_blocks=num_blocks,
                                 max_num_batched_tokens=64)
-        self.s.connector.scheduler_side.lookup = FakeLookup()  # nothing stored before: no loads
+        self.scheduler.connector.scheduler_side.lookup = FakeLookup()  # nothing stored before: no loads
         cfg = ConnectorConfig(chunk_size=CHUNK, async_save=True, log_every_load=False,
                               tiers=[{"backend": "local_cpu", "options": {"capacity": "16MiB"}},
                                      {"name": "gated", "backend": "tests.support.tiers_for_tests:GatedPutTier",
@@ -73,7 +73,7 @@ class Steps:
 
     # -- vLLM's side ----------------------------------------------------------------------------
     def held_blocks(self) -> set[int]:
-        mgr = self.s.kv_cache_manager.coordinator.single_type_managers[0]
+        mgr = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
         return {b.block_id for blocks in mgr.req_to_blocks.values() for b in blocks}
 
     def poison_free(self) -> None:
@@ -81,11 +81,11 @@ class Steps:
         held = self.held_blocks()
         self.fx.poison([b for b in range(1, self.fx.B) if b not in held])
 
-    def forward(self, so) -> None:
-        for req_id, n in so.num_scheduled_tokens.items():
-            req = self.s.requests[req_id]
+    def forward(self, scheduler_output) -> None:
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
             end = req.num_computed_tokens  # advanced by schedule(): this step's tokens end here
-            table = self.s.kv_cache_manager.get_block_ids(req_id)[0]
+            table = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
             for j in range((end - n) // BS, -(-end // BS)):
                 pat = pattern(req_id, j, self.fx.L, self.fx.page)
                 for layer in range(self.fx.L):
@@ -100,26 +100,26 @@ class Steps:
         from vllm.v1.outputs import KVConnectorOutput
 
         self.n += 1
-        so = self.s.schedule()
-        md = so.kv_connector_metadata
-        for r in md.preempted:
+        scheduler_output = self.scheduler.schedule()
+        metadata = scheduler_output.kv_connector_metadata
+        for r in metadata.preempted:
             self.events.append(("preempted", r, self.saves._busy.get(r, 0)))
         if self.v2_order:  # update_requests zeroes the step's new blocks, then pre_forward
             self.poison_free()
-        self.w.handle_preemptions(md)
+        self.w.handle_preemptions(metadata)
         self.poison_free()  # the coming forward pass may rewrite preempted requests' blocks
-        self.w.start_load_kv(md)
-        self.forward(so)
-        for m in md.requests:
+        self.w.start_load_kv(metadata)
+        self.forward(scheduler_output)
+        for m in metadata.requests:
             if m.save is not None:
                 for i, h in enumerate(m.save.hashes):
-                    self.saved.append((m.req_id, *md.chunk_range(m.save, i), h))
-        self.w.wait_for_save(md)
-        sent, _ = self.w.get_finished(so.finished_req_ids)
+                    self.saved.append((m.req_id, *metadata.chunk_range(m.save, i), h))
+        self.w.wait_for_save(metadata)
+        sent, _ = self.w.get_finished(scheduler_output.finished_req_ids)
         self.events += [("sent", r) for r in sorted(sent)]
-        out = model_runner_output(so)
+        out = model_runner_output(scheduler_output)
         out.kv_connector_output = KVConnectorOutput(finished_sending=sent or None)
-        self.s.update_from_output(so, out)
+        self.scheduler.update_from_output(scheduler_output, out)
         self.poison_free()
         return sent
 
@@ -130,8 +130,8 @@ class Steps:
     def run_out(self) -> None:
         """Step until vLLM holds no request (a hang is caught)."""
         end = time.monotonic() + HANG_S
-        while self.s.requests:
-            assert time.monotonic() < end, f"requests never finished: {list(self.s.requests)}"
+        while self.scheduler.requests:
+            assert time.monotonic() < end, f"requests never finished: {list(self.scheduler.requests)}"
             self.step()
             time.sleep(0.001)
 
@@ -190,17 +190,17 @@ def finish_with_save_in_flight(st: Steps, abort: bool) -> None:
     gated put; it must stay held until the gate opens."""
     from vllm.v1.request import RequestStatus
 
-    st.s.add_request(make_request("a", prompt(40, 1), max_tokens=100 if abort else 12))
+    st.scheduler.add_request(make_request("a", prompt(40, 1), max_tokens=100 if abort else 12))
     until(st, lambda: st.saves._busy.get("a", 0) >= 1 and len(list(st.gate.glob("put-*"))) >= 1
           and len(st.saved) > 3, "a save of 'a' queued behind the gated put")
     if abort:
-        st.s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+        st.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     else:
-        until(st, lambda: "a" not in {r.request_id for r in st.s.running}, "'a' finished")
+        until(st, lambda: "a" not in {r.request_id for r in st.scheduler.running}, "'a' finished")
     assert st.saves._busy.get("a", 0) >= 1  # not vacuous: its copy is still queued
     for _ in range(5):  # held: vLLM keeps (and never reuses) its blocks
         assert "a" not in st.step()
-        assert "a" in st.s.requests
+        assert "a" in st.scheduler.requests
     st.open_gate()
     st.run_out()
 
@@ -218,8 +218,8 @@ def test_a_request_that_ends_with_a_save_in_flight_is_held_until_its_copy(steps,
 
 def test_preemption_with_a_save_in_flight_copies_before_the_blocks_are_reused(steps):
     st = steps(num_blocks=24)  # two requests outgrow it while decoding: one is preempted
-    st.s.add_request(make_request("a", prompt(24, 2), max_tokens=40))
-    st.s.add_request(make_request("b", prompt(24, 3), max_tokens=40))
+    st.scheduler.add_request(make_request("a", prompt(24, 2), max_tokens=40))
+    st.scheduler.add_request(make_request("b", prompt(24, 3), max_tokens=40))
     until(st, lambda: any(e[0] == "preempted" and e[2] for e in st.events),
           "a preemption with a copy of the preempted request in flight")
     assert not (st.gate / "open").exists()  # the copy was queued behind the gated put
@@ -233,8 +233,8 @@ def test_preemption_with_a_save_in_flight_copies_before_the_blocks_are_reused(st
 def preempt_with_a_save_in_flight(st: Steps) -> None:
     """A preemption while the preempted request's save is in flight (its put, or also its copy,
     held behind the gated put)."""
-    st.s.add_request(make_request("a", prompt(24, 2), max_tokens=40))
-    st.s.add_request(make_request("b", prompt(24, 3), max_tokens=40))
+    st.scheduler.add_request(make_request("a", prompt(24, 2), max_tokens=40))
+    st.scheduler.add_request(make_request("b", prompt(24, 3), max_tokens=40))
     until(st, lambda: any(e[0] == "preempted" for e in st.events),
           "a preemption while the gate holds the saves")
     preempted = {e[1] for e in st.events if e[0] == "preempted"}
@@ -268,15 +268,15 @@ def test_control_v2_runner_order_without_ordering_at_submit_stores_poison(steps)
 def run_into_held_blocks(st: Steps) -> None:
     """"a" finishes while its copy waits behind the gated put (vLLM keeps its blocks); "b" goes
     on decoding until it needs a block that only "a"'s would give."""
-    st.s.add_request(make_request("a", prompt(24, 6), max_tokens=12))
-    st.s.add_request(make_request("b", prompt(20, 7), max_tokens=40))  # fits once "a" is freed
-    until(st, lambda: "a" not in {r.request_id for r in st.s.running}, "'a' finished")
+    st.scheduler.add_request(make_request("a", prompt(24, 6), max_tokens=12))
+    st.scheduler.add_request(make_request("b", prompt(20, 7), max_tokens=40))  # fits once "a" is freed
+    until(st, lambda: "a" not in {r.request_id for r in st.scheduler.running}, "'a' finished")
     until(st, lambda: st.saves._busy.get("a", 0) >= 1, "'a''s last copy queued (gate closed)")
-    assert "a" in st.s.requests  # held
-    pool = st.s.kv_cache_manager.block_pool
+    assert "a" in st.scheduler.requests  # held
+    pool = st.scheduler.kv_cache_manager.block_pool
 
     def at_the_wall() -> bool:  # "b"'s next token needs a block; none is free
-        b = st.s.requests["b"]
+        b = st.scheduler.requests["b"]
         return any(e[0] == "preempted" for e in st.events) or (
             pool.get_num_free_blocks() == 0 and b.num_computed_tokens % BS == 0)
 
@@ -288,16 +288,16 @@ def test_a_running_request_waits_for_held_blocks_instead_of_being_preempted(step
     preemption would throw "b"'s KV away (recompute or reload)."""
     st = steps(num_blocks=20)
     run_into_held_blocks(st)
-    stalled = st.s.requests["b"].num_computed_tokens
+    stalled = st.scheduler.requests["b"].num_computed_tokens
     for _ in range(5):  # not vacuous: "b" cannot go on while "a" holds its blocks
         st.step()
-    assert st.s.requests["b"].num_computed_tokens == stalled
-    assert st.s.connector.has_pending_block_frees()
+    assert st.scheduler.requests["b"].num_computed_tokens == stalled
+    assert st.scheduler.connector.has_pending_block_frees()
     st.open_gate()
     st.run_out()
     assert not [e for e in st.events if e[0] == "preempted"]
     assert st.events.index(("gate opened",)) < st.events.index(("sent", "a"))
-    assert not st.s.connector.has_pending_block_frees()  # released with finished_sending
+    assert not st.scheduler.connector.has_pending_block_frees()  # released with finished_sending
     assert st.mismatches() == []
     st.assert_nothing_leaked()
 
@@ -310,7 +310,7 @@ def test_control_without_pending_frees_the_running_request_is_preempted(steps, m
     run_into_held_blocks(st)
     until(st, lambda: any(e[0] == "preempted" for e in st.events), "a preemption")
     assert [e[1] for e in st.events if e[0] == "preempted"] == ["b"]
-    assert "a" in st.s.requests  # its blocks were still held when "b" was preempted
+    assert "a" in st.scheduler.requests  # its blocks were still held when "b" was preempted
     st.open_gate()
     st.run_out()
 
@@ -319,7 +319,7 @@ def test_a_lookup_waits_for_a_put_in_flight_of_its_chunks(steps):
     """Asynchronous puts end after the step: a lookup of those chunks waits for them (bounded),
     so the request after a finished one finds what it stored, as with synchronous saves."""
     st = steps()
-    st.s.add_request(make_request("a", prompt(40, 5), max_tokens=4))
+    st.scheduler.add_request(make_request("a", prompt(40, 5), max_tokens=4))
     until(st, lambda: len(list(st.gate.glob("put-*"))) >= 1, "a put held by the gate")
     keys = [st.w.key(h) for _, _, _, h in st.saved[:1]]
     assert st.saves.settle(keys, timeout=0.2) is False  # its put is held: the bound is kept
@@ -334,7 +334,7 @@ def test_a_lookup_waits_for_a_put_in_flight_of_its_chunks(steps):
 
 def test_a_request_that_saved_nothing_is_never_held(steps):
     st = steps()  # the gate stays closed: nothing of this request waits on it
-    st.s.add_request(make_request("n", prompt(40, 4), max_tokens=12,
+    st.scheduler.add_request(make_request("n", prompt(40, 4), max_tokens=12,
                                   kv_transfer_params={"kvplug_save": False}))
     st.run_out()
     assert st.saved == [] and ("sent", "n") not in st.events
@@ -354,20 +354,20 @@ def test_control_reporting_sent_before_the_copy_stores_poison(steps, monkeypatch
     st = steps()
     from vllm.v1.request import RequestStatus
 
-    st.s.add_request(make_request("a", prompt(40, 1), max_tokens=100))
+    st.scheduler.add_request(make_request("a", prompt(40, 1), max_tokens=100))
     until(st, lambda: st.saves._busy.get("a", 0) >= 1 and len(st.saved) > 3, "a queued save")
-    st.s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    st.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     st.step()
-    assert "a" not in st.s.requests  # freed (and poisoned) while its copy was queued
+    assert "a" not in st.scheduler.requests  # freed (and poisoned) while its copy was queued
     st.open_gate()
     assert st.mismatches() != []
 
 
 def test_control_ignoring_preemptions_stores_poison(steps, monkeypatch):
-    monkeypatch.setattr(WorkerSide, "handle_preemptions", lambda self, md: None)
+    monkeypatch.setattr(WorkerSide, "handle_preemptions", lambda self, metadata: None)
     st = steps(num_blocks=24)
-    st.s.add_request(make_request("a", prompt(24, 2), max_tokens=40))
-    st.s.add_request(make_request("b", prompt(24, 3), max_tokens=40))
+    st.scheduler.add_request(make_request("a", prompt(24, 2), max_tokens=40))
+    st.scheduler.add_request(make_request("b", prompt(24, 3), max_tokens=40))
     until(st, lambda: any(e[0] == "preempted" and e[2] for e in st.events), "a preemption")
     st.open_gate()
     st.run_out()
@@ -404,13 +404,13 @@ def test_cuda_save_queues_without_host_sync_and_stores_exact_pages(tmp_path, lay
         ids = [3, 7, 8, 9, 20, 21, 22, 30]
         want = fx.ref_obj(ids)
         hashes = [bytes([i]) * 32 for i in range(2)]
-        md = KVPlugMetadata(CHUNK, BS, [ReqMeta("r", ids, save=SaveSpec(0, 32, 0, hashes))])
+        metadata = KVPlugMetadata(CHUNK, BS, [ReqMeta("r", ids, save=SaveSpec(0, 32, 0, hashes))])
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")  # any host synchronisation raises
         try:
             for name in (w.kv.layer_names if layerwise else ()):
-                w.save_kv_layer(name, md)
-            w.wait_for_save(md)
+                w.save_kv_layer(name, metadata)
+            w.wait_for_save(metadata)
             w.handle_preemptions(KVPlugMetadata(CHUNK, BS, preempted=["r"]))
         finally:
             torch.cuda.set_sync_debug_mode("default")

@@ -40,19 +40,19 @@ def run(sched, req):
     s.add_request(req)
     hit, saves = None, []
     while s.requests:
-        so = s.schedule()
-        for nr in so.scheduled_new_reqs:
+        scheduler_output = s.schedule()
+        for nr in scheduler_output.scheduled_new_reqs:
             hit = nr.num_computed_tokens
         sent = set()
-        for m in so.kv_connector_metadata.requests:
+        for m in scheduler_output.kv_connector_metadata.requests:
             if m.save is not None and not native:
                 saves.append((m.save.start, m.save.end, m.finished))
                 fake.stored.update(m.save.hashes)
             if m.finished:
                 sent.add(m.req_id)
-        out = model_runner_output(so)
+        out = model_runner_output(scheduler_output)
         out.kv_connector_output = KVConnectorOutput(finished_sending=sent or None)
-        s.update_from_output(so, out)
+        s.update_from_output(scheduler_output, out)
     return hit, saves, req
 
 
@@ -120,22 +120,22 @@ def test_finished_request_keeps_its_blocks_until_its_last_save_is_sent(model_dir
     s.add_request(request("r", prompt(700, 5), max_tokens=60))
     finals = []
     for _ in range(200):
-        so = s.schedule()
-        finals += [m for m in so.kv_connector_metadata.requests if m.finished]
-        s.update_from_output(so, model_runner_output(so))  # the workers report nothing sent
+        scheduler_output = s.schedule()
+        finals += [m for m in scheduler_output.kv_connector_metadata.requests if m.finished]
+        s.update_from_output(scheduler_output, model_runner_output(scheduler_output))  # the workers report nothing sent
         if finals:
             break
     (m,) = finals
     assert (m.save.start, m.save.end) == (512, 752) and len(m.block_ids) == 48
     for _ in range(3):  # not sent: vLLM must not free (or reuse) the blocks being read
-        so = s.schedule()
-        assert not so.kv_connector_metadata.requests
-        s.update_from_output(so, model_runner_output(so))
+        scheduler_output = s.schedule()
+        assert not scheduler_output.kv_connector_metadata.requests
+        s.update_from_output(scheduler_output, model_runner_output(scheduler_output))
     assert "r" in s.requests and s.kv_cache_manager.block_pool.get_num_free_blocks() < free0
-    so = s.schedule()
-    out = model_runner_output(so)
+    scheduler_output = s.schedule()
+    out = model_runner_output(scheduler_output)
     out.kv_connector_output = KVConnectorOutput(finished_sending={"r"})
-    s.update_from_output(so, out)
+    s.update_from_output(scheduler_output, out)
     assert not s.requests and s.kv_cache_manager.block_pool.get_num_free_blocks() == free0
 
 

@@ -21,9 +21,9 @@ def produce(model_dir, tokens, role="kv_producer", extra=None, params=None):
     s.add_request(make_request("p", tokens, max_tokens=1, kv_transfer_params=params))
     saved, out = [], None
     while s.requests:
-        so = s.schedule()
-        saved += [h for m in so.kv_connector_metadata.requests if m.save for h in m.save.hashes]
-        for outs in s.update_from_output(so, model_runner_output(so)).values():
+        scheduler_output = s.schedule()
+        saved += [h for m in scheduler_output.kv_connector_metadata.requests if m.save for h in m.save.hashes]
+        for outs in s.update_from_output(scheduler_output, model_runner_output(scheduler_output)).values():
             out = next((o.kv_transfer_params for o in outs.outputs if o.finished), out)
     return out, saved
 
@@ -46,13 +46,13 @@ def consumer(model_dir, extra=None):
 def step(s, paused=None):
     """One engine step; what it scheduled: {request: (tokens vLLM computes, load spec)}.
     ``paused``: a list told whether the step's metadata asks an idle step to pause."""
-    so = s.schedule()
-    md = so.kv_connector_metadata
-    loads = {m.req_id: m.load for m in md.requests}
+    scheduler_output = s.schedule()
+    metadata = scheduler_output.kv_connector_metadata
+    loads = {m.req_id: m.load for m in metadata.requests}
     if paused is not None:
-        paused.append(md.handoffs)
-    s.update_from_output(so, model_runner_output(so))
-    return {r: (n, loads.get(r)) for r, n in so.num_scheduled_tokens.items()}
+        paused.append(metadata.handoffs)
+    s.update_from_output(scheduler_output, model_runner_output(scheduler_output))
+    return {r: (n, loads.get(r)) for r, n in scheduler_output.num_scheduled_tokens.items()}
 
 
 @pytest.mark.parametrize("report", [False, True])
@@ -202,22 +202,22 @@ def test_a_consumers_lookup_of_named_chunks_skips_its_tiers_remembered_misses():
 
     from tests.support.gpu_kv_fixture import KVFixture
 
-    bs, cs = 4, 8
+    block_size, chunk_size = 4, 8
     hashes = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
     url = f"memory://handoff-{uuid.uuid4().hex[:8]}"
 
     def worker(negative_cache_s):
-        cfg = ConnectorConfig(chunk_size=cs, log_every_load=False, async_save=False,
+        cfg = ConnectorConfig(chunk_size=chunk_size, log_every_load=False, async_save=False,
                               tiers=[{"backend": "fsspec", "options": {
                                   "url": url, "negative_cache_s": negative_cache_s}}])
-        w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{bs}", 1, 0, f"h-{uuid.uuid4().hex[:8]}"))
+        w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{block_size}", 1, 0, f"h-{uuid.uuid4().hex[:8]}"))
         w.register_kv_caches(KVFixture("LBHNC", torch.bfloat16, L=2, B=8).caches)
         return w
 
     producer, consumer = worker(0.0), worker(60.0)
     try:
         assert consumer._on_lookup(Lookup(1, "d", hashes))[0] == 0  # before: a miss, remembered
-        producer.wait_for_save(KVPlugMetadata(cs, bs, [ReqMeta("p", [1, 2, 3, 4, 5, 6],
+        producer.wait_for_save(KVPlugMetadata(chunk_size, block_size, [ReqMeta("p", [1, 2, 3, 4, 5, 6],
                                                                save=SaveSpec(0, 24, 0, hashes))]))
         assert producer.storage.flush(10)
         assert consumer._on_lookup(Lookup(2, "d", hashes))[0] == 0  # the control: remembered
@@ -256,16 +256,16 @@ def test_an_idle_step_pauses_while_requests_wait_for_a_producer():
 
             return Event()
 
-    rt = Recording()
+    runtime = Recording()
     cfg = ConnectorConfig(chunk_size=8, log_every_load=False, async_save=False,
                           tiers=[{"backend": "local_cpu", "options": {"capacity": "8MiB"}}])
     w = WorkerSide(cfg, Identity("m", "LBHNC-bs4", 1, 0, f"p-{uuid.uuid4().hex[:8]}"),
-                   runtime=rt)
+                   runtime=runtime)
     w.register_kv_caches(KVFixture("LBHNC", torch.bfloat16, L=2, B=8).caches)
     try:
-        rt.waits.clear()
-        assert w.get_finished(set(), idle=True) == (set(), set()) and rt.waits == []
+        runtime.waits.clear()
+        assert w.get_finished(set(), idle=True) == (set(), set()) and runtime.waits == []
         assert w.get_finished(set(), idle=True, pause=True) == (set(), set())
-        assert rt.waits == [HANDOFF_PAUSE_S]
+        assert runtime.waits == [HANDOFF_PAUSE_S]
     finally:
         w.close()

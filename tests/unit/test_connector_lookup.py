@@ -324,8 +324,8 @@ def test_a_hit_vllm_does_not_take_releases_its_pins_at_once(model_dir, engine_id
         s.add_request(Request("p", prompt(1100, 3), SamplingParams(
             max_tokens=4, ignore_eos=True, prompt_logprobs=1), None))
         s.add_request(make_request("n", prompt(1100, 4)))
-        so = s.schedule()
-        assert so.num_scheduled_tokens == {"p": 1100, "n": 1100 - 1024}
+        scheduler_output = s.schedule()
+        assert scheduler_output.num_scheduled_tokens == {"p": 1100, "n": 1100 - 1024}
         assert ask(side.lookup, "barrier", [b"x" * 32]) == 256  # releases sent before are done
         assert "p" in worker.released and "p" not in worker.pins
         assert "n" not in worker.released and worker.pins["n"] == 4
@@ -334,7 +334,7 @@ def test_a_hit_vllm_does_not_take_releases_its_pins_at_once(model_dir, engine_id
         service.close()
 
 
-# -- a hostile local user: a pre-created directory, a flood of pins (issue #32, finding 9) ------
+# -- a hostile local user: a pre-created directory, a flood of pins ----------------------------
 
 @pytest.fixture
 def short_tmp(monkeypatch):

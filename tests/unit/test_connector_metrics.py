@@ -134,7 +134,7 @@ def test_bytes_per_tenant_reach_a_gauge_labelled_by_the_tenant_id_only(tmp_path)
 def test_tenant_series_are_capped_per_tier_and_go_with_their_tenants():
     """200 tenants hold a chunk each in RAM: at most ``TENANT_SERIES`` of them are series of
     their own (the largest), the rest are summed under ``other``, the bytes add up; once every
-    tenant has left, no series is left (200 departed tenants used to leave 200)."""
+    tenant has left, no series is left (not one per departed tenant)."""
     import dataclasses
 
     from kvplug.connector.protocol.stats import TENANT_SERIES

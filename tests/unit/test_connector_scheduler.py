@@ -20,22 +20,22 @@ def store_all(side, fake, req_id):
 
 
 def step(s):
-    so = s.schedule()
-    md = so.kv_connector_metadata
-    s.update_from_output(so, model_runner_output(so))
-    return so, md
+    scheduler_output = s.schedule()
+    metadata = scheduler_output.kv_connector_metadata
+    s.update_from_output(scheduler_output, model_runner_output(scheduler_output))
+    return scheduler_output, metadata
 
 
 def test_miss_then_store_plan(model_dir):
     s, side, fake = build(model_dir)
     s.add_request(make_request("a", prompt(1100, 1)))
-    so, md = step(s)
-    (rm,) = md.requests
+    scheduler_output, metadata = step(s)
+    (rm,) = metadata.requests
     assert rm.load is None
     assert (rm.save.start, rm.save.end, len(rm.save.hashes)) == (0, 1024, 4)  # partial dropped
-    assert rm.block_ids == so.scheduled_new_reqs[0].block_ids[0]
-    _, md = step(s)  # decode: nothing more to store by default
-    assert not md.requests
+    assert rm.block_ids == scheduler_output.scheduled_new_reqs[0].block_ids[0]
+    _, metadata = step(s)  # decode: nothing more to store by default
+    assert not metadata.requests
 
 
 def test_hit_is_chunk_aligned_capped_and_side_effect_free(model_dir):
@@ -58,10 +58,10 @@ def test_load_spec_and_skip_of_stored_chunks(model_dir):
     side.track(r)
     fake.stored.update(side.full_hashes(side.trackers["c"], 3))  # 3 of 5 chunks stored
     s.add_request(r)
-    so, md = step(s)
-    (rm,) = md.requests
+    scheduler_output, metadata = step(s)
+    (rm,) = metadata.requests
     assert (rm.load.start, rm.load.end, rm.load.first_chunk, len(rm.load.hashes)) == (0, 768, 0, 3)
-    assert so.scheduled_new_reqs[0].num_computed_tokens == 768
+    assert scheduler_output.scheduled_new_reqs[0].num_computed_tokens == 768
     assert (rm.save.start, rm.save.end) == (768, 1280)  # what lookup found is not stored again
 
 
@@ -79,36 +79,36 @@ def test_chunk_hashes_are_vllms_block_hashes(model_dir):
     assert len(vllm_hashes) == 4
     fake.stored.update(vllm_hashes[:3])
     s.add_request(r)
-    _, md = step(s)
-    (rm,) = md.requests
+    _, metadata = step(s)
+    (rm,) = metadata.requests
     assert rm.load.hashes == vllm_hashes[:3]  # lookup found exactly what vLLM's hashes name
     assert rm.save.hashes == vllm_hashes[3:]
     saved = []
     while s.requests:
-        _, md = step(s)
-        saved += [h for m in md.requests for h in m.save.hashes]
+        _, metadata = step(s)
+        saved += [h for m in metadata.requests for h in m.save.hashes]
     assert saved and saved[0] == bytes(r.block_hashes[4])  # [1024, 1280) completed in decode
 
 
 def test_short_prompt_asks_nothing(model_dir):
     s, side, fake = build(model_dir, extra={"save_partial_chunk": False})  # chunk granular
     s.add_request(make_request("d", prompt(200, 4)))
-    _, md = step(s)
+    _, metadata = step(s)
     assert fake.calls == [("d", 0)] or fake.calls == []
-    assert not md.requests
+    assert not metadata.requests
 
 
 def test_partial_chunk_and_decode_saving_by_config(model_dir):
     s, side, fake = build(model_dir, extra={"save_partial_chunk": True, "save_decode": True})
     s.add_request(make_request("e", prompt(1200, 5), max_tokens=200))
-    _, md = step(s)
-    (rm,) = md.requests
+    _, metadata = step(s)
+    (rm,) = metadata.requests
     # 4 full chunks + the block-aligned partial chunk [1024, 1152)
     assert (rm.save.start, rm.save.end, len(rm.save.hashes)) == (0, 1152, 5)
     saved = []
     for _ in range(200):
-        _, md = step(s)
-        for m in md.requests:
+        _, metadata = step(s)
+        for m in metadata.requests:
             saved.append((m.save.start, m.save.end))
         if not s.requests:
             break
@@ -120,17 +120,17 @@ def test_opt_out_and_roles(model_dir):
     r = make_request("f", prompt(1100, 6), kv_transfer_params={"kvplug_save": False,
                                                                "kvplug_load": False})
     s.add_request(r)
-    _, md = step(s)
-    assert not md.requests and fake.calls == []
+    _, metadata = step(s)
+    assert not metadata.requests and fake.calls == []
     s, side, fake = build(model_dir, role="kv_consumer")
     s.add_request(make_request("g", prompt(1100, 7)))
-    _, md = step(s)
-    assert not md.requests  # a consumer never stores
+    _, metadata = step(s)
+    assert not metadata.requests  # a consumer never stores
     s, side, fake = build(model_dir, role="kv_producer")
     s.add_request(make_request("h", prompt(1100, 8)))
-    _, md = step(s)
+    _, metadata = step(s)
     assert fake.calls == []  # a producer never loads
-    assert md.requests[0].save.end == 1024
+    assert metadata.requests[0].save.end == 1024
 
 
 def test_multimodal_inputs_change_the_keys(model_dir):
@@ -200,20 +200,20 @@ def test_eagle_drafter_hit_ends_a_block_early_and_decode_stores_a_block_behind(m
     side.track(r)
     fake.stored.update(side.full_hashes(side.trackers["c"], 3))  # 3 of 5 chunks stored
     s.add_request(r)
-    so, md = step(s)
-    (rm,) = md.requests
+    scheduler_output, metadata = step(s)
+    (rm,) = metadata.requests
     assert (rm.load.start, rm.load.end, rm.load.upto, len(rm.load.hashes)) == (0, 768, 640, 3)
-    assert so.scheduled_new_reqs[0].num_computed_tokens == 640  # the last block recomputed
+    assert scheduler_output.scheduled_new_reqs[0].num_computed_tokens == 640  # the last block recomputed
     assert (rm.save.start, rm.save.end) == (768, 1280)  # what lookup found is not stored again
-    plan = plan_load(md, rm, lambda h: h, lambda k: "local_cpu")
+    plan = plan_load(metadata, rm, lambda h: h, lambda k: "local_cpu")
     assert [(c.start, c.end, c.block_ids) for c in plan.chunks] == [
         (0, 256, rm.block_ids[0:2]), (256, 512, rm.block_ids[2:4]), (512, 768, rm.block_ids[4:5])]
     assert plan.fail_at is None
     saved_at = {}
     for _ in range(500):
         computed = r.num_computed_tokens
-        _, md = step(s)
-        for m in md.requests:
+        _, metadata = step(s)
+        for m in metadata.requests:
             saved_at[(m.save.start, m.save.end)] = computed
         if not s.requests:
             break
@@ -237,8 +237,8 @@ def test_a_preempted_requests_old_block_table_names_no_blocks(model_dir):
     for _ in range(60):
         t = side.trackers.get("a")
         old_a = (list(t.block_ids) if t is not None else []) or old_a
-        so, _ = step(s)
-        preempted = preempted or "a" in so.preempted_req_ids
+        scheduler_output, _ = step(s)
+        preempted = preempted or "a" in scheduler_output.preempted_req_ids
         table = s.kv_cache_manager.get_block_ids("b")[0]
         if preempted and len(set(table) & set(old_a)) >= 2:
             break

@@ -23,14 +23,14 @@ def build(model_dir, lookup):
     return s, s.connector.scheduler_side
 
 
-def output(so, recving=(), bad=(), failed=None):
+def output(scheduler_output, recving=(), bad=(), failed=None):
     from kvplug.connector.protocol.metadata import KVPlugWorkerMeta
     from vllm.v1.outputs import KVConnectorOutput
 
-    out = model_runner_output(so)
+    out = model_runner_output(scheduler_output)
     out.kv_connector_output = KVConnectorOutput(
         finished_recving=set(recving), invalid_block_ids=set(bad),
-        kv_connector_worker_meta=KVPlugWorkerMeta(failed_blocks=failed or {}))
+        kv_connector_worker_meta=KVPlugWorkerMeta(num_failed_blocks=failed or {}))
     return out
 
 
@@ -75,19 +75,19 @@ def test_slow_hit_loads_in_the_background(model_dir, fails):
     s, side, r = stored_request(model_dir, fake)
     assert side.get_num_new_matched_tokens(r, 0) == (1024, True)
     s.add_request(r)
-    so = s.schedule()
-    assert so.num_scheduled_tokens == {}  # it waits for its load ...
-    (rm,) = so.kv_connector_metadata.requests  # ... which is sent on its own
+    scheduler_output = s.schedule()
+    assert scheduler_output.num_scheduled_tokens == {}  # it waits for its load ...
+    (rm,) = scheduler_output.kv_connector_metadata.requests  # ... which is sent on its own
     assert (rm.req_id, rm.load.background, rm.load.end, rm.save) == ("a", True, 1024, None)
-    s.update_from_output(so, output(so))
-    so = s.schedule()  # still loading: nothing is scheduled or sent again
-    assert so.num_scheduled_tokens == {} and not so.kv_connector_metadata.requests
+    s.update_from_output(scheduler_output, output(scheduler_output))
+    scheduler_output = s.schedule()  # still loading: nothing is scheduled or sent again
+    assert scheduler_output.num_scheduled_tokens == {} and not scheduler_output.kv_connector_metadata.requests
     bad = rm.block_ids[:8] if fails else ()
-    s.update_from_output(so, output(so, {"a"}, bad, {"a": len(bad)} if fails else None))
-    so = s.schedule()
+    s.update_from_output(scheduler_output, output(scheduler_output, {"a"}, bad, {"a": len(bad)} if fails else None))
+    scheduler_output = s.schedule()
     # loaded: the rest is computed; failed: everything is, with no second load
-    assert so.num_scheduled_tokens == {"a": 1100 - 1024 if not fails else 1100}
-    assert all(m.load is None for m in so.kv_connector_metadata.requests)
+    assert scheduler_output.num_scheduled_tokens == {"a": 1100 - 1024 if not fails else 1100}
+    assert all(m.load is None for m in scheduler_output.kv_connector_metadata.requests)
 
 
 class LocalLookup(FakeLookup):
@@ -106,7 +106,7 @@ class MixedLookup(LocalLookup):
 
 def with_budget(side, hits: float) -> int:
     """Set ``in_step_load_bytes`` to ``hits`` 1024-token hits of this model; the bytes of one."""
-    one = 1024 * side.layout.block_bytes // side.bs
+    one = 1024 * side.layout.block_bytes // side.block_size
     assert one > 0  # the engine's KV size is known (else nothing could ever fit)
     side.cfg = side.cfg.model_copy(update={"in_step_load_bytes": int(hits * one)})
     return one
@@ -121,17 +121,17 @@ def test_local_hits_load_in_the_step_while_its_budget_lasts(model_dir):
     with_budget(side, 1.5)
     s.add_request(a)
     s.add_request(make_request("b", prompt(1100, 1)))
-    so = s.schedule()
-    assert so.num_scheduled_tokens == {"a": 1100 - 1024}  # a loaded in the step; b waits for its load
-    loads = {m.req_id: m.load for m in so.kv_connector_metadata.requests if m.load is not None}
-    assert {r: (ld.end, ld.background) for r, ld in loads.items()} == {
+    scheduler_output = s.schedule()
+    assert scheduler_output.num_scheduled_tokens == {"a": 1100 - 1024}  # a loaded in the step; b waits for its load
+    loads = {m.req_id: m.load for m in scheduler_output.kv_connector_metadata.requests if m.load is not None}
+    assert {r: (load.end, load.background) for r, load in loads.items()} == {
         "a": (1024, False), "b": (1024, True)}
-    s.update_from_output(so, output(so))
+    s.update_from_output(scheduler_output, output(scheduler_output))
     s.add_request(make_request("c", prompt(1100, 1)))
-    so = s.schedule()
-    loads = {m.req_id: m.load for m in so.kv_connector_metadata.requests if m.load is not None}
-    assert {r: ld.background for r, ld in loads.items()} == {"c": False}  # a new step's budget
-    assert so.num_scheduled_tokens.get("c") == 1100 - 1024
+    scheduler_output = s.schedule()
+    loads = {m.req_id: m.load for m in scheduler_output.kv_connector_metadata.requests if m.load is not None}
+    assert {r: load.background for r, load in loads.items()} == {"c": False}  # a new step's budget
+    assert scheduler_output.num_scheduled_tokens.get("c") == 1100 - 1024
     assert side.stats.totals().get("inline_local_loads") == 2
 
 

@@ -1,4 +1,4 @@
-"""Connector settings that change what vLLM does around kvplug (issue 12 §4): the load-failure
+"""Connector settings that change what vLLM does around kvplug: the load-failure
 policy warning, no second copy of what the tiers hold after a local prefix hit, the per-request
 report kept from API clients unless asked for, and PIECEWISE CUDA graphs in layer-wise mode."""
 
@@ -40,14 +40,14 @@ def run_request(s, fake, req):
     s.add_request(req)
     saves, local, params = [], None, None
     while s.requests:
-        so = s.schedule()
-        for nr in so.scheduled_new_reqs:
+        scheduler_output = s.schedule()
+        for nr in scheduler_output.scheduled_new_reqs:
             local = nr.num_computed_tokens
-        for m in so.kv_connector_metadata.requests:
+        for m in scheduler_output.kv_connector_metadata.requests:
             if m.save is not None:
                 saves.append((m.save.start, m.save.end, len(m.save.hashes)))
                 fake.stored.update(m.save.hashes)
-        for outs in s.update_from_output(so, model_runner_output(so)).values():
+        for outs in s.update_from_output(scheduler_output, model_runner_output(scheduler_output)).values():
             for o in outs.outputs:
                 if o.finished:
                     params = o.kv_transfer_params

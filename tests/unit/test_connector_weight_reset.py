@@ -46,9 +46,9 @@ class Engine:
     """vLLM's scheduler and one kvplug worker (same engine id: real lookups over the socket)."""
 
     def __init__(self, model_dir, root) -> None:
-        self.s = make_scheduler(model_dir, extra={"chunk_size": CHUNK, "tiers": tiers(root)},
+        self.scheduler = make_scheduler(model_dir, extra={"chunk_size": CHUNK, "tiers": tiers(root)},
                                 block_size=BS, num_blocks=64, max_num_batched_tokens=64)
-        engine_id = self.s.connector._vllm_config.kv_transfer_config.engine_id
+        engine_id = self.scheduler.connector._vllm_config.kv_transfer_config.engine_id
         cfg = ConnectorConfig(chunk_size=CHUNK, async_save=False, log_every_load=False,
                               tiers=tiers(root))
         self.fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=64)
@@ -60,26 +60,26 @@ class Engine:
     def _step(self) -> None:
         from vllm.v1.outputs import KVConnectorOutput
 
-        so = self.s.schedule()
-        md = so.kv_connector_metadata
-        self.w.start_load_kv(md)
-        for r in md.requests:  # what each loaded block holds, read back from the KV cache
+        scheduler_output = self.scheduler.schedule()
+        metadata = scheduler_output.kv_connector_metadata
+        self.w.start_load_kv(metadata)
+        for r in metadata.requests:  # what each loaded block holds, read back from the KV cache
             if r.load is not None:
                 self.loaded[r.req_id] = [self.version_of(r.block_ids[j], j)
                                          for j in range(r.load.start // BS, r.load.end // BS)]
-        for req_id, n in so.num_scheduled_tokens.items():  # the forward pass writes its KV
-            end = self.s.requests[req_id].num_computed_tokens
-            table = self.s.kv_cache_manager.get_block_ids(req_id)[0]
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():  # the forward pass writes its KV
+            end = self.scheduler.requests[req_id].num_computed_tokens
+            table = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
             for j in range((end - n) // BS, -(-end // BS)):
                 pat = kv_bytes(self.version, j, self.fx.L, self.fx.page)
                 for layer in range(self.fx.L):
                     o = self.fx.offset(layer, table[j])
                     self.fx.buf[o: o + self.fx.page].view(torch.uint8).copy_(pat[layer])
-        self.w.wait_for_save(md)
-        sent, _ = self.w.get_finished(so.finished_req_ids)
-        out = model_runner_output(so)
+        self.w.wait_for_save(metadata)
+        sent, _ = self.w.get_finished(scheduler_output.finished_req_ids)
+        out = model_runner_output(scheduler_output)
         out.kv_connector_output = KVConnectorOutput(finished_sending=sent or None)
-        self.s.update_from_output(so, out)
+        self.scheduler.update_from_output(scheduler_output, out)
 
     def version_of(self, block: int, j: int) -> int:
         """Which weights version wrote this block (-1: neither)."""
@@ -93,16 +93,16 @@ class Engine:
     def run(self, req_id: str) -> list[int]:
         """Serve the prompt to the end; the versions of the blocks it loaded ([]: none)."""
         with torch.inference_mode():
-            self.s.add_request(make_request(req_id, P, max_tokens=2))
+            self.scheduler.add_request(make_request(req_id, P, max_tokens=2))
             end = time.monotonic() + HANG_S
-            while self.s.requests:
-                assert time.monotonic() < end, f"never finished: {list(self.s.requests)}"
+            while self.scheduler.requests:
+                assert time.monotonic() < end, f"never finished: {list(self.scheduler.requests)}"
                 self._step()
         return self.loaded.get(req_id, [])
 
     def close(self) -> None:
         self.w.close()
-        self.s.connector.shutdown()
+        self.scheduler.connector.shutdown()
 
 
 @pytest.fixture
@@ -119,18 +119,18 @@ def test_nothing_from_before_a_weights_reset_is_served(engine, tmp_path, reset_c
     assert e.run("b") == [0] * 10  # 40 tokens from kvplug, all of version 0 (the setup works)
     assert e.w.storage.flush(10)  # the posix writes are over: L1 holds the only references
     e.version = 1  # the weights change in place ...
-    assert e.s.reset_prefix_cache(reset_connector=reset_connector)  # ... and the cache resets
+    assert e.scheduler.reset_prefix_cache(reset_connector=reset_connector)  # ... and the cache resets
     got = e.run("c")
     if not reset_connector:  # control: without the reset kvplug serves the old weights' KV
         assert got == [0] * 10
         return
     assert got == []  # computed, not loaded: nothing stored before is served
     assert e.run("d") == [1] * 10  # what "c" stored under the new epoch is served
-    assert e.w.epoch == e.s.connector.scheduler_side.epoch != ""
-    assert e.s.connector.scheduler_side.stats.totals()["weight_resets"] == 1
+    assert e.w.epoch == e.scheduler.connector.scheduler_side.epoch != ""
+    assert e.scheduler.connector.scheduler_side.stats.totals()["weight_resets"] == 1
     # L1 holds only the new epoch's chunks; the old ones are on the posix tier for others
     assert e.w.storage.stats()["local_cpu"]["entries"] == 3
-    hashes = e.s.connector.scheduler_side.db.extend_hashes(P, [], 2)
+    hashes = e.scheduler.connector.scheduler_side.token_db.extend_hashes(P, [], 2)
     old = [e.w.key(h, epoch="") for h in hashes]
     assert [e.w.storage.contains(k) for k in old] == ["posix", "posix"]
     # another engine still on the old weights (its own worker, same store): it keeps its hits
@@ -151,20 +151,20 @@ def test_a_finished_requests_last_save_across_a_reset_is_dropped(engine):
     e = engine
     with torch.inference_mode():
         # 41 + 4 tokens: at the end, the partial chunk [32, 44) of prompt + answer is left
-        e.s.add_request(make_request("a", P, max_tokens=4))
+        e.scheduler.add_request(make_request("a", P, max_tokens=4))
         end = time.monotonic() + HANG_S
-        while not e.s.connector.scheduler_side._finishing and time.monotonic() < end:
+        while not e.scheduler.connector.scheduler_side._finishing and time.monotonic() < end:
             e._step()  # (the first steps may wait for the lookup's answer)
-        assert [r.save.end for r in e.s.connector.scheduler_side._finishing] == [44]
+        assert [r.save.end for r in e.scheduler.connector.scheduler_side._finishing] == [44]
         e.version = 1
-        assert e.s.reset_prefix_cache(reset_connector=True) is False  # vLLM still holds blocks
-        while e.s.requests and time.monotonic() < end:
+        assert e.scheduler.reset_prefix_cache(reset_connector=True) is False  # vLLM still holds blocks
+        while e.scheduler.requests and time.monotonic() < end:
             e._step()
-    assert e.s.kv_cache_manager.block_pool.get_num_free_blocks() == 63  # nothing leaked
+    assert e.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 63  # nothing leaked
     assert e.w.epoch != ""
     # the answer's chunk [32, 44) (old weights' KV) is stored under no epoch
-    db, tokens = e.s.connector.scheduler_side.db, [*P, 5, 5, 5, 5]  # the harness samples token 5
-    tail = db.partial_hash(tokens, 44, db.extend_hashes(tokens, [], 2))
+    token_db, tokens = e.scheduler.connector.scheduler_side.token_db, [*P, 5, 5, 5, 5]  # the harness samples token 5
+    tail = token_db.partial_hash(tokens, 44, token_db.extend_hashes(tokens, [], 2))
     assert e.w.storage.flush(10)
     assert [e.w.storage.contains(e.w.key(tail, ep)) for ep in ("", e.w.epoch)] == [None, None]
 

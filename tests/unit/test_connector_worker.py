@@ -90,7 +90,7 @@ def test_a_layer_that_fails_fails_its_chunk_and_the_rest(stored, monkeypatch):
     load(w, fx)
     assert w.take_load_errors() == set(DST[2:])  # chunk 1 (tokens 8-24) and chunk 2
     report = w.take_report()
-    assert report.loaded == {"b": {"posix": 8}} and report.failed_blocks == {"b": 4}
+    assert report.loaded == {"b": {"posix": 8}} and report.num_failed_blocks == {"b": 4}
     got = fx.ref_obj(DST)
     assert torch.equal(got[:, :2], want[:, :2])  # chunk 0 whole
     assert torch.equal(got[:2, 2:], want[:2, 2:])  # layers read before the failure
@@ -105,11 +105,11 @@ def test_registration_refuses_a_kv_layout_that_is_not_block_first(tmp_path):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float16)
-    kcc = KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
+    kv_cache_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
     cfg = ConnectorConfig(chunk_size=CHUNK, tiers=[{"backend": "local_cpu"}])
     w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"),
-                   layout_of(kcc, BS))
+                   layout_of(kv_cache_config, BS))
     try:
         with pytest.raises(KVLayoutError, match=r"'l0'.*2 entries.*16 KV blocks"):
             w.register_kv_caches({"l0": torch.zeros(2, 16, BS, 2, 8, dtype=torch.float16)})

@@ -44,10 +44,10 @@ def test_pages_for_tokens_skips_leading_blocks_of_a_chunk() -> None:
 
 def test_pages_and_blocks_agree() -> None:
     table = list(range(100, 110))
-    bs, chunk_start, skip, end = 4, 16, 24, 37
-    pages = pages_for_tokens(skip, end, bs, chunk_start)
-    chunk_blocks = blocks_for_tokens(table, chunk_start, end, bs)
-    assert chunk_blocks[pages] == blocks_for_tokens(table, skip, end, bs)
+    block_size, chunk_start, skip, end = 4, 16, 24, 37
+    pages = pages_for_tokens(skip, end, block_size, chunk_start)
+    chunk_blocks = blocks_for_tokens(table, chunk_start, end, block_size)
+    assert chunk_blocks[pages] == blocks_for_tokens(table, skip, end, block_size)
 
 
 def test_num_pages() -> None:

@@ -78,7 +78,7 @@ def test_a_block_zeroed_before_the_wait_races_the_store(order: str) -> None:
     preemption freed and the step reused is zeroed on the engine's stream *before* kvplug makes
     that stream wait on the store's event. Here the store stream is held back (a sleep kernel,
     standing for a busy copy engine) so the order decides: zeroing first stores the zeros (the
-    race, which ``AsyncSaves.order_at_submit`` closes by waiting when the copy is submitted);
+    race, which ``AsyncSaves.order_at_enqueue`` closes by waiting when the copy is submitted);
     waiting first stores the KV."""
     fx = KVFixture("LBNHC", torch.bfloat16, L=4, device="cuda")
     kv = PagedKV.from_kv_caches(fx.caches)

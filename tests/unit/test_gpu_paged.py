@@ -218,12 +218,12 @@ def test_memory_object_slices_and_partial_chunks() -> None:
     """Skip leading tokens and a partial last chunk, at block granularity (block_size 4)."""
     fx = KVFixture("LBHNC", torch.bfloat16, N=4)
     kv = PagedKV.from_kv_caches(fx.caches)
-    bs, chunk = 4, 16
+    block_size, chunk = 4, 16
     table = [9, 2, 14, 3, 7, 11, 5, 1, 12, 6]  # 37 tokens occupy 10 blocks, the last holds 1
     snap = snapshot_of(fx)
     objs = []
     for start in range(0, 37, chunk):  # chunks [0,16) [16,32) [32,37)
-        ids = blocks_for_tokens(table, start, min(start + chunk, 37), bs)
+        ids = blocks_for_tokens(table, start, min(start + chunk, 37), block_size)
         out = poisoned((fx.L, len(ids), fx.page))
         gather(kv, ids, out)
         objs.append(out)
@@ -233,15 +233,15 @@ def test_memory_object_slices_and_partial_chunks() -> None:
     skip = 24
     loaded_from, written = [], []
     for c, obj in enumerate(objs):
-        cs, ce = c * chunk, min((c + 1) * chunk, 37)
-        if ce <= skip:
+        chunk_start, chunk_end = c * chunk, min((c + 1) * chunk, 37)
+        if chunk_end <= skip:
             continue
-        start = max(cs, skip)
-        pages = pages_for_tokens(start, ce, bs, chunk_start=cs)
-        dst = blocks_for_tokens(new_table, start, ce, bs)
+        start = max(chunk_start, skip)
+        pages = pages_for_tokens(start, chunk_end, block_size, chunk_start=chunk_start)
+        dst = blocks_for_tokens(new_table, start, chunk_end, block_size)
         fx.poison(dst)
         scatter(kv, obj[:, pages], dst)  # a non-contiguous slice of the memory object
-        loaded_from += blocks_for_tokens(table, start, ce, bs)
+        loaded_from += blocks_for_tokens(table, start, chunk_end, block_size)
         written += dst
     assert written == [1, 3, 5, 6] and loaded_from == [5, 1, 12, 6]
     # the last page (block 6 <- old block 6) holds token 36 plus 3 slots copied as-is

@@ -50,9 +50,9 @@ def engine_config(model, **kw):
     return EngineArgs(**args).create_engine_config()
 
 
-def key_of(vc, chunk_hash: bytes, *, tensor_dtype: str = "bfloat16", tp_rank: int = 0,
+def key_of(vllm_config, chunk_hash: bytes, *, tensor_dtype: str = "bfloat16", tp_rank: int = 0,
            pp_rank: int = 0, cfg: ConnectorConfig | None = None):
-    ident = build_identity(vc, cfg or ConnectorConfig(), tp_rank=tp_rank, pp_rank=pp_rank)
+    ident = build_identity(vllm_config, cfg or ConnectorConfig(), tp_rank=tp_rank, pp_rank=pp_rank)
     return ident.key(tensor_dtype, chunk_hash)
 
 
@@ -112,13 +112,13 @@ def test_configs_differing_in_one_field_never_share(tmp_path, models, name, ea, 
 
 def test_layer_range_is_part_of_identity(tmp_path, models, monkeypatch):
     """Same PP rank, different layer split (VLLM_PP_LAYER_PARTITION): different layers."""
-    vc = engine_config(models["a"], pipeline_parallel_size=2)
+    vllm_config = engine_config(models["a"], pipeline_parallel_size=2)
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,3")
-    a = key_of(vc, HASHES[0], pp_rank=0)
+    a = key_of(vllm_config, HASHES[0], pp_rank=0)
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "2,2")
-    b = key_of(vc, HASHES[0], pp_rank=0)
+    b = key_of(vllm_config, HASHES[0], pp_rank=0)
     assert not shares(tmp_path / "x", a, b)
-    assert shares(tmp_path / "y", b, key_of(vc, HASHES[0], pp_rank=0))
+    assert shares(tmp_path / "y", b, key_of(vllm_config, HASHES[0], pp_rank=0))
 
 
 def test_same_model_at_two_paths_shares(tmp_path, models):
@@ -153,14 +153,14 @@ def test_drafter_with_kv_layers_is_part_of_identity(tmp_path, models, named):
     root = models["a"].parent
     cfg = ConnectorConfig(model_name="m") if named else None
     eagle_a, eagle_b = make_eagle_draft(seed=7, root=root), make_eagle_draft(seed=8, root=root)
-    vcs = {name: engine_config(models["a"], **kw) for name, kw in {
+    vllm_configs = {name: engine_config(models["a"], **kw) for name, kw in {
         "plain": {}, "ngram": _spec("ngram"),
         "draft_a": _spec("draft_model", models["a"]),
         "draft_other": _spec("draft_model", models["other"]),
         "eagle_a": _spec("eagle", eagle_a), "eagle_b": _spec("eagle", eagle_b)}.items()}
-    key = {name: key_of(vc, HASHES[0], cfg=cfg) for name, vc in vcs.items()}
+    key = {name: key_of(vllm_config, HASHES[0], cfg=cfg) for name, vllm_config in vllm_configs.items()}
     # which drafters make kvplug recompute a hit's last block (see the scheduler's docstring)
-    assert [n for n, vc in vcs.items() if drops_last_block(vc)] == ["eagle_a", "eagle_b"]
+    assert [n for n, vllm_config in vllm_configs.items() if drops_last_block(vllm_config)] == ["eagle_a", "eagle_b"]
     for a, b in [("draft_a", "draft_other"), ("eagle_a", "eagle_b"), ("plain", "draft_a"),
                  ("plain", "eagle_a"), ("draft_a", "eagle_a")]:
         assert key[a].model_digest != key[b].model_digest, (a, b)
@@ -201,24 +201,24 @@ def _lora(name, path):
                                                                             True)],
                          ids=["other-path", "control"])
 def test_lora_adapter_path_is_keyed(tmp_path, models, other, same):
-    vc = engine_config(models["a"])
+    vllm_config = engine_config(models["a"])
     ra = _request("a", TOKENS, lora_request=_lora("ad", "/adapters/v1"))
     rb = _request("b", TOKENS, lora_request=_lora(*other))
-    a, b = key_of(vc, _hashes(ra)[0]), key_of(vc, _hashes(rb)[0])
+    a, b = key_of(vllm_config, _hashes(ra)[0]), key_of(vllm_config, _hashes(rb)[0])
     assert shares(tmp_path / "x", a, b) is same
 
 
 @pytest.mark.parametrize("same", [False, True], ids=["other-embeds", "control"])
 def test_prompt_embeds_are_keyed(tmp_path, models, same):
     """A mixed prompt (token ids + embeddings): the placeholders are equal, the embeddings not."""
-    vc = engine_config(models["a"])
+    vllm_config = engine_config(models["a"])
     n = len(TOKENS)
     mask = [i % 3 != 0 for i in range(n)]  # every third position comes from prompt_embeds
     emb_a = torch.randn(n, 256, generator=torch.Generator().manual_seed(1))
     emb_b = emb_a.clone() if same else torch.randn(n, 256, generator=torch.Generator().manual_seed(2))
     ra = _request("a", TOKENS, prompt_embeds=emb_a, prompt_is_token_ids=mask)
     rb = _request("b", TOKENS, prompt_embeds=emb_b, prompt_is_token_ids=mask)
-    a, b = key_of(vc, _hashes(ra)[0]), key_of(vc, _hashes(rb)[0])
+    a, b = key_of(vllm_config, _hashes(ra)[0]), key_of(vllm_config, _hashes(rb)[0])
     assert shares(tmp_path / "x", a, b) is same
 
 
@@ -231,8 +231,8 @@ def test_chunk_header_records_every_identity_field_and_inspect_shows_the_digest(
 
     from tests.support.engine_processes import run_console_script
 
-    vc = engine_config(models["a"], pipeline_parallel_size=2, kv_cache_dtype="fp8_e5m2")
-    key = key_of(vc, HASHES[0], tensor_dtype="uint8", pp_rank=1)
+    vllm_config = engine_config(models["a"], pipeline_parallel_size=2, kv_cache_dtype="fp8_e5m2")
+    key = key_of(vllm_config, HASHES[0], tensor_dtype="uint8", pp_rank=1)
     assert (key.pp_size, key.pp_rank, key.layers) == (2, 1, "2-4")
     assert key.model == "Qwen3ForCausalLM" and len(key.model_digest) == 16
     assert key.kv_dtype == "uint8-fp8-e5m2"

@@ -119,10 +119,10 @@ class Stack:
     def load(self, background: bool = False) -> set[int]:
         """One in-step (or background) load of every chunk into ``dst``; the load errors."""
         n = len(self.hashes)
-        md = KVPlugMetadata(CHUNK, BS, [ReqMeta("b", self.dst, load=LoadSpec(
+        metadata = KVPlugMetadata(CHUNK, BS, [ReqMeta("b", self.dst, load=LoadSpec(
             0, n * CHUNK, 0, self.hashes, background=background))])
-        self.w.start_load_kv(md)
-        self.w.wait_for_save(md)
+        self.w.start_load_kv(metadata)
+        self.w.wait_for_save(metadata)
         if background:
             deadline = time.monotonic() + 60
             while "b" not in self.w.get_finished(set())[1]:

@@ -130,10 +130,10 @@ def test_watch_forgets_past_its_bound_and_announces_it(tmp_path):
 
 
 def test_watch_rounds_never_overlap(tmp_path):
-    """A caller's check() and the watch's own thread (woken by every put) used to run rounds side
-    by side: both confirmed the same pending chunks, and the second announced the chunk the first
-    had just forgotten past ``max_chunks`` as stored again (``[T, T, T, F, T, F]``). Here a second
-    round is started while the first is inside its tier lookup."""
+    """A caller's check() and the watch's own thread (woken by every put) never run rounds side
+    by side: both would confirm the same pending chunks, and the second would announce the chunk
+    the first had just forgotten past ``max_chunks`` as stored again (``[T, T, T, F, T, F]``). Here
+    a second round is started while the first is inside its tier lookup."""
     import threading
 
     sm = StorageManager({"chunk_size": 256, "tiers": [
@@ -396,9 +396,9 @@ def test_book_drops_news_about_keys_of_the_weights_before_a_reset(tmp_path):
         late = _drain(watches[0], 1)  # taken with step N's output...
         assert [e.stored for e in late] == [True]
         conn.reset_cache()  # ...the weights change before the scheduler sees it
-        md = KVPlugMetadata(256, 16, epoch=conn._sched.epoch)
+        metadata = KVPlugMetadata(256, 16, epoch=conn._sched.epoch)
         for w in workers:
-            w.sync_epoch(md)  # step N+1's metadata: every rank on the new epoch
+            w.sync_epoch(metadata)  # step N+1's metadata: every rank on the new epoch
         step_output(late)
         # the scheduler plans the chunk's save again under the new weights: rank 0 stores it,
         # rank 1 does not (its tier is down)

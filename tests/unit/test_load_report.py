@@ -59,30 +59,30 @@ def a_load(req_id: str, blocks: list[int], tiers: list[str], fail_at: int | None
     end = CHUNK * len(tiers)
     spec = LoadSpec(start, end, 0, [make_key(i).chunk_hash for i in range(len(tiers))],
                     background=background)
-    ld = RequestLoad(ReqMeta(req_id, blocks, load=spec), spec, BS, seconds=seconds)
+    load = RequestLoad(ReqMeta(req_id, blocks, load=spec), spec, BS, seconds=seconds)
     for i, tier in enumerate(tiers):
         s, e = i * CHUNK, (i + 1) * CHUNK
         first = max(s, start)
-        ld.chunks.append(ChunkLoad(make_key(i), s, e, CHUNK // BS, slice((first - s) // BS, 2),
+        load.chunks.append(ChunkLoad(make_key(i), s, e, CHUNK // BS, slice((first - s) // BS, 2),
                                    blocks[first // BS:e // BS], tier))
     if fail_at is not None:
-        ld.fail(fail_at, MISSING)
-    return ld.outcome(KV.num_layers * KV.page_bytes)
+        load.fail(fail_at, MISSING)
+    return load.outcome(KV.num_layers * KV.page_bytes)
 
 
 def test_a_failed_load_reports_its_blocks_result_and_counters_once(kv, caplog):
     rng = random.Random(1)
     blocks = rng.sample(range(1, 16), 6)
     r, stats = reports()
-    ld = a_load("a", blocks, ["ram", "disk", "disk"], fail_at=16)
+    load = a_load("a", blocks, ["ram", "disk", "disk"], fail_at=16)
     with caplog.at_level(logging.WARNING, logger="kvplug.connector"):
-        r.record(ld, TIERS)
+        r.record(load, TIERS)
     assert r.take_load_errors() == set(blocks[4:6])  # tokens 16-24: vLLM recomputes them
     assert r.take_load_errors() == set()  # taken once
     assert r.take_failed() == set()  # one KV cache group: by block, not by request
     report = r.take_report()
     assert report.loaded == {"a": {"ram": 4, "disk": 8}}  # tokens 4-8 and 8-16
-    assert report.failed_blocks == {"a": 2} and report.failed_from == {"a": 16}
+    assert report.num_failed_blocks == {"a": 2} and report.failed_from == {"a": 16}
     assert report.load_ms == {"a": 250.0}
     assert r.take_report() is None
     page = kv.num_layers * kv.page_bytes
@@ -107,7 +107,7 @@ def test_a_whole_load_reports_no_error_and_latency_follows_the_tier_order(kv):
     assert r.take_load_errors() == set()
     report = r.take_report()
     assert report.loaded == {"b": {"disk": 8, "ram": 8}}
-    assert report.failed_blocks == {} and report.failed_from == {}
+    assert report.num_failed_blocks == {} and report.failed_from == {}
     data = stats.take().data
     assert data.get("load_failures", 0) == 0 and data["loads"] == 1
     assert data[LATENCY_PREFIX + "ram"] == [0.5] and LATENCY_PREFIX + "disk" not in data
@@ -121,7 +121,7 @@ def test_the_first_failed_token_of_a_request_is_the_smallest_over_its_loads(kv):
     r.record(a_load("d", blocks, ["disk"] * 3, fail_at=0), TIERS)  # before vLLM's hit
     report = r.take_report()
     assert report.failed_from == {"c": 8, "d": 4}  # d: from vLLM's own hit on
-    assert report.failed_blocks == {"c": 4, "d": 5}  # the latest load's count
+    assert report.num_failed_blocks == {"c": 4, "d": 5}  # the latest load's count
     assert r.take_load_errors() == set(blocks[1:6])
 
 
@@ -133,7 +133,7 @@ def test_with_several_kv_cache_groups_a_failure_is_by_request(kv):
     assert r.take_failed() == {"e"}
     assert r.take_failed() == set()
     assert r.take_load_errors() == set()  # vLLM maps block ids to requests only with one group
-    assert r.take_report().failed_blocks == {"e": 4}
+    assert r.take_report().num_failed_blocks == {"e": 4}
 
 
 def test_unwritten_blocks_are_load_errors_and_move_the_first_failed_token(kv, caplog):

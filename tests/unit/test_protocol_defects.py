@@ -1,6 +1,6 @@
-"""Issue 22's six protocol defects, each reproduced on vLLM's real ``Scheduler`` (kvplug's real
+"""Six protocol defects between vLLM and kvplug's two sides, each reproduced on vLLM's real ``Scheduler`` (kvplug's real
 scheduler side inside it) and kvplug's real ``WorkerSide`` per TP rank over CPU ``PagedKV``s,
-behind the real lookup client and services: no model, no engine. Each test failed before its fix.
+behind the real lookup client and services: no model, no engine. Each test replays the calls that expose its defect.
 Defect 5 (a save after close on CUDA) needs no scheduler: tests/unit/test_save_after_close.py.
 
 :class:`Rig` steps them as vLLM's engine and model runner do, through the connector's own
@@ -62,10 +62,10 @@ class Rig:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         extra = {"chunk_size": CHUNK, "async_save": async_save, "report_to_client": False}
-        self.s = make_scheduler(model_dir, extra=extra, block_size=BS, num_blocks=num_blocks,
+        self.scheduler = make_scheduler(model_dir, extra=extra, block_size=BS, num_blocks=num_blocks,
                                 max_num_batched_tokens=batch, groups=groups)
         self.order = order
-        self.layout = self.s.connector.scheduler_side.layout
+        self.layout = self.scheduler.connector.scheduler_side.layout
         cfg = ConnectorConfig(chunk_size=CHUNK, async_save=async_save, log_every_load=False,
                               tiers=tiers)
         engine = f"t-{uuid.uuid4().hex[:8]}"
@@ -80,9 +80,9 @@ class Rig:
             self.fx.append(fx)
             self.w.append(w)
             self.c.append(worker_connector(w))
-            self.runner.append(runner_connector(self.s.vllm_config, self.c[-1], fx.caches))
-        self.s.connector.scheduler_side.lookup.close()  # the real client, asking these workers
-        self.s.connector.scheduler_side.lookup = LookupClient(
+            self.runner.append(runner_connector(self.scheduler.vllm_config, self.c[-1], fx.caches))
+        self.scheduler.connector.scheduler_side.lookup.close()  # the real client, asking these workers
+        self.scheduler.connector.scheduler_side.lookup = LookupClient(
             [socket_path(engine, r, 0) for r in range(ranks)], cfg.lookup_timeout_s)
         self.agg = KVOutputAggregator(ranks)
         self.tokens: dict[str, list[int]] = {}  # every request's tokens, kept past its end
@@ -91,11 +91,11 @@ class Rig:
 
     # -- vLLM's side ----------------------------------------------------------------------------
     def add(self, req_id: str, tokens: list[int], max_tokens: int) -> None:
-        self.s.add_request(make_request(req_id, tokens, max_tokens=max_tokens))
+        self.scheduler.add_request(make_request(req_id, tokens, max_tokens=max_tokens))
 
     def held_blocks(self) -> set[int]:
         held = set()
-        for mgr in self.s.kv_cache_manager.coordinator.single_type_managers:
+        for mgr in self.scheduler.kv_cache_manager.coordinator.single_type_managers:
             held |= {b.block_id for blocks in mgr.req_to_blocks.values() for b in blocks}
         return held
 
@@ -105,14 +105,14 @@ class Rig:
         for fx in self.fx:
             fx.poison([b for b in range(1, fx.B) if b not in held])
 
-    def forward(self, so) -> None:
+    def forward(self, scheduler_output) -> None:
         """Write the KV of this step's tokens, attending over what the blocks hold."""
-        for req_id, n in so.num_scheduled_tokens.items():
-            req = self.s.requests[req_id]
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
             end = req.num_computed_tokens  # advanced by schedule(): this step's tokens end here
             toks = list(req.all_token_ids)
             self.tokens[req_id] = toks
-            for g, table in enumerate(self.s.kv_cache_manager.get_block_ids(req_id)):
+            for g, table in enumerate(self.scheduler.kv_cache_manager.get_block_ids(req_id)):
                 chained = self.layout.groups[g].kind == "full"
                 for j in range((end - n) // BS, -(-end // BS)):
                     for rank, fx in enumerate(self.fx):
@@ -135,13 +135,13 @@ class Rig:
             pages.append(pat)
         return torch.stack(pages[s // BS:], dim=1)
 
-    def runner_output(self, so):
+    def runner_output(self, scheduler_output):
         """A token sampled for every request whose scheduled tokens reach its end (a chunk of a
         prefill samples nothing)."""
         from vllm.v1.outputs import ModelRunnerOutput
 
-        ids = list(so.num_scheduled_tokens)
-        done = [self.s.requests[r].num_computed_tokens >= self.s.requests[r].num_tokens
+        ids = list(scheduler_output.num_scheduled_tokens)
+        done = [self.scheduler.requests[r].num_computed_tokens >= self.scheduler.requests[r].num_tokens
                 for r in ids]
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                  sampled_token_ids=[[5] if d else [] for d in done])
@@ -153,29 +153,29 @@ class Rig:
     def _step(self) -> set[str]:
         from vllm.v1.outputs import KVConnectorOutput
 
-        so = self.s.schedule()
-        md = so.kv_connector_metadata
-        self.events += [("preempted", r) for r in md.preempted]
-        for m in md.requests:
+        scheduler_output = self.scheduler.schedule()
+        metadata = scheduler_output.kv_connector_metadata
+        self.events += [("preempted", r) for r in metadata.preempted]
+        for m in metadata.requests:
             if m.save is not None:
-                self.saved += [(m.req_id, *md.chunk_range(m.save, i), h)
+                self.saved += [(m.req_id, *metadata.chunk_range(m.save, i), h)
                                for i, h in enumerate(m.save.hashes)]
         for a in self.runner:  # handle_preemptions, bind, the synchronous loads
-            a.pre_forward(so)
+            a.pre_forward(scheduler_output)
         self.poison_free()  # the coming forward pass may rewrite blocks vLLM freed
-        self.forward(so)
+        self.forward(scheduler_output)
         outs = []
         real_033 = hasattr(self.runner[0], "finalize_step")
         for a, c in zip(self.runner, self.c):
             if self.order == "0.32":
-                kvo = a.post_forward(so.finished_req_ids)  # wait_for_save, then get_finished
+                kvo = a.post_forward(scheduler_output.finished_req_ids)  # wait_for_save, then get_finished
             elif real_033:  # 0.33 with a speculator: the draft model's forward comes between
-                kvo = a.post_forward(so.finished_req_ids, defer_finalize=True)
+                kvo = a.post_forward(scheduler_output.finished_req_ids, defer_finalize=True)
                 a.finalize_step()
             else:  # 0.33's order emulated on 0.32
                 if a._pending_load_kwargs is not None:  # as post_forward: loads after the forward
                     a._start_load_kv()
-                res = c.get_transfer_results(so.finished_req_ids)
+                res = c.get_transfer_results(scheduler_output.finished_req_ids)
                 kvo = KVConnectorOutput(finished_sending=res.finished_sending or None,
                                         finished_recving=res.finished_recving or None,
                                         failed_recving=res.failed_recving or set(),
@@ -184,7 +184,7 @@ class Rig:
                                         kv_connector_worker_meta=c.build_connector_worker_meta())
                 c.wait_for_save()
                 c.clear_connector_metadata()
-            out = self.runner_output(so)
+            out = self.runner_output(scheduler_output)
             out.kv_connector_output = kvo
             outs.append(out)
         merged = self.agg.aggregate(outs)
@@ -192,7 +192,7 @@ class Rig:
         sent = set(kvo.finished_sending or ())
         self.events += [("sent", r) for r in sorted(sent)]
         self.events += [("recved", r) for r in sorted(kvo.finished_recving or ())]
-        self.s.update_from_output(so, merged)
+        self.scheduler.update_from_output(scheduler_output, merged)
         self.poison_free()
         return sent
 
@@ -206,12 +206,12 @@ class Rig:
     def run_out(self) -> None:
         """Step until vLLM holds no request (a hang is caught)."""
         for _ in range(STEPS):
-            if not self.s.requests:
+            if not self.scheduler.requests:
                 return
             self.step()
             time.sleep(0.001)  # let the save thread run
-        raise AssertionError(f"requests never finished: {sorted(self.s.requests)}; vLLM still "
-                             f"holds them (held by kvplug: {sorted(self.s.connector.scheduler_side.held)})")
+        raise AssertionError(f"requests never finished: {sorted(self.scheduler.requests)}; vLLM still "
+                             f"holds them (held by kvplug: {sorted(self.scheduler.connector.scheduler_side.held)})")
 
     # -- checks ---------------------------------------------------------------------------------
     def settle(self) -> None:
@@ -245,7 +245,7 @@ class Rig:
     def close(self) -> None:
         for w in self.w:
             w.close()
-        self.s.connector.scheduler_side.lookup.close()
+        self.scheduler.connector.scheduler_side.lookup.close()
 
 
 @pytest.fixture
@@ -340,15 +340,15 @@ def test_3_preempted_request_aborted_while_loading_is_reported_once(rig, tmp_pat
     keys = [w.key(h) for q, _, _, h in r.saved if q == victim]
     assert keys and w._saves.settle(keys, 60)  # it saved: vLLM held it at finish before
     w.storage.evict(tiers=["local_cpu"], nbytes=1 << 30)  # its chunks: only in the slow tier
-    r.until(lambda: r.s.requests[victim].status == RequestStatus.WAITING_FOR_REMOTE_KVS,
+    r.until(lambda: r.scheduler.requests[victim].status == RequestStatus.WAITING_FOR_REMOTE_KVS,
             "the preempted request waiting for its background load")
-    r.s.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
-    r.step()  # vLLM asserted here ("assert req_id in self.requests") before the fix
+    r.scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+    r.step()  # vLLM asserts ("assert req_id in self.requests") on a second report
     (gate / "open").touch()
     r.run_out()
     reports = [e for e in r.events if e[0] in ("sent", "recved") and e[1] == victim]
     assert reports == [("recved", victim)]
-    assert not r.s.connector.has_pending_block_frees()
+    assert not r.scheduler.connector.has_pending_block_frees()
     assert r.mismatches() == []
 
 
@@ -367,7 +367,7 @@ def test_4_a_rank_loads_a_key_it_never_pinned(rig):
     assert next(h for q, _, e, h in r.saved if q == "p2" and e == 36)
     r.w[1].storage.evict(keys=[r.w[1].key(h40)])  # rank 1: only the tail at 36
     r.add("p3", p1 + prompt(3, 22), max_tokens=1)
-    r.run_out()  # raised ValueError: 'unknown' is not in list (start_load_kv) before the fix
+    r.run_out()  # no ValueError: 'unknown' is not in list (start_load_kv)
     for w in r.w:  # both ranks loaded 32 tokens for p2 and 36 for p3, exactly
         assert w.stats.totals().get("load_tokens") == 32 + 36
         assert w.stats.totals().get("load_failures", 0) == 0
@@ -380,10 +380,10 @@ def test_4_a_rank_loads_a_key_it_never_pinned(rig):
 def test_6_a_request_whose_only_save_is_its_last_is_reported(rig, order):
     r = rig(tiers=[L1], async_save=True, order=order)
     r.add("a", prompt(4, 31), max_tokens=4)  # no save until its end: [0, 4) then
-    r.run_out()  # never freed (kvplug never reported it) before the fix, with 0.33's order
+    r.run_out()  # freed (kvplug reports it), with 0.33's order too
     assert [(s, e) for q, s, e, _ in r.saved if q == "a"] == [(0, 4)]
     assert ("sent", "a") in r.events
-    assert not r.s.connector.has_pending_block_frees()
+    assert not r.scheduler.connector.has_pending_block_frees()
     assert r.mismatches() == []
 
 
@@ -401,7 +401,7 @@ def test_6_a_request_is_reported_only_after_its_last_copy(rig, tmp_path, order):
     puts = len(list(gate.glob("put-*")))
     r.add("x", prompt(20, 33), max_tokens=40)  # its save holds the save thread mid-put
     r.until(lambda: len(list(gate.glob("put-*"))) > puts, "x's put held")
-    r.until(lambda: "a" not in {q.request_id for q in r.s.running}, "'a' finished")
+    r.until(lambda: "a" not in {q.request_id for q in r.scheduler.running}, "'a' finished")
     for _ in range(3):  # its last save is sent in the first: held until that copy is done
         assert "a" not in r.step()
     assert [(s, e) for q, s, e, _ in r.saved if q == "a"][-1] == (32, 44)

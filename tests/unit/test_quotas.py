@@ -191,12 +191,12 @@ def test_the_scheduler_sends_the_tenant_of_the_salt_only(tmp_path):
     reqs[1].kv_transfer_params = {"tenant": "team-b"}
     for r in reqs:
         s.add_request(r)
-    so = s.schedule()
-    md = so.kv_connector_metadata
-    s.update_from_output(so, model_runner_output(so))
+    scheduler_output = s.schedule()
+    metadata = scheduler_output.kv_connector_metadata
+    s.update_from_output(scheduler_output, model_runner_output(scheduler_output))
     want = {"salted": tenant_id(SALT_A), "named": "", "plain": ""}
     assert side.lookup.tenants == want
-    assert {r.req_id: r.tenant for r in md.requests} == want
+    assert {r.req_id: r.tenant for r in metadata.requests} == want
     msg = Lookup(1, "salted", [b"h" * 32], [], tenant=want["salted"])
     assert SALT_A.encode() not in __import__("msgspec").msgpack.encode(msg)
 

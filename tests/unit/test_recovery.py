@@ -33,7 +33,7 @@ def test_a_failed_load_is_recomputed_from_its_first_failed_token_and_skipped_in_
     assert not o.success
     got = recover(o, multi=False)
     assert got.recompute == (15, 16) and got.failed_request is None
-    assert got.store_from == {"r": 16} and got.lost_blocks == {"r": 2}
+    assert got.store_from == {"r": 16} and got.num_failed_blocks == {"r": 2}
     assert got.skip_request == "r" and got.skip_blocks == {15, 16}
     assert got.counters == {"load_failures": 1, "failed_blocks": 2}
     assert got.warning == ("kvplug: request r: chunk at token 16 is invalid; 2 blocks "
@@ -49,7 +49,7 @@ def test_with_several_groups_the_request_is_recomputed_and_a_background_load_tai
     got = recover(outcome(8, in_step=False), multi=True)
     assert got.recompute == () and got.failed_request == "r"
     assert got.skip_request is None and got.skip_blocks == frozenset()
-    assert got.lost_blocks == {"r": 4}
+    assert got.num_failed_blocks == {"r": 4}
 
 
 def test_an_unwritten_read_fails_like_a_load_into_its_blocks():

@@ -1,4 +1,4 @@
-"""Issue 16 finding: a hit larger than L1 must not fail for want of L1 room.
+"""A hit larger than L1 must not fail for want of L1 room.
 
 Lower tiers read into memory from ``ctx.allocate`` (the L1 pool). A load holds every object of a
 request's hit until it scatters them, so with a small L1 the pool fills with objects in use (not

@@ -1,6 +1,6 @@
-"""Issue 22's defect 5: a save submitted after the save thread closed releases its objects only
-after its copy is done (on CUDA the copy is asynchronous: its event is waited for first). Failed
-before its fix. The other five defects are in tests/unit/test_protocol_defects.py."""
+"""Protocol defect 5: a save enqueued after the save thread closed releases its objects only
+after its copy is done (on CUDA the copy is asynchronous: its event is waited for first). The
+other five defects are in tests/unit/test_protocol_defects.py."""
 
 from __future__ import annotations
 
@@ -64,9 +64,9 @@ def test_5_a_save_after_close_releases_its_objects_only_after_the_copy(tmp_path)
 
         ev = StandInEvent(pool_used)
         obj = w.storage.allocate((2, 4, fx.page), num_tokens=16)
-        md = KVPlugMetadata(CHUNK, BS, [ReqMeta("r", [1, 2, 3, 4],
+        metadata = KVPlugMetadata(CHUNK, BS, [ReqMeta("r", [1, 2, 3, 4],
                                                 save=SaveSpec(0, 16, 0, [b"\x01" * 32]))])
-        saves.submit(md, [w.key(b"\x01" * 32)], [obj], [PageJob([1, 2, 3, 4], obj.tensor)], 16,
+        saves.enqueue(metadata, [w.key(b"\x01" * 32)], [obj], [PageJob([1, 2, 3, 4], obj.tensor)], 16,
                      QueuedLayers(ev))
         assert ev.held_at_wait is not None, "released without waiting for the copy's event"
         assert ev.held_at_wait > 0  # the objects were still held while the copy could run
@@ -85,10 +85,10 @@ def test_5_cuda_a_save_after_close_waits_for_its_copy(tmp_path):
     try:
         w._saves.close()
         ids = list(range(3, 3 + 4))
-        md = KVPlugMetadata(CHUNK, BS, [ReqMeta("r", ids, save=SaveSpec(0, 16, 0, [b"\x02" * 32]))])
+        metadata = KVPlugMetadata(CHUNK, BS, [ReqMeta("r", ids, save=SaveSpec(0, 16, 0, [b"\x02" * 32]))])
         for name in w.kv.layer_names:
-            w.save_kv_layer(name, md)
-        w.wait_for_save(md)  # after close: dropped, its objects released after the copy
+            w.save_kv_layer(name, metadata)
+        w.wait_for_save(metadata)  # after close: dropped, its objects released after the copy
         assert w.kv.stream("store").query()  # nothing still writes the released memory
         assert w.storage.stats()["local_cpu"]["pool_used"] == 0
     finally:

@@ -344,7 +344,7 @@ def test_a_tier_whose_calls_are_bounded_within_timeout_is_called_on_the_callers_
 
 
 def test_a_local_mediums_small_values_are_read_in_sequence_and_large_ones_spread(tmp_path):
-    """Issue 36: reads from the page cache are mostly Python under the GIL, so a batch of a
+    """Reads from the page cache are mostly Python under the GIL, so a batch of a
     local tier's small values is read one bounded call after another from the caller's thread
     (spread over reader threads they queued on the GIL: 1.8-1.9x slower at 256 KiB); values of
     SEQUENTIAL_READ_BYTES or more are spread (their copies run in parallel). Every byte is

@@ -25,14 +25,14 @@ def build(model_dir, **extra):
 def stored(side, fake, req):
     """Mark every full chunk of ``req`` as stored (its hashes as the scheduler computes them)."""
     t = side.track(req)
-    fake.stored.update(side.full_hashes(t, req.num_tokens // side.cs))
+    fake.stored.update(side.full_hashes(t, req.num_tokens // side.chunk_size))
 
 
 def step(s):
-    so = s.schedule()
-    md = so.kv_connector_metadata
-    s.update_from_output(so, model_runner_output(so))
-    return md
+    scheduler_output = s.schedule()
+    metadata = scheduler_output.kv_connector_metadata
+    s.update_from_output(scheduler_output, model_runner_output(scheduler_output))
+    return metadata
 
 
 # -- require_cache_salt ---------------------------------------------------------------------------

@@ -21,9 +21,9 @@ RECORDED_EXTRA = "175088c895759971fca938b9c177d1903c72052d15631ef8fdfff1b09e1be7
 
 
 def test_recorded_vectors():
-    db = TokenDatabase(4)
-    assert [h.hex() for h in db.chunk_hashes(list(range(10)), include_partial=True)] == RECORDED
-    got = db.chunk_hashes([1, 2, 3, 4], extra_keys=lambda s, e: ("img-abc",))
+    token_db = TokenDatabase(4)
+    assert [h.hex() for h in token_db.chunk_hashes(list(range(10)), include_partial=True)] == RECORDED
+    got = token_db.chunk_hashes([1, 2, 3, 4], extra_keys=lambda s, e: ("img-abc",))
     assert got[0].hex() == RECORDED_EXTRA
 
 
@@ -46,48 +46,48 @@ def test_matches_vllm_block_hasher_on_random_tokens():
 def test_incremental_hashes_equal_whole_sequence_hashes():
     """extend_hashes/partial_hash (the scheduler's path, one chunk at a time as a request grows)
     give exactly chunk_hashes' values."""
-    db = TokenDatabase(4)
+    token_db = TokenDatabase(4)
     tokens = list(range(3, 22))
     extra = lambda s, e: ("salt",) if s == 0 else None  # noqa: E731
     cache: list[bytes] = []
-    assert db.extend_hashes(tokens, cache, 2, extra_keys=extra) == db.chunk_hashes(
+    assert token_db.extend_hashes(tokens, cache, 2, extra_keys=extra) == token_db.chunk_hashes(
         tokens[:8], extra_keys=extra)
-    assert db.extend_hashes(tokens, cache, 4, extra_keys=extra) == db.chunk_hashes(
+    assert token_db.extend_hashes(tokens, cache, 4, extra_keys=extra) == token_db.chunk_hashes(
         tokens, extra_keys=extra)
     assert len(cache) == 4
     for end in (3, 10, 19):
-        whole = db.chunk_hashes(tokens[:end], include_partial=True, extra_keys=extra)
-        assert db.partial_hash(tokens, end, cache, extra_keys=extra) == whole[-1]
+        whole = token_db.chunk_hashes(tokens[:end], include_partial=True, extra_keys=extra)
+        assert token_db.partial_hash(tokens, end, cache, extra_keys=extra) == whole[-1]
 
 
 def test_hash_chains_over_every_earlier_token():
-    db = TokenDatabase(8)
+    token_db = TokenDatabase(8)
     a = list(range(32))
     b = list(a)
     b[0] = 999  # change only the first chunk
-    ha, hb = db.chunk_hashes(a), db.chunk_hashes(b)
+    ha, hb = token_db.chunk_hashes(a), token_db.chunk_hashes(b)
     assert all(x != y for x, y in zip(ha, hb)), "a later chunk's hash ignored an earlier token"
-    assert db.chunk_hashes(a[:16]) == ha[:2], "a prefix must hash like the start of the whole"
+    assert token_db.chunk_hashes(a[:16]) == ha[:2], "a prefix must hash like the start of the whole"
 
 
 def test_partial_chunk_never_equals_full_chunk():
-    db = TokenDatabase(4)
-    partial = db.chunk_hashes([1, 2, 3], include_partial=True)
-    full = db.chunk_hashes([1, 2, 3, 4])
+    token_db = TokenDatabase(4)
+    partial = token_db.chunk_hashes([1, 2, 3], include_partial=True)
+    full = token_db.chunk_hashes([1, 2, 3, 4])
     assert len(partial) == 1 and partial != full
-    assert db.chunk_hashes([1, 2, 3]) == []  # full chunks only by default
+    assert token_db.chunk_hashes([1, 2, 3]) == []  # full chunks only by default
 
 
 def test_mask_skips_cached_prefix_but_keeps_the_chain():
-    db = TokenDatabase(4)
+    token_db = TokenDatabase(4)
     tokens = list(range(12))
-    spans = list(db.process_tokens(tokens, [False] * 4 + [True] * 8))
+    spans = list(token_db.process_tokens(tokens, [False] * 4 + [True] * 8))
     assert [(s.start, s.end) for s in spans] == [(4, 8), (8, 12)]
-    assert [s.chunk_hash for s in spans] == db.chunk_hashes(tokens)[1:]
+    assert [s.chunk_hash for s in spans] == token_db.chunk_hashes(tokens)[1:]
     with pytest.raises(ConfigError, match="not a multiple of chunk_size=4"):
-        list(db.process_tokens(tokens, [False] * 3 + [True] * 9))
+        list(token_db.process_tokens(tokens, [False] * 3 + [True] * 9))
     with pytest.raises(ConfigError, match="prefix"):
-        list(db.process_tokens(tokens, [False, True] + [False] * 10))
+        list(token_db.process_tokens(tokens, [False, True] + [False] * 10))
 
 
 def test_bad_chunk_size():

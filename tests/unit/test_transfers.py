@@ -52,14 +52,14 @@ def worker(request):
         w.close()
 
 
-def step(w: WorkerSide, fx: KVFixture, md: KVPlugMetadata) -> None:
+def step(w: WorkerSide, fx: KVFixture, metadata: KVPlugMetadata) -> None:
     """One engine step as vLLM drives it: bind, loads, every layer waited for, the store."""
     t = w.transfers
-    t.expect(md)
-    t.submit(Load(md))
+    t.expect(metadata)
+    t.submit(Load(metadata))
     for name in fx.caches:
         t.wait_layer(name)
-    t.submit(Store(md))
+    t.submit(Store(metadata))
 
 
 def held(w: WorkerSide, hs: list[bytes]) -> list[bool]:

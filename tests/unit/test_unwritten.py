@@ -113,7 +113,7 @@ def test_against_a_reference_of_written_slots():
 
 
 def test_a_step_that_reads_an_unwritten_block_stores_nothing_computed_over_it(tmp_path):
-    """Issue 33, defect 1: the step that reads an unwritten block is tainted like a failed
+    """The step that reads an unwritten block is tainted like a failed
     load's: the requests that read it store nothing this step (their chunks were computed over
     no KV) and are stored again from the first such token; another request's save goes on."""
     import hashlib
@@ -130,24 +130,24 @@ def test_a_step_that_reads_an_unwritten_block_stores_nothing_computed_over_it(tm
 
     from tests.support.gpu_kv_fixture import KVFixture
 
-    bs, cs = 4, 8
+    block_size, chunk_size = 4, 8
     hashes = [hashlib.sha256(bytes([i, 33])).digest() for i in range(3)]
     other = [hashlib.sha256(bytes([i, 34])).digest() for i in range(1)]
     fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=16)
-    cfg = ConnectorConfig(chunk_size=cs, async_save=False, log_every_load=False,
+    cfg = ConnectorConfig(chunk_size=chunk_size, async_save=False, log_every_load=False,
                           tiers=[{"backend": "local_cpu", "options": {"capacity": "4MiB"}}])
-    w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{bs}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
+    w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{block_size}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"))
     w.register_kv_caches(fx.caches)
     try:
         # "a" has tokens 0-7 from vLLM's prefix cache in blocks 1, 2 (block 2 unwritten) and
         # computes 8-23; "b" computes its own chunk in blocks 9, 10
-        md = KVPlugMetadata(cs, bs, [ReqMeta("a", [1, 2, 3, 4, 5, 6],
+        metadata = KVPlugMetadata(chunk_size, block_size, [ReqMeta("a", [1, 2, 3, 4, 5, 6],
                                              save=SaveSpec(8, 24, 1, hashes[1:])),
                                      ReqMeta("b", [9, 10], save=SaveSpec(0, 8, 0, other))],
                             unwritten=[2])
-        w.bind(md)
-        w.start_load_kv(md)
-        w.wait_for_save(md)
+        w.bind(metadata)
+        w.start_load_kv(metadata)
+        w.wait_for_save(metadata)
         assert w.storage.flush(10)
         stored = [h for h in hashes[1:] if w.storage.contains(w.key(h))]
         assert not stored, f"{len(stored)} chunks computed over an unwritten block were stored"

@@ -108,7 +108,7 @@ def test_every_chunk_reaches_the_store_with_its_exact_bytes_and_is_released(pool
     assert len(set(want.values())) == 20  # random chunks: a mix-up would show
     try:
         for name, (key, obj) in objs.items():
-            w.submit(name, key, obj)
+            w.enqueue(name, key, obj)
             obj.ref_down()  # the writer holds its own reference
         assert w.flush(HANG)
         assert store.values == want
@@ -121,7 +121,7 @@ def test_every_chunk_reaches_the_store_with_its_exact_bytes_and_is_released(pool
         assert w.known(list(want) + ["other"], trust_written=True) == [True] * 20 + [None]
         assert w.known(list(want), trust_written=False) == [None] * 20
         again = chunk(pool, seeds[0])
-        w.submit("n0", objs["n0"][0], again)  # written recently: not stored again
+        w.enqueue("n0", objs["n0"][0], again)  # written recently: not stored again
         assert w.flush(HANG) and w.stats()["written"] == 20 and again.ref_count == 1
         again.ref_down()
     finally:
@@ -134,7 +134,7 @@ def test_a_store_in_flight_is_unknown_to_lookups_and_spared_by_eviction(pool):
     w = writer(store, threads=1)
     key, obj = make_key(7), chunk(pool, 7)
     try:
-        w.submit("a", key, obj)
+        w.enqueue("a", key, obj)
         assert store.entered.wait(HANG)
         assert w.known(["a", "b"], trust_written=True) == [False, None]
         assert w.protected("a") and not w.protected("b")
@@ -157,10 +157,10 @@ def test_a_full_queue_drops_the_store_and_counts_it(pool):
     w = writer(store, threads=1, max_pending=2)
     objs = [chunk(pool, i) for i in range(5)]
     try:
-        w.submit("x0", make_key(0), objs[0])
+        w.enqueue("x0", make_key(0), objs[0])
         assert store.entered.wait(HANG)  # x0 is being written: the queue is empty again
         for i in range(1, 5):
-            w.submit(f"x{i}", make_key(i), objs[i])
+            w.enqueue(f"x{i}", make_key(i), objs[i])
         stats = w.stats()
         assert (stats["dropped_queue_full"], stats["dropped_puts"]) == (2, 2)
         # queued ones held, dropped ones released at once (x0 is encoded: released too)
@@ -183,10 +183,10 @@ def test_the_queue_is_bounded_by_bytes_too(pool):
     w = writer(store, threads=1, max_pending=100, max_pending_bytes=2 * 2048)
     objs = [chunk(pool, i) for i in range(5)]
     try:
-        w.submit("y0", make_key(0), objs[0])
+        w.enqueue("y0", make_key(0), objs[0])
         assert store.entered.wait(HANG)
         for i in range(1, 5):
-            w.submit(f"y{i}", make_key(i), objs[i])
+            w.enqueue(f"y{i}", make_key(i), objs[i])
         assert w.stats()["queued_bytes"] == 2 * 2048
         assert w.stats()["dropped_queue_full"] == 2
     finally:
@@ -204,13 +204,13 @@ def test_refused_and_failed_stores_are_dropped_counted_and_released(pool):
     objs = [chunk(pool, i) for i in range(3)]
     try:
         for i, name in enumerate(["ok", "r1"]):
-            w.submit(name, make_key(i), objs[i])
+            w.enqueue(name, make_key(i), objs[i])
         assert w.flush(HANG)
         assert sorted(store.values) == ["ok"]
         stats = w.stats()
         assert (stats["written"], stats["dropped_full"], stats["put_errors"]) == (1, 1, 0)
         store.fail = True
-        w.submit("down", make_key(2), objs[2])
+        w.enqueue("down", make_key(2), objs[2])
         assert w.flush(HANG)
         stats = w.stats()
         assert (stats["put_errors"], stats["dropped_puts"]) == (1, 2)
@@ -233,13 +233,13 @@ def test_capacity_evicts_the_oldest_unpinned_values_from_the_store(pool):
     try:
         for i in range(3):
             obj = chunk(pool, i)
-            w.submit(f"c{i}", make_key(i), obj)
+            w.enqueue(f"c{i}", make_key(i), obj)
             obj.ref_down()
             assert w.flush(HANG)
         pins.pin_all(["c0"])
         for i in range(3, 5):
             obj = chunk(pool, i)
-            w.submit(f"c{i}", make_key(i), obj)
+            w.enqueue(f"c{i}", make_key(i), obj)
             obj.ref_down()
             assert w.flush(HANG)
         assert store.deleted == ["c1", "c2"]  # oldest first; the pinned c0 spared
@@ -255,12 +255,12 @@ def test_close_refuses_new_stores_and_releases_what_it_drops(pool):
     store.hold.clear()
     w = writer(store, threads=1)
     objs = [chunk(pool, i) for i in range(3)]
-    w.submit("z0", make_key(0), objs[0])
+    w.enqueue("z0", make_key(0), objs[0])
     assert store.entered.wait(HANG)
-    w.submit("z1", make_key(1), objs[1])
+    w.enqueue("z1", make_key(1), objs[1])
     assert w.close(drain_s=0.05, join_s=0.05)  # z0 still parked in the store: z1 dropped
     assert not w.close(drain_s=0, join_s=0)  # once
-    w.submit("z2", make_key(2), objs[2])  # after close: refused, not held
+    w.enqueue("z2", make_key(2), objs[2])  # after close: refused, not held
     store.hold.set()
     assert w.flush(HANG)  # z0's call ends
     assert [o.ref_count for o in objs] == [1, 1, 1]
@@ -268,3 +268,16 @@ def test_close_refuses_new_stores_and_releases_what_it_drops(pool):
     assert w.stats()["dropped_puts"] == 1 and w.stats()["pending_writes"] == 0
     for o in objs:
         o.ref_down()
+
+
+def test_submit_is_a_deprecated_alias_of_enqueue(pool):
+    store = MemoryStore()
+    w = writer(store)
+    obj = chunk(pool, 0)
+    try:
+        with pytest.warns(DeprecationWarning, match="enqueue"):
+            w.submit("d0", make_key(0), obj)
+        assert w.flush(HANG) and sorted(store.values) == ["d0"]
+    finally:
+        w.close(drain_s=HANG, join_s=HANG)
+        obj.ref_down()

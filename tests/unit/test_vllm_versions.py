@@ -129,17 +129,17 @@ def _scheduler(model_dir, spec: dict | None):
     from vllm.v1.structured_output import StructuredOutputManager
 
     xfer = KVTransferConfig(**transfer_config("kvplug", {"report_to_client": False}))
-    vc = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
+    vllm_config = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
                     max_model_len=4096, enforce_eager=True, kv_transfer_config=xfer,
                     **({"speculative_config": spec} if spec else {})).create_engine_config()
-    vc.cache_config.num_gpu_blocks = 64
-    full = FullAttentionSpec(block_size=vc.cache_config.block_size, num_kv_heads=1, head_size=1,
+    vllm_config.cache_config.num_gpu_blocks = 64
+    full = FullAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=1, head_size=1,
                              dtype=torch.float32)
-    kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+    kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["layer"], full)])
-    return Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=False,
-                     block_size=vc.cache_config.block_size,
-                     structured_output_manager=StructuredOutputManager(vc))
+    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=False,
+                     block_size=vllm_config.cache_config.block_size,
+                     structured_output_manager=StructuredOutputManager(vllm_config))
 
 
 def test_eagle_drops_the_last_block_as_vllms_scheduler_does(model_dir):
@@ -175,12 +175,12 @@ def test_block_stored_takes_the_group_fields_and_round_trips():
     full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
     swa = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16,
                             sliding_window=64)
-    kcc = KVCacheConfig(num_blocks=4, kv_cache_tensors=[],
+    kv_cache_config = KVCacheConfig(num_blocks=4, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["a"], full),
                                          KVCacheGroupSpec(["b"], swa)])
     events = [BlockStored(block_hashes=[b"\x01" * 32], parent_block_hash=None,
                           token_ids=list(range(16)), block_size=16, lora_id=None, medium="CPU",
-                          lora_name=None, **fields) for fields in event_group_fields(kcc)]
+                          lora_name=None, **fields) for fields in event_group_fields(kv_cache_config)]
     batch = KVEventBatch(ts=1.0, events=events)
     back = msgspec.msgpack.Decoder(KVEventBatch).decode(msgspec.msgpack.Encoder().encode(batch))
     assert back == batch
@@ -209,17 +209,17 @@ def test_sleep_mode_config_asks_the_connector_class(model_dir):
                          ("NoSleepConnector", "tests.unit.test_vllm_versions")):
         xfer = KVTransferConfig(kv_connector=name, kv_connector_module_path=module,
                                 kv_role="kv_both")
-        vc = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
+        vllm_config = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
                         max_model_len=4096,
                         enforce_eager=True, kv_transfer_config=xfer).create_engine_config()
         # the CPU platform has no sleep mode: switched on after the config is built, then
         # vLLM's own check of it (VllmConfig.__post_init__ runs the same)
-        vc.model_config.enable_sleep_mode = True
+        vllm_config.model_config.enable_sleep_mode = True
         if name == "KVPlugConnector":
-            vc._verify_kv_transfer_compat()
+            vllm_config._verify_kv_transfer_compat()
         else:
             with pytest.raises(ValueError, match="NoSleepConnector does not support sleep mode"):
-                vc._verify_kv_transfer_compat()
+                vllm_config._verify_kv_transfer_compat()
 
 
 def kv_memory_backend(fx: KVFixture, worker, move: bool = False):
@@ -335,8 +335,8 @@ def test_gpu_worker_wake_up_restores_or_refuses_the_kv_caches(model_dir, tmp_pat
 
     fx, w, c, gate, want = _queued_saves(tmp_path)
     try:
-        vc = SimpleNamespace(model_config=SimpleNamespace(enable_nccl_comm_suspend=False))
-        worker = _gpu_worker(vc, kv_memory_backend(fx, w, move=move))
+        vllm_config = SimpleNamespace(model_config=SimpleNamespace(enable_nccl_comm_suspend=False))
+        worker = _gpu_worker(vllm_config, kv_memory_backend(fx, w, move=move))
         with transfer_group(c):
             worker.discard(("kv_cache",))
             assert w._asleep
