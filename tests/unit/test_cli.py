@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 from kvplug.storage_manager import StorageManager
 from kvplug.testing import fill_random, make_key
 
@@ -91,7 +92,9 @@ def test_new_backend_generates_a_package(tmp_path):
     assert out.returncode == 0, out.stderr
     pkg = tmp_path / "kvplug-mystore"
     assert "Created" in out.stdout and str(pkg) in out.stdout and "pytest" in out.stdout
-    assert 'mystore = "kvplug_mystore.backend:MystoreBackend"' in (pkg / "pyproject.toml").read_text()
+    project = tomllib.loads((pkg / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["kvplug.backends"] == {
+        "mystore": "kvplug_mystore.backend:MystoreBackend"}
     assert (pkg / "tests" / "test_backend.py").is_file()
     again = kvplug("new-backend", "mystore", "-o", str(tmp_path))
     assert again.returncode == 1 and "--force" in again.stderr
