@@ -3,10 +3,10 @@
 pluggy's ``HookCaller.__call__`` works out on every call what changes only when a plugin is
 registered or unregistered: the implementations that apply (for a tier, a subset of the hook's:
 a list built and copied per call), which of them wrap the others, the names of each one's
-arguments, the spec's defaults and ``firstresult``. On a posix read from the page cache (~15 µs of
-I/O for 256 KiB) that is several µs a call. :class:`TierHookCaller` keeps that preparation (its
-*plan*) and calls the implementations directly, running the protocol of pluggy's ``_multicall``
-step for step:
+arguments, the spec's defaults and ``firstresult``: ~3.5 µs a call through two wrappers, where a
+posix read of 256 KiB from the page cache is ~20 µs of system calls and checksums.
+:class:`TierHookCaller` keeps that preparation (its *plan*) and calls the implementations
+directly (~1.7 µs), running the protocol of pluggy's ``_multicall`` step for step:
 
 * every new-style wrapper (``@hookimpl(wrapper=True)``: metrics, codecs, fault injection, any
   plugin given to ``StorageManager.add_wrapper``) is started in pluggy's order (the tryfirst ones
@@ -19,13 +19,13 @@ step for step:
 * an exception leaves through every wrapper started, innermost first, and is raised to the caller
   unless one of them returns instead.
 
-The plan is rebuilt when the hook's registered implementations change (the hook's
-``get_hookimpls()`` compared with the list the plan was made from: a few identity comparisons per
-call). What the plan does not cover is pluggy's own call, unchanged: an old-style
-``hookwrapper=True`` implementation, an implementation with keyword arguments that have defaults,
-a spec missing or historic, a call without every argument of the spec (pluggy warns, and raises
-``HookCallError`` where an implementation needs it), and hook-call monitoring
-(``PluginManager.add_hookcall_monitoring``, ``enable_tracing``).
+The plan is remade when the hook's registered implementations change (the hook's list, which
+pluggy changes in place on every registration, compared with a copy of the one the plan was made
+from: a few identity comparisons per call). What the plan does not cover is pluggy's own call,
+unchanged: an old-style ``hookwrapper=True`` implementation, an implementation with keyword
+arguments that have defaults, a spec missing, historic or with defaults, a call without every
+argument of the spec (pluggy warns, and raises ``HookCallError`` where an implementation needs
+it), and hook-call monitoring (``PluginManager.add_hookcall_monitoring``, ``enable_tracing``).
 """
 
 from __future__ import annotations
