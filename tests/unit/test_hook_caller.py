@@ -8,6 +8,7 @@ in order.
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -109,17 +110,12 @@ def wrapper(log: list, name: str, hooks: tuple[str, ...] = ("collect", "first"),
         return (yield from body(key, n))
 
     marker = impl(hookwrapper=True, **opts) if old_style else impl(wrapper=True, **opts)
-    methods = {}
-    for hook in hooks:
-        m = _method_copy(method, hook)
-        methods[hook] = marker(m)
+    methods = {hook: marker(_method_copy(method, hook)) for hook in hooks}
     return type(f"Wrapper_{name.replace(' ', '_')}", (), methods)()
 
 
 def _method_copy(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """``fn`` under another name (one function object per hook: pluggy marks it)."""
-    import types
-
     copy = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
     copy.__name__ = name
     return copy
