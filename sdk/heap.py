@@ -10,7 +10,9 @@ buffers of the least recently wanted size dropped first when another size needs 
 Objects behave as pool objects do: the buffer is reused once the last reference is dropped
 (:meth:`~kvplug.memory.MemoryObj.ref_down`), so nothing may use an object's tensor after that —
 the rule every pool-backed object already follows. Buffers are 4 KiB-aligned (O_DIRECT reads can
-land in them).
+land in them). Each buffer keeps a flat byte ``memoryview`` of itself, made once with it and
+handed to every object it backs (:attr:`~kvplug.memory.MemoryObj.flat_bytes`): a file read lands
+there without a numpy array and a view made per read.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class HeapBuffers:
     def __init__(self, keep_bytes: int = KEEP_BYTES) -> None:
         self.keep_bytes = keep_bytes
         self._lock = threading.Lock()
-        self._free: dict[int, list[torch.Tensor]] = {}  # buffer bytes -> flat uint8 buffers
+        #: buffer bytes -> ``(flat uint8 buffer, memoryview of its bytes)`` kept for reuse
+        self._free: dict[int, list[tuple[torch.Tensor, memoryview]]] = {}
         self._wanted: dict[int, int] = {}  # buffer bytes -> tick of the last request
         self._tick = 0
         self.kept = 0  # bytes in ``_free``
@@ -49,26 +52,29 @@ class HeapBuffers:
             self._tick += 1
             self._wanted[nbytes] = self._tick
             stack = self._free.get(nbytes)
-            buf = stack.pop() if stack else None
-            if buf is not None:
+            kept = stack.pop() if stack else None
+            if kept is not None:
                 self.kept -= nbytes
                 self.counts["heap_reused"] += 1
             else:
                 self.counts["heap_fresh"] += 1
                 self._make_room(nbytes)
-        if buf is None:
+        if kept is None:
             # a normal tensor even when asked for inside inference mode (vLLM's step): a buffer
             # made there would be an inference tensor, which a later reuse outside inference
-            # mode (a background load's thread) could not write into
+            # mode (a background load's thread) could not write into; its memoryview is made
+            # here too, once, from that normal tensor
             with torch.inference_mode(False):
                 raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-            skew = (-raw.data_ptr()) % ALIGN
-            buf = raw[skew : skew + nbytes]
+                skew = (-raw.data_ptr()) % ALIGN
+                buf = raw[skew : skew + nbytes]
+                kept = (buf, memoryview(buf.numpy()))
+        buf, flat = kept
         if not nbytes:
-            view = torch.empty(meta.shape, dtype=dtype)
-        else:
-            view = (buf if dtype == torch.uint8 else buf.view(dtype)).view(meta.shape)
-        return MemoryObj(view, meta, release=lambda _obj, b=buf: self._give_back(b))
+            return MemoryObj(torch.empty(meta.shape, dtype=dtype), meta)
+        view = (buf if dtype == torch.uint8 else buf.view(dtype)).view(meta.shape)
+        return MemoryObj(view, meta, release=lambda _obj, k=kept: self._give_back(k),
+                         flat_bytes=flat)
 
     def _meta(self, shape: tuple[int, ...], dtype: torch.dtype, fmt: MemoryFormat,
               num_tokens: int) -> MemoryObjMeta:
@@ -95,13 +101,13 @@ class HeapBuffers:
             self._free[oldest].pop()
             self.kept -= oldest
 
-    def _give_back(self, buf: torch.Tensor) -> None:
-        nbytes = buf.numel()
+    def _give_back(self, kept: tuple[torch.Tensor, memoryview]) -> None:
+        nbytes = kept[0].numel()
         if not nbytes:
             return
         with self._lock:
             if self.kept + nbytes <= self.keep_bytes:
-                self._free.setdefault(nbytes, []).append(buf)
+                self._free.setdefault(nbytes, []).append(kept)
                 self.kept += nbytes
 
     def clear(self) -> None:

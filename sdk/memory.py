@@ -55,7 +55,7 @@ class MemoryObj:
     """A view of allocator memory with a reference count (thread-safe). Tiers protect entries
     from eviction with their own pin counts (:class:`kvplug.pins.PinCounts`), not here."""
 
-    __slots__ = ("_tensor", "meta", "_refs", "_release", "_lock", "address")
+    __slots__ = ("_tensor", "meta", "_refs", "_release", "_lock", "address", "flat_bytes")
 
     def __init__(
         self,
@@ -63,6 +63,7 @@ class MemoryObj:
         meta: MemoryObjMeta,
         release: Callable[[MemoryObj], None] | None = None,
         address: int = -1,
+        flat_bytes: memoryview | None = None,
     ) -> None:
         self._tensor: torch.Tensor | None = tensor
         self.meta = meta
@@ -71,6 +72,10 @@ class MemoryObj:
         self._lock = threading.Lock()
         #: Offset in the allocator's buffer (-1 for heap objects); for diagnostics and tests.
         self.address = address
+        #: The object's bytes as a flat, writable ``memoryview`` where its allocator keeps one
+        #: with the buffer (:mod:`kvplug.heap`: file reads land in it without a view made per
+        #: read), else ``None``; ``None`` once the last reference is dropped.
+        self.flat_bytes = flat_bytes
 
     # -- data ---------------------------------------------------------------------------------
     @property
@@ -122,6 +127,7 @@ class MemoryObj:
 
     def _free(self) -> None:
         self._tensor = None
+        self.flat_bytes = None
         if self._release is not None:
             self._release(self)
 

@@ -4,7 +4,8 @@ Split out of :mod:`.storage_manager` (which routes calls to the tiers at run tim
 runs once, at startup, and owns what a bad configuration is told: :func:`build_tier` starts a
 tier's backend with its options validated by the backend's ``Options`` model and wraps it with its
 codec; :class:`ScopedHooks` is the one pluggy PluginManager of every tier's plugins, and gives each
-tier hook callers that leave out the plugins registered for other tiers.
+tier hook callers that leave out the plugins registered for other tiers (each a
+:class:`~kvplug.hook_caller.TierHookCaller`: pluggy's call, prepared once per registration).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .codecs.registry import build_codec
 from .codecs.wrapper import CodecWrapper, describe_codec
 from .config import TierConfig
 from .errors import BackendLoadError, ConfigError, KVPlugError
+from .hook_caller import TierHookCaller
 from .hookspecs import PROJECT, BackendSpec, TierContext, hook_needs
 from .memory import MemoryObj
 from .plugins import load_backend_class
@@ -177,13 +179,14 @@ class ScopedHooks:
         self._plugins[id(plugin)] = plugin
 
     def wire(self, tiers: Sequence[Tier]) -> None:
-        """Give every tier a caller per hook that leaves out the other tiers' plugins."""
+        """Give every tier a caller per hook that leaves out the other tiers' plugins (run again
+        after every registration: a tier added, a wrapper added)."""
         for tier in tiers:
             foreign = [
                 p for pid, p in self._plugins.items()
                 if self._scope[pid] is not None and tier.name not in self._scope[pid]
             ]
-            tier.hooks = {h: self.pm.subset_hook_caller(h, foreign) for h in HOOKS}
+            tier.hooks = {h: TierHookCaller(self.pm, h, foreign) for h in HOOKS}
 
 
 def _chain_holds_secret(exc: BaseException | None, redact: Redactor) -> bool:

@@ -128,7 +128,11 @@ class HeldFiles:
 
     def dup(self, rel: str) -> int | None:
         """A private duplicate of ``rel``'s held descriptor (the caller closes it), or None.
-        Duplicated under the lock, so an unpin cannot close it and reuse its number meanwhile."""
+        Duplicated under the lock, so an unpin cannot close it and reuse its number meanwhile;
+        with no file held (the usual case) None without the lock: the emptiness read is what a
+        look under it would have seen at that instant, and no descriptor is touched."""
+        if not self._fds:
+            return None
         with self._lock:
             fd = self._fds.get(rel)
             return None if fd is None else os.dup(fd)

@@ -305,7 +305,12 @@ def _check_key(header: cf.ChunkHeader, raw: bytes, key: CacheKey, auth: cf.Keyri
 
 
 def _bytes_of(obj: MemoryObj) -> memoryview:
-    """The object's memory as a flat byte view (a uint8 tensor's numpy view: no torch views)."""
+    """The object's memory as a flat byte view: the one its allocator keeps with the buffer
+    (:attr:`~kvplug.memory.MemoryObj.flat_bytes`), else a uint8 tensor's numpy view (no torch
+    views)."""
+    flat = obj.flat_bytes
+    if flat is not None:
+        return flat
     t = obj.tensor
     if t.dtype == torch.uint8 and t.is_contiguous():
         return memoryview(t.numpy()).cast("B")

@@ -113,13 +113,22 @@ class Reader:
         (:meth:`.ChunkFileIO.read_nowait`). ``None`` otherwise — with nothing counted, logged
         or deleted: the bounded read that follows (:meth:`read`) deals with whatever it is.
         The shared LRU's stamp of the file is bumped off this thread (:meth:`.Directory.touch`)."""
-        with self._dir.lock:
-            queued = self._writer.pending.get(rel)
-            if queued is not None:
-                self.counters["pending_hits"] += 1
-                return queued.ref_up()
-            if rel in self._verdicts:
-                return None
+        # No lock while the write queue and the verdicts are empty (so are the victims and
+        # the pins in :meth:`.Reaper.__contains__` and :meth:`.HeldFiles.dup`): a dict's
+        # emptiness read without its lock is what a look under the lock would have seen at
+        # that instant, and the look under the lock is released before the file is opened in
+        # any case, so a write queued, a verdict, an eviction or a pin that lands after the
+        # emptiness was read is ordered after this read's look, as it could be after the
+        # locked one; the read then acts as it would have (the file is read and every layer
+        # verified, or it is a miss the bounded read sorts out).
+        if self._writer.pending or self._verdicts:
+            with self._dir.lock:
+                queued = self._writer.pending.get(rel)
+                if queued is not None:
+                    self.counters["pending_hits"] += 1
+                    return queued.ref_up()
+                if rel in self._verdicts:
+                    return None
         if rel in self._dir.reaper:  # evicted, its file not deleted yet
             return None
         held = self._held.dup(rel)

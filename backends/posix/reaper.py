@@ -69,6 +69,10 @@ class Reaper:
             pass
 
     def __contains__(self, rel: str) -> bool:
+        if not self._doomed:
+            # nothing queued (the usual case), read without the lock: what a look under it
+            # would have seen at that instant; the caller acts after it is released either way
+            return False
         with self._cond:
             return rel in self._doomed
 

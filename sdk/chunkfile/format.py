@@ -182,8 +182,10 @@ class ChunkHeader:
         """Payload bytes (what the memory object holds)."""
         return self.num_layers * self.layer_nbytes
 
-    @property
+    @functools.cached_property
     def meta(self) -> MemoryObjMeta:
+        """The meta of the object the chunk's bytes fill (made once per header: a header is
+        kept and reused for every read of its file, and the meta is immutable)."""
         return MemoryObjMeta(self.shape, self.dtype, self.fmt, self.num_tokens, self.codec)
 
     def layers_meta(self, first_layer: int, num_layers: int) -> MemoryObjMeta:
