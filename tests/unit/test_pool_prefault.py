@@ -9,13 +9,14 @@ buffer without the advice stays out of memory.
 
 from __future__ import annotations
 
-import ctypes
 import sys
 import time
 
 import pytest
 import torch
 from kvplug.pool import HostMemoryPool, populate_pages
+
+from tests.support.page_cache import PAGE, resident_pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise")
 
@@ -25,15 +26,7 @@ MiB = 1 << 20
 def resident_mib(buf: torch.Tensor) -> float:
     """MiB of ``buf``'s pages in memory (``mincore``): the buffer's own, whatever else the
     process (an earlier test's threads) does meanwhile, which the process's RSS would count."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    page = 4096
-    start = buf.data_ptr() // page * page
-    end = buf.data_ptr() + buf.numel() * buf.element_size()
-    vec = (ctypes.c_ubyte * ((end - start + page - 1) // page))()
-    if libc.mincore(start, end - start, vec):
-        raise OSError(ctypes.get_errno(), "mincore")
-    return sum(v & 1 for v in vec) * page / MiB
+    return resident_pages(buf.data_ptr(), buf.numel() * buf.element_size()) * PAGE / MiB
 
 
 def test_untouched_buffer_is_not_resident():
