@@ -7,8 +7,9 @@ A shared machine's wall clock (and its whole-loop CPU time) swings with other pe
 the thread CPU time of one call repeated in a tight loop, the loops interleaved and the minimum
 over rounds taken, moves far less, and the difference between two nested layers is the outer
 layer's own cost (``--clock process`` counts the process's CPU instead: what the
-``StorageManager.get`` row costs beside the plain read, the threads it hands work to included). Read, batch 1 (a chunk in the page cache, each answer released before the
-next call, so plain reads reuse their buffer as the tier's heap does):
+``StorageManager.get`` row costs beside the plain read, the threads it hands work to included).
+Read, batch 1 (a chunk in the page cache, each answer released before the next call, so plain
+reads reuse their buffer as the tier's heap does):
 
 * ``StorageManager.get``: the whole load as ``kvplug bench`` makes it;
 * the tier's ``batched_get_nowait`` hook: pluggy with the metrics and codec wrappers;
