@@ -283,11 +283,13 @@ def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
         raise ValueError(f"{len(checksums)} checksums for {layers} layers")
     field_name, zero = (_HDR_MAC_FIELD, _ZERO_MAC) if mac is not None else (_HDR_CK_FIELD,
                                                                           _ZERO_CK)
-    if isinstance(mac, ChunkCipher):
-        metadata = _sealed_metadata(key, meta, checksums, mac)
+    if mac is None:
+        meta_json = _plain_metadata_json(key, meta, checksums)
+    elif isinstance(mac, ChunkCipher):
+        meta_json = json.dumps(_sealed_metadata(key, meta, checksums, mac), separators=(",", ":"))
     else:
-        metadata = _readable_metadata(key, meta, checksums, mac, field_name, zero)
-    meta_json = json.dumps(metadata, separators=(",", ":"))
+        meta_json = json.dumps(_readable_metadata(key, meta, checksums, mac, field_name, zero),
+                               separators=(",", ":"))
     body = (_BODY_OPEN + meta_json + _tensor_table(layers, blocks, page_bytes)).encode()
     total = align_up(8 + len(body))
     raw = bytearray(struct.pack("<Q", total - 8) + body + b" " * (total - 8 - len(body)))
@@ -319,6 +321,52 @@ def _readable_metadata(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[s
         "checksum_algo": CHECKSUM_ALGO if mac is None else MAC_ALGO,
         "checksums": _json_hex_list(checksums) if mac is None else json.dumps(list(checksums)),
     }
+
+
+#: Stand-ins for the chunk hash and the checksums in a metadata template (control characters:
+#: JSON writes each as ``"\u0001"``, ``"\u0002"``, a text no other field's value gives but itself)
+_HASH_MARK, _SUMS_MARK = "\x01", "\x02"
+#: plain chunks' metadata JSON around the chunk hash and the checksums, by everything else in it
+#: (:func:`_plain_metadata_json`); emptied when full
+_METADATA_TEXT: dict[tuple, tuple[str, str, str] | None] = {}
+_METADATA_TEXT_MAX = 256
+
+
+def _plain_metadata_json(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str]) -> str:
+    """``json.dumps`` of a plain chunk's metadata (:func:`_readable_metadata`), the same text,
+    from a template per engine configuration and layout: the chunks of one differ only in their
+    hash and checksums, and the metadata is encoded on every store and every header parse."""
+    sums = _json_hex_list(checksums)
+    ident = (key.model, key.kv_dtype, key.kv_layout, key.world_size, key.rank,
+             key.model_digest, key.pp_size, key.pp_rank, key.layers, key.tenant, meta)
+    try:
+        parts = _METADATA_TEXT.get(ident, _METADATA_TEXT)
+    except TypeError:  # a meta that cannot be a dict key (a shape given as a list)
+        parts = None
+    if parts is _METADATA_TEXT:
+        if len(_METADATA_TEXT) >= _METADATA_TEXT_MAX:
+            _METADATA_TEXT.clear()
+        parts = _METADATA_TEXT[ident] = _metadata_template(key, meta)
+    if parts is None or not (sums.isascii() and sums.isprintable()) or "\\" in sums:
+        return json.dumps(_readable_metadata(key, meta, checksums, None, _HDR_CK_FIELD, _ZERO_CK),
+                          separators=(",", ":"))
+    before, between, after = parts
+    # a string of printable ASCII without a backslash: JSON escapes only its quotes
+    return before + '"' + key.hex + '"' + between + '"' + sums.replace('"', '\\"') + '"' + after
+
+
+def _metadata_template(key: CacheKey, meta: MemoryObjMeta) -> tuple[str, str, str] | None:
+    """The metadata JSON of ``key``'s configuration and ``meta`` cut around its chunk hash and
+    checksums (in that order), or None where the stand-ins are not found once each."""
+    metadata = _readable_metadata(key, meta, [], None, _HDR_CK_FIELD, _ZERO_CK)
+    metadata["chunk_hash"], metadata["checksums"] = _HASH_MARK, _SUMS_MARK
+    text = json.dumps(metadata, separators=(",", ":"))
+    hash_text, sums_text = json.dumps(_HASH_MARK), json.dumps(_SUMS_MARK)
+    if text.count(hash_text) != 1 or text.count(sums_text) != 1:
+        return None
+    before, rest = text.split(hash_text)
+    between, after = rest.split(sums_text) if sums_text in rest else (None, None)
+    return None if between is None else (before, between, after)
 
 
 def _json_ints(values: Sequence[int]) -> str:
