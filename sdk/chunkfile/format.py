@@ -338,7 +338,8 @@ def _plain_metadata_json(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence
     hash and checksums, and the metadata is encoded on every store and every header parse."""
     sums = _json_hex_list(checksums)
     ident = (key.model, key.kv_dtype, key.kv_layout, key.world_size, key.rank,
-             key.model_digest, key.pp_size, key.pp_rank, key.layers, key.tenant, meta)
+             key.model_digest, key.pp_size, key.pp_rank, key.layers, key.tenant, meta,
+             _version(meta.fmt is MemoryFormat.ENCODED, False))
     try:
         parts = _METADATA_TEXT.get(ident, _METADATA_TEXT)
     except TypeError:  # a meta that cannot be a dict key (a shape given as a list)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -11,7 +12,7 @@ import torch
 from kvplug import chunkfile as cf
 from kvplug.errors import ChunkFormatError
 from kvplug.keys import CacheKey
-from kvplug.memory import MemoryFormat, heap_memory_obj
+from kvplug.memory import MemoryFormat, MemoryObjMeta, heap_memory_obj
 from safetensors import safe_open
 
 CASES = [
@@ -215,6 +216,50 @@ def test_header_bytes_are_the_whole_document_dumped_at_once(shape, dtype):
     assert list(doc)[0] == "__metadata__" and len(doc) > made.num_layers
     assert json.dumps(doc, separators=(",", ":")).encode() == body
     assert _rehash(body) == header  # the helper below rebuilds a writer's header exactly
+
+
+def _metadata_dumped(key, meta, sums) -> str:
+    """A plain chunk's metadata dumped as a whole (what the template must give)."""
+    doc = cf.format._readable_metadata(key, meta, sums, None, "header_xxh3", "0" * 16)
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def test_metadata_from_its_template_is_the_whole_dump_for_every_key_field():
+    """A plain chunk's metadata comes from a template per configuration and layout with only the
+    hash and the checksums filled in; it must be byte for byte the whole document dumped, one
+    encode after another with the template cache warm, for keys and metas that differ from the
+    one before in any single field (a template reused across them shows), model names and
+    codecs JSON must escape (quotes, backslashes, control characters, the stand-ins themselves,
+    non-ASCII), and checksums a file could hold that are not plain hex (the dumped path then)."""
+    base = CacheKey("org/model-7b", "bfloat16", "LBHNC-bs16", 2, 1, bytes(range(32)))
+    keys = [base]
+    for change in ({"model": 'we"ird\\name'}, {"model": "\x01"}, {"model": "a\x02\x01b"},
+                   {"model": "mod\u00e8le-\u4e2d"}, {"kv_dtype": "float16"},
+                   {"kv_layout": "LBHNC-bs32"}, {"world_size": 4}, {"rank": 0},
+                   {"model_digest": "abcd1234"}, {"pp_size": 2, "pp_rank": 1},
+                   {"layers": "0-14"}, {"tenant": "0123456789abcdef"},
+                   {"chunk_hash": b"\xff" * 8}):
+        keys.append(dataclasses.replace(base, **change))
+    shape = (3, 4, 1000)
+    metas = [MemoryObjMeta(shape, torch.bfloat16, MemoryFormat.KV_PAGES, 48),
+             MemoryObjMeta(shape, torch.bfloat16, MemoryFormat.KV_PAGES, 47),
+             MemoryObjMeta((3, 4, 500), torch.float32, MemoryFormat.KV_PAGES, 48),
+             MemoryObjMeta(shape, torch.bfloat16, MemoryFormat.ENCODED, 48,
+                           json.dumps({"name": 'z"std\x01'})),
+             MemoryObjMeta(shape, torch.bfloat16, MemoryFormat.ENCODED, 48,
+                           json.dumps({"name": "lz4"}))]
+    hexes = [f"{i:016x}" for i in range(3)]
+    odd = [[*hexes[:2], 'q"'], [*hexes[:2], "b\\s"], [*hexes[:2], "\u00e9"],
+           [*hexes[:2], "\x02"], [*hexes[:2], "\x7f"]]
+    for meta in metas:
+        for sums in [hexes, *odd, [f"{i + 7:016x}" for i in range(3)]]:
+            for key in keys:
+                assert cf.format._plain_metadata_json(key, meta, sums) == \
+                    _metadata_dumped(key, meta, sums), (key, meta, sums)
+    header = cf.encode_header(base, metas[0], hexes)
+    assert json.loads(header[8:])["__metadata__"] == json.loads(
+        _metadata_dumped(base, metas[0], hexes)) | {"header_xxh3": json.loads(
+            header[8:])["__metadata__"]["header_xxh3"]}
 
 
 def test_consistent_checksum_but_wrong_table_or_order_is_rejected():
