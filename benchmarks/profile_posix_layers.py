@@ -21,15 +21,18 @@ reads reuse their buffer as the tier's heap does):
   layers, the header compared, every layer verified;
 * plain ``open``/``fstat``/``preadv``/``close`` of the same file into one buffer.
 
-Write (the same chunk): ``encode_chunk_with_header`` (header, per-layer checksums),
-``write_chunk`` (temporary file, ``pwritev``, rename; encoded once) against plain
-``open``/``pwritev``/``close`` of the same bytes; each file deleted outside the timing. It
+Write (the same chunk): ``StorageManager`` store of a fresh key (``batched_put`` + ``flush``, as
+``kvplug bench`` times it: the hand-off to the writer's thread and back included; best with
+``--clock process``, which counts the writer's thread), ``encode_chunk_with_header`` (header,
+per-layer checksums), ``write_chunk`` (temporary file, ``pwritev``, rename; encoded once) against
+plain ``open``/``pwritev``/``close`` of the same bytes; each file deleted outside the timing. It
 reaches into the tier's parts (``_tiers``, ``reader``): a profile, not an API.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import statistics
@@ -42,6 +45,7 @@ from kvplug import chunkfile as cf
 from kvplug.backends.posix import io as posix_io
 from kvplug.cli.bench import TierTarget, Values, bench_key
 from kvplug.config import TierConfig, parse_size
+from kvplug.keys import CacheKey
 
 #: ``--clock``: this thread's CPU time (one call's own cost), or the process's (the threads a
 #: call leaves work to included, e.g. the LRU stamp a read hands to the reaper's thread)
@@ -118,10 +122,18 @@ def read_layers(kv: TierTarget, size: int, run: bytes, rounds: int,
         kv.remove([key])
 
 
-def write_layers(root: Path, size: int, rounds: int) -> None:
+def write_layers(kv: TierTarget, root: Path, size: int, run: bytes, rounds: int,
+                 clock: Callable[[], float] = time.thread_time) -> None:
     values = Values(size, seed=size)
     key = bench_key(b"layers", 1)
     obj = values.obj(0, 256)
+    stored: list[CacheKey] = []
+    fresh = itertools.count()
+
+    def store() -> None:
+        stored.append(bench_key(run + b"w", next(fresh)))
+        kv.store([stored[-1]], [obj])
+
     header, bufs, head = cf.encode_chunk_with_header(key, obj)
     shard = root / "writes"
     shard.mkdir(parents=True, exist_ok=True)
@@ -142,15 +154,18 @@ def write_layers(root: Path, size: int, rounds: int) -> None:
         for p in made:
             os.unlink(p)
         made.clear()
+        kv.remove(stored)
+        stored.clear()
 
     loops: dict[str, Callable[[], object]] = {
+        "StorageManager store (batched_put + flush)": store,
         "encode_chunk_with_header": lambda: cf.encode_chunk_with_header(key, obj),
         "write_chunk (encoded once)": lambda: posix_io.write_chunk(name(), obj, header, bufs,
                                                                    size=head.file_size),
         "plain open+pwritev+close": plain,
     }
     try:
-        rows = interleaved(loops, rounds, 50, after=removed)
+        rows = interleaved(loops, rounds, 50, after=removed, clock=clock)
     finally:
         removed()
         obj.ref_down()
@@ -177,7 +192,7 @@ def main() -> None:
     try:
         for size in [parse_size(s) for s in args.sizes.split(",")]:
             read_layers(kv, size, run, args.rounds, CLOCKS[args.clock])
-            write_layers(root, size, args.rounds)
+            write_layers(kv, root, size, run, args.rounds, CLOCKS[args.clock])
     finally:
         kv.close()
         shutil.rmtree(root, ignore_errors=True)
