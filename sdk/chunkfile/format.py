@@ -323,8 +323,9 @@ def _readable_metadata(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[s
     }
 
 
-#: Stand-ins for the chunk hash and the checksums in a metadata template (control characters:
-#: JSON writes each as ``"\u0001"``, ``"\u0002"``, a text no other field's value gives but itself)
+#: Stand-ins for the chunk hash and the checksums while a metadata template is dumped (control
+#: characters: JSON writes them as ``"\u0001"`` and ``"\u0002"``; a template is kept only where
+#: each of the two texts occurs once)
 _HASH_MARK, _SUMS_MARK = "\x01", "\x02"
 #: plain chunks' metadata JSON around the chunk hash and the checksums, by everything else in it
 #: (:func:`_plain_metadata_json`); emptied when full
