@@ -48,11 +48,12 @@ downgrade); one that does not refuses encrypted chunks (no MAC suffix).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import operator
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -139,7 +140,7 @@ def chunk_layout(meta: MemoryObjMeta) -> tuple[int, int, int]:
     return layers, blocks, page_bytes
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ChunkHeader:
     """Everything :func:`decode_header` learned (and checked) about one chunk file."""
 
@@ -166,7 +167,7 @@ class ChunkHeader:
     #: layer tags and :func:`~.checksums.verify_layer` checks them; ``None`` for a plain chunk.
     #: An encrypted chunk's :class:`~.crypt.ChunkCipher`: its layer tags are GCM tags, and
     #: verifying a layer decrypts it in place.
-    mac: ChunkMac | ChunkCipher | None = field(default=None, compare=False, repr=False)
+    mac: ChunkMac | ChunkCipher | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def codec_info(self) -> dict:
@@ -331,6 +332,10 @@ _HASH_MARK, _SUMS_MARK = "\x01", "\x02"
 #: (:func:`_plain_metadata_json`); emptied when full
 _METADATA_TEXT: dict[tuple, tuple[str, str, str] | None] = {}
 _METADATA_TEXT_MAX = 256
+#: every field of a key but its chunk hash, as a tuple: what a template is kept by (read from the
+#: dataclass, so a field added to :class:`CacheKey` is part of it too)
+_key_but_hash = operator.attrgetter(
+    *(f.name for f in dataclasses.fields(CacheKey) if f.name != "chunk_hash"))
 
 
 def _plain_metadata_json(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str]) -> str:
@@ -338,9 +343,7 @@ def _plain_metadata_json(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence
     from a template per engine configuration and layout: the chunks of one differ only in their
     hash and checksums, and the metadata is encoded on every store and every header parse."""
     sums = _json_hex_list(checksums)
-    ident = (key.model, key.kv_dtype, key.kv_layout, key.world_size, key.rank,
-             key.model_digest, key.pp_size, key.pp_rank, key.layers, key.tenant, meta,
-             _version(meta.fmt is MemoryFormat.ENCODED, False))
+    ident = (_key_but_hash(key), meta, _version(meta.fmt is MemoryFormat.ENCODED, False))
     try:
         parts = _METADATA_TEXT.get(ident, _METADATA_TEXT)
     except TypeError:  # a meta that cannot be a dict key (a shape given as a list)

@@ -233,13 +233,16 @@ def test_metadata_from_its_template_is_the_whole_dump_for_every_key_field():
     non-ASCII), and checksums a file could hold that are not plain hex (the dumped path then)."""
     base = CacheKey("org/model-7b", "bfloat16", "LBHNC-bs16", 2, 1, bytes(range(32)))
     keys = [base]
-    for change in ({"model": 'we"ird\\name'}, {"model": "\x01"}, {"model": "a\x02\x01b"},
-                   {"model": "mod\u00e8le-\u4e2d"}, {"kv_dtype": "float16"},
-                   {"kv_layout": "LBHNC-bs32"}, {"world_size": 4}, {"rank": 0},
-                   {"model_digest": "abcd1234"}, {"pp_size": 2, "pp_rank": 1},
-                   {"layers": "0-14"}, {"tenant": "0123456789abcdef"},
-                   {"chunk_hash": b"\xff" * 8}):
-        keys.append(dataclasses.replace(base, **change))
+    changes = ({"model": 'we"ird\\name'}, {"model": "\x01"}, {"model": "a\x02\x01b"},
+               {"model": "mod\u00e8le-\u4e2d"}, {"kv_dtype": "float16"},
+               {"kv_layout": "LBHNC-bs32"}, {"world_size": 4}, {"rank": 0},
+               {"model_digest": "abcd1234"}, {"pp_size": 2, "pp_rank": 1},
+               {"layers": "0-14"}, {"tenant": "0123456789abcdef"},
+               {"chunk_hash": b"\xff" * 8})
+    # every field of a key is varied: one a template ignored would give another key's text
+    assert {name for change in changes for name in change} == {
+        f.name for f in dataclasses.fields(CacheKey)}
+    keys += [dataclasses.replace(base, **change) for change in changes]
     shape = (3, 4, 1000)
     metas = [MemoryObjMeta(shape, torch.bfloat16, MemoryFormat.KV_PAGES, 48),
              MemoryObjMeta(shape, torch.bfloat16, MemoryFormat.KV_PAGES, 47),
