@@ -5,7 +5,9 @@ once). :class:`Violation` is what every check raises.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -124,12 +126,22 @@ def _tmp_root() -> str | None:
 
 
 def _model_dir() -> str:
+    """The simulated engine's model files (config and tokenizer, no weights), made once per
+    process in a temporary directory the process removes when it exits."""
     if "dir" not in _MODEL:
         from kvplug.connector.demo.model import make_model
 
-        root = Path(tempfile.gettempdir()) / f"kvplug-sim-model-{uuid.uuid4().hex[:6]}"
+        root = Path(tempfile.mkdtemp(prefix="kvplug-sim-model-"))
+        atexit.register(_remove_model_dir, root, os.getpid())
         _MODEL["dir"] = str(make_model("tiny", weights=False, root=root))
     return _MODEL["dir"]
+
+
+def _remove_model_dir(root: Path, owner: int) -> None:
+    """Remove ``root`` at exit, in the process that made it only (a forked child exiting
+    normally must not take its parent's model away)."""
+    if os.getpid() == owner:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _vllm_config(cfg: SimConfig) -> Any:
@@ -153,8 +165,8 @@ def _vllm_config(cfg: SimConfig) -> Any:
                                 kv_connector_module_path="kvplug.connector", kv_role="kv_both",
                                 kv_load_failure_policy="recompute", kv_connector_extra_config={})
         _MODEL["vllm_config"] = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BS),
-                                  scheduler_config=sched, device_config=DeviceConfig("cpu"),
-                                  kv_transfer_config=xfer)
+                                           scheduler_config=sched, device_config=DeviceConfig("cpu"),
+                                           kv_transfer_config=xfer)
     from vllm.config import KVEventsConfig
 
     vllm_config = _MODEL["vllm_config"]
@@ -171,7 +183,7 @@ def _vllm_config(cfg: SimConfig) -> Any:
     if cfg.load_failure_policy == "fail":
         _quiet_failed_loads()
     vllm_config.kv_events_config = (KVEventsConfig(enable_kv_cache_events=True, publisher="null")
-                           if cfg.kv_events else None)
+                                    if cfg.kv_events else None)
     vllm_config.kv_transfer_config.kv_connector_extra_config = {
         "chunk_size": cfg.chunk_size, "async_save": cfg.async_save, "layerwise": cfg.layerwise,
         "report_to_client": False, "log_every_load": False, "save_decode": True}

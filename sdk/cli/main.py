@@ -15,6 +15,9 @@ import json
 import logging
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib.resources import files
 from pathlib import Path
 
@@ -133,9 +136,10 @@ def new_backend_cmd(name: str, output_dir: Path, project_slug: str | None, autho
     quiet.addHandler(logging.NullHandler())
     quiet.propagate = False
     try:
-        path = Path(cookiecutter(str(template_dir()), no_input=not prompt, extra_context=context,
-                                 output_dir=str(output_dir), overwrite_if_exists=force,
-                                 default_config=True))
+        with _own_temp_dir():
+            path = Path(cookiecutter(str(template_dir()), no_input=not prompt,
+                                     extra_context=context, output_dir=str(output_dir),
+                                     overwrite_if_exists=force, default_config=True))
     except FailedHookException:
         fail(f"the template rejected the name {name!r} (the reason is printed above)")
     except CookiecutterException as exc:
@@ -147,6 +151,18 @@ def new_backend_cmd(name: str, output_dir: Path, project_slug: str | None, autho
         "Next steps (its README.md shows the tier config and the vLLM flags):\n"
         f"  cd {path}\n  pip install -e '.[test]'\n  python -m pytest\n  kvplug backends"
     )
+
+
+@contextmanager
+def _own_temp_dir() -> Iterator[None]:
+    """Temporary files made meanwhile go to a directory removed afterwards: cookiecutter writes
+    each rendered hook script to a temporary file it never deletes."""
+    with tempfile.TemporaryDirectory(prefix="kvplug-new-backend-") as scratch:
+        saved, tempfile.tempdir = tempfile.tempdir, scratch
+        try:
+            yield
+        finally:
+            tempfile.tempdir = saved
 
 
 # -- kvplug demo ---------------------------------------------------------------------------------

@@ -10,6 +10,9 @@ interleaving). A failure prints the seed's shrunk event list; replay it with
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -284,6 +287,29 @@ def test_seeds_replay_alone_in_other_processes_with_other_hash_seeds():
     assert len(set(in_turn.values())) == len(seeds)  # a digest per seed, never a constant
     differ = sorted(s for s in seeds if in_turn[s] != alone[s])
     assert not differ, f"seeds whose outcome differs run in turn and alone: {differ}"
+
+
+_MODEL_DIR_SCRIPT = """
+import os, sys
+from kvplug.connector.sim.engine import _model_dir
+model = _model_dir()
+if os.fork() == 0:
+    sys.exit(0)  # a forked child exiting normally runs the exit handlers it inherited
+os.wait()
+assert os.path.isfile(os.path.join(model, "config.json")), "the child took the model away"
+print(model)
+"""
+
+
+def test_the_model_directory_is_removed_when_its_process_exits(tmp_path):
+    """Each simulating process makes its model's files once, in the temporary directory, and
+    removes them when it exits (thousands of processes in a search); a forked child exiting
+    leaves its parent's in place."""
+    out = subprocess.run([sys.executable, "-c", _MODEL_DIR_SCRIPT], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(str(tmp_path / "kvplug-sim-model-"))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_codec_tiers_queued_puts_are_waited_for_in_the_order_they_run():

@@ -101,6 +101,18 @@ def test_new_backend_generates_a_package(tmp_path):
     assert kvplug("new-backend", "mystore", "-o", str(tmp_path), "--force").returncode == 0
 
 
+def test_new_backend_leaves_nothing_in_the_temp_dir(tmp_path):
+    """cookiecutter writes each rendered hook script to a temporary file and never deletes it:
+    ``new-backend`` gives it a directory of its own, removed afterwards."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    for name in ("goodname", "bad-name"):  # the hook passes, and the hook rejects
+        kvplug("new-backend", name, "-o", str(tmp_path / "out"), env={"TMPDIR": str(temp)},
+               fresh=True)
+    assert (tmp_path / "out" / "kvplug-goodname").is_dir()
+    assert sorted(p.name for p in temp.iterdir()) == []
+
+
 def test_new_backend_rejects_a_bad_name(tmp_path):
     out = kvplug("new-backend", "my-store", "-o", str(tmp_path))
     assert out.returncode == 1
