@@ -59,7 +59,7 @@ def _worker(cfg: dict):
                    C=HEAD_DIM, seed=cfg["seed"])
     conn = ConnectorConfig(log_every_load=False, tiers=cfg["tiers"])
     w = WorkerSide(conn, Identity("bench-first", f"LBHNC-bs{BLOCK}", 1, 0,
-                                   f"first-{uuid.uuid4().hex[:8]}"))
+                                  f"first-{uuid.uuid4().hex[:8]}"))
     t0 = time.perf_counter()
     w.register_kv_caches(fx.caches)
     return w, fx, time.perf_counter() - t0
@@ -79,7 +79,7 @@ def _store(w, tag: int, blocks: list[int], tokens: int) -> tuple[float, float]:
     chunk_size = w.cfg.chunk_size
     hashes = _hashes(tag, tokens // chunk_size)
     metadata = KVPlugMetadata(chunk_size, BLOCK, [ReqMeta(f"s{tag}", blocks, save=SaveSpec(0, tokens, 0,
-                                                                            hashes))])
+                                                                                           hashes))])
     t0 = time.perf_counter()
     w.bind(metadata)
     w.wait_for_save(metadata)

@@ -88,7 +88,7 @@ def measure(store: str, tier: dict, raw: Raw, mib: float, chunks: int, rounds: i
         off = "header cache off" if store == "fsspec" else "in place off"
         if before is not None:
             cases[f"tier batched_get, alone, {off}"] = (lambda: before.batched_get(keys),
-                                                         "raw batch")
+                                                        "raw batch")
             cases[f"tier get one by one, alone, {off}"] = (
                 lambda: [before.get(k, promote=False) for k in keys], "raw one by one")
         if alone._tiers[0].on_caller_thread:  # called on this thread: the same calls handed off too

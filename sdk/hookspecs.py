@@ -130,7 +130,7 @@ optional = _declare(Need(always=False))
 
 
 def required_with(hook: str, argument: str, why: str) -> Callable[[Callable[..., Any]],
-                                                                   Callable[..., Any]]:
+                                                                  Callable[..., Any]]:
     """A hook a plugin implements exactly when its ``hook`` implementation declares
     ``argument`` (otherwise optional); ``why`` goes into the warning naming a class without it
     (:func:`unmet_needs`)."""

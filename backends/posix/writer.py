@@ -65,7 +65,7 @@ class Writer:
         runtime.start_threads(self._pool, threads)  # now, not on the first store
 
     def enqueue(self, keys: Sequence[CacheKey], rels: Sequence[str],
-               objs: Sequence[MemoryObj]) -> None:
+                objs: Sequence[MemoryObj]) -> None:
         """Queue a write of ``objs[i]`` as the file ``rels[i]`` of ``keys[i]`` (not blocking).
         One call's writes go to the threads as at most one job per thread (keys in turn), not
         one hand-off per key."""

@@ -234,12 +234,12 @@ class SchedulerSide:
     def full_hashes(self, t: RequestTracker, num_chunks: int) -> list[bytes]:
         """The chained hashes of the first ``num_chunks`` full chunks (cached per request)."""
         return self.token_db.extend_hashes(t.request.all_token_ids, t.hashes, num_chunks,
-                                     extra_keys=partial(chunk_extra_keys, t.request))
+                                           extra_keys=partial(chunk_extra_keys, t.request))
 
     def partial_hash(self, t: RequestTracker, end: int) -> bytes:
         """The hash of the partial chunk ending at ``end`` (not chunk aligned)."""
         return self.token_db.partial_hash(t.request.all_token_ids, end, t.hashes,
-                                    extra_keys=partial(chunk_extra_keys, t.request))
+                                          extra_keys=partial(chunk_extra_keys, t.request))
 
     def _hashes_for(self, t: RequestTracker, start: int, end: int) -> list[bytes]:
         """Hashes of the chunks covering ``[start, end)``; a last chunk ending early is partial."""

@@ -384,7 +384,7 @@ class BlockCheck:
                       for pj in job.jobs]
             copies += [(f"a load of {load.req.req_id} will write", c.block_ids)
                        for load, _ in (list(getattr(bg, "_inflight", {}).values())
-                                     if bg is not None else ())
+                                       if bg is not None else ())
                        for c in load.chunks]
             for what, block_ids in copies:
                 bad = blocks.intersection(block_ids)

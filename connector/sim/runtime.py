@@ -73,7 +73,7 @@ class SimFuture(Future):
             if timeout is not None and self.pool.gated:
                 fn = self.call[0]
                 self.runtime.waited(timeout, f"{getattr(fn, 'name', '') or getattr(fn, '__name__', '?')}"
-                                        f" on {self.pool.name}")
+                                    f" on {self.pool.name}")
                 if self.runtime.late and not self.started:  # a real thread had begun it
                     self.started = self.set_running_or_notify_cancel()
                     self.runtime.late_calls += self.started

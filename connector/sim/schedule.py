@@ -159,7 +159,7 @@ def events_for(seed: int, n: int = 40) -> list[tuple]:
             with_neighbour.append(ev)
             if neighbour_rng.random() < 0.12:
                 with_neighbour.append(("neighbour", neighbour_rng.choice(("store", "store", "evict")),
-                                neighbour_rng.randrange(32)))
+                                       neighbour_rng.randrange(32)))
         out = with_neighbour
     return with_manage_events(seed, out)  # an operator's clears and pins (a stream of their own)
 

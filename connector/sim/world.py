@@ -195,7 +195,7 @@ class World:
             from kvplug.storage_manager import StorageManager
 
             self.neighbour = StorageManager(ConnectorConfig(chunk_size=chunk_size, tiers=[self._lower_tier(0)]),
-                                     runtime=self.runtime)
+                                            runtime=self.runtime)
             self.neighbour.add_wrapper(self.chunks.neighbour_plugin())
         self.runtime.drain()  # the tiers' start-up work (posix's scan of its empty directory)
         for rank in range(tp):  # a remote tier hung or gone from the start (SimConfig.remote)
@@ -296,7 +296,7 @@ class World:
         return tokens
 
     def forward(self, scheduler_output: Any, samples: dict[str, range]) -> tuple[dict[str, int],
-                                                                   dict[str, list[int]]]:
+                                                                                 dict[str, list[int]]]:
         """The fake model: layer by layer (every request's tokens of a layer, then the next
         layer, as a real forward pass), on every rank, write every scheduled token's KV, then
         read the last layer's (as the logits would), so every layer's KV is read by some
@@ -482,7 +482,7 @@ class World:
         self.stalls.begin_step()
         if self.cfg.zeroing == "v2":  # update_requests, then pre_forward's handle_preemptions
             self.blocks.zero_new_blocks(scheduler_output, "as the V2 runner zeroes new blocks (before "
-                                            "handle_preemptions)")
+                                        "handle_preemptions)")
         for rank, runner in enumerate(self.runners):
             self._hook(rank, "handle_preemptions", lambda r=runner: r.handle_preemptions(metadata))
         if self.cfg.zeroing == "v1":  # _update_states, after handle_preemptions
@@ -660,7 +660,7 @@ class World:
             drafts.append(guess)
         if ids:
             self.crashing("update_draft_token_ids",
-                           lambda: self.scheduler.update_draft_token_ids(DraftTokenIds(ids, drafts)))
+                          lambda: self.scheduler.update_draft_token_ids(DraftTokenIds(ids, drafts)))
 
     def flush_output(self) -> None:
         """A batch queue with nothing left to schedule: vLLM's engine core takes the oldest

@@ -135,7 +135,7 @@ class Stores:
             self.saves.expect(metadata)
 
     def start(self, metadata: KVPlugMetadata | None, layer: str | None = None,
-               skip: Collection[str] = frozenset()) -> None:
+              skip: Collection[str] = frozenset()) -> None:
         """``layer``: layer-wise, copy that layer of every chunk the step saves, right after it
         is computed (``save_kv_layer``). Else the step's store (``wait_for_save``): see
         :meth:`_finish`; ``skip``: requests whose KV this step computed over a failed load."""
@@ -261,7 +261,7 @@ class Stores:
                     o.ref_down()
                 dropped = []
             self.saves.enqueue(metadata, batch.keys, batch.objs, batch.jobs, batch.tokens, steps,
-                              window=batch.window, unput=dropped)
+                               window=batch.window, unput=dropped)
             return
         dropped = []
         try:
@@ -364,8 +364,8 @@ class AsyncSaves:
             self._tracked |= req_ids
 
     def enqueue(self, metadata: KVPlugMetadata, keys: list[CacheKey], objs: list[MemoryObj],
-               jobs: list[PageJob], tokens: int, steps: Iterator[int] | None = None,
-               window: bool = False, unput: Sequence[MemoryObj] = ()) -> None:
+                jobs: list[PageJob], tokens: int, steps: Iterator[int] | None = None,
+                window: bool = False, unput: Sequence[MemoryObj] = ()) -> None:
         """Start this step's save (called in ``wait_for_save``, after the forward pass). Every
         request of ``metadata`` with a save counts as one vLLM holds at finish, whether or not any of
         its chunks could be prepared. ``steps``: a layer-wise store stepped with ``wait=False``

@@ -283,7 +283,7 @@ def encode_header(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence[str],
     if len(checksums) != layers:
         raise ValueError(f"{len(checksums)} checksums for {layers} layers")
     field_name, zero = (_HDR_MAC_FIELD, _ZERO_MAC) if mac is not None else (_HDR_CK_FIELD,
-                                                                          _ZERO_CK)
+                                                                            _ZERO_CK)
     if mac is None:
         meta_json = _plain_metadata_json(key, meta, checksums)
     elif isinstance(mac, ChunkCipher):

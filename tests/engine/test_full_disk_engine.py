@@ -74,8 +74,8 @@ def run(tmp_path_factory):
         pytest.skip(out["skip"])
     print("FIGURES full-disk-engine", json.dumps({  # for docs/reliability.md (pytest -s)
         "served": 2 * len(PROMPTS), "wrong": sum(w["tokens"] != c["tokens"] or w["logprobs"] !=
-                                                  c["logprobs"] for w, c in zip(out["warm"],
-                                                                                out["cold"])),
+                                                 c["logprobs"] for w, c in zip(out["warm"],
+                                                                               out["cold"])),
         "writes": out["stats"]["writes"], "failed_puts": out["stats"]["failed_puts"],
         "loaded_tokens": sum(w["kvplug"]["loaded_tokens"] for w in out["warm"]),
         "disk_free": out["disk_free"], "temps": out["temps"], "files": len(out["files"])}))

@@ -260,8 +260,8 @@ def test_warm_in_process_fills_a_directory_the_server_shares(server, tmp_path):
     cfg.write_text("tiers:\n  - backend: local_cpu\n    options: {capacity: 64MiB}\n"
                    f"  - backend: posix\n    options: {{path: {store}, capacity: 1GiB}}\n")
     args = [f"--engine-arg={a}" for a in ("enforce_eager=true", "dtype=bfloat16",
-                                           "block_size=128", "max_model_len=4096",
-                                           "max_num_seqs=4")]
+                                          "block_size=128", "max_model_len=4096",
+                                          "max_num_seqs=4")]
     out = run("warm", "--model", model, "--kvplug-config", str(cfg), "--prompts", str(prompts),
               *args, "--json", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
               KVPLUG_CACHE_DIR=str(tmp_path / "cache"))
@@ -393,6 +393,6 @@ def test_api_answers_as_its_schema_says(server):
                   database=None)
         def call(case) -> None:
             case.validate_response(case.call(headers={"Authorization": f"Bearer {KEY}"},
-                                              timeout=120))
+                                             timeout=120))
 
         call()

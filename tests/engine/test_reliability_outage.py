@@ -234,7 +234,7 @@ def check_outage(r: dict) -> dict:
     phases: dict[str, dict[str, int]] = {}
     for x in served:
         ph = phases.setdefault(x["phase"].rstrip("0123456789"), {"requests": 0, "store_hits": 0,
-                                                                  "failed_blocks": 0})
+                                                                 "failed_blocks": 0})
         ph["requests"] += 1
         ph["store_hits"] += bool(x["tiers"].get("fsspec"))
         ph["failed_blocks"] += x["failed_blocks"]
@@ -246,5 +246,5 @@ def check_outage(r: dict) -> dict:
                               for k, h in hit_refs.items()},
         "max_request_s": max(x["seconds"] for x in served),
         "tier": {k: st.get(k, 0) for k in ("breaker_trips", "breaker_refused", "timeouts",
-                                            "remote_errors", "dropped_puts", "dropped_down",
-                                            "written")}}
+                                           "remote_errors", "dropped_puts", "dropped_down",
+                                           "written")}}

@@ -91,7 +91,7 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
     kind = rng.randrange(10)
     if kind == 9:  # a body built to cost a parser, its length prefix valid (bounded, aligned)
         size = cf.MAX_HEADER - 200 if rng.random() < 0.05 else rng.choice([100, 4000, 40_000,
-                                                                            200_000])
+                                                                           200_000])
         return _with_header(data, costly_body(rng, size), rng)
     if kind == 0:  # flipped bytes in the header
         out = bytearray(data)

@@ -355,7 +355,7 @@ def test_fsspec_with_geometry_refuses_a_16mib_header_before_fetching_it(tmp_path
 
     url = f"memory://headers-{os.getpid()}-{os.urandom(4).hex()}"
     tier = {"backend": "fsspec", "name": "remote", "options": {"url": url,
-                                                                "negative_cache_s": 0}}
+                                                               "negative_cache_s": 0}}
     with StorageManager({"chunk_size": 16, "tiers": [tier]},
                         geometry=ChunkGeometry(*GEOMETRY)) as mgr:
         be = mgr.backend("remote")

@@ -338,18 +338,19 @@ def make_scheduler(model_dir: str | os.PathLike[str], extra: dict[str, Any] | No
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=4096, enable_chunked_prefill=True,
                             is_encoder_decoder=False, policy=scheduling_policy)
-    vllm_config = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched,
-                    device_config=DeviceConfig("cpu"),
-                    parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
-                    kv_transfer_config=KVTransferConfig(**transfer_config("kvplug", extra, role,
-                                                                         policy)))
+    vllm_config = VllmConfig(
+        model_config=model, cache_config=cache, scheduler_config=sched,
+        device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
+        kv_transfer_config=KVTransferConfig(**transfer_config("kvplug", extra, role, policy)))
     if async_scheduling:  # VllmConfig resolves it off on CPU; a CUDA engine's default
         vllm_config.scheduler_config.async_scheduling = True
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
                              dtype=torch.float32)
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                        kv_cache_groups=groups or [KVCacheGroupSpec(["layer"], spec)])
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True, block_size=block_size,
+                                    kv_cache_groups=groups or [KVCacheGroupSpec(["layer"], spec)])
+    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
+                     block_size=block_size,
                      structured_output_manager=StructuredOutputManager(vllm_config))
 
 

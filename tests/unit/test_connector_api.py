@@ -63,8 +63,8 @@ def test_event_fields_name_each_group_and_its_kind():
     swa = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16,
                             sliding_window=64)
     kv_cache_config = KVCacheConfig(num_blocks=4, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(["a"], full),
-                                         KVCacheGroupSpec(["b"], swa)])
+                                    kv_cache_groups=[KVCacheGroupSpec(["a"], full),
+                                                     KVCacheGroupSpec(["b"], swa)])
     assert event_group_fields(kv_cache_config) == [
         {"group_idx": 0, "kv_cache_spec_kind": "full_attention",
          "kv_cache_spec_sliding_window": None},

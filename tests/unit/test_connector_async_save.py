@@ -54,7 +54,7 @@ class Steps:
         self.gate.mkdir()
         extra = {"chunk_size": CHUNK, "async_save": True, "report_to_client": False}
         self.scheduler = make_scheduler(model_dir, extra=extra, block_size=BS, num_blocks=num_blocks,
-                                max_num_batched_tokens=64)
+                                        max_num_batched_tokens=64)
         self.scheduler.connector.scheduler_side.lookup = FakeLookup()  # nothing stored before: no loads
         cfg = ConnectorConfig(chunk_size=CHUNK, async_save=True, log_every_load=False,
                               tiers=[{"backend": "local_cpu", "options": {"capacity": "16MiB"}},
@@ -62,7 +62,7 @@ class Steps:
                                       "options": {"gate": str(self.gate)}}])
         self.fx = KVFixture("LBHNC", torch.bfloat16, L=2, B=num_blocks)
         self.w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{BS}", 1, 0,
-                                           f"t-{uuid.uuid4().hex[:8]}"),
+                                          f"t-{uuid.uuid4().hex[:8]}"),
                             GroupLayout(block_size=BS, zeroes_new_blocks=zeroes_new_blocks))
         self.w.register_kv_caches(self.fx.caches)
         self.saves: AsyncSaves = self.w._saves  # type: ignore[assignment]
@@ -335,7 +335,7 @@ def test_a_lookup_waits_for_a_put_in_flight_of_its_chunks(steps):
 def test_a_request_that_saved_nothing_is_never_held(steps):
     st = steps()  # the gate stays closed: nothing of this request waits on it
     st.scheduler.add_request(make_request("n", prompt(40, 4), max_tokens=12,
-                                  kv_transfer_params={"kvplug_save": False}))
+                                          kv_transfer_params={"kvplug_save": False}))
     st.run_out()
     assert st.saved == [] and ("sent", "n") not in st.events
     st.assert_nothing_leaked()

@@ -145,5 +145,5 @@ def test_opted_out_and_chunk_granular_configs_never_hold_blocks(model_dir):
     assert saves == [(0, 1024, False)]
     sched = build(model_dir)
     _, saves, _ = run(sched, request("b", prompt(1100, 7), max_tokens=60,
-                                          kv_transfer_params={"kvplug_save": False}))
+                                     kv_transfer_params={"kvplug_save": False}))
     assert saves == []

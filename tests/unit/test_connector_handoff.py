@@ -146,7 +146,7 @@ def test_a_hand_off_that_does_not_match_is_ignored(model_dir, why):
     params, _ = produce(model_dir, tokens)
     given = {"other_prompt": params, "other_keys": tampered(params, keys="0" * 16),
              "bad_hash": tampered(params, hash="zz" * 32), "bad_tokens": tampered(params,
-                                                                                 tokens="1024"),
+                                                                                  tokens="1024"),
              "bad_ttl": tampered(params, ttl_s=float("nan")),
              "other_version": tampered(params, v=2), "not_a_dict": {KEY: [1024]}}[why]
     s, side, fake, clock = consumer(model_dir)
@@ -218,7 +218,7 @@ def test_a_consumers_lookup_of_named_chunks_skips_its_tiers_remembered_misses():
     try:
         assert consumer._on_lookup(Lookup(1, "d", hashes))[0] == 0  # before: a miss, remembered
         producer.wait_for_save(KVPlugMetadata(chunk_size, block_size, [ReqMeta("p", [1, 2, 3, 4, 5, 6],
-                                                               save=SaveSpec(0, 24, 0, hashes))]))
+                                                                               save=SaveSpec(0, 24, 0, hashes))]))
         assert producer.storage.flush(10)
         assert consumer._on_lookup(Lookup(2, "d", hashes))[0] == 0  # the control: remembered
         assert consumer._on_lookup(Lookup(3, "d", hashes, fresh=True))[0] == 24

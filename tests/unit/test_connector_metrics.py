@@ -65,7 +65,7 @@ def test_prom_metrics_from_a_stats_dict():
 def test_hit_sources_by_tier_kind():
     assert hit_sources(256, 0, ["local_cpu", "posix"]) == {CacheHitSource.HOST: 256}
     assert hit_sources(256, 512, ["local_cpu", "posix"]) == {CacheHitSource.HOST: 256,
-                                                              CacheHitSource.DISK: 512}
+                                                             CacheHitSource.DISK: 512}
     assert hit_sources(0, 512, ["local_cpu", "fsspec"]) == {
         CacheHitSource.EXTERNAL_UNSPECIFIED: 512}
 

@@ -47,7 +47,7 @@ class Engine:
 
     def __init__(self, model_dir, root) -> None:
         self.scheduler = make_scheduler(model_dir, extra={"chunk_size": CHUNK, "tiers": tiers(root)},
-                                block_size=BS, num_blocks=64, max_num_batched_tokens=64)
+                                        block_size=BS, num_blocks=64, max_num_batched_tokens=64)
         engine_id = self.scheduler.connector._vllm_config.kv_transfer_config.engine_id
         cfg = ConnectorConfig(chunk_size=CHUNK, async_save=False, log_every_load=False,
                               tiers=tiers(root))

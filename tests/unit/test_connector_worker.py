@@ -106,7 +106,7 @@ def test_registration_refuses_a_kv_layout_that_is_not_block_first(tmp_path):
 
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float16)
     kv_cache_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+                                    kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
     cfg = ConnectorConfig(chunk_size=CHUNK, tiers=[{"backend": "local_cpu"}])
     w = WorkerSide(cfg, Identity("m", f"LBHNC-bs{BS}", 1, 0, f"t-{uuid.uuid4().hex[:8]}"),
                    layout_of(kv_cache_config, BS))

@@ -198,7 +198,7 @@ def _lora(name, path):
 
 
 @pytest.mark.parametrize("other,same", [(("ad", "/adapters/v2"), False), (("ad", "/adapters/v1"),
-                                                                            True)],
+                                                                          True)],
                          ids=["other-path", "control"])
 def test_lora_adapter_path_is_keyed(tmp_path, models, other, same):
     vllm_config = engine_config(models["a"])

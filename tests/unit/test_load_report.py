@@ -64,7 +64,7 @@ def a_load(req_id: str, blocks: list[int], tiers: list[str], fail_at: int | None
         s, e = i * CHUNK, (i + 1) * CHUNK
         first = max(s, start)
         load.chunks.append(ChunkLoad(make_key(i), s, e, CHUNK // BS, slice((first - s) // BS, 2),
-                                   blocks[first // BS:e // BS], tier))
+                                     blocks[first // BS:e // BS], tier))
     if fail_at is not None:
         load.fail(fail_at, MISSING)
     return load.outcome(KV.num_layers * KV.page_bytes)

@@ -63,7 +63,7 @@ class Rig:
 
         extra = {"chunk_size": CHUNK, "async_save": async_save, "report_to_client": False}
         self.scheduler = make_scheduler(model_dir, extra=extra, block_size=BS, num_blocks=num_blocks,
-                                max_num_batched_tokens=batch, groups=groups)
+                                        max_num_batched_tokens=batch, groups=groups)
         self.order = order
         self.layout = self.scheduler.connector.scheduler_side.layout
         cfg = ConnectorConfig(chunk_size=CHUNK, async_save=async_save, log_every_load=False,

@@ -65,9 +65,9 @@ def test_5_a_save_after_close_releases_its_objects_only_after_the_copy(tmp_path)
         ev = StandInEvent(pool_used)
         obj = w.storage.allocate((2, 4, fx.page), num_tokens=16)
         metadata = KVPlugMetadata(CHUNK, BS, [ReqMeta("r", [1, 2, 3, 4],
-                                                save=SaveSpec(0, 16, 0, [b"\x01" * 32]))])
+                                                      save=SaveSpec(0, 16, 0, [b"\x01" * 32]))])
         saves.enqueue(metadata, [w.key(b"\x01" * 32)], [obj], [PageJob([1, 2, 3, 4], obj.tensor)], 16,
-                     QueuedLayers(ev))
+                      QueuedLayers(ev))
         assert ev.held_at_wait is not None, "released without waiting for the copy's event"
         assert ev.held_at_wait > 0  # the objects were still held while the copy could run
         assert pool_used() == 0  # and released after

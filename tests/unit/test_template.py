@@ -29,7 +29,7 @@ def test_template_ships_in_the_package():
 
 
 @pytest.mark.parametrize(("owns", "kind"), [("no", "memory"), ("yes", "memory"),
-                                           ("no", "key_value")])
+                                            ("no", "key_value")])
 def test_renders_a_complete_package(tmp_path, owns, kind):
     pkg = render(tmp_path, backend_name="my_store", author='Ada "the" <ada@example.org>',
                  owns_allocator=owns, store_kind=kind)

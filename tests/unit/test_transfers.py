@@ -74,7 +74,7 @@ def test_a_store_then_a_load_move_the_exact_bytes_and_report_once(worker):
     want = fx.ref_obj(src).clone()
     fx.poison(dst)
     step(w, fx, KVPlugMetadata(CHUNK, BS, [ReqMeta("a", src, save=SaveSpec(0, 24, 0, hs),
-                                               finished=True)]))
+                                                   finished=True)]))
     t.wait_idle()  # every copy has read its blocks
     assert t.wait_puts([w.key(h) for h in hs], timeout=HANG)
     assert held(w, hs) == [True] * 3
@@ -98,7 +98,7 @@ def test_a_step_stores_after_its_loads_and_skips_what_it_computed_over_a_failed_
     t = w.transfers
     stored = hashes("p", 3)
     step(w, fx, KVPlugMetadata(CHUNK, BS, [ReqMeta("p", [1, 2, 3, 4, 5, 6],
-                                               save=SaveSpec(0, 24, 0, stored))]))
+                                                   save=SaveSpec(0, 24, 0, stored))]))
     assert t.wait_puts([w.key(h) for h in stored], timeout=HANG)
     # "b" loads three chunks; with ``fails`` the third was never stored (a chunk gone between
     # lookup and load: the lookup pins two), and the step stores b's next chunk and c's

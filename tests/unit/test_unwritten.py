@@ -142,9 +142,9 @@ def test_a_step_that_reads_an_unwritten_block_stores_nothing_computed_over_it(tm
         # "a" has tokens 0-7 from vLLM's prefix cache in blocks 1, 2 (block 2 unwritten) and
         # computes 8-23; "b" computes its own chunk in blocks 9, 10
         metadata = KVPlugMetadata(chunk_size, block_size, [ReqMeta("a", [1, 2, 3, 4, 5, 6],
-                                             save=SaveSpec(8, 24, 1, hashes[1:])),
-                                     ReqMeta("b", [9, 10], save=SaveSpec(0, 8, 0, other))],
-                            unwritten=[2])
+                                                                   save=SaveSpec(8, 24, 1, hashes[1:])),
+                                                           ReqMeta("b", [9, 10], save=SaveSpec(0, 8, 0, other))],
+                                  unwritten=[2])
         w.bind(metadata)
         w.start_load_kv(metadata)
         w.wait_for_save(metadata)

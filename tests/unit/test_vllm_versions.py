@@ -130,13 +130,13 @@ def _scheduler(model_dir, spec: dict | None):
 
     xfer = KVTransferConfig(**transfer_config("kvplug", {"report_to_client": False}))
     vllm_config = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
-                    max_model_len=4096, enforce_eager=True, kv_transfer_config=xfer,
-                    **({"speculative_config": spec} if spec else {})).create_engine_config()
+                             max_model_len=4096, enforce_eager=True, kv_transfer_config=xfer,
+                             **({"speculative_config": spec} if spec else {})).create_engine_config()
     vllm_config.cache_config.num_gpu_blocks = 64
     full = FullAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=1, head_size=1,
                              dtype=torch.float32)
     kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(["layer"], full)])
+                                    kv_cache_groups=[KVCacheGroupSpec(["layer"], full)])
     return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=False,
                      block_size=vllm_config.cache_config.block_size,
                      structured_output_manager=StructuredOutputManager(vllm_config))
@@ -176,8 +176,8 @@ def test_block_stored_takes_the_group_fields_and_round_trips():
     swa = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.bfloat16,
                             sliding_window=64)
     kv_cache_config = KVCacheConfig(num_blocks=4, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(["a"], full),
-                                         KVCacheGroupSpec(["b"], swa)])
+                                    kv_cache_groups=[KVCacheGroupSpec(["a"], full),
+                                                     KVCacheGroupSpec(["b"], swa)])
     events = [BlockStored(block_hashes=[b"\x01" * 32], parent_block_hash=None,
                           token_ids=list(range(16)), block_size=16, lora_id=None, medium="CPU",
                           lora_name=None, **fields) for fields in event_group_fields(kv_cache_config)]
@@ -210,8 +210,8 @@ def test_sleep_mode_config_asks_the_connector_class(model_dir):
         xfer = KVTransferConfig(kv_connector=name, kv_connector_module_path=module,
                                 kv_role="kv_both")
         vllm_config = EngineArgs(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16",
-                        max_model_len=4096,
-                        enforce_eager=True, kv_transfer_config=xfer).create_engine_config()
+                                 max_model_len=4096,
+                                 enforce_eager=True, kv_transfer_config=xfer).create_engine_config()
         # the CPU platform has no sleep mode: switched on after the config is built, then
         # vLLM's own check of it (VllmConfig.__post_init__ runs the same)
         vllm_config.model_config.enable_sleep_mode = True
