@@ -345,13 +345,13 @@ def _plain_metadata_json(key: CacheKey, meta: MemoryObjMeta, checksums: Sequence
     sums = _json_hex_list(checksums)
     ident = (_key_but_hash(key), meta, _version(meta.fmt is MemoryFormat.ENCODED, False))
     try:
-        parts = _METADATA_TEXT.get(ident, _METADATA_TEXT)
-    except TypeError:  # a meta that cannot be a dict key (a shape given as a list)
-        parts = None
-    if parts is _METADATA_TEXT:
+        parts = _METADATA_TEXT[ident]
+    except KeyError:
         if len(_METADATA_TEXT) >= _METADATA_TEXT_MAX:
             _METADATA_TEXT.clear()
         parts = _METADATA_TEXT[ident] = _metadata_template(key, meta)
+    except TypeError:  # a meta that cannot be a dict key (a shape given as a list)
+        parts = None
     if parts is None or not (sums.isascii() and sums.isprintable()) or "\\" in sums:
         return json.dumps(_readable_metadata(key, meta, checksums, None, _HDR_CK_FIELD, _ZERO_CK),
                           separators=(",", ":"))
@@ -370,8 +370,10 @@ def _metadata_template(key: CacheKey, meta: MemoryObjMeta) -> tuple[str, str, st
     if text.count(hash_text) != 1 or text.count(sums_text) != 1:
         return None
     before, rest = text.split(hash_text)
-    between, after = rest.split(sums_text) if sums_text in rest else (None, None)
-    return None if between is None else (before, between, after)
+    if sums_text not in rest:  # the checksums before the hash: not the order filled in
+        return None
+    between, after = rest.split(sums_text)
+    return before, between, after
 
 
 def _json_ints(values: Sequence[int]) -> str:
