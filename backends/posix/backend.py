@@ -73,7 +73,8 @@ class PosixOptions(BaseOptions):
     )
     rescan_interval_s: float = Field(
         default=10.0, ge=0, description="re-read the directory at most this often when "
-        "evicting (to see other processes' files)",
+        "evicting (to see other processes' files); 0: before every write, so processes "
+        "sharing the directory hold its capacity (plus their writes in flight)",
     )
     max_pinned_fds: int = Field(
         default=1024, ge=0, description="pinned files held open (at most 1/4 of the fd "

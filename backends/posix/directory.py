@@ -172,7 +172,9 @@ class Directory:
             return False
         with self.lock:
             over = self.index.bytes + self.index.reserved + size > self.capacity
-        if over and self._rescans.due():
+        # A view with room may still lack the files other processes wrote since it last looked:
+        # with rescan_interval_s 0 every write looks again, else one that needs room does.
+        if (over or self._rescans.every_write) and self._rescans.due():
             self.rescan(only_if_due=True)
         short = self.reaper.short_batches
         limit = self.quotas.limit(tenant) if self.quotas is not None else None

@@ -28,7 +28,8 @@ from . import fs
 class RescanClock:
     """When a rescan of a (shared) directory is due: after ``interval_s``, and never sooner than
     20x the CPU time the last scan took (so scanning a huge directory takes at most ~5% of a core;
-    CPU time, not wall time: on a busy machine a scan waits for a core, which costs it nothing)."""
+    CPU time, not wall time: on a busy machine a scan waits for a core, which costs it nothing).
+    ``interval_s`` 0 means before every write, whatever a scan costs (:attr:`every_write`)."""
 
     def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval_s = interval_s
@@ -36,7 +37,15 @@ class RescanClock:
         self.last = 0.0  # clock() when the last scan ended
         self.cost = 0.0  # the CPU seconds it took
 
+    @property
+    def every_write(self) -> bool:
+        """Each write looks at the directory first: the only way several processes writing one
+        directory hold its capacity (each view lacks the others' newest files)."""
+        return self.interval_s == 0
+
     def due(self) -> bool:
+        if self.every_write:
+            return True
         return self.clock() - self.last >= max(self.interval_s, 20 * self.cost)
 
     def scanned(self, cpu_start: float) -> None:

@@ -4,7 +4,10 @@ as a part of :class:`.world.World` (connector/sim/README.md).
 * **I6**: no tier holds more than its capacity (L1's bytes; posix's indexed bytes plus those
   reserved by writes in flight), no tenant more than its quota there; checked after every event.
   A posix directory other processes write too (``SimConfig.shared_dir``, ``neighbour``): their
-  files in this view are counted as a figure, not a violation, unless ``strict_shared_i6``.
+  files in this view are counted as a figure, not a violation, unless ``strict_shared_i6``; the
+  directory itself (its files, counted on disk) holds at most its capacity plus, per process
+  writing it, the bytes it has reserved for writes in flight and one chunk (two views may pick
+  the same victim: one delete frees it, the other looks again at its next write).
 * **I7**: no chunk a lookup or an operator pinned is evicted for room: checked where L1 drops
   an entry and where posix unlinks victims, whatever policy chose them.
 """
@@ -60,9 +63,12 @@ class CapacityCheck:
 
     def check(self) -> None:
         """I6: no tier holds more than its capacity (L1: bytes and pool; posix: the bytes
-        indexed and reserved by writes in flight), no tenant more than its quota."""
+        indexed and reserved by writes in flight), no tenant more than its quota; a shared
+        directory no more than its capacity plus its writers' slack."""
         w = self.world
         cfg = w.cfg
+        if (cfg.shared_dir or cfg.neighbour) and cfg.lower == "posix" and not cfg.tier:
+            self.check_shared_directory()
         for rank, worker in enumerate(w.workers):
             st = worker.storage
             if st is None:
@@ -102,3 +108,48 @@ class CapacityCheck:
                         raise Violation("I6", f"rank {rank}: tenant {tenant} holds {n} B on "
                                               f"{name}, over its quota {limit}")
                 w.figures[f"{name} tenants held"] += len(usage)
+
+    def check_shared_directory(self) -> None:
+        """I6 on the directory rank 0 shares (with every rank, ``shared_dir``, or with the
+        neighbour process): the chunk files on disk, counted here and not from any view, within
+        the capacity plus, per process writing it, its reserved bytes and one chunk file."""
+        w = self.world
+        ranks = w.workers if w.cfg.shared_dir else w.workers[:1]
+        writers = [r.storage.backend("posix") for r in ranks
+                   if r.storage is not None and "posix" in r.storage.tier_names]
+        if w.neighbour is not None:
+            writers.append(w.neighbour.backend("posix"))
+        if not writers:
+            return
+        sizes = _chunk_file_sizes(writers[0].directory.root)
+        slack = 0
+        for disk in writers:
+            with disk.directory.lock:
+                slack += disk.directory.index.reserved
+        slack += len(writers) * max(sizes, default=0)
+        capacity = writers[0].capacity
+        held = sum(sizes)
+        if held > capacity + slack:
+            raise Violation("I6", f"the shared posix directory holds {held} B in {len(sizes)} "
+                                  f"files: over its capacity {capacity} plus {slack} B of its "
+                                  f"{len(writers)} writers' slack")
+        w.counts["shared directory capacity checks"] += 1
+        if held > capacity:
+            w.figures["shared directory over capacity, within its writers' slack"] += 1
+
+
+def _chunk_file_sizes(root: Any) -> list[int]:
+    """The sizes of the chunk files under ``root`` (one level of subdirectories), on disk."""
+    import os
+
+    from kvplug.chunkfile import FILE_SUFFIX
+
+    sizes = []
+    with os.scandir(root) as top:
+        for sub in top:
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            with os.scandir(sub.path) as files:
+                sizes += [f.stat(follow_symlinks=False).st_size for f in files
+                          if f.name.endswith(FILE_SUFFIX)]
+    return sizes

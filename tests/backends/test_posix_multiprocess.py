@@ -177,43 +177,88 @@ def test_a_pin_holds_against_another_process(tmp_path, how):
     be.close()
 
 
+def _shared_manager(root, capacity: int, rescan_interval_s: float):
+    """A StorageManager on the posix directory ``root``/shared: one process's view of it."""
+    from kvplug.storage_manager import StorageManager
+
+    return StorageManager({"tiers": [{"backend": "posix", "options": {
+        "path": str(root / "shared"), "capacity": capacity,
+        "rescan_interval_s": rescan_interval_s}}]})
+
+
+def _shared_files(root) -> list:
+    return list((root / "shared").rglob("*" + cf.FILE_SUFFIX))
+
+
+def _chunk_file_size(root) -> int:
+    """The size of one ``put_random`` chunk's file (stored once, then evicted)."""
+    from tests.support.tier_workload import put_random
+
+    with _shared_manager(root, 1 << 30, 0) as probe:
+        put_random(probe, make_key(0), 0)
+        assert probe.flush(timeout=60)
+        size = _shared_files(root)[0].stat().st_size
+        probe.evict([make_key(0)])
+    return size
+
+
 def test_two_managers_evicting_the_same_file_keep_the_capacity(tmp_path):
     """Two processes' views of a shared directory pick the same LRU victim: the second finds it
     already deleted, so its delete freed nothing, and the other's new file is not in its view. It
     must look again and evict one more, or the directory stays a chunk over for good (and each
     such race adds one). Two managers in one process, in a fixed order, with rescans off."""
-    from kvplug.storage_manager import StorageManager
-
     from tests.support.tier_workload import put_random
 
-    def manager(capacity: int) -> StorageManager:
-        return StorageManager({"tiers": [{"backend": "posix", "options": {
-            "path": str(tmp_path / "shared"), "capacity": capacity, "rescan_interval_s": 1e6}}]})
-
-    def files() -> list:
-        return [p for p in (tmp_path / "shared").rglob("*.safetensors")]
-
-    with manager(1 << 30) as probe:
-        put_random(probe, make_key(0), 0)
-        assert probe.flush(timeout=60)
-        size = files()[0].stat().st_size
-        probe.evict([make_key(0)])
-    a = manager(10 * size)
+    size = _chunk_file_size(tmp_path)
+    a = _shared_manager(tmp_path, 10 * size, 1e6)
     try:
         for i in range(10):
             put_random(a, make_key(i), i)
             assert a.flush(timeout=60)
             time.sleep(0.02)  # distinct mtimes: one LRU order for both views
-        b = manager(10 * size)
+        b = _shared_manager(tmp_path, 10 * size, 1e6)
         try:
-            assert b.backend(0).wait_indexed(60) and len(files()) == 10
+            assert b.backend(0).wait_indexed(60) and len(_shared_files(tmp_path)) == 10
             put_random(a, make_key(10), 10)  # A evicts the oldest file (chunk 0)
-            assert a.flush(timeout=60) and len(files()) == 10
+            assert a.flush(timeout=60) and len(_shared_files(tmp_path)) == 10
             put_random(b, make_key(11), 11)  # B's view still has chunk 0, and not chunk 10
             assert b.flush(timeout=60)
-            assert len(files()) == 10, [p.name for p in files()]
+            files = _shared_files(tmp_path)
+            assert len(files) == 10, [p.name for p in files]
             assert b.stats()["posix"]["evictions"] == 2  # chunk 0 (already gone), then one more
         finally:
             b.close()
     finally:
+        a.close()
+
+
+@pytest.mark.parametrize("rescan_interval_s", [0, 1e6])
+def test_a_view_with_room_looks_again_before_each_write(tmp_path, rescan_interval_s):
+    """B indexes the directory while it is empty; A then fills it to capacity. B's view has
+    room, the directory has none. With ``rescan_interval_s`` 0 each of B's writes looks at the
+    directory first and evicts, so it stays within capacity (before that, a view with room never
+    looked and each write added a chunk: two engines sharing a directory went 3 chunks over).
+    With a long interval B does not look (the documented cost): the control that B's view was
+    really stale."""
+    from tests.support.tier_workload import put_random
+
+    size = _chunk_file_size(tmp_path)
+    a = _shared_manager(tmp_path, 10 * size, rescan_interval_s)
+    b = _shared_manager(tmp_path, 10 * size, rescan_interval_s)
+    try:
+        assert b.backend(0).wait_indexed(60) and _shared_files(tmp_path) == []
+        for i in range(10):
+            put_random(a, make_key(i), i)
+            assert a.flush(timeout=60)
+        assert len(_shared_files(tmp_path)) == 10
+        for i in range(10, 13):
+            put_random(b, make_key(i), i)
+            assert b.flush(timeout=60)
+        files = len(_shared_files(tmp_path))
+        if rescan_interval_s == 0:
+            assert files == 10 and b.stats()["posix"]["evictions"] == 3, files
+        else:
+            assert files == 13 and b.stats()["posix"]["evictions"] == 0, files
+    finally:
+        b.close()
         a.close()

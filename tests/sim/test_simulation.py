@@ -85,6 +85,12 @@ REGRESSION_SEEDS += [132014314]
 #: block once any of it was written. It follows a block's written slots now and forgets it
 #: written to its last slot (tests/unit/test_unwritten.py). Failed before, on vLLM 0.32 and 0.33
 REGRESSION_SEEDS += [135003121]
+#: a posix directory shared by every rank (and by the neighbour process in 148002610): a
+#: rank's view with room never looked at the directory before a write, so the files the others
+#: wrote since its last scan stayed and each of its writes added one (16 files where 4 + 4 were
+#: allowed). A shared directory (rescan_interval_s 0) now looks before every write; I6 counts
+#: its files on disk. Failed before (vLLM 0.32)
+REGRESSION_SEEDS += [148000138, 148002610]
 #: a neighbour process on rank 0's posix directory (small tiers, tenant quotas), with
 #: I6 strict there (SimConfig.strict_shared_i6): a queued write found the file the neighbour had
 #: just stored and indexed it without making room, so the tenant held 36864 B over its 24576 B
