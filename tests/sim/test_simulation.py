@@ -28,6 +28,13 @@ from kvplug.connector.sim.search import search  # noqa: E402
 #: interleavings run in benchmarks/simulate.py (its seeds start at 1,000,000)
 CI_SEEDS = 300
 CONTROL_SEEDS = 300  # a negative control must be caught within the CI set
+#: the CI seed that caught a slow-to-catch control first when last measured, tried first (the
+#: rest follow in order: a change that moves the catch still finds it, only slower); saves ~2
+#: minutes of the suite's CPU time; the other controls are caught within seed 6
+CAUGHT_FIRST_BY = {"announce_on_one_rank": 139, "clear_leaves_entry": 9,
+                   "fall_through_to_remote": 66, "ignore_quota": 9, "keep_late_results": 22,
+                   "release_blocks_of_saves": 29, "skip_decode": 12, "skip_window_wait": 14,
+                   "sync_loads_under_async_scheduling": 107, "tell_the_dropped_block": 13}
 #: seeds that found something beyond the six protocol defects, replayed every run: vLLM 0.32's
 #: scheduler stalls when requests that loaded asynchronously hold the cache and the head of the
 #: waiting queue cannot grow (nothing running to preempt); the simulation aborts them and kvplug
@@ -237,7 +244,9 @@ def test_negative_control_is_caught(fault):
     with that invariant."""
     want, where = FAULTS[fault], WHERE.get(fault, "")
     seen = []
-    for seed in range(CONTROL_SEEDS):
+    first = CAUGHT_FIRST_BY.get(fault)
+    for seed in ([first] if first is not None else []) + [
+            s for s in range(CONTROL_SEEDS) if s != first]:
         out = run_seed(seed, frozenset([fault]))
         if out.violation is not None:
             seen.append((seed, str(out.violation)))
