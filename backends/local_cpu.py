@@ -308,3 +308,4 @@ class LocalCPUBackend:
             self._operator_pins.clear()
             self._bytes = 0
             self._tenant_bytes.clear()
+        self.pool.close()  # its background backing stops: no thread outlives the tier

@@ -92,6 +92,7 @@ class _Frontier:
         self._lock = threading.Lock()
         self._want = min(self._size, PREFAULT_AHEAD)  # back up to here
         self.backed = 0  # backed up to here
+        self._closed = False
         self._ticker = runtime.ticker(self._advance, 3600.0, "kvplug-pool-prefault")
         self._ticker.wake()
 
@@ -109,7 +110,7 @@ class _Frontier:
 
     def _advance(self) -> None:
         """Back the pool up to what allocations want (one call of the ticker)."""
-        while not self.done.is_set():
+        while not self.done.is_set() and not self._closed:
             with self._lock:
                 want = self._want
             if want <= self.backed:
@@ -124,6 +125,12 @@ class _Frontier:
     def _stop(self) -> None:
         self.done.set()
         self._ticker.close(timeout=0)
+
+    def close(self, timeout: float) -> None:
+        """Stop backing (the pool's owner closed): the thread ends after the step in progress
+        (waited for up to ``timeout``), and with it its reference to the buffer."""
+        self._closed = True
+        self._ticker.close(timeout=timeout)
 
 
 class HostMemoryPool:
@@ -211,6 +218,12 @@ class HostMemoryPool:
             free = self.capacity - self._used
             largest = max(self._free_sizes.values(), default=0)
             return PoolStats(self.capacity, self._used, free, largest, len(self._live))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the background backing (:class:`_Frontier`), so a closed tier leaves no thread
+        behind holding its buffer; memory still referenced by live objects stays valid."""
+        if self._frontier is not None:
+            self._frontier.close(timeout)
 
     @property
     def buffer(self) -> torch.Tensor:

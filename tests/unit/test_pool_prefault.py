@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import sys
+import threading
 import time
 
 import pytest
@@ -86,3 +87,26 @@ def test_prefault_keeps_contents():
     assert populate_pages(pool.buffer) is True  # again, over written pages
     assert torch.equal(obj.tensor, data)
     obj.ref_down()
+
+
+def _prefault_threads() -> int:
+    return sum(t.name == "kvplug-pool-prefault" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_closed_tier_leaves_no_prefault_thread(monkeypatch):
+    """Closing ``local_cpu`` stops its pool's backing thread, also when the tier after it failed
+    to start. Before, every closed StorageManager left that thread behind for good, holding the
+    pool's buffer (seen as leftovers of test_secrets' failed starts in a later test's worker)."""
+    from kvplug.errors import KVPlugError
+    from kvplug.storage_manager import StorageManager
+
+    monkeypatch.setattr("kvplug.pool.PREFAULT_AHEAD", 4 * MiB)  # the pool is never all backed
+    l1 = {"backend": "local_cpu", "options": {"capacity": "64MiB"}}
+    before = _prefault_threads()
+    sm = StorageManager({"tiers": [l1]})
+    assert _prefault_threads() == before + 1  # the control: the thread runs while the tier does
+    sm.close()
+    assert _prefault_threads() == before
+    with pytest.raises(KVPlugError):
+        StorageManager({"tiers": [l1, {"backend": "fsspec", "options": {"url": "nosuch://h/x"}}]})
+    assert _prefault_threads() == before
