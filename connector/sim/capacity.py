@@ -14,7 +14,10 @@ as a part of :class:`.world.World` (connector/sim/README.md).
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
+
+from kvplug.chunkfile import FILE_SUFFIX
 
 from .engine import Violation
 
@@ -140,10 +143,6 @@ class CapacityCheck:
 
 def _chunk_file_sizes(root: Any) -> list[int]:
     """The sizes of the chunk files under ``root`` (one level of subdirectories), on disk."""
-    import os
-
-    from kvplug.chunkfile import FILE_SUFFIX
-
     sizes = []
     with os.scandir(root) as top:
         for sub in top:

@@ -236,10 +236,8 @@ def test_two_managers_evicting_the_same_file_keep_the_capacity(tmp_path):
 def test_a_view_with_room_looks_again_before_each_write(tmp_path, rescan_interval_s):
     """B indexes the directory while it is empty; A then fills it to capacity. B's view has
     room, the directory has none. With ``rescan_interval_s`` 0 each of B's writes looks at the
-    directory first and evicts, so it stays within capacity (before that, a view with room never
-    looked and each write added a chunk: two engines sharing a directory went 3 chunks over).
-    With a long interval B does not look (the documented cost): the control that B's view was
-    really stale."""
+    directory first and evicts, so it stays within capacity. With a long interval B does not
+    look (the documented cost): the control that B's view really was stale."""
     from tests.support.tier_workload import put_random
 
     size = _chunk_file_size(tmp_path)

@@ -33,8 +33,8 @@ def resident_mib(buf: torch.Tensor) -> float:
 
 def test_untouched_buffer_is_not_resident():
     """Negative control: without the advice, a fresh buffer adds (almost) nothing to RSS. Fresh
-    from the kernel (an anonymous map): the allocator behind ``torch.empty`` once handed this
-    worker 136 MiB of pages an earlier test had touched."""
+    from the kernel (an anonymous map): the allocator behind ``torch.empty`` may hand back pages
+    an earlier test in this process touched."""
     anon = mmap.mmap(-1, 256 * MiB)
     buf = torch.frombuffer(anon, dtype=torch.uint8)
     assert resident_mib(buf) < 64
@@ -95,8 +95,7 @@ def _prefault_threads() -> int:
 
 def test_a_closed_tier_leaves_no_prefault_thread(monkeypatch):
     """Closing ``local_cpu`` stops its pool's backing thread, also when the tier after it failed
-    to start. Before, every closed StorageManager left that thread behind for good, holding the
-    pool's buffer (seen as leftovers of test_secrets' failed starts in a later test's worker)."""
+    to start: a closed tier leaves no thread behind holding the pool's buffer."""
     from kvplug.errors import KVPlugError
     from kvplug.storage_manager import StorageManager
 
