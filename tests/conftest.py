@@ -23,6 +23,12 @@ Engines (tests/support/vllm_helpers.py), kept to the suite's 15-minute budget on
   logprobs (measured: cold runs and a warm hit, equal with it on and off); CPU s of a module on
   and off: test_connector_engine_spec 129.6 / 94.8, test_parallel_engine 156.5 / 125.6. It
   changes nothing kvplug does; an explicit ``TORCHDYNAMO_DISABLE=0`` turns it back on;
+* one OpenMP thread per engine and no core binding (``OMP_NUM_THREADS=1``,
+  ``VLLM_CPU_OMP_THREADS_BIND=nobind``, set below unless the environment has them; TP=2 ranks too):
+  torch's default, a thread per core, has four workers' engines spin-wait on each other's cores
+  (measured: four in-process engines at once, 15 generations each, 104-110 s with two threads
+  each against 8-10 s with one), and vLLM's auto binding pins every multi-process engine's worker
+  to core 0 (four at once: 20-23 s against 13-15 s unbound);
 * ``make test``'s whole-suite pass runs four pytest-xdist workers on the 2 cores, a module at a
   time (``--dist loadfile``: a module's engines and fixtures stay in one worker): while one
   worker waits (a server or an engine process starting, a subprocess, a bounded wait for a
@@ -57,24 +63,28 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(layer)
 
 
-#: modules measured slowest (seconds on 2 cores, engine start-ups mostly), queued first; then the
-#: other ``vllm``-marked modules, then the rest, each group in collection order
-HEAVIEST = ["test_parallel_engine", "test_connector_roles", "test_connector_engine",
-            "test_corruption_serving", "test_kv_events_engine", "test_crash_durability",
-            "test_codecs_engine", "test_connector_hma", "test_simulation", "test_soak",
-            "test_connector_engine_spec", "test_connector_engine_weights", "test_manage_engine",
-            "test_quotas_engine",
-            # then the slowest of the rest (a long module left for last keeps one worker busy
-            # while the other idles): a venv build, servers, CLI subprocesses
-            "test_template_venv", "test_mooncake", "test_reliability_outage",
-            "test_reliability_shared", "test_prom_metrics", "test_demo", "test_cli_bench",
-            "test_auth_chunks", "test_conformance_kit", "test_secrets", "test_template",
-            "test_stored_bytes_sizes"]
+#: modules measured slowest (worker seconds in a whole-suite pass on 2 cores, 2026-11-29: engine
+#: start-ups mostly), queued first so that the workers finish together (xdist keeps this order
+#: only with ``--no-loadscope-reorder``, scripts/run_tests.sh; by default it queues the modules
+#: with the most tests first); then the other ``vllm``-marked modules, then the rest, each group
+#: in collection order
+HEAVIEST = ["test_parallel_engine", "test_template_venv", "test_soak", "test_manage_engine",
+            "test_simulation", "test_connector_engine_spec", "test_connector_engine",
+            "test_kv_events_engine", "test_cli", "test_mooncake", "test_demo",
+            "test_prom_metrics", "test_codecs_engine", "test_reliability_outage",
+            "test_cli_bench", "test_connector_hma", "test_fsspec_vllm", "test_secrets",
+            "test_crash_durability", "test_reliability_shared", "test_pd_engines",
+            "test_auth_chunks", "test_connector_engine_weights", "test_fsspec_conformance",
+            "test_mooncake_engine", "test_identity", "test_resp_cluster_faults",
+            "test_posix_multiprocess", "test_management"]
 
 
 #: inherited by every process the suite starts (engines, servers, the demo, the soak; the
 #: forkserver imports torch with it); see the docstring
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+#: one OpenMP thread per engine, unbound: four workers' engines share 2 cores (see the docstring)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -262,9 +262,10 @@ def test_warm_in_process_fills_a_directory_the_server_shares(server, tmp_path):
     args = [f"--engine-arg={a}" for a in ("enforce_eager=true", "dtype=bfloat16",
                                           "block_size=128", "max_model_len=4096",
                                           "max_num_seqs=4")]
+    # vLLM's in-process layout (tests/conftest.py): one interpreter imports torch and vLLM, not three
     out = run("warm", "--model", model, "--kvplug-config", str(cfg), "--prompts", str(prompts),
               *args, "--json", VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
-              KVPLUG_CACHE_DIR=str(tmp_path / "cache"))
+              VLLM_ENABLE_V1_MULTIPROCESSING="0", KVPLUG_CACHE_DIR=str(tmp_path / "cache"))
     assert out.returncode == 0, "\n".join(
         line for line in out.stderr.splitlines() if "Error" in line or "error" in line)[-6000:]
     summary = json.loads(out.stdout)

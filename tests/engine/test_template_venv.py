@@ -182,7 +182,9 @@ def test_vllm_engine_serves_a_warm_hit_from_the_generated_tier(venv):
     if check.returncode != 0:
         pytest.skip(f"vLLM or kvplug's connector is not importable: {check.stderr[-300:]}")
     code = ENGINE.replace("REPO", repr(str(REPO))).replace("NAME", NAME)
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+    # vLLM's in-process layout (its one-GPU UniProcExecutor): the fresh environment's interpreter
+    # imports torch and vLLM once, not three times (tests/conftest.py)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO),
            "TORCHDYNAMO_DISABLE": os.environ["TORCHDYNAMO_DISABLE"]}  # tests/conftest.py
     out = run([str(venv["python"]), "-c", code], timeout=900, env=env, cwd=venv["root"])
