@@ -25,10 +25,9 @@ Engines (tests/support/vllm_helpers.py), kept to the suite's 15-minute budget on
   changes nothing kvplug does; an explicit ``TORCHDYNAMO_DISABLE=0`` turns it back on;
 * one OpenMP thread per engine and no core binding (``OMP_NUM_THREADS=1``,
   ``VLLM_CPU_OMP_THREADS_BIND=nobind``, set below unless the environment has them; TP=2 ranks too):
-  torch's default, a thread per core, has four workers' engines spin-wait on each other's cores
-  (measured: four in-process engines at once, 15 generations each, 104-110 s with two threads
-  each against 8-10 s with one), and vLLM's auto binding pins every multi-process engine's worker
-  to core 0 (four at once: 20-23 s against 13-15 s unbound);
+  torch's default, a thread per core, has four workers' engines spin-wait on each other's cores,
+  and vLLM's auto binding pins every multi-process engine's worker to core 0 (four engines at
+  once: 13x slower in-process, 1.6x multi-process; ``benchmarks/bench_engine_threads.py``);
 * ``make test``'s whole-suite pass runs four pytest-xdist workers on the 2 cores, a module at a
   time (``--dist loadfile``: a module's engines and fixtures stay in one worker): while one
   worker waits (a server or an engine process starting, a subprocess, a bounded wait for a
