@@ -19,6 +19,9 @@ reads reuse their buffer as the tier's heap does):
 * ``ChunkFileIO.read_nowait`` (through a descriptor opened once, so without the open and close
   the plain read below pays): memory from ``ctx.allocate``, one ``preadv`` of header and
   layers, the header compared, every layer verified;
+* plain ``open``/``fstat``/``preadv``/``close`` of the same file into one buffer, then its
+  layers' checksums compared with the header's: the least a read that verifies what it serves
+  costs in Python (issue 49's floor: no memory object, no index, no counters, no plugin call);
 * plain ``open``/``fstat``/``preadv``/``close`` of the same file into one buffer.
 
 Write (the same chunk): ``StorageManager`` store of a fresh key (``batched_put`` + ``flush``, as
@@ -41,6 +44,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import xxhash
 from kvplug import chunkfile as cf
 from kvplug.backends.posix import io as posix_io
 from kvplug.cli.bench import TierTarget, Values, bench_key
@@ -105,6 +109,16 @@ def read_layers(kv: TierTarget, size: int, run: bytes, rounds: int,
         os.preadv(f, [buf], 0)
         os.close(f)
 
+    header = reader.files.headers.known(rel)[0]
+    layers = [(o, o + header.layer_nbytes) for o in header.data_offsets]
+    flat = memoryview(buf)
+
+    def verified() -> None:
+        plain()
+        digest = xxhash.xxh3_64_hexdigest
+        if [digest(flat[a:b]) for a, b in layers] != header.checksums:
+            raise AssertionError("the file's layers differ from its header's checksums")
+
     hook = tier.hooks["batched_get_nowait"]
     loops: dict[str, Callable[[], object]] = {
         "StorageManager.get": lambda: mgr.get(key, promote=False).ref_down(),
@@ -113,6 +127,7 @@ def read_layers(kv: TierTarget, size: int, run: bytes, rounds: int,
         "Reader.read_nowait": lambda: reader.read_nowait(key, rel).ref_down(),
         "ChunkFileIO.read_nowait": lambda: reader.files.read_nowait(fd, key, rel, st)[0]
         .ref_down(),
+        "plain read, then its checksums (the verified floor)": verified,
         "plain open+fstat+preadv+close": plain,
     }
     try:
