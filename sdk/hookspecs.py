@@ -450,7 +450,9 @@ class BackendSpec:
     @optional
     @hookspec(firstresult=True)
     def close(self) -> None:
-        """Drain queued writes, release every reference and resource. Called once."""
+        """Drain queued writes, release every reference and resource. Called once — also when
+        the tier is refused right after the backend started (a bad ``codec`` or admission
+        setting, an encoder thread that cannot start), before any other hook was called."""
 
     @optional
     @hookspec(firstresult=True)

@@ -40,7 +40,7 @@ from .tier_calls import (
     WaitBudget,
     release,
 )
-from .tier_setup import ScopedHooks, build_tier
+from .tier_setup import ScopedHooks, build_tier, discard_tier
 
 logger = logging.getLogger("kvplug.storage")
 #: threads a batched read of a tier that may block is spread over
@@ -112,14 +112,21 @@ class StorageManager:
         tier = build_tier(index, cfg, self.reads.allocate, self.chunk_size, extra,
                           self.runtime, self.memory_regions, self.reads.read_limit, self.auth,
                           self.reads.header_limit)
-        self._hooks.register(tier.backend, f"tier:{tier.name}", {tier.name})
-        self._hooks.register(tier.metrics, f"metrics:{tier.name}", {tier.name})
-        # Registered last, so it wraps the metrics: they count the bytes the tier really moves.
-        self._hooks.register(tier.codec, f"codec:{tier.name}", {tier.name})
-        if tier.codec.codec is not None:
-            tier.start_encoder()
-        self._tiers.append(tier)
-        self._hooks.wire(self._tiers)
+        try:
+            self._hooks.register(tier.backend, f"tier:{tier.name}", {tier.name})
+            self._hooks.register(tier.metrics, f"metrics:{tier.name}", {tier.name})
+            # Registered last, so it wraps the metrics: they count the bytes the tier really moves.
+            self._hooks.register(tier.codec, f"codec:{tier.name}", {tier.name})
+            if tier.codec.codec is not None:
+                tier.start_encoder()
+            self._tiers.append(tier)
+            self._hooks.wire(self._tiers)
+        except BaseException:
+            # not a tier of this manager after all: released here, as close() would have
+            if tier in self._tiers:
+                self._tiers.remove(tier)
+            discard_tier(tier)
+            raise
 
     def add_wrapper(self, plugin: object, tiers: Sequence[str] | None = None) -> None:
         """Register a ``@hookimpl(wrapper=True)`` plugin on some tiers (all if ``None``)."""

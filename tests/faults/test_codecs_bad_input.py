@@ -131,6 +131,7 @@ def test_bad_encoded_chunk_is_a_miss_with_a_log_line(tmp_path, edit, caplog):
         whole.ref_down()
         for p in parts:
             p.ref_down()
+        mgr.close()
         return
     assert whole is None
     # a layer read alone is either a miss or exactly the original layer, never other bytes

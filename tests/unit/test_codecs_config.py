@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -34,6 +36,72 @@ def test_codec_on_l1_and_bad_codec_options_are_config_errors(tmp_path):
         manager(posix(tmp_path, "lossless", {"clevel": 42}))
     with pytest.raises(ConfigError, match="codec_options given without a codec"):
         manager({**posix(tmp_path), "codec_options": {"clevel": 1}})
+
+
+def _tier_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("kvplug-")}
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _ended(threads: set[threading.Thread]) -> set[str]:
+    """The names of ``threads`` still running once each was given 30 s to end (a hang caught)."""
+    for t in threads:
+        t.join(timeout=30)
+    return {t.name for t in threads if t.is_alive()}
+
+
+BAD_AFTER_START = {  # tiers whose backend starts (threads, descriptors, a pool), then a config error
+    "posix, unknown codec": lambda p: posix(p, "zfp"),
+    "posix, bad codec options": lambda p: posix(p, "lossless", {"clevel": 42}),
+    "local_cpu with a codec": lambda p: {"backend": "local_cpu", "codec": "lossless",
+                                         "options": {"capacity": "64MiB"}},
+}
+
+
+@pytest.mark.parametrize("tier", list(BAD_AFTER_START))
+def test_a_tier_refused_after_its_backend_started_leaves_nothing_running(tmp_path, tier):
+    """A tier whose backend had started when its codec was refused is closed before the error
+    reaches the caller: no thread of it runs on, no descriptor stays open (a process that goes
+    on after a bad config — a test run, a management server — would otherwise keep them)."""
+    threads, fds = _tier_threads(), _open_fds()
+    with pytest.raises(ConfigError):
+        manager(BAD_AFTER_START[tier](tmp_path))
+    assert _ended(_tier_threads() - threads) == set()
+    assert _open_fds() == fds
+
+
+def test_a_tier_whose_encoder_cannot_start_leaves_nothing_running(tmp_path, monkeypatch):
+    """The same once the tier is built and registered: its encoder thread fails to start (the
+    process is out of threads: a fault a test cannot cause for real, so it is raised here)."""
+    from kvplug.tier_calls import Tier
+
+    def no_thread(self) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(Tier, "start_encoder", no_thread)
+    threads, fds = _tier_threads(), _open_fds()
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        manager(posix(tmp_path, "lossless"))
+    assert _ended(_tier_threads() - threads) == set()
+    assert _open_fds() == fds
+
+
+@pytest.mark.parametrize("tier", list(BAD_AFTER_START))
+def test_control_the_same_tier_without_its_codec_runs_threads_until_closed(tmp_path, tier):
+    """The check above could pass vacuously if these backends started nothing: without the codec
+    the same tier has threads (and descriptors) of its own until it is closed."""
+    cfg = {k: v for k, v in BAD_AFTER_START[tier](tmp_path).items()
+           if k not in ("codec", "codec_options")}
+    threads, fds = _tier_threads(), _open_fds()
+    mgr = manager(cfg)
+    started = _tier_threads() - threads
+    assert started, "the tier started no thread: the leak check above would be vacuous"
+    mgr.close()
+    assert _ended(started) == set()
+    assert _open_fds() == fds
 
 
 # -- third-party codecs through the entry-point group ----------------------------------------
