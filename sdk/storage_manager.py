@@ -125,7 +125,7 @@ class StorageManager:
             # not a tier of this manager after all: released here, as close() would have
             if tier in self._tiers:
                 self._tiers.remove(tier)
-            discard_tier(tier)
+            discard_tier(tier.backend, tier, tier.name)
             raise
 
     def add_wrapper(self, plugin: object, tiers: Sequence[str] | None = None) -> None:

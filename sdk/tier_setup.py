@@ -79,8 +79,9 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
         raise (type(exc)(redact(str(exc))) if isinstance(exc, KVPlugError) else BackendLoadError(
             f"tier {cfg.tier_name!r}: backend {cfg.backend!r} from package {info.package} "
             f"failed to start: {redact.error(exc)}")) from (None if leaks else exc)
-    tier = Tier(index, cfg, backend, info.package, runtime)
+    tier = None
     try:
+        tier = Tier(index, cfg, backend, info.package, runtime)
         tier.auth = tier_auth
         tier.codec = CodecWrapper(tier.name, *codec_of(cfg, tier.never_blocks), allocate)
         if cfg.admission is not None:
@@ -88,23 +89,24 @@ def build_tier(index: int, cfg: TierConfig, allocate: Callable[..., MemoryObj | 
                 build_policy("admission", cfg.admission, cfg.tier_name, _capacity(options)),
                 cfg.tier_name)
     except BaseException:
-        discard_tier(tier)
+        discard_tier(backend, tier, cfg.tier_name)
         raise
     return tier
 
 
-def discard_tier(tier: Tier) -> None:
-    """Release a tier whose backend started but that never joined a StorageManager (a config
-    error found after the start): its ``close`` hook called directly (a failure there is logged:
-    the error that brought us here is the one the caller needs), then its threads stopped."""
-    close = getattr(tier.backend, "close", None)
+def discard_tier(backend: Any, tier: Tier | None, name: str) -> None:
+    """Release a started backend whose tier never joined a StorageManager (a config error found
+    after the start): its ``close`` hook called directly (a failure there is logged: the error
+    that brought us here is the one the caller needs), then the tier's threads stopped."""
+    close = getattr(backend, "close", None)
     if callable(close):
         try:
             close()
         except Exception:  # noqa: BLE001 - logged; the config error goes on to the caller
-            logger.warning("tier %r: closing its backend after a failed start failed",
-                           tier.name, exc_info=True)
-    tier.shutdown()
+            logger.warning("tier %r: closing its backend after a failed start failed", name,
+                           exc_info=True)
+    if tier is not None:
+        tier.shutdown()
 
 
 def _check_encrypts(cls: type, cfg: TierConfig, auth: Keyring | None) -> None:
