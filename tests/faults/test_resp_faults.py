@@ -292,7 +292,8 @@ class TrickleServer:
         self.port = self.sock.getsockname()[1]
         self.sent_whole = threading.Event()
         self.stop = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
+        self.server = threading.Thread(target=self._serve, daemon=True)
+        self.server.start()
 
     def _serve(self) -> None:
         while not self.stop.is_set():
@@ -325,8 +326,15 @@ class TrickleServer:
                     self.sent_whole.set()
 
     def close(self) -> None:
+        import socket
+
         self.stop.set()
+        try:  # wakes the accept() (closing the socket alone leaves it blocked on Linux)
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.sock.close()
+        self.server.join(timeout=30)
 
 
 def test_a_reply_trickled_within_the_socket_timeout_is_still_bounded_by_the_tier_timeout():
