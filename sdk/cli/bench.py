@@ -536,8 +536,8 @@ def bench_cmd(config: Path | None, tier: str | None, backend: str | None, option
     raw side does none of the tier's work: no checksum or MAC verified on a load, no atomic
     store (a file's temporary name and rename), no index, no hand-off to a writer thread; where a
     ratio is under 1 at small batches, that work and the tier's Python per call are the
-    difference. A store the tier dropped (its write queue
-    full) is counted as dropped, not as stored. Everything stored is evicted again.
+    difference. A store the tier dropped (its write queue full) is counted as dropped, not as
+    stored. Everything stored is evicted again.
     """
     size_list = parse_list(sizes, "sizes (e.g. 256KiB,1MiB)", parse_size)
     batch_list = parse_list(batches, "batch sizes", int)

@@ -9,6 +9,7 @@ import logging
 import os
 import textwrap
 import threading
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -53,6 +54,16 @@ def _ended(threads: set[threading.Thread]) -> set[str]:
     return {t.name for t in threads if t.is_alive()}
 
 
+@contextmanager
+def _nothing_left_running():
+    """Asserts that no ``kvplug-*`` thread started inside the block runs on after it, and that
+    as many descriptors are open as before."""
+    threads, fds = _tier_threads(), _open_fds()
+    yield
+    assert _ended(_tier_threads() - threads) == set()
+    assert _open_fds() == fds
+
+
 BAD_AFTER_START = {  # tiers whose backend starts (threads, descriptors, a pool), then a config error
     "posix, unknown codec": lambda p: posix(p, "zfp"),
     "posix, bad codec options": lambda p: posix(p, "lossless", {"clevel": 42}),
@@ -66,11 +77,8 @@ def test_a_tier_refused_after_its_backend_started_leaves_nothing_running(tmp_pat
     """A tier whose backend had started when its codec was refused is closed before the error
     reaches the caller: no thread of it runs on, no descriptor stays open (a process that goes
     on after a bad config — a test run, a management server — would otherwise keep them)."""
-    threads, fds = _tier_threads(), _open_fds()
-    with pytest.raises(ConfigError):
+    with _nothing_left_running(), pytest.raises(ConfigError):
         manager(BAD_AFTER_START[tier](tmp_path))
-    assert _ended(_tier_threads() - threads) == set()
-    assert _open_fds() == fds
 
 
 def test_a_tier_whose_encoder_cannot_start_leaves_nothing_running(tmp_path, monkeypatch):
@@ -82,11 +90,8 @@ def test_a_tier_whose_encoder_cannot_start_leaves_nothing_running(tmp_path, monk
         raise RuntimeError("can't start new thread")
 
     monkeypatch.setattr(Tier, "start_encoder", no_thread)
-    threads, fds = _tier_threads(), _open_fds()
-    with pytest.raises(RuntimeError, match="can't start new thread"):
+    with _nothing_left_running(), pytest.raises(RuntimeError, match="can't start new thread"):
         manager(posix(tmp_path, "lossless"))
-    assert _ended(_tier_threads() - threads) == set()
-    assert _open_fds() == fds
 
 
 @pytest.mark.parametrize("tier", list(BAD_AFTER_START))
@@ -95,13 +100,12 @@ def test_control_the_same_tier_without_its_codec_runs_threads_until_closed(tmp_p
     the same tier has threads (and descriptors) of its own until it is closed."""
     cfg = {k: v for k, v in BAD_AFTER_START[tier](tmp_path).items()
            if k not in ("codec", "codec_options")}
-    threads, fds = _tier_threads(), _open_fds()
-    mgr = manager(cfg)
-    started = _tier_threads() - threads
-    assert started, "the tier started no thread: the leak check above would be vacuous"
-    mgr.close()
-    assert _ended(started) == set()
-    assert _open_fds() == fds
+    with _nothing_left_running():
+        threads = _tier_threads()
+        mgr = manager(cfg)
+        assert _tier_threads() - threads, \
+            "the tier started no thread: the leak check above would be vacuous"
+        mgr.close()
 
 
 # -- third-party codecs through the entry-point group ----------------------------------------
